@@ -1,0 +1,265 @@
+"""The analytic engine: per-term bytes combined into phase peaks, per rank.
+
+The step is modelled in steady state (step 2 on, zero_grad(set_to_none=True)):
+
+forward  = W + O + G_acc + k·A_mb + max(logits forward peak, layer forward temporaries)
+backward = max over the backward sweep, evaluated where it is extreme (the sweep is linear
+           in the layer index): at the loss backward (all activations + CE gradient
+           buffers), at the top layer and at the bottom layer (grads grown, activations
+           freed)
+optimizer = W + O + G + optimizer-step temporaries
+
+W weights, O optimizer states (+ master), G gradients, G_acc gradients kept across
+micro-batches (gradient accumulation or pipeline), A_mb activations of one micro-batch,
+k micro-batches in flight on this stage. The first step has no optimizer states during
+forward and backward (they are created lazily by the first optimizer step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vramcalc.report import GPUInfo, MemoryReport, ModelInfo, StageReport, Terms
+from vramcalc.scenario import Scenario
+from vramcalc.terms import activations as act
+from vramcalc.terms import logits as lg
+from vramcalc.terms import transients as tr
+from vramcalc.terms.context import RankContext
+from vramcalc.terms.gradients import gradients_bytes, layer_gradient_bytes
+from vramcalc.terms.optimizer_states import optimizer_state_split
+from vramcalc.terms.overhead import overhead_split
+from vramcalc.terms.weights import weights_by_group
+from vramcalc.units import alloc
+
+
+@dataclass
+class Phase:
+    """Composition of allocated memory at one moment."""
+
+    name: str
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def terms(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for key, val in self.parts.items():
+            term = key.split("/", 1)[0]
+            out[term] = out.get(term, 0) + val
+        return out
+
+
+def in_flight_microbatches(scn: Scenario, stage: int) -> float:
+    """Micro-batches whose activations a pipeline stage holds at once.
+
+    1F1B: stage j holds min(p − j, m); interleaved (v chunks): the first stage's p grows by
+    1 + (p−1)/(p·v) (Korthikanti et al. 2022 Sec. 4.2.3); GPipe: all m.
+    """
+    par = scn.parallel
+    p = par.pp
+    m = par.num_microbatches or scn.training.grad_accum
+    if p == 1:
+        return 1
+    if par.pp_schedule == "gpipe":
+        return m
+    k = min(p - stage, m)
+    if par.pp_schedule == "interleaved" and par.virtual_stages > 1:
+        return k * (1 + (p - 1) / (p * par.virtual_stages))
+    return k
+
+
+def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[Phase], int, int]:
+    """Phases (steady state) of one stage, plus the first-step peak and live-tensor count."""
+    ctx = RankContext(scn.model, scn.training, scn.parallel, stage)
+    train = scn.training
+    w_groups = weights_by_group(ctx)
+    W = sum(w_groups.values())
+    opt = optimizer_state_split(ctx)
+    O = opt["states"] + opt["master"]
+    G = gradients_bytes(ctx)
+    g_layer = layer_gradient_bytes(ctx)
+    nL = ctx.num_layers
+    G_layers = g_layer * nL
+    G_head = max(G - G_layers, 0)  # embedding, head, final norm
+    m = scn.parallel.num_microbatches or train.grad_accum
+    keep_grads = m > 1
+    k = in_flight_microbatches(scn, stage)
+
+    A_layer = act.layer_activation_bytes(ctx)
+    A_edges = sum(t.nbytes for t in act.embedding_saved(ctx) + act.head_saved(ctx))
+    cache_layer = tr.autocast_cache_layer_bytes(ctx)
+    cache_head = tr.autocast_cache_head_bytes(ctx)
+    A_mb = nL * A_layer + A_edges
+    C_mb = nL * cache_layer + cache_head
+    logits_keep = lg.logits_saved_bytes(ctx)
+    cublas = tr.cublas_workspace_bytes(gpu_id)
+    gather = tr.gather_buffer_bytes(ctx)
+    reduce = tr.reduce_buffer_bytes(ctx)
+    fwd_work = act.layer_forward_working_bytes(ctx)
+    bwd_work = act.layer_backward_working_bytes(ctx)
+    prev = k - 1  # other in-flight micro-batches (whole)
+
+    def base(grads: int) -> dict[str, int]:
+        return {"weights": W, "optimizer_states/states": opt["states"],
+                "optimizer_states/master": opt["master"], "gradients": grads,
+                "transients/cublas_workspace": cublas}
+
+    g_acc = G if keep_grads else 0
+    forward = Phase("forward", {
+        **base(g_acc),
+        "activations": int(k * A_mb),
+        "transients/autocast_cache": int(k * C_mb),
+        "transients/gather_buffers": gather,
+    })
+    fwd_logits = lg.logits_forward_peak_bytes(ctx)
+    if fwd_logits >= fwd_work:
+        forward.parts["logits"] = fwd_logits + int(prev * logits_keep)
+    else:
+        forward.parts["transients/layer_forward"] = fwd_work
+        forward.parts["logits"] = int(prev * logits_keep)
+
+    loss_bwd = Phase("backward", {
+        **base(g_acc),
+        "activations": int(k * A_mb),
+        "transients/autocast_cache": int(k * C_mb),
+        "transients/gather_buffers": gather,
+        "logits": lg.logits_backward_peak_bytes(ctx) + int(prev * logits_keep),
+    })
+
+    def layer_point(i: int) -> Phase:
+        """Backward of the i-th layer from the top (0-based) on this stage."""
+        grads = (G + g_layer) if keep_grads else (G_head + (i + 1) * g_layer)
+        remaining = nL - i
+        return Phase("backward", {
+            **base(min(grads, G + g_layer)),
+            "activations": int(prev * A_mb + remaining * A_layer + A_edges),
+            "transients/autocast_cache": int(prev * C_mb + remaining * cache_layer),
+            "transients/layer_backward": bwd_work,
+            "transients/gather_buffers": gather,
+            "transients/reduce_buffers": reduce,
+            "logits": int(prev * logits_keep),
+        })
+
+    candidates = [loss_bwd]
+    if nL:
+        candidates += [layer_point(0), layer_point(nL - 1)]
+    backward = max(candidates, key=lambda p: p.total)
+
+    optimizer = Phase("optimizer", {
+        **base(G),
+        "transients/optimizer_step": tr.optimizer_step_temp_bytes(ctx),
+    })
+    phases = [forward, backward, optimizer]
+
+    # first step: no optimizer states during forward/backward (created by the first step)
+    first = max(
+        max(p.total for p in (forward, backward)) - opt["states"],
+        optimizer.total,
+    )
+    live = sum(t.count for t in ctx.tensors) * (3 + (2 if train.optimizer in (
+        "adam", "adamw") else 1)) + int(k * nL * 12)
+    return phases, first, live
+
+
+def estimate(scn: Scenario) -> MemoryReport:
+    """Estimate per-rank memory of a scenario (validated; dp derived when omitted)."""
+    scn = scn.resolved()
+    gpu = scn.cluster.gpu if scn.cluster else None
+    gpu_id = gpu.id if gpu else None
+    stages = sorted({0, scn.parallel.pp - 1})
+    stage_reports: list[StageReport] = []
+    worst: tuple[int, list[Phase], int, int, int, dict[str, int]] | None = None
+    for st in stages:
+        phases, first, live = _stage_phases(scn, st, gpu_id)
+        peak_phase = max(phases, key=lambda p: p.total)
+        ovh = overhead_split(gpu.context_overhead_bytes if gpu else 0, scn.world_size, live)
+        total = peak_phase.total + sum(ovh.values())
+        t = peak_phase.terms()
+        t["overhead"] = sum(ovh.values())
+        nl = RankContext(scn.model, scn.training, scn.parallel, st).num_layers
+        stage_reports.append(StageReport(stage=st, num_layers=nl, terms=Terms(**t),
+                                         peak_allocated_bytes=peak_phase.total,
+                                         device_total_bytes=total))
+        if worst is None or total > worst[0]:
+            worst = (total, phases, first, st, live, ovh)
+    assert worst is not None
+    total, phases, first, st, live, ovh = worst
+    peak_phase = max(phases, key=lambda p: p.total)
+    terms = peak_phase.terms()
+    terms["overhead"] = sum(ovh.values())
+    subterms: dict[str, int] = {}
+    for key, val in peak_phase.parts.items():
+        if "/" in key:
+            subterms[key] = val
+    for key, val in ovh.items():
+        subterms[f"overhead/{key}"] = val
+    fits: bool | None = None
+    headroom: int | None = None
+    if gpu is not None:
+        usable = int(gpu.memory_total_bytes * (1 - scn.headroom_fraction))
+        headroom = gpu.memory_total_bytes - total
+        fits = total <= usable
+    ctx0 = RankContext(scn.model, scn.training, scn.parallel, st)
+    return MemoryReport(
+        engine="analytic",
+        model=ModelInfo(name=scn.model.name, num_params=scn.model.num_params,
+                        num_active_params=scn.model.num_active_params,
+                        source=scn.model.source, note=scn.model_note),
+        strategy=strategy_dict(scn),
+        gpu=GPUInfo(id=gpu.id, name=gpu.name, memory_total_bytes=gpu.memory_total_bytes,
+                    num_gpus=scn.cluster.num_gpus, num_nodes=scn.cluster.num_nodes,
+                    note=scn.gpu_note) if gpu and scn.cluster else None,
+        terms=Terms(**terms),
+        subterms=subterms,
+        phases={p.name: p.total for p in phases},
+        peak_phase=peak_phase.name,
+        peak_allocated_bytes=peak_phase.total,
+        first_step_peak_bytes=first,
+        device_total_bytes=total,
+        fits=fits,
+        headroom_bytes=headroom,
+        host_bytes_per_node=host_bytes_per_node(scn, ctx0),
+        stages=stage_reports if scn.parallel.pp > 1 else [],
+        notes=_notes(scn),
+    )
+
+
+def host_bytes_per_node(scn: Scenario, ctx: RankContext) -> int:
+    """Host RAM for offloaded state on one node (all its ranks)."""
+    par = scn.parallel
+    if not par.offload:
+        return 0
+    per_rank = 0
+    moved = ctx.parallel.model_copy(update={"offload": ()})
+    on_dev = RankContext(ctx.spec, ctx.training, moved, ctx.stage)
+    if "optimizer" in par.offload:
+        split = optimizer_state_split(on_dev)
+        # DeepSpeed CPU Adam keeps fp32 master, states and an fp32 gradient copy on the host
+        per_rank += split["states"] + split["master"] + sum(
+            t.count * alloc(-(-t.numel // on_dev.state_shard), "fp32") for t in on_dev.tensors)
+    if "gradients" in par.offload:
+        per_rank += gradients_bytes(on_dev)
+    if "params" in par.offload:
+        per_rank += sum(weights_by_group(on_dev).values())
+    per_node = scn.cluster.gpus_per_node if scn.cluster else 1
+    return per_rank * per_node
+
+
+def strategy_dict(scn: Scenario) -> dict[str, object]:
+    """The resolved strategy as plain JSON values."""
+    out: dict[str, object] = {}
+    out.update(scn.training.model_dump(mode="json"))
+    out.update(scn.parallel.model_dump(mode="json"))
+    out["world_size"] = scn.world_size
+    return out
+
+
+def _notes(scn: Scenario) -> list[str]:
+    notes = []
+    if scn.model_note:
+        notes.append(scn.model_note)
+    if scn.gpu_note:
+        notes.append(scn.gpu_note)
+    return notes

@@ -1,0 +1,318 @@
+"""ModelSpec: the architecture of a decoder-only transformer, and its exact parameter count.
+
+Field names follow Hugging Face `config.json`. Parameter counts are exact: every
+matrix, bias and norm vector is counted, as `sum(p.numel() for p in model.parameters())`
+would count it for the matching PyTorch model.
+
+Legend: h = hidden_size, a = num_attention_heads, g = num_key_value_heads,
+d = head_dim, f = intermediate_size, V = vocab_size, L = num_hidden_layers,
+E = num_local_experts, fe = moe_intermediate_size.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from vramcalc.errors import InputError
+
+MAX_DIM = 10_000_000
+MAX_LAYERS = 100_000
+
+
+class ModelSpec(BaseModel):
+    """A decoder-only transformer; see the module docstring for the letters."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = "custom"
+    model_type: str = "llama"
+    hidden_size: int = Field(gt=0, le=MAX_DIM)
+    num_hidden_layers: int = Field(gt=0, le=MAX_LAYERS)
+    num_attention_heads: int = Field(gt=0, le=MAX_DIM)
+    num_key_value_heads: int | None = Field(default=None, gt=0, le=MAX_DIM)
+    head_dim: int | None = Field(default=None, gt=0, le=MAX_DIM)
+    intermediate_size: int = Field(gt=0, le=MAX_DIM * 10)
+    vocab_size: int = Field(gt=0, le=MAX_DIM * 10)
+    max_position_embeddings: int = Field(default=4096, gt=0, le=100_000_000)
+    mlp_kind: Literal["gated", "standard"] = "gated"
+    hidden_act: str = "silu"
+    norm_kind: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_bias: bool = False
+    attention_bias: bool = False  # biases on q, k, v projections
+    attention_out_bias: bool = False  # bias on the output projection
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma3)
+    position_embedding: Literal["rope", "learned"] = "rope"
+    tie_word_embeddings: bool = False
+    final_norm: bool = True
+    # Mixture of experts; num_local_experts == 0 means dense.
+    num_local_experts: int = Field(default=0, ge=0, le=100_000)
+    num_experts_per_tok: int = Field(default=0, ge=0, le=100_000)
+    moe_intermediate_size: int | None = Field(default=None, gt=0, le=MAX_DIM * 10)
+    num_shared_experts: int = Field(default=0, ge=0, le=1000)
+    shared_expert_intermediate_size: int | None = Field(default=None, gt=0, le=MAX_DIM * 10)
+    shared_expert_gate: bool = False  # Qwen2-MoE: a h->1 gate on the shared expert
+    first_k_dense_replace: int = Field(default=0, ge=0, le=MAX_LAYERS)  # leading dense layers
+    router_bias: bool = False
+    source: str = "custom"  # where the spec came from (preset, file path)
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        g = self.kv_heads
+        if self.num_attention_heads % g != 0:
+            raise InputError(
+                f"num_attention_heads ({self.num_attention_heads}) is not divisible by "
+                f"num_key_value_heads ({g})"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads != 0:
+            raise InputError(
+                f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                f"({self.num_attention_heads}); give head_dim explicitly"
+            )
+        if self.num_local_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_local_experts:
+                raise InputError(
+                    "num_experts_per_tok must be between 1 and num_local_experts "
+                    f"({self.num_local_experts}), got {self.num_experts_per_tok}"
+                )
+            if self.first_k_dense_replace > self.num_hidden_layers:
+                raise InputError("first_k_dense_replace exceeds num_hidden_layers")
+        return self
+
+    # ---- derived shapes -------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_local_experts > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_hidden_layers - self.first_k_dense_replace if self.is_moe else 0
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_hidden_layers - self.num_moe_layers
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def shared_ffn(self) -> int:
+        return self.shared_expert_intermediate_size or self.expert_ffn
+
+    # ---- parameter counts (exact) --------------------------------------
+    def _norm_params(self, width: int) -> int:
+        return width * (2 if self.norm_bias else 1)
+
+    def _mlp_params(self, ffn: int) -> int:
+        """One MLP: gated = gate, up (h->f) and down (f->h); standard = fc (h->f), proj (f->h)."""
+        h = self.hidden_size
+        if self.mlp_kind == "gated":
+            return 3 * h * ffn + (2 * ffn + h if self.mlp_bias else 0)
+        return 2 * h * ffn + (ffn + h if self.mlp_bias else 0)
+
+    @cached_property
+    def attention_params(self) -> int:
+        """Per layer: q (h->a·d), k and v (h->g·d), o (a·d->h), their biases, q/k norms."""
+        h, a, g, d = self.hidden_size, self.num_attention_heads, self.kv_heads, self.head_size
+        n = h * a * d + 2 * h * g * d + a * d * h
+        if self.attention_bias:
+            n += a * d + 2 * g * d
+        if self.attention_out_bias:
+            n += h
+        if self.qk_norm:
+            n += 2 * self._norm_params(d)
+        return n
+
+    @cached_property
+    def dense_mlp_params(self) -> int:
+        return self._mlp_params(self.intermediate_size)
+
+    @cached_property
+    def expert_params(self) -> int:
+        """One routed expert's MLP."""
+        return self._mlp_params(self.expert_ffn) if self.is_moe else 0
+
+    @cached_property
+    def router_params(self) -> int:
+        if not self.is_moe:
+            return 0
+        return self.hidden_size * self.num_local_experts + (
+            self.num_local_experts if self.router_bias else 0
+        )
+
+    @cached_property
+    def shared_expert_params(self) -> int:
+        if not self.num_shared_experts:
+            return 0
+        n = self.num_shared_experts * self._mlp_params(self.shared_ffn)
+        return n + (self.hidden_size if self.shared_expert_gate else 0)
+
+    @cached_property
+    def layer_norm_params(self) -> int:
+        """The two norms of one layer (before attention and before the MLP)."""
+        return 2 * self._norm_params(self.hidden_size)
+
+    @cached_property
+    def dense_layer_params(self) -> int:
+        return self.attention_params + self.dense_mlp_params + self.layer_norm_params
+
+    @cached_property
+    def moe_layer_params(self) -> int:
+        return (
+            self.attention_params
+            + self.num_local_experts * self.expert_params
+            + self.router_params
+            + self.shared_expert_params
+            + self.layer_norm_params
+        )
+
+    @cached_property
+    def embedding_params(self) -> int:
+        """Token embedding V·h plus learned position embedding P·h when used."""
+        n = self.vocab_size * self.hidden_size
+        if self.position_embedding == "learned":
+            n += self.max_position_embeddings * self.hidden_size
+        return n
+
+    @cached_property
+    def head_params(self) -> int:
+        """Output projection h->V; zero when tied to the embedding."""
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    @cached_property
+    def final_norm_params(self) -> int:
+        return self._norm_params(self.hidden_size) if self.final_norm else 0
+
+    @cached_property
+    def num_params(self) -> int:
+        """Exact total parameter count."""
+        return (
+            self.embedding_params
+            + self.num_dense_layers * self.dense_layer_params
+            + self.num_moe_layers * self.moe_layer_params
+            + self.final_norm_params
+            + self.head_params
+        )
+
+    @cached_property
+    def num_active_params(self) -> int:
+        """Parameters touched per token (MoE: top-k routed experts only)."""
+        if not self.is_moe:
+            return self.num_params
+        inactive = (self.num_local_experts - self.num_experts_per_tok) * self.expert_params
+        return self.num_params - self.num_moe_layers * inactive
+
+    @cached_property
+    def largest_matrix_params(self) -> int:
+        """Largest single parameter tensor (embedding or head usually)."""
+        h = self.hidden_size
+        cands = [self.vocab_size * h, self.num_attention_heads * self.head_size * h]
+        cands.append(h * (self.intermediate_size if not self.is_moe else max(
+            self.intermediate_size, self.expert_ffn)))
+        return max(cands)
+
+    def summary(self) -> str:
+        kind = "MoE" if self.is_moe else "dense"
+        return (
+            f"{self.name}: {self.num_params / 1e9:.2f}B params ({kind}), L={self.num_hidden_layers}, "
+            f"h={self.hidden_size}, heads={self.num_attention_heads}/{self.kv_heads}, "
+            f"ffn={self.intermediate_size}, vocab={self.vocab_size}"
+        )
+
+
+class ParamTensor(BaseModel):
+    """One parameter tensor shape, repeated `count` times in the model.
+
+    `group` says where it lives: embedding, layer (per dense or moe layer), expert,
+    final (final norm) or head. `tp_split` says whether tensor parallelism splits it.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    numel: int
+    count: int
+    group: str
+    tp_split: bool = True
+    rows: int = 0  # first dimension of a matrix (0 for vectors); cols = numel // rows
+
+
+def param_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
+    """Every parameter tensor of the model with its element count (matches ModelSpec.num_params)."""
+    h, a, g, d = spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.head_size
+    out: list[ParamTensor] = [ParamTensor(name="embed_tokens", numel=spec.vocab_size * h, count=1,
+                                          group="embedding", rows=spec.vocab_size)]
+    if spec.position_embedding == "learned":
+        out.append(ParamTensor(name="embed_positions", numel=spec.max_position_embeddings * h,
+                               count=1, group="embedding", tp_split=False,
+                               rows=spec.max_position_embeddings))
+
+    def norm(name: str, width: int, count: int, group: str) -> None:
+        out.append(ParamTensor(name=f"{name}.weight", numel=width, count=count, group=group,
+                               tp_split=False))
+        if spec.norm_bias:
+            out.append(ParamTensor(name=f"{name}.bias", numel=width, count=count, group=group,
+                                   tp_split=False))
+
+    def mlp(prefix: str, ffn: int, count: int, group: str) -> None:
+        mats = ["gate_proj", "up_proj", "down_proj"] if spec.mlp_kind == "gated" else ["fc", "proj"]
+        for m in mats:
+            rows = h if m in ("down_proj", "proj") else ffn
+            out.append(ParamTensor(name=f"{prefix}.{m}.weight", numel=h * ffn, count=count,
+                                   group=group, rows=rows))
+            if spec.mlp_bias:
+                width = h if m in ("down_proj", "proj") else ffn
+                out.append(ParamTensor(name=f"{prefix}.{m}.bias", numel=width, count=count,
+                                       group=group, tp_split=width == ffn))
+
+    L = spec.num_hidden_layers
+    out.append(ParamTensor(name="attn.q_proj.weight", numel=h * a * d, count=L, group="layer", rows=a * d))
+    out.append(ParamTensor(name="attn.k_proj.weight", numel=h * g * d, count=L, group="layer", rows=g * d))
+    out.append(ParamTensor(name="attn.v_proj.weight", numel=h * g * d, count=L, group="layer", rows=g * d))
+    out.append(ParamTensor(name="attn.o_proj.weight", numel=a * d * h, count=L, group="layer", rows=h))
+    if spec.attention_bias:
+        out.append(ParamTensor(name="attn.q_proj.bias", numel=a * d, count=L, group="layer"))
+        out.append(ParamTensor(name="attn.k_proj.bias", numel=g * d, count=L, group="layer"))
+        out.append(ParamTensor(name="attn.v_proj.bias", numel=g * d, count=L, group="layer"))
+    if spec.attention_out_bias:
+        out.append(ParamTensor(name="attn.o_proj.bias", numel=h, count=L, group="layer",
+                               tp_split=False))
+    if spec.qk_norm:
+        norm("attn.q_norm", d, L, "layer")
+        norm("attn.k_norm", d, L, "layer")
+    norm("input_layernorm", h, L, "layer")
+    norm("post_attention_layernorm", h, L, "layer")
+    if spec.num_dense_layers:
+        mlp("mlp", spec.intermediate_size, spec.num_dense_layers, "layer")
+    if spec.num_moe_layers:
+        n_moe = spec.num_moe_layers
+        mlp("experts", spec.expert_ffn, n_moe * spec.num_local_experts, "expert")
+        out.append(ParamTensor(name="router.weight", numel=h * spec.num_local_experts,
+                               count=n_moe, group="layer", tp_split=False,
+                               rows=spec.num_local_experts))
+        if spec.router_bias:
+            out.append(ParamTensor(name="router.bias", numel=spec.num_local_experts, count=n_moe,
+                                   group="layer", tp_split=False))
+        if spec.num_shared_experts:
+            mlp("shared_expert", spec.shared_ffn, n_moe * spec.num_shared_experts, "layer")
+            if spec.shared_expert_gate:
+                out.append(ParamTensor(name="shared_expert_gate.weight", numel=h, count=n_moe,
+                                       group="layer", tp_split=False, rows=1))
+    if spec.final_norm:
+        norm("norm", h, 1, "final")
+    if not spec.tie_word_embeddings:
+        out.append(ParamTensor(name="lm_head.weight", numel=spec.vocab_size * h, count=1,
+                               group="head", rows=spec.vocab_size))
+    return tuple(out)

@@ -1,0 +1,139 @@
+"""Parallel layout and sharding: degrees, ZeRO/FSDP stage, offload, pipeline schedule.
+
+All degrees are validated in one place, `resolve_layout`, which raises InputError
+with a message a user can act on (cf. torchtitan's ParallelDims._validate).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from vramcalc.errors import InputError
+from vramcalc.model import ModelSpec
+from vramcalc.training import TrainingConfig
+
+OffloadTarget = Literal["optimizer", "gradients", "params"]
+
+
+class ParallelConfig(BaseModel):
+    """Parallel degrees and sharding. `dp=None` means derived: world / (tp·pp·cp)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dp: int | None = Field(default=None, gt=0, le=10_000_000)
+    tp: int = Field(default=1, gt=0, le=100_000)
+    pp: int = Field(default=1, gt=0, le=100_000)
+    cp: int = Field(default=1, gt=0, le=100_000)
+    ep: int = Field(default=1, gt=0, le=100_000)
+    sequence_parallel: bool = False
+    zero: int = Field(default=0, ge=0, le=3)
+    fsdp: Literal["none", "full", "grad-op", "hybrid"] = "none"
+    shard_group: int | None = Field(default=None, gt=0, le=10_000_000)
+    offload: tuple[OffloadTarget, ...] = ()
+    offload_device: Literal["cpu", "nvme"] = "cpu"
+    pp_schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
+    virtual_stages: int = Field(default=1, gt=0, le=1000)
+    num_microbatches: int | None = Field(default=None, gt=0, le=10_000_000)
+    capacity_factor: float = Field(default=1.0, gt=0, le=100)
+
+    @property
+    def dp_degree(self) -> int:
+        return self.dp or 1
+
+    @property
+    def shard_stage(self) -> int:
+        """ZeRO-equivalent sharding stage: FSDP full/hybrid = 3, grad-op = 2."""
+        if self.fsdp in ("full", "hybrid"):
+            return 3
+        if self.fsdp == "grad-op":
+            return 2
+        return self.zero
+
+    @property
+    def shard_degree(self) -> int:
+        """Ranks that one parameter/gradient/optimizer shard is spread over."""
+        if self.fsdp == "hybrid" and self.shard_group:
+            return self.shard_group
+        return self.dp_degree
+
+
+def resolve_layout(
+    spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig, world_size: int
+) -> ParallelConfig:
+    """Check a layout against the model and cluster; return it with dp filled in."""
+    tp, pp, cp, ep = parallel.tp, parallel.pp, parallel.cp, parallel.ep
+    model_par = tp * pp * cp
+    if parallel.dp is None:
+        if world_size % model_par:
+            raise InputError(
+                f"{world_size} GPUs cannot be split into tp={tp} x pp={pp} x cp={cp} "
+                f"(= {model_par}); choose degrees whose product divides {world_size}"
+            )
+        dp = world_size // model_par
+    else:
+        dp = parallel.dp
+        if dp * model_par != world_size:
+            raise InputError(
+                f"dp={dp} x tp={tp} x pp={pp} x cp={cp} = {dp * model_par} does not match "
+                f"{world_size} GPUs"
+            )
+    if spec.num_attention_heads % tp:
+        raise InputError(f"tp={tp} does not divide num_attention_heads={spec.num_attention_heads}")
+    if spec.kv_heads % tp and tp % spec.kv_heads:
+        raise InputError(
+            f"tp={tp} does not divide num_key_value_heads={spec.kv_heads} (nor is it a multiple)"
+        )
+    v = parallel.virtual_stages if parallel.pp_schedule == "interleaved" else 1
+    if parallel.pp_schedule != "interleaved" and parallel.virtual_stages != 1:
+        raise InputError("--virtual-stages needs --pp-schedule interleaved")
+    if spec.num_hidden_layers % (pp * v):
+        raise InputError(
+            f"num_hidden_layers={spec.num_hidden_layers} is not divisible by pp x virtual "
+            f"stages = {pp * v}"
+        )
+    if ep > 1:
+        if not spec.is_moe:
+            raise InputError(f"ep={ep} needs a mixture-of-experts model; {spec.name} is dense")
+        if spec.num_local_experts % ep:
+            raise InputError(
+                f"ep={ep} does not divide num_local_experts={spec.num_local_experts}"
+            )
+        if (dp * cp) % ep:
+            raise InputError(f"ep={ep} must divide dp x cp = {dp * cp} (experts are sharded over DP)")
+    if training.seq_len % cp:
+        raise InputError(f"cp={cp} does not divide seq_len={training.seq_len}")
+    if cp > 1 and (training.seq_len // cp) % 2:
+        raise InputError(
+            f"seq_len/cp = {training.seq_len // cp} must be even (ring attention splits each "
+            "rank's sequence into two chunks for load balance)"
+        )
+    if parallel.sequence_parallel and tp == 1:
+        raise InputError("--sequence-parallel needs --tp > 1")
+    if parallel.sequence_parallel and training.seq_len % (tp * cp):
+        raise InputError(f"tp x cp = {tp * cp} does not divide seq_len={training.seq_len}")
+    if parallel.zero and parallel.fsdp != "none":
+        raise InputError("use either --zero or --fsdp, not both")
+    if parallel.fsdp == "hybrid":
+        if not parallel.shard_group:
+            raise InputError("--fsdp hybrid needs --shard-group N (ranks per shard group)")
+        if dp % parallel.shard_group:
+            raise InputError(f"--shard-group {parallel.shard_group} does not divide dp={dp}")
+    elif parallel.shard_group:
+        raise InputError("--shard-group only applies to --fsdp hybrid")
+    if "params" in parallel.offload and parallel.shard_stage != 3:
+        raise InputError("parameter offload needs ZeRO-3 / FSDP full sharding")
+    if "gradients" in parallel.offload and parallel.shard_stage < 2 and parallel.fsdp == "none":
+        raise InputError("gradient offload needs ZeRO-2 or higher")
+    if parallel.offload and parallel.shard_stage == 0:
+        raise InputError("offload needs ZeRO-1 or higher (or FSDP)")
+    if parallel.offload_device == "nvme" and "optimizer" not in parallel.offload and (
+        "params" not in parallel.offload
+    ):
+        raise InputError("nvme offload applies to optimizer states or parameters")
+    if parallel.num_microbatches is not None and pp == 1 and parallel.num_microbatches != (
+        training.grad_accum
+    ):
+        raise InputError("--num-microbatches applies to pipeline parallelism; use --grad-accum")
+    return parallel.model_copy(update={"dp": dp})

@@ -1,0 +1,105 @@
+"""The report schema shared by the analytic, trace and probe engines.
+
+`terms` is the composition of memory at the peak moment: the six allocated terms add up
+to `peak_allocated_bytes` (comparable with torch.cuda.max_memory_allocated on the worst
+rank) and `overhead` (CUDA context, NCCL buffers, allocator fragmentation) is added on
+top to give `device_total_bytes`, which the fit check compares with the GPU's memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+TERM_NAMES: tuple[str, ...] = (
+    "weights",
+    "gradients",
+    "optimizer_states",
+    "activations",
+    "logits",
+    "transients",
+    "overhead",
+)
+ALLOCATED_TERMS: tuple[str, ...] = TERM_NAMES[:-1]
+PHASE_NAMES: tuple[str, ...] = ("forward", "backward", "optimizer")
+
+
+class Terms(BaseModel):
+    """Bytes per memory term (ints)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    weights: int = 0
+    gradients: int = 0
+    optimizer_states: int = 0
+    activations: int = 0
+    logits: int = 0
+    transients: int = 0
+    overhead: int = 0
+
+    @property
+    def allocated(self) -> int:
+        return sum(getattr(self, t) for t in ALLOCATED_TERMS)
+
+    def as_dict(self) -> dict[str, int]:
+        return {t: getattr(self, t) for t in TERM_NAMES}
+
+
+class StageReport(BaseModel):
+    """One pipeline stage's (or rank group's) peak."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    stage: int
+    num_layers: int
+    terms: Terms
+    peak_allocated_bytes: int
+    device_total_bytes: int
+
+
+class GPUInfo(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str
+    name: str
+    memory_total_bytes: int
+    num_gpus: int
+    num_nodes: int
+    note: str | None = None
+
+
+class ModelInfo(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    num_params: int
+    num_active_params: int
+    source: str
+    note: str | None = None
+
+
+class MemoryReport(BaseModel):
+    """Per-rank memory of one scenario, worst rank first."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engine: str
+    model: ModelInfo
+    strategy: dict[str, Any]
+    gpu: GPUInfo | None
+    terms: Terms
+    subterms: dict[str, int]
+    phases: dict[str, int]
+    peak_phase: str
+    peak_allocated_bytes: int
+    first_step_peak_bytes: int
+    device_total_bytes: int
+    fits: bool | None
+    headroom_bytes: int | None
+    host_bytes_per_node: int = 0
+    stages: list[StageReport] = []
+    notes: list[str] = []
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")

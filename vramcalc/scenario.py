@@ -1,0 +1,36 @@
+"""Scenario: model + training + parallel layout + cluster — one question to answer."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from vramcalc.hardware import Cluster
+from vramcalc.model import ModelSpec
+from vramcalc.parallel import ParallelConfig, resolve_layout
+from vramcalc.training import TrainingConfig
+
+
+class Scenario(BaseModel):
+    """Everything one estimate needs. `cluster=None` estimates one rank with no fit check."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelSpec
+    training: TrainingConfig = TrainingConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    cluster: Cluster | None = None
+    headroom_fraction: float = 0.0
+    model_note: str | None = None
+    gpu_note: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        if self.cluster is not None:
+            return self.cluster.num_gpus
+        p = self.parallel
+        return (p.dp or 1) * p.tp * p.pp * p.cp
+
+    def resolved(self) -> Scenario:
+        """Validate the layout against model and world size; fill in dp."""
+        par = resolve_layout(self.model, self.training, self.parallel, self.world_size)
+        return self.model_copy(update={"parallel": par})

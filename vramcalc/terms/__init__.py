@@ -1,0 +1,1 @@
+"""One module per memory term; each exposes pure functions of a RankContext."""

@@ -1,0 +1,84 @@
+"""Training options: sequence, batch, precision policy, optimizer, attention kernel, recompute.
+
+Precision policies (what each tensor is stored in):
+
+| policy    | weights | grads | master copy | compute (activations) |
+|-----------|---------|-------|-------------|-----------------------|
+| fp32      | fp32    | fp32  | none        | fp32                  |
+| amp-bf16  | fp32    | fp32  | none        | bf16 (torch.autocast) |
+| amp-fp16  | fp32    | fp32  | none        | fp16 (torch.autocast) |
+| bf16      | bf16    | bf16  | fp32        | bf16                  |
+| fp16      | fp16    | fp16  | fp32        | fp16                  |
+| bf16-pure | bf16    | bf16  | none        | bf16 (states bf16)    |
+
+`bf16`/`fp16` is the Megatron/DeepSpeed default (ZeRO paper: 2 + 2 + 12 bytes/param with Adam).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Precision = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure"]
+OptimizerName = Literal[
+    "adamw", "adam", "sgd", "sgd-momentum", "lion", "adafactor", "adamw-8bit"
+]
+PRECISIONS: tuple[str, ...] = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure")
+OPTIMIZERS: tuple[str, ...] = (
+    "adamw", "adam", "sgd", "sgd-momentum", "lion", "adafactor", "adamw-8bit"
+)
+ATTENTIONS: tuple[str, ...] = ("flash", "eager")
+RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
+FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron")
+
+
+class TrainingConfig(BaseModel):
+    """One training job's per-step settings (parallel layout lives in ParallelConfig)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    seq_len: int = Field(default=4096, gt=0, le=100_000_000)
+    micro_batch_size: int = Field(default=1, gt=0, le=1_000_000)
+    grad_accum: int = Field(default=1, gt=0, le=1_000_000)
+    precision: Precision = "bf16"
+    optimizer: OptimizerName = "adamw"
+    optimizer_dtype: Literal["fp32", "bf16"] | None = None
+    attention: Literal["flash", "eager"] = "flash"
+    recompute: Literal["none", "selective", "full"] = "none"
+    framework: Literal["reference", "hf", "megatron"] = "reference"
+
+    # ---- precision policy ---------------------------------------------
+    @property
+    def weight_dtype(self) -> str:
+        return {"fp32": "fp32", "amp-bf16": "fp32", "amp-fp16": "fp32", "bf16": "bf16",
+                "fp16": "fp16", "bf16-pure": "bf16"}[self.precision]
+
+    @property
+    def grad_dtype(self) -> str:
+        return self.weight_dtype
+
+    @property
+    def compute_dtype(self) -> str:
+        return {"fp32": "fp32", "amp-bf16": "bf16", "amp-fp16": "fp16", "bf16": "bf16",
+                "fp16": "fp16", "bf16-pure": "bf16"}[self.precision]
+
+    @property
+    def has_master_weights(self) -> bool:
+        """An fp32 master copy kept by the optimizer (16-bit weights + fp32 update)."""
+        return self.precision in ("bf16", "fp16")
+
+    @property
+    def is_autocast(self) -> bool:
+        return self.precision.startswith("amp-")
+
+    @property
+    def state_dtype(self) -> str:
+        """Optimizer state dtype: fp32 unless bf16-pure or asked for."""
+        if self.optimizer_dtype:
+            return self.optimizer_dtype
+        return "bf16" if self.precision == "bf16-pure" else "fp32"
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.seq_len * self.micro_batch_size
