@@ -1,0 +1,5 @@
+"""`python -m vramcalc`."""
+
+from vramcalc.cli import run
+
+run()

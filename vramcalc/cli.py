@@ -1,0 +1,256 @@
+"""Command-line interface: the only module that reads argv, prints and sets exit codes.
+
+Every bad input ends as one line on stderr and exit code 2 (InputError, malformed
+files, usage errors); `--json` prints exactly one JSON document on stdout.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+
+from vramcalc.errors import InputError
+from vramcalc.options import SCENARIO_OPTIONS, Opt
+
+app = typer.Typer(
+    name="vramcalc",
+    help="Will this training job fit in GPU memory, how should it run, what should I buy?",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+EXIT_BAD_INPUT = 2
+
+
+def _console():  # noqa: ANN202
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def _emit_json(doc: Any) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+
+
+# ---- shared scenario options -------------------------------------------------
+def _param(opt: Opt, default_override: Any = inspect.Parameter.empty) -> inspect.Parameter:
+    default = opt.default if default_override is inspect.Parameter.empty else default_override
+    if opt.kind is bool:
+        info = typer.Option(default, f"{opt.flag}/--no-{opt.flag[2:]}", help=opt.help)
+        annotation: Any = bool
+    else:
+        info = typer.Option(default, opt.flag, help=opt.help)
+        annotation = Optional[str] if opt.kind is str or opt.choices else Optional[opt.kind]
+        if opt.kind is float:
+            annotation = Optional[float]
+    return inspect.Parameter(opt.name, inspect.Parameter.KEYWORD_ONLY, default=info,
+                             annotation=annotation)
+
+
+_COMMON = [
+    inspect.Parameter("profiles_dir", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
+                      default=typer.Option(None, "--profiles-dir",
+                                           help="Extra folder of GPU profile YAML files "
+                                                "(also: VRAMCALC_PROFILES).")),
+    inspect.Parameter("as_json", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                      default=typer.Option(False, "--json", help="One JSON document on stdout.")),
+]
+
+
+def scenario_command(name: str, help_text: str, extra: list[inspect.Parameter] | None = None,
+                     defaults: dict[str, Any] | None = None) -> Callable:
+    """Register a command taking every scenario option (one table: vramcalc.options)."""
+
+    def decorate(func: Callable) -> Callable:
+        params = [_param(o, (defaults or {}).get(o.name, inspect.Parameter.empty))
+                  for o in SCENARIO_OPTIONS]
+        params += list(extra or []) + _COMMON
+
+        def wrapper(**kwargs: Any) -> None:
+            func(**kwargs)
+
+        wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        wrapper.__name__ = func.__name__
+        wrapper.__doc__ = help_text
+        app.command(name, help=help_text)(wrapper)
+        return func
+
+    return decorate
+
+
+def _split(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[Path] | None, bool]:
+    values = {o.name: kwargs.pop(o.name) for o in SCENARIO_OPTIONS}
+    values = {k: v for k, v in values.items() if v is not None}
+    pdir = kwargs.pop("profiles_dir", None)
+    as_json = kwargs.pop("as_json", False)
+    return values, [pdir] if pdir else None, as_json
+
+
+def _scenario(values: dict[str, Any], dirs: list[Path] | None):  # noqa: ANN202
+    from vramcalc.options import build_scenario
+
+    return build_scenario(values, dirs)
+
+
+def _show_report(report: Any, as_json: bool) -> None:
+    if as_json:
+        _emit_json(report.to_json_dict())
+        return
+    from vramcalc.render import print_report
+
+    print_report(_console(), report)
+
+
+@scenario_command("estimate", "One scenario's per-GPU memory breakdown and fit check.")
+def estimate_cmd(**kwargs: Any) -> None:
+    from vramcalc.analytic import estimate
+
+    values, dirs, as_json = _split(kwargs)
+    _show_report(estimate(_scenario(values, dirs)), as_json)
+
+
+@scenario_command("explain", "Every formula with this scenario's numbers substituted.")
+def explain_cmd(**kwargs: Any) -> None:
+    from vramcalc.explain import explain
+
+    values, dirs, as_json = _split(kwargs)
+    doc = explain(_scenario(values, dirs))
+    if as_json:
+        _emit_json(doc)
+        return
+    from vramcalc.render import print_explain
+
+    print_explain(_console(), doc)
+
+
+@scenario_command("trace", "Fake-tensor dry run of a real PyTorch training step (needs torch).")
+def trace_cmd(**kwargs: Any) -> None:
+    values, dirs, as_json = _split(kwargs)
+    scn = _scenario(values, dirs)
+    try:
+        from vramcalc.trace.engine import run_trace
+    except ImportError as err:
+        raise InputError(f"trace needs PyTorch: pip install 'vramcalc[torch]' ({err})") from None
+    if as_json:
+        report = run_trace(scn)
+    else:
+        from rich.progress import Progress
+
+        with Progress(transient=True) as bar:
+            task = bar.add_task("tracing", total=1.0)
+            report = run_trace(scn, progress=lambda msg, frac: bar.update(
+                task, completed=frac, description=msg))
+    _show_report(report, as_json)
+
+
+@app.command("gpus")
+def gpus_cmd(
+    profiles_dir: Optional[Path] = typer.Option(None, "--profiles-dir",
+                                                help="Extra folder of GPU profile YAML files."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+) -> None:
+    """The GPU catalog: usable memory, peak BF16 TFLOP/s, links, price."""
+    from vramcalc.hardware import load_profiles
+
+    profiles = load_profiles([profiles_dir] if profiles_dir else None)
+    if as_json:
+        _emit_json({"gpus": [p.model_dump(mode="json") for p in profiles.values()]})
+        return
+    from vramcalc.render import gpus_table
+
+    _console().print(gpus_table(list(profiles.values())))
+
+
+@app.command("models")
+def models_cmd(
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+) -> None:
+    """The built-in model catalog with aliases and exact parameter counts."""
+    from vramcalc.catalog import list_preset_entries
+
+    entries = list_preset_entries()
+    if as_json:
+        _emit_json({"models": [
+            {**e.spec.model_dump(mode="json"), "num_params": e.spec.num_params,
+             "aliases": list(e.meta.aliases)} for e in entries]})
+        return
+    from vramcalc.render import models_table
+
+    _console().print(models_table(entries))
+
+
+@app.command("validate")
+def validate_cmd(
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+    records: Optional[Path] = typer.Option(None, "--records",
+                                           help="Compare stored probe records in this folder."),
+    quick: bool = typer.Option(False, "--quick", help="A small subset of the grid."),
+) -> None:
+    """Analytic vs trace over the scenario grid; exit 1 when out of tolerance."""
+    try:
+        from vramcalc.validate import default_grid, run_validation
+    except ImportError as err:
+        raise InputError(f"validate needs PyTorch: pip install 'vramcalc[torch]' ({err})") from None
+    if records is not None:
+        from vramcalc.validate import validate_records
+
+        result = validate_records(records)
+    else:
+        grid = default_grid()
+        if quick:
+            grid = grid[::8]
+        if as_json:
+            result = run_validation(grid)
+        else:
+            from rich.progress import Progress
+
+            with Progress(transient=True) as bar:
+                task = bar.add_task("validating", total=1.0)
+                result = run_validation(grid, progress=lambda msg, frac: bar.update(
+                    task, completed=frac, description=msg))
+    if as_json:
+        _emit_json(result)
+    else:
+        from vramcalc.render import print_validation
+
+        print_validation(_console(), result)
+    if result["summary"].get("num_failed", 0):
+        raise typer.Exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the app, turning bad input into one line and exit code 2."""
+    try:
+        app(args=argv, standalone_mode=False, prog_name="vramcalc")
+    except InputError as err:
+        sys.stderr.write(f"error: {err}\n")
+        return EXIT_BAD_INPUT
+    except (typer.Exit, SystemExit) as err:
+        code = getattr(err, "exit_code", getattr(err, "code", 0))
+        return int(code or 0)
+    except Exception as err:  # typer vendors click: match its exceptions by shape
+        name = type(err).__name__
+        if name == "Exit":
+            return int(getattr(err, "exit_code", 0) or 0)
+        if name == "Abort":
+            sys.stderr.write("aborted\n")
+            return 130
+        if hasattr(err, "format_message") and hasattr(err, "exit_code"):
+            sys.stderr.write(f"error: {' '.join(err.format_message().split())}\n")
+            return EXIT_BAD_INPUT
+        raise
+    except BrokenPipeError:
+        return 0
+    return 0
+
+
+def run() -> None:
+    """Console-script entry."""
+    sys.exit(main())

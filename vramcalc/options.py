@@ -1,0 +1,209 @@
+"""The option table shared by the CLI flags and training-config files.
+
+Each option has one name: `--seq-len` on the command line is `seq_len` in a config file.
+`build_scenario` turns a mapping of option values into a validated Scenario; every bad
+value raises InputError with a one-line message (unknown names get suggestions).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from vramcalc.errors import InputError
+from vramcalc.training import ATTENTIONS, FRAMEWORKS, OPTIMIZERS, PRECISIONS, RECOMPUTES
+
+_FSDP = ("none", "full", "grad-op", "hybrid")
+_OFFLOAD = ("none", "optimizer", "gradients", "params")
+_PP_SCHED = ("1f1b", "interleaved", "gpipe")
+
+
+@dataclass(frozen=True)
+class Opt:
+    """One option: config key `name`, CLI flag `--name-with-dashes`."""
+
+    name: str
+    kind: type
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+    group: str = "training"
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+SCENARIO_OPTIONS: tuple[Opt, ...] = (
+    Opt("model", str, None, "Preset name or alias (70b, llama3-8b, gpt2), or a path to a "
+        "Hugging Face config.json / its directory / a model YAML.", group="model"),
+    Opt("gpus", str, "1xH100", "Cluster: H100, 8xH100, 2x8xA100-80GB (nodes x per node).",
+        group="cluster"),
+    Opt("seq_len", int, 4096, "Sequence length in tokens."),
+    Opt("micro_batch_size", int, 1, "Sequences per micro-batch per data-parallel rank."),
+    Opt("grad_accum", int, 1, "Gradient-accumulation micro-steps per optimizer step."),
+    Opt("precision", str, "bf16", "fp32 | amp-bf16 | amp-fp16 (autocast, fp32 weights) | "
+        "bf16 | fp16 (16-bit weights+grads, fp32 master) | bf16-pure.", PRECISIONS),
+    Opt("optimizer", str, "adamw", "adamw | adam | sgd | sgd-momentum | lion | adafactor | "
+        "adamw-8bit.", OPTIMIZERS),
+    Opt("optimizer_dtype", str, None, "Optimizer state dtype: fp32 (default) or bf16.",
+        ("fp32", "bf16")),
+    Opt("attention", str, "flash", "flash (SDPA/FlashAttention) | eager (s x s scores).",
+        ATTENTIONS),
+    Opt("recompute", str, "none", "Activation recomputation: none | selective | full.",
+        RECOMPUTES),
+    Opt("framework", str, "reference", "Saved-tensor profile: reference | hf | megatron.",
+        FRAMEWORKS),
+    Opt("dp", int, None, "Data-parallel degree (default: GPUs / (tp x pp x cp)).", group="parallel"),
+    Opt("tp", int, 1, "Tensor-parallel degree.", group="parallel"),
+    Opt("pp", int, 1, "Pipeline-parallel degree.", group="parallel"),
+    Opt("cp", int, 1, "Context-parallel degree.", group="parallel"),
+    Opt("ep", int, 1, "Expert-parallel degree (MoE).", group="parallel"),
+    Opt("sequence_parallel", bool, False, "Megatron sequence parallelism (needs tp > 1).",
+        group="parallel"),
+    Opt("zero", int, 0, "ZeRO stage 0-3 (DeepSpeed).", group="parallel"),
+    Opt("fsdp", str, "none", "FSDP sharding: none | full | grad-op | hybrid.", _FSDP,
+        group="parallel"),
+    Opt("shard_group", int, None, "Ranks per shard group for --fsdp hybrid.", group="parallel"),
+    Opt("offload", str, "none", "Offload, comma-separated: optimizer,gradients,params.",
+        _OFFLOAD, group="parallel"),
+    Opt("offload_device", str, "cpu", "Offload target: cpu | nvme.", ("cpu", "nvme"),
+        group="parallel"),
+    Opt("pp_schedule", str, "1f1b", "Pipeline schedule: 1f1b | interleaved | gpipe.", _PP_SCHED,
+        group="parallel"),
+    Opt("virtual_stages", int, 1, "Virtual stages per rank (interleaved schedule).",
+        group="parallel"),
+    Opt("num_microbatches", int, None, "Micro-batches per step for pipeline parallelism "
+        "(default: --grad-accum).", group="parallel"),
+    Opt("capacity_factor", float, 1.0, "MoE token capacity factor.", group="parallel"),
+    Opt("headroom", float, 0.0, "Fraction of device memory kept free for the fit check "
+        "(0.05 = 5%).", group="cluster"),
+)
+OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
+_TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
+                  "optimizer_dtype", "attention", "recompute", "framework")
+_PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fsdp",
+                  "shard_group", "offload_device", "pp_schedule", "virtual_stages",
+                  "num_microbatches", "capacity_factor")
+
+
+def suggest(word: str, names: list[str] | tuple[str, ...], n: int = 3) -> str:
+    """'; did you mean: a, b?' or '' when nothing is close."""
+    close = difflib.get_close_matches(str(word).lower(), [x.lower() for x in names], n=n,
+                                      cutoff=0.5)
+    return f"; did you mean: {', '.join(close)}?" if close else ""
+
+
+def check_choice(opt: Opt, value: str) -> str:
+    """Validate one choice value (case-insensitive), with suggestions."""
+    assert opt.choices is not None
+    v = str(value).strip().lower()
+    if v not in opt.choices:
+        raise InputError(
+            f"{opt.flag}: unknown value {value!r}{suggest(v, opt.choices)} "
+            f"(choices: {', '.join(opt.choices)})"
+        )
+    return v
+
+
+def _coerce(opt: Opt, value: Any) -> Any:
+    if value is None:
+        return None
+    if opt.kind is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("true", "yes", "1", "on"):
+            return True
+        if str(value).lower() in ("false", "no", "0", "off"):
+            return False
+        raise InputError(f"{opt.flag}: expected true or false, got {value!r}")
+    if opt.kind is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise InputError(f"{opt.flag}: expected a whole number, got {value!r}")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise InputError(f"{opt.flag}: expected a whole number, got {value!r}") from None
+    if opt.kind is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise InputError(f"{opt.flag}: expected a number, got {value!r}") from None
+    if not isinstance(value, (str, int, float)):
+        raise InputError(f"{opt.flag}: expected a string, got {type(value).__name__}")
+    return str(value)
+
+
+def parse_offload(value: Any) -> tuple[str, ...]:
+    """'optimizer,params' or a list -> ('optimizer', 'params'); 'none' -> ()."""
+    if value is None:
+        return ()
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    out: list[str] = []
+    opt = OPTIONS_BY_NAME["offload"]
+    for item in items:
+        v = check_choice(opt, str(item).strip())
+        if v != "none" and v not in out:
+            out.append(v)
+    return tuple(out)
+
+
+def _pydantic_line(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(x) for x in first.get("loc", ()))
+    flag = "--" + loc.replace("_", "-") if loc else "value"
+    return f"{flag}: {first.get('msg', 'invalid value')} (got {first.get('input')!r})"
+
+
+def normalize_values(values: dict[str, Any]) -> dict[str, Any]:
+    """Check names, coerce types and choices; fill defaults. Unknown keys raise."""
+    out: dict[str, Any] = {}
+    for key, raw in values.items():
+        if key not in OPTIONS_BY_NAME:
+            raise InputError(f"unknown option {key!r}{suggest(key, list(OPTIONS_BY_NAME))}")
+        opt = OPTIONS_BY_NAME[key]
+        if key == "offload":
+            out[key] = parse_offload(raw)
+            continue
+        v = _coerce(opt, raw)
+        if v is not None and opt.choices:
+            v = check_choice(opt, v)
+        out[key] = v
+    for opt in SCENARIO_OPTIONS:
+        out.setdefault(opt.name, parse_offload(opt.default) if opt.name == "offload"
+                       else opt.default)
+    return out
+
+
+def build_scenario(values: dict[str, Any], profile_dirs: list[Path] | None = None):  # noqa: ANN201
+    """Resolve model and GPUs and build a validated Scenario from option values."""
+    from vramcalc.catalog import resolve_model
+    from vramcalc.hardware import alias_note, parse_gpus
+    from vramcalc.parallel import ParallelConfig
+    from vramcalc.scenario import Scenario
+    from vramcalc.training import TrainingConfig
+
+    v = normalize_values(values)
+    if not v.get("model"):
+        raise InputError("--model is required (e.g. --model 70b or --model path/to/config.json)")
+    spec, model_note = resolve_model(str(v["model"]))
+    cluster = parse_gpus(str(v["gpus"]), profile_dirs)
+    gpu_name = str(v["gpus"]).replace("*", "x").replace("X", "x").split("x")[-1]
+    gpu_note = alias_note(gpu_name, cluster.gpu)
+    headroom = v["headroom"]
+    if not 0 <= headroom < 1:
+        raise InputError(f"--headroom must be a fraction in [0, 1), got {headroom}")
+    try:
+        training = TrainingConfig(**{k: v[k] for k in _TRAINING_KEYS if v[k] is not None})
+        parallel = ParallelConfig(
+            offload=v["offload"], **{k: v[k] for k in _PARALLEL_KEYS if v[k] is not None}
+        )
+    except ValidationError as err:
+        raise InputError(_pydantic_line(err)) from None
+    scn = Scenario(model=spec, training=training, parallel=parallel, cluster=cluster,
+                   headroom_fraction=headroom, model_note=model_note, gpu_note=gpu_note)
+    return scn.resolved()

@@ -1,0 +1,128 @@
+"""Rendering: reports to rich tables, markdown and plain text. The only module that imports rich."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from vramcalc.report import ALLOCATED_TERMS, MemoryReport
+from vramcalc.units import GB, GiB, fmt_gb, fmt_gib
+
+TERM_LABELS = {
+    "weights": "weights",
+    "gradients": "gradients",
+    "optimizer_states": "optimizer states",
+    "activations": "activations",
+    "logits": "logits + loss",
+    "transients": "transients",
+    "overhead": "overhead",
+}
+BAR_WIDTH = 28
+
+
+def _bar(frac: float) -> str:
+    n = max(0, min(BAR_WIDTH, round(frac * BAR_WIDTH)))
+    return "█" * n + "·" * (BAR_WIDTH - n)
+
+
+def strategy_line(strategy: dict[str, Any]) -> str:
+    """A compact one-line description of a strategy."""
+    s = strategy
+    parts = [f"seq {s['seq_len']}", f"mbs {s['micro_batch_size']}"]
+    if s.get("grad_accum", 1) > 1:
+        parts.append(f"accum {s['grad_accum']}")
+    parts += [s["precision"], s["optimizer"], f"attn {s['attention']}",
+              f"recompute {s['recompute']}"]
+    deg = [f"{k}{s[k]}" for k in ("dp", "tp", "pp", "cp", "ep") if s.get(k) and s[k] > 1]
+    if deg:
+        parts.append("×".join(deg))
+    if s.get("sequence_parallel"):
+        parts.append("sp")
+    if s.get("fsdp", "none") != "none":
+        parts.append(f"fsdp {s['fsdp']}")
+    elif s.get("zero"):
+        parts.append(f"zero-{s['zero']}")
+    if s.get("offload"):
+        parts.append("offload " + "+".join(s["offload"]) + f"→{s.get('offload_device', 'cpu')}")
+    if s.get("pp", 1) > 1:
+        parts.append(s["pp_schedule"])
+    if s.get("framework", "reference") != "reference":
+        parts.append(f"profile {s['framework']}")
+    return ", ".join(parts)
+
+
+def report_table(report: MemoryReport) -> Table:
+    total = max(report.device_total_bytes, 1)
+    title = f"Per-GPU memory ({report.engine})"
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    table.add_column("term")
+    table.add_column("GB", justify="right")
+    table.add_column("GiB", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("", no_wrap=True)
+    terms = report.terms.as_dict()
+    for key, val in terms.items():
+        table.add_row(TERM_LABELS[key], f"{val / GB:,.2f}", f"{val / GiB:,.2f}",
+                      f"{100 * val / total:4.1f}%", _bar(val / total))
+    table.add_section()
+    table.add_row("peak allocated", f"{report.peak_allocated_bytes / GB:,.2f}",
+                  f"{report.peak_allocated_bytes / GiB:,.2f}", "", f"({report.peak_phase} phase)")
+    table.add_row(Text("device total", style="bold"), f"{report.device_total_bytes / GB:,.2f}",
+                  f"{report.device_total_bytes / GiB:,.2f}", "", "")
+    return table
+
+
+def verdict_text(report: MemoryReport) -> Text:
+    if report.fits is None or report.gpu is None or report.headroom_bytes is None:
+        return Text("no GPU given: no fit check")
+    cap = report.gpu.memory_total_bytes
+    if report.fits:
+        return Text.assemble(("FITS", "bold green"), f" on {report.gpu.name}: "
+                             f"{fmt_gb(report.device_total_bytes)} of {fmt_gb(cap)} "
+                             f"({fmt_gb(report.headroom_bytes)} free)")
+    if report.headroom_bytes >= 0:
+        return Text.assemble(("DOES NOT FIT", "bold red"), f" on {report.gpu.name}: "
+                             f"{fmt_gb(report.device_total_bytes)} leaves less than the "
+                             f"requested headroom of {fmt_gb(cap)}")
+    return Text.assemble(("DOES NOT FIT", "bold red"), f" on {report.gpu.name}: needs "
+                         f"{fmt_gb(report.device_total_bytes)}, has {fmt_gb(cap)} "
+                         f"(over by {fmt_gb(-report.headroom_bytes)})")
+
+
+def print_report(console: Console, report: MemoryReport) -> None:
+    """The estimate/trace report: header, term table with bars, phases, verdict, notes."""
+    m = report.model
+    console.print(f"[bold]{m.name}[/bold]: {m.num_params:,} parameters"
+                  + (f" ({m.num_active_params:,} active)" if m.num_active_params != m.num_params
+                     else ""))
+    if report.gpu:
+        g = report.gpu
+        console.print(f"GPUs: {g.num_gpus} x {g.name} ({g.num_nodes} node"
+                      f"{'s' if g.num_nodes > 1 else ''}), {fmt_gb(g.memory_total_bytes)} "
+                      f"= {fmt_gib(g.memory_total_bytes)} usable each")
+    console.print(f"Strategy: {strategy_line(report.strategy)}")
+    console.print()
+    console.print(report_table(report))
+    console.print()
+    ph = ", ".join(f"{k} {v / GB:,.2f}" for k, v in report.phases.items())
+    console.print(f"Phase peaks (GB, steady state): {ph}; first step {report.first_step_peak_bytes / GB:,.2f}")
+    if report.stages:
+        rows = "; ".join(f"stage {s.stage} ({s.num_layers} layers) {s.device_total_bytes / GB:,.2f}"
+                         for s in report.stages)
+        console.print(f"Pipeline stages (device total, GB): {rows}")
+    if report.host_bytes_per_node:
+        console.print(f"Host RAM for offload: {fmt_gb(report.host_bytes_per_node)} per node")
+    console.print(verdict_text(report))
+    for note in report.notes:
+        console.print(f"[dim]note: {note}[/dim]")
+
+
+def subterm_lines(report: MemoryReport) -> list[str]:
+    return [f"{k}: {v / GB:,.3f} GB" for k, v in sorted(report.subterms.items())]
+
+
+def allocated_terms(report: MemoryReport) -> dict[str, int]:
+    return {t: getattr(report.terms, t) for t in ALLOCATED_TERMS}
