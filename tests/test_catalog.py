@@ -98,11 +98,6 @@ def test_nanogpt_gpt2_without_biases() -> None:
     assert no_bias.num_params == NANOGPT_NO_BIAS
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ModelSpec.model_copy keeps cached_property values (num_params) computed before "
-    "the copy; patch proposed for vramcalc/model.py",
-)
 def test_model_copy_recounts_after_counting() -> None:
     spec = ModelSpec(**preset("gpt2").model_dump())
     assert spec.num_params == 124_439_808

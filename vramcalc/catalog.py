@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from vramcalc import yamlio
 from vramcalc.errors import InputError
 from vramcalc.model import ModelSpec
 
@@ -119,7 +120,7 @@ def _read_text(path: Path) -> str:
 
 def _load_yaml(path: Path) -> Any:
     try:
-        return yaml.safe_load(_read_text(path))
+        return yamlio.safe_load(_read_text(path))
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         problem = getattr(err, "problem", None) or str(err)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import inspect
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import typer
 
@@ -32,7 +33,10 @@ EXIT_BAD_INPUT = 2
 def _console():  # noqa: ANN202
     from rich.console import Console
 
-    return Console(highlight=False)
+    console = Console(highlight=False)
+    if not console.is_terminal:  # pipes and CI logs: wide enough for the tables
+        console = Console(highlight=False, width=120)
+    return console
 
 
 def _emit_json(doc: Any) -> None:

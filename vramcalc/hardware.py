@@ -30,6 +30,7 @@ from pydantic import (
     model_validator,
 )
 
+from vramcalc import yamlio
 from vramcalc.errors import InputError
 
 ENV_VAR = "VRAMCALC_PROFILES"
@@ -197,7 +198,7 @@ def _one_line(error: ValidationError) -> str:
 
 def _load_file(path: Path) -> GPUProfile:
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yamlio.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         reason = " ".join(str(exc).split())
         raise InputError(f"malformed GPU profile {path}: {reason}") from None

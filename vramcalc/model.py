@@ -11,7 +11,7 @@ E = num_local_experts, fe = moe_intermediate_size.
 
 from __future__ import annotations
 
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -57,6 +57,7 @@ class ModelSpec(BaseModel):
     shared_expert_gate: bool = False  # Qwen2-MoE: a h->1 gate on the shared expert
     first_k_dense_replace: int = Field(default=0, ge=0, le=MAX_LAYERS)  # leading dense layers
     router_bias: bool = False
+    num_layer_norms: int = Field(default=2, ge=1, le=8)  # Gemma 2/3: 4 (pre/post attn and MLP)
     source: str = "custom"  # where the spec came from (preset, file path)
 
     @model_validator(mode="after")
@@ -161,8 +162,14 @@ class ModelSpec(BaseModel):
 
     @cached_property
     def layer_norm_params(self) -> int:
-        """The two norms of one layer (before attention and before the MLP)."""
-        return 2 * self._norm_params(self.hidden_size)
+        """The norms of one layer: before attention and before the MLP (Gemma 2/3: four)."""
+        return self.num_layer_norms * self._norm_params(self.hidden_size)
+
+    def model_copy(self, *, update: dict | None = None, deep: bool = False) -> ModelSpec:  # type: ignore[override]
+        """Copy with changes, re-validated, so cached counts are never stale."""
+        data = self.model_dump()
+        data.update(update or {})
+        return type(self).model_validate(data)
 
     @cached_property
     def dense_layer_params(self) -> int:
@@ -249,8 +256,12 @@ class ParamTensor(BaseModel):
     rows: int = 0  # first dimension of a matrix (0 for vectors); cols = numel // rows
 
 
+@lru_cache(maxsize=256)
 def param_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
-    """Every parameter tensor of the model with its element count (matches ModelSpec.num_params)."""
+    """Every parameter tensor of the model with its element count (matches ModelSpec.num_params).
+
+    Cached per spec (ModelSpec is frozen and hashable): the planner calls this per estimate.
+    """
     h, a, g, d = spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.head_size
     out: list[ParamTensor] = [ParamTensor(name="embed_tokens", numel=spec.vocab_size * h, count=1,
                                           group="embedding", rows=spec.vocab_size)]
@@ -294,6 +305,8 @@ def param_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
         norm("attn.k_norm", d, L, "layer")
     norm("input_layernorm", h, L, "layer")
     norm("post_attention_layernorm", h, L, "layer")
+    for i in range(spec.num_layer_norms - 2):
+        norm(f"extra_layernorm_{i}", h, L, "layer")
     if spec.num_dense_layers:
         mlp("mlp", spec.intermediate_size, spec.num_dense_layers, "layer")
     if spec.num_moe_layers:

@@ -1,0 +1,101 @@
+"""`vramcalc explain`: every formula of one scenario with its numbers substituted.
+
+Returns plain data (sections of lines); rendering happens in vramcalc.render.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vramcalc.analytic import estimate
+from vramcalc.scenario import Scenario
+from vramcalc.terms import activations as act
+from vramcalc.terms.context import RankContext
+from vramcalc.terms.gradients import gradients_bytes
+from vramcalc.terms.optimizer_states import optimizer_state_split
+from vramcalc.terms.weights import weights_by_group
+from vramcalc.units import DTYPE_BITS, GB
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:,.3f} GB"
+
+
+def explain(scn: Scenario) -> dict[str, Any]:
+    """Sections {title, lines} explaining where each number of the estimate comes from."""
+    scn = scn.resolved()
+    report = estimate(scn)
+    spec, tr, par = scn.model, scn.training, scn.parallel
+    stage = max(report.stages, key=lambda s: s.device_total_bytes).stage if report.stages else 0
+    ctx = RankContext(spec, tr, par, stage)
+    sections: list[dict[str, Any]] = []
+
+    n_local = sum(t.numel * t.count for t in ctx.tensors)
+    sections.append({"title": "Model", "lines": [
+        spec.summary(),
+        f"This rank (pipeline stage {stage}) holds {n_local:,} parameters after tensor "
+        f"parallelism (tp={par.tp}), pipeline stages (pp={par.pp}) and expert parallelism "
+        f"(ep={par.ep}).",
+    ]})
+
+    wb = DTYPE_BITS[tr.weight_dtype] // 8
+    groups = weights_by_group(ctx)
+    shard_w = ctx.param_shard
+    sections.append({"title": "Weights", "lines": [
+        f"Precision '{tr.precision}' stores weights in {tr.weight_dtype} ({wb} bytes each).",
+        f"{n_local:,} params x {wb} B" + (f" / {shard_w} (ZeRO-3/FSDP shards)" if shard_w > 1
+                                           else "") + f" = {_gb(sum(groups.values()))} "
+        "(each tensor rounded up to the allocator's 512-byte blocks).",
+        "By group: " + ", ".join(f"{k} {_gb(v)}" for k, v in groups.items()),
+    ]})
+
+    gb_ = DTYPE_BITS[tr.grad_dtype] // 8
+    sections.append({"title": "Gradients", "lines": [
+        f"One {tr.grad_dtype} gradient ({gb_} B) per parameter"
+        + (f", sharded over {ctx.grad_shard} ranks (ZeRO-2+/FSDP)" if ctx.grad_shard > 1 else "")
+        + f": {_gb(gradients_bytes(ctx))} once backward has finished.",
+        "With zero_grad(set_to_none=True) they do not exist during forward unless gradients "
+        "are accumulated over micro-batches.",
+    ]})
+
+    split = optimizer_state_split(ctx)
+    sb = DTYPE_BITS[tr.state_dtype] // 8
+    lines = [f"Optimizer '{tr.optimizer}' keeps its states in {tr.state_dtype} ({sb} B/element)"
+             + (f", sharded over {ctx.state_shard} ranks (ZeRO-1+)" if ctx.state_shard > 1
+                else "") + f": {_gb(split['states'])}."]
+    if tr.has_master_weights:
+        lines.append(f"Mixed precision adds an fp32 master copy (4 B/param): "
+                     f"{_gb(split['master'])} — the ZeRO paper's K = 12 with Adam (4 + 4 + 4).")
+    sections.append({"title": "Optimizer states", "lines": lines})
+
+    saved = act.layer_saved(ctx)
+    per_layer = act.layer_activation_bytes(ctx)
+    lines = [f"Per layer and micro-batch (b={tr.micro_batch_size}, s={tr.seq_len // par.cp}, "
+             f"attention '{tr.attention}', recompute '{tr.recompute}', profile "
+             f"'{tr.framework}'), the forward pass keeps for backward:"]
+    if tr.framework != "megatron":
+        for t in saved:
+            lines.append(f"  {t.name:<18} {t.shape:<22} {t.dtype:<5} {_gb(t.nbytes)}")
+    lines.append(f"= {_gb(per_layer)} per layer x {ctx.num_layers} layers on this stage.")
+    sections.append({"title": "Activations", "lines": lines})
+
+    sections.append({"title": "Peak", "lines": [
+        "Phase peaks (steady state): " + ", ".join(f"{k} {_gb(v)}" for k, v in
+                                                    report.phases.items()) + ".",
+        f"The peak is the largest phase ({report.peak_phase}): {_gb(report.peak_allocated_bytes)}"
+        " — comparable with torch.cuda.max_memory_allocated().",
+        "At that moment: " + ", ".join(f"{k} {_gb(v)}" for k, v in
+                                       report.terms.as_dict().items() if k != "overhead"),
+        "Sub-terms: " + ", ".join(f"{k} {_gb(v)}" for k, v in sorted(report.subterms.items())),
+        f"Device total = peak + overhead ({_gb(report.terms.overhead)}: CUDA context, NCCL "
+        f"buffers, allocator rounding) = {_gb(report.device_total_bytes)}.",
+    ]})
+    if report.gpu is not None and report.headroom_bytes is not None:
+        sections.append({"title": "Fit", "lines": [
+            f"{report.gpu.name} reports {_gb(report.gpu.memory_total_bytes)} usable; "
+            f"headroom kept: {scn.headroom_fraction:.0%}.",
+            ("Fits" if report.fits else "Does not fit") + f": {_gb(report.headroom_bytes)} "
+            "left over." if report.headroom_bytes >= 0 else
+            f"Does not fit: over by {_gb(-report.headroom_bytes)}.",
+        ]})
+    return {"sections": sections, "report": report.to_json_dict()}
