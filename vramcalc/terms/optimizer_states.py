@@ -8,7 +8,7 @@ Per parameter tensor of numel n (after sharding), in the state dtype (fp32 by de
 | sgd          | 0                                  | torch.optim.SGD (momentum=0) |
 | sgd-momentum | n (momentum_buffer)                | torch.optim.SGD |
 | lion         | n (exp_avg)                        | Chen et al. 2023, Alg. 2 |
-| adafactor    | rows + cols for a matrix, n for a vector | torch.optim.Adafactor (beta1=None) |
+| adafactor    | rows/shard + cols for a matrix (dim-0 shards), n for a vector | torch.optim.Adafactor (beta1=None) |
 | adamw-8bit   | 2n uint8 + 2·⌈n/2048⌉ fp32 absmax  | bitsandbytes blockwise 8-bit Adam (Dettmers et al. 2022, block 2048) |
 
 Mixed precision `bf16`/`fp16` adds an fp32 master copy (4n): the ZeRO paper's K = 12 with
@@ -22,6 +22,7 @@ from vramcalc.terms.context import RankContext
 from vramcalc.units import alloc, ceil_div
 
 BNB_BLOCK = 2048  # bitsandbytes blockwise quantization block for optimizer states
+BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes Optimizer8bit default min_8bit_size
 
 
 def state_bytes_for_tensor(t: RankTensor, optimizer: str, state_dtype: str, shard: int) -> int:
@@ -34,11 +35,14 @@ def state_bytes_for_tensor(t: RankTensor, optimizer: str, state_dtype: str, shar
     if optimizer == "sgd":
         return 0
     if optimizer == "adafactor":
-        if t.rows and shard == 1:
+        if t.rows:
+            # factored second moment of the (dim-0 sharded, as FSDP2 shards) matrix
             cols = t.numel // t.rows
-            return alloc(t.rows, state_dtype) + alloc(cols, state_dtype)
+            return alloc(sharded_numel(t.rows, shard), state_dtype) + alloc(cols, state_dtype)
         return alloc(n, state_dtype)
     if optimizer == "adamw-8bit":
+        if n < BNB_MIN_8BIT_SIZE:  # small tensors keep 32-bit states in bitsandbytes
+            return 2 * alloc(n, "fp32")
         blocks = ceil_div(n, BNB_BLOCK)
         return 2 * alloc(n, "uint8") + 2 * alloc(blocks, "fp32")
     raise ValueError(f"unknown optimizer {optimizer}")

@@ -1,0 +1,155 @@
+"""CLI behaviour: JSON numbers, layout, bad input -> one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from vramcalc.cli import app, main
+
+runner = CliRunner()
+
+
+def run_json(*args: str) -> dict:
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_estimate_json_keys_and_types() -> None:
+    doc = run_json("estimate", "--model", "llama3-8b", "--gpus", "H100", "--seq-len", "2048")
+    assert doc["model"]["num_params"] == 8_030_261_248  # Llama-3-8B model card
+    assert set(doc["terms"]) == {"weights", "gradients", "optimizer_states", "activations",
+                                 "logits", "transients", "overhead"}
+    assert all(isinstance(v, int) for v in doc["terms"].values())
+    assert set(doc["phases"]) == {"forward", "backward", "optimizer"}
+    assert doc["gpu"]["id"] == "h100_sxm"
+    assert doc["strategy"]["seq_len"] == 2048
+    assert isinstance(doc["fits"], bool)
+    assert doc["headroom_bytes"] == doc["gpu"]["memory_total_bytes"] - doc["device_total_bytes"]
+
+
+def test_estimate_says_which_model_an_alias_chose() -> None:
+    doc = run_json("estimate", "--model", "70b", "--gpus", "8xH100", "--zero", "3")
+    assert doc["model"]["name"] == "llama3-70b"
+    assert "llama3-70b" in doc["model"]["note"]
+    result = runner.invoke(app, ["estimate", "--model", "70b", "--gpus", "8xH100"])
+    assert "70b resolved to llama3-70b" in result.stdout
+
+
+def test_gpt2_fits_on_a_4090_and_405b_does_not() -> None:
+    # GPT-2 small model states are 124M x 16 B = 2 GB: far below 24 GB
+    small = run_json("estimate", "--model", "gpt2", "--gpus", "4090", "--seq-len", "1024")
+    assert small["fits"] is True
+    # 405B x 16 B/param of model states alone is 6.5 TB, far above one 80 GB card
+    big = run_json("estimate", "--model", "405b", "--gpus", "H100")
+    assert big["fits"] is False and big["headroom_bytes"] < 0
+
+
+def test_table_layout() -> None:
+    result = runner.invoke(app, ["estimate", "--model", "gpt2", "--gpus", "4090",
+                                 "--seq-len", "1024"])
+    out = result.stdout
+    assert result.exit_code == 0
+    for label in ("weights", "gradients", "optimizer states", "activations", "logits + loss",
+                  "transients", "overhead", "peak allocated", "device total"):
+        assert label in out
+    assert "GB" in out and "GiB" in out
+    assert "FITS" in out
+
+
+def test_gpus_and_models_catalogs() -> None:
+    gpus = run_json("gpus")["gpus"]
+    ids = {g["id"] for g in gpus}
+    assert {"h100_sxm", "a100_80gb", "rtx_4090", "ascend_910b2", "mi300x", "gaudi3"} <= ids
+    models = {m["name"]: m for m in run_json("models")["models"]}
+    assert models["gpt2"]["num_params"] == 124_439_808
+
+
+def test_explain_substitutes_numbers() -> None:
+    result = runner.invoke(app, ["explain", "--model", "gpt2", "--gpus", "4090",
+                                 "--seq-len", "512"])
+    assert result.exit_code == 0
+    assert "124,439,808" in result.stdout
+    assert "attn.q" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["estimate", "--model", "llama-9b"], "unknown model"),
+        (["estimate", "--model", "8b", "--gpus", "H1000"], "unknown GPU"),
+        (["estimate", "--model", "8b", "--precision", "bf17"], "did you mean"),
+        (["estimate", "--model", "8b", "--seq-len", "0"], "--seq-len"),
+        (["estimate", "--model", "8b", "--seq-len", "lots"], "--seq-len"),
+        (["estimate", "--model", "8b", "--gpus", "8xH100", "--tp", "3"], "cannot be split"),
+        (["estimate", "--model", "8b", "--gpus", "8xH100", "--tp", "8", "--dp", "2"],
+         "does not match"),
+        (["estimate", "--model", "gpt2", "--gpus", "8xH100", "--tp", "8"], "does not divide"),
+        (["estimate", "--model", "8b", "--gpus", "3xH100", "--pp", "3"],
+         "divisible"),
+        (["estimate", "--model", "8b", "--gpus", "0xH100"], "0xH100"),
+        (["estimate", "--model", "8b", "--precison", "bf16"], "No such option"),
+        (["estimate", "--model", "/no/such/config.json"], "no such file"),
+    ],
+)
+def test_bad_input_one_line_exit_2(args: list[str], fragment: str, capsys) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert fragment.lower() in err.lower()
+    assert "Traceback" not in err
+
+
+def test_malformed_model_files(tmp_path, capsys) -> None:
+    bad_json = tmp_path / "config.json"
+    bad_json.write_text("{not json")
+    bad_yaml = tmp_path / "m.yaml"
+    bad_yaml.write_text("hidden_size: [1, 2\n")
+    unknown = tmp_path / "u.yaml"
+    unknown.write_text("hidden_size: 64\nnum_hidden_layers: 2\nnum_attention_heads: 4\n"
+                       "intermediate_size: 128\nvocab_size: 100\nhiden: 3\n")
+    for path in (bad_json, bad_yaml, unknown):
+        assert main(["estimate", "--model", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_model_yaml_file_and_hf_dir(tmp_path) -> None:
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text("hidden_size: 64\nnum_hidden_layers: 2\nnum_attention_heads: 4\n"
+                    "intermediate_size: 128\nvocab_size: 100\n")
+    doc = run_json("estimate", "--model", str(spec), "--seq-len", "32")
+    # 2 x 100 x 64 (embedding + head) + 2 layers x (4 x 64^2 + 3 x 64 x 128 + 2 x 64) + 64
+    assert doc["model"]["num_params"] == 2 * 6400 + 2 * (4 * 4096 + 3 * 8192 + 128) + 64
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}))
+    doc2 = run_json("estimate", "--model", str(hf), "--seq-len", "32")
+    assert doc2["model"]["num_params"] == doc["model"]["num_params"]
+
+
+def test_python_dash_m_works() -> None:
+    out = subprocess.run([sys.executable, "-m", "vramcalc", "models", "--json"],
+                         capture_output=True, text=True, check=True)
+    assert "llama3-70b" in out.stdout
+
+
+def test_estimate_path_never_imports_torch() -> None:
+    code = (
+        "import sys\n"
+        "from vramcalc.cli import main\n"
+        "rc = main(['estimate', '--model', '70b', '--gpus', '8xH100', '--zero', '3', '--json'])\n"
+        "rc2 = main(['explain', '--model', 'gpt2'])\n"
+        "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "sys.exit(rc + rc2)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,105 @@
+"""Property tests (hypothesis) for the invariants in STYLE.md."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vramcalc.analytic import estimate
+from vramcalc.model import ModelSpec
+from vramcalc.parallel import ParallelConfig
+from vramcalc.report import ALLOCATED_TERMS
+from vramcalc.scenario import Scenario
+from vramcalc.sharding import sharded_numel
+from vramcalc.terms import activations as act
+from vramcalc.terms.context import RankContext
+from vramcalc.terms.gradients import gradients_bytes
+from vramcalc.terms.optimizer_states import optimizer_states_bytes
+from vramcalc.terms.weights import weights_bytes
+from vramcalc.training import OPTIMIZERS, PRECISIONS, TrainingConfig
+
+
+@st.composite
+def specs(draw: st.DrawFn) -> ModelSpec:
+    kv = draw(st.sampled_from([1, 2, 4]))
+    heads = kv * draw(st.sampled_from([1, 2, 4]))
+    head_dim = draw(st.sampled_from([16, 32, 64]))
+    gpt2 = draw(st.booleans())
+    return ModelSpec(
+        hidden_size=heads * head_dim,
+        num_hidden_layers=draw(st.integers(1, 6)),
+        num_attention_heads=heads,
+        num_key_value_heads=heads if gpt2 else kv,
+        intermediate_size=draw(st.sampled_from([64, 256, 1000])),
+        vocab_size=draw(st.integers(100, 5000)),
+        max_position_embeddings=2048,
+        mlp_kind="standard" if gpt2 else "gated",
+        norm_kind="layernorm" if gpt2 else "rmsnorm",
+        norm_bias=gpt2, attention_bias=gpt2, attention_out_bias=gpt2, mlp_bias=gpt2,
+        position_embedding="learned" if gpt2 else "rope",
+        tie_word_embeddings=gpt2,
+    )
+
+
+trainings = st.builds(
+    TrainingConfig,
+    seq_len=st.sampled_from([16, 64, 256, 1024]),
+    micro_batch_size=st.integers(1, 4),
+    grad_accum=st.integers(1, 3),
+    precision=st.sampled_from(PRECISIONS),
+    optimizer=st.sampled_from(OPTIMIZERS),
+    attention=st.sampled_from(["flash", "eager"]),
+    recompute=st.sampled_from(["none", "selective", "full"]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(specs(), trainings, st.sampled_from([2, 4, 8]))
+def test_zero_stage_never_increases_model_states(spec: ModelSpec, tr: TrainingConfig,
+                                                 dp: int) -> None:
+    prev = None
+    for stage in range(4):
+        ctx = RankContext(spec, tr, ParallelConfig(dp=dp, zero=stage))
+        states = weights_bytes(ctx) + gradients_bytes(ctx) + optimizer_states_bytes(ctx)
+        if prev is not None:
+            assert states <= prev
+        prev = states
+
+
+@settings(max_examples=60, deadline=None)
+@given(specs(), trainings)
+def test_recompute_never_increases_activations(spec: ModelSpec, tr: TrainingConfig) -> None:
+    per = {}
+    for rec in ("none", "selective", "full"):
+        ctx = RankContext(spec, tr.model_copy(update={"recompute": rec}), ParallelConfig(dp=1))
+        per[rec] = act.layer_activation_bytes(ctx)
+    assert per["full"] <= per["selective"] <= per["none"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(specs(), trainings, st.integers(2, 4))
+def test_activations_linear_in_micro_batch(spec: ModelSpec, tr: TrainingConfig, k: int) -> None:
+    one = RankContext(spec, tr.model_copy(update={"micro_batch_size": 1}), ParallelConfig(dp=1))
+    many = RankContext(spec, tr.model_copy(update={"micro_batch_size": k}), ParallelConfig(dp=1))
+    a1, ak = act.layer_activation_bytes(one), act.layer_activation_bytes(many)
+    n_tensors = len(act.layer_saved(one))
+    # each saved tensor is rounded up to 512 B once, so linearity holds within that slack
+    assert abs(ak - k * a1) <= k * n_tensors * 512
+
+
+@settings(max_examples=60, deadline=None)
+@given(specs(), trainings)
+def test_terms_are_non_negative_ints_and_add_up(spec: ModelSpec, tr: TrainingConfig) -> None:
+    rep = estimate(Scenario(model=spec, training=tr))
+    terms = rep.terms.as_dict()
+    assert all(isinstance(v, int) and v >= 0 for v in terms.values())
+    assert sum(terms[t] for t in ALLOCATED_TERMS) == rep.peak_allocated_bytes
+    assert rep.peak_allocated_bytes + terms["overhead"] == rep.device_total_bytes
+    assert rep.peak_allocated_bytes == max(rep.phases.values())
+    assert rep.first_step_peak_bytes <= rep.peak_allocated_bytes
+
+
+@given(st.integers(1, 10**12), st.integers(1, 4096))
+def test_sharding_never_undercounts(numel: int, degree: int) -> None:
+    assert sharded_numel(numel, degree) * degree >= numel
+    assert (sharded_numel(numel, degree) - 1) * degree < numel
