@@ -2,6 +2,16 @@
 
 All degrees are validated in one place, `resolve_layout`, which raises InputError
 with a message a user can act on (cf. torchtitan's ParallelDims._validate).
+
+Which implementation's semantics apply (docs/parallelism.md, "Sharding engines"):
+
+| flags                         | engine     | what is modelled |
+|-------------------------------|------------|------------------|
+| --fsdp full/grad-op/hybrid    | fsdp2      | PyTorch FSDP2 `fully_shard` per transformer block + root |
+| --framework megatron          | megatron   | Megatron-LM: fp32 main-grad buffer; --zero 1 = distributed optimizer |
+| --zero 1/2/3                  | deepspeed  | DeepSpeed ZeRO stage 1/2/3 at its default buckets |
+| dp > 1, none of the above     | ddp        | torch DistributedDataParallel (bucketed all-reduce) |
+| one rank                      | single     | nothing to shard |
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from vramcalc.model import ModelSpec
 from vramcalc.training import TrainingConfig
 
 OffloadTarget = Literal["optimizer", "gradients", "params"]
+Engine = Literal["single", "ddp", "deepspeed", "fsdp2", "megatron"]
 
 
 class ParallelConfig(BaseModel):
@@ -36,6 +47,7 @@ class ParallelConfig(BaseModel):
     pp_schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
     virtual_stages: int = Field(default=1, gt=0, le=1000)
     num_microbatches: int | None = Field(default=None, gt=0, le=10_000_000)
+    global_batch_size: int | None = Field(default=None, gt=0, le=1_000_000_000)
     capacity_factor: float = Field(default=1.0, gt=0, le=100)
 
     @property
@@ -53,10 +65,39 @@ class ParallelConfig(BaseModel):
 
     @property
     def shard_degree(self) -> int:
-        """Ranks that one parameter/gradient/optimizer shard is spread over."""
+        """Ranks one dense parameter/gradient/optimizer shard is spread over.
+
+        Data-parallel and context-parallel ranks hold the same weights, so both shard them
+        (Megatron's distributed optimizer uses the DP x CP group; torchtitan shards FSDP over
+        dp_shard x cp); hybrid sharding uses the shard group only.
+        """
         if self.fsdp == "hybrid" and self.shard_group:
             return self.shard_group
-        return self.dp_degree
+        return self.dp_degree * self.cp
+
+    @property
+    def expert_shard_degree(self) -> int:
+        """Ranks one expert shard is spread over: the expert-data-parallel group dp·cp/ep."""
+        if self.fsdp == "hybrid" and self.shard_group:
+            return max(self.shard_group // self.ep, 1) if self.shard_group % self.ep == 0 else 1
+        return max(self.dp_degree * self.cp // self.ep, 1)
+
+    @property
+    def pp_chunks(self) -> int:
+        """Model chunks per pipeline rank: v under the interleaved schedule, else 1."""
+        return self.virtual_stages if self.pp_schedule == "interleaved" else 1
+
+    def engine(self, framework: str) -> Engine:
+        """Whose sharding and buffer semantics apply (see the module docstring)."""
+        if self.fsdp != "none":
+            return "fsdp2"
+        if framework == "megatron":
+            return "megatron"
+        if self.zero:
+            return "deepspeed"
+        if self.dp_degree * self.cp > 1:
+            return "ddp"
+        return "single"
 
 
 def resolve_layout(

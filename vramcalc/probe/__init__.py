@@ -1,0 +1,1 @@
+"""The probe engine: real-device memory measurements (torch imported only inside functions)."""

@@ -1,0 +1,43 @@
+"""`vramcalc probe --run -- CMD`: run an unmodified training command with the probe hook."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from vramcalc.errors import InputError
+
+HOOK_DIR = Path(__file__).resolve().parent / "hook"
+
+
+def run_command(cmd: list[str], interval: float = 0.0,
+                out_dir: Path | None = None) -> tuple[int, list[dict[str, Any]]]:
+    """Run `cmd` with the hook on PYTHONPATH; return its exit code and one record per rank.
+
+    torchrun's workers inherit the environment, so every rank writes its own file.
+    """
+    if not cmd:
+        raise InputError("--run needs a command after '--', e.g. vramcalc probe --run -- python train.py")
+    work = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="vramcalc-probe-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HOOK_DIR)] + (
+        [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["VRAMCALC_PROBE_DIR"] = str(work)
+    env["VRAMCALC_PROBE_INTERVAL"] = str(interval)
+    try:
+        proc = subprocess.run(cmd, env=env, check=False)
+    except FileNotFoundError:
+        raise InputError(f"command not found: {cmd[0]}") from None
+    records = []
+    for path in sorted(work.glob("rank*.json")):
+        try:
+            records.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, json.JSONDecodeError):
+            continue
+    records.sort(key=lambda r: (r.get("rank", 0), r.get("pid", 0)))
+    return proc.returncode, records

@@ -1,0 +1,313 @@
+"""vramcalc's reference decoder-only transformer, built from a ModelSpec.
+
+This is the model the `reference` framework profile describes: the trace engine runs it
+under FakeTensorMode and docs/saved-tensors.md lists, per layer, every tensor it keeps for
+backward. Parameter names and shapes follow `vramcalc.model.param_tensors`, so
+`sum(p.numel() for p in model.parameters()) == spec.num_params`.
+
+Two block styles, chosen by the spec's fields:
+- Llama-style: RMSNorm, rotary positions, grouped-query attention (g <= a kv heads),
+  SwiGLU MLP, optional q/k/v and o biases, optional per-head q/k RMSNorm (Qwen3), and
+  mixture-of-experts layers (router + top-k experts + optional shared experts);
+- GPT-2-style: LayerNorm with bias, learned positions, 2-matrix GELU MLP, biases, tied head.
+
+Attention `flash` calls F.scaled_dot_product_attention (a fused kernel: it keeps q, k, v,
+its output and the fp32 logsumexp); `eager` writes softmax(QKᵀ/√d)V out, keeping the
+(b, a, s, s) probabilities. Recompute `full` checkpoints every layer, `selective` only the
+attention core (torch.utils.checkpoint, use_reentrant=False). The forward returns the loss
+(cross entropy on next-token labels, computed in fp32) so the training loop holds no logits.
+
+Legend: b batch, s sequence, h hidden, a heads, g kv heads, d head dim, f FFN size,
+V vocab, P max positions, E experts, k experts per token, N = b·s tokens,
+C = ⌈capacity_factor · N·k / E⌉ expert capacity.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from vramcalc.model import ModelSpec
+
+ROPE_THETA = 10_000.0  # rotary base (Su et al. 2021); it changes values, not memory
+NORM_EPS = 1e-5
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls run in: the autocast dtype when autocast is on, else x's dtype."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+def _fused_kernels(x: torch.Tensor) -> bool:
+    """Use aten's fused RMSNorm kernels (CUDA, and fake/meta tensors standing in for CUDA);
+    real CPU tensors have no fused kernel and take the composite path."""
+    return x.device.type != "cpu" or type(x).__name__ == "FakeTensor"
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm that saves what fused CUDA kernels save: the input x and fp32 rstd (..., 1)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):  # type: ignore[override]
+        if _fused_kernels(x):
+            y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        else:
+            xf = x.float()
+            rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1) fp32
+            y = (xf * rstd).to(x.dtype) * weight
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, weight, rstd = ctx.saved_tensors
+        if _fused_kernels(x):
+            dx, dw = torch.ops.aten._fused_rms_norm_backward(
+                grad, x, [x.shape[-1]], rstd, weight, [True, True])
+            return dx, dw, None
+        xhat = x.float() * rstd
+        gw = grad.float() * weight.float()
+        dx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+        dw = (grad.float() * xhat).reshape(-1, x.shape[-1]).sum(0)
+        return dx.to(x.dtype), dw.to(weight.dtype), None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float = NORM_EPS, **kw: object) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width, **kw))  # type: ignore[arg-type]
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype:
+            # mixed dtypes only under autocast (16-bit q/k into qk_norm); CUDA autocast runs
+            # rms_norm in fp32, so the saved input is the fp32 copy
+            x = x.to(self.weight.dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+def make_norm(spec: ModelSpec, width: int, **kw: object) -> nn.Module:
+    if spec.norm_kind == "layernorm":
+        return nn.LayerNorm(width, eps=NORM_EPS, bias=spec.norm_bias, **kw)  # type: ignore[arg-type]
+    return RMSNorm(width, **kw)
+
+
+def activation(name: str):  # noqa: ANN201
+    """The spec's hidden_act as a function (each saves its input, relu its output)."""
+    if name in ("silu", "swish"):
+        return F.silu
+    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_python_tanh"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    if name == "relu":
+        return F.relu
+    raise ValueError(f"unsupported hidden_act {name!r}")
+
+
+def rope_tables(s: int, d: int, device: torch.device, dtype: torch.dtype):  # noqa: ANN201
+    """cos, sin: (s, 1, d) rotary tables in the compute dtype, built once per forward."""
+    inv = 1.0 / ROPE_THETA ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+    freqs = torch.outer(torch.arange(s, device=device, dtype=torch.float32), inv)  # (s, d/2)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (s, 1, d)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (b, s, heads, d) -> same; keeps only cos/sin for backward (shared by all layers)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, attention: str, recompute: str, **kw: object) -> None:
+        super().__init__()
+        h, a, g, d = spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.head_size
+        self.a, self.g, self.d = a, g, d
+        self.q_proj = nn.Linear(h, a * d, bias=spec.attention_bias, **kw)  # type: ignore[arg-type]
+        self.k_proj = nn.Linear(h, g * d, bias=spec.attention_bias, **kw)  # type: ignore[arg-type]
+        self.v_proj = nn.Linear(h, g * d, bias=spec.attention_bias, **kw)  # type: ignore[arg-type]
+        self.o_proj = nn.Linear(a * d, h, bias=spec.attention_out_bias, **kw)  # type: ignore[arg-type]
+        self.q_norm = make_norm(spec, d, **kw) if spec.qk_norm else None
+        self.k_norm = make_norm(spec, d, **kw) if spec.qk_norm else None
+        self.attention = attention
+        self.selective = recompute == "selective"
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             mask: torch.Tensor | None) -> torch.Tensor:
+        """softmax(q kᵀ/√d) v: q (b, a, s, d), k and v (b, g, s, d) -> (b, a, s, d)."""
+        if self.attention == "flash":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                  enable_gqa=self.g != self.a)
+        if self.g != self.a:  # eager attention needs k and v for every head: (b, a, s, d)
+            k = k.repeat_interleave(self.a // self.g, dim=1)
+            v = v.repeat_interleave(self.a // self.g, dim=1)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.d))  # (b, a, s, s)
+        att = att.masked_fill(mask, float("-inf"))  # mask: (s, s) bool, True above diagonal
+        att = F.softmax(att, dim=-1)  # (b, a, s, s): saved by softmax and by att @ v
+        return att @ v  # (b, a, s, d)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.a, self.d)  # (b, s, a, d)
+        k = self.k_proj(x).view(b, s, self.g, self.d)  # (b, s, g, d)
+        v = self.v_proj(x).view(b, s, self.g, self.d)  # (b, s, g, d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, heads, s, d)
+        if self.selective:
+            y = checkpoint(self.core, q, k, v, mask, use_reentrant=False,
+                           preserve_rng_state=False)
+        else:
+            y = self.core(q, k, v, mask)
+        y = y.transpose(1, 2).reshape(b, s, self.a * self.d)  # (b, s, a·d)
+        return self.o_proj(y)  # (b, s, h)
+
+
+class MLP(nn.Module):
+    """Gated: down(act(gate(x)) · up(x)); standard: proj(act(fc(x)))."""
+
+    def __init__(self, spec: ModelSpec, ffn: int, **kw: object) -> None:
+        super().__init__()
+        h, bias = spec.hidden_size, spec.mlp_bias
+        self.gated = spec.mlp_kind == "gated"
+        if self.gated:
+            self.gate_proj = nn.Linear(h, ffn, bias=bias, **kw)  # type: ignore[arg-type]
+            self.up_proj = nn.Linear(h, ffn, bias=bias, **kw)  # type: ignore[arg-type]
+            self.down_proj = nn.Linear(ffn, h, bias=bias, **kw)  # type: ignore[arg-type]
+        else:
+            self.fc = nn.Linear(h, ffn, bias=bias, **kw)  # type: ignore[arg-type]
+            self.proj = nn.Linear(ffn, h, bias=bias, **kw)  # type: ignore[arg-type]
+        self.act = activation(spec.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., h) -> (..., h)
+        if self.gated:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))  # (..., f) inside
+        return self.proj(self.act(self.fc(x)))
+
+
+def capacity_slots(expert: torch.Tensor, num_experts: int, capacity: int):  # noqa: ANN201
+    """Static-shape top-k dispatch (Switch Transformer capacity, Fedus et al. 2021).
+
+    expert: (N, k) chosen experts. Returns slot (E·C,) int64, the flat (token·k + choice)
+    assignment that fills each expert slot, and filled (E·C,) bool. An expert takes its
+    first C assignments in token order and drops the rest; with balanced routing and
+    capacity_factor 1 nothing is dropped.
+    """
+    flat = expert.reshape(-1)  # (N·k,)
+    n = flat.numel()
+    order = torch.argsort(flat, stable=True)  # (N·k,) assignments grouped by expert
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))  # (E,)
+    start = counts.cumsum(0) - counts  # (E,) first sorted position of each expert
+    j = torch.arange(capacity, device=flat.device)  # (C,)
+    pos = (start[:, None] + j[None, :]).clamp(max=n - 1)  # (E, C)
+    filled = j[None, :] < counts[:, None]  # (E, C)
+    return order[pos].reshape(-1), filled.reshape(-1)
+
+
+class MoE(nn.Module):
+    """Router + top-k routed experts (+ shared experts, optionally sigmoid-gated)."""
+
+    def __init__(self, spec: ModelSpec, capacity_factor: float, **kw: object) -> None:
+        super().__init__()
+        h, E = spec.hidden_size, spec.num_local_experts
+        self.num_experts, self.top_k, self.capacity_factor = E, spec.num_experts_per_tok, capacity_factor
+        self.router = nn.Linear(h, E, bias=spec.router_bias, **kw)  # type: ignore[arg-type]
+        self.experts = nn.ModuleList(MLP(spec, spec.expert_ffn, **kw) for _ in range(E))
+        self.shared_experts = nn.ModuleList(
+            MLP(spec, spec.shared_ffn, **kw) for _ in range(spec.num_shared_experts))
+        self.shared_expert_gate = (nn.Linear(h, 1, bias=False, **kw)  # type: ignore[arg-type]
+                                   if spec.shared_expert_gate else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        E, k = self.num_experts, self.top_k
+        C = max(1, math.ceil(self.capacity_factor * b * s * k / E))
+        xt = x.reshape(b * s, h)  # (N, h)
+        probs = F.softmax(self.router(xt).float(), dim=-1)  # (N, E) fp32
+        weight, expert = probs.topk(k, dim=-1)  # (N, k)
+        weight = weight / weight.sum(dim=-1, keepdim=True)  # renormalised over the top k
+        slot, filled = capacity_slots(expert, E, C)  # (E·C,)
+        token = slot // k  # (E·C,) source token of each slot
+        xin = xt[token]  # (E·C, h) tokens gathered per expert
+        gate = (weight.reshape(-1)[slot] * filled).to(x.dtype)  # (E·C,) 0 for empty slots
+        ys = torch.cat([self.experts[e](xin[e * C:(e + 1) * C]) for e in range(E)])  # (E·C, h)
+        y = torch.zeros_like(xt).index_add(0, token, ys * gate[:, None])  # (N, h)
+        for shared in self.shared_experts:
+            out = shared(xt)  # (N, h)
+            if self.shared_expert_gate is not None:
+                out = torch.sigmoid(self.shared_expert_gate(xt)) * out
+            y = y + out
+        return y.view(b, s, h)
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec, moe: bool, attention: str, recompute: str,
+                 capacity_factor: float, **kw: object) -> None:
+        super().__init__()
+        self.input_layernorm = make_norm(spec, spec.hidden_size, **kw)
+        self.attn = Attention(spec, attention, recompute, **kw)
+        self.post_attention_layernorm = make_norm(spec, spec.hidden_size, **kw)
+        self.mlp: nn.Module = (MoE(spec, capacity_factor, **kw) if moe
+                               else MLP(spec, spec.intermediate_size, **kw))
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None) -> torch.Tensor:  # (b, s, h) -> (b, s, h)
+        x = x + self.attn(self.input_layernorm(x), rope, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ReferenceModel(nn.Module):
+    """The whole decoder; `forward(input_ids, labels)` returns the mean next-token loss."""
+
+    def __init__(self, spec: ModelSpec, attention: str = "flash", recompute: str = "none",
+                 capacity_factor: float = 1.0, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        kw: dict[str, object] = {"dtype": dtype, "device": device}
+        h, V = spec.hidden_size, spec.vocab_size
+        self.spec, self.attention, self.recompute = spec, attention, recompute
+        self.embed_tokens = nn.Embedding(V, h, **kw)  # type: ignore[arg-type]
+        self.embed_positions = (nn.Embedding(spec.max_position_embeddings, h, **kw)  # type: ignore[arg-type]
+                                if spec.position_embedding == "learned" else None)
+        self.layers = nn.ModuleList(
+            Block(spec, i >= spec.first_k_dense_replace and spec.is_moe, attention, recompute,
+                  capacity_factor, **kw)
+            for i in range(spec.num_hidden_layers))
+        self.norm = make_norm(spec, h, **kw) if spec.final_norm else None
+        self.lm_head = nn.Linear(h, V, bias=False, **kw)  # type: ignore[arg-type]
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        b, s = input_ids.shape  # (b, s) int64; labels (b, s) int64 are the next tokens
+        x = self.embed_tokens(input_ids)  # (b, s, h)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(torch.arange(s, device=x.device))  # + (s, h)
+        rope = None
+        if self.spec.position_embedding == "rope":
+            rope = rope_tables(s, self.spec.head_size, x.device, compute_dtype(x))
+        mask = None
+        if self.attention == "eager":
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)  # (s, s)
+        for layer in self.layers:
+            if self.recompute == "full":  # keep only each layer's input (b, s, h)
+                x = checkpoint(layer, x, rope, mask, use_reentrant=False,
+                               preserve_rng_state=False)
+            else:
+                x = layer(x, rope, mask)
+        if self.norm is not None:
+            x = self.norm(x)
+        logits = self.lm_head(x).float()  # (b, s, V) fp32; the 16-bit logits are freed at once
+        return F.cross_entropy(logits.view(b * s, -1), labels.reshape(b * s))
