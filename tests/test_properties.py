@@ -57,6 +57,10 @@ trainings = st.builds(
 @given(specs(), trainings, st.sampled_from([2, 4, 8]))
 def test_zero_stage_never_increases_model_states(spec: ModelSpec, tr: TrainingConfig,
                                                  dp: int) -> None:
+    if tr.optimizer == "adafactor":
+        # a real exception: DeepSpeed hands the optimizer one flat 1-D partition, which
+        # Adafactor cannot factor, so ZeRO-1 keeps n/N second moments instead of rows + cols
+        tr = tr.model_copy(update={"optimizer": "adamw"})
     prev = None
     for stage in range(4):
         ctx = RankContext(spec, tr, ParallelConfig(dp=dp, zero=stage))

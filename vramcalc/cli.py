@@ -69,12 +69,21 @@ _COMMON = [
 
 
 def scenario_command(name: str, help_text: str, extra: list[inspect.Parameter] | None = None,
-                     defaults: dict[str, Any] | None = None) -> Callable:
-    """Register a command taking every scenario option (one table: vramcalc.options)."""
+                     defaults: dict[str, Any] | None = None, with_context: bool = False,
+                     context_settings: dict[str, Any] | None = None) -> Callable:
+    """Register a command taking every scenario option (one table: vramcalc.options).
+
+    `extra` adds the command's own options; `with_context` passes typer's Context as `ctx`
+    (for commands that take trailing arguments, e.g. `probe --run -- CMD`).
+    """
 
     def decorate(func: Callable) -> Callable:
-        params = [_param(o, (defaults or {}).get(o.name, inspect.Parameter.empty))
-                  for o in SCENARIO_OPTIONS]
+        params = []
+        if with_context:
+            params.append(inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                            annotation=typer.Context))
+        params += [_param(o, (defaults or {}).get(o.name, inspect.Parameter.empty))
+                   for o in SCENARIO_OPTIONS]
         params += list(extra or []) + _COMMON
 
         def wrapper(**kwargs: Any) -> None:
@@ -83,10 +92,16 @@ def scenario_command(name: str, help_text: str, extra: list[inspect.Parameter] |
         wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         wrapper.__name__ = func.__name__
         wrapper.__doc__ = help_text
-        app.command(name, help=help_text)(wrapper)
+        app.command(name, help=help_text, context_settings=context_settings)(wrapper)
         return func
 
     return decorate
+
+
+def option(name: str, annotation: Any, default: Any, *flags: str, help: str) -> inspect.Parameter:
+    """A command's own option, for `scenario_command(extra=[...])`."""
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                             default=typer.Option(default, *flags, help=help))
 
 
 def _split(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[Path] | None, bool]:
@@ -198,15 +213,15 @@ def validate_cmd(
     quick: bool = typer.Option(False, "--quick", help="A small subset of the grid."),
 ) -> None:
     """Analytic vs trace over the scenario grid; exit 1 when out of tolerance."""
-    try:
-        from vramcalc.validate import default_grid, run_validation
-    except ImportError as err:
-        raise InputError(f"validate needs PyTorch: pip install 'vramcalc[torch]' ({err})") from None
     if records is not None:
-        from vramcalc.validate import validate_records
+        from vramcalc.probe.compare import compare_records
 
-        result = validate_records(records)
+        result = compare_records(records)
     else:
+        try:
+            from vramcalc.validate import default_grid, run_validation
+        except ImportError as err:
+            raise InputError(f"validate needs PyTorch: pip install 'vramcalc[torch]' ({err})") from None
         grid = default_grid()
         if quick:
             grid = grid[::8]
@@ -232,7 +247,9 @@ def validate_cmd(
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the app, turning bad input into one line and exit code 2."""
     try:
-        app(args=argv, standalone_mode=False, prog_name="vramcalc")
+        rv = app(args=argv, standalone_mode=False, prog_name="vramcalc")
+        if isinstance(rv, int):  # click returns Exit codes instead of raising here
+            return rv
     except InputError as err:
         sys.stderr.write(f"error: {err}\n")
         return EXIT_BAD_INPUT
@@ -258,3 +275,7 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> None:
     """Console-script entry."""
     sys.exit(main())
+from vramcalc import cli_probe  # noqa: E402,F401
+
+
+from vramcalc import cli_plan  # noqa: E402,F401

@@ -103,7 +103,8 @@ class ParallelConfig(BaseModel):
 def resolve_layout(
     spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig, world_size: int
 ) -> ParallelConfig:
-    """Check a layout against the model and cluster; return it with dp filled in."""
+    """Check a layout against the model and cluster; return it with dp (and the number of
+    micro-batches, when a global batch is given) filled in. Raises InputError."""
     tp, pp, cp, ep = parallel.tp, parallel.pp, parallel.cp, parallel.ep
     model_par = tp * pp * cp
     if parallel.dp is None:
@@ -126,14 +127,7 @@ def resolve_layout(
         raise InputError(
             f"tp={tp} does not divide num_key_value_heads={spec.kv_heads} (nor is it a multiple)"
         )
-    v = parallel.virtual_stages if parallel.pp_schedule == "interleaved" else 1
-    if parallel.pp_schedule != "interleaved" and parallel.virtual_stages != 1:
-        raise InputError("--virtual-stages needs --pp-schedule interleaved")
-    if spec.num_hidden_layers % (pp * v):
-        raise InputError(
-            f"num_hidden_layers={spec.num_hidden_layers} is not divisible by pp x virtual "
-            f"stages = {pp * v}"
-        )
+    _check_pipeline(spec, training, parallel)
     if ep > 1:
         if not spec.is_moe:
             raise InputError(f"ep={ep} needs a mixture-of-experts model; {spec.name} is dense")
@@ -159,22 +153,116 @@ def resolve_layout(
     if parallel.fsdp == "hybrid":
         if not parallel.shard_group:
             raise InputError("--fsdp hybrid needs --shard-group N (ranks per shard group)")
-        if dp % parallel.shard_group:
-            raise InputError(f"--shard-group {parallel.shard_group} does not divide dp={dp}")
+        if (dp * cp) % parallel.shard_group:
+            raise InputError(
+                f"--shard-group {parallel.shard_group} does not divide dp x cp = {dp * cp}"
+            )
+        if parallel.shard_group % ep:
+            raise InputError(f"ep={ep} does not divide --shard-group {parallel.shard_group}")
     elif parallel.shard_group:
         raise InputError("--shard-group only applies to --fsdp hybrid")
-    if "params" in parallel.offload and parallel.shard_stage != 3:
-        raise InputError("parameter offload needs ZeRO-3 / FSDP full sharding")
-    if "gradients" in parallel.offload and parallel.shard_stage < 2 and parallel.fsdp == "none":
-        raise InputError("gradient offload needs ZeRO-2 or higher")
-    if parallel.offload and parallel.shard_stage == 0:
+    resolved = parallel.model_copy(update={"dp": dp})
+    _check_engine(training, resolved)
+    m = _microbatches(training, resolved)
+    if m is not None:
+        resolved = resolved.model_copy(update={"num_microbatches": m})
+    return resolved
+
+
+def _check_pipeline(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig) -> None:
+    pp = parallel.pp
+    if parallel.pp_schedule != "interleaved" and parallel.virtual_stages != 1:
+        raise InputError("--virtual-stages needs --pp-schedule interleaved")
+    if parallel.pp_schedule == "interleaved" and pp == 1:
+        raise InputError("--pp-schedule interleaved needs --pp > 1")
+    v = parallel.pp_chunks
+    if spec.num_hidden_layers % (pp * v):
+        raise InputError(
+            f"num_hidden_layers={spec.num_hidden_layers} is not divisible by pp x virtual "
+            f"stages = {pp * v}"
+        )
+
+
+def _check_engine(training: TrainingConfig, par: ParallelConfig) -> None:
+    """Combinations the modelled implementation does not run, and offload rules per engine."""
+    engine = par.engine(training.framework)
+    off = set(par.offload)
+    if engine == "deepspeed" and par.zero >= 2 and par.pp > 1:
+        # deepspeed/runtime/pipe/engine.py: "ZeRO-2 and ZeRO-3 are incompatible with
+        # pipeline parallelism"
+        raise InputError(
+            f"DeepSpeed ZeRO-{par.zero} does not run with pipeline parallelism (pp={par.pp}); "
+            "use --zero 1, or --fsdp full"
+        )
+    if engine == "megatron" and par.zero >= 2:
+        raise InputError(
+            "Megatron-LM shards optimizer states only (--zero 1 = distributed optimizer); "
+            "use --fsdp full for sharded gradients and parameters"
+        )
+    if par.offload_device == "nvme" and engine != "deepspeed":
+        raise InputError("nvme offload is DeepSpeed ZeRO-Infinity: use it with --zero")
+    if not off:
+        return
+    if engine in ("single", "ddp"):
         raise InputError("offload needs ZeRO-1 or higher (or FSDP)")
-    if parallel.offload_device == "nvme" and "optimizer" not in parallel.offload and (
-        "params" not in parallel.offload
-    ):
-        raise InputError("nvme offload applies to optimizer states or parameters")
-    if parallel.num_microbatches is not None and pp == 1 and parallel.num_microbatches != (
-        training.grad_accum
-    ):
+    if engine == "deepspeed":
+        if "params" in off and par.zero != 3:
+            raise InputError("parameter offload needs ZeRO-3")
+        if "gradients" in off and "optimizer" not in off:
+            raise InputError(
+                "DeepSpeed offloads gradients together with the optimizer (ZeRO-Offload): "
+                "use --offload optimizer"
+            )
+    elif engine == "fsdp2":
+        if "params" not in off:
+            raise InputError(
+                "FSDP2 offloads parameters, gradients and the optimizer step together "
+                "(CPUOffloadPolicy): use --offload params"
+            )
+        if par.fsdp == "grad-op":
+            raise InputError("FSDP2 CPU offload needs --fsdp full or hybrid")
+    elif engine == "megatron":
+        if off != {"optimizer"} or par.zero != 1:
+            raise InputError(
+                "Megatron-LM offloads the optimizer only, with the distributed optimizer: "
+                "use --zero 1 --offload optimizer"
+            )
+
+
+def _microbatches(training: TrainingConfig, par: ParallelConfig) -> int | None:
+    """Micro-batches per optimizer step: given, derived from a global batch, or None."""
+    m = par.num_microbatches
+    gb = par.global_batch_size
+    dp, mbs = par.dp_degree, training.micro_batch_size
+    if gb is not None:
+        if gb % (dp * mbs):
+            raise InputError(
+                f"global batch {gb} is not divisible by dp x micro-batch = {dp} x {mbs}"
+            )
+        derived = gb // (dp * mbs)
+        if m is not None and m != derived:
+            raise InputError(
+                f"--num-microbatches {m} contradicts global batch {gb} / (dp {dp} x "
+                f"micro-batch {mbs}) = {derived}"
+            )
+        if training.grad_accum not in (1, derived):
+            raise InputError(
+                f"--grad-accum {training.grad_accum} contradicts global batch {gb} / "
+                f"(dp {dp} x micro-batch {mbs}) = {derived}"
+            )
+        m = derived
+    elif m is not None and par.pp == 1 and m != training.grad_accum:
         raise InputError("--num-microbatches applies to pipeline parallelism; use --grad-accum")
-    return parallel.model_copy(update={"dp": dp})
+    eff = m if m is not None else training.grad_accum
+    if par.pp_schedule == "interleaved" and eff % par.pp:
+        # Megatron-LM (schedules.py): the interleaved schedule needs m divisible by pp
+        raise InputError(
+            f"the interleaved schedule needs the number of micro-batches ({eff}) to be a "
+            f"multiple of pp={par.pp}; set --num-microbatches"
+        )
+    return m
+
+
+def num_microbatches(training: TrainingConfig, parallel: ParallelConfig) -> int:
+    """Micro-batches per optimizer step on one pipeline (gradient-accumulation steps)."""
+    return parallel.num_microbatches or training.grad_accum

@@ -1,22 +1,42 @@
 """Which parameter tensors one rank holds, and at what size.
 
 Per rank: tensor-parallel matrices split ÷tp (norms replicated, vocab-parallel embedding
-and head split), pipeline stages hold L/pp layers (first stage: embedding; last stage:
-final norm and head; tied embeddings are held by both), experts ÷ep. ZeRO-3 / FSDP then
-shards every tensor over the shard group (FSDP2 shards dim 0 with padding: ceil division).
+and head split), pipeline rank r holds the layers of its model chunks (chunk c = r + k·p,
+k < v, layers [c·L/(p·v), (c+1)·L/(p·v)); v = 1 outside the interleaved schedule), the
+first rank the embedding, the last rank the final norm and head (tied embeddings are held
+by both), experts ÷ep. Sharding (ZeRO/FSDP/distributed optimizer) then divides what is
+held over the shard group, in one of four layouts (`Layout`):
+
+| layout  | who                                | bytes per rank |
+|---------|------------------------------------|----------------|
+| tensor  | replicated (DDP, no sharding)      | Σ round512(numel·bits/8) per tensor |
+| dim0    | FSDP2 (`fully_shard`, Shard(0))    | Σ round512(⌈rows/N⌉·cols·bits/8): dim 0 padded to a multiple of N |
+| flat    | DeepSpeed ZeRO-1/2, Megatron distributed optimizer | round512(⌈Σ numel / N⌉·bits/8): one flat buffer, partitioned |
+| persist | DeepSpeed ZeRO-3 parameters        | tensors ≤ 1e5 elements whole (stage3_param_persistence_threshold), the rest ⌈numel/N⌉ in one flat buffer |
+
+Everything here is cached on hashable inputs: `estimate` is called thousands of times
+per plan.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Literal
 
 from vramcalc.model import ModelSpec, ParamTensor, param_tensors
 from vramcalc.parallel import ParallelConfig
-from vramcalc.units import ceil_div
-
+from vramcalc.units import alloc, ceil_div
 
 # Row-parallel matrices split their input dimension under TP (Megatron RowParallelLinear).
 ROW_PARALLEL = ("o_proj.weight", "down_proj.weight", "proj.weight")
+
+# DeepSpeed ZeRO-3 keeps parameters of at most this many elements unpartitioned on every
+# rank (stage3_param_persistence_threshold = 1e5; deepspeed/runtime/zero/config.py,
+# DeepSpeed 0.16.5 @ 38327e07).
+DS_PERSISTENCE_THRESHOLD = 100_000
+
+Layout = Literal["tensor", "dim0", "flat", "persist"]
 
 
 @dataclass(frozen=True)
@@ -29,21 +49,112 @@ class RankTensor:
     group: str
     rows: int = 0  # local first dimension (0 for vectors)
 
+    @property
+    def is_expert(self) -> bool:
+        return self.group == "expert"
+
+
+@dataclass(frozen=True, eq=False)
+class RankShapes:
+    """The parameter tensors of one pipeline rank, with memoized byte sums."""
+
+    tensors: tuple[RankTensor, ...]
+    num_layers: int
+    num_moe_layers: int
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def nbytes(self, dtype: str, shard: int = 1, expert_shard: int = 1,
+               layout: Layout = "tensor", groups: tuple[str, ...] | None = None) -> int:
+        """Bytes one rank keeps of these tensors in `dtype`, sharded over `shard` ranks
+        (experts over `expert_shard`) in `layout`; `groups` limits the tensor groups."""
+        key = (dtype, shard, expert_shard, layout, groups)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = _sharded_bytes(self.tensors, dtype, shard, expert_shard,
+                                                   layout, groups)
+        return hit
+
+    def numel(self, groups: tuple[str, ...] | None = None) -> int:
+        """Local (TP/EP-split) elements held by this rank, unsharded."""
+        key = ("numel", groups)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = sum(t.numel * t.count for t in self.tensors
+                                        if groups is None or t.group in groups)
+        return hit
+
+
+def dim0_numel(t: RankTensor, shard: int) -> int:
+    """FSDP2 shard of one tensor: dim 0 padded to a multiple of the shard group."""
+    if shard <= 1:
+        return t.numel
+    if t.rows:
+        return ceil_div(t.rows, shard) * (t.numel // t.rows)
+    return ceil_div(t.numel, shard)
+
+
+def _sharded_bytes(tensors: tuple[RankTensor, ...], dtype: str, shard: int, expert_shard: int,
+                   layout: Layout, groups: tuple[str, ...] | None) -> int:
+    sel = [t for t in tensors if groups is None or t.group in groups]
+    if layout == "tensor" or (shard <= 1 and expert_shard <= 1 and layout != "flat"):
+        return sum(t.count * alloc(t.numel, dtype) for t in sel)
+    if layout == "dim0":
+        return sum(t.count * alloc(dim0_numel(t, expert_shard if t.is_expert else shard), dtype)
+                   for t in sel)
+    total = 0
+    for experts in (False, True):
+        part = [t for t in sel if t.is_expert == experts]
+        if not part:
+            continue
+        n = expert_shard if experts else shard
+        if layout == "flat":
+            total += alloc(ceil_div(sum(t.numel * t.count for t in part), n), dtype)
+            continue
+        # persist: small tensors whole, the rest partitioned into one flat buffer
+        kept = [t for t in part if t.numel <= DS_PERSISTENCE_THRESHOLD]
+        flat = sum(t.count * ceil_div(t.numel, n) for t in part
+                   if t.numel > DS_PERSISTENCE_THRESHOLD)
+        total += sum(t.count * alloc(t.numel, dtype) for t in kept) + alloc(flat, dtype)
+    return total
+
 
 def stage_layers(spec: ModelSpec, parallel: ParallelConfig) -> int:
-    """Transformer layers held by one pipeline stage (all virtual chunks together)."""
+    """Transformer layers held by one pipeline rank (all its virtual chunks together)."""
     return spec.num_hidden_layers // parallel.pp
 
 
-def rank_tensors(spec: ModelSpec, parallel: ParallelConfig, stage: int = 0) -> list[RankTensor]:
-    """Parameter tensors held by a rank of pipeline stage `stage` (before ZeRO-3 sharding)."""
-    pp, tp, ep = parallel.pp, parallel.tp, parallel.ep
+def stage_layer_indices(num_layers: int, pp: int, v: int, stage: int) -> tuple[int, ...]:
+    """Global indices of the layers pipeline rank `stage` holds (v chunks, round robin)."""
+    per_chunk = num_layers // (pp * v)
+    out: list[int] = []
+    for k in range(v):
+        c = stage + k * pp
+        out.extend(range(c * per_chunk, (c + 1) * per_chunk))
+    return tuple(out)
+
+
+def moe_layers_on_stage(spec: ModelSpec, pp: int, v: int, stage: int) -> int:
+    """MoE layers on pipeline rank `stage` (layers from first_k_dense_replace on are MoE)."""
+    if not spec.is_moe:
+        return 0
+    k = spec.first_k_dense_replace
+    return sum(1 for i in stage_layer_indices(spec.num_hidden_layers, pp, v, stage) if i >= k)
+
+
+def rank_shapes(spec: ModelSpec, parallel: ParallelConfig, stage: int = 0) -> RankShapes:
+    """The tensors pipeline rank `stage` holds (cached on the degrees that matter)."""
+    return _rank_shapes(spec, parallel.tp, parallel.pp, parallel.pp_chunks, parallel.ep, stage)
+
+
+@lru_cache(maxsize=4096)
+def _rank_shapes(spec: ModelSpec, tp: int, pp: int, v: int, ep: int, stage: int) -> RankShapes:
     first, last = stage == 0, stage == pp - 1
-    layer_frac_num = stage_layers(spec, parallel)
+    n_layers = spec.num_hidden_layers // pp
+    n_moe = moe_layers_on_stage(spec, pp, v, stage)
     out: list[RankTensor] = []
     for t in param_tensors(spec):
         numel = ceil_div(t.numel, tp) if (t.tp_split and tp > 1) else t.numel
-        count = _stage_count(t, spec, layer_frac_num, first, last)
+        count = _stage_count(t, spec, n_layers, n_moe, first, last)
         if t.group == "expert" and count:
             count = ceil_div(count, ep)
         rows = t.rows
@@ -52,12 +163,16 @@ def rank_tensors(spec: ModelSpec, parallel: ParallelConfig, stage: int = 0) -> l
         if count:
             out.append(RankTensor(name=t.name, numel=numel, count=count, group=t.group,
                                   rows=rows))
-    return out
+    return RankShapes(tensors=tuple(out), num_layers=n_layers, num_moe_layers=n_moe)
 
 
-def _stage_count(t: ParamTensor, spec: ModelSpec, stage_layers_n: int, first: bool,
+def rank_tensors(spec: ModelSpec, parallel: ParallelConfig, stage: int = 0) -> tuple[RankTensor, ...]:
+    """Parameter tensors held by a rank of pipeline stage `stage` (before sharding)."""
+    return rank_shapes(spec, parallel, stage).tensors
+
+
+def _stage_count(t: ParamTensor, spec: ModelSpec, n_layers: int, n_moe: int, first: bool,
                  last: bool) -> int:
-    L = spec.num_hidden_layers
     if t.group == "embedding":
         if first:
             return t.count
@@ -68,23 +183,11 @@ def _stage_count(t: ParamTensor, spec: ModelSpec, stage_layers_n: int, first: bo
     if t.group in ("final", "head"):
         return t.count if last else 0
     # per-layer tensors: t.count is a multiple of the number of layers holding them
-    if t.name.startswith("experts.") or t.name.startswith("router") or t.name.startswith(
-        "shared_expert"
-    ):
-        per_layer = t.count // max(spec.num_moe_layers, 1)
-        # MoE layers sit after the first_k_dense_replace dense layers; spread evenly
-        return per_layer * _moe_layers_on_stage(spec, stage_layers_n)
+    if t.name.startswith(("experts.", "router", "shared_expert")):
+        return t.count // max(spec.num_moe_layers, 1) * n_moe
     if t.name.startswith("mlp."):
-        per_layer = t.count // max(spec.num_dense_layers, 1)
-        return per_layer * (stage_layers_n - _moe_layers_on_stage(spec, stage_layers_n))
-    return t.count * stage_layers_n // L
-
-
-def _moe_layers_on_stage(spec: ModelSpec, stage_layers_n: int) -> int:
-    """MoE layers on the worst stage (stages after the leading dense layers hold only MoE)."""
-    if not spec.is_moe:
-        return 0
-    return min(stage_layers_n, spec.num_moe_layers)
+        return t.count // max(spec.num_dense_layers, 1) * (n_layers - n_moe)
+    return t.count // spec.num_hidden_layers * n_layers
 
 
 def sharded_numel(numel: int, shard: int) -> int:
@@ -93,16 +196,48 @@ def sharded_numel(numel: int, shard: int) -> int:
 
 
 def layer_param_numels(spec: ModelSpec, parallel: ParallelConfig) -> list[int]:
-    """Local numels of one transformer layer's tensors (the unit FSDP gathers at once)."""
-    tp = parallel.tp
-    out = []
+    """Local numels of one transformer layer's tensors (the unit FSDP gathers at once).
+
+    For a model with both dense and MoE layers this is the larger (MoE) layer.
+    """
+    return list(_layer_param_numels(spec, parallel.tp, parallel.ep))
+
+
+@lru_cache(maxsize=1024)
+def _layer_param_numels(spec: ModelSpec, tp: int, ep: int) -> tuple[int, ...]:
+    moe = spec.is_moe and spec.num_moe_layers > 0
+    out: list[int] = []
     for t in param_tensors(spec):
         if t.group not in ("layer", "expert"):
             continue
+        if moe and t.name.startswith("mlp."):
+            continue  # dense MLP of the leading dense layers: the MoE layer is larger
         n = ceil_div(t.numel, tp) if (t.tp_split and tp > 1) else t.numel
-        layers = spec.num_hidden_layers if t.group == "layer" else max(spec.num_moe_layers, 1)
-        per_layer = max(t.count // layers, 1)
+        if t.name.startswith(("experts.", "router", "shared_expert")):
+            per_layer = t.count // max(spec.num_moe_layers, 1)
+        elif t.name.startswith("mlp."):
+            per_layer = t.count // max(spec.num_dense_layers, 1)
+        else:
+            per_layer = t.count // spec.num_hidden_layers
         if t.group == "expert":
-            per_layer = ceil_div(per_layer, parallel.ep)
+            per_layer = ceil_div(per_layer, ep)
         out.extend([n] * per_layer)
-    return out
+    return tuple(out)
+
+
+def layer_module_numels(spec: ModelSpec, parallel: ParallelConfig) -> tuple[int, ...]:
+    """Forward-order numels of one layer's modules as DeepSpeed ZeRO-3 fetches them: one
+    entry per Linear (q, k, v, o, MLP matrices; each routed expert's MLP), norms included
+    (they count towards reuse distances though they are never partitioned)."""
+    return _layer_module_numels(spec, parallel.tp, parallel.ep)
+
+
+@lru_cache(maxsize=1024)
+def _layer_module_numels(spec: ModelSpec, tp: int, ep: int) -> tuple[int, ...]:
+    numels = _layer_param_numels(spec, tp, ep)
+    return tuple(numels)
+
+
+def sharding_key(parallel: ParallelConfig) -> tuple[int, int, int, int]:
+    """The degrees that decide which tensors a rank holds: (tp, pp, chunks, ep)."""
+    return parallel.tp, parallel.pp, parallel.pp_chunks, parallel.ep

@@ -39,5 +39,7 @@ def run_command(cmd: list[str], interval: float = 0.0,
             records.append(json.loads(path.read_text(encoding="utf-8")))
         except (OSError, json.JSONDecodeError):
             continue
+    # torchrun's own launcher process holds no device memory: keep the workers only
+    records = [r for r in records if r.get("role") != "launcher"]
     records.sort(key=lambda r: (r.get("rank", 0), r.get("pid", 0)))
     return proc.returncode, records

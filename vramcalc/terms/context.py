@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from vramcalc.model import ModelSpec
-from vramcalc.parallel import ParallelConfig
-from vramcalc.sharding import RankTensor, rank_tensors, stage_layers
+from vramcalc.parallel import Engine, ParallelConfig, num_microbatches
+from vramcalc.sharding import Layout, RankShapes, RankTensor, rank_shapes, stage_layers
 from vramcalc.training import TrainingConfig
 
 
@@ -21,8 +21,12 @@ class RankContext:
     stage: int = 0
 
     @cached_property
-    def tensors(self) -> list[RankTensor]:
-        return rank_tensors(self.spec, self.parallel, self.stage)
+    def shapes(self) -> RankShapes:
+        return rank_shapes(self.spec, self.parallel, self.stage)
+
+    @property
+    def tensors(self) -> tuple[RankTensor, ...]:
+        return self.shapes.tensors
 
     @property
     def num_layers(self) -> int:
@@ -36,18 +40,64 @@ class RankContext:
     def is_last_stage(self) -> bool:
         return self.stage == self.parallel.pp - 1
 
+    @cached_property
+    def engine(self) -> Engine:
+        """Whose sharding semantics apply: single, ddp, deepspeed, fsdp2 or megatron."""
+        return self.parallel.engine(self.training.framework)
+
+    @property
+    def num_microbatches(self) -> int:
+        return num_microbatches(self.training, self.parallel)
+
     @property
     def param_shard(self) -> int:
-        """Shard degree for weights (ZeRO-3 / FSDP full)."""
-        return self.parallel.shard_degree if self.parallel.shard_stage >= 3 else 1
+        """Shard degree for weights (ZeRO-3 / FSDP)."""
+        if self.engine == "fsdp2" or (self.engine == "deepspeed" and self.parallel.zero >= 3):
+            return self.parallel.shard_degree
+        return 1
 
     @property
     def grad_shard(self) -> int:
-        return self.parallel.shard_degree if self.parallel.shard_stage >= 2 else 1
+        if self.engine == "fsdp2" or (self.engine == "deepspeed" and self.parallel.zero >= 2):
+            return self.parallel.shard_degree
+        return 1
 
     @property
     def state_shard(self) -> int:
-        return self.parallel.shard_degree if self.parallel.shard_stage >= 1 else 1
+        if self.engine == "fsdp2" or (self.engine in ("deepspeed", "megatron")
+                                      and self.parallel.zero >= 1):
+            return self.parallel.shard_degree
+        return 1
+
+    def expert_shard(self, shard: int) -> int:
+        """The expert-data-parallel counterpart of a dense shard degree (1 stays 1)."""
+        return self.parallel.expert_shard_degree if shard > 1 else 1
+
+    @property
+    def weight_layout(self) -> Layout:
+        if self.engine == "fsdp2":
+            return "dim0"
+        if self.engine == "deepspeed" and self.parallel.zero >= 3:
+            return "persist"
+        # DeepSpeed ZeRO-1/2 flatten the 16-bit weights into one buffer; counting them per
+        # tensor differs by < 512 B per tensor and keeps "ZeRO-3 <= ZeRO-2" exact
+        return "tensor"
+
+    @property
+    def grad_layout(self) -> Layout:
+        if self.engine == "fsdp2":
+            return "dim0"
+        if self.engine == "megatron" or (self.engine == "deepspeed" and self.parallel.zero >= 2):
+            return "flat"
+        return "tensor"
+
+    @property
+    def state_layout(self) -> Layout:
+        if self.engine == "fsdp2":
+            return "dim0"
+        if self.engine == "deepspeed" or (self.engine == "megatron" and self.parallel.zero):
+            return "flat"
+        return "tensor"
 
     def __hash__(self) -> int:  # frozen dataclass with cached_property needs an explicit hash
         return id(self)

@@ -1,37 +1,77 @@
-"""Term: gradients — one gradient per parameter in the policy's grad dtype.
+"""Term: gradients — one gradient per parameter, in the engine's gradient dtype and layout.
 
-bytes = Σ_tensors count · round512(numel_local / shard · bits/8), shard = ZeRO-2+/FSDP group.
-Under ZeRO-2 the full-size gradient of a bucket exists transiently before its
-reduce-scatter (counted in transients). Gradient offload keeps none on the device.
-Source: ZeRO paper Sec. 5 (P_os+g: 2Ψ + 14Ψ/N_d includes 2Ψ/N_d gradients).
+bytes = Σ_tensors count · round512(numel_local / shard · bits/8), shard = the ZeRO-2+/FSDP
+group. Per engine (docs/parallelism.md):
+
+- single / DDP / DeepSpeed ZeRO-1: `param.grad`, full size, weight dtype (ZeRO paper P_os:
+  2Ψ gradients); DeepSpeed ZeRO-1 reduces into a partition only at the accumulation boundary.
+- DeepSpeed ZeRO-2/3: a flat 16-bit partition buffer, 2Ψ/N, allocated once and kept
+  (stage_1_and_2.py `grads_in_partition`, stage3.py `grad_partitions_flat_buffer`).
+- FSDP2: sharded DTensor gradients (dim-0 shards), created layer by layer in backward.
+- Megatron-LM: a contiguous fp32 main-grad buffer (`--accumulate-allreduce-grads-in-fp32`,
+  the bf16 default) kept for the whole run, full size even with the distributed optimizer
+  (Megatron docs: bf16 6 + 12/d bytes/param = 2 weights + 4 grads + 12/d); fp16 keeps a
+  16-bit grad buffer and an fp32 copy inside the optimizer (4 + 16/d).
+
+Offload: DeepSpeed ZeRO-Offload (ZeRO-2/3 + optimizer offload) writes gradients straight
+into pinned host buffers; FSDP2 CPUOffloadPolicy moves them to the host after reduce-scatter.
 """
 
 from __future__ import annotations
 
-from vramcalc.sharding import sharded_numel
 from vramcalc.terms.context import RankContext
-from vramcalc.units import alloc
+
+
+def grad_dtype(ctx: RankContext) -> str:
+    """Gradient dtype on this rank: Megatron accumulates bf16/fp32 models' grads in fp32."""
+    if ctx.engine == "megatron" and ctx.training.weight_dtype in ("bf16", "fp32"):
+        return "fp32"
+    return ctx.training.grad_dtype
+
+
+def _offloaded(ctx: RankContext) -> bool:
+    off = ctx.parallel.offload
+    if ctx.engine == "fsdp2":
+        return bool(off)
+    if ctx.engine == "deepspeed":
+        return "optimizer" in off and ctx.parallel.zero >= 2
+    return False
+
+
+def gradients_persistent(ctx: RankContext) -> bool:
+    """Whether the gradient buffer exists for the whole step (forward included): DeepSpeed
+    ZeRO-2/3 partition buffers and Megatron's main-grad buffer are allocated once."""
+    if _offloaded(ctx):
+        return False
+    return ctx.engine == "megatron" or (ctx.engine == "deepspeed" and ctx.parallel.zero >= 2)
 
 
 def gradients_bytes(ctx: RankContext) -> int:
     """Device bytes of all gradients held on this rank once backward has finished."""
-    if "gradients" in ctx.parallel.offload:
+    if _offloaded(ctx) or "gradients" in ctx.parallel.offload and ctx.engine != "deepspeed":
         return 0
-    dtype = ctx.training.grad_dtype
     shard = ctx.grad_shard
-    return sum(t.count * alloc(sharded_numel(t.numel, shard), dtype) for t in ctx.tensors)
+    return ctx.shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard), ctx.grad_layout)
+
+
+def gradients_at_step_bytes(ctx: RankContext) -> int:
+    """Gradients held during the optimizer step. DeepSpeed ZeRO-1 frees the full 16-bit
+    gradients outside this rank's partition before the step (stage_1_and_2.py step():
+    free_grad_in_param_list(params_not_in_partition)) and keeps a flat partition."""
+    if ctx.engine == "deepspeed" and ctx.parallel.zero == 1:
+        shard = ctx.parallel.shard_degree
+        return ctx.shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard), "flat")
+    return gradients_bytes(ctx)
 
 
 def layer_gradient_bytes(ctx: RankContext) -> int:
     """Gradient bytes of one transformer layer on this rank (per-layer backward step)."""
-    if "gradients" in ctx.parallel.offload:
+    if _offloaded(ctx):
         return 0
-    dtype = ctx.training.grad_dtype
-    shard = ctx.grad_shard
     n = ctx.num_layers
-    total = sum(
-        t.count * alloc(sharded_numel(t.numel, shard), dtype)
-        for t in ctx.tensors
-        if t.group in ("layer", "expert")
-    )
-    return total // n if n else 0
+    if not n:
+        return 0
+    shard = ctx.grad_shard
+    total = ctx.shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard), ctx.grad_layout,
+                              ("layer", "expert"))
+    return total // n

@@ -5,6 +5,7 @@ casts, ZeRO/FSDP gather and reduce buffers, the cuBLAS workspace.
 from __future__ import annotations
 
 from vramcalc.sharding import layer_param_numels, sharded_numel
+from vramcalc.terms import comm
 from vramcalc.terms.context import RankContext
 from vramcalc.units import MiB, alloc
 
@@ -35,8 +36,10 @@ def optimizer_step_temp_bytes(ctx: RankContext) -> int:
     - sgd, sgd-momentum: updates in place; adafactor and adamw-8bit: per-tensor kernels,
       at most the largest tensor's worth.
     """
-    if "optimizer" in ctx.parallel.offload:
+    if "optimizer" in ctx.parallel.offload or (ctx.engine == "fsdp2" and ctx.parallel.offload):
         return 0
+    if ctx.engine in ("deepspeed", "megatron"):
+        return fused_step_temp_bytes(ctx)
     tr = ctx.training
     shard = ctx.state_shard
     numels = [(sharded_numel(t.numel, shard), t.count) for t in ctx.tensors]
@@ -53,7 +56,7 @@ def optimizer_step_temp_bytes(ctx: RankContext) -> int:
 def autocast_cache_layer_bytes(ctx: RankContext) -> int:
     """torch.autocast casts each fp32 weight to the compute dtype once per forward and the
     matmul saves the cast for backward: one layer's matrices in 16 bits."""
-    if not ctx.training.is_autocast:
+    if not ctx.training.is_autocast or ctx.engine == "fsdp2":  # FSDP2 casts via its MP policy
         return 0
     return sum(alloc(n, ctx.training.compute_dtype) for n in layer_param_numels(
         ctx.spec, ctx.parallel) if n > ctx.spec.hidden_size)
@@ -61,25 +64,47 @@ def autocast_cache_layer_bytes(ctx: RankContext) -> int:
 
 def autocast_cache_head_bytes(ctx: RankContext) -> int:
     """The lm_head weight cast (last stage) under autocast."""
-    if not ctx.training.is_autocast or not ctx.is_last_stage:
+    if not ctx.training.is_autocast or not ctx.is_last_stage or ctx.engine == "fsdp2":
         return 0
     x = sharded_numel(ctx.spec.vocab_size * ctx.spec.hidden_size, ctx.parallel.tp)
     return alloc(x, ctx.training.compute_dtype)
 
 
 def gather_buffer_bytes(ctx: RankContext) -> int:
-    """ZeRO-3 / FSDP: unsharded parameters of the layer in flight plus one prefetched
-    (FSDP2 default prefetch of one layer; DeepSpeed prefetch bucket is similar)."""
-    if ctx.param_shard <= 1:
-        return 0
-    layer = sum(alloc(n, ctx.training.weight_dtype) for n in layer_param_numels(
-        ctx.spec, ctx.parallel))
-    return 2 * layer
+    """Communication buffers alive during forward and backward: ZeRO-3 / FSDP2 unsharded
+    parameters (vramcalc.terms.comm.gather_bytes) and, from the start of backward on,
+    DeepSpeed ZeRO-1/2 reduce buckets (comm.backward_buffer_bytes; counted from forward on,
+    which only matters when forward is the peak). Persistent buffers (DDP buckets,
+    ZeRO-3's reduce bucket) are `persistent_buffer_bytes`."""
+    return comm.gather_bytes(ctx) + comm.backward_buffer_bytes(ctx)
 
 
 def reduce_buffer_bytes(ctx: RankContext) -> int:
-    """ZeRO-2/3 / FSDP: one layer's unsharded gradients before reduce-scatter."""
-    if ctx.grad_shard <= 1:
+    """Extra during one layer's backward: its unsharded gradients before reduce-scatter
+    (vramcalc.terms.comm.reduce_bytes)."""
+    return comm.reduce_bytes(ctx)
+
+
+def persistent_buffer_bytes(ctx: RankContext) -> int:
+    """Communication buffers held for the whole step (vramcalc.terms.comm)."""
+    return comm.persistent_buffer_bytes(ctx)
+
+
+def fused_step_temp_bytes(ctx: RankContext) -> int:
+    """Optimizer-step temporaries of DeepSpeed ZeRO and Megatron-LM (fused multi-tensor Adam:
+    no `_foreach_sqrt` copy).
+
+    DeepSpeed ZeRO-1/2 convert this rank's flat 16-bit gradient partition to fp32 for the
+    step (stage_1_and_2.py step(): `single_grad_partition = flatten(...).to(fp32)`), 4Ψ/N on
+    top of the 16-bit partition (the estimator's 18Ψ/N = 2 + 4 + 4 + 8); ZeRO-3 does the same
+    one sub-group (sub_group_size = 1e9 elements) at a time (stage3.py
+    `_prepare_fp32_grad_for_sub_group`). Megatron-LM points the fp32 master's .grad at its
+    fp32 main-grad buffer (no copy).
+    """
+    if ctx.engine != "deepspeed" or not ctx.training.has_master_weights:
         return 0
-    return sum(alloc(n, ctx.training.grad_dtype) for n in layer_param_numels(
-        ctx.spec, ctx.parallel))
+    shard = ctx.parallel.shard_degree
+    numel = -(-ctx.shapes.numel() // shard)
+    if ctx.parallel.zero >= 3:
+        numel = min(numel, comm.DS_SUB_GROUP_NUMEL)
+    return alloc(numel, "fp32")

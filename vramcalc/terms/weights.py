@@ -1,15 +1,18 @@
 """Term: weights — the parameters one rank stores, in the policy's weight dtype.
 
-bytes = Σ_tensors count · round512(⌈numel/tp⌉ / shard · bits/8), shard = ZeRO-3/FSDP group
-(1 otherwise). Parameter offload (ZeRO-3 offload_param) leaves none on the device.
+bytes = Σ_tensors count · round512(⌈numel/tp⌉ / shard · bits/8), shard = the ZeRO-3/FSDP
+group (1 otherwise), in the engine's layout (vramcalc.sharding: FSDP2 pads dim 0,
+DeepSpeed ZeRO-3 keeps tensors ≤ 1e5 elements whole and partitions the rest into one flat
+buffer, ZeRO-1/2 flatten the weights into one buffer). Parameter offload (ZeRO-3
+offload_param, FSDP2 CPUOffloadPolicy) leaves none on the device.
 Source: ZeRO paper (Rajbhandari et al. 2019) Sec. 5 for the ÷N_d of P_os+g+p.
 """
 
 from __future__ import annotations
 
-from vramcalc.sharding import sharded_numel
 from vramcalc.terms.context import RankContext
-from vramcalc.units import alloc
+
+GROUPS: tuple[str, ...] = ("embedding", "layer", "expert", "final", "head")
 
 
 def weights_by_group(ctx: RankContext) -> dict[str, int]:
@@ -18,11 +21,11 @@ def weights_by_group(ctx: RankContext) -> dict[str, int]:
         return {}
     dtype = ctx.training.weight_dtype
     shard = ctx.param_shard
-    out: dict[str, int] = {}
-    for t in ctx.tensors:
-        b = t.count * alloc(sharded_numel(t.numel, shard), dtype)
-        out[t.group] = out.get(t.group, 0) + b
-    return out
+    es = ctx.expert_shard(shard)
+    layout = ctx.weight_layout
+    shapes = ctx.shapes
+    present = {t.group for t in shapes.tensors}
+    return {g: shapes.nbytes(dtype, shard, es, layout, (g,)) for g in GROUPS if g in present}
 
 
 def weights_bytes(ctx: RankContext) -> int:

@@ -82,8 +82,11 @@ def _write(final: bool) -> None:
     if not out_dir:
         return
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
+    launcher = os.path.basename(sys.argv[0] if sys.argv else "") in ("torchrun", "run.py") and (
+        "RANK" not in os.environ)
     doc = {
         "rank": rank,
+        "role": "launcher" if launcher else "worker",
         "world_size": int(os.environ.get("WORLD_SIZE", "1") or 1),
         "pid": os.getpid(),
         "argv": sys.argv,

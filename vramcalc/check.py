@@ -1,0 +1,268 @@
+"""`vramcalc check`: a training config file (and optionally a DeepSpeed JSON) → one estimate.
+
+Config file: a YAML mapping whose keys are the CLI option names in snake_case (the table
+in vramcalc.options: `model`, `gpus`, `seq_len`, `micro_batch_size`, `precision`,
+`optimizer`, `zero`, `tp`, …, `headroom`) plus `deepspeed` (a DeepSpeed JSON path,
+relative to the config file). Unknown keys are errors, with a suggestion.
+
+DeepSpeed JSON: the ZeRO, offload, batch and precision settings are read:
+
+| DeepSpeed key | option |
+|---|---|
+| zero_optimization.stage | zero |
+| zero_optimization.offload_optimizer.device (cpu / nvme) | offload optimizer, offload_device |
+| zero_optimization.offload_param.device (cpu / nvme) | offload params, offload_device |
+| zero_optimization.cpu_offload (old form) | offload optimizer |
+| train_micro_batch_size_per_gpu | micro_batch_size |
+| gradient_accumulation_steps | grad_accum |
+| train_batch_size | checked against micro × accumulation × dp (or used to derive one) |
+| bf16.enabled / fp16.enabled | precision bf16 / fp16 |
+| optimizer.type (Adam, AdamW, Lion, SGD) | optimizer |
+
+Values "auto" (the Hugging Face Trainer integration fills them in) are skipped with a note.
+Precedence: command-line flags, then the YAML config, then the DeepSpeed file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vramcalc import yamlio
+from vramcalc.errors import InputError
+from vramcalc.options import OPTIONS_BY_NAME, normalize_values, suggest
+from vramcalc.report import MemoryReport
+
+DEFAULT_CHECK_HEADROOM = 0.05  # same default as `vramcalc plan`
+CONFIG_EXTRA_KEYS = ("deepspeed",)
+_DS_OPTIMIZERS = {"adam": "adam", "adamw": "adamw", "fusedadam": "adamw", "cpuadam": "adamw",
+                  "lion": "lion", "sgd": "sgd"}
+
+
+@dataclass
+class CheckResult:
+    """The estimate of one config and its verdict."""
+
+    report: MemoryReport
+    usable_bytes: int
+    headroom_fraction: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.report.fits)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fits": self.fits, "device_total_bytes": self.report.device_total_bytes,
+                "usable_bytes": self.usable_bytes, "headroom_fraction": self.headroom_fraction,
+                "over_bytes": max(self.report.device_total_bytes - self.usable_bytes, 0),
+                "notes": self.notes, "report": self.report.to_json_dict()}
+
+
+def _read(path: Path, what: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{what} {path} not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read {what} {path}: {exc}") from None
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """Read a YAML training config: a mapping of option names (validated later)."""
+    text = _read(path, "config file")
+    try:
+        data = yamlio.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise InputError(f"malformed YAML in {path}: {' '.join(str(exc).split())}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a mapping of option names to values")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in OPTIONS_BY_NAME and name not in CONFIG_EXTRA_KEYS:
+            raise InputError(f"{path}: unknown key {key!r}"
+                             f"{suggest(name, list(OPTIONS_BY_NAME) + list(CONFIG_EXTRA_KEYS))}")
+        if isinstance(value, (dict, list)) and name != "offload":
+            raise InputError(f"{path}: {key!r} must be a single value, got a "
+                             f"{type(value).__name__}")
+        out[name] = value
+    if "deepspeed" in out and out["deepspeed"] is not None:
+        ds = Path(str(out["deepspeed"])).expanduser()
+        out["deepspeed"] = ds if ds.is_absolute() else path.parent / ds
+    return out
+
+
+def load_deepspeed_file(path: Path) -> dict[str, Any]:
+    text = _read(path, "DeepSpeed config")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"malformed JSON in {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a JSON object")
+    return data
+
+
+def _auto(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def _device(value: Any, where: str) -> str | None:
+    if value is None or _auto(value):
+        return None
+    if not isinstance(value, str) or value.lower() not in ("cpu", "nvme", "none"):
+        raise InputError(f"DeepSpeed {where}: expected cpu, nvme or none, got {value!r}")
+    return None if value.lower() == "none" else value.lower()
+
+
+def _int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not value.is_integer()) or value < 1:
+        raise InputError(f"DeepSpeed {where}: expected a positive whole number, got {value!r}")
+    return int(value)
+
+
+def deepspeed_values(ds: dict[str, Any]) -> tuple[dict[str, Any], int | None, list[str]]:
+    """Option values from a DeepSpeed config, the train_batch_size (or None), and notes."""
+    vals: dict[str, Any] = {}
+    notes: list[str] = []
+    skipped: list[str] = []
+    zo = ds.get("zero_optimization") or {}
+    if not isinstance(zo, dict):
+        raise InputError("DeepSpeed zero_optimization: expected an object")
+    if "stage" in zo:
+        st = zo["stage"]
+        if _auto(st):
+            skipped.append("zero_optimization.stage")
+        elif isinstance(st, bool) or not isinstance(st, int) or not 0 <= st <= 3:
+            raise InputError(f"DeepSpeed zero_optimization.stage: expected 0-3, got {st!r}")
+        else:
+            vals["zero"] = st
+    offload: list[str] = []
+    devices: set[str] = set()
+    for key, target in (("offload_optimizer", "optimizer"), ("offload_param", "params")):
+        sub = zo.get(key)
+        if sub is None:
+            continue
+        if not isinstance(sub, dict):
+            raise InputError(f"DeepSpeed zero_optimization.{key}: expected an object")
+        dev = _device(sub.get("device"), f"zero_optimization.{key}.device")
+        if dev:
+            offload.append(target)
+            devices.add(dev)
+    if zo.get("cpu_offload") is True and "optimizer" not in offload:
+        offload.append("optimizer")
+        devices.add("cpu")
+    if offload:
+        vals["offload"] = ",".join(offload)
+        vals["offload_device"] = "nvme" if "nvme" in devices else "cpu"
+        if len(devices) > 1:
+            notes.append("DeepSpeed offloads to both cpu and nvme; estimated as nvme")
+    for key, opt in (("train_micro_batch_size_per_gpu", "micro_batch_size"),
+                     ("gradient_accumulation_steps", "grad_accum")):
+        if key in ds:
+            if _auto(ds[key]):
+                skipped.append(key)
+            else:
+                vals[opt] = _int(ds[key], key)
+    tbs = None
+    if "train_batch_size" in ds:
+        if _auto(ds["train_batch_size"]):
+            skipped.append("train_batch_size")
+        else:
+            tbs = _int(ds["train_batch_size"], "train_batch_size")
+    bf16 = (ds.get("bf16") or ds.get("bfloat16") or {})
+    fp16 = ds.get("fp16") or {}
+    bf_on = isinstance(bf16, dict) and bf16.get("enabled") is True
+    fp_on = isinstance(fp16, dict) and fp16.get("enabled") is True
+    if bf_on and fp_on:
+        raise InputError("DeepSpeed config enables both bf16 and fp16")
+    if bf_on:
+        vals["precision"] = "bf16"
+    elif fp_on:
+        vals["precision"] = "fp16"
+    for name, sect in (("bf16", bf16), ("fp16", fp16)):
+        if isinstance(sect, dict) and _auto(sect.get("enabled")):
+            skipped.append(f"{name}.enabled")
+    opt = ds.get("optimizer")
+    if isinstance(opt, dict) and opt.get("type") is not None:
+        kind = str(opt["type"]).lower().replace("_", "")
+        if kind in _DS_OPTIMIZERS:
+            vals["optimizer"] = _DS_OPTIMIZERS[kind]
+        else:
+            notes.append(f"DeepSpeed optimizer type {opt['type']!r} is not modelled; "
+                         "using the optimizer option")
+    if skipped:
+        notes.append("DeepSpeed values set to \"auto\" were skipped: " + ", ".join(skipped))
+    return vals, tbs, notes
+
+
+def merge_values(config: dict[str, Any] | None, deepspeed: dict[str, Any] | None,
+                 cli: dict[str, Any]) -> dict[str, Any]:
+    """Command-line flags over the YAML config over the DeepSpeed values."""
+    out: dict[str, Any] = {}
+    for layer in (deepspeed or {}, config or {}, cli):
+        out.update({k: v for k, v in layer.items() if v is not None})
+    out.pop("deepspeed", None)
+    return out
+
+
+def run_check(values: dict[str, Any], train_batch_size: int | None = None,
+              profile_dirs: list[Path] | None = None,
+              explicit: frozenset[str] = frozenset()) -> CheckResult:
+    """Build the scenario, reconcile DeepSpeed's train_batch_size, estimate."""
+    from vramcalc.analytic import estimate
+    from vramcalc.options import build_scenario
+
+    values = dict(values)
+    values.setdefault("headroom", DEFAULT_CHECK_HEADROOM)
+    notes: list[str] = []
+    scn = build_scenario(values, profile_dirs)
+    if train_batch_size is not None:
+        dp = scn.parallel.dp_degree
+        mbs_given = "micro_batch_size" in explicit
+        acc_given = "grad_accum" in explicit
+        mbs, acc = scn.training.micro_batch_size, scn.training.grad_accum
+        if mbs_given and acc_given:
+            if mbs * acc * dp != train_batch_size:
+                raise InputError(
+                    f"DeepSpeed train_batch_size {train_batch_size} != micro-batch {mbs} x "
+                    f"gradient accumulation {acc} x dp {dp} = {mbs * acc * dp}")
+        elif mbs_given or not acc_given:
+            if train_batch_size % (mbs * dp):
+                raise InputError(
+                    f"DeepSpeed train_batch_size {train_batch_size} is not divisible by "
+                    f"micro-batch {mbs} x dp {dp}")
+            values["grad_accum"] = train_batch_size // (mbs * dp)
+            notes.append(f"gradient accumulation {values['grad_accum']} derived from "
+                         f"train_batch_size {train_batch_size}")
+            scn = build_scenario(values, profile_dirs)
+        else:
+            if train_batch_size % (acc * dp):
+                raise InputError(
+                    f"DeepSpeed train_batch_size {train_batch_size} is not divisible by "
+                    f"gradient accumulation {acc} x dp {dp}")
+            values["micro_batch_size"] = train_batch_size // (acc * dp)
+            notes.append(f"micro-batch {values['micro_batch_size']} derived from "
+                         f"train_batch_size {train_batch_size}")
+            scn = build_scenario(values, profile_dirs)
+    report = estimate(scn)
+    gpu = scn.cluster.gpu if scn.cluster else None
+    if gpu is None:
+        raise InputError("check needs gpus (e.g. gpus: 8xH100)")
+    usable = int(gpu.memory_total_bytes * (1 - scn.headroom_fraction))
+    return CheckResult(report=report, usable_bytes=usable,
+                       headroom_fraction=scn.headroom_fraction, notes=notes)
+
+
+def normalize_cli(values: dict[str, Any]) -> dict[str, Any]:
+    """Validate option names and values given on the command line (no defaults filled)."""
+    norm = normalize_values(values)
+    return {k: norm[k] for k in values}

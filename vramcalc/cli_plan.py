@@ -1,0 +1,395 @@
+"""CLI commands `plan`, `size` and `check`, registered on vramcalc.cli.app.
+
+Thin edge: parses options, calls vramcalc.plan / vramcalc.size / vramcalc.check, renders
+with vramcalc.render_plan, sets exit codes. Bad input raises InputError (one stderr line,
+exit 2, via vramcalc.cli.main).
+"""
+
+from __future__ import annotations
+
+import inspect
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, List, Optional
+
+import typer
+
+from vramcalc.cli import _console, _emit_json, _split, app, scenario_command
+from vramcalc.errors import InputError
+from vramcalc.options import OPTIONS_BY_NAME, SCENARIO_OPTIONS, normalize_values, suggest
+from vramcalc.plan import ALLOWABLE, DEFAULT_HEADROOM, SEARCHED_OPTIONS, PlanRequest
+
+KW = inspect.Parameter.KEYWORD_ONLY
+
+
+def _opt(name: str, annotation: Any, default: Any, flag: str, help_text: str) -> inspect.Parameter:
+    return inspect.Parameter(name, KW, annotation=annotation,
+                             default=typer.Option(default, flag, help=help_text))
+
+
+_BATCH_PARAMS = [
+    _opt("global_batch_size", Optional[int], None, "--global-batch-size",
+         "Sequences per optimizer step (default: the power of two nearest below 4M tokens)."),
+    _opt("global_batch_tokens", Optional[str], None, "--global-batch-tokens",
+         "Tokens per optimizer step, e.g. 4M or 16777216 (instead of --global-batch-size)."),
+    _opt("allow", Optional[str], None, "--allow",
+         "Training settings the search may change, comma-separated: "
+         + ",".join(ALLOWABLE) + "."),
+    _opt("mfu", Optional[float], None, "--mfu",
+         "Achievable fraction of peak TFLOP/s (default: the GPU profile's mfu_fraction)."),
+]
+
+
+# ---- shared helpers --------------------------------------------------------------------------
+def parse_allow(text: str | None) -> tuple[frozenset[str], list[str]]:
+    """--allow words (validated) and notes for words not supported yet."""
+    from vramcalc.plan import finetune_supported
+
+    if not text:
+        return frozenset(), []
+    words = {w.strip().lower() for w in text.split(",") if w.strip()}
+    notes = []
+    for w in sorted(words):
+        if w not in ALLOWABLE:
+            raise InputError(f"--allow: unknown setting {w!r}{suggest(w, ALLOWABLE)} "
+                             f"(choices: {', '.join(ALLOWABLE)})")
+    if "finetune" in words and not finetune_supported():
+        words.discard("finetune")
+        notes.append("--allow finetune: fine-tuning methods (LoRA/QLoRA) are not supported by "
+                     "the memory engine yet; ignored")
+    return frozenset(words), notes
+
+
+def parse_mfu(mfu: float | None) -> float | None:
+    if mfu is None:
+        return None
+    if not 0 < mfu <= 1:
+        raise InputError(f"--mfu must be a fraction in (0, 1], got {mfu}")
+    return mfu
+
+
+def parse_batch(size: int | None, tokens: str | None) -> tuple[int | None, int | None]:
+    from vramcalc.units import parse_count
+
+    if size is not None and tokens is not None:
+        raise InputError("give either --global-batch-size or --global-batch-tokens, not both")
+    if size is not None and not 1 <= size <= 10**9:
+        raise InputError(f"--global-batch-size must be between 1 and 10^9, got {size}")
+    return size, (parse_count(tokens) if tokens is not None else None)
+
+
+def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
+                 global_batch_tokens: str | None = None, allow: str | None = None,
+                 top: int = 5, mfu: float | None = None,
+                 profile_dirs: list[Path] | None = None) -> tuple[Any, PlanRequest, list[str]]:
+    """Option values → (base Scenario, PlanRequest, notes). Layout options given pin it."""
+    from vramcalc.options import build_scenario
+
+    values = {k: v for k, v in values.items() if v is not None}
+    for key in values:
+        if key not in OPTIONS_BY_NAME:
+            raise InputError(f"unknown option {key!r}{suggest(key, list(OPTIONS_BY_NAME))}")
+    searched = {k: values.pop(k) for k in SEARCHED_OPTIONS if k in values}
+    norm = normalize_values(searched)
+    pinned = {k: norm[k] for k in searched}
+    if "offload" in pinned:
+        pinned["offload"] = tuple(pinned["offload"])
+    values.setdefault("headroom", DEFAULT_HEADROOM)
+    base = build_scenario(values, profile_dirs)
+    allowed, notes = parse_allow(allow)
+    size, tokens = parse_batch(global_batch_size, global_batch_tokens)
+    if not 1 <= top <= 1000:
+        raise InputError(f"--top must be between 1 and 1000, got {top}")
+    req = PlanRequest(global_batch_size=size, global_batch_tokens=tokens, top_n=top,
+                      allow=allowed, pinned=pinned, efficiency=parse_mfu(mfu))
+    if tokens is not None and tokens % base.training.seq_len:
+        notes.append(f"global batch of {tokens:,} tokens rounded to "
+                     f"{req.batch_for(base.training.seq_len):,} sequences of "
+                     f"{base.training.seq_len}")
+    return base, req, notes
+
+
+class LazyProgress:
+    """A rich progress bar on stderr that appears only when a search runs long."""
+
+    def __init__(self, enabled: bool, after_s: float = 0.3) -> None:
+        self.enabled = enabled and sys.stderr.isatty()
+        self.after_s = after_s
+        self.start = time.perf_counter()
+        self.bar: Any = None
+        self.task: Any = None
+
+    def __call__(self, message: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            if time.perf_counter() - self.start < self.after_s:
+                return
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self.bar = Progress(transient=True, console=Console(stderr=True))
+            self.bar.start()
+            self.task = self.bar.add_task(message, total=max(total, 1))
+        self.bar.update(self.task, completed=done, total=max(total, 1), description=message)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+def _command_line(command: str, values: dict[str, Any], extra: dict[str, Any]) -> str:
+    parts = ["vramcalc", command]
+    for opt in SCENARIO_OPTIONS:
+        v = values.get(opt.name)
+        if v is None:
+            continue
+        if opt.kind is bool:
+            parts.append(opt.flag if v else "--no-" + opt.flag[2:])
+            continue
+        if isinstance(v, (tuple, list)):
+            v = ",".join(v) or "none"
+        parts += [opt.flag, str(v)]
+    for flag, v in extra.items():
+        if v is not None:
+            parts += [flag, str(v)]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+# ---- plan ----------------------------------------------------------------------------------
+@scenario_command(
+    "plan",
+    "Search every layout (dp/tp/pp/cp/ep, ZeRO/FSDP, recompute, micro-batch, offload when "
+    "allowed) on the cluster, keep what fits, rank by estimated tokens/s. When nothing fits, "
+    "show the closest strategy and the smallest changes that would fit.",
+    extra=_BATCH_PARAMS + [_opt("top", int, 5, "--top", "How many strategies to list.")],
+    defaults={**{k: None for k in SEARCHED_OPTIONS}, "headroom": DEFAULT_HEADROOM},
+)
+def plan_cmd(**kwargs: Any) -> None:
+    from vramcalc.plan import search, suggest_changes
+
+    t0 = time.perf_counter()
+    values, dirs, as_json = _split(kwargs)
+    extras = {"--global-batch-size": kwargs.get("global_batch_size"),
+              "--global-batch-tokens": kwargs.get("global_batch_tokens"),
+              "--allow": kwargs.get("allow"), "--mfu": kwargs.get("mfu")}
+    base, req, notes = prepare_plan(values, kwargs.get("global_batch_size"),
+                                    kwargs.get("global_batch_tokens"), kwargs.get("allow"),
+                                    kwargs.get("top", 5), kwargs.get("mfu"), dirs)
+    progress = LazyProgress(enabled=not as_json)
+    try:
+        result = search(base, req, progress)
+        suggestions = []
+        if not result.entries:
+            from vramcalc.hardware import load_profiles
+
+            profiles = list(load_profiles(dirs).values())
+            suggestions = suggest_changes(base, req, profiles, progress)
+    finally:
+        progress.close()
+    elapsed = time.perf_counter() - t0
+    if as_json:
+        cands = result.entries if result.entries else (
+            [result.closest] if result.closest is not None else [])
+        for note in notes:
+            sys.stderr.write(f"note: {note}\n")
+        _emit_json({"candidates": [e.to_json() for e in cands],
+                    "suggestions": [s.to_json() for s in suggestions]})
+        return
+    from vramcalc.render_plan import config_yaml, print_plan, strategy_flags
+
+    tr = base.training
+    B = result.global_batch_size
+    fixed = (f"Training: seq {tr.seq_len}, global batch {B:,} sequences "
+             f"({B * tr.seq_len:,} tokens), {tr.precision}, {tr.optimizer}, attention "
+             f"{tr.attention}")
+    changeable = [a for a in ALLOWABLE if a not in req.allow]
+    if req.allow:
+        fixed += f"; may change: {', '.join(sorted(req.allow))}"
+    if changeable:
+        fixed += f" [dim](held fixed; --allow {','.join(changeable)} to search them)[/dim]"
+    doc: dict[str, Any] = {"result": result, "base": base, "elapsed_s": elapsed,
+                           "fixed_line": fixed, "notes": notes + _speed_notes(result),
+                           "suggestions": suggestions}
+    model_text, gpus_text = str(values["model"]), str(values.get("gpus", "1xH100"))
+    if result.entries:
+        s = result.entries[0].report.strategy
+        common = {k: values[k] for k in ("attention", "framework", "optimizer_dtype",
+                                         "headroom") if k in values}
+        doc["estimate_cmd"] = " ".join(
+            ["vramcalc", "estimate", "--model", shlex.quote(model_text), "--gpus",
+             shlex.quote(gpus_text)] + strategy_flags(s)
+            + [f"--{k.replace('_', '-')} {v}" for k, v in common.items()])
+        doc["config_yaml"] = config_yaml(model_text, gpus_text, s, base.headroom_fraction)
+    doc["apply"] = [_command_line("plan", {**values, **_change_values(sg.change)}, extras)
+                    for sg in suggestions]
+    print_plan(_console(), doc)
+
+
+def _change_values(change: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in change.items()}
+
+
+def _speed_notes(result: Any) -> list[str]:
+    entries = list(result.entries) or ([result.closest] if result.closest else [])
+    out: list[str] = []
+    for e in entries[:1]:
+        out += list(e.speed.notes)
+    return out
+
+
+# ---- size ----------------------------------------------------------------------------------
+@app.command("size")
+def size_cmd(
+    model: Optional[str] = typer.Option(None, "--model", help=OPTIONS_BY_NAME["model"].help),
+    tokens: Optional[str] = typer.Option(None, "--tokens",
+                                         help="Training tokens, e.g. 2T, 15.6e12, 300B."),
+    gpu: Optional[List[str]] = typer.Option(None, "--gpu",
+                                            help="GPU type to size (repeat: --gpu H100 --gpu "
+                                                 "A100-80GB --gpu 910B)."),
+    days: Optional[float] = typer.Option(None, "--days",
+                                         help="Finish within this many days (GPUs sized to it)."),
+    price: Optional[List[str]] = typer.Option(None, "--price",
+                                              help="USD per GPU-hour, GPU=USD (repeatable); "
+                                                   "overrides the profile's indicative price."),
+    seq_len: int = typer.Option(4096, "--seq-len", help=OPTIONS_BY_NAME["seq_len"].help),
+    global_batch_size: Optional[int] = _BATCH_PARAMS[0].default,
+    global_batch_tokens: Optional[str] = _BATCH_PARAMS[1].default,
+    precision: str = typer.Option("bf16", "--precision", help=OPTIONS_BY_NAME["precision"].help),
+    optimizer: str = typer.Option("adamw", "--optimizer", help=OPTIONS_BY_NAME["optimizer"].help),
+    attention: str = typer.Option("flash", "--attention", help=OPTIONS_BY_NAME["attention"].help),
+    framework: str = typer.Option("reference", "--framework",
+                                  help=OPTIONS_BY_NAME["framework"].help),
+    headroom: float = typer.Option(DEFAULT_HEADROOM, "--headroom",
+                                   help=OPTIONS_BY_NAME["headroom"].help),
+    allow: Optional[str] = _BATCH_PARAMS[2].default,
+    mfu: Optional[float] = _BATCH_PARAMS[3].default,
+    max_gpus: int = typer.Option(131072, "--max-gpus", help="Largest GPU count considered."),
+    profiles_dir: Optional[Path] = typer.Option(None, "--profiles-dir",
+                                                help="Extra folder of GPU profile YAML files."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+) -> None:
+    """GPUs, days, GPU-hours and cost to train a model on a token budget, per GPU type."""
+    from vramcalc.hardware import resolve_gpu
+    from vramcalc.size import size_cluster
+    from vramcalc.units import parse_count
+
+    if not model:
+        raise InputError("--model is required (e.g. --model 70b)")
+    if not tokens:
+        raise InputError("--tokens is required (e.g. --tokens 2T)")
+    if not gpu:
+        raise InputError("--gpu is required (repeat it to compare: --gpu H100 --gpu A100-80GB)")
+    if not 1 <= max_gpus <= 1_000_000:
+        raise InputError(f"--max-gpus must be between 1 and 1,000,000, got {max_gpus}")
+    n_tokens = parse_count(tokens)
+    dirs = [profiles_dir] if profiles_dir else None
+    profiles = []
+    for name in gpu:
+        p = resolve_gpu(name, dirs)
+        if p.id not in [q.id for q in profiles]:
+            profiles.append(p)
+    prices: dict[str, float] = {}
+    for item in price or []:
+        name, sep, usd = item.partition("=")
+        if not sep:
+            raise InputError(f"--price {item!r}: expected GPU=USD, e.g. H100=2.50")
+        p = resolve_gpu(name.strip(), dirs)
+        try:
+            value = float(usd)
+        except ValueError:
+            raise InputError(f"--price {item!r}: {usd!r} is not a number") from None
+        if not value > 0 or value != value or value > 1e6:
+            raise InputError(f"--price {item!r}: price must be positive")
+        if p.id not in [q.id for q in profiles]:
+            raise InputError(f"--price {item!r}: {p.id} is not one of the --gpu types")
+        prices[p.id] = value
+    values = {"model": model, "gpus": f"1x{gpu[0]}", "seq_len": seq_len, "precision": precision,
+              "optimizer": optimizer, "attention": attention, "framework": framework,
+              "headroom": headroom}
+    base, req, notes = prepare_plan(values, global_batch_size, global_batch_tokens, allow, 1,
+                                    mfu, dirs)
+    progress = LazyProgress(enabled=not as_json)
+    try:
+        rows = size_cluster(base, profiles, n_tokens, req, days, prices, max_gpus, progress)
+    finally:
+        progress.close()
+    if as_json:
+        _emit_json({"rows": [r.to_json() for r in rows]})
+        return
+    from vramcalc.render_plan import print_size
+
+    B = req.batch_for(seq_len)
+    title = (f"{base.model.name}: {n_tokens:,} tokens, seq {seq_len}, global batch {B:,} "
+             f"sequences, {precision}, {optimizer}"
+             + (f", finish within {days:g} days" if days is not None else
+                ", on the fewest GPUs that fit"))
+    print_size(_console(), rows, title, notes + ([
+        "prices are indicative per-GPU-hour rates from the GPU profiles; '?' = unknown "
+        "(give --price GPU=USD)"] if any(r.price_usd_per_hour is None for r in rows) else []))
+
+
+# ---- check ---------------------------------------------------------------------------------
+@scenario_command(
+    "check",
+    "CI guard: estimate a training config file (YAML keys = option names) and/or a DeepSpeed "
+    "JSON; exit 0 when it fits, 1 when it does not, 2 on bad input.",
+    extra=[
+        inspect.Parameter("config", KW, annotation=Optional[Path],
+                          default=typer.Argument(None, help="Training config YAML.")),
+        _opt("deepspeed", Optional[Path], None, "--deepspeed",
+             "DeepSpeed JSON config (ZeRO stage, offload, batch sizes, bf16/fp16)."),
+        _opt("markdown", bool, False, "--markdown",
+             "A markdown summary for a pull-request comment."),
+    ],
+    defaults={o.name: None for o in SCENARIO_OPTIONS},
+)
+def check_cmd(**kwargs: Any) -> None:
+    from vramcalc.check import (
+        deepspeed_values,
+        load_config_file,
+        load_deepspeed_file,
+        merge_values,
+        normalize_cli,
+        run_check,
+    )
+
+    values, dirs, as_json = _split(kwargs)
+    config: Path | None = kwargs.pop("config", None)
+    ds_path: Path | None = kwargs.pop("deepspeed", None)
+    markdown: bool = kwargs.pop("markdown", False)
+    if as_json and markdown:
+        raise InputError("choose one of --json and --markdown")
+    cfg = load_config_file(config) if config is not None else {}
+    ds_file = ds_path or cfg.get("deepspeed")
+    ds_vals: dict[str, Any] = {}
+    tbs, notes = None, []
+    if ds_file:
+        ds_vals, tbs, notes = deepspeed_values(load_deepspeed_file(Path(ds_file)))
+    cli_vals = normalize_cli(values)
+    merged = merge_values(cfg, ds_vals, cli_vals)
+    if "model" not in merged:
+        raise InputError("check needs a model: a CONFIG.yaml with `model:` or --model "
+                         "(with --deepspeed ds_config.json)")
+    result = run_check(merged, tbs, dirs, frozenset(merged))
+    result.notes[:0] = notes
+    source = str(config) if config is not None else str(ds_file or "command line")
+    if as_json:
+        _emit_json({"config": source, **result.to_json()})
+    elif markdown:
+        from vramcalc.render_plan import check_markdown
+
+        sys.stdout.write(check_markdown(result.report, result.usable_bytes,
+                                        result.headroom_fraction, source, result.notes))
+    else:
+        from vramcalc.render import print_report
+
+        console = _console()
+        print_report(console, result.report)
+        for n in result.notes:
+            console.print(f"[dim]note: {n}[/dim]")
+    if not result.fits:
+        raise typer.Exit(1)

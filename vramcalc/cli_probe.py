@@ -1,0 +1,102 @@
+"""`vramcalc probe`: measure real device memory (built-in step, or a user's own command)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from vramcalc.cli import _console, _emit_json, _scenario, _split, option, scenario_command
+from vramcalc.errors import InputError
+
+EXIT_NO_DEVICE = 3
+
+_EXTRA = [
+    option("run", bool, False, "--run", help="Run the command after '--' (python train.py, "
+           "torchrun ...) with a memory hook and record each rank's peaks."),
+    option("interval", float, 0.0, "--interval", help="With --run: also write records every "
+           "N seconds."),
+    option("compare", Optional[Path], None, "--compare", help="With --run: a training config "
+           "(vramcalc check format) whose estimate is shown beside the measurement."),
+    option("device", str, "auto", "--device", help="auto (first GPU/NPU) or cpu (dry run with "
+           "the trace tracker)."),
+    option("iterations", int, 2, "--iterations", help="Measured iterations after one warm-up."),
+    option("out", Optional[Path], None, "--out", help="Folder for the JSON record(s)."),
+    option("no_trace", bool, False, "--no-trace", help="Skip the trace engine's prediction."),
+]
+
+
+@scenario_command("probe", "Measure real GPU/NPU memory and compare with the estimates.",
+                  extra=_EXTRA, with_context=True,
+                  context_settings={"allow_extra_args": True, "ignore_unknown_options": False})
+def probe_cmd(ctx: typer.Context, **kwargs: Any) -> None:
+    run, interval, compare = kwargs.pop("run"), kwargs.pop("interval"), kwargs.pop("compare")
+    device_name, iterations = kwargs.pop("device"), kwargs.pop("iterations")
+    out, no_trace = kwargs.pop("out"), kwargs.pop("no_trace")
+    values, dirs, as_json = _split(kwargs)
+    if run:
+        _run_mode(list(ctx.args), interval, compare, out, dirs, as_json)
+        return
+    if ctx.args:
+        raise InputError(f"unexpected arguments {' '.join(ctx.args)!r} (use --run -- CMD)")
+    if iterations < 1:
+        raise InputError("--iterations must be at least 1")
+    if device_name not in ("auto", "cpu"):
+        raise InputError(f"--device: expected auto or cpu, got {device_name!r}")
+    scn = _scenario(values, dirs)
+    from vramcalc.probe.devices import NoDeviceError, find_device
+
+    try:
+        device = find_device(allow_cpu=device_name == "cpu")
+    except NoDeviceError as err:
+        sys.stderr.write(f"error: {err}\n")
+        raise typer.Exit(EXIT_NO_DEVICE) from None
+    from vramcalc.probe.builtin import probe_record
+    from vramcalc.probe.record import write_record
+
+    record = probe_record(scn, values, device, iterations, with_trace=not no_trace)
+    if out is not None:
+        name = f"{scn.model.name}-{device.type}-{abs(hash(json.dumps(record['scenario'], sort_keys=True))) % 10**8:08d}.json"
+        record["_written_to"] = str(write_record(record, Path(out) / name))
+    if as_json:
+        _emit_json(record)
+        return
+    from vramcalc.render_probe import print_probe_record
+
+    print_probe_record(_console(), record)
+
+
+def _run_mode(cmd: list[str], interval: float, compare: Path | None, out: Path | None,
+              dirs: list[Path] | None, as_json: bool) -> None:
+    from vramcalc.probe.run_cmd import run_command
+
+    estimate_doc = None
+    if compare is not None:
+        estimate_doc = _estimate_for_config(compare, dirs)
+    code, records = run_command(cmd, interval=interval, out_dir=out)
+    doc = {"command": cmd, "exit_code": code, "ranks": records, "estimate": estimate_doc}
+    if as_json:
+        _emit_json(doc)
+    else:
+        from vramcalc.render_probe import print_run_records
+
+        print_run_records(_console(), doc)
+    if code != 0:
+        raise typer.Exit(code)
+
+
+def _estimate_for_config(path: Path, dirs: list[Path] | None) -> dict[str, Any]:
+    from vramcalc.analytic import estimate
+
+    try:
+        from vramcalc.check import load_config_values  # the CI guard's config reader
+    except ImportError as err:  # pragma: no cover
+        raise InputError(f"--compare needs the config reader ({err})") from None
+    values = load_config_values(path)
+    scn = _scenario(values, dirs)
+    rep = estimate(scn)
+    return {"config": str(path), "peak_allocated_bytes": rep.peak_allocated_bytes,
+            "device_total_bytes": rep.device_total_bytes, "fits": rep.fits}

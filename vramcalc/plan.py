@@ -1,0 +1,841 @@
+"""The planner: enumerate layouts, estimate, keep what fits, rank by speed; suggest changes.
+
+Pure: no printing, no files, no exit codes. The CLI passes a progress callback and the list
+of GPU profiles (for "another GPU type" suggestions).
+
+Search (docs/planning.md has the details):
+
+1. **Enumerate** every valid layout of the cluster: tp within a node (dividing the heads),
+   pp dividing the layers, cp dividing the sequence, dp the rest (dividing the global
+   batch), ep for MoE models, ZeRO 0-3 / FSDP hybrid, recompute none/selective/full, every
+   power-of-two micro-batch that divides the per-rank batch, 1F1B or interleaved (v = 2)
+   pipelines, and — when allowed — offload, precision, optimizer. Sequence parallelism is
+   always on when tp > 1 (same traffic as plain TP, never more memory).
+2. **Speed** of each from vramcalc.speed (microseconds).
+3. **Dominance**: a candidate is dropped when one that differs only by a higher ZeRO stage
+   is at least as fast (a higher stage never uses more memory), or only by a smaller
+   micro-batch (activations grow with the micro-batch) and is at least as fast — it would
+   rank below it anyway.
+4. **Best first**: walk candidates from the fastest; skip those whose memory lower bound
+   already exceeds the usable memory (model states ÷ sharding, plus activations learned
+   from an estimated candidate with identical activation shapes), estimate the rest with
+   vramcalc.analytic.estimate, and stop once `top_n` fit and no remaining candidate can be
+   faster than the last of them.
+
+Ranking: tokens/s (descending); ties: fewer changes to the requested training settings,
+then more headroom, then a fixed order of the strategy fields (deterministic).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
+
+from vramcalc.analytic import estimate
+from vramcalc.errors import InputError
+from vramcalc.hardware import Cluster, GPUProfile
+from vramcalc.parallel import ParallelConfig
+from vramcalc.report import MemoryReport
+from vramcalc.scenario import Scenario
+from vramcalc.speed import Layout, SpeedModel, SpeedReport
+from vramcalc.training import TrainingConfig
+from vramcalc.units import DTYPE_BITS
+
+# Global batch when none is given: the power of two nearest below 4M tokens per step
+# (Llama 2 trained every size with a global batch of 4M tokens; Llama 2 MODEL_CARD.md).
+DEFAULT_BATCH_TOKENS = 4 * 2**20
+# The plan's default --headroom (the estimate command's default is 0).
+DEFAULT_HEADROOM = 0.05
+MAX_MICRO_BATCH = 64
+# Multiplier on the memory lower bound before pruning: a margin so that a small change in
+# the engine's rounding can never prune a candidate that fits.
+LOWER_BOUND_MARGIN = 0.95
+
+# Layout options the planner searches; a value given by the user pins it.
+SEARCHED_OPTIONS: tuple[str, ...] = (
+    "dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fsdp", "shard_group",
+    "offload", "pp_schedule", "virtual_stages", "num_microbatches", "micro_batch_size",
+    "grad_accum", "recompute",
+)
+# Training settings held fixed unless --allow names them.
+ALLOWABLE: tuple[str, ...] = ("precision", "optimizer", "offload", "finetune")
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+# ---- request and result ----------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to search. Exactly one of the batch fields may be set (else the default)."""
+
+    global_batch_size: int | None = None  # sequences per step
+    global_batch_tokens: int | None = None
+    top_n: int = 5
+    allow: frozenset[str] = frozenset()
+    pinned: Mapping[str, Any] = field(default_factory=dict)  # normalized option values
+    efficiency: float | None = None  # --mfu override of the profile's mfu_fraction
+    max_micro_batch: int = MAX_MICRO_BATCH
+
+    def batch_for(self, seq_len: int) -> int:
+        """Global batch in sequences for this sequence length."""
+        if self.global_batch_size is not None:
+            return self.global_batch_size
+        if self.global_batch_tokens is not None:
+            return max(1, round(self.global_batch_tokens / seq_len))
+        per = max(1, DEFAULT_BATCH_TOKENS // seq_len)
+        return 1 << (per.bit_length() - 1)
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One estimated strategy: scenario, memory report and speed."""
+
+    scenario: Scenario
+    report: MemoryReport
+    speed: SpeedReport
+    changes: tuple[str, ...] = ()  # training settings changed from the request
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.report.fits)
+
+    @property
+    def usable_bytes(self) -> int:
+        gpu = self.scenario.cluster.gpu if self.scenario.cluster else None
+        if gpu is None:
+            return 0
+        return int(gpu.memory_total_bytes * (1 - self.scenario.headroom_fraction))
+
+    @property
+    def over_bytes(self) -> int:
+        """Bytes above the usable memory (negative: free below it)."""
+        return self.report.device_total_bytes - self.usable_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        """The `--json` candidate object (schema fixed by issue 5)."""
+        return {
+            "strategy": self.report.strategy,
+            "fits": self.fits,
+            "peak_allocated_bytes": self.report.peak_allocated_bytes,
+            "device_total_bytes": self.report.device_total_bytes,
+            "tokens_per_s": self.speed.tokens_per_s,
+            "step_time_s": self.speed.step_time_s,
+            "mfu": self.speed.mfu,
+        }
+
+
+@dataclass
+class PlanResult:
+    """Fitting entries ranked best first; `closest` when none fits."""
+
+    entries: list[PlanEntry]
+    closest: PlanEntry | None
+    global_batch_size: int
+    num_candidates: int = 0  # valid layouts enumerated
+    num_dominated: int = 0
+    num_bound_pruned: int = 0
+    num_estimated: int = 0
+    num_rejected: int = 0  # refused by the engine's own validation
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.entries)
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """A change that makes the job fit, with the best plan under it."""
+
+    kind: str  # more_gpus | other_gpu | offload | optimizer | seq_len | finetune
+    title: str
+    change: Mapping[str, Any]  # option values to apply (CLI option names, snake_case)
+    entry: PlanEntry
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "title": self.title, "change": dict(self.change),
+                **dict(self.details), "candidate": self.entry.to_json()}
+
+
+# ---- candidates --------------------------------------------------------------------------
+class _Cand(NamedTuple):
+    """One candidate strategy (plain tuple: the search builds tens of thousands)."""
+
+    tps: float
+    nchg: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    sp: bool
+    dp: int
+    b: int  # micro-batch
+    m: int  # micro-batches per step (gradient accumulation)
+    rec: str
+    sched: str
+    v: int
+    zero: int
+    fsdp: str
+    group: int | None
+    stage: int
+    off: tuple[str, ...]
+    prec: str
+    opt: str
+    ft: str | None
+    changes: tuple[str, ...]
+
+    def tail(self) -> tuple:
+        """A fixed order of the strategy fields, for deterministic ties."""
+        return (self.tp, self.pp, self.cp, self.ep, self.zero, self.fsdp,
+                _REC_ORDER[self.rec], self.b, self.sched, self.off, self.prec, self.opt,
+                self.ft or "")
+
+    def layout(self, offload_device: str) -> Layout:
+        return Layout(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
+                      sequence_parallel=self.sp, shard_stage=self.stage, shard_group=self.group,
+                      micro_batch_size=self.b, num_microbatches=self.m, recompute=self.rec,
+                      pp_schedule=self.sched, virtual_stages=self.v, offload=self.off,
+                      offload_device=offload_device)
+
+
+_REC_ORDER = {"none": 0, "selective": 1, "full": 2}
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, x = [], 1
+    while x <= n:
+        out.append(x)
+        x *= 2
+    return out
+
+
+def _finetune_choices() -> tuple[str, ...] | None:
+    """Fine-tuning methods, when the training schema supports them (another issue)."""
+    from vramcalc.options import OPTIONS_BY_NAME
+
+    opt = OPTIONS_BY_NAME.get("finetune")
+    if opt is None or "finetune" not in TrainingConfig.model_fields:
+        return None
+    return tuple(opt.choices or ())
+
+
+def finetune_supported() -> bool:
+    return _finetune_choices() is not None
+
+
+def _given(pinned: Mapping[str, Any], key: str) -> bool:
+    return pinned.get(key) is not None
+
+
+def _shardings(dp: int, cp: int, tp: int, gpn: int, pinned: Mapping[str, Any]
+               ) -> list[tuple[int, str, int | None, int]]:
+    """(zero, fsdp, shard_group, shard_stage) options for this data-parallel size."""
+    if dp == 1:
+        opts = [(0, "none", None, 0), (1, "none", None, 1)]  # zero-1 only for offload
+    else:
+        opts = [(z, "none", None, z) for z in (0, 1, 2, 3)]
+        per_node = gpn // (tp * cp) if tp * cp <= gpn else 0
+        if 1 < per_node < dp and dp % per_node == 0:
+            opts.append((0, "hybrid", per_node, 3))
+    if _given(pinned, "fsdp") or _given(pinned, "zero") or _given(pinned, "shard_group"):
+        f = pinned.get("fsdp") or "none"
+        z = pinned.get("zero") or 0
+        if f == "none":
+            return [(z, "none", None, z)]
+        stage = {"full": 3, "hybrid": 3, "grad-op": 2}[f]
+        group = pinned.get("shard_group") if f == "hybrid" else None
+        if f == "hybrid" and (not group or dp % group):
+            return []
+        return [(0, f, group, stage)]
+    return opts
+
+
+def _offloads(stage: int, allowed: bool, pinned: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    if "offload" in pinned and pinned["offload"] is not None:
+        off = tuple(pinned["offload"])
+        if (off and stage == 0) or ("params" in off and stage != 3) or (
+                "gradients" in off and stage < 2):
+            return []
+        return [off]
+    if not allowed:
+        return [()]
+    out: list[tuple[str, ...]] = [()]
+    if stage >= 1:
+        out.append(("optimizer",))
+    if stage == 3:
+        out.append(("optimizer", "params"))
+    return out
+
+
+def _pick(pinned: Mapping[str, Any], key: str, values: Iterable[Any]) -> list[Any]:
+    if _given(pinned, key):
+        return [v for v in values if v == pinned[key]]
+    return list(values)
+
+
+def _variants(base: Scenario, req: PlanRequest, gpu: GPUProfile
+              ) -> list[tuple[str, str, str | None, tuple[str, ...]]]:
+    """(precision, optimizer, finetune, changed settings) combinations allowed."""
+    tr = base.training
+    precs = [tr.precision]
+    if "precision" in req.allow:
+        extra = ("bf16", "bf16-pure") if gpu.peak_tflops("bf16") else ("fp16",)
+        precs += [p for p in extra if p not in precs]
+    opts = [tr.optimizer]
+    if "optimizer" in req.allow and tr.optimizer in ("adam", "adamw"):
+        opts.append("adamw-8bit")
+    cur_ft = getattr(tr, "finetune", None)
+    fts: list[str | None] = [cur_ft]
+    choices = _finetune_choices()
+    if "finetune" in req.allow and choices:
+        fts += [f for f in choices if f != cur_ft]
+    out = []
+    for p in precs:
+        for o in opts:
+            for f in fts:
+                changed = tuple(n for n, new, old in (("precision", p, tr.precision),
+                                                     ("optimizer", o, tr.optimizer),
+                                                     ("finetune", f, cur_ft)) if new != old)
+                out.append((p, o, f, changed))
+    return out
+
+
+def _layouts(base: Scenario, req: PlanRequest) -> Iterator[tuple]:
+    """(tp, pp, cp, dp, sp, ep, [(b, m, [(sched, v), ...]), ...]) of every valid layout,
+    micro-batches ascending."""
+    assert base.cluster is not None
+    spec, tr, cl = base.model, base.training, base.cluster
+    pinned = req.pinned
+    W, gpn = cl.num_gpus, cl.gpus_per_node
+    seq = tr.seq_len
+    B = req.batch_for(seq)
+    L = spec.num_hidden_layers
+    heads, kv = spec.num_attention_heads, spec.kv_heads
+    accum_pin = pinned.get("grad_accum") or pinned.get("num_microbatches")
+    for tp in _pick(pinned, "tp", _divisors(min(gpn, W))):
+        if W % tp or heads % tp or (kv % tp and tp % kv):
+            continue
+        for pp in _pick(pinned, "pp", _divisors(W // tp)):
+            if L % pp:
+                continue
+            for cp in _pick(pinned, "cp", _divisors(W // (tp * pp))):
+                if seq % cp or (cp > 1 and (seq // cp) % 2):
+                    continue
+                dp = W // (tp * pp * cp)
+                if (_given(pinned, "dp") and pinned["dp"] != dp) or B % dp:
+                    continue
+                sp_ok = tp > 1 and seq % (tp * cp) == 0
+                if _given(pinned, "sequence_parallel"):
+                    sps = [pinned["sequence_parallel"]] if (
+                        sp_ok or not pinned["sequence_parallel"]) else []
+                else:
+                    sps = [sp_ok]
+                eps = [1]
+                if spec.is_moe:
+                    eps = [e for e in _divisors(spec.num_local_experts) if (dp * cp) % e == 0]
+                eps = _pick(pinned, "ep", eps)
+                per_rank = B // dp
+                if _given(pinned, "micro_batch_size"):
+                    b0 = pinned["micro_batch_size"]
+                    mbs_list = [b0] if per_rank % b0 == 0 else []
+                else:
+                    mbs_list = [b for b in _pow2_upto(min(per_rank, req.max_micro_batch))
+                                if per_rank % b == 0]
+                    if per_rank <= req.max_micro_batch and per_rank not in mbs_list:
+                        mbs_list.append(per_rank)
+                batches = []
+                for b in mbs_list:
+                    m = per_rank // b
+                    if accum_pin is not None and m != accum_pin:
+                        continue
+                    if _given(pinned, "pp_schedule"):
+                        sch = pinned["pp_schedule"]
+                        v = pinned.get("virtual_stages") or (2 if sch == "interleaved" else 1)
+                        scheds = [(sch, v)] if pp > 1 or sch == "1f1b" else []
+                    else:
+                        # GPipe keeps all m micro-batches in flight for the same bubble as
+                        # 1F1B, so it is never better; searched only when asked for.
+                        scheds = [("1f1b", 1)]
+                        if pp > 1 and L % (pp * 2) == 0 and m % pp == 0:
+                            scheds.append(("interleaved", 2))
+                    if scheds:
+                        batches.append((b, m, scheds))
+                if not batches:
+                    continue
+                for sp in sps:
+                    for ep in eps:
+                        yield tp, pp, cp, dp, sp, ep, batches
+
+
+def enumerate_candidates(base: Scenario, req: PlanRequest) -> tuple[list[_Cand], int]:
+    """Every valid candidate on `base.cluster` with its tokens/s, minus dominated ones.
+
+    Returns (kept candidates, number of valid candidates enumerated). Dominance
+    (module docstring): within one layout, a ZeRO stage is dropped when a higher stage is
+    at least as fast, and a micro-batch when a smaller one is at least as fast.
+    """
+    assert base.cluster is not None
+    cl, tr = base.cluster, base.training
+    pinned = req.pinned
+    recomputes = _pick(pinned, "recompute", ("none", "selective", "full"))
+    allow_off = "offload" in req.allow
+    zero_pinned = _given(pinned, "zero")
+    off_dev = base.parallel.offload_device
+    variants = _variants(base, req, cl.gpu)
+    by_prec: dict[str, list[tuple[str, str | None, tuple[str, ...]]]] = {}
+    for prec, opt, ft, changed in variants:
+        by_prec.setdefault(prec, []).append((opt, ft, changed))
+    models = {p: SpeedModel(base.model, cl.gpu, cl.gpus_per_node, tr.seq_len, p,
+                            req.efficiency, base.parallel.capacity_factor) for p in by_prec}
+    out: list[_Cand] = []
+    total = 0
+    seq = tr.seq_len
+    for tp, pp, cp, dp, sp, ep, batches in _layouts(base, req):
+        shardings = _shardings(dp, cp, tp, cl.gpus_per_node, pinned)
+        for rec in recomputes:
+            for prec, sm in models.items():
+                vlist = by_prec[prec]
+                best_smaller: dict[tuple, float] = {}  # (sched, v, sharding, offload) -> tps
+                for b, m, scheds in batches:
+                    tokens = dp * b * m * seq
+                    row: list[tuple[tuple, float, tuple]] = []
+                    for sched, v in scheds:
+                        comp, bub, ttp, tcp, tep, tpp, t_fwd, t_bwd = sm.base_parts(
+                            dp, tp, pp, cp, ep, sp, b, m, rec, v)
+                        fixed = comp + bub + ttp + tcp + tep + tpp
+                        plain: list[tuple[int, float, tuple]] = []
+                        for sh in shardings:
+                            zero, fsdp, group, stage = sh
+                            for off in _offloads(stage, allow_off, pinned):
+                                if dp == 1 and zero == 1 and not off and not zero_pinned:
+                                    continue
+                                tdp, toff = sm.sharding_parts(dp, tp, pp, cp, ep, m, stage,
+                                                              group, off, off_dev, t_fwd, t_bwd)
+                                tps = tokens / (fixed + tdp + toff)
+                                key = (sched, v, sh, off)
+                                total += len(vlist)
+                                if fsdp == "none" and not off:
+                                    plain.append((zero, tps, key))
+                                else:
+                                    row.append((key, tps, (sched, v, sh, off)))
+                        # ZeRO chain: keep a stage only if faster than every higher stage
+                        for zero, tps, key in plain:
+                            if any(z2 > zero and t2 >= tps for z2, t2, _ in plain):
+                                continue
+                            row.append((key, tps, key))
+                    for key, tps, (sched, v, sh, off) in row:
+                        # micro-batch chain: keep only if faster than every smaller one
+                        if m > 1 and best_smaller.get(key, -1.0) >= tps:
+                            continue
+                        zero, fsdp, group, stage = sh
+                        for opt, ft, changed in vlist:
+                            out.append(_Cand(tps, len(changed), tp, pp, cp, ep, sp, dp, b, m,
+                                             rec, sched, v, zero, fsdp, group, stage, off, prec,
+                                             opt, ft, changed))
+                    for key, tps, _ in row:
+                        if tps > best_smaller.get(key, -1.0):
+                            best_smaller[key] = tps
+    return out, total
+
+
+# ---- memory lower bound -------------------------------------------------------------------
+_STATE_ELEMS = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1, "lion": 1,
+                "adafactor": 0, "adamw-8bit": 0}
+
+
+class _Bound:
+    """Memory lower bounds per rank, in bytes, without running the engine.
+
+    Model states: weights + gradients + optimizer states (+ fp32 master) of the larger of
+    the first pipeline stage (embedding + its layers) and the last (its layers + head),
+    ÷tp (experts also ÷ep), ÷ the ZeRO shard group from the stage that shards each; an
+    offloaded one counts 0 and any offload drops the gradients. They all live together in
+    the optimizer step.
+    Activations: at least every layer's input per micro-batch (what full recompute keeps:
+    b·s/cp·h in the compute dtype, ÷tp under sequence parallelism; four such tensors without
+    full recompute: the two norm inputs, the attention and MLP inputs), or more when learned
+    from an estimated candidate with the same shapes: activations do not depend on ZeRO,
+    offload or optimizer, never grow with more recomputation, grow with the micro-batch
+    (linearly without pipelining).
+    """
+
+    def __init__(self, base: Scenario) -> None:
+        spec = base.model
+        self.spec = spec
+        n_exp = spec.num_moe_layers * spec.num_local_experts * spec.expert_params
+        n_layers = (spec.num_params - spec.embedding_params - spec.head_params
+                    - spec.final_norm_params)
+        self.n_exp = n_exp
+        self.n_layer_dense = n_layers - n_exp
+        self.emb = spec.embedding_params
+        self.head = spec.head_params + spec.final_norm_params
+        self.tied = spec.tie_word_embeddings
+        self.seq = base.training.seq_len
+        self.opt_dtype = base.training.optimizer_dtype
+        self.acts: dict[tuple, dict[tuple[int, int], float]] = {}
+        self._bytes: dict[tuple[str, str], tuple[float, float, float]] = {}
+
+    def _per_param(self, prec: str, opt: str) -> tuple[float, float, float]:
+        key = (prec, opt)
+        if key not in self._bytes:
+            tr = TrainingConfig.model_construct(precision=prec, optimizer=opt,
+                                                optimizer_dtype=self.opt_dtype)
+            wb = DTYPE_BITS[tr.weight_dtype] / 8
+            per = 2.0 if opt == "adamw-8bit" else _STATE_ELEMS.get(opt, 0) * (
+                DTYPE_BITS[tr.state_dtype] / 8)
+            if tr.has_master_weights:
+                per += 4.0
+            self._bytes[key] = (wb, per, DTYPE_BITS[tr.compute_dtype] / 8)
+        return self._bytes[key]
+
+    def model_states(self, c: _Cand) -> tuple[float, float]:
+        """(weights, weights + gradients + optimizer states)."""
+        if c.ft not in (None, "full", "none"):
+            return 0.0, 0.0  # frozen or quantized weights: left to the engine
+        wb, per, _ = self._per_param(c.prec, c.opt)
+        layers = self.n_layer_dense / c.pp + self.n_exp / (c.pp * c.ep)
+        if c.pp == 1:
+            stage = layers + self.emb + self.head
+        else:
+            stage = layers + max(self.emb, self.head + (self.emb if self.tied else 0))
+        n_r = stage / c.tp
+        shard = c.group or c.dp
+        weights = 0.0 if "params" in c.off else n_r * wb / (shard if c.stage >= 3 else 1)
+        grads = 0.0 if c.off else n_r * wb / (shard if c.stage >= 2 else 1)
+        states = 0.0 if "optimizer" in c.off else n_r * per / (shard if c.stage >= 1 else 1)
+        return weights, weights + grads + states
+
+    @staticmethod
+    def act_key(c: _Cand) -> tuple:
+        return (c.tp, c.pp, c.cp, c.ep, c.sp, c.sched, c.v, c.prec, c.ft)
+
+    def learn(self, c: _Cand, report: MemoryReport) -> None:
+        if report.peak_phase not in ("forward", "backward"):
+            return
+        act = float(report.terms.activations + report.terms.logits)
+        d = self.acts.setdefault(self.act_key(c), {})
+        key = (c.b, _REC_ORDER[c.rec])
+        d[key] = max(d.get(key, 0.0), act)
+
+    def activations(self, c: _Cand) -> float:
+        _, _, cb = self._per_param(c.prec, c.opt)
+        spec = self.spec
+        # full recompute keeps each layer's input; without it a layer keeps at least its
+        # two norm inputs and the attention and MLP inputs (docs/methodology.md tables)
+        per_layer = 1 if c.rec == "full" else 4
+        floor = (spec.num_hidden_layers / c.pp) * c.b * (self.seq / c.cp) * spec.hidden_size * (
+            cb * per_layer)
+        if c.sp:
+            floor /= c.tp
+        best = floor
+        d = self.acts.get(self.act_key(c))
+        if d:
+            rec = _REC_ORDER[c.rec]
+            for (b, r), act in d.items():
+                if b <= c.b and r >= rec:
+                    best = max(best, act * (c.b / b if c.pp == 1 else 1.0))
+        return best
+
+    def total(self, c: _Cand) -> float:
+        w, ms = self.model_states(c)
+        return LOWER_BOUND_MARGIN * max(ms, w + self.activations(c))
+
+
+# ---- scenario building ----------------------------------------------------------------------
+def scenario_for(c: _Cand, base: Scenario) -> Scenario:
+    """The Scenario of a candidate (validated by the engine's resolve_layout)."""
+    upd: dict[str, Any] = {"recompute": c.rec, "micro_batch_size": c.b, "grad_accum": c.m,
+                           "precision": c.prec, "optimizer": c.opt}
+    if c.ft is not None:
+        upd["finetune"] = c.ft
+    training = TrainingConfig(**{**base.training.model_dump(), **upd})
+    parallel = ParallelConfig(
+        dp=c.dp, tp=c.tp, pp=c.pp, cp=c.cp, ep=c.ep, sequence_parallel=c.sp, zero=c.zero,
+        fsdp=c.fsdp, shard_group=c.group, offload=c.off,  # type: ignore[arg-type]
+        offload_device=base.parallel.offload_device,
+        pp_schedule=c.sched, virtual_stages=c.v,  # type: ignore[arg-type]
+        capacity_factor=base.parallel.capacity_factor)
+    return base.model_copy(update={"training": training, "parallel": parallel}).resolved()
+
+
+def _rank_key(e: PlanEntry, tail: tuple) -> tuple:
+    return (-e.speed.tokens_per_s, len(e.changes), -(e.report.headroom_bytes or 0), tail)
+
+
+# ---- search ---------------------------------------------------------------------------------
+def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
+           want_closest: bool = True) -> PlanResult:
+    """Best `req.top_n` strategies that fit on `base.cluster`, ranked (module docstring)."""
+    if base.cluster is None:
+        raise InputError("plan needs --gpus (GPU type and count)")
+    if req.top_n < 1:
+        raise InputError(f"--top must be at least 1, got {req.top_n}")
+    gpu = base.cluster.gpu
+    usable = gpu.memory_total_bytes * (1 - base.headroom_fraction)
+    context = gpu.context_overhead_bytes
+    B = req.batch_for(base.training.seq_len)
+    result = PlanResult(entries=[], closest=None, global_batch_size=B)
+    cands, result.num_candidates = enumerate_candidates(base, req)
+    if not cands:
+        raise InputError(
+            f"no valid layout of {base.cluster.num_gpus} GPUs for a global batch of {B} "
+            f"sequences{_pin_text(req.pinned)}: the data-parallel size must divide the batch "
+            "(try a global batch that is a multiple of the GPU count)")
+    result.num_dominated = result.num_candidates - len(cands)
+    cands.sort(key=lambda c: (-c.tps, c.nchg, c.tail()))
+
+    bound = _Bound(base)
+    fitting: list[tuple[tuple, PlanEntry]] = []
+    estimated: list[tuple[PlanEntry, tuple, int]] = []
+    total = len(cands)
+    for i, c in enumerate(cands):
+        if progress is not None and i % 512 == 0:
+            progress("searching layouts", i, total)
+        if len(fitting) >= req.top_n:
+            nth = fitting[req.top_n - 1][0]
+            if (-c.tps, c.nchg) > nth[:2]:
+                break
+        if bound.total(c) + context > usable:
+            result.num_bound_pruned += 1
+            continue
+        entry = _estimate(c, base, req)
+        if entry is None:
+            result.num_rejected += 1
+            continue
+        result.num_estimated += 1
+        bound.learn(c, entry.report)
+        estimated.append((entry, c.tail(), i))
+        if entry.fits:
+            fitting.append((_rank_key(entry, c.tail()), entry))
+            fitting.sort(key=lambda t: t[0])
+    if progress is not None:
+        progress("searching layouts", total, total)
+    result.entries = [e for _, e in fitting[: req.top_n]]
+    if not result.entries and want_closest:
+        result.closest = _closest(cands, bound, estimated, base, req)
+    return result
+
+
+def _pin_text(pinned: Mapping[str, Any]) -> str:
+    items = [(k, v) for k, v in sorted(pinned.items()) if v is not None]
+    if not items:
+        return ""
+    return " with " + ", ".join(f"{k}={v}" for k, v in items)
+
+
+def _estimate(c: _Cand, base: Scenario, req: PlanRequest) -> PlanEntry | None:
+    try:
+        scn = scenario_for(c, base)
+        rep = estimate(scn)
+    except (InputError, ValueError):
+        return None  # the engine's validation refuses this layout
+    assert base.cluster is not None
+    speed = SpeedModel(base.model, base.cluster.gpu, base.cluster.gpus_per_node,
+                       base.training.seq_len, c.prec, req.efficiency,
+                       base.parallel.capacity_factor).report(c.layout(base.parallel.offload_device))
+    return PlanEntry(scenario=scn, report=rep, speed=speed, changes=c.changes)
+
+
+def _closest(cands: list[_Cand], bound: _Bound, estimated: list[tuple[PlanEntry, tuple, int]],
+             base: Scenario, req: PlanRequest, probes: int = 12) -> PlanEntry | None:
+    """The estimated candidate with the smallest device total (also estimating the
+    `probes` candidates with the smallest lower bounds)."""
+    pool = [(e, tail) for e, tail, _ in estimated]
+    done = {i for *_, i in estimated}
+    order = sorted(range(len(cands)), key=lambda i: (bound.model_states(cands[i])[1],
+                                                     _REC_ORDER[cands[i].rec], cands[i].b, i))
+    for i in order[:probes]:
+        if i in done:
+            continue
+        e = _estimate(cands[i], base, req)
+        if e is not None:
+            pool.append((e, cands[i].tail()))
+    if not pool:
+        return None
+    return min(pool, key=lambda t: (t[0].report.device_total_bytes, -t[0].speed.tokens_per_s,
+                                    t[1]))[0]
+
+
+def feasible(base: Scenario, req: PlanRequest, probes: int = 16) -> bool:
+    """Quick check that some layout fits: estimate the most memory-frugal candidates
+    (full recompute, smallest micro-batch, smallest model-state bound) until one fits."""
+    if base.cluster is None:
+        return False
+    usable = base.cluster.gpu.memory_total_bytes * (1 - base.headroom_fraction)
+    context = base.cluster.gpu.context_overhead_bytes
+    try:
+        cands, _ = enumerate_candidates(base, req)
+    except InputError:
+        return False
+    bound = _Bound(base)
+    scored = []
+    for c in cands:
+        ms = bound.model_states(c)[1]
+        if LOWER_BOUND_MARGIN * ms + context <= usable:
+            scored.append((-_REC_ORDER[c.rec], c.b, ms, c.tail(), c))
+    scored.sort(key=lambda t: t[:4])
+    for *_, c in scored[:probes]:
+        if bound.total(c) + context > usable:
+            continue
+        e = _estimate(c, base, req)
+        if e is not None and e.fits:
+            return True
+    return False
+
+
+# ---- suggestions ----------------------------------------------------------------------------
+def _cluster_text(num_gpus: int, gpu: GPUProfile) -> str | None:
+    gpn = gpu.gpus_per_node
+    name = gpu.aliases[0] if gpu.aliases else gpu.id
+    if num_gpus <= gpn:
+        return f"{num_gpus}x{name}"
+    if num_gpus % gpn:
+        return None
+    return f"{num_gpus // gpn}x{gpn}x{name}"
+
+
+def _with_cluster(base: Scenario, num_gpus: int, gpu: GPUProfile) -> Scenario | None:
+    gpn = gpu.gpus_per_node
+    if num_gpus <= gpn:
+        cl = Cluster(gpu=gpu, num_nodes=1, gpus_per_node=num_gpus)
+    elif num_gpus % gpn == 0:
+        cl = Cluster(gpu=gpu, num_nodes=num_gpus // gpn, gpus_per_node=gpn)
+    else:
+        return None
+    return base.model_copy(update={"cluster": cl, "gpu_note": None})
+
+
+def gpu_counts(start: int, gpn: int, limit: int) -> list[int]:
+    """Counts tried when adding GPUs: doubling within a node, then doubling whole nodes."""
+    out = []
+    n = start * 2
+    while n <= limit:
+        if n <= gpn or n % gpn == 0:
+            out.append(n)
+        n *= 2
+    if start < gpn and gpn not in out and gpn <= limit:
+        out.append(gpn)
+    return sorted(set(out))
+
+
+def _best(base: Scenario, req: PlanRequest) -> PlanEntry | None:
+    try:
+        res = search(base, replace(req, top_n=1), want_closest=False)
+    except InputError:
+        return None
+    return res.entries[0] if res.entries else None
+
+
+def suggest_changes(base: Scenario, req: PlanRequest, profiles: Sequence[GPUProfile] = (),
+                    progress: ProgressFn | None = None, max_gpus: int = 16384,
+                    max_other_gpus: int = 3) -> list[Suggestion]:
+    """The smallest changes that make the job fit, each with the best plan under it."""
+    assert base.cluster is not None
+    out: list[Suggestion] = []
+    cl = base.cluster
+    gpu = cl.gpu
+    steps = ["gpus", "gpu type", "offload", "optimizer", "finetune", "sequence"]
+
+    def tick(i: int) -> None:
+        if progress is not None:
+            progress(f"looking for changes that fit ({steps[i]})", i, len(steps))
+
+    # 1. more GPUs of the same type
+    tick(0)
+    for n in gpu_counts(cl.num_gpus, gpu.gpus_per_node, max_gpus):
+        scn = _with_cluster(base, n, gpu)
+        if scn is None or not feasible(scn, req):
+            continue
+        entry = _best(scn, req)
+        if entry is not None:
+            text = _cluster_text(n, gpu)
+            out.append(Suggestion("more_gpus", f"use {n} {gpu.name} GPUs instead of {cl.num_gpus}",
+                                  {"gpus": text}, entry, {"num_gpus": n}))
+            break
+    # 2. another GPU type, same count
+    tick(1)
+    others = sorted((p for p in profiles if p.memory_total_bytes > gpu.memory_total_bytes
+                     and p.id != gpu.id), key=lambda p: (p.memory_total_bytes, p.id))
+    found = 0
+    for p in others:
+        if found >= max_other_gpus:
+            break
+        scn = _with_cluster(base, cl.num_gpus, p)
+        if scn is None or not feasible(scn, req):
+            continue
+        entry = _best(scn, req)
+        if entry is not None:
+            found += 1
+            out.append(Suggestion("other_gpu", f"use {cl.num_gpus} x {p.name}",
+                                  {"gpus": _cluster_text(cl.num_gpus, p)}, entry,
+                                  {"gpu": p.id, "num_gpus": cl.num_gpus}))
+    # 3. offload to host RAM
+    tick(2)
+    if "offload" not in req.allow and "offload" not in req.pinned:
+        for off in (("optimizer",), ("optimizer", "params")):
+            r2 = replace(req, pinned={**req.pinned, "offload": off})
+            if not feasible(base, r2):
+                continue
+            entry = _best(base, r2)
+            if entry is not None:
+                host = entry.report.host_bytes_per_node
+                out.append(Suggestion(
+                    "offload", f"offload {' and '.join(off)} to CPU RAM", {"offload": ",".join(off)},
+                    entry, {"host_bytes_per_node": host}))
+                break
+    # 4. 8-bit optimizer
+    tick(3)
+    tr = base.training
+    if tr.optimizer in ("adam", "adamw") and "optimizer" not in req.allow:
+        scn = _retrain(base, optimizer="adamw-8bit")
+        if scn is not None and feasible(scn, req):
+            entry = _best(scn, req)
+            if entry is not None:
+                out.append(Suggestion("optimizer", "use 8-bit AdamW (bitsandbytes)",
+                                      {"optimizer": "adamw-8bit"}, entry))
+    # 5. LoRA / QLoRA, when the engine supports fine-tuning methods
+    tick(4)
+    choices = _finetune_choices()
+    if choices and "finetune" not in req.allow:
+        cur = getattr(tr, "finetune", None)
+        for ft in choices:
+            if ft == cur or ft in ("full", "none"):
+                continue
+            scn = _retrain(base, finetune=ft)
+            if scn is not None and feasible(scn, req):
+                entry = _best(scn, req)
+                if entry is not None:
+                    out.append(Suggestion("finetune", f"fine-tune with {ft}",
+                                          {"finetune": ft}, entry))
+                    break
+    # 6. shorter sequence (largest power-of-two fraction that fits)
+    tick(5)
+    s = tr.seq_len // 2
+    while s >= 128:
+        scn = _retrain(base, seq_len=s)
+        if scn is not None and feasible(scn, req):
+            entry = _best(scn, req)
+            if entry is not None:
+                out.append(Suggestion("seq_len", f"train on sequences of {s} tokens",
+                                      {"seq_len": s}, entry, {"seq_len": s}))
+                break
+        s //= 2
+    if progress is not None:
+        progress("done", len(steps), len(steps))
+    return out
+
+
+def _retrain(base: Scenario, **update: Any) -> Scenario | None:
+    try:
+        training = TrainingConfig(**{**base.training.model_dump(), **update})
+        return base.model_copy(update={"training": training})
+    except (ValueError, InputError):
+        return None

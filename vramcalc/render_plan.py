@@ -1,0 +1,295 @@
+"""Rendering for `plan`, `size` and `check`: rich tables, plain lines and markdown."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from vramcalc.report import MemoryReport
+from vramcalc.units import GB, GiB, fmt_gb
+
+SPEED_LABELS = {"compute": "compute", "bubble": "pipeline bubble", "tp_comm": "TP comm",
+                "cp_comm": "CP comm", "ep_comm": "EP comm", "dp_comm": "DP/ZeRO comm",
+                "pp_comm": "PP p2p", "offload": "offload"}
+
+
+# ---- small formatters -------------------------------------------------------------------
+def layout_text(s: dict[str, Any]) -> str:
+    deg = [f"{k}{s[k]}" for k in ("dp", "tp", "pp", "cp", "ep") if s.get(k, 1) > 1]
+    text = "×".join(deg) if deg else "1 GPU"
+    if s.get("sequence_parallel"):
+        text += " sp"
+    return text
+
+
+def sharding_text(s: dict[str, Any]) -> str:
+    if s.get("fsdp", "none") != "none":
+        extra = f" ({s['shard_group']})" if s.get("shard_group") else ""
+        return f"fsdp {s['fsdp']}{extra}"
+    return f"zero-{s.get('zero', 0)}"
+
+
+def pipeline_text(s: dict[str, Any]) -> str:
+    if s.get("pp", 1) == 1:
+        return "-"
+    if s.get("pp_schedule") == "interleaved":
+        return f"interleaved v{s.get('virtual_stages', 1)}"
+    return str(s.get("pp_schedule", "1f1b"))
+
+
+def offload_text(s: dict[str, Any]) -> str:
+    off = s.get("offload") or []
+    if not off:
+        return "-"
+    return "+".join(off) + ("→nvme" if s.get("offload_device") == "nvme" else "→cpu")
+
+
+def duration_text(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:,.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:,.1f} min"
+    return f"{seconds / 3600:,.1f} h"
+
+
+def strategy_flags(s: dict[str, Any]) -> list[str]:
+    """CLI flags that reproduce a strategy with `vramcalc estimate` (non-default values)."""
+    flags = []
+    for key, default in (("dp", None), ("tp", 1), ("pp", 1), ("cp", 1), ("ep", 1)):
+        if s.get(key) is not None and s[key] != default and (key != "dp" or s[key] > 1):
+            flags += [f"--{key}", str(s[key])]
+    if s.get("sequence_parallel"):
+        flags.append("--sequence-parallel")
+    if s.get("fsdp", "none") != "none":
+        flags += ["--fsdp", s["fsdp"]]
+        if s.get("shard_group"):
+            flags += ["--shard-group", str(s["shard_group"])]
+    elif s.get("zero"):
+        flags += ["--zero", str(s["zero"])]
+    if s.get("offload"):
+        flags += ["--offload", ",".join(s["offload"])]
+        if s.get("offload_device") == "nvme":
+            flags += ["--offload-device", "nvme"]
+    if s.get("pp", 1) > 1 and s.get("pp_schedule") != "1f1b":
+        flags += ["--pp-schedule", s["pp_schedule"]]
+        if s.get("virtual_stages", 1) > 1:
+            flags += ["--virtual-stages", str(s["virtual_stages"])]
+    if s.get("recompute", "none") != "none":
+        flags += ["--recompute", s["recompute"]]
+    flags += ["--micro-batch-size", str(s.get("micro_batch_size", 1))]
+    if s.get("grad_accum", 1) > 1:
+        flags += ["--grad-accum", str(s["grad_accum"])]
+    for key, default in (("seq_len", 4096), ("precision", "bf16"), ("optimizer", "adamw")):
+        if key in s and s[key] != default:
+            flags += ["--" + key.replace("_", "-"), str(s[key])]
+    if s.get("finetune") not in (None, "full", "none"):
+        flags += ["--finetune", str(s["finetune"])]
+    return flags
+
+
+def config_yaml(model: str, gpus: str, s: dict[str, Any], headroom: float) -> str:
+    """A `vramcalc check` config for a strategy (keys = option names)."""
+    flags = strategy_flags(s)
+    lines = [f"model: {model}", f"gpus: {gpus}"]
+    i = 0
+    while i < len(flags):
+        key = flags[i][2:].replace("-", "_")
+        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            lines.append(f"{key}: {flags[i + 1]}")
+            i += 2
+        else:
+            lines.append(f"{key}: true")
+            i += 1
+    lines.append(f"headroom: {headroom:g}")
+    return "\n".join(lines)
+
+
+# ---- plan -------------------------------------------------------------------------------
+def plan_table(entries: Sequence[Any], usable_bytes: int, title: str) -> Table:
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    for name, just in (("#", "right"), ("tokens/s", "right"), ("MFU", "right"),
+                       ("step", "right"), ("layout", "left"), ("sharding", "left"),
+                       ("recompute", "left"), ("micro×accum", "right"), ("pipeline", "left"),
+                       ("offload", "left"), ("GB/GPU", "right"), ("free GB", "right")):
+        table.add_column(name, justify=just, no_wrap=name in ("layout", "tokens/s"))
+    for i, e in enumerate(entries, 1):
+        s = e.report.strategy
+        extra = f" [{', '.join(f'{k} {s[k]}' for k in e.changes)}]" if e.changes else ""
+        table.add_row(
+            str(i), f"{e.speed.tokens_per_s:,.0f}", f"{100 * e.speed.mfu:.1f}%",
+            duration_text(e.speed.step_time_s), layout_text(s), sharding_text(s) + extra,
+            s.get("recompute", "none"),
+            f"{s.get('micro_batch_size', 1)}×{s.get('grad_accum', 1)}", pipeline_text(s),
+            offload_text(s), f"{e.report.device_total_bytes / GB:,.1f}",
+            f"{(usable_bytes - e.report.device_total_bytes) / GB:,.1f}")
+    return table
+
+
+def speed_text(speed: Any) -> str:
+    step = speed.step_time_s
+    parts = ", ".join(f"{SPEED_LABELS[k]} {100 * v / step:.0f}%"
+                      for k, v in speed.parts_s.items() if v > 0.0005 * step)
+    return (f"Speed: {speed.tokens_per_s:,.0f} tokens/s, step {duration_text(step)} "
+            f"(MFU {100 * speed.mfu:.1f}% at {speed.efficiency:.0%} achievable of "
+            f"{speed.peak_flops_per_gpu / 1e12:,.0f} TFLOP/s peak): {parts}")
+
+
+def print_plan(console: Console, doc: dict[str, Any]) -> None:
+    """The plan command's output; `doc` is assembled by vramcalc.cli_plan."""
+    from vramcalc.render import print_report
+
+    res = doc["result"]
+    base = doc["base"]
+    gpu = base.cluster.gpu
+    m = base.model
+    console.print(f"[bold]{m.name}[/bold]: {m.num_params:,} parameters on "
+                  f"{base.cluster.num_gpus} x {gpu.name} ({base.cluster.num_nodes} node"
+                  f"{'s' if base.cluster.num_nodes > 1 else ''}, {fmt_gb(gpu.memory_total_bytes)}"
+                  f" each, {base.headroom_fraction:.0%} kept free)")
+    console.print(doc["fixed_line"])
+    console.print(f"[dim]Searched {res.num_candidates:,} strategies in {doc['elapsed_s']:.2f} s:"
+                  f" {res.num_dominated:,} dominated, {res.num_bound_pruned:,} over a memory "
+                  f"lower bound, {res.num_estimated:,} estimated"
+                  + (f", {res.num_rejected:,} refused by the engine" if res.num_rejected else "")
+                  + "[/dim]")
+    for note in doc["notes"]:
+        console.print(f"[dim]note: {note}[/dim]")
+    console.print()
+    usable = int(gpu.memory_total_bytes * (1 - base.headroom_fraction))
+    if res.entries:
+        console.print(plan_table(res.entries, usable,
+                                 f"Top {len(res.entries)} strategies that fit, fastest first"))
+        console.print()
+        best = res.entries[0]
+        console.print("[bold]Best strategy (#1)[/bold]")
+        print_report(console, best.report)
+        console.print(speed_text(best.speed))
+        console.print()
+        console.print("[bold]Next[/bold]")
+        console.print(f"  see one strategy:  {doc['estimate_cmd']}")
+        console.print("  guard it in CI:    save the config below as train.yaml and run "
+                      "`vramcalc check train.yaml` (docs/ci.md)")
+        console.print(Text(_indent(doc["config_yaml"], 4), style="dim"))
+        return
+    console.print(Text.assemble(("NOTHING FITS", "bold red"),
+                                f": no strategy for {m.name} fits in {fmt_gb(usable)} per GPU "
+                                f"on {base.cluster.num_gpus} x {gpu.name}."))
+    if res.closest is not None:
+        c = res.closest
+        over = c.report.device_total_bytes - usable
+        console.print(f"Closest strategy needs {fmt_gb(c.report.device_total_bytes)} per GPU, "
+                      f"{fmt_gb(over)} over:")
+        console.print()
+        print_report(console, c.report)
+    console.print()
+    sugg = doc["suggestions"]
+    if not sugg:
+        console.print("No single change tried makes it fit (more GPUs, another GPU type, "
+                      "offload, 8-bit optimizer, shorter sequences).")
+        return
+    console.print("[bold]Smallest changes that fit[/bold] (each with its best strategy):")
+    for i, s in enumerate(sugg, 1):
+        console.print(f"  {i}. {suggestion_line(s)}")
+        console.print(f"     [dim]{s.entry.report.strategy and _short(s.entry)}[/dim]")
+        console.print(f"     [dim]try: {doc['apply'][i - 1]}[/dim]")
+
+
+def suggestion_line(s: Any) -> str:
+    e = s.entry
+    text = (f"{s.title}: {e.speed.tokens_per_s:,.0f} tokens/s, "
+            f"{fmt_gb(e.report.device_total_bytes)} per GPU")
+    host = s.details.get("host_bytes_per_node")
+    if host:
+        text += f", needs {fmt_gb(host, 0)} of host RAM per node"
+    return text
+
+
+def _short(entry: Any) -> str:
+    s = entry.report.strategy
+    return (f"{layout_text(s)}, {sharding_text(s)}, recompute {s.get('recompute')}, "
+            f"micro-batch {s.get('micro_batch_size')}×{s.get('grad_accum')}, "
+            f"pipeline {pipeline_text(s)}, offload {offload_text(s)}")
+
+
+def _indent(text: str, n: int) -> str:
+    return "\n".join(" " * n + line for line in text.splitlines())
+
+
+# ---- size -------------------------------------------------------------------------------
+def size_table(rows: Sequence[Any], title: str) -> Table:
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    for name, just in (("GPU", "left"), ("min GPUs", "right"), ("GPUs", "right"),
+                       ("days", "right"), ("GPU-hours", "right"), ("$/GPU-h", "right"),
+                       ("cost USD", "right"), ("tokens/s", "right"), ("MFU", "right"),
+                       ("best layout", "left")):
+        table.add_column(name, justify=just)
+    for r in rows:
+        if r.entry is None:
+            table.add_row(r.gpu.name, "-", "-", "-", "-", "-", "-", "-", "-",
+                          "; ".join(r.notes) or "does not fit")
+            continue
+        s = r.entry.report.strategy
+        layout = (f"{layout_text(s)}, {sharding_text(s)}, rec {s.get('recompute')}, "
+                  f"mbs {s.get('micro_batch_size')}")
+        table.add_row(
+            r.gpu.name, f"{r.min_gpus:,}", f"{r.num_gpus:,}", f"{r.days:,.1f}",
+            f"{r.gpu_hours:,.0f}",
+            f"{r.price_usd_per_hour:,.2f}" if r.price_usd_per_hour is not None else "?",
+            f"{r.cost_usd:,.0f}" if r.cost_usd is not None else "?",
+            f"{r.entry.speed.tokens_per_s:,.0f}", f"{100 * r.entry.speed.mfu:.1f}%", layout)
+    return table
+
+
+def print_size(console: Console, rows: Sequence[Any], title: str, notes: Sequence[str]) -> None:
+    console.print(size_table(rows, title))
+    for r in rows:
+        for n in r.notes:
+            if r.entry is not None:
+                console.print(f"[dim]note ({r.gpu.id}): {n}[/dim]")
+    for n in notes:
+        console.print(f"[dim]note: {n}[/dim]")
+
+
+# ---- check ------------------------------------------------------------------------------
+def check_markdown(report: MemoryReport, usable_bytes: int, headroom: float, source: str,
+                   notes: Sequence[str] = ()) -> str:
+    """A markdown summary to paste into a pull-request comment."""
+    from vramcalc.render import TERM_LABELS, strategy_line
+
+    fits = bool(report.fits)
+    total = max(report.device_total_bytes, 1)
+    head = "✅ fits" if fits else "❌ does not fit"
+    g = report.gpu
+    lines = [f"### vramcalc check: {head} — `{source}`", ""]
+    gpu_text = f"{g.num_gpus} × {g.name}" if g else "no GPU"
+    lines.append(f"**{report.model.name}** ({report.model.num_params:,} parameters) on "
+                 f"**{gpu_text}**  ")
+    lines.append(f"Strategy: {strategy_line(report.strategy)}")
+    lines.append("")
+    lines.append("| term | GB | GiB | share |")
+    lines.append("|---|---:|---:|---:|")
+    for key, val in report.terms.as_dict().items():
+        lines.append(f"| {TERM_LABELS[key]} | {val / GB:,.2f} | {val / GiB:,.2f} | "
+                     f"{100 * val / total:.1f}% |")
+    lines.append(f"| peak allocated ({report.peak_phase}) | {report.peak_allocated_bytes / GB:,.2f}"
+                 f" | {report.peak_allocated_bytes / GiB:,.2f} | |")
+    lines.append(f"| **device total** | **{report.device_total_bytes / GB:,.2f}** | "
+                 f"**{report.device_total_bytes / GiB:,.2f}** | |")
+    lines.append("")
+    cap = g.memory_total_bytes if g else 0
+    diff = usable_bytes - report.device_total_bytes
+    verdict = (f"**{diff / GB:,.2f} GB free**" if fits
+               else f"**over by {-diff / GB:,.2f} GB**")
+    lines.append(f"Usable per GPU: {usable_bytes / GB:,.2f} GB ({cap / GB:,.2f} GB less "
+                 f"{headroom:.0%} headroom): {verdict}.")
+    if report.host_bytes_per_node:
+        lines.append(f"Host RAM for offload: {report.host_bytes_per_node / GB:,.2f} GB per node.")
+    for n in list(report.notes) + list(notes):
+        lines.append(f"> note: {n}")
+    lines.append("")
+    lines.append("<sub>vramcalc analytic estimate; GB = 10^9 bytes, GiB = 2^30 bytes.</sub>")
+    return "\n".join(lines) + "\n"

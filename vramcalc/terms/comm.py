@@ -1,0 +1,256 @@
+"""Communication buffers of the parallel engines, per rank (counted under `transients`).
+
+Four lifetimes, so the phase model can place each buffer where it is alive:
+
+| function                  | alive                         | what |
+|---------------------------|-------------------------------|------|
+| `persistent_buffer_bytes` | the whole step                | DDP gradient buckets; DeepSpeed ZeRO-3 reduce bucket |
+| `gather_bytes`            | forward and backward          | ZeRO-3 / FSDP2 unsharded parameters |
+| `backward_buffer_bytes`   | backward                      | DeepSpeed ZeRO-1/2 reduce (ipg) buckets |
+| `reduce_bytes`            | one layer's backward          | one layer's unsharded gradients before reduce-scatter |
+| `layer_forward_comm_bytes` / `layer_backward_comm_bytes` | inside one layer | sequence-parallel all-gathers, ring-attention K/V exchange (CP), MoE token dispatch (EP) |
+
+Defaults and sources (docs/parallelism.md has the derivations and pinning tests):
+
+- DeepSpeed 0.16.5 (commit 38327e07, deepspeed/runtime/zero/config.py): reduce_bucket_size
+  5e8 elements, contiguous_gradients True, overlap_comm False for stages 1-2 and True for
+  stage 3 (`overlap_comm_valid`), stage3_prefetch_bucket_size 5e7,
+  stage3_max_live_parameters 1e9, stage3_max_reuse_distance 1e9,
+  stage3_param_persistence_threshold 1e5, sub_group_size 1e9. ZeRO-1/2 allocate the
+  reduce bucket (two with overlap_comm) at the start of every backward
+  (stage_1_and_2.py `backward`) and release it after the reduction epilogue; ZeRO-3
+  allocates one at initialisation (stage3.py `__ipg_bucket_flat_buffer`) and keeps it.
+- DeepSpeed ZeRO-3 parameter fetching (partitioned_param_coordinator.py): parameters are
+  gathered per module; after a module's forward they are released unless the module is
+  used again within max_reuse_distance elements of fetches, which keeps the tail of the
+  model (always the output head) gathered across the forward/backward turn; the
+  prefetcher gathers the next modules until prefetch_bucket_size elements are queued.
+- PyTorch DDP (torch.nn.parallel.DistributedDataParallel, gradient_as_bucket_view=False by
+  default): the reducer keeps flat bucket tensors holding a copy of every gradient
+  ("gradient_as_bucket_view ... saved memory size will be equal to the total gradients
+  size", DDP docstring).
+- PyTorch FSDP2 (torch 2.13 torch/distributed/fsdp/_fully_shard): the root module keeps its
+  parameters (embedding, final norm, head) unsharded from forward into backward
+  (`_auto_reshard_after_forward`: "For the root, do not reshard after forward"); each
+  block is all-gathered (MixedPrecisionPolicy.param_dtype = the compute dtype) for its
+  forward and again for its backward, one block at a time plus the implicit prefetch;
+  `reshard_after_forward=False` (--fsdp grad-op) keeps every block unsharded from its forward
+  to its backward. A block's backward ends with its unsharded gradients copied into a
+  reduce-scatter input in the reduce dtype (the sharded parameter dtype).
+- TransformerEngine ring attention (context_parallel.py, AttnFuncWithCPAndKVP2P, Megatron's
+  default cp_comm_type "p2p"): the forward appends one received K/V chunk per ring step to
+  `p2p_comm_buffers` (cp chunks alive by the last step) and keeps per-step outputs and
+  fp32 softmax statistics (`out_per_step`, `softmax_lse_per_step`) until the final
+  correction; the backward double-buffers K/V with their gradients (two chunks each).
+- Megatron-LM MoE all-to-all token dispatcher (moe/token_dispatcher.py): tokens are
+  permuted into expert order (b·s·k rows of h) and exchanged with the EP group; each rank
+  receives b·s·k·capacity_factor rows in the balanced case.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from vramcalc.sharding import DS_PERSISTENCE_THRESHOLD, layer_param_numels
+from vramcalc.terms.context import RankContext
+from vramcalc.terms.gradients import grad_dtype
+from vramcalc.units import alloc, ceil_div
+
+DS_REDUCE_BUCKET_NUMEL = 500_000_000
+DS_PREFETCH_BUCKET_NUMEL = 50_000_000
+DS_MAX_LIVE_PARAMETERS = 1_000_000_000
+DS_MAX_REUSE_DISTANCE = 1_000_000_000
+DS_SUB_GROUP_NUMEL = 1_000_000_000
+DS_OVERLAP_COMM = {1: False, 2: False, 3: True}
+
+ROOT_GROUPS: tuple[str, ...] = ("embedding", "final", "head")
+
+
+# ---- persistent ------------------------------------------------------------------------
+def ddp_bucket_bytes(ctx: RankContext) -> int:
+    """DDP's reducer buckets: one more copy of every gradient (reference/hf profiles)."""
+    if ctx.engine != "ddp":
+        return 0
+    return ctx.shapes.nbytes(grad_dtype(ctx), 1, 1, "flat")
+
+
+def ds_reduce_bucket_bytes(ctx: RankContext) -> int:
+    """One DeepSpeed reduce (ipg) bucket: reduce_bucket_size elements in the weight dtype."""
+    return alloc(DS_REDUCE_BUCKET_NUMEL, ctx.training.weight_dtype)
+
+
+def persistent_buffer_bytes(ctx: RankContext) -> int:
+    """Communication buffers held for the whole step (optimizer phase included)."""
+    if ctx.engine == "ddp":
+        return ddp_bucket_bytes(ctx)
+    if ctx.engine == "deepspeed" and ctx.parallel.zero >= 3:
+        return ds_reduce_bucket_bytes(ctx)
+    return 0
+
+
+def backward_buffer_bytes(ctx: RankContext) -> int:
+    """Buffers alive through the whole backward: DeepSpeed ZeRO-1/2 reduce buckets."""
+    if ctx.engine == "deepspeed" and ctx.parallel.zero in (1, 2):
+        n = 2 if DS_OVERLAP_COMM[ctx.parallel.zero] else 1
+        return n * ds_reduce_bucket_bytes(ctx)
+    return 0
+
+
+# ---- gathered parameters ------------------------------------------------------------------
+def _layer_numel(ctx: RankContext) -> int:
+    return sum(layer_param_numels(ctx.spec, ctx.parallel))
+
+
+def fsdp_root_bytes(ctx: RankContext) -> int:
+    """FSDP2 root parameters (embedding, final norm, head on this stage), unsharded."""
+    return ctx.shapes.nbytes(ctx.training.compute_dtype, 1, 1, "tensor", ROOT_GROUPS)
+
+
+def fsdp_layer_bytes(ctx: RankContext) -> int:
+    """One transformer block's parameters, unsharded, in the all-gather (compute) dtype."""
+    return alloc(_layer_numel(ctx), ctx.training.compute_dtype)
+
+
+def ds_module_order(ctx: RankContext) -> tuple[int, ...]:
+    """Forward-order numels of the modules DeepSpeed ZeRO-3 fetches on this rank."""
+    return _ds_module_order(ctx.spec, ctx.parallel.tp, ctx.parallel.ep, ctx.num_layers,
+                            ctx.is_first_stage, ctx.is_last_stage,
+                            tuple((t.name, t.numel) for t in ctx.tensors
+                                  if t.group in ROOT_GROUPS))
+
+
+@lru_cache(maxsize=1024)
+def _ds_module_order(spec, tp: int, ep: int, n_layers: int, first: bool, last: bool,  # noqa: ANN001
+                     root: tuple[tuple[str, int], ...]) -> tuple[int, ...]:
+    from vramcalc.parallel import ParallelConfig
+
+    layer = tuple(layer_param_numels(spec, ParallelConfig(tp=tp, ep=ep)))
+    emb = tuple(n for name, n in root if name.startswith("embed"))
+    tail = tuple(n for name, n in root if not name.startswith("embed"))
+    return (emb if first else ()) + layer * n_layers + (tail if last else ())
+
+
+def ds_gathered_numel(ctx: RankContext) -> int:
+    """Elements DeepSpeed ZeRO-3 holds gathered at the forward/backward turn, at defaults.
+
+    Module i (forward order, numel n_i, S_i = Σ_{j>i} n_j) stays gathered from its forward to
+    its backward when 2·S_i < max_reuse_distance (the fetches between its two uses), so the
+    tail of the model (always the head) is kept; the prefetcher then queues the next modules
+    until prefetch_bucket_size elements (it stops after the one that crosses the limit),
+    capped by max_live_parameters. Persistent parameters (≤ 1e5 elements) are never
+    gathered (they are counted as weights).
+    """
+    order = ds_module_order(ctx)
+    retained, suffix, i = 0, 0, len(order) - 1
+    while i >= 0 and 2 * suffix < DS_MAX_REUSE_DISTANCE:
+        n = order[i]
+        if n > DS_PERSISTENCE_THRESHOLD:
+            retained += n
+        suffix += n
+        i -= 1
+    prefetch = 0
+    budget = min(DS_PREFETCH_BUCKET_NUMEL, max(DS_MAX_LIVE_PARAMETERS - retained, 0))
+    while i >= 0 and prefetch < budget:
+        if order[i] > DS_PERSISTENCE_THRESHOLD:
+            prefetch += order[i]
+        i -= 1
+    largest = max((n for n in order if n > DS_PERSISTENCE_THRESHOLD), default=0)
+    return max(retained, largest) + prefetch
+
+
+def gather_bytes(ctx: RankContext) -> int:
+    """Unsharded parameters alive during forward and backward (ZeRO-3 / FSDP2)."""
+    if ctx.engine == "deepspeed" and ctx.parallel.zero >= 3:
+        return alloc(ds_gathered_numel(ctx), ctx.training.weight_dtype)
+    if ctx.engine != "fsdp2":
+        return 0
+    root = fsdp_root_bytes(ctx)
+    if ctx.parallel.fsdp == "grad-op":  # reshard_after_forward=False: every block stays
+        return root + ctx.num_layers * fsdp_layer_bytes(ctx)
+    return root + fsdp_layer_bytes(ctx)
+
+
+def reduce_bytes(ctx: RankContext) -> int:
+    """Extra during one layer's backward: its unsharded gradients before they are reduced.
+
+    DeepSpeed ZeRO-2/3: autograd's 16-bit `param.grad` of the layer until it is copied into
+    the reduce bucket. FSDP2: the block's unsharded gradients (compute dtype) and the
+    reduce-scatter input they are copied into (the sharded parameters' dtype).
+    """
+    n = _layer_numel(ctx)
+    if ctx.engine == "deepspeed" and ctx.parallel.zero >= 2:
+        return alloc(n, grad_dtype(ctx))
+    if ctx.engine == "fsdp2":
+        return alloc(n, ctx.training.compute_dtype) + alloc(n, ctx.training.weight_dtype)
+    return 0
+
+
+# ---- inside one layer: SP, CP, EP ----------------------------------------------------------
+def _tokens(ctx: RankContext) -> int:
+    """Tokens of one micro-batch on this rank's sequence shard (÷cp, before ÷tp of SP)."""
+    tr = ctx.training
+    return tr.micro_batch_size * ceil_div(tr.seq_len, ctx.parallel.cp)
+
+
+def _kv_chunk_bytes(ctx: RankContext) -> int:
+    """This rank's K and V for one micro-batch: 2 · b · s/cp · g/tp · d."""
+    spec, par = ctx.spec, ctx.parallel
+    g = max(spec.kv_heads // par.tp, 1)
+    return alloc(2 * _tokens(ctx) * g * spec.head_size, ctx.training.compute_dtype)
+
+
+def cp_forward_bytes(ctx: RankContext) -> int:
+    """Ring attention (TransformerEngine p2p) forward: cp K/V chunks received by the last
+    ring step, plus per-step partial outputs and fp32 log-sum-exp statistics."""
+    cp = ctx.parallel.cp
+    if cp <= 1:
+        return 0
+    spec, par = ctx.spec, ctx.parallel
+    a = ceil_div(spec.num_attention_heads, par.tp)
+    out_chunk = alloc(_tokens(ctx) * a * spec.head_size, ctx.training.compute_dtype)
+    lse_chunk = alloc(_tokens(ctx) * a, "fp32")
+    return (cp - 1) * _kv_chunk_bytes(ctx) + cp * (out_chunk + lse_chunk)
+
+
+def cp_backward_bytes(ctx: RankContext) -> int:
+    """Ring attention backward: K/V and their gradients double-buffered (2 chunks each)."""
+    if ctx.parallel.cp <= 1:
+        return 0
+    return 4 * _kv_chunk_bytes(ctx)
+
+
+def sp_gather_bytes(ctx: RankContext) -> int:
+    """Sequence parallelism: the all-gathered (b, s/cp, h) input of a column-parallel linear
+    (not saved: Korthikanti et al. 2022 Sec. 4.2.2 re-gathers it in backward)."""
+    if not ctx.parallel.sequence_parallel:
+        return 0
+    return alloc(_tokens(ctx) * ctx.spec.hidden_size, ctx.training.compute_dtype)
+
+
+def moe_routed_tokens(ctx: RankContext) -> int:
+    """Token rows one rank's experts process per MoE layer: b·s·k·capacity_factor (balanced
+    routing; dropless routers process b·s·k on average, capacity caps each expert)."""
+    if not ctx.spec.is_moe:
+        return 0
+    k = ctx.spec.num_experts_per_tok
+    return ceil_div(int(_tokens(ctx) * k * ctx.parallel.capacity_factor * 1000), 1000)
+
+
+def ep_dispatch_bytes(ctx: RankContext) -> int:
+    """EP all-to-all: permuted tokens sent (b·s·k rows of h) and received (·capacity)."""
+    if ctx.parallel.ep <= 1 or not ctx.spec.is_moe:
+        return 0
+    h, c = ctx.spec.hidden_size, ctx.training.compute_dtype
+    sent = _tokens(ctx) * ctx.spec.num_experts_per_tok
+    return alloc(sent * h, c) + alloc(moe_routed_tokens(ctx) * h, c)
+
+
+def layer_forward_comm_bytes(ctx: RankContext) -> int:
+    """Communication buffers alive inside one layer's forward (worst moment)."""
+    return max(sp_gather_bytes(ctx), cp_forward_bytes(ctx), ep_dispatch_bytes(ctx))
+
+
+def layer_backward_comm_bytes(ctx: RankContext) -> int:
+    """Communication buffers alive inside one layer's backward (worst moment): SP
+    re-gathers the input and reduce-scatters the input gradient."""
+    return max(2 * sp_gather_bytes(ctx), cp_backward_bytes(ctx), ep_dispatch_bytes(ctx))

@@ -1,0 +1,302 @@
+"""The trace engine: run real training steps under FakeTensorMode and count live storages.
+
+`run_trace(scn)` builds the model (vramcalc's reference model, or Hugging Face's class for
+the `hf` profile) and its optimizer inside `torch._subclasses.fake_tensor.FakeTensorMode`,
+so every tensor has its true shape and dtype but no storage, and runs `ITERATIONS`
+iterations of
+
+    for each of grad_accum micro-batches: forward (loss inside) -> backward
+    optimizer.step() -> optimizer.zero_grad(set_to_none=True)
+
+under `MemoryTracker` (vramcalc/trace/tracker.py), with CUDA's autocast lists and kernel
+allocations (vramcalc/trace/cuda_rules.py). The report is the last (steady-state)
+iteration; `first_step_peak_bytes` is the first iteration's peak (no optimizer states yet
+during its forward and backward). Memory is never allocated: a 70B model traces in seconds.
+
+torch is imported only when a trace runs, never when this module is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vramcalc.analytic import strategy_dict
+from vramcalc.errors import InputError
+from vramcalc.report import PHASE_NAMES, GPUInfo, MemoryReport, ModelInfo, Terms
+from vramcalc.scenario import Scenario
+from vramcalc.terms.overhead import overhead_split
+from vramcalc.terms.transients import cublas_workspace_bytes
+
+ITERATIONS = 2  # the second iteration is the steady state (optimizer states exist)
+Progress = Callable[[str, float], None]
+
+
+@dataclass
+class PhaseSnapshot:
+    """Allocated bytes at one moment of the trace: total and per term / sub-term key."""
+
+    total: int
+    parts: dict[str, int] = field(default_factory=dict)
+    num_live: int = 0
+
+    def terms(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for key, val in self.parts.items():
+            term = key.split("/", 1)[0]
+            out[term] = out.get(term, 0) + val
+        return out
+
+
+@dataclass
+class TraceResult:
+    """A trace's report plus the detail `validate` compares term by term."""
+
+    report: MemoryReport
+    phases: dict[str, PhaseSnapshot]  # steady-state peak of each phase
+    marks: dict[str, PhaseSnapshot]  # end_forward, end_backward, end_step (steady state)
+    first_step_peak_bytes: int
+    param_bytes: int  # parameters only (buffers such as rotary tables excluded)
+    notes: list[str] = field(default_factory=list)
+
+
+def check_traceable(scn: Scenario) -> Scenario:
+    """Resolve the scenario and refuse what the trace cannot run yet (InputError)."""
+    scn = scn.resolved()
+    par, tr = scn.parallel, scn.training
+    multi = [f"{k}={v}" for k, v in (("dp", par.dp_degree), ("tp", par.tp), ("pp", par.pp),
+                                      ("cp", par.cp), ("ep", par.ep)) if v > 1]
+    if par.zero:
+        multi.append(f"zero={par.zero}")
+    if par.fsdp != "none":
+        multi.append(f"fsdp={par.fsdp}")
+    if par.offload:
+        multi.append("offload=" + ",".join(par.offload))
+    if multi:
+        raise InputError(
+            "trace supports single-rank layouts; got " + ", ".join(multi)
+            + " (trace one GPU, e.g. --gpus 1xH100, without parallel options)")
+    if tr.framework == "megatron":
+        raise InputError("trace runs the reference and hf profiles; megatron has no traceable "
+                         "model (use --framework reference or hf)")
+    natural = "bf16" if tr.precision == "bf16-pure" else "fp32"
+    if tr.optimizer in ("adamw-8bit", "sgd"):
+        natural = tr.state_dtype
+    if tr.state_dtype != natural:
+        raise InputError(f"trace keeps optimizer states in the parameters' dtype ({natural}); "
+                         f"optimizer_dtype={tr.optimizer_dtype} is not traceable")
+    return scn
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def build_model(scn: Scenario) -> Any:
+    """The nn.Module to trace (call inside FakeTensorMode), in the policy's weight dtype."""
+    tr = scn.training
+    dtype = _torch_dtype(tr.weight_dtype)
+    if tr.framework == "hf":
+        from vramcalc.trace.hf_models import build_hf_model
+
+        return build_hf_model(scn.model, tr, dtype)
+    from vramcalc.trace.reference_model import ReferenceModel
+
+    return ReferenceModel(scn.model, attention=tr.attention, recompute=tr.recompute,
+                          capacity_factor=scn.parallel.capacity_factor, dtype=dtype)
+
+
+def _loss(model: Any, framework: str, ids: Any, labels: Any) -> Any:
+    if framework == "hf":
+        # the output object (and its logits) is dropped at once, as Trainer.compute_loss does
+        return model(input_ids=ids, labels=labels).loss
+    return model(ids, labels)
+
+
+def trace(scn: Scenario, progress: Progress | None = None,
+          iterations: int = ITERATIONS) -> TraceResult:
+    """Trace `iterations` training iterations of a single-rank scenario; see the module doc."""
+    scn = check_traceable(scn)
+    try:
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+    except ImportError:  # pragma: no cover - torch is an optional extra
+        raise InputError("the trace engine needs torch: pip install 'vramcalc[torch]'") from None
+    from vramcalc.trace.cuda_rules import cuda_autocast_rules
+    from vramcalc.trace.optim import MixedPrecisionOptimizer, build_optimizer, optimizer_state_tensors
+    from vramcalc.trace.tracker import MemoryTracker
+
+    tr, spec = scn.training, scn.model
+    report_progress = progress or (lambda _label, _frac: None)
+    steps = iterations * (tr.grad_accum * 2 + 1)
+    done = 0
+
+    def tick(label: str) -> None:
+        nonlocal done
+        report_progress(label, done / steps)
+        done += 1
+
+    tracker = MemoryTracker()
+    report_progress("building model", 0.0)
+    autocast = (lambda: torch.autocast("cpu", dtype=_torch_dtype(tr.compute_dtype))) if (
+        tr.is_autocast) else contextlib.nullcontext
+    with cuda_autocast_rules(), FakeTensorMode(), tracker:
+        model = build_model(scn)
+        model.train()
+        all_params = list(model.parameters())
+        params = [p for p in all_params if p.requires_grad]
+        tracker.register_params(all_params)
+        for buf in model.buffers():
+            tracker.label(buf, "weights/buffers")
+        param_bytes = sum(tracker.blocks[k].nbytes for k in tracker.param_keys)
+
+        def on_grad(p: Any) -> None:
+            tracker.label(p.grad, "gradients")
+
+        for p in params:
+            p.register_post_accumulate_grad_hook(on_grad)
+        head = model.get_output_embeddings() if tr.framework == "hf" else model.lm_head
+
+        def head_pre(_mod: Any, _inp: Any) -> None:
+            tracker.region = "logits"
+
+        def head_post(_mod: Any, _inp: Any, out: Any) -> None:
+            def leave(grad: Any) -> None:  # d loss / d logits is ready: the layers' backward
+                tracker.region = None
+            if out.requires_grad:
+                out.register_hook(leave)
+
+        head.register_forward_pre_hook(head_pre)
+        head.register_forward_hook(head_post)
+
+        tracker.phase = "build_optimizer"
+        opt = build_optimizer(tr.optimizer, params, tr.has_master_weights)
+        if isinstance(opt, MixedPrecisionOptimizer):
+            for m in opt.masters:
+                tracker.label(m, "optimizer_states/master")
+
+        b, s, V = tr.micro_batch_size, tr.seq_len, spec.vocab_size
+        for it in range(iterations):
+            tracker.iteration = it
+            for micro in range(tr.grad_accum):
+                tag = f"iteration {it + 1}/{iterations}, micro-batch {micro + 1}/{tr.grad_accum}"
+                tick(f"{tag}: forward")
+                tracker.set_phase("forward")
+                ids = torch.randint(0, V, (b, s))
+                labels = torch.randint(0, V, (b, s))
+                with autocast():
+                    loss = _loss(model, tr.framework, ids, labels)
+                tracker.mark("end_forward")
+                tick(f"{tag}: backward")
+                tracker.set_phase("backward", region="logits")
+                (loss / tr.grad_accum).backward()
+                del loss, ids, labels
+                tracker.region = None
+            tracker.mark("end_backward")
+            tick(f"iteration {it + 1}/{iterations}: optimizer step")
+            tracker.set_phase("optimizer")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            states, host = optimizer_state_tensors(opt)
+            for t in host:
+                tracker.set_host(t)
+            for t in states:
+                if tracker.term_of(t) != "optimizer_states/master":
+                    tracker.label(t, "optimizer_states")
+            tracker.mark("end_step")
+            tracker.phase = "idle"
+        report_progress("done", 1.0)
+
+    return _result(scn, tracker, param_bytes, iterations)
+
+
+def _snap(s: Any, extra: dict[str, int]) -> PhaseSnapshot:
+    parts = dict(s.terms)
+    for k, v in extra.items():
+        parts[k] = parts.get(k, 0) + v
+    return PhaseSnapshot(s.total + sum(extra.values()), parts, s.num_live)
+
+
+def _result(scn: Scenario, tracker: Any, param_bytes: int, iterations: int) -> TraceResult:
+    gpu = scn.cluster.gpu if scn.cluster else None
+    extra = {"transients/cublas_workspace": cublas_workspace_bytes(gpu.id if gpu else None)}
+    last = iterations - 1
+    phases = {ph: _snap(tracker.peaks[(last, ph)], extra) for ph in PHASE_NAMES}
+    marks = {name: _snap(snap, extra) for (it, name), snap in tracker.marks.items() if it == last}
+    first = max(_snap(tracker.peaks[(0, ph)], extra).total for ph in PHASE_NAMES)
+    peak_name = max(PHASE_NAMES, key=lambda ph: phases[ph].total)
+    peak = phases[peak_name]
+    ovh = overhead_split(gpu.context_overhead_bytes if gpu else 0, scn.world_size, peak.num_live)
+    terms = peak.terms()
+    terms["overhead"] = sum(ovh.values())
+    subterms = {k: v for k, v in peak.parts.items() if "/" in k}
+    subterms.update({f"overhead/{k}": v for k, v in ovh.items()})
+    total = peak.total + terms["overhead"]
+    fits: bool | None = None
+    headroom: int | None = None
+    if gpu is not None:
+        usable = int(gpu.memory_total_bytes * (1 - scn.headroom_fraction))
+        headroom = gpu.memory_total_bytes - total
+        fits = total <= usable
+    notes = [n for n in (scn.model_note, scn.gpu_note) if n]
+    report = MemoryReport(
+        engine="trace",
+        model=ModelInfo(name=scn.model.name, num_params=scn.model.num_params,
+                        num_active_params=scn.model.num_active_params,
+                        source=scn.model.source, note=scn.model_note),
+        strategy=strategy_dict(scn),
+        gpu=GPUInfo(id=gpu.id, name=gpu.name, memory_total_bytes=gpu.memory_total_bytes,
+                    num_gpus=scn.cluster.num_gpus, num_nodes=scn.cluster.num_nodes,
+                    note=scn.gpu_note) if gpu and scn.cluster else None,
+        terms=Terms(**{k: max(v, 0) for k, v in terms.items()}),
+        subterms=subterms,
+        phases={ph: phases[ph].total for ph in PHASE_NAMES},
+        peak_phase=peak_name,
+        peak_allocated_bytes=peak.total,
+        first_step_peak_bytes=first,
+        device_total_bytes=total,
+        fits=fits,
+        headroom_bytes=headroom,
+        notes=notes,
+    )
+    return TraceResult(report, phases, marks, first, param_bytes)
+
+
+def run_trace(scn: Scenario, progress: Progress | None = None) -> MemoryReport:
+    """Per-rank memory of one scenario from a fake-tensor training step (engine "trace").
+
+    Same schema as `vramcalc.analytic.estimate`: `terms` is the composition at the
+    steady-state peak, `phases` the peak of each phase (forward, backward, optimizer),
+    `first_step_peak_bytes` the first iteration's peak; the cuBLAS workspace constant of
+    vramcalc/terms/transients.py is added as CUDA would hold it. Raises InputError for
+    multi-rank layouts, the megatron profile, or `hf` without transformers installed.
+    """
+    return trace(scn, progress).report
+
+
+def _demo() -> None:  # pragma: no cover - `python -m vramcalc.trace.engine`
+    import time
+
+    from vramcalc.model import ModelSpec
+    from vramcalc.training import TrainingConfig
+    from vramcalc.units import fmt_gib
+
+    spec = ModelSpec(name="llama-mini", hidden_size=1024, num_hidden_layers=4,
+                     num_attention_heads=16, num_key_value_heads=4, intermediate_size=2816,
+                     vocab_size=32000)
+    scn = Scenario(model=spec, training=TrainingConfig(seq_len=2048, micro_batch_size=2))
+    t0 = time.perf_counter()
+    rep = run_trace(scn)
+    print(f"{spec.summary()}\ntraced in {time.perf_counter() - t0:.2f} s")
+    for term, val in rep.terms.as_dict().items():
+        print(f"  {term:<17} {fmt_gib(val)}")
+    print(f"  peak ({rep.peak_phase}) {fmt_gib(rep.peak_allocated_bytes)}, first step "
+          f"{fmt_gib(rep.first_step_peak_bytes)}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _demo()

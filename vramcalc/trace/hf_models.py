@@ -1,0 +1,190 @@
+"""Hugging Face transformers models for the `hf` profile, built from a ModelSpec.
+
+`to_hf_config(spec)` picks the transformers config class whose architecture has exactly
+the spec's parameters (checked against ModelSpec.num_params by the tests):
+
+| spec                                          | config class     |
+|-----------------------------------------------|------------------|
+| LayerNorm + learned positions + 2-matrix MLP  | GPT2Config       |
+| MoE with a gated shared expert (Qwen2-MoE)    | Qwen2MoeConfig   |
+| MoE with qk_norm                              | Qwen3MoeConfig   |
+| other MoE (no biases, no shared experts)      | MixtralConfig    |
+| model_type phi3 / gemma / mistral             | Phi3 / Gemma / MistralConfig |
+| qk_norm                                       | Qwen3Config      |
+| q/k/v biases without an o bias                | Qwen2Config      |
+| anything else Llama-like                      | LlamaConfig      |
+
+`build_hf_model` calls `AutoModelForCausalLM.from_config` (no hub, no remote code) with
+attention "sdpa" (flash) or "eager", gradient checkpointing (use_reentrant=False) for full
+recompute and, for selective recompute, an attention function registered with
+transformers' AttentionInterface that checkpoints the attention core. transformers is
+imported only when a model is built; without it InputError says how to install it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from vramcalc.errors import InputError
+from vramcalc.model import ModelSpec
+from vramcalc.training import TrainingConfig
+
+HF_MISSING = "the hf profile needs transformers: pip install 'vramcalc[hf]'"
+SELECTIVE_PREFIX = "vramcalc_selective_"
+# special token ids are irrelevant to memory; the config defaults may not fit a small vocab
+NO_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise InputError(HF_MISSING) from None
+    return transformers
+
+
+def _unsupported(spec: ModelSpec, why: str) -> InputError:
+    return InputError(f"{spec.name}: the hf profile cannot build this model ({why})")
+
+
+def hf_family(spec: ModelSpec) -> str:
+    """The transformers architecture that matches the spec's parameters (see module doc)."""
+    if spec.norm_kind == "layernorm" or spec.position_embedding == "learned" or (
+            spec.mlp_kind == "standard"):
+        ok = (spec.norm_kind == "layernorm" and spec.norm_bias and spec.position_embedding
+              == "learned" and spec.mlp_kind == "standard" and spec.attention_bias
+              and spec.attention_out_bias and spec.mlp_bias and spec.tie_word_embeddings
+              and spec.kv_heads == spec.num_attention_heads and spec.final_norm
+              and spec.head_size * spec.num_attention_heads == spec.hidden_size
+              and not spec.is_moe and not spec.qk_norm)
+        if not ok:
+            raise _unsupported(spec, "only GPT-2-style LayerNorm models are supported")
+        return "gpt2"
+    if spec.is_moe:
+        if spec.attention_bias != spec.attention_out_bias and not spec.num_shared_experts:
+            raise _unsupported(spec, "MoE with q/k/v biases but no o bias")
+        if spec.router_bias or spec.mlp_bias:
+            raise _unsupported(spec, "router or expert biases")
+        if spec.num_shared_experts:
+            if spec.num_shared_experts != 1 or not spec.shared_expert_gate or spec.qk_norm:
+                raise _unsupported(spec, "shared experts other than Qwen2-MoE's gated one")
+            if spec.attention_out_bias:
+                raise _unsupported(spec, "o-projection bias in a Qwen2-MoE model")
+            return "qwen2_moe"
+        if spec.shared_expert_gate:
+            raise _unsupported(spec, "shared expert gate without a shared expert")
+        if spec.qk_norm:
+            return "qwen3_moe"
+        if spec.first_k_dense_replace or spec.attention_bias:
+            raise _unsupported(spec, "Mixtral has no dense layers and no biases")
+        return "mixtral"
+    if spec.model_type in ("phi3", "gemma", "mistral") and not (
+            spec.attention_bias or spec.attention_out_bias or spec.mlp_bias or spec.qk_norm):
+        return spec.model_type
+    if spec.qk_norm:
+        if spec.attention_bias != spec.attention_out_bias or spec.mlp_bias:
+            raise _unsupported(spec, "qk_norm with partial or MLP biases")
+        return "qwen3"
+    if spec.attention_bias and not spec.attention_out_bias:
+        if spec.mlp_bias:
+            raise _unsupported(spec, "q/k/v biases together with MLP biases")
+        return "qwen2"
+    if spec.attention_out_bias and not spec.attention_bias:
+        raise _unsupported(spec, "an o-projection bias without q/k/v biases")
+    return "llama"
+
+
+def to_hf_config(spec: ModelSpec) -> Any:
+    """A transformers config object with the spec's shapes (dropout off, no cache)."""
+    tf = _transformers()
+    if spec.final_norm is False:
+        raise _unsupported(spec, "no final norm")
+    family = hf_family(spec)
+    if family == "gpt2":
+        return tf.GPT2Config(
+            vocab_size=spec.vocab_size, n_positions=spec.max_position_embeddings,
+            n_embd=spec.hidden_size, n_layer=spec.num_hidden_layers,
+            n_head=spec.num_attention_heads, n_inner=spec.intermediate_size,
+            activation_function=spec.hidden_act, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, use_cache=False, tie_word_embeddings=True, **NO_TOKENS)
+    common: dict[str, Any] = {
+        "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.kv_heads, "hidden_act": spec.hidden_act,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "tie_word_embeddings": spec.tie_word_embeddings, "attention_dropout": 0.0,
+        "use_cache": False, **NO_TOKENS,
+    }
+    head_dim = {"head_dim": spec.head_size}
+    default_head = spec.hidden_size // spec.num_attention_heads
+    if family in ("qwen2", "phi3", "qwen2_moe") and spec.head_size != default_head:
+        raise _unsupported(spec, f"{family} derives head_dim from hidden_size")
+    if family == "llama":
+        return tf.LlamaConfig(**common, **head_dim, intermediate_size=spec.intermediate_size,
+                              attention_bias=spec.attention_bias, mlp_bias=spec.mlp_bias)
+    if family == "mistral":
+        return tf.MistralConfig(**common, **head_dim, intermediate_size=spec.intermediate_size,
+                                sliding_window=None)
+    if family == "gemma":
+        return tf.GemmaConfig(**common, **head_dim, intermediate_size=spec.intermediate_size)
+    if family == "phi3":
+        return tf.Phi3Config(**common, intermediate_size=spec.intermediate_size,
+                             resid_pdrop=0.0, embd_pdrop=0.0)
+    if family == "qwen2":
+        return tf.Qwen2Config(**common, intermediate_size=spec.intermediate_size)
+    if family == "qwen3":
+        return tf.Qwen3Config(**common, **head_dim, intermediate_size=spec.intermediate_size,
+                              attention_bias=spec.attention_bias)
+    if family == "mixtral":
+        return tf.MixtralConfig(**common, **head_dim, intermediate_size=spec.expert_ffn,
+                                num_local_experts=spec.num_local_experts,
+                                num_experts_per_tok=spec.num_experts_per_tok,
+                                router_jitter_noise=0.0)
+    moe: dict[str, Any] = {
+        "intermediate_size": spec.intermediate_size,
+        "moe_intermediate_size": spec.expert_ffn, "num_experts": spec.num_local_experts,
+        "num_experts_per_tok": spec.num_experts_per_tok, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": list(range(spec.first_k_dense_replace)),
+    }
+    if family == "qwen2_moe":
+        return tf.Qwen2MoeConfig(**common, **moe, qkv_bias=spec.attention_bias,
+                                 shared_expert_intermediate_size=spec.shared_ffn)
+    return tf.Qwen3MoeConfig(**common, **head_dim, **moe, attention_bias=spec.attention_bias)
+
+
+def _register_selective(tf: Any) -> None:
+    """Attention functions that checkpoint the attention core (selective recompute)."""
+    from torch.utils.checkpoint import checkpoint
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    def selective(kind: str) -> Any:
+        def attention(module: Any, *args: Any, **kwargs: Any) -> Any:
+            if kind == "sdpa":
+                core = sdpa_attention_forward
+            else:  # each modeling file defines its own eager_attention_forward
+                core = sys.modules[type(module).__module__].eager_attention_forward
+            return checkpoint(core, module, *args, use_reentrant=False, **kwargs)
+        return attention
+
+    for kind, mask in (("sdpa", sdpa_mask), ("eager", eager_mask)):
+        AttentionInterface.register(SELECTIVE_PREFIX + kind, selective(kind))
+        AttentionMaskInterface.register(SELECTIVE_PREFIX + kind, mask)
+
+
+def build_hf_model(spec: ModelSpec, training: TrainingConfig, dtype: Any) -> Any:
+    """AutoModelForCausalLM.from_config for the spec, ready to train (call inside fake mode)."""
+    tf = _transformers()
+    cfg = to_hf_config(spec)
+    attn = "sdpa" if training.attention == "flash" else "eager"
+    if training.recompute == "selective":
+        _register_selective(tf)
+        attn = SELECTIVE_PREFIX + attn
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
+    if training.recompute == "full":
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model

@@ -1,0 +1,168 @@
+"""Optimizers the trace engine runs, and the mixed-precision wrapper.
+
+- torch.optim SGD (with and without momentum), Adam, AdamW, Adafactor: all with
+  `foreach=True`, PyTorch's default on CUDA (`_default_to_fused_or_foreach`); the CPU default
+  would be the per-tensor loop, which allocates different temporaries.
+- `Lion` (Chen et al. 2023, Alg. 2): a small foreach implementation; its step allocates one
+  state-sized update direction per parameter, all at once.
+- `AdamW8bitStandIn`: bitsandbytes' blockwise 8-bit AdamW storage layout (two uint8 states
+  per element, two fp32 absmax per block of `BNB_BLOCK` elements, two 256-entry fp32
+  quantization maps shared by all parameters) with an in-place update, as bitsandbytes'
+  fused CUDA kernel does; bitsandbytes itself cannot run on fake tensors.
+- `MixedPrecisionOptimizer`: 16-bit parameters with fp32 master copies. It allocates the
+  masters once (4 bytes/param). At each step it replaces every 16-bit gradient by an fp32
+  copy on its master (one tensor at a time: allocate fp32, free 16-bit), runs the inner
+  optimizer on the masters, frees the fp32 gradients and copies the masters into the 16-bit
+  parameters in place (no allocation).
+
+Optimizer step counters: PyTorch keeps `state["step"]` on the host when neither
+`capturable` nor `fused` is set (torch/optim/adam.py), so the tracker does not count them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.optim import Optimizer
+
+from vramcalc.terms.optimizer_states import BNB_BLOCK
+
+QMAP_ENTRIES = 256  # bitsandbytes dynamic quantization map: 256 fp32 values (signed, unsigned)
+LR = 1e-4
+
+
+class Lion(Optimizer):
+    """Lion: update = sign(β1·m + (1−β1)·g); m ← β2·m + (1−β2)·g (foreach)."""
+
+    def __init__(self, params: Iterable[torch.Tensor], lr: float = LR,
+                 betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            for p in params:
+                if not self.state[p]:
+                    self.state[p]["exp_avg"] = torch.zeros_like(p)
+            exp_avgs = [self.state[p]["exp_avg"] for p in params]
+            beta1, beta2 = group["betas"]
+            update = torch._foreach_mul(exp_avgs, beta1)  # one state-sized tensor per param
+            torch._foreach_add_(update, grads, alpha=1 - beta1)
+            torch._foreach_sign_(update)
+            if group["weight_decay"]:
+                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+            torch._foreach_add_(params, update, alpha=-group["lr"])
+            del update
+            torch._foreach_mul_(exp_avgs, beta2)
+            torch._foreach_add_(exp_avgs, grads, alpha=1 - beta2)
+
+
+class AdamW8bitStandIn(Optimizer):
+    """bitsandbytes AdamW8bit's device storage with an in-place (fused-kernel-like) update."""
+
+    def __init__(self, params: Iterable[torch.Tensor], lr: float = LR,
+                 weight_decay: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
+        self.qmaps: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    if not self.qmaps:  # "dynamic" and "udynamic" maps, shared by all params
+                        self.qmaps = [torch.zeros(QMAP_ENTRIES, device=p.device)
+                                      for _ in range(2)]
+                    blocks = -(-p.numel() // BNB_BLOCK)
+                    state["state1"] = torch.zeros_like(p, dtype=torch.uint8)
+                    state["state2"] = torch.zeros_like(p, dtype=torch.uint8)
+                    state["absmax1"] = torch.zeros(blocks, device=p.device)
+                    state["absmax2"] = torch.zeros(blocks, device=p.device)
+                    state["qmap1"], state["qmap2"] = self.qmaps
+                # the fused kernel reads and writes these in place: no temporaries
+                state["state1"].add_(1)
+                state["state2"].add_(1)
+                state["absmax1"].mul_(1.0)
+                state["absmax2"].mul_(1.0)
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+class MixedPrecisionOptimizer:
+    """16-bit params + fp32 masters; the inner optimizer steps the masters (see module doc)."""
+
+    def __init__(self, params: Iterable[torch.Tensor],
+                 make_inner: Callable[[list[torch.Tensor]], Optimizer]) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.masters = [torch.nn.Parameter(p.detach().float()) for p in self.params]
+        self.inner = make_inner(self.masters)
+
+    @property
+    def state(self):  # noqa: ANN201
+        return self.inner.state
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters, strict=True):
+            if p.grad is not None:
+                m.grad = p.grad.float()  # fp32 copy, then the 16-bit gradient goes
+                p.grad = None
+        self.inner.step()
+        self.inner.zero_grad(set_to_none=True)
+        for p, m in zip(self.params, self.masters, strict=True):
+            p.copy_(m)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+def make_optimizer(name: str, params: list[torch.Tensor]) -> Optimizer:
+    """A torch optimizer (or stand-in) by vramcalc's optimizer name; foreach as on CUDA."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=LR, foreach=True)
+    if name == "sgd-momentum":
+        return torch.optim.SGD(params, lr=LR, momentum=0.9, foreach=True)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=LR, foreach=True)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=LR, weight_decay=0.01, foreach=True)
+    if name == "adafactor":
+        return torch.optim.Adafactor(params, lr=1e-2, foreach=True)
+    if name == "lion":
+        return Lion(params)
+    if name == "adamw-8bit":
+        return AdamW8bitStandIn(params)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def build_optimizer(name: str, params: list[torch.Tensor], master_weights: bool):  # noqa: ANN201
+    """The optimizer the engine steps: wrapped with fp32 masters for bf16/fp16 policies."""
+    if master_weights:
+        return MixedPrecisionOptimizer(params, lambda ms: make_optimizer(name, ms))
+    return make_optimizer(name, params)
+
+
+def optimizer_state_tensors(opt) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # noqa: ANN001
+    """(device state tensors incl. fp32 masters, host step counters) of an optimizer."""
+    device: list[torch.Tensor] = []
+    host: list[torch.Tensor] = []
+    if isinstance(opt, MixedPrecisionOptimizer):
+        device += opt.masters
+        inner = opt.inner
+    else:
+        inner = opt
+    for st in inner.state.values():
+        for key, val in st.items():
+            if isinstance(val, torch.Tensor):
+                (host if key == "step" else device).append(val)
+    if isinstance(inner, AdamW8bitStandIn):
+        device += inner.qmaps
+    return device, host

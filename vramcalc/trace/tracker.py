@@ -1,0 +1,190 @@
+"""Live-storage memory tracker for fake-tensor training steps.
+
+Method (cf. torch/distributed/_tools/mem_tracker.py): a TorchDispatchMode sees every aten
+op. Each output tensor's storage is counted once (views share it), at its size rounded up
+to 512 bytes as the CUDA caching allocator rounds every block (kMinBlockSize), and is
+uncounted when the storage dies (a weakref callback on the storage object). Each counted
+storage carries a term label (the memory report's keys), chosen when it appears:
+
+| phase / region          | default term |
+|-------------------------|--------------|
+| build (model)           | weights      |
+| forward                 | activations  |
+| forward, after lm_head  | logits       |
+| backward, before lm_head's grad | logits |
+| backward                | transients   |
+| optimizer               | transients   |
+
+and relabelled when its role becomes known: parameter gradients (post-accumulate-grad hook)
+become `gradients`, optimizer states and fp32 masters `optimizer_states`, autocast's casts
+of fp32 parameters `transients` (sub-term `autocast_cache`). The tracker keeps, per
+(iteration, phase), the largest total seen and the composition at that moment, and named
+marks (end of forward, end of backward, end of step). CUDA-specific allocation behaviour
+is delegated to `cuda_rules.rewrite_op`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from vramcalc.trace import cuda_rules
+from vramcalc.units import round_alloc
+
+aten = torch.ops.aten
+_HOST_OPS = (aten.lift_fresh.default, aten.lift_fresh_copy.default)
+_CAST_OPS = (aten._to_copy.default,)
+
+
+@dataclass
+class Snapshot:
+    """Allocated bytes at one moment: total, per term (and sub-term), live storages."""
+
+    total: int = 0
+    terms: dict[str, int] = field(default_factory=dict)
+    num_live: int = 0
+
+
+@dataclass
+class _Block:
+    nbytes: int
+    term: str
+    ref: Any
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Counts live storages by term; see the module docstring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks: dict[int, _Block] = {}
+        self.host: dict[int, Any] = {}
+        self.param_keys: set[int] = set()
+        self.terms: dict[str, int] = {}
+        self.total = 0
+        self.phase = "build"
+        self.region: str | None = None
+        self.iteration = 0
+        self.peaks: dict[tuple[int, str], Snapshot] = {}
+        self.marks: dict[tuple[int, str], Snapshot] = {}
+        self._peak_key: tuple[int, str] | None = None
+        self._peak: Snapshot | None = None
+
+    # ---- phases and marks ------------------------------------------------------------
+    def set_phase(self, phase: str, region: str | None = None) -> None:
+        """Start (or continue) a phase of the current iteration; its peak starts from now."""
+        self.phase, self.region = phase, region
+        key = (self.iteration, phase)
+        self._peak_key = key
+        self._peak = self.peaks.get(key)
+        if self._peak is None or self.total > self._peak.total:
+            self._peak = self.snapshot()
+            self.peaks[key] = self._peak
+
+    def mark(self, name: str) -> None:
+        self.marks[(self.iteration, name)] = self.snapshot()
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.total, {k: v for k, v in self.terms.items() if v}, len(self.blocks))
+
+    def _update_peak(self) -> None:
+        if self._peak is not None and self.total > self._peak.total:
+            self._peak = self.snapshot()
+            assert self._peak_key is not None
+            self.peaks[self._peak_key] = self._peak
+
+    # ---- counting --------------------------------------------------------------------
+    def default_term(self) -> str:
+        if self.phase == "build":
+            return "weights"
+        if self.phase == "build_optimizer":
+            return "optimizer_states"
+        if self.region == "logits":
+            return "logits"
+        return "activations" if self.phase == "forward" else "transients"
+
+    def track(self, t: Any, term: str | None = None) -> None:
+        """Count t's storage if it is new (under `term`, else the phase's default)."""
+        if not isinstance(t, torch.Tensor):
+            return
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.host:
+            return
+        nbytes = round_alloc(st.nbytes())
+        blk = self.blocks.get(key)
+        if blk is not None:
+            if blk.nbytes != nbytes:  # resized in place
+                self._add(blk.term, nbytes - blk.nbytes)
+                blk.nbytes = nbytes
+            return
+        if nbytes == 0:
+            return
+        term = term or self.default_term()
+        ref = weakref.ref(st, lambda _r, key=key: self._free(key))
+        self.blocks[key] = _Block(nbytes, term, ref)
+        self._add(term, nbytes)
+
+    def _add(self, term: str, nbytes: int) -> None:
+        self.terms[term] = self.terms.get(term, 0) + nbytes
+        self.total += nbytes
+        if nbytes > 0:
+            self._update_peak()
+
+    def _free(self, key: int) -> None:
+        blk = self.blocks.pop(key, None)
+        if blk is not None:
+            self.terms[blk.term] -= blk.nbytes
+            self.total -= blk.nbytes
+        self.host.pop(key, None)
+
+    def label(self, t: torch.Tensor, term: str) -> None:
+        """Move t's storage to `term` (counting it first if it is new)."""
+        self.track(t, term)
+        blk = self.blocks.get(t.untyped_storage()._cdata)
+        if blk is not None and blk.term != term:
+            self.terms[blk.term] -= blk.nbytes
+            self.terms[term] = self.terms.get(term, 0) + blk.nbytes
+            blk.term = term
+
+    def set_host(self, t: torch.Tensor) -> None:
+        """t lives in host memory on a CUDA machine: never count it."""
+        st = t.untyped_storage()
+        key = st._cdata
+        blk = self.blocks.pop(key, None)
+        if blk is not None:
+            self.terms[blk.term] -= blk.nbytes
+            self.total -= blk.nbytes
+        if key not in self.host:
+            self.host[key] = weakref.ref(st, lambda _r, key=key: self.host.pop(key, None))
+
+    def register_params(self, params: list[torch.Tensor]) -> None:
+        for p in params:
+            self.label(p, "weights")
+            self.param_keys.add(p.untyped_storage()._cdata)
+
+    def term_of(self, t: torch.Tensor) -> str | None:
+        blk = self.blocks.get(t.untyped_storage()._cdata)
+        return blk.term if blk else None
+
+    # ---- dispatch --------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        handled, out = cuda_rules.rewrite_op(func, args, kwargs, self.track)
+        if not handled:
+            out = func(*args, **kwargs)
+        if func in _HOST_OPS:
+            tree_map(lambda t: self.set_host(t) if isinstance(t, torch.Tensor) else None, out)
+            return out
+        term = None
+        if (func in _CAST_OPS and self.phase in ("forward", "backward")
+                and args and isinstance(args[0], torch.Tensor)
+                and args[0].untyped_storage()._cdata in self.param_keys):
+            term = "transients/autocast_cache"
+        tree_map(lambda t: self.track(t, term), out)
+        return out
