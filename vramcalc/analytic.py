@@ -25,11 +25,18 @@ from vramcalc.terms import activations as act
 from vramcalc.terms import logits as lg
 from vramcalc.terms import transients as tr
 from vramcalc.terms.context import RankContext
-from vramcalc.terms.gradients import gradients_bytes, layer_gradient_bytes
+from vramcalc.terms import comm
+from vramcalc.terms.gradients import (
+    gradients_at_step_bytes,
+    gradients_bytes,
+    gradients_persistent,
+    layer_gradient_bytes,
+)
 from vramcalc.terms.optimizer_states import optimizer_state_split
 from vramcalc.terms.overhead import overhead_split
 from vramcalc.terms.weights import weights_by_group
-from vramcalc.units import alloc
+from vramcalc.offload import offload_footprint
+from vramcalc.sharding import moe_layers_on_stage
 
 
 @dataclass
@@ -52,10 +59,15 @@ class Phase:
 
 
 def in_flight_microbatches(scn: Scenario, stage: int) -> float:
-    """Micro-batches whose activations a pipeline stage holds at once.
+    """Micro-batches whose activations pipeline rank `stage` holds at once, in units of one
+    micro-batch through all of the rank's layers (m = micro-batches per step, p = pp).
 
-    1F1B: stage j holds min(p − j, m); interleaved (v chunks): the first stage's p grows by
-    1 + (p−1)/(p·v) (Korthikanti et al. 2022 Sec. 4.2.3); GPipe: all m.
+    - 1F1B (PipeDream-flush, Narayanan et al. 2021): rank r runs p − r − 1 warm-up forwards
+      then one more before its first backward: min(p − r, m).
+    - interleaved with v chunks (Megatron-LM schedules.py): (p − r − 1)·2 + (v − 1)·p warm-up
+      chunk forwards plus one, at most m·v, each holding 1/v of the rank's layers; rank 0
+      holds p·(1 + (p − 1)/(p·v)) (Korthikanti et al. 2022 Sec. 4.2.3).
+    - GPipe: all m forwards before any backward.
     """
     par = scn.parallel
     p = par.pp
@@ -64,10 +76,30 @@ def in_flight_microbatches(scn: Scenario, stage: int) -> float:
         return 1
     if par.pp_schedule == "gpipe":
         return m
-    k = min(p - stage, m)
     if par.pp_schedule == "interleaved" and par.virtual_stages > 1:
-        return k * (1 + (p - 1) / (p * par.virtual_stages))
-    return k
+        v = par.virtual_stages
+        chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+        return chunks / v
+    return min(p - stage, m)
+
+
+def candidate_stages(scn: Scenario) -> list[int]:
+    """Pipeline ranks that can be the worst: the first, the last, and each rank whose mix of
+    dense and MoE layers no earlier rank has. Any other rank r has the layer mix of an
+    earlier rank i < r and is dominated by it term by term: the same weights, gradients,
+    optimizer states and buffers per layer, no more micro-batches in flight
+    (`in_flight_microbatches` falls with the rank), and neither the embedding (rank 0 only)
+    nor the head and loss (the last rank only). For dense models that leaves {0, p − 1}."""
+    p = scn.parallel.pp
+    out = {0, p - 1}
+    if scn.model.is_moe and p > 2:
+        seen: set[int] = set()
+        for st in range(p - 1):
+            mix = moe_layers_on_stage(scn.model, p, scn.parallel.pp_chunks, st)
+            if mix not in seen:
+                out.add(st)
+                seen.add(mix)
+    return sorted(out)
 
 
 def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[Phase], int, int]:
@@ -84,27 +116,35 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     G_layers = g_layer * nL
     G_head = max(G - G_layers, 0)  # embedding, head, final norm
     m = scn.parallel.num_microbatches or train.grad_accum
-    keep_grads = m > 1
+    keep_grads = m > 1 or gradients_persistent(ctx)  # ZeRO-2/3, Megatron: buffers kept
     k = in_flight_microbatches(scn, stage)
 
-    A_layer = act.layer_activation_bytes(ctx)
+    n_dense, A_dense, n_moe, A_moe = act.stage_layer_bytes(ctx)
+
+    def A_bottom(n: int) -> int:
+        """Activations of the bottom n layers of this stage (dense layers come first)."""
+        dense = min(n, n_dense)
+        return dense * A_dense + (n - dense) * A_moe
+
+    A_layer = A_bottom(nL) // nL if nL else 0
     A_edges = sum(t.nbytes for t in act.embedding_saved(ctx) + act.head_saved(ctx))
     cache_layer = tr.autocast_cache_layer_bytes(ctx)
     cache_head = tr.autocast_cache_head_bytes(ctx)
-    A_mb = nL * A_layer + A_edges
+    A_mb = A_bottom(nL) + A_edges
     C_mb = nL * cache_layer + cache_head
     logits_keep = lg.logits_saved_bytes(ctx)
     cublas = tr.cublas_workspace_bytes(gpu_id)
     gather = tr.gather_buffer_bytes(ctx)
     reduce = tr.reduce_buffer_bytes(ctx)
-    fwd_work = act.layer_forward_working_bytes(ctx)
-    bwd_work = act.layer_backward_working_bytes(ctx)
+    fwd_work = act.layer_forward_working_bytes(ctx) + comm.layer_forward_comm_bytes(ctx)
+    bwd_work = act.layer_backward_working_bytes(ctx) + comm.layer_backward_comm_bytes(ctx)
+    persistent = tr.persistent_buffer_bytes(ctx)
     prev = k - 1  # other in-flight micro-batches (whole)
 
     def base(grads: int) -> dict[str, int]:
         return {"weights": W, "optimizer_states/states": opt["states"],
                 "optimizer_states/master": opt["master"], "gradients": grads,
-                "transients/cublas_workspace": cublas}
+                "transients/cublas_workspace": cublas, "transients/comm_buffers": persistent}
 
     g_acc = G if keep_grads else 0
     forward = Phase("forward", {
@@ -134,7 +174,7 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
         remaining = nL - i
         return Phase("backward", {
             **base(min(grads, G + g_layer)),
-            "activations": int(prev * A_mb + remaining * A_layer + A_edges),
+            "activations": int(prev * A_mb + A_bottom(remaining) + A_edges),
             "transients/autocast_cache": int(prev * C_mb + remaining * cache_layer),
             "transients/layer_backward": bwd_work,
             "transients/gather_buffers": gather,
@@ -148,7 +188,7 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     backward = max(candidates, key=lambda p: p.total)
 
     optimizer = Phase("optimizer", {
-        **base(G),
+        **base(gradients_at_step_bytes(ctx)),
         "transients/optimizer_step": tr.optimizer_step_temp_bytes(ctx),
     })
     phases = [forward, backward, optimizer]
@@ -163,12 +203,18 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     return phases, first, live
 
 
-def estimate(scn: Scenario) -> MemoryReport:
-    """Estimate per-rank memory of a scenario (validated; dp derived when omitted)."""
+def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:
+    """Estimate per-rank memory of a scenario (validated; dp derived when omitted).
+
+    With pipeline parallelism the report lists every stage (`stages`) and the top-level
+    numbers are the worst rank's; `every_stage=False` computes only `candidate_stages`
+    (which provably contain the worst rank) and lists those: same answer, less work, for
+    callers that estimate thousands of scenarios.
+    """
     scn = scn.resolved()
     gpu = scn.cluster.gpu if scn.cluster else None
     gpu_id = gpu.id if gpu else None
-    stages = sorted({0, scn.parallel.pp - 1})
+    stages = list(range(scn.parallel.pp)) if every_stage else candidate_stages(scn)
     stage_reports: list[StageReport] = []
     worst: tuple[int, list[Phase], int, int, int, dict[str, int]] | None = None
     for st in stages:
@@ -221,30 +267,30 @@ def estimate(scn: Scenario) -> MemoryReport:
         fits=fits,
         headroom_bytes=headroom,
         host_bytes_per_node=host_bytes_per_node(scn, ctx0),
+        nvme_bytes_per_node=nvme_bytes_per_node(scn, ctx0),
         stages=stage_reports if scn.parallel.pp > 1 else [],
         notes=_notes(scn),
     )
 
 
+def _gpus_per_node(scn: Scenario) -> int:
+    return scn.cluster.gpus_per_node if scn.cluster else 1
+
+
 def host_bytes_per_node(scn: Scenario, ctx: RankContext) -> int:
-    """Host RAM for offloaded state on one node (all its ranks)."""
-    par = scn.parallel
-    if not par.offload:
+    """Host RAM one node needs for offloaded state: the rank's footprint
+    (vramcalc.offload, incl. DeepSpeed's pinned fp32 gradient and swap buffers) x GPUs per
+    node. Without offload 0."""
+    if not scn.parallel.offload:
         return 0
-    per_rank = 0
-    moved = ctx.parallel.model_copy(update={"offload": ()})
-    on_dev = RankContext(ctx.spec, ctx.training, moved, ctx.stage)
-    if "optimizer" in par.offload:
-        split = optimizer_state_split(on_dev)
-        # DeepSpeed CPU Adam keeps fp32 master, states and an fp32 gradient copy on the host
-        per_rank += split["states"] + split["master"] + sum(
-            t.count * alloc(-(-t.numel // on_dev.state_shard), "fp32") for t in on_dev.tensors)
-    if "gradients" in par.offload:
-        per_rank += gradients_bytes(on_dev)
-    if "params" in par.offload:
-        per_rank += sum(weights_by_group(on_dev).values())
-    per_node = scn.cluster.gpus_per_node if scn.cluster else 1
-    return per_rank * per_node
+    return offload_footprint(ctx).host_bytes * _gpus_per_node(scn)
+
+
+def nvme_bytes_per_node(scn: Scenario, ctx: RankContext) -> int:
+    """NVMe space one node needs under DeepSpeed ZeRO-Infinity offload (0 otherwise)."""
+    if not scn.parallel.offload or scn.parallel.offload_device != "nvme":
+        return 0
+    return offload_footprint(ctx).nvme_bytes * _gpus_per_node(scn)
 
 
 def strategy_dict(scn: Scenario) -> dict[str, object]:

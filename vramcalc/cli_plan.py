@@ -142,10 +142,13 @@ class LazyProgress:
 
 
 def _command_line(command: str, values: dict[str, Any], extra: dict[str, Any]) -> str:
+    """The command that reruns with `values`, leaving out options at their defaults."""
     parts = ["vramcalc", command]
+    defaults = {o.name: o.default for o in SCENARIO_OPTIONS}
+    defaults["headroom"] = DEFAULT_HEADROOM
     for opt in SCENARIO_OPTIONS:
         v = values.get(opt.name)
-        if v is None:
+        if v is None or (v == defaults[opt.name] and opt.name not in ("model", "gpus")):
             continue
         if opt.kind is bool:
             parts.append(opt.flag if v else "--no-" + opt.flag[2:])
@@ -182,6 +185,7 @@ def plan_cmd(**kwargs: Any) -> None:
     progress = LazyProgress(enabled=not as_json)
     try:
         result = search(base, req, progress)
+        t_search = time.perf_counter() - t0
         suggestions = []
         if not result.entries:
             from vramcalc.hardware import load_profiles
@@ -211,14 +215,16 @@ def plan_cmd(**kwargs: Any) -> None:
         fixed += f"; may change: {', '.join(sorted(req.allow))}"
     if changeable:
         fixed += f" [dim](held fixed; --allow {','.join(changeable)} to search them)[/dim]"
-    doc: dict[str, Any] = {"result": result, "base": base, "elapsed_s": elapsed,
+    doc: dict[str, Any] = {"result": result, "base": base, "elapsed_s": t_search,
+                           "suggest_s": elapsed - t_search,
                            "fixed_line": fixed, "notes": notes + _speed_notes(result),
                            "suggestions": suggestions}
     model_text, gpus_text = str(values["model"]), str(values.get("gpus", "1xH100"))
     if result.entries:
         s = result.entries[0].report.strategy
         common = {k: values[k] for k in ("attention", "framework", "optimizer_dtype",
-                                         "headroom") if k in values}
+                                         "headroom", "capacity_factor", "offload_device")
+                  if k in values and values[k] != OPTIONS_BY_NAME[k].default}
         doc["estimate_cmd"] = " ".join(
             ["vramcalc", "estimate", "--model", shlex.quote(model_text), "--gpus",
              shlex.quote(gpus_text)] + strategy_flags(s)

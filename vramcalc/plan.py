@@ -7,20 +7,23 @@ Search (docs/planning.md has the details):
 
 1. **Enumerate** every valid layout of the cluster: tp within a node (dividing the heads),
    pp dividing the layers, cp dividing the sequence, dp the rest (dividing the global
-   batch), ep for MoE models, ZeRO 0-3 / FSDP hybrid, recompute none/selective/full, every
+   batch), ep for MoE models, ZeRO 0-3 / FSDP (full, shard-grad-op with pipelining;
+   hybrid within a node), recompute none/selective/full, every
    power-of-two micro-batch that divides the per-rank batch, 1F1B or interleaved (v = 2)
    pipelines, and — when allowed — offload, precision, optimizer. Sequence parallelism is
    always on when tp > 1 (same traffic as plain TP, never more memory).
-2. **Speed** of each from vramcalc.speed (microseconds).
-3. **Dominance**: a candidate is dropped when one that differs only by a higher ZeRO stage
-   is at least as fast (a higher stage never uses more memory), or only by a smaller
-   micro-batch (activations grow with the micro-batch) and is at least as fast — it would
-   rank below it anyway.
-4. **Best first**: walk candidates from the fastest; skip those whose memory lower bound
-   already exceeds the usable memory (model states ÷ sharding, plus activations learned
-   from an estimated candidate with identical activation shapes), estimate the rest with
-   vramcalc.analytic.estimate, and stop once `top_n` fit and no remaining candidate can be
-   faster than the last of them.
+2. **Speed** of each from vramcalc.speed (microseconds), and a **memory lower bound**
+   (model states ÷ sharding plus an activation floor); candidates over the usable memory
+   are dropped before any estimate.
+3. **Dominance**: a candidate that differs from another only by a larger micro-batch and
+   is no faster is skipped once that other one turns out valid: activations grow with the
+   micro-batch, so it would rank below it. (ZeRO stages are not assumed ordered: fixed
+   communication buckets can make a higher stage use more memory on a small model.)
+4. **Best first**: walk candidates from the fastest; skip those whose lower bound —
+   tightened by what earlier estimates taught (activations of the same shapes, the
+   optimizer-step total of the same model states) — exceeds the usable memory, estimate
+   the rest with vramcalc.analytic.estimate, and stop once `top_n` fit and no remaining
+   candidate can be faster than the last of them.
 
 Ranking: tokens/s (descending); ties: fewer changes to the requested training settings,
 then more headroom, then a fixed order of the strategy fields (deterministic).
@@ -31,17 +34,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from vramcalc.analytic import estimate
 from vramcalc.errors import InputError
-from vramcalc.hardware import Cluster, GPUProfile
-from vramcalc.parallel import ParallelConfig
-from vramcalc.report import MemoryReport
-from vramcalc.scenario import Scenario
 from vramcalc.speed import Layout, SpeedModel, SpeedReport
 from vramcalc.training import TrainingConfig
 from vramcalc.units import DTYPE_BITS
+
+if TYPE_CHECKING:  # the engine and schemas load on first use: `import vramcalc.cli` stays fast
+    from vramcalc.hardware import GPUProfile
+    from vramcalc.report import MemoryReport
+    from vramcalc.scenario import Scenario
 
 # Global batch when none is given: the power of two nearest below 4M tokens per step
 # (Llama 2 trained every size with a global batch of 4M tokens; Llama 2 MODEL_CARD.md).
@@ -186,10 +189,13 @@ class _Cand(NamedTuple):
     opt: str
     ft: str | None
     changes: tuple[str, ...]
+    idx: int = -1  # position in the enumeration
+    dom: tuple[int, ...] = ()  # candidates (by idx) at least as fast with no more memory
 
     def tail(self) -> tuple:
-        """A fixed order of the strategy fields, for deterministic ties."""
-        return (self.tp, self.pp, self.cp, self.ep, self.zero, self.fsdp,
+        """A fixed order of the strategy fields, for deterministic ties (a dominating
+        candidate, with a smaller micro-batch, comes first)."""
+        return (self.tp, self.pp, self.cp, self.ep, -self.stage, self.fsdp,
                 _REC_ORDER[self.rec], self.b, self.sched, self.off, self.prec, self.opt,
                 self.ft or "")
 
@@ -235,15 +241,24 @@ def _given(pinned: Mapping[str, Any], key: str) -> bool:
     return pinned.get(key) is not None
 
 
-def _shardings(dp: int, cp: int, tp: int, gpn: int, pinned: Mapping[str, Any]
-               ) -> list[tuple[int, str, int | None, int]]:
-    """(zero, fsdp, shard_group, shard_stage) options for this data-parallel size."""
+def _shardings(dp: int, cp: int, tp: int, pp: int, ep: int, gpn: int,
+               pinned: Mapping[str, Any]) -> list[tuple[int, str, int | None, int]]:
+    """(zero, fsdp, shard_group, shard_stage) options for this data-parallel size.
+
+    ZeRO 0-3 without pipelining; with pipelining ZeRO 0-1 and FSDP shard-grad-op / full
+    (DeepSpeed runs ZeRO-2/3 without pipeline parallelism only; Megatron and torchtitan
+    pipeline with a distributed optimizer or FSDP). FSDP hybrid shards within a node.
+    """
     if dp == 1:
         opts = [(0, "none", None, 0), (1, "none", None, 1)]  # zero-1 only for offload
     else:
-        opts = [(z, "none", None, z) for z in (0, 1, 2, 3)]
+        opts = [(0, "none", None, 0), (1, "none", None, 1)]
+        if pp == 1:
+            opts += [(2, "none", None, 2), (3, "none", None, 3)]
+        else:
+            opts += [(0, "grad-op", None, 2), (0, "full", None, 3)]
         per_node = gpn // (tp * cp) if tp * cp <= gpn else 0
-        if 1 < per_node < dp and dp % per_node == 0:
+        if 1 < per_node < dp and dp % per_node == 0 and per_node % ep == 0:
             opts.append((0, "hybrid", per_node, 3))
     if _given(pinned, "fsdp") or _given(pinned, "zero") or _given(pinned, "shard_group"):
         f = pinned.get("fsdp") or "none"
@@ -375,12 +390,17 @@ def _layouts(base: Scenario, req: PlanRequest) -> Iterator[tuple]:
                         yield tp, pp, cp, dp, sp, ep, batches
 
 
-def enumerate_candidates(base: Scenario, req: PlanRequest) -> tuple[list[_Cand], int]:
+def enumerate_candidates(base: Scenario, req: PlanRequest, bound: _Bound | None = None,
+                         limit_bytes: float | None = None, dominance: bool = True,
+                         ) -> tuple[list[_Cand], int, int]:
     """Every valid candidate on `base.cluster` with its tokens/s, minus dominated ones.
 
-    Returns (kept candidates, number of valid candidates enumerated). Dominance
-    (module docstring): within one layout, a ZeRO stage is dropped when a higher stage is
-    at least as fast, and a micro-batch when a smaller one is at least as fast.
+    With `bound` and `limit_bytes`, candidates whose memory lower bound (model states and
+    the activation floor) exceeds `limit_bytes` are counted but not returned.
+    Returns (candidates, valid candidates enumerated, pruned by the bound).
+    Dominance (module docstring; off with `dominance=False`): each candidate lists in `dom`
+    the candidates that differ only by a smaller micro-batch and are at least as fast; the
+    search skips it once one of those turns out valid (the engine may refuse a layout).
     """
     assert base.cluster is not None
     cl, tr = base.cluster, base.training
@@ -395,58 +415,75 @@ def enumerate_candidates(base: Scenario, req: PlanRequest) -> tuple[list[_Cand],
         by_prec.setdefault(prec, []).append((opt, ft, changed))
     models = {p: SpeedModel(base.model, cl.gpu, cl.gpus_per_node, tr.seq_len, p,
                             req.efficiency, base.parallel.capacity_factor) for p in by_prec}
+    limit = limit_bytes if (bound is not None and limit_bytes is not None) else None
     out: list[_Cand] = []
-    total = 0
+    total = pruned = 0
     seq = tr.seq_len
     for tp, pp, cp, dp, sp, ep, batches in _layouts(base, req):
-        shardings = _shardings(dp, cp, tp, cl.gpus_per_node, pinned)
+        shardings = [(sh, off) for sh in _shardings(dp, cp, tp, pp, ep, cl.gpus_per_node,
+                                                    pinned)
+                     for off in _offloads(sh[3], allow_off, pinned)
+                     if not (dp == 1 and sh[0] == 1 and not off and not zero_pinned)]
+        # model-state bounds per (sharding, offload, precision): [(variant, weights, total)]
+        states: dict[tuple, list[tuple[tuple, float, float]]] = {}
+        if limit is not None:
+            assert bound is not None
+            for sh, off in shardings:
+                for prec, vlist in by_prec.items():
+                    states[(sh, off, prec)] = [
+                        (var, *bound.states(tp, pp, ep, dp, cp, sh[3], sh[2], off, prec,
+                                            var[0], var[1])) for var in vlist]
         for rec in recomputes:
             for prec, sm in models.items():
                 vlist = by_prec[prec]
-                best_smaller: dict[tuple, float] = {}  # (sched, v, sharding, offload) -> tps
+                smaller: dict[tuple, list[tuple[int, float]]] = {}  # key -> [(b, tps)]
+                index: dict[tuple, int] = {}  # (b, key, opt, ft) -> position in `out`
                 for b, m, scheds in batches:
                     tokens = dp * b * m * seq
-                    row: list[tuple[tuple, float, tuple]] = []
+                    floor = bound.floor(tp, pp, cp, sp, b, m, rec, prec) if bound else 0.0
+                    row: list[tuple[tuple, float, list]] = []
                     for sched, v in scheds:
                         comp, bub, ttp, tcp, tep, tpp, t_fwd, t_bwd = sm.base_parts(
                             dp, tp, pp, cp, ep, sp, b, m, rec, v)
                         fixed = comp + bub + ttp + tcp + tep + tpp
-                        plain: list[tuple[int, float, tuple]] = []
-                        for sh in shardings:
-                            zero, fsdp, group, stage = sh
-                            for off in _offloads(stage, allow_off, pinned):
-                                if dp == 1 and zero == 1 and not off and not zero_pinned:
-                                    continue
-                                tdp, toff = sm.sharding_parts(dp, tp, pp, cp, ep, m, stage,
-                                                              group, off, off_dev, t_fwd, t_bwd)
-                                tps = tokens / (fixed + tdp + toff)
-                                key = (sched, v, sh, off)
-                                total += len(vlist)
-                                if fsdp == "none" and not off:
-                                    plain.append((zero, tps, key))
-                                else:
-                                    row.append((key, tps, (sched, v, sh, off)))
-                        # ZeRO chain: keep a stage only if faster than every higher stage
-                        for zero, tps, key in plain:
-                            if any(z2 > zero and t2 >= tps for z2, t2, _ in plain):
-                                continue
-                            row.append((key, tps, key))
-                    for key, tps, (sched, v, sh, off) in row:
-                        # micro-batch chain: keep only if faster than every smaller one
-                        if m > 1 and best_smaller.get(key, -1.0) >= tps:
-                            continue
-                        zero, fsdp, group, stage = sh
-                        for opt, ft, changed in vlist:
+                        total += len(vlist) * len(shardings)
+                        w_room = (limit - floor) if limit is not None else 0.0
+                        for sh, off in shardings:
+                            if limit is not None:
+                                keep_v = [var for var, w, ms in states[(sh, off, prec)]
+                                          if ms <= limit and w <= w_room]
+                                if len(keep_v) < len(vlist):
+                                    pruned += len(vlist) - len(keep_v)
+                                    if not keep_v:
+                                        continue
+                            else:
+                                keep_v = vlist
+                            tdp, toff = sm.sharding_parts(dp, tp, pp, cp, ep, m, sh[3], sh[2],
+                                                          off, off_dev, t_fwd, t_bwd)
+                            tps = tokens / (fixed + tdp + toff)
+                            row.append(((sched, v, sh, off), tps, keep_v))
+                    for key, tps, keep_v in row:
+                        # smaller micro-batches at least as fast dominate (activations grow
+                        # with the micro-batch; not applied when this one needs no
+                        # accumulation, which frees the accumulated gradients)
+                        bdoms = [bb for bb, tt in smaller.get(key, ()) if tt >= tps] if (
+                            dominance and m > 1) else []
+                        sched, v, (zero, fsdp, group, stage), off = key
+                        for opt, ft, changed in keep_v:
+                            dom = tuple(index[d] for d in
+                                        [(bb, key, opt, ft) for bb in bdoms] if d in index
+                                        ) if bdoms else ()
+                            index[(b, key, opt, ft)] = len(out)
                             out.append(_Cand(tps, len(changed), tp, pp, cp, ep, sp, dp, b, m,
                                              rec, sched, v, zero, fsdp, group, stage, off, prec,
-                                             opt, ft, changed))
+                                             opt, ft, changed, len(out), dom))
                     for key, tps, _ in row:
-                        if tps > best_smaller.get(key, -1.0):
-                            best_smaller[key] = tps
-    return out, total
+                        smaller.setdefault(key, []).append((b, tps))
+    return out, total, pruned
 
 
 # ---- memory lower bound -------------------------------------------------------------------
+_PRECISIONS = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure")
 _STATE_ELEMS = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1, "lion": 1,
                 "adafactor": 0, "adamw-8bit": 0}
 
@@ -456,12 +493,12 @@ class _Bound:
 
     Model states: weights + gradients + optimizer states (+ fp32 master) of the larger of
     the first pipeline stage (embedding + its layers) and the last (its layers + head),
-    ÷tp (experts also ÷ep), ÷ the ZeRO shard group from the stage that shards each; an
+    ÷tp (experts also ÷ep), ÷ the ZeRO shard group (dp·cp, or the hybrid group) from the
+    stage that shards each; an
     offloaded one counts 0 and any offload drops the gradients. They all live together in
-    the optimizer step.
-    Activations: at least every layer's input per micro-batch (what full recompute keeps:
-    b·s/cp·h in the compute dtype, ÷tp under sequence parallelism; four such tensors without
-    full recompute: the two norm inputs, the attention and MLP inputs), or more when learned
+    the optimizer step (or, once a candidate with the same model states was estimated,
+    its optimizer-step total).
+    Activations: at least the tensors every profile saves (see `floor`), or more when learned
     from an estimated candidate with the same shapes: activations do not depend on ZeRO,
     offload or optimizer, never grow with more recomputation, grow with the micro-batch
     (linearly without pipelining).
@@ -481,7 +518,13 @@ class _Bound:
         self.seq = base.training.seq_len
         self.opt_dtype = base.training.optimizer_dtype
         self.acts: dict[tuple, dict[tuple[int, int], float]] = {}
+        self.opt_phase: dict[tuple, float] = {}
+        d = spec.head_size
+        self._sharded_inputs = (2 * spec.num_attention_heads * d + 2 * spec.kv_heads * d
+                                + (0 if spec.is_moe else spec.intermediate_size))
         self._bytes: dict[tuple[str, str], tuple[float, float, float]] = {}
+        self._compute_bytes = {p: DTYPE_BITS[TrainingConfig.model_construct(
+            precision=p).compute_dtype] / 8 for p in _PRECISIONS}
 
     def _per_param(self, prec: str, opt: str) -> tuple[float, float, float]:
         key = (prec, opt)
@@ -496,28 +539,61 @@ class _Bound:
             self._bytes[key] = (wb, per, DTYPE_BITS[tr.compute_dtype] / 8)
         return self._bytes[key]
 
-    def model_states(self, c: _Cand) -> tuple[float, float]:
-        """(weights, weights + gradients + optimizer states)."""
-        if c.ft not in (None, "full", "none"):
+    def states(self, tp: int, pp: int, ep: int, dp: int, cp: int, stage: int,
+               group: int | None, off: tuple[str, ...], prec: str, opt: str, ft: str | None
+               ) -> tuple[float, float]:
+        """(weights, weights + gradients + optimizer states) bytes per rank."""
+        if ft not in (None, "full", "none"):
             return 0.0, 0.0  # frozen or quantized weights: left to the engine
-        wb, per, _ = self._per_param(c.prec, c.opt)
-        layers = self.n_layer_dense / c.pp + self.n_exp / (c.pp * c.ep)
-        if c.pp == 1:
-            stage = layers + self.emb + self.head
+        wb, per, _ = self._per_param(prec, opt)
+        layers = self.n_layer_dense / pp + self.n_exp / (pp * ep)
+        if pp == 1:
+            stage_params = layers + self.emb + self.head
         else:
-            stage = layers + max(self.emb, self.head + (self.emb if self.tied else 0))
-        n_r = stage / c.tp
-        shard = c.group or c.dp
-        weights = 0.0 if "params" in c.off else n_r * wb / (shard if c.stage >= 3 else 1)
-        grads = 0.0 if c.off else n_r * wb / (shard if c.stage >= 2 else 1)
-        states = 0.0 if "optimizer" in c.off else n_r * per / (shard if c.stage >= 1 else 1)
+            stage_params = layers + max(self.emb, self.head + (self.emb if self.tied else 0))
+        n_r = stage_params / tp
+        shard = group or dp * cp  # the widest group that may shard (ZeRO over dp·cp)
+        weights = 0.0 if "params" in off else n_r * wb / (shard if stage >= 3 else 1)
+        grads = 0.0 if off else n_r * wb / (shard if stage >= 2 else 1)
+        states = 0.0 if "optimizer" in off else n_r * per / (shard if stage >= 1 else 1)
         return weights, weights + grads + states
+
+    def model_states(self, c: _Cand) -> tuple[float, float]:
+        return self.states(c.tp, c.pp, c.ep, c.dp, c.cp, c.stage, c.group, c.off, c.prec,
+                           c.opt, c.ft)
+
+    def floor(self, tp: int, pp: int, cp: int, sp: bool, b: int, m: int, rec: str,
+              prec: str) -> float:
+        """Activation floor on the first pipeline stage, per layer and token: full recompute
+        keeps the layer input (h); otherwise every matmul input a weight gradient needs:
+        the attention and MLP inputs (2h, ÷tp under sequence parallelism), q, k, v and the
+        attention output (2·a·d + 2·g·d, ÷tp) and the MLP down-projection input (f, ÷tp;
+        not counted for MoE) — for each of the min(pp, m) micro-batches 1F1B keeps in flight
+        there (Narayanan et al. 2021). Every profile saves at least these tensors."""
+        spec = self.spec
+        h = spec.hidden_size
+        sp_div = tp if sp else 1
+        if rec == "full":
+            per_token = h / sp_div
+        else:
+            per_token = 2 * h / sp_div + self._sharded_inputs / tp
+        tokens = min(pp, m) * b * (self.seq / cp)
+        return (spec.num_hidden_layers / pp) * tokens * per_token * self._compute_bytes[prec]
 
     @staticmethod
     def act_key(c: _Cand) -> tuple:
         return (c.tp, c.pp, c.cp, c.ep, c.sp, c.sched, c.v, c.prec, c.ft)
 
+    @staticmethod
+    def states_key(c: _Cand) -> tuple:
+        return (c.tp, c.pp, c.ep, c.dp, c.stage, c.group, c.off, c.prec, c.opt, c.ft)
+
     def learn(self, c: _Cand, report: MemoryReport) -> None:
+        """Remember the optimizer-step total (it depends on the model states only) and the
+        activations of an estimated candidate."""
+        key = self.states_key(c)
+        opt = float(report.phases.get("optimizer", 0))
+        self.opt_phase[key] = max(self.opt_phase.get(key, 0.0), opt)
         if report.peak_phase not in ("forward", "backward"):
             return
         act = float(report.terms.activations + report.terms.logits)
@@ -526,16 +602,7 @@ class _Bound:
         d[key] = max(d.get(key, 0.0), act)
 
     def activations(self, c: _Cand) -> float:
-        _, _, cb = self._per_param(c.prec, c.opt)
-        spec = self.spec
-        # full recompute keeps each layer's input; without it a layer keeps at least its
-        # two norm inputs and the attention and MLP inputs (docs/methodology.md tables)
-        per_layer = 1 if c.rec == "full" else 4
-        floor = (spec.num_hidden_layers / c.pp) * c.b * (self.seq / c.cp) * spec.hidden_size * (
-            cb * per_layer)
-        if c.sp:
-            floor /= c.tp
-        best = floor
+        best = self.floor(c.tp, c.pp, c.cp, c.sp, c.b, c.m, c.rec, c.prec)
         d = self.acts.get(self.act_key(c))
         if d:
             rec = _REC_ORDER[c.rec]
@@ -546,12 +613,15 @@ class _Bound:
 
     def total(self, c: _Cand) -> float:
         w, ms = self.model_states(c)
+        ms = max(ms, self.opt_phase.get(self.states_key(c), 0.0))
         return LOWER_BOUND_MARGIN * max(ms, w + self.activations(c))
 
 
 # ---- scenario building ----------------------------------------------------------------------
 def scenario_for(c: _Cand, base: Scenario) -> Scenario:
     """The Scenario of a candidate (validated by the engine's resolve_layout)."""
+    from vramcalc.parallel import ParallelConfig
+
     upd: dict[str, Any] = {"recompute": c.rec, "micro_batch_size": c.b, "grad_accum": c.m,
                            "precision": c.prec, "optimizer": c.opt}
     if c.ft is not None:
@@ -583,16 +653,18 @@ def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
     context = gpu.context_overhead_bytes
     B = req.batch_for(base.training.seq_len)
     result = PlanResult(entries=[], closest=None, global_batch_size=B)
-    cands, result.num_candidates = enumerate_candidates(base, req)
-    if not cands:
+    bound = _Bound(base)
+    limit = (usable - context) / LOWER_BOUND_MARGIN
+    cands, result.num_candidates, result.num_bound_pruned = enumerate_candidates(
+        base, req, bound, limit)
+    if not result.num_candidates:
         raise InputError(
             f"no valid layout of {base.cluster.num_gpus} GPUs for a global batch of {B} "
             f"sequences{_pin_text(req.pinned)}: the data-parallel size must divide the batch "
             "(try a global batch that is a multiple of the GPU count)")
-    result.num_dominated = result.num_candidates - len(cands)
     cands.sort(key=lambda c: (-c.tps, c.nchg, c.tail()))
 
-    bound = _Bound(base)
+    valid: dict[int, bool] = {}  # idx -> not refused by the engine (or dominated by such)
     fitting: list[tuple[tuple, PlanEntry]] = []
     estimated: list[tuple[PlanEntry, tuple, int]] = []
     total = len(cands)
@@ -603,10 +675,15 @@ def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
             nth = fitting[req.top_n - 1][0]
             if (-c.tps, c.nchg) > nth[:2]:
                 break
+        if c.dom and any(valid.get(d, False) for d in c.dom):
+            result.num_dominated += 1
+            valid[c.idx] = True
+            continue
         if bound.total(c) + context > usable:
-            result.num_bound_pruned += 1
+            result.num_bound_pruned += 1  # validity unknown: what it dominates is checked
             continue
         entry = _estimate(c, base, req)
+        valid[c.idx] = entry is not None
         if entry is None:
             result.num_rejected += 1
             continue
@@ -620,6 +697,9 @@ def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
         progress("searching layouts", total, total)
     result.entries = [e for _, e in fitting[: req.top_n]]
     if not result.entries and want_closest:
+        if result.num_bound_pruned:  # the closest may be among the pruned: probe them all
+            cands, _, _ = enumerate_candidates(base, req)
+            estimated = [(e, t, -1) for e, t, _ in estimated]
         result.closest = _closest(cands, bound, estimated, base, req)
     return result
 
@@ -632,6 +712,8 @@ def _pin_text(pinned: Mapping[str, Any]) -> str:
 
 
 def _estimate(c: _Cand, base: Scenario, req: PlanRequest) -> PlanEntry | None:
+    from vramcalc.analytic import estimate
+
     try:
         scn = scenario_for(c, base)
         rep = estimate(scn)
@@ -671,11 +753,12 @@ def feasible(base: Scenario, req: PlanRequest, probes: int = 16) -> bool:
         return False
     usable = base.cluster.gpu.memory_total_bytes * (1 - base.headroom_fraction)
     context = base.cluster.gpu.context_overhead_bytes
+    bound = _Bound(base)
     try:
-        cands, _ = enumerate_candidates(base, req)
+        cands, _, _ = enumerate_candidates(base, req, bound, (usable - context) /
+                                           LOWER_BOUND_MARGIN)
     except InputError:
         return False
-    bound = _Bound(base)
     scored = []
     for c in cands:
         ms = bound.model_states(c)[1]
@@ -703,6 +786,8 @@ def _cluster_text(num_gpus: int, gpu: GPUProfile) -> str | None:
 
 
 def _with_cluster(base: Scenario, num_gpus: int, gpu: GPUProfile) -> Scenario | None:
+    from vramcalc.hardware import Cluster
+
     gpn = gpu.gpus_per_node
     if num_gpus <= gpn:
         cl = Cluster(gpu=gpu, num_nodes=1, gpus_per_node=num_gpus)

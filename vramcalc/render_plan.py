@@ -37,7 +37,7 @@ def pipeline_text(s: dict[str, Any]) -> str:
     if s.get("pp", 1) == 1:
         return "-"
     if s.get("pp_schedule") == "interleaved":
-        return f"interleaved v{s.get('virtual_stages', 1)}"
+        return f"interl. v{s.get('virtual_stages', 1)}"
     return str(s.get("pp_schedule", "1f1b"))
 
 
@@ -112,17 +112,16 @@ def config_yaml(model: str, gpus: str, s: dict[str, Any], headroom: float) -> st
 def plan_table(entries: Sequence[Any], usable_bytes: int, title: str) -> Table:
     table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
     for name, just in (("#", "right"), ("tokens/s", "right"), ("MFU", "right"),
-                       ("step", "right"), ("layout", "left"), ("sharding", "left"),
-                       ("recompute", "left"), ("micro×accum", "right"), ("pipeline", "left"),
-                       ("offload", "left"), ("GB/GPU", "right"), ("free GB", "right")):
-        table.add_column(name, justify=just, no_wrap=name in ("layout", "tokens/s"))
+                       ("layout", "left"), ("ZeRO/FSDP", "left"), ("recompute", "left"),
+                       ("mbs×acc", "right"), ("pipeline", "left"), ("offload", "left"),
+                       ("GB", "right"), ("free", "right")):
+        table.add_column(name, justify=just, no_wrap=True)
     for i, e in enumerate(entries, 1):
         s = e.report.strategy
         extra = f" [{', '.join(f'{k} {s[k]}' for k in e.changes)}]" if e.changes else ""
         table.add_row(
             str(i), f"{e.speed.tokens_per_s:,.0f}", f"{100 * e.speed.mfu:.1f}%",
-            duration_text(e.speed.step_time_s), layout_text(s), sharding_text(s) + extra,
-            s.get("recompute", "none"),
+            layout_text(s), sharding_text(s) + extra, s.get("recompute", "none"),
             f"{s.get('micro_batch_size', 1)}×{s.get('grad_accum', 1)}", pipeline_text(s),
             offload_text(s), f"{e.report.device_total_bytes / GB:,.1f}",
             f"{(usable_bytes - e.report.device_total_bytes) / GB:,.1f}")
@@ -151,7 +150,8 @@ def print_plan(console: Console, doc: dict[str, Any]) -> None:
                   f"{'s' if base.cluster.num_nodes > 1 else ''}, {fmt_gb(gpu.memory_total_bytes)}"
                   f" each, {base.headroom_fraction:.0%} kept free)")
     console.print(doc["fixed_line"])
-    console.print(f"[dim]Searched {res.num_candidates:,} strategies in {doc['elapsed_s']:.2f} s:"
+    console.print(f"[dim]Searched {res.num_candidates:,} strategies in {doc['elapsed_s']:.2f} s"
+                  ":"
                   f" {res.num_dominated:,} dominated, {res.num_bound_pruned:,} over a memory "
                   f"lower bound, {res.num_estimated:,} estimated"
                   + (f", {res.num_rejected:,} refused by the engine" if res.num_rejected else "")
@@ -191,7 +191,8 @@ def print_plan(console: Console, doc: dict[str, Any]) -> None:
         console.print("No single change tried makes it fit (more GPUs, another GPU type, "
                       "offload, 8-bit optimizer, shorter sequences).")
         return
-    console.print("[bold]Smallest changes that fit[/bold] (each with its best strategy):")
+    console.print("[bold]Smallest changes that fit[/bold] (each with its best strategy; "
+                  f"found in {doc['suggest_s']:.1f} s):")
     for i, s in enumerate(sugg, 1):
         console.print(f"  {i}. {suggestion_line(s)}")
         console.print(f"     [dim]{s.entry.report.strategy and _short(s.entry)}[/dim]")

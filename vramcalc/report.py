@@ -98,6 +98,7 @@ class MemoryReport(BaseModel):
     fits: bool | None
     headroom_bytes: int | None
     host_bytes_per_node: int = 0
+    nvme_bytes_per_node: int = 0
     stages: list[StageReport] = []
     notes: list[str] = []
 

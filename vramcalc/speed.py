@@ -13,8 +13,10 @@ Compute (model FLOPs, the convention published MFU figures use; Chowdhery et al.
 PaLM, App. B; Kaplan et al. 2020 for 6N):
 
     F_model per token = 6·N_mm + 12·L·s·A
-    recompute full      adds one forward:       2·N_mm + 4·L·s·A
+    recompute full      adds the layers' forward: 2·(N_mm − V·h) + 4·L·s·A
     recompute selective adds the attention core: 4·L·s·A          (Korthikanti et al. 2022)
+    (with full recompute this is Narayanan et al. 2021's 96·L·h²·(1 + s/6h + V/16Lh) per
+    token for a 4h MLP without biases)
     t_compute = F_hw · B·s / W / (peak_dtype · efficiency)
 
 `efficiency` is the GPU profile's `mfu_fraction` (calibrated on published MFU) or `--mfu`.
@@ -56,10 +58,13 @@ all-reduce 2·(n−1)/n·M/bw, reduce-scatter or all-gather (n−1)/n·M/bw.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from vramcalc.hardware import GPUProfile
-from vramcalc.model import ModelSpec
 from vramcalc.units import DTYPE_BITS
+
+if TYPE_CHECKING:
+    from vramcalc.hardware import GPUProfile
+    from vramcalc.model import ModelSpec
 
 # CPU optimizer step (DeepSpeed CPU-Adam): memory-bound; per parameter it reads and writes
 # the fp32 master weight, momentum and variance (24 B), reads the fp32 gradient (4 B) and
@@ -155,10 +160,12 @@ def model_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
 
 
 def recompute_flops_per_token(spec: ModelSpec, seq_len: int, recompute: str) -> float:
-    """Extra forward FLOPs per token: full = 2·N_mm + 4·L·s·A, selective = 4·L·s·A."""
+    """Extra forward FLOPs per token: full = 2·(N_mm − V·h) + 4·L·s·A (the transformer
+    layers run forward again; the output head does not), selective = 4·L·s·A."""
     attn_fwd = 4.0 * spec.num_hidden_layers * seq_len * spec.num_attention_heads * spec.head_size
     if recompute == "full":
-        return 2.0 * matmul_params(spec) + attn_fwd
+        head = spec.vocab_size * spec.hidden_size
+        return 2.0 * (matmul_params(spec) - head) + attn_fwd
     if recompute == "selective":
         return attn_fwd
     return 0.0

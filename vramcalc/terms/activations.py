@@ -2,15 +2,26 @@
 
 Legend (per rank): b = micro-batch, s = sequence length on this rank (÷cp), h = hidden,
 a = attention heads ÷tp, g = kv heads ÷tp (at least 1), d = head dim, f = FFN size ÷tp,
-c = compute dtype (bf16 = 2 bytes), sh = the tokens of a (b, s, h) tensor on this rank
-(÷tp under sequence parallelism). Every saved tensor is rounded to the allocator's 512 B.
+V = vocab ÷tp, T = b·s tokens of a (b, s, h) tensor on this rank (÷tp under sequence
+parallelism), E = experts, k = experts per token, fe / fs = expert / shared-expert FFN,
+C = ⌈capacity_factor·b·s·k/E⌉ expert capacity. Dtypes: c = compute dtype, r = the
+residual stream's dtype (the weights' dtype: fp32 under autocast, else c). Every saved
+tensor is one storage, rounded to the allocator's 512 B; a storage saved by several ops
+(a norm's output read by q, k and v) is listed once.
 
-Profiles:
-- `reference`: exactly what vramcalc's own PyTorch model (vramcalc/trace/reference_model.py)
-  saves; the table is in docs/methodology.md and pinned by the trace agreement tests.
-- `hf`: Hugging Face transformers (fp32 RMSNorm internals, repeat_kv under eager attention).
+Profiles (the per-layer tables are in docs/saved-tensors.md; the trace engine checks them):
+- `reference`: vramcalc's own model (vramcalc/trace/reference_model.py): fused RMSNorm
+  (input + fp32 rstd), RoPE before the head transpose, FlashAttention-2 keeping q, k, v,
+  output and fp32 logsumexp, eager attention keeping the (b, a, s, s) probabilities.
+- `hf`: Hugging Face transformers 5.x: RMSNorm upcasts to fp32 in Python (fp32 input copy,
+  normalised copy), RoPE tables in the residual dtype, eager softmax in fp32 kept next to
+  its 16-bit copy, fused projections for Phi-3 and GPT-2, grouped_mm experts.
 - `megatron`: Korthikanti et al. 2022 (arXiv:2205.05198) Table 2, 16-bit activations and
   1-byte dropout masks, FFN 4h generalised to f.
+
+Under autocast (r = fp32, c = 16-bit) every linear casts its fp32 input itself, so a norm
+output read by n linears is kept as n 16-bit copies (autocast caches casts of parameters
+only; aten/src/ATen/autocast_mode.cpp `cached_cast`).
 """
 
 from __future__ import annotations
@@ -23,16 +34,18 @@ from vramcalc.units import DTYPE_BITS, alloc, ceil_div
 
 @dataclass(frozen=True)
 class Saved:
-    """One tensor saved for backward: element count, dtype, shape for the docs."""
+    """One storage kept for backward: element count, dtype, shape and reason (for the docs)."""
 
     name: str
     numel: int
     dtype: str
     shape: str
+    why: str = ""
+    count: int = 1  # identical storages (one per expert, say)
 
     @property
     def nbytes(self) -> int:
-        return alloc(self.numel, self.dtype)
+        return self.count * alloc(self.numel, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,16 @@ class Dims:
     V: int
     sp_div: int  # ÷ for (b, s, h) tensors: tp under sequence parallelism, else 1
     c: str  # compute dtype
+    r: str = "bf16"  # residual stream / weight dtype
+
+    @property
+    def T(self) -> int:
+        """Tokens of a (b, s, h) tensor on this rank."""
+        return self.b * ceil_div(self.s, self.sp_div)
+
+    @property
+    def amp(self) -> bool:
+        return self.r != self.c
 
 
 def dims(ctx: RankContext) -> Dims:
@@ -66,75 +89,306 @@ def dims(ctx: RankContext) -> Dims:
         V=ceil_div(spec.vocab_size, tp),
         sp_div=tp if par.sequence_parallel else 1,
         c=tr.compute_dtype,
+        r=tr.weight_dtype,
     )
 
 
 def _bsh(x: Dims) -> int:
-    return x.b * ceil_div(x.s, x.sp_div) * x.h
+    return x.T * x.h
 
 
-def _norm_saved(ctx: RankContext, x: Dims, name: str, inp_dtype: str) -> list[Saved]:
-    """A norm saves its input plus per-token fp32 statistics (rstd; LayerNorm adds mean)."""
-    tokens = x.b * ceil_div(x.s, x.sp_div)
-    out = [Saved(f"{name}.input", _bsh(x), inp_dtype, "(b, s, h)"),
-           Saved(f"{name}.rstd", tokens, "fp32", "(b, s)")]
-    if ctx.spec.norm_kind == "layernorm":
-        out.append(Saved(f"{name}.mean", tokens, "fp32", "(b, s)"))
+def hf_family(ctx: RankContext) -> str:
+    """The transformers architecture the hf profile follows (vramcalc/trace/hf_models.py)."""
+    spec = ctx.spec
+    if spec.norm_kind == "layernorm" or spec.mlp_kind == "standard":
+        return "gpt2"
+    if spec.is_moe:
+        return "mixtral" if not (spec.num_shared_experts or spec.qk_norm) else (
+            "qwen2_moe" if spec.num_shared_experts else "qwen3_moe")
+    if spec.model_type in ("phi3", "gemma") and not (spec.attention_bias or spec.qk_norm):
+        return spec.model_type
+    return "llama"
+
+
+# ---- building blocks ------------------------------------------------------------------
+def _linear_inputs(x: Dims, name: str, numel: int, readers: int, shape: str) -> list[Saved]:
+    """Input of `readers` linears: kept once in r, or one c-typed cast each under autocast."""
+    if x.amp:
+        return [Saved(f"{name}.cast", numel, x.c, shape,
+                      "autocast's c copy of the input, one per linear", readers)]
+    return [Saved(name, numel, x.c, shape, "input of the projection(s), for the weight grad")]
+
+
+def _norm_saved(ctx: RankContext, x: Dims, name: str, tokens: int, width: int,
+                shape: str) -> list[Saved]:
+    """A norm over `width` of `tokens` rows, as the profile implements it (output excluded)."""
+    numel = tokens * width
+    stats = f"{shape[:-3]})".replace(", )", ")") if shape.endswith(", h)") else "(rows)"
+    if ctx.spec.norm_kind == "layernorm":  # nn.LayerNorm (both profiles): native_layer_norm
+        return [Saved(f"{name}.input", numel, x.r, shape, "LayerNorm input"),
+                Saved(f"{name}.mean", tokens, "fp32", stats, "fp32 mean (CUDA acc type)"),
+                Saved(f"{name}.rstd", tokens, "fp32", stats, "fp32 1/std")]
+    if ctx.training.framework != "hf":  # fused RMSNorm: input + fp32 rstd
+        return [Saved(f"{name}.input", numel, x.r, shape, "RMSNorm input (fused kernel)"),
+                Saved(f"{name}.rstd", tokens, "fp32", stats, "fp32 1/rms (fused kernel)")]
+    # transformers RMSNorm: x32 = x.float(); x32 * rsqrt(mean(x32²) + eps) -> weight * (·).to(r)
+    out = [Saved(f"{name}.x_fp32", numel, "fp32", shape,
+                 "x.to(float32), kept by pow and mul (the residual itself when r = fp32)"),
+           Saved(f"{name}.rstd", tokens, "fp32", stats, "rsqrt output, kept by mul")]
+    if hf_family(ctx) == "gemma":  # output = x̂32 · (1 + w.float()), then .type_as(x)
+        out += [Saved(f"{name}.xhat_fp32", numel, "fp32", shape, "x̂ in fp32, kept by · (1 + w)"),
+                Saved(f"{name}.one_plus_w", width, "fp32", "(width)", "1 + w in fp32")]
+    else:
+        out.append(Saved(f"{name}.xhat", numel, x.r, shape, "x̂.to(input dtype), kept by w · x̂"))
+    return out
+
+
+def _qk_norm_saved(ctx: RankContext, x: Dims) -> list[Saved]:
+    """Per-head q/k RMSNorm (Qwen3): each keeps its input (and the hf profile's fp32 copies)."""
+    out: list[Saved] = []
+    for n, heads in (("q", x.a), ("k", x.g)):
+        tokens, numel = x.b * x.s * heads, x.b * x.s * heads * x.d
+        if ctx.training.framework == "hf":
+            out += [Saved(f"attn.{n}_norm.x_fp32", numel, "fp32", f"(b, s, {n}heads, d)",
+                          "q/k.to(float32)"),
+                    Saved(f"attn.{n}_norm.rstd", tokens, "fp32", "(b, s, heads)", "rsqrt"),
+                    Saved(f"attn.{n}_norm.xhat", numel, x.c, "(b, s, heads, d)",
+                          "x̂.to(c), kept by w · x̂")]
+        else:  # autocast casts the 16-bit q/k to the fp32 weight's dtype first
+            out += [Saved(f"attn.{n}_norm.input", numel, x.r, "(b, s, heads, d)",
+                          "RMSNorm input"),
+                    Saved(f"attn.{n}_norm.rstd", tokens, "fp32", "(b, s, heads)", "fp32 1/rms")]
     return out
 
 
 def attention_core_saved(ctx: RankContext, x: Dims) -> list[Saved]:
-    """What the attention core (softmax(QKᵀ)V) saves beyond q, k, v."""
+    """What the attention core saves beyond its q, k, v inputs (recomputed under selective)."""
     c = x.c
+    bsad = x.b * x.s * x.a * x.d
     if ctx.training.attention == "flash":
-        # FlashAttention / SDPA: output (b, a, s, d) and logsumexp (b, a, s) fp32
-        return [Saved("attn.out", x.b * x.a * x.s * x.d, c, "(b, a, s, d)"),
-                Saved("attn.lse", x.b * x.a * x.s, "fp32", "(b, a, s)")]
-    # eager: probabilities (b, a, s, s) saved by softmax and by probs @ v
-    return [Saved("attn.probs", x.b * x.a * x.s * x.s, c, "(b, a, s, s)"),
-            Saved("attn.out", x.b * x.a * x.s * x.d, c, "(b, a, s, d)")]
+        # FlashAttention-2 / memory-efficient SDPA: output (b, s, a, d) and logsumexp
+        return [Saved("attn.out", bsad, c, "(b, s, a, d)", "SDPA output, kept by SDPA"),
+                Saved("attn.lse", x.b * x.a * x.s, "fp32", "(b, a, s)", "logsumexp, fp32")]
+    probs = x.b * x.a * x.s * x.s
+    hf = ctx.training.framework == "hf"
+    # softmax output: fp32 when autocast upcasts softmax (CUDA list) or hf asks dtype=fp32
+    p_dtype = "fp32" if (x.amp or hf) else c
+    out = [Saved("attn.probs", probs, p_dtype, "(b, a, s, s)", "softmax output")]
+    if p_dtype != c:
+        out.append(Saved("attn.probs_c", probs, c, "(b, a, s, s)",
+                         "probs in c, kept by probs @ v"))
+    return out
 
 
-def _qkv_saved(ctx: RankContext, x: Dims) -> list[Saved]:
-    c = x.c
-    g = x.g
-    if ctx.training.attention == "eager" and x.g < x.a:
-        g = x.a  # k, v expanded to all heads before QKᵀ
-    return [Saved("attn.q", x.b * x.a * x.s * x.d, c, "(b, a, s, d)"),
-            Saved("attn.k", x.b * g * x.s * x.d, c, "(b, g, s, d)"),
-            Saved("attn.v", x.b * g * x.s * x.d, c, "(b, g, s, d)")]
-
-
-def _mlp_saved(ctx: RankContext, x: Dims) -> list[Saved]:
-    c, bsf = x.c, x.b * x.s * x.f
-    if ctx.spec.mlp_kind == "gated":
-        return [Saved("mlp.input", _bsh(x), c, "(b, s, h) normed"),
-                Saved("mlp.gate", bsf, c, "(b, s, f) act input"),
-                Saved("mlp.act", bsf, c, "(b, s, f) act output"),
-                Saved("mlp.up", bsf, c, "(b, s, f)"),
-                Saved("mlp.down_input", bsf, c, "(b, s, f) act·up")]
-    return [Saved("mlp.input", _bsh(x), c, "(b, s, h) normed"),
-            Saved("mlp.fc_out", bsf, c, "(b, s, f) act input"),
-            Saved("mlp.act", bsf, c, "(b, s, f) proj input")]
-
-
-def layer_saved(ctx: RankContext) -> list[Saved]:
-    """Saved tensors of one transformer layer for one micro-batch (reference/hf profiles)."""
-    x = dims(ctx)
-    rec = ctx.training.recompute
-    if rec == "full":
-        # torch.utils.checkpoint keeps only the layer input
-        return [Saved("layer.input", _bsh(x), x.c, "(b, s, h)")]
-    out = _norm_saved(ctx, x, "input_norm", x.c)
-    out.append(Saved("attn.input", _bsh(x), x.c, "(b, s, h) normed"))
-    out += _qkv_saved(ctx, x)
-    if rec != "selective":
+def _attention_saved(ctx: RankContext, x: Dims) -> list[Saved]:
+    """q/k/v projections to o_proj input (attention core included unless selective)."""
+    spec, tr = ctx.spec, ctx.training
+    hf = tr.framework == "hf"
+    fam = hf_family(ctx) if hf else "reference"
+    c, T = x.c, x.T
+    bsad, bsgd = x.b * x.s * x.a * x.d, x.b * x.s * x.g * x.d
+    eager = tr.attention == "eager"
+    selective = tr.recompute == "selective"
+    fused_qkv = fam in ("gpt2", "phi3")
+    out = _linear_inputs(x, "attn.input", _bsh(x), 1 if fused_qkv else 3, "(b, s, h) normed")
+    if spec.qk_norm:
+        out += _qk_norm_saved(ctx, x)
+    rope = spec.position_embedding == "rope"
+    if eager and not selective:
+        # matmul needs contiguous (b·a, s, d) operands: q, k, v copies (or the repeated
+        # k, v, which are contiguous), scores -> softmax -> probs @ v -> (b, s, a·d) copy
+        if hf:
+            out += _hf_eager_qkv(ctx, x, fam)
+        else:
+            out += [Saved("attn.q", bsad, c, "(b, a, s, d)", "contiguous q for q @ kᵀ"),
+                    Saved("attn.k", bsad, c, "(b, a, s, d)", "contiguous/repeated k"),
+                    Saved("attn.v", bsad, c, "(b, a, s, d)", "contiguous/repeated v")]
+            if x.g < x.a:
+                out.append(Saved("attn.repeat_index", x.a, "int64", "(a)",
+                                 "repeat_interleave index, kept by index_select", 2))
         out += attention_core_saved(ctx, x)
+        out.append(Saved("attn.o_input", bsad, c, "(b, s, a·d)", "contiguous copy for o_proj"))
+        return out
+    # flash (and selective): the core's inputs q, k, v in c
+    if fused_qkv and fam == "gpt2":
+        qkv = [Saved("attn.qkv", x.b * x.s * (x.a + 2 * x.g) * x.d, c, "(b, s, 3·h)",
+                     "fused c_attn output; q, k, v are views of it")]
+    elif fused_qkv:  # phi3: q and k rotated copies, v a view of the fused qkv output
+        qkv = [Saved("attn.qkv", x.b * x.s * (x.a + 2 * x.g) * x.d, c, "(b, s, (a+2g)·d)",
+                     "fused qkv_proj output, alive through the v view"),
+               Saved("attn.q", bsad, c, "(b, a, s, d)", "rotated q"),
+               Saved("attn.k", bsgd, c, "(b, g, s, d)", "rotated k")]
     else:
-        # the checkpointed core is recomputed; o_proj still keeps its input
-        out.append(Saved("attn.out", x.b * x.a * x.s * x.d, x.c, "(b, a, s, d)"))
-    out += _norm_saved(ctx, x, "post_norm", x.c)
-    out += _mlp_saved(ctx, x)
+        qkv = [Saved("attn.q", bsad, c, "(b, a, s, d)", "rotated q, SDPA input"),
+               Saved("attn.k", bsgd, c, "(b, g, s, d)", "rotated k, SDPA input"),
+               Saved("attn.v", bsgd, c, "(b, g, s, d)", "v, SDPA input")]
+    if hf and x.amp and rope and not fused_qkv:
+        # hf RoPE runs in fp32 under autocast (fp32 tables): SDPA keeps 16-bit casts of q, k
+        pass
+    out += qkv
+    if selective:
+        if eager:
+            out.append(Saved("attn.o_input", bsad, c, "(b, s, a·d)",
+                             "contiguous copy of the core output for o_proj"))
+        else:
+            out.append(Saved("attn.out", bsad, c, "(b, s, a, d)",
+                             "core output, kept by o_proj (the core is recomputed)"))
+    else:
+        out += attention_core_saved(ctx, x)
+        if hf and fam == "gpt2":
+            pass
+    return out
+
+
+def _hf_eager_qkv(ctx: RankContext, x: Dims, fam: str) -> list[Saved]:
+    """hf eager attention's q, k, v as kept by the two matmuls (repeat_kv copies for GQA)."""
+    c, bsad = x.c, x.b * x.s * x.a * x.d
+    bsgd = x.b * x.s * x.g * x.d
+    if fam == "gpt2":
+        return [Saved("attn.qkv", x.b * x.s * 3 * x.a * x.d, c, "(b, s, 3·h)",
+                      "fused c_attn output; q, k, v views")]
+    k_keep = bsad if x.g < x.a else bsgd
+    out = [Saved("attn.q", bsad, c, "(b, a, s, d)", "rotated q"),
+           Saved("attn.k", k_keep, c, "(b, a, s, d)", "rotated k (repeat_kv copy for GQA)"),
+           Saved("attn.v", k_keep, c, "(b, a, s, d)", "v (repeat_kv copy for GQA)")]
+    if fam == "phi3":
+        out.append(Saved("attn.qkv", x.b * x.s * (x.a + 2 * x.g) * x.d, c, "(b, s, (a+2g)·d)",
+                         "fused qkv_proj output"))
+    return out
+
+
+def _mlp_saved(ctx: RankContext, x: Dims, tokens: int, ffn: int, name: str = "mlp",
+               readers_input: bool = True) -> list[Saved]:
+    """A dense MLP on `tokens` rows (input included when `readers_input`)."""
+    c, bsf = x.c, tokens * ffn
+    hf = ctx.training.framework == "hf"
+    fam = hf_family(ctx) if hf else "reference"
+    out: list[Saved] = []
+    if ctx.spec.mlp_kind == "gated":
+        if readers_input:
+            out += _linear_inputs(x, f"{name}.input", tokens * x.h, 1 if fam == "phi3" else 2,
+                                  "(T, h) normed")
+        if fam == "phi3":
+            out.append(Saved(f"{name}.gate_up", 2 * bsf, c, "(T, 2f)",
+                             "fused gate_up output; gate and up are views"))
+        else:
+            out += [Saved(f"{name}.gate", bsf, c, "(T, f)", "activation input"),
+                    Saved(f"{name}.up", bsf, c, "(T, f)", "kept by act · up")]
+        out += [Saved(f"{name}.act", bsf, c, "(T, f)", "activation output, kept by act · up"),
+                Saved(f"{name}.down_input", bsf, c, "(T, f)", "act · up, down_proj input")]
+        return out
+    if readers_input:
+        out += _linear_inputs(x, f"{name}.input", tokens * x.h, 1, "(T, h) normed")
+    out.append(Saved(f"{name}.fc_out", bsf, c, "(T, f)", "activation input"))
+    if hf and ctx.spec.hidden_act == "gelu_new":
+        out += _new_gelu_saved(x, bsf, name)
+    else:
+        out.append(Saved(f"{name}.act", bsf, c, "(T, f)", "activation output, proj input"))
+    return out
+
+
+def _new_gelu_saved(x: Dims, bsf: int, name: str) -> list[Saved]:
+    """transformers NewGELUActivation in Python: 0.5·x·(1 + tanh(√(2/π)(x + 0.044715·x³)))."""
+    c = x.c
+    p_dtype = "fp32" if x.amp else c  # pow is on CUDA's autocast fp32 list
+    return [Saved(f"{name}.gelu.half_x", bsf, c, "(T, f)", "0.5·x, kept by the product"),
+            Saved(f"{name}.gelu.tanh", bsf, p_dtype, "(T, f)", "tanh output"),
+            Saved(f"{name}.gelu.one_plus", bsf, p_dtype, "(T, f)", "1 + tanh, kept by product"),
+            Saved(f"{name}.act", bsf, p_dtype, "(T, f)", "activation output, c_proj input")]
+
+
+def _moe_saved(ctx: RankContext, x: Dims) -> list[Saved]:
+    """A mixture-of-experts MLP (router, top-k dispatch, experts, combine, shared experts)."""
+    spec = ctx.spec
+    c, T = x.c, x.T
+    E, k = spec.num_local_experts, spec.num_experts_per_tok
+    fe = ceil_div(spec.expert_ffn, ctx.parallel.tp)
+    out: list[Saved] = []
+    shared = spec.num_shared_experts
+    if ctx.training.framework == "hf":
+        return _hf_moe_saved(ctx, x)
+    C = max(1, -(-int(ctx.parallel.capacity_factor * T * k * 1_000_000) // (E * 1_000_000)))
+    EC = E * C
+    readers = 1 + 2 * shared + (1 if spec.shared_expert_gate else 0)
+    out += _linear_inputs(x, "moe.input", T * x.h, readers, "(T, h) normed")
+    out += [Saved("moe.router_probs", T * E, "fp32", "(T, E)", "softmax output"),
+            Saved("moe.topk_index", T * k, "int64", "(T, k)", "kept by topk backward"),
+            Saved("moe.topk_weight", T * k, "fp32", "(T, k)", "kept by / sum"),
+            Saved("moe.topk_sum", T, "fp32", "(T, 1)", "kept by / sum"),
+            Saved("moe.slot", EC, "int64", "(E·C)", "slot -> assignment index"),
+            Saved("moe.filled", EC, "bool", "(E·C)", "slot filled mask"),
+            Saved("moe.token", EC, "int64", "(E·C)", "slot -> token index"),
+            Saved("moe.gate", EC, x.r, "(E·C)", "routing weight per slot, in r")]
+    if x.amp:
+        per_expert = 2 if spec.mlp_kind == "gated" else 1
+        out.append(Saved("moe.expert_input.cast", C * x.h, c, "(C, h)",
+                         "autocast copy of an expert's tokens, one per projection",
+                         E * per_expert))
+    else:
+        out.append(Saved("moe.expert_input", EC * x.h, c, "(E·C, h)", "gathered tokens"))
+    out += [Saved(t.name.replace("mlp.", "moe.expert."), t.numel, t.dtype, t.shape, t.why, E)
+            for t in _mlp_saved(ctx, x, C, fe, readers_input=False)]
+    out += [Saved("moe.expert_output", EC * x.h, c, "(E·C, h)", "cat of expert outputs"),
+            Saved("moe.weighted", EC * x.h, x.r, "(E·C, h)",
+                  "outputs · gate; index_add's backward formula keeps its source")]
+    fs = ceil_div(spec.shared_ffn, ctx.parallel.tp)
+    for i in range(shared):
+        out += _mlp_saved(ctx, x, T, fs, name=f"shared_expert{i}", readers_input=False)
+        if spec.shared_expert_gate:
+            out += [Saved(f"shared_expert{i}.output", T * x.h, c, "(T, h)", "kept by gate ·"),
+                    Saved(f"shared_expert{i}.gate", T, c, "(T, 1)", "sigmoid output")]
+    return out
+
+
+def _hf_moe_saved(ctx: RankContext, x: Dims) -> list[Saved]:
+    """transformers MoE blocks (router softmax in fp32, grouped_mm experts on T·k rows)."""
+    spec = ctx.spec
+    c, T = x.c, x.T
+    E, k = spec.num_local_experts, spec.num_experts_per_tok
+    S = T * k
+    fe = ceil_div(spec.expert_ffn, ctx.parallel.tp)
+    shared = spec.num_shared_experts
+    readers = 2 + (3 if shared else 0)  # router, experts' gather (+ shared gate, up, gate)
+    out = _linear_inputs(x, "moe.input", T * x.h, readers, "(T, h) normed")
+    out += [Saved("moe.router_probs", T * E, "fp32", "(T, E)", "softmax output"),
+            Saved("moe.topk_index", T * k, "int64", "(T, k)", "kept by topk backward"),
+            Saved("moe.topk_weight", T * k, "fp32", "(T, k)", "renormalised top-k weights"),
+            Saved("moe.topk_sum", T, "fp32", "(T, 1)", "kept by /="),
+            Saved("moe.perm", S, "int64", "(T·k)", "sort permutation, kept by gather"),
+            Saved("moe.inv_perm", S, "int64", "(T·k)", "inverse permutation"),
+            Saved("moe.sample_weight", S, "fp32", "(T·k)", "routing weight per row"),
+            Saved("moe.rows", S * x.h, c, "(T·k, h)", "tokens sorted by expert"),
+            Saved("moe.gate_up", S * 2 * fe, c, "(T·k, 2fe)", "grouped_mm output"),
+            Saved("moe.act", S * fe, c, "(T·k, fe)", "act(gate)"),
+            Saved("moe.down_input", S * fe, c, "(T·k, fe)", "act · up"),
+            Saved("moe.down_out", S * x.h, c, "(T·k, h)", "kept by · routing weight")]
+    if shared:
+        fs = ceil_div(spec.shared_ffn, ctx.parallel.tp)
+        out += _mlp_saved(ctx, x, T, fs, name="shared_expert", readers_input=False)
+        out += [Saved("shared_expert.output", T * x.h, c, "(T, h)", "kept by gate ·"),
+                Saved("shared_expert.gate", T, c, "(T, 1)", "sigmoid output")]
+    return out
+
+
+# ---- per layer -------------------------------------------------------------------------
+def layer_saved(ctx: RankContext, moe: bool | None = None) -> list[Saved]:
+    """Saved tensors of one transformer layer for one micro-batch (reference/hf profiles).
+
+    `moe` picks a dense or MoE layer; by default the kind most of this rank's layers are.
+    """
+    x = dims(ctx)
+    if moe is None:
+        moe = ctx.spec.is_moe and ctx.shapes.num_moe_layers * 2 >= max(ctx.num_layers, 1)
+    if ctx.training.recompute == "full":
+        # torch.utils.checkpoint keeps only the layer input
+        return [Saved("layer.input", _bsh(x), x.r, "(b, s, h)", "checkpoint input")]
+    out = _norm_saved(ctx, x, "input_norm", x.T, x.h, "(b, s, h)")
+    out += _attention_saved(ctx, x)
+    out += _norm_saved(ctx, x, "post_norm", x.T, x.h, "(b, s, h)")
+    if moe:
+        out += _moe_saved(ctx, x)
+    else:
+        out += _mlp_saved(ctx, x, x.T, ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp))
     return out
 
 
@@ -155,11 +409,21 @@ def megatron_layer_bytes(ctx: RankContext) -> int:
     return int(s * b * h * (10 + (base - 10) / t + core / t))
 
 
-def layer_activation_bytes(ctx: RankContext) -> int:
+def layer_activation_bytes(ctx: RankContext, moe: bool | None = None) -> int:
     """Bytes one layer keeps for backward, one micro-batch, on this rank."""
     if ctx.training.framework == "megatron":
         return megatron_layer_bytes(ctx)
-    return sum(t.nbytes for t in layer_saved(ctx))
+    return sum(t.nbytes for t in layer_saved(ctx, moe))
+
+
+def stage_layer_bytes(ctx: RankContext) -> tuple[int, int, int, int]:
+    """(dense layers, bytes per dense layer, MoE layers, bytes per MoE layer) on this rank;
+    dense layers come first (first_k_dense_replace)."""
+    n_moe = ctx.shapes.num_moe_layers if ctx.spec.is_moe else 0
+    n_dense = ctx.num_layers - n_moe
+    dense = layer_activation_bytes(ctx, moe=False) if n_dense else 0
+    moe = layer_activation_bytes(ctx, moe=True) if n_moe else 0
+    return n_dense, dense, n_moe, moe
 
 
 def layer_forward_working_bytes(ctx: RankContext) -> int:
@@ -196,13 +460,31 @@ def layer_backward_working_bytes(ctx: RankContext) -> int:
     return grad_io + inner + rec
 
 
+# ---- per micro-batch, outside the layers -----------------------------------------------
 def embedding_saved(ctx: RankContext) -> list[Saved]:
-    """Per micro-batch, first stage: token ids and labels (int64) kept by embedding/loss."""
+    """Per micro-batch: token ids and labels (int64), RoPE tables, the eager causal mask."""
     if not (ctx.is_first_stage or ctx.is_last_stage):
         return []
     x = dims(ctx)
-    return [Saved("input_ids", x.b * x.s, "int64", "(b, s)"),
-            Saved("labels", x.b * x.s, "int64", "(b, s)")]
+    spec, tr = ctx.spec, ctx.training
+    hf = tr.framework == "hf"
+    out = [Saved("input_ids", x.b * x.s, "int64", "(b, s)", "kept by the embedding"),
+           Saved("labels", x.b * x.s, "int64", "(b, s)", "the loader's batch")]
+    if hf and tr.recompute != "none":
+        # the checkpointed calls keep the model's position ids (and eager's float mask)
+        out.append(Saved("position_ids", x.s, "int64", "(s)", "checkpoint input"))
+        if tr.attention == "eager":
+            out.append(Saved("attn.mask", x.b * x.s * x.s, x.r, "(b, 1, s, s)",
+                             "additive causal mask, checkpoint input"))
+    if spec.position_embedding == "rope":
+        # cos, sin (s, d): reference in c, hf in the residual dtype
+        out.append(Saved("rope.cos_sin", x.s * x.d, x.r if hf else x.c, "(s, d)",
+                         "rotary tables, kept by q·cos, q·sin of every layer", 2))
+    elif ctx.is_first_stage:
+        out.append(Saved("positions", x.s, "int64", "(s)", "position ids, kept by embedding"))
+    if tr.attention == "eager" and not hf:
+        out.append(Saved("attn.mask", x.s * x.s, "bool", "(s, s)", "causal mask, masked_fill"))
+    return out
 
 
 def head_saved(ctx: RankContext) -> list[Saved]:
@@ -212,8 +494,8 @@ def head_saved(ctx: RankContext) -> list[Saved]:
     x = dims(ctx)
     out: list[Saved] = []
     if ctx.spec.final_norm:
-        out += _norm_saved(ctx, x, "final_norm", x.c)
-    out.append(Saved("lm_head.input", _bsh(x), x.c, "(b, s, h) normed"))
+        out += _norm_saved(ctx, x, "final_norm", x.T, x.h, "(b, s, h)")
+    out += _linear_inputs(x, "lm_head.input", _bsh(x), 1, "(b, s, h) normed")
     return out
 
 

@@ -111,12 +111,15 @@ def fsdp_layer_bytes(ctx: RankContext) -> int:
     return alloc(_layer_numel(ctx), ctx.training.compute_dtype)
 
 
+def _ds_key(ctx: RankContext) -> tuple:
+    root = tuple((t.name, t.numel) for t in ctx.tensors if t.group in ROOT_GROUPS)
+    return (ctx.spec, ctx.parallel.tp, ctx.parallel.ep, ctx.num_layers, ctx.is_first_stage,
+            ctx.is_last_stage, root)
+
+
 def ds_module_order(ctx: RankContext) -> tuple[int, ...]:
     """Forward-order numels of the modules DeepSpeed ZeRO-3 fetches on this rank."""
-    return _ds_module_order(ctx.spec, ctx.parallel.tp, ctx.parallel.ep, ctx.num_layers,
-                            ctx.is_first_stage, ctx.is_last_stage,
-                            tuple((t.name, t.numel) for t in ctx.tensors
-                                  if t.group in ROOT_GROUPS))
+    return _ds_module_order(*_ds_key(ctx))
 
 
 @lru_cache(maxsize=1024)
@@ -140,7 +143,12 @@ def ds_gathered_numel(ctx: RankContext) -> int:
     capped by max_live_parameters. Persistent parameters (≤ 1e5 elements) are never
     gathered (they are counted as weights).
     """
-    order = ds_module_order(ctx)
+    return _ds_gathered_numel(*_ds_key(ctx))
+
+
+@lru_cache(maxsize=1024)
+def _ds_gathered_numel(*key: object) -> int:
+    order = _ds_module_order(*key)  # type: ignore[arg-type]
     retained, suffix, i = 0, 0, len(order) - 1
     while i >= 0 and 2 * suffix < DS_MAX_REUSE_DISTANCE:
         n = order[i]

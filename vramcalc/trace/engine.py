@@ -81,6 +81,9 @@ def check_traceable(scn: Scenario) -> Scenario:
     if tr.framework == "megatron":
         raise InputError("trace runs the reference and hf profiles; megatron has no traceable "
                          "model (use --framework reference or hf)")
+    if tr.framework == "hf" and scn.model.is_moe and tr.weight_dtype != "bf16":
+        raise InputError("hf MoE experts run torch grouped_mm, which takes bf16 weights only; "
+                         "use --precision bf16 or bf16-pure with --framework hf")
     natural = "bf16" if tr.precision == "bf16-pure" else "fp32"
     if tr.optimizer in ("adamw-8bit", "sgd"):
         natural = tr.state_dtype
@@ -117,9 +120,13 @@ def _loss(model: Any, framework: str, ids: Any, labels: Any) -> Any:
     return model(ids, labels)
 
 
-def trace(scn: Scenario, progress: Progress | None = None,
-          iterations: int = ITERATIONS) -> TraceResult:
-    """Trace `iterations` training iterations of a single-rank scenario; see the module doc."""
+def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITERATIONS,
+          debug: Callable[[str, Any], None] | None = None) -> TraceResult:
+    """Trace `iterations` training iterations of a single-rank scenario; see the module doc.
+
+    `debug(event, tracker)`, when given, is called at marks with the live tracker (whose
+    blocks then record the op that allocated them), for calibration work.
+    """
     scn = check_traceable(scn)
     try:
         import torch
@@ -140,11 +147,16 @@ def trace(scn: Scenario, progress: Progress | None = None,
         report_progress(label, done / steps)
         done += 1
 
-    tracker = MemoryTracker()
+    tracker = MemoryTracker(debug=debug is not None)
     report_progress("building model", 0.0)
     autocast = (lambda: torch.autocast("cpu", dtype=_torch_dtype(tr.compute_dtype))) if (
         tr.is_autocast) else contextlib.nullcontext
-    with cuda_autocast_rules(), FakeTensorMode(), tracker:
+    framework_ctx = contextlib.nullcontext()
+    if tr.framework == "hf":
+        from vramcalc.trace.hf_models import real_device_behaviour
+
+        framework_ctx = real_device_behaviour()
+    with framework_ctx, cuda_autocast_rules(), FakeTensorMode(), tracker:
         model = build_model(scn)
         model.train()
         all_params = list(model.parameters())
@@ -161,16 +173,17 @@ def trace(scn: Scenario, progress: Progress | None = None,
             p.register_post_accumulate_grad_hook(on_grad)
         head = model.get_output_embeddings() if tr.framework == "hf" else model.lm_head
 
-        def head_pre(_mod: Any, _inp: Any) -> None:
+        def head_post(_mod: Any, _inp: Any, out: Any) -> None:
+            # from the logits on, forward tensors are the loss's; in backward the region
+            # ends when d loss / d logits is ready (the head's and layers' backward follow)
+            tracker.label(out, "logits")
             tracker.region = "logits"
 
-        def head_post(_mod: Any, _inp: Any, out: Any) -> None:
-            def leave(grad: Any) -> None:  # d loss / d logits is ready: the layers' backward
+            def leave(grad: Any) -> None:
                 tracker.region = None
             if out.requires_grad:
                 out.register_hook(leave)
 
-        head.register_forward_pre_hook(head_pre)
         head.register_forward_hook(head_post)
 
         tracker.phase = "build_optimizer"
@@ -191,6 +204,8 @@ def trace(scn: Scenario, progress: Progress | None = None,
                 with autocast():
                     loss = _loss(model, tr.framework, ids, labels)
                 tracker.mark("end_forward")
+                if debug:
+                    debug("end_forward", tracker)
                 tick(f"{tag}: backward")
                 tracker.set_phase("backward", region="logits")
                 (loss / tr.grad_accum).backward()

@@ -23,7 +23,9 @@ imported only when a model is built; without it InputError says how to install i
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from vramcalc.errors import InputError
@@ -173,6 +175,27 @@ def _register_selective(tf: Any) -> None:
     for kind, mask in (("sdpa", sdpa_mask), ("eager", eager_mask)):
         AttentionInterface.register(SELECTIVE_PREFIX + kind, selective(kind))
         AttentionMaskInterface.register(SELECTIVE_PREFIX + kind, mask)
+
+
+@contextlib.contextmanager
+def real_device_behaviour() -> Iterator[None]:
+    """Make transformers take the branches it takes on a real device while a trace runs.
+
+    transformers' masking code treats fake tensors as graph tracing
+    (`import_utils.is_tracing(tensor)` checks `is_fake_tensor`) and then materialises a
+    (b, 1, s, s) attention mask, which also turns off SDPA's native grouped-query path. On a
+    GPU it checks the data instead (no packed sequences: no mask, `is_causal=True`); the
+    tracker answers such data reads (`.item()`) with 1 / True.
+    """
+    _transformers()
+    import transformers.masking_utils as masking
+
+    original = masking.is_tracing
+    masking.is_tracing = lambda tensor=None: original()
+    try:
+        yield
+    finally:
+        masking.is_tracing = original
 
 
 def build_hf_model(spec: ModelSpec, training: TrainingConfig, dtype: Any) -> Any:

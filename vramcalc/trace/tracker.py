@@ -55,13 +55,16 @@ class _Block:
     nbytes: int
     term: str
     ref: Any
+    origin: str = ""  # op and shape that allocated it (debug mode only)
 
 
 class MemoryTracker(TorchDispatchMode):
     """Counts live storages by term; see the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, debug: bool = False) -> None:
         super().__init__()
+        self.debug = debug
+        self._origin = ""
         self.blocks: dict[int, _Block] = {}
         self.host: dict[int, Any] = {}
         self.param_keys: set[int] = set()
@@ -127,7 +130,8 @@ class MemoryTracker(TorchDispatchMode):
             return
         term = term or self.default_term()
         ref = weakref.ref(st, lambda _r, key=key: self._free(key))
-        self.blocks[key] = _Block(nbytes, term, ref)
+        origin = f"{self._origin} {tuple(t.shape)} {t.dtype}" if self.debug else ""
+        self.blocks[key] = _Block(nbytes, term, ref, origin)
         self._add(term, nbytes)
 
     def _add(self, term: str, nbytes: int) -> None:
@@ -168,6 +172,12 @@ class MemoryTracker(TorchDispatchMode):
             self.label(p, "weights")
             self.param_keys.add(p.untyped_storage()._cdata)
 
+    def live(self, term: str | None = None) -> list[tuple[int, str, str]]:
+        """Debug: (bytes, term, origin) of every live storage, largest first."""
+        out = [(b.nbytes, b.term, b.origin) for b in self.blocks.values()
+               if term is None or b.term == term]
+        return sorted(out, reverse=True)
+
     def term_of(self, t: torch.Tensor) -> str | None:
         blk = self.blocks.get(t.untyped_storage()._cdata)
         return blk.term if blk else None
@@ -175,6 +185,8 @@ class MemoryTracker(TorchDispatchMode):
     # ---- dispatch --------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
+        if self.debug:
+            self._origin = f"{self.phase}:{self.region or ''}:{func.__name__}"
         handled, out = cuda_rules.rewrite_op(func, args, kwargs, self.track)
         if not handled:
             out = func(*args, **kwargs)

@@ -1,0 +1,135 @@
+"""Offload: what moves off the device, the host RAM / NVMe it needs, and the traffic per step.
+
+Per rank, by engine (Ψ_r = parameters this rank holds after TP/PP/EP, N = shard group,
+m = micro-batches per step; all fp32 unless said):
+
+| engine, offload | host RAM (pinned) | NVMe | PCIe per step | source |
+|---|---|---|---|---|
+| DeepSpeed ZeRO-1/2, optimizer→cpu | master 4 + states + fp32 grads 4, ÷N | – | D2H 16-bit grad partition (ZeRO-2 every micro-step, ZeRO-1 once); H2D fp32 partition 4Ψ_r/N | stage_1_and_2.py (`cpu_offload`: fp32 `.grad` pinned on the host; step copies `fp32_partition.to(device)`) |
+| DeepSpeed ZeRO-3, optimizer→cpu | the same + the 16-bit grad partition buffer (2Ψ_r/N) | – | D2H 16-bit grads every micro-step; H2D 16-bit updated partition | stage3.py (`self.device = "cpu"` when offloading: `grad_partitions_flat_buffer` lives there) |
+| DeepSpeed ZeRO-3, params→cpu | + 16-bit parameter partitions 2Ψ_r/N | – | H2D partitions for every forward and backward gather | stage3.py, partition_parameters.py |
+| DeepSpeed, optimizer→nvme | swap buffers: buffer_count 4 × min(Ψ_r/N, sub_group 1e9) × 4 B | master + states + fp32 grads | NVMe read + write of master and states, write of grads | offload_config.py (buffer_count 4), swap_tensor/ |
+| DeepSpeed, params→nvme | swap buffers: buffer_count 5 × buffer_size 1e8 × 2 B | 16-bit partitions | NVMe reads per gather | offload_config.py (buffer_count 5, buffer_size 1e8) |
+| FSDP2 CPUOffloadPolicy | sharded params, grads, optimizer states (+ master) | – | H2D params every forward and backward gather; D2H reduce-scattered grads every micro-step | torch/distributed/fsdp/_fully_shard (offload_to_cpu) |
+| Megatron-LM --optimizer-cpu-offload | master 4 + states + fp32 grads 4, ÷N | – | D2H fp32 main-grad shard; H2D updated shard (weight dtype) | megatron/core/optimizer/cpu_offloading |
+
+Host RAM per node = per rank × GPUs per node (the node's ranks, worst pipeline stage).
+DeepSpeed's own estimators multiply by `additional_buffer_factor` 1.5 on top and, without
+`zero_init`, count the whole fp32 model per process at load time; those formulas are in
+vramcalc.deepspeed_formulas for comparison.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vramcalc.parallel import num_microbatches
+from vramcalc.terms.comm import DS_SUB_GROUP_NUMEL
+from vramcalc.terms.context import RankContext
+from vramcalc.terms.gradients import grad_dtype
+from vramcalc.terms.optimizer_states import optimizer_state_split_on_device
+from vramcalc.units import DTYPE_BITS, alloc, ceil_div
+
+DS_OPTIMIZER_SWAP_BUFFERS = 4  # offload_optimizer.buffer_count (DeepSpeed 0.16.5)
+DS_PARAM_SWAP_BUFFERS = 5  # offload_param.buffer_count
+DS_PARAM_SWAP_BUFFER_NUMEL = 100_000_000  # offload_param.buffer_size
+
+
+@dataclass(frozen=True)
+class OffloadFootprint:
+    """One rank's offload: host RAM and NVMe held, and bytes moved per optimizer step."""
+
+    host_bytes: int = 0
+    nvme_bytes: int = 0
+    pcie_h2d_bytes_per_step: int = 0
+    pcie_d2h_bytes_per_step: int = 0
+    nvme_read_bytes_per_step: int = 0
+    nvme_write_bytes_per_step: int = 0
+
+
+def _bytes(numel: int, dtype: str) -> int:
+    return numel * DTYPE_BITS[dtype] // 8
+
+
+def offload_footprint(ctx: RankContext) -> OffloadFootprint:
+    """Host RAM, NVMe and PCIe/NVMe traffic per step of one rank (see the module table)."""
+    par, tr = ctx.parallel, ctx.training
+    off = set(par.offload)
+    if not off:
+        return OffloadFootprint()
+    m = num_microbatches(tr, par)
+    shard = ctx.parallel.shard_degree
+    part = ceil_div(ctx.shapes.numel(), shard)  # this rank's partition, elements
+    w16 = tr.weight_dtype
+    states = optimizer_state_split_on_device(ctx)
+    opt_bytes = states["states"] + states["master"]
+    if ctx.engine == "fsdp2":
+        w = ctx.shapes.nbytes(tr.weight_dtype, shard, ctx.expert_shard(shard), "dim0")
+        g = ctx.shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard), "dim0")
+        return OffloadFootprint(
+            host_bytes=w + g + opt_bytes,
+            pcie_h2d_bytes_per_step=2 * m * w,
+            pcie_d2h_bytes_per_step=m * g,
+        )
+    if ctx.engine == "megatron":
+        grads32 = alloc(part, "fp32")
+        return OffloadFootprint(
+            host_bytes=opt_bytes + grads32,
+            pcie_h2d_bytes_per_step=_bytes(part, w16),
+            pcie_d2h_bytes_per_step=_bytes(part, "fp32"),
+        )
+    # DeepSpeed
+    host = nvme = h2d = d2h = nvme_r = nvme_w = 0
+    if "optimizer" in off:
+        grads32 = alloc(part, "fp32")
+        state_total = opt_bytes + grads32
+        if par.zero >= 3:
+            state_total += alloc(part, grad_dtype(ctx))  # 16-bit grad partition buffer
+        reduces = m if par.zero >= 2 else 1
+        d2h += reduces * _bytes(part, grad_dtype(ctx))
+        if "params" not in off:
+            h2d += _bytes(part, "fp32" if par.zero < 3 else w16)
+        if par.offload_device == "nvme":
+            nvme += state_total
+            host += DS_OPTIMIZER_SWAP_BUFFERS * alloc(min(part, DS_SUB_GROUP_NUMEL), "fp32")
+            nvme_r += opt_bytes + grads32
+            nvme_w += opt_bytes + grads32
+        else:
+            host += state_total
+    if "params" in off:
+        p16 = alloc(part, w16)
+        gathers = 2 * m * _bytes(part, w16)  # forward and backward gather every micro-step
+        if par.offload_device == "nvme":
+            nvme += p16
+            host += DS_PARAM_SWAP_BUFFERS * alloc(DS_PARAM_SWAP_BUFFER_NUMEL, w16)
+            nvme_r += gathers
+            nvme_w += _bytes(part, w16)
+        else:
+            host += p16
+        h2d += gathers
+    return OffloadFootprint(host, nvme, h2d, d2h, nvme_r, nvme_w)
+
+
+def node_footprint(ctx: RankContext, gpus_per_node: int) -> OffloadFootprint:
+    """The footprint of one node: `gpus_per_node` ranks like `ctx` (traffic stays per rank)."""
+    fp = offload_footprint(ctx)
+    return OffloadFootprint(
+        host_bytes=fp.host_bytes * gpus_per_node,
+        nvme_bytes=fp.nvme_bytes * gpus_per_node,
+        pcie_h2d_bytes_per_step=fp.pcie_h2d_bytes_per_step,
+        pcie_d2h_bytes_per_step=fp.pcie_d2h_bytes_per_step,
+        nvme_read_bytes_per_step=fp.nvme_read_bytes_per_step * gpus_per_node,
+        nvme_write_bytes_per_step=fp.nvme_write_bytes_per_step * gpus_per_node,
+    )
+
+
+def offload_traffic(scn) -> OffloadFootprint:  # noqa: ANN001 - Scenario (avoids a cycle)
+    """Per-rank offload footprint of a scenario's worst pipeline stage, for the speed model:
+    PCIe bytes each way and NVMe bytes read/written per optimizer step (0 without offload)."""
+    scn = scn.resolved()
+    best = OffloadFootprint()
+    for stage in sorted({0, scn.parallel.pp - 1}):
+        fp = offload_footprint(RankContext(scn.model, scn.training, scn.parallel, stage))
+        if fp.host_bytes + fp.nvme_bytes > best.host_bytes + best.nvme_bytes:
+            best = fp
+    return best
