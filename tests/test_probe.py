@@ -109,3 +109,16 @@ def test_oom_message_parsing() -> None:
            "79.14 GiB of which 3.06 MiB is free.")
     assert _failed_alloc_bytes(msg) == 20 * 2**20
     assert _failed_alloc_bytes("something else") is None
+
+
+@pytest.mark.parametrize("layout", [[], ["--fsdp", "full"]], ids=["ddp", "fsdp2"])
+def test_nproc_launches_one_record_per_rank(tmp_path: Path, capsys, layout: list[str]) -> None:
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text("hidden_size: 64\nnum_hidden_layers: 2\nnum_attention_heads: 4\n"
+                    "intermediate_size: 128\nvocab_size: 256\n")
+    rc = main(["probe", "--model", str(spec), "--seq-len", "32", "--gpus", "2xH100", *layout,
+               "--nproc", "2", "--device", "cpu", "--out", str(tmp_path / "r"), "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert sorted(r["rank"] for r in doc["ranks"]) == [0, 1]
+    assert all(r["status"] == "ok" and r["world_size"] == 2 for r in doc["ranks"])

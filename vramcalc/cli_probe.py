@@ -26,6 +26,8 @@ _EXTRA = [
     option("iterations", int, 2, "--iterations", help="Measured iterations after one warm-up."),
     option("out", Optional[Path], None, "--out", help="Folder for the JSON record(s)."),
     option("no_trace", bool, False, "--no-trace", help="Skip the trace engine's prediction."),
+    option("nproc", int, 1, "--nproc", help="Launch N ranks with torchrun (DDP or FSDP2), one "
+           "record per rank."),
 ]
 
 
@@ -35,7 +37,7 @@ _EXTRA = [
 def probe_cmd(ctx: typer.Context, **kwargs: Any) -> None:
     run, interval, compare = kwargs.pop("run"), kwargs.pop("interval"), kwargs.pop("compare")
     device_name, iterations = kwargs.pop("device"), kwargs.pop("iterations")
-    out, no_trace = kwargs.pop("out"), kwargs.pop("no_trace")
+    out, no_trace, nproc = kwargs.pop("out"), kwargs.pop("no_trace"), kwargs.pop("nproc")
     values, dirs, as_json = _split(kwargs)
     if run:
         _run_mode(list(ctx.args), interval, compare, out, dirs, as_json)
@@ -49,6 +51,9 @@ def probe_cmd(ctx: typer.Context, **kwargs: Any) -> None:
     scn = _scenario(values, dirs)
     from vramcalc.probe.devices import NoDeviceError, find_device
 
+    if nproc > 1:
+        _nproc_mode(values, nproc, iterations, out, device_name, as_json)
+        return
     try:
         device = find_device(allow_cpu=device_name == "cpu")
     except NoDeviceError as err:
@@ -100,3 +105,41 @@ def _estimate_for_config(path: Path, dirs: list[Path] | None) -> dict[str, Any]:
     rep = estimate(scn)
     return {"config": str(path), "peak_allocated_bytes": rep.peak_allocated_bytes,
             "device_total_bytes": rep.device_total_bytes, "fits": rep.fits}
+
+
+def _nproc_mode(values: dict[str, Any], nproc: int, iterations: int, out: Path | None,
+                device_name: str, as_json: bool) -> None:
+    """torchrun N workers (vramcalc.probe.worker); collect one record per rank."""
+    import subprocess
+    import tempfile
+
+    from vramcalc.probe.devices import NoDeviceError, find_device
+
+    try:
+        find_device(allow_cpu=device_name == "cpu")
+    except NoDeviceError as err:
+        sys.stderr.write(f"error: {err}\n")
+        raise typer.Exit(EXIT_NO_DEVICE) from None
+    folder = Path(out) if out else Path(tempfile.mkdtemp(prefix="vramcalc-probe-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    plain = {k: (list(v) if isinstance(v, tuple) else v) for k, v in values.items()}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", "29533", "-m", "vramcalc.probe.worker", "--values",
+           json.dumps(plain), "--out", str(folder), "--iterations", str(iterations)]
+    proc = subprocess.run(cmd, check=False, capture_output=as_json, text=True)
+    records = [json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))]
+    errors = [r.get("error") for r in records if r.get("status") == "error"]
+    if errors:
+        raise InputError(str(errors[0]))
+    if as_json:
+        _emit_json({"ranks": records, "exit_code": proc.returncode})
+    else:
+        from vramcalc.render_probe import print_probe_record
+
+        for rec in records:
+            rec.setdefault("analytic", None)
+            rec.setdefault("measured", {})
+            _console().print(f"[bold]rank {rec['rank']}[/bold]")
+            print_probe_record(_console(), rec)
+    if proc.returncode != 0:
+        raise typer.Exit(proc.returncode)
