@@ -28,19 +28,21 @@ def in_process(model: str, gpus: str, repeat: int) -> None:
     from vramcalc.plan import search
 
     base, req, _ = prepare_plan({"model": model, "gpus": gpus})
-    times = []
+    times, cpu = [], []
     res = None
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         res = search(base, req)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     assert res is not None
     best = min(times)
-    print(f"search only ({model} on {gpus}), best of {repeat}: {best * 1000:.0f} ms "
-          f"(median {statistics.median(times) * 1000:.0f} ms)")
+    print(f"search only ({model} on {gpus}), best of {repeat}: {best * 1000:.0f} ms wall "
+          f"(median {statistics.median(times) * 1000:.0f} ms), {min(cpu) * 1000:.0f} ms CPU")
     print(f"  {res.num_candidates:,} valid candidates -> {res.num_candidates / best:,.0f} "
-          f"candidates/s; {res.num_dominated:,} dominated, {res.num_bound_pruned:,} pruned by "
-          f"the memory bound, {res.num_estimated:,} full estimates "
+          f"candidates/s; speed computed for {res.num_expanded:,} "
+          f"({res.num_expanded / best:,.0f}/s), {res.num_bound_pruned:,} pruned by the memory "
+          f"bound, {res.num_dominated:,} dominated, {res.num_estimated:,} full estimates "
           f"({res.num_rejected:,} refused by the engine), {len(res.entries)} returned")
     if res.entries:
         e = res.entries[0]

@@ -27,6 +27,7 @@ from vramcalc.terms import transients as tr
 from vramcalc.terms.context import RankContext
 from vramcalc.terms import comm
 from vramcalc.terms.gradients import (
+    grad_dtype,
     gradients_at_step_bytes,
     gradients_bytes,
     gradients_persistent,
@@ -36,6 +37,7 @@ from vramcalc.terms.optimizer_states import optimizer_state_split
 from vramcalc.terms.overhead import overhead_split
 from vramcalc.terms.weights import weights_by_group
 from vramcalc.offload import offload_footprint
+from vramcalc.units import alloc
 from vramcalc.sharding import moe_layers_on_stage
 
 
@@ -102,6 +104,19 @@ def candidate_stages(scn: Scenario) -> list[int]:
     return sorted(out)
 
 
+def late_gradient_bytes(ctx: RankContext) -> int:
+    """Gradients that only appear after the bottom layer's backward: the token embedding's
+    (untied) and the learned position embedding's."""
+    if not ctx.is_first_stage:
+        return 0
+    names = ("embed_positions",) if ctx.spec.tie_word_embeddings else (
+        "embed_tokens", "embed_positions")
+    shard = ctx.grad_shard
+    dtype = grad_dtype(ctx)
+    return sum(t.count * alloc(-(-t.numel // shard), dtype) for t in ctx.tensors
+               if t.name in names)
+
+
 def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[Phase], int, int]:
     """Phases (steady state) of one stage, plus the first-step peak and live-tensor count."""
     ctx = RankContext(scn.model, scn.training, scn.parallel, stage)
@@ -127,7 +142,8 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
         return dense * A_dense + (n - dense) * A_moe
 
     A_layer = A_bottom(nL) // nL if nL else 0
-    A_edges = sum(t.nbytes for t in act.embedding_saved(ctx) + act.head_saved(ctx))
+    A_emb = sum(t.nbytes for t in act.embedding_saved(ctx))  # ids, labels, rope, mask
+    A_edges = A_emb + sum(t.nbytes for t in act.head_saved(ctx))
     cache_layer = tr.autocast_cache_layer_bytes(ctx)
     cache_head = tr.autocast_cache_head_bytes(ctx)
     A_mb = A_bottom(nL) + A_edges
@@ -135,7 +151,6 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     logits_keep = lg.logits_saved_bytes(ctx)
     cublas = tr.cublas_workspace_bytes(gpu_id)
     gather = tr.gather_buffer_bytes(ctx)
-    reduce = tr.reduce_buffer_bytes(ctx)
     fwd_work = act.layer_forward_working_bytes(ctx) + comm.layer_forward_comm_bytes(ctx)
     bwd_work = act.layer_backward_working_bytes(ctx) + comm.layer_backward_comm_bytes(ctx)
     persistent = tr.persistent_buffer_bytes(ctx)
@@ -154,11 +169,29 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
         "transients/gather_buffers": gather,
     })
     fwd_logits = lg.logits_forward_peak_bytes(ctx)
-    if fwd_logits >= fwd_work:
+    head_extra = lg.head_forward_extra_bytes(ctx)
+    if fwd_logits + head_extra >= fwd_work:
         forward.parts["logits"] = fwd_logits + int(prev * logits_keep)
+        forward.parts["activations"] += head_extra
     else:
         forward.parts["transients/layer_forward"] = fwd_work
         forward.parts["logits"] = int(prev * logits_keep)
+
+    eager_held, eager_work = act.eager_forward_moment(ctx)
+    if eager_work and nL:
+        # the top layer's softmax: its later saved tensors do not exist yet
+        top_moe = n_moe > 0
+        top_bytes = A_moe if top_moe else A_dense
+        eager = Phase("forward", {
+            **base(g_acc),
+            "activations": int(prev * A_mb + A_bottom(nL) - top_bytes + eager_held + A_emb),
+            "transients/autocast_cache": int(k * C_mb),
+            "transients/gather_buffers": gather,
+            "transients/layer_forward": eager_work,
+            "logits": int(prev * logits_keep),
+        })
+        if eager.total > forward.total:
+            forward = eager
 
     loss_bwd = Phase("backward", {
         **base(g_acc),
@@ -168,23 +201,40 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
         "logits": lg.logits_backward_peak_bytes(ctx) + int(prev * logits_keep),
     })
 
-    def layer_point(i: int) -> Phase:
-        """Backward of the i-th layer from the top (0-based) on this stage."""
-        grads = (G + g_layer) if keep_grads else (G_head + (i + 1) * g_layer)
-        remaining = nL - i
+    G_late = late_gradient_bytes(ctx)  # the (untied) embedding's: after the bottom layer
+    comm_bwd = comm.layer_backward_comm_bytes(ctx)
+    root = lg.loss_root_bytes(ctx)
+
+    def layer_point(i: int, mom: act.Moment) -> Phase:
+        """Instant `mom` of the backward of the i-th layer from the top (0-based)."""
+        done = act.layer_grad_fraction(ctx, mom.grads)
+        grads = G if keep_grads else max(G_head - G_late, 0) + int((i + done) * g_layer)
         return Phase("backward", {
-            **base(min(grads, G + g_layer)),
-            "activations": int(prev * A_mb + A_bottom(remaining) + A_edges),
-            "transients/autocast_cache": int(prev * C_mb + remaining * cache_layer),
-            "transients/layer_backward": bwd_work,
+            **base(min(grads, G)),
+            "activations": int(prev * A_mb + A_bottom(nL - i - 1) + mom.held + A_emb),
+            "transients/autocast_cache": int(prev * C_mb + (nL - i - done) * cache_layer),
+            "transients/layer_backward": mom.work + comm_bwd,
             "transients/gather_buffers": gather,
-            "transients/reduce_buffers": reduce,
-            "logits": int(prev * logits_keep),
+            "transients/reduce_buffers": tr.reduce_buffer_bytes(ctx, i, done,
+                                                                mom.work + mom.held),
+            "logits": int(prev * logits_keep) + root,
         })
 
     candidates = [loss_bwd]
     if nL:
-        candidates += [layer_point(0), layer_point(nL - 1)]
+        # the top layer holds every other layer's activations; the bottom one every other
+        # layer's gradients (dense layers sit at the bottom, MoE ones at the top)
+        top_moe = n_moe > 0
+        bottom_moe = n_dense == 0
+        candidates += [layer_point(0, mom) for mom in act.layer_backward_moments(ctx, top_moe)]
+        candidates += [layer_point(nL - 1, mom)
+                       for mom in act.layer_backward_moments(ctx, bottom_moe)]
+        if ctx.engine == "fsdp2" and nL > 2:
+            # FSDP2: only layers between the top and the bottom hold both the previous
+            # layer's reduce-scatter input and the next one's prefetch (comm.reduce_bytes)
+            for i in sorted({1, nL - 2}):
+                candidates += [layer_point(i, mom)
+                               for mom in act.layer_backward_moments(ctx, i < n_moe)]
     backward = max(candidates, key=lambda p: p.total)
 
     optimizer = Phase("optimizer", {

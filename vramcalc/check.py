@@ -134,7 +134,8 @@ def deepspeed_values(ds: dict[str, Any]) -> tuple[dict[str, Any], int | None, li
     vals: dict[str, Any] = {}
     notes: list[str] = []
     skipped: list[str] = []
-    zo = ds.get("zero_optimization") or {}
+    zo = ds.get("zero_optimization")
+    zo = {} if zo is None else zo
     if not isinstance(zo, dict):
         raise InputError("DeepSpeed zero_optimization: expected an object")
     if "stage" in zo:

@@ -155,6 +155,9 @@ def trace_cmd(**kwargs: Any) -> None:
     scn = _scenario(values, dirs)
     try:
         from vramcalc.trace.engine import run_trace
+
+        if scn.parallel.fsdp != "none":  # FSDP2 data parallelism: fake process group
+            from vramcalc.trace.distributed import run_distributed_trace as run_trace
     except ImportError as err:
         raise InputError(f"trace needs PyTorch: pip install 'vramcalc[torch]' ({err})") from None
     if as_json:

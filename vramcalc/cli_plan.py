@@ -12,16 +12,27 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import typer
 
 from vramcalc.cli import _console, _emit_json, _split, app, scenario_command
 from vramcalc.errors import InputError
 from vramcalc.options import OPTIONS_BY_NAME, SCENARIO_OPTIONS, normalize_values, suggest
-from vramcalc.plan import ALLOWABLE, DEFAULT_HEADROOM, SEARCHED_OPTIONS, PlanRequest
+
+# vramcalc.plan and the engine load inside the commands: `import vramcalc.cli` stays fast.
 
 KW = inspect.Parameter.KEYWORD_ONLY
+# Layout options the planner searches; a value given on the command line pins it.
+SEARCHED_OPTIONS: tuple[str, ...] = (
+    "dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fsdp", "shard_group",
+    "offload", "pp_schedule", "virtual_stages", "num_microbatches", "micro_batch_size",
+    "grad_accum", "recompute",
+)
+# Training settings held fixed unless --allow names them.
+ALLOWABLE: tuple[str, ...] = ("precision", "optimizer", "offload", "finetune")
+# The plan and size default --headroom (estimate's default is 0).
+DEFAULT_HEADROOM = 0.05
 
 
 def _opt(name: str, annotation: Any, default: Any, flag: str, help_text: str) -> inspect.Parameter:
@@ -83,9 +94,10 @@ def parse_batch(size: int | None, tokens: str | None) -> tuple[int | None, int |
 def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
                  global_batch_tokens: str | None = None, allow: str | None = None,
                  top: int = 5, mfu: float | None = None,
-                 profile_dirs: list[Path] | None = None) -> tuple[Any, PlanRequest, list[str]]:
+                 profile_dirs: list[Path] | None = None) -> tuple[Any, Any, list[str]]:
     """Option values → (base Scenario, PlanRequest, notes). Layout options given pin it."""
     from vramcalc.options import build_scenario
+    from vramcalc.plan import PlanRequest
 
     values = {k: v for k, v in values.items() if v is not None}
     for key in values:
@@ -253,12 +265,12 @@ def size_cmd(
     model: Optional[str] = typer.Option(None, "--model", help=OPTIONS_BY_NAME["model"].help),
     tokens: Optional[str] = typer.Option(None, "--tokens",
                                          help="Training tokens, e.g. 2T, 15.6e12, 300B."),
-    gpu: Optional[List[str]] = typer.Option(None, "--gpu",
+    gpu: Optional[list[str]] = typer.Option(None, "--gpu",
                                             help="GPU type to size (repeat: --gpu H100 --gpu "
                                                  "A100-80GB --gpu 910B)."),
     days: Optional[float] = typer.Option(None, "--days",
                                          help="Finish within this many days (GPUs sized to it)."),
-    price: Optional[List[str]] = typer.Option(None, "--price",
+    price: Optional[list[str]] = typer.Option(None, "--price",
                                               help="USD per GPU-hour, GPU=USD (repeatable); "
                                                    "overrides the profile's indicative price."),
     seq_len: int = typer.Option(4096, "--seq-len", help=OPTIONS_BY_NAME["seq_len"].help),

@@ -31,6 +31,7 @@ then more headroom, then a fixed order of the strategy fields (deterministic).
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -49,21 +50,10 @@ if TYPE_CHECKING:  # the engine and schemas load on first use: `import vramcalc.
 # Global batch when none is given: the power of two nearest below 4M tokens per step
 # (Llama 2 trained every size with a global batch of 4M tokens; Llama 2 MODEL_CARD.md).
 DEFAULT_BATCH_TOKENS = 4 * 2**20
-# The plan's default --headroom (the estimate command's default is 0).
-DEFAULT_HEADROOM = 0.05
 MAX_MICRO_BATCH = 64
 # Multiplier on the memory lower bound before pruning: a margin so that a small change in
 # the engine's rounding can never prune a candidate that fits.
 LOWER_BOUND_MARGIN = 0.95
-
-# Layout options the planner searches; a value given by the user pins it.
-SEARCHED_OPTIONS: tuple[str, ...] = (
-    "dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fsdp", "shard_group",
-    "offload", "pp_schedule", "virtual_stages", "num_microbatches", "micro_batch_size",
-    "grad_accum", "recompute",
-)
-# Training settings held fixed unless --allow names them.
-ALLOWABLE: tuple[str, ...] = ("precision", "optimizer", "offload", "finetune")
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -136,7 +126,8 @@ class PlanResult:
     entries: list[PlanEntry]
     closest: PlanEntry | None
     global_batch_size: int
-    num_candidates: int = 0  # valid layouts enumerated
+    num_candidates: int = 0  # valid candidates (counted, not all expanded)
+    num_expanded: int = 0  # candidates whose speed was computed
     num_dominated: int = 0
     num_bound_pruned: int = 0
     num_estimated: int = 0
@@ -390,96 +381,151 @@ def _layouts(base: Scenario, req: PlanRequest) -> Iterator[tuple]:
                         yield tp, pp, cp, dp, sp, ep, batches
 
 
-def enumerate_candidates(base: Scenario, req: PlanRequest, bound: _Bound | None = None,
-                         limit_bytes: float | None = None, dominance: bool = True,
-                         ) -> tuple[list[_Cand], int, int]:
-    """Every valid candidate on `base.cluster` with its tokens/s, minus dominated ones.
+class _Enumerator:
+    """Candidates of one search, layout group by layout group (tp, pp, cp, dp, sp, ep).
 
-    With `bound` and `limit_bytes`, candidates whose memory lower bound (model states and
-    the activation floor) exceeds `limit_bytes` are counted but not returned.
-    Returns (candidates, valid candidates enumerated, pruned by the bound).
+    `count` sizes a group without computing anything, `upper_bound` caps the tokens/s of
+    any candidate in it, `expand` lists its candidates with their speed — so the search can
+    expand groups lazily, fastest bound first.
+
+    With `bound` and `limit_bytes`, candidates whose memory lower bound (model states and the
+    activation floor) exceeds `limit_bytes` are counted in `pruned` but not returned.
     Dominance (module docstring; off with `dominance=False`): each candidate lists in `dom`
     the candidates that differ only by a smaller micro-batch and are at least as fast; the
     search skips it once one of those turns out valid (the engine may refuse a layout).
     """
-    assert base.cluster is not None
-    cl, tr = base.cluster, base.training
-    pinned = req.pinned
-    recomputes = _pick(pinned, "recompute", ("none", "selective", "full"))
-    allow_off = "offload" in req.allow
-    zero_pinned = _given(pinned, "zero")
-    off_dev = base.parallel.offload_device
-    variants = _variants(base, req, cl.gpu)
-    by_prec: dict[str, list[tuple[str, str | None, tuple[str, ...]]]] = {}
-    for prec, opt, ft, changed in variants:
-        by_prec.setdefault(prec, []).append((opt, ft, changed))
-    models = {p: SpeedModel(base.model, cl.gpu, cl.gpus_per_node, tr.seq_len, p,
-                            req.efficiency, base.parallel.capacity_factor) for p in by_prec}
-    limit = limit_bytes if (bound is not None and limit_bytes is not None) else None
-    out: list[_Cand] = []
-    total = pruned = 0
-    seq = tr.seq_len
-    for tp, pp, cp, dp, sp, ep, batches in _layouts(base, req):
-        shardings = [(sh, off) for sh in _shardings(dp, cp, tp, pp, ep, cl.gpus_per_node,
-                                                    pinned)
-                     for off in _offloads(sh[3], allow_off, pinned)
-                     if not (dp == 1 and sh[0] == 1 and not off and not zero_pinned)]
+
+    def __init__(self, base: Scenario, req: PlanRequest, bound: _Bound | None = None,
+                 limit_bytes: float | None = None, dominance: bool = True) -> None:
+        assert base.cluster is not None
+        cl, tr = base.cluster, base.training
+        self.base, self.req, self.bound, self.dominance = base, req, bound, dominance
+        self.limit = limit_bytes if (bound is not None and limit_bytes is not None) else None
+        pinned = req.pinned
+        self.recomputes = _pick(pinned, "recompute", ("none", "selective", "full"))
+        self.allow_off = "offload" in req.allow
+        self.zero_pinned = _given(pinned, "zero")
+        self.off_dev = base.parallel.offload_device
+        self.by_prec: dict[str, list[tuple[str, str | None, tuple[str, ...]]]] = {}
+        for prec, opt, ft, changed in _variants(base, req, cl.gpu):
+            self.by_prec.setdefault(prec, []).append((opt, ft, changed))
+        self.models = {p: SpeedModel(base.model, cl.gpu, cl.gpus_per_node, tr.seq_len, p,
+                                     req.efficiency, base.parallel.capacity_factor)
+                       for p in self.by_prec}
+        self.groups = list(_layouts(base, req))
+        self.next_idx = 0
+        self.pruned = 0
+
+    def shardings(self, g: tuple) -> list[tuple[tuple, tuple[str, ...]]]:
+        tp, pp, cp, dp, sp, ep, _ = g
+        assert self.base.cluster is not None
+        return [(sh, off) for sh in _shardings(dp, cp, tp, pp, ep,
+                                               self.base.cluster.gpus_per_node,
+                                               self.req.pinned)
+                for off in _offloads(sh[3], self.allow_off, self.req.pinned)
+                if not (dp == 1 and sh[0] == 1 and not off and not self.zero_pinned)]
+
+    def count(self, g: tuple) -> int:
+        """Valid candidates in a group."""
+        per_batch = sum(len(scheds) for _, _, scheds in g[6])
+        variants = sum(len(v) for v in self.by_prec.values())
+        return len(self.shardings(g)) * len(self.recomputes) * variants * per_batch
+
+    def upper_bound(self, g: tuple) -> float:
+        """Tokens/s no candidate of the group exceeds: no recomputation, no data-parallel or
+        offload time, the smallest bubble; TP, CP, EP and PP traffic per step does not
+        depend on how the batch is split into micro-batches (PP: with v = 1)."""
+        tp, pp, cp, dp, sp, ep, batches = g
+        b, m, scheds = batches[0]  # smallest micro-batch: most micro-batches
+        v_max = max(v for _, v in scheds)
+        best = 0.0
+        for sm in self.models.values():
+            comp, _, ttp, tcp, tep, tpp, _, _ = sm.base_parts(dp, tp, pp, cp, ep, sp, b, m,
+                                                              "none", 1)
+            bubble = comp * (pp - 1) / (v_max * m)
+            tokens = dp * b * m * self.base.training.seq_len
+            best = max(best, tokens / (comp + bubble + ttp + tcp + tep + tpp))
+        return best * (1 + 1e-9)
+
+    def expand(self, g: tuple) -> list[_Cand]:
+        tp, pp, cp, dp, sp, ep, batches = g
+        bound, limit, seq = self.bound, self.limit, self.base.training.seq_len
+        shardings = self.shardings(g)
         # model-state bounds per (sharding, offload, precision): [(variant, weights, total)]
         states: dict[tuple, list[tuple[tuple, float, float]]] = {}
         if limit is not None:
             assert bound is not None
             for sh, off in shardings:
-                for prec, vlist in by_prec.items():
+                for prec, vlist in self.by_prec.items():
                     states[(sh, off, prec)] = [
                         (var, *bound.states(tp, pp, ep, dp, cp, sh[3], sh[2], off, prec,
-                                            var[0], var[1])) for var in vlist]
-        for rec in recomputes:
-            for prec, sm in models.items():
-                vlist = by_prec[prec]
+                                            var[0], var[1])[:2], bound.states(
+                            tp, pp, ep, dp, cp, sh[3], sh[2], off, prec, var[0], var[1])[3])
+                        for var in vlist]
+        out: list[_Cand] = []
+        for rec in self.recomputes:
+            for prec, sm in self.models.items():
+                vlist = self.by_prec[prec]
                 smaller: dict[tuple, list[tuple[int, float]]] = {}  # key -> [(b, tps)]
-                index: dict[tuple, int] = {}  # (b, key, opt, ft) -> position in `out`
+                index: dict[tuple, int] = {}  # (b, key, opt, ft) -> idx
                 for b, m, scheds in batches:
                     tokens = dp * b * m * seq
                     floor = bound.floor(tp, pp, cp, sp, b, m, rec, prec) if bound else 0.0
+                    w_room = (limit - floor) if limit is not None else 0.0
                     row: list[tuple[tuple, float, list]] = []
                     for sched, v in scheds:
                         comp, bub, ttp, tcp, tep, tpp, t_fwd, t_bwd = sm.base_parts(
                             dp, tp, pp, cp, ep, sp, b, m, rec, v)
                         fixed = comp + bub + ttp + tcp + tep + tpp
-                        total += len(vlist) * len(shardings)
-                        w_room = (limit - floor) if limit is not None else 0.0
                         for sh, off in shardings:
                             if limit is not None:
-                                keep_v = [var for var, w, ms in states[(sh, off, prec)]
-                                          if ms <= limit and w <= w_room]
+                                keep_v = [var for var, wo, g, ms in states[(sh, off, prec)]
+                                          if ms <= limit and wo + g * (m > 1) <= w_room]
                                 if len(keep_v) < len(vlist):
-                                    pruned += len(vlist) - len(keep_v)
+                                    self.pruned += len(vlist) - len(keep_v)
                                     if not keep_v:
                                         continue
                             else:
                                 keep_v = vlist
                             tdp, toff = sm.sharding_parts(dp, tp, pp, cp, ep, m, sh[3], sh[2],
-                                                          off, off_dev, t_fwd, t_bwd)
-                            tps = tokens / (fixed + tdp + toff)
-                            row.append(((sched, v, sh, off), tps, keep_v))
+                                                          off, self.off_dev, t_fwd, t_bwd)
+                            row.append(((sched, v, sh, off), tokens / (fixed + tdp + toff),
+                                        keep_v))
                     for key, tps, keep_v in row:
                         # smaller micro-batches at least as fast dominate (activations grow
                         # with the micro-batch; not applied when this one needs no
                         # accumulation, which frees the accumulated gradients)
                         bdoms = [bb for bb, tt in smaller.get(key, ()) if tt >= tps] if (
-                            dominance and m > 1) else []
+                            self.dominance and m > 1) else []
                         sched, v, (zero, fsdp, group, stage), off = key
                         for opt, ft, changed in keep_v:
                             dom = tuple(index[d] for d in
                                         [(bb, key, opt, ft) for bb in bdoms] if d in index
                                         ) if bdoms else ()
-                            index[(b, key, opt, ft)] = len(out)
+                            idx = self.next_idx
+                            self.next_idx += 1
+                            index[(b, key, opt, ft)] = idx
                             out.append(_Cand(tps, len(changed), tp, pp, cp, ep, sp, dp, b, m,
                                              rec, sched, v, zero, fsdp, group, stage, off, prec,
-                                             opt, ft, changed, len(out), dom))
+                                             opt, ft, changed, idx, dom))
                     for key, tps, _ in row:
                         smaller.setdefault(key, []).append((b, tps))
-    return out, total, pruned
+        return out
+
+
+def enumerate_candidates(base: Scenario, req: PlanRequest, bound: _Bound | None = None,
+                         limit_bytes: float | None = None, dominance: bool = True,
+                         ) -> tuple[list[_Cand], int, int]:
+    """Every valid candidate on `base.cluster` with its tokens/s (see _Enumerator).
+
+    Returns (candidates, valid candidates enumerated, pruned by the bound); each
+    candidate's `idx` is its position in the list.
+    """
+    en = _Enumerator(base, req, bound, limit_bytes, dominance)
+    out: list[_Cand] = []
+    for g in en.groups:
+        out += en.expand(g)
+    return out, sum(en.count(g) for g in en.groups), en.pruned
 
 
 # ---- memory lower bound -------------------------------------------------------------------
@@ -491,13 +537,15 @@ _STATE_ELEMS = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1, "lion": 1,
 class _Bound:
     """Memory lower bounds per rank, in bytes, without running the engine.
 
+    The end of the forward pass on the first pipeline stage, in steady state, holds the
+    weights, the optimizer states, the gradients accumulated so far (with more than one
+    micro-batch) and the activations in flight (at least the floor below).
     Model states: weights + gradients + optimizer states (+ fp32 master) of the larger of
     the first pipeline stage (embedding + its layers) and the last (its layers + head),
     ÷tp (experts also ÷ep), ÷ the ZeRO shard group (dp·cp, or the hybrid group) from the
-    stage that shards each; an
-    offloaded one counts 0 and any offload drops the gradients. They all live together in
-    the optimizer step (or, once a candidate with the same model states was estimated,
-    its optimizer-step total).
+    stage that shards each; an offloaded one counts 0 and any offload drops the gradients.
+    They all live together in the optimizer step (or, once a candidate with the same model
+    states was estimated, its optimizer-step total).
     Activations: at least the tensors every profile saves (see `floor`), or more when learned
     from an estimated candidate with the same shapes: activations do not depend on ZeRO,
     offload or optimizer, never grow with more recomputation, grow with the micro-batch
@@ -541,26 +589,36 @@ class _Bound:
 
     def states(self, tp: int, pp: int, ep: int, dp: int, cp: int, stage: int,
                group: int | None, off: tuple[str, ...], prec: str, opt: str, ft: str | None
-               ) -> tuple[float, float]:
-        """(weights, weights + gradients + optimizer states) bytes per rank."""
+               ) -> tuple[float, float, float, float]:
+        """Model-state bounds per rank, bytes: (first-stage weights + optimizer states,
+        first-stage gradients, the smaller stage's weights, the larger stage's weights +
+        gradients + optimizer states)."""
         if ft not in (None, "full", "none"):
-            return 0.0, 0.0  # frozen or quantized weights: left to the engine
+            return 0.0, 0.0, 0.0, 0.0  # frozen or quantized weights: left to the engine
         wb, per, _ = self._per_param(prec, opt)
         layers = self.n_layer_dense / pp + self.n_exp / (pp * ep)
         if pp == 1:
-            stage_params = layers + self.emb + self.head
+            first = last = layers + self.emb + self.head
         else:
-            stage_params = layers + max(self.emb, self.head + (self.emb if self.tied else 0))
-        n_r = stage_params / tp
+            first = layers + self.emb
+            last = layers + self.head + (self.emb if self.tied else 0)
         shard = group or dp * cp  # the widest group that may shard (ZeRO over dp·cp)
-        weights = 0.0 if "params" in off else n_r * wb / (shard if stage >= 3 else 1)
-        grads = 0.0 if off else n_r * wb / (shard if stage >= 2 else 1)
-        states = 0.0 if "optimizer" in off else n_r * per / (shard if stage >= 1 else 1)
-        return weights, weights + grads + states
+        w_div = tp * (shard if stage >= 3 else 1)
+        g_div = tp * (shard if stage >= 2 else 1)
+        o_div = tp * (shard if stage >= 1 else 1)
+        w_b = 0.0 if "params" in off else wb
+        g_b = 0.0 if off else wb
+        o_b = 0.0 if "optimizer" in off else per
+        per_param = w_b / w_div + g_b / g_div + o_b / o_div
+        return (first * (w_b / w_div + o_b / o_div), first * g_b / g_div,
+                min(first, last) * w_b / w_div, max(first, last) * per_param)
 
     def model_states(self, c: _Cand) -> tuple[float, float]:
-        return self.states(c.tp, c.pp, c.ep, c.dp, c.cp, c.stage, c.group, c.off, c.prec,
-                           c.opt, c.ft)
+        """(weights of the smaller stage, weights + gradients + optimizer states of the
+        larger)."""
+        _, _, w_min, total = self.states(c.tp, c.pp, c.ep, c.dp, c.cp, c.stage, c.group, c.off,
+                                         c.prec, c.opt, c.ft)
+        return w_min, total
 
     def floor(self, tp: int, pp: int, cp: int, sp: bool, b: int, m: int, rec: str,
               prec: str) -> float:
@@ -612,9 +670,14 @@ class _Bound:
         return best
 
     def total(self, c: _Cand) -> float:
-        w, ms = self.model_states(c)
+        wo0, g0, w_min, ms = self.states(c.tp, c.pp, c.ep, c.dp, c.cp, c.stage, c.group,
+                                         c.off, c.prec, c.opt, c.ft)
         ms = max(ms, self.opt_phase.get(self.states_key(c), 0.0))
-        return LOWER_BOUND_MARGIN * max(ms, w + self.activations(c))
+        # end of forward on the first stage, steady state: weights, optimizer states,
+        # gradients kept across micro-batches when accumulating, activations in flight
+        fwd = wo0 + (g0 if c.m > 1 else 0.0) + self.floor(c.tp, c.pp, c.cp, c.sp, c.b, c.m,
+                                                           c.rec, c.prec)
+        return LOWER_BOUND_MARGIN * max(ms, fwd, w_min + self.activations(c))
 
 
 # ---- scenario building ----------------------------------------------------------------------
@@ -643,7 +706,12 @@ def _rank_key(e: PlanEntry, tail: tuple) -> tuple:
 # ---- search ---------------------------------------------------------------------------------
 def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
            want_closest: bool = True) -> PlanResult:
-    """Best `req.top_n` strategies that fit on `base.cluster`, ranked (module docstring)."""
+    """Best `req.top_n` strategies that fit on `base.cluster`, ranked (module docstring).
+
+    Layout groups are expanded lazily, highest speed bound first: a group is expanded only
+    while its bound is at least the speed of the best candidate waiting, so candidates are
+    visited in exactly the order a full sort would give.
+    """
     if base.cluster is None:
         raise InputError("plan needs --gpus (GPU type and count)")
     if req.top_n < 1:
@@ -654,23 +722,32 @@ def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
     B = req.batch_for(base.training.seq_len)
     result = PlanResult(entries=[], closest=None, global_batch_size=B)
     bound = _Bound(base)
-    limit = (usable - context) / LOWER_BOUND_MARGIN
-    cands, result.num_candidates, result.num_bound_pruned = enumerate_candidates(
-        base, req, bound, limit)
+    en = _Enumerator(base, req, bound, (usable - context) / LOWER_BOUND_MARGIN)
+    result.num_candidates = sum(en.count(g) for g in en.groups)
     if not result.num_candidates:
         raise InputError(
             f"no valid layout of {base.cluster.num_gpus} GPUs for a global batch of {B} "
             f"sequences{_pin_text(req.pinned)}: the data-parallel size must divide the batch "
             "(try a global batch that is a multiple of the GPU count)")
-    cands.sort(key=lambda c: (-c.tps, c.nchg, c.tail()))
-
+    groups = sorted(((en.upper_bound(g), i) for i, g in enumerate(en.groups)),
+                    key=lambda t: (-t[0], t[1]))
+    heap: list[tuple[tuple, _Cand]] = []
+    seen: list[_Cand] = []
+    gi = 0
     valid: dict[int, bool] = {}  # idx -> not refused by the engine (or dominated by such)
     fitting: list[tuple[tuple, PlanEntry]] = []
-    estimated: list[tuple[PlanEntry, tuple, int]] = []
-    total = len(cands)
-    for i, c in enumerate(cands):
-        if progress is not None and i % 512 == 0:
-            progress("searching layouts", i, total)
+    estimated: list[tuple[PlanEntry, tuple]] = []
+    while True:
+        while gi < len(groups) and (not heap or groups[gi][0] >= heap[0][1].tps):
+            for c in en.expand(en.groups[groups[gi][1]]):
+                heapq.heappush(heap, ((-c.tps, c.nchg, c.tail(), c.idx), c))
+                seen.append(c)
+            gi += 1
+            if progress is not None and gi % 16 == 0:
+                progress("searching layouts", gi, len(groups))
+        if not heap:
+            break
+        _, c = heapq.heappop(heap)
         if len(fitting) >= req.top_n:
             nth = fitting[req.top_n - 1][0]
             if (-c.tps, c.nchg) > nth[:2]:
@@ -689,18 +766,19 @@ def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
             continue
         result.num_estimated += 1
         bound.learn(c, entry.report)
-        estimated.append((entry, c.tail(), i))
+        estimated.append((entry, c.tail()))
         if entry.fits:
             fitting.append((_rank_key(entry, c.tail()), entry))
             fitting.sort(key=lambda t: t[0])
+    result.num_bound_pruned += en.pruned
+    result.num_expanded = len(seen)
     if progress is not None:
-        progress("searching layouts", total, total)
+        progress("searching layouts", len(groups), len(groups))
     result.entries = [e for _, e in fitting[: req.top_n]]
     if not result.entries and want_closest:
-        if result.num_bound_pruned:  # the closest may be among the pruned: probe them all
-            cands, _, _ = enumerate_candidates(base, req)
-            estimated = [(e, t, -1) for e, t, _ in estimated]
-        result.closest = _closest(cands, bound, estimated, base, req)
+        if en.pruned:  # the closest may be among the pruned: probe them all
+            seen, _, _ = enumerate_candidates(base, req)
+        result.closest = _closest(seen, bound, estimated, base, req)
     return result
 
 
@@ -726,20 +804,20 @@ def _estimate(c: _Cand, base: Scenario, req: PlanRequest) -> PlanEntry | None:
     return PlanEntry(scenario=scn, report=rep, speed=speed, changes=c.changes)
 
 
-def _closest(cands: list[_Cand], bound: _Bound, estimated: list[tuple[PlanEntry, tuple, int]],
+def _closest(cands: list[_Cand], bound: _Bound, estimated: list[tuple[PlanEntry, tuple]],
              base: Scenario, req: PlanRequest, probes: int = 12) -> PlanEntry | None:
     """The estimated candidate with the smallest device total (also estimating the
-    `probes` candidates with the smallest lower bounds)."""
-    pool = [(e, tail) for e, tail, _ in estimated]
-    done = {i for *_, i in estimated}
-    order = sorted(range(len(cands)), key=lambda i: (bound.model_states(cands[i])[1],
-                                                     _REC_ORDER[cands[i].rec], cands[i].b, i))
-    for i in order[:probes]:
-        if i in done:
+    `probes` candidates with the smallest model-state bounds)."""
+    pool = list(estimated)
+    done = {tail for _, tail in estimated}
+    order = sorted(cands, key=lambda c: (bound.model_states(c)[1], _REC_ORDER[c.rec], c.b,
+                                         c.tail()))
+    for c in order[:probes]:
+        if c.tail() in done:
             continue
-        e = _estimate(cands[i], base, req)
+        e = _estimate(c, base, req)
         if e is not None:
-            pool.append((e, cands[i].tail()))
+            pool.append((e, c.tail()))
     if not pool:
         return None
     return min(pool, key=lambda t: (t[0].report.device_total_bytes, -t[0].speed.tokens_per_s,

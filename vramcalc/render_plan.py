@@ -45,7 +45,9 @@ def offload_text(s: dict[str, Any]) -> str:
     off = s.get("offload") or []
     if not off:
         return "-"
-    return "+".join(off) + ("→nvme" if s.get("offload_device") == "nvme" else "→cpu")
+    short = {"optimizer": "opt", "gradients": "grads", "params": "params"}
+    return "+".join(short.get(o, o) for o in off) + (
+        "→nvme" if s.get("offload_device") == "nvme" else "→cpu")
 
 
 def duration_text(seconds: float) -> str:
@@ -116,15 +118,18 @@ def plan_table(entries: Sequence[Any], usable_bytes: int, title: str) -> Table:
                        ("mbs×acc", "right"), ("pipeline", "left"), ("offload", "left"),
                        ("GB", "right"), ("free", "right")):
         table.add_column(name, justify=just, no_wrap=True)
+    changed = any(e.changes for e in entries)
+    if changed:
+        table.add_column("changed", no_wrap=True)
     for i, e in enumerate(entries, 1):
         s = e.report.strategy
-        extra = f" [{', '.join(f'{k} {s[k]}' for k in e.changes)}]" if e.changes else ""
+        extra = [Text(", ".join(str(s[k]) for k in e.changes) or "-")] if changed else []
         table.add_row(
             str(i), f"{e.speed.tokens_per_s:,.0f}", f"{100 * e.speed.mfu:.1f}%",
-            layout_text(s), sharding_text(s) + extra, s.get("recompute", "none"),
+            layout_text(s), sharding_text(s), s.get("recompute", "none"),
             f"{s.get('micro_batch_size', 1)}×{s.get('grad_accum', 1)}", pipeline_text(s),
             offload_text(s), f"{e.report.device_total_bytes / GB:,.1f}",
-            f"{(usable_bytes - e.report.device_total_bytes) / GB:,.1f}")
+            f"{(usable_bytes - e.report.device_total_bytes) / GB:,.1f}", *extra)
     return table
 
 
@@ -150,10 +155,10 @@ def print_plan(console: Console, doc: dict[str, Any]) -> None:
                   f"{'s' if base.cluster.num_nodes > 1 else ''}, {fmt_gb(gpu.memory_total_bytes)}"
                   f" each, {base.headroom_fraction:.0%} kept free)")
     console.print(doc["fixed_line"])
-    console.print(f"[dim]Searched {res.num_candidates:,} strategies in {doc['elapsed_s']:.2f} s"
-                  ":"
-                  f" {res.num_dominated:,} dominated, {res.num_bound_pruned:,} over a memory "
-                  f"lower bound, {res.num_estimated:,} estimated"
+    console.print(f"[dim]Considered {res.num_candidates:,} strategies in {doc['elapsed_s']:.2f} s:"
+                  f" speed computed for {res.num_expanded:,}, {res.num_bound_pruned:,} over a "
+                  f"memory lower bound, {res.num_estimated:,} estimated"
+                  + (f", {res.num_dominated:,} dominated" if res.num_dominated else "")
                   + (f", {res.num_rejected:,} refused by the engine" if res.num_rejected else "")
                   + "[/dim]")
     for note in doc["notes"]:
@@ -224,29 +229,29 @@ def _indent(text: str, n: int) -> str:
 def size_table(rows: Sequence[Any], title: str) -> Table:
     table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
     for name, just in (("GPU", "left"), ("min GPUs", "right"), ("GPUs", "right"),
-                       ("days", "right"), ("GPU-hours", "right"), ("$/GPU-h", "right"),
+                       ("days", "right"), ("GPU-hours", "right"), ("$/h", "right"),
                        ("cost USD", "right"), ("tokens/s", "right"), ("MFU", "right"),
-                       ("best layout", "left")):
-        table.add_column(name, justify=just)
+                       ("layout", "left"), ("ZeRO/FSDP", "left"), ("recompute", "left")):
+        table.add_column(name, justify=just, no_wrap=name not in ("layout", "ZeRO/FSDP"))
     for r in rows:
         if r.entry is None:
-            table.add_row(r.gpu.name, "-", "-", "-", "-", "-", "-", "-", "-",
-                          "; ".join(r.notes) or "does not fit")
+            table.add_row(r.gpu.id, "-", "-", "-", "-", "-", "-", "-", "-",
+                          "; ".join(r.notes) or "does not fit", "", "")
             continue
         s = r.entry.report.strategy
-        layout = (f"{layout_text(s)}, {sharding_text(s)}, rec {s.get('recompute')}, "
-                  f"mbs {s.get('micro_batch_size')}")
         table.add_row(
-            r.gpu.name, f"{r.min_gpus:,}", f"{r.num_gpus:,}", f"{r.days:,.1f}",
+            r.gpu.id, f"{r.min_gpus:,}", f"{r.num_gpus:,}", f"{r.days:,.1f}",
             f"{r.gpu_hours:,.0f}",
             f"{r.price_usd_per_hour:,.2f}" if r.price_usd_per_hour is not None else "?",
             f"{r.cost_usd:,.0f}" if r.cost_usd is not None else "?",
-            f"{r.entry.speed.tokens_per_s:,.0f}", f"{100 * r.entry.speed.mfu:.1f}%", layout)
+            f"{r.entry.speed.tokens_per_s:,.0f}", f"{100 * r.entry.speed.mfu:.1f}%",
+            layout_text(s), sharding_text(s), str(s.get("recompute", "none")))
     return table
 
 
 def print_size(console: Console, rows: Sequence[Any], title: str, notes: Sequence[str]) -> None:
     console.print(size_table(rows, title))
+    console.print("[dim]" + "; ".join(f"{r.gpu.id} = {r.gpu.name}" for r in rows) + "[/dim]")
     for r in rows:
         for n in r.notes:
             if r.entry is not None:

@@ -13,6 +13,7 @@ held over the shard group, in one of four layouts (`Layout`):
 | dim0    | FSDP2 (`fully_shard`, Shard(0))    | Σ round512(⌈rows/N⌉·cols·bits/8): dim 0 padded to a multiple of N |
 | flat    | DeepSpeed ZeRO-1/2, Megatron distributed optimizer | round512(⌈Σ numel / N⌉·bits/8): one flat buffer, partitioned |
 | persist | DeepSpeed ZeRO-3 parameters        | tensors ≤ 1e5 elements whole (stage3_param_persistence_threshold), the rest ⌈numel/N⌉ in one flat buffer |
+| group   | FSDP2 gradients                    | dim-0 shards, one buffer per `fully_shard` group (each block, the root): the reduce-scatter output the sharded gradients are views of |
 
 Everything here is cached on hashable inputs: `estimate` is called thousands of times
 per plan.
@@ -36,7 +37,7 @@ ROW_PARALLEL = ("o_proj.weight", "down_proj.weight", "proj.weight")
 # DeepSpeed 0.16.5 @ 38327e07).
 DS_PERSISTENCE_THRESHOLD = 100_000
 
-Layout = Literal["tensor", "dim0", "flat", "persist"]
+Layout = Literal["tensor", "dim0", "flat", "persist", "group"]
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,11 @@ class RankShapes:
         key = (dtype, shard, expert_shard, layout, groups)
         hit = self._memo.get(key)
         if hit is None:
-            hit = self._memo[key] = _sharded_bytes(self.tensors, dtype, shard, expert_shard,
-                                                   layout, groups)
+            if layout == "group":
+                hit = _group_bytes(self, dtype, shard, expert_shard, groups)
+            else:
+                hit = _sharded_bytes(self.tensors, dtype, shard, expert_shard, layout, groups)
+            self._memo[key] = hit
         return hit
 
     def numel(self, groups: tuple[str, ...] | None = None) -> int:
@@ -118,6 +122,34 @@ def _sharded_bytes(tensors: tuple[RankTensor, ...], dtype: str, shard: int, expe
     return total
 
 
+def _group_bytes(shapes: RankShapes, dtype: str, shard: int, expert_shard: int,
+                 groups: tuple[str, ...] | None) -> int:
+    """FSDP2 `group` layout: one allocation per fully_shard group (root, each block)."""
+    def n(t: RankTensor) -> int:
+        return dim0_numel(t, expert_shard if t.is_expert else shard)
+
+    sel = [t for t in shapes.tensors if groups is None or t.group in groups]
+    root = sum(n(t) * t.count for t in sel if t.group in ("embedding", "final", "head"))
+    total = alloc(root, dtype) if root else 0
+    n_moe = shapes.num_moe_layers
+    n_dense = shapes.num_layers - n_moe
+    common = dense = moe = 0
+    for t in sel:
+        if t.group not in ("layer", "expert"):
+            continue
+        if t.name.startswith("mlp."):
+            dense += n(t) * (t.count // max(n_dense, 1))
+        elif t.name.startswith(("experts.", "router", "shared_expert")):
+            moe += n(t) * (t.count // max(n_moe, 1))
+        else:
+            common += n(t) * (t.count // max(shapes.num_layers, 1))
+    if n_dense and common + dense:
+        total += n_dense * alloc(common + dense, dtype)
+    if n_moe and common + moe:
+        total += n_moe * alloc(common + moe, dtype)
+    return total
+
+
 def stage_layers(spec: ModelSpec, parallel: ParallelConfig) -> int:
     """Transformer layers held by one pipeline rank (all its virtual chunks together)."""
     return spec.num_hidden_layers // parallel.pp
@@ -153,13 +185,18 @@ def _rank_shapes(spec: ModelSpec, tp: int, pp: int, v: int, ep: int, stage: int)
     n_moe = moe_layers_on_stage(spec, pp, v, stage)
     out: list[RankTensor] = []
     for t in param_tensors(spec):
-        numel = ceil_div(t.numel, tp) if (t.tp_split and tp > 1) else t.numel
         count = _stage_count(t, spec, n_layers, n_moe, first, last)
         if t.group == "expert" and count:
             count = ceil_div(count, ep)
-        rows = t.rows
-        if rows and t.tp_split and tp > 1 and not t.name.endswith(ROW_PARALLEL):
-            rows = ceil_div(rows, tp)
+        numel, rows = t.numel, t.rows
+        if t.tp_split and tp > 1:
+            if not rows:
+                numel = ceil_div(numel, tp)
+            elif t.name.endswith(ROW_PARALLEL):  # input dimension split (padded)
+                numel = rows * ceil_div(numel // rows, tp)
+            else:  # output dimension split, padded like Megatron's vocab padding
+                rows = ceil_div(rows, tp)
+                numel = rows * (t.numel // t.rows)
         if count:
             out.append(RankTensor(name=t.name, numel=numel, count=count, group=t.group,
                                   rows=rows))

@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-
 from vramcalc.errors import InputError
 from vramcalc.hardware import Cluster
 from vramcalc.plan import PlanEntry, PlanRequest, ProgressFn, search

@@ -319,7 +319,7 @@ class SpeedModel:
         tdp, toff = self.sharding_parts(lay.dp, lay.tp, lay.pp, lay.cp, lay.ep,
                                         lay.num_microbatches, lay.shard_stage, lay.shard_group,
                                         lay.offload, lay.offload_device, t_fwd, t_bwd)
-        parts = dict(zip(PART_NAMES, (comp, bub, ttp, tcp, tep, tdp, tpp, toff)))
+        parts = dict(zip(PART_NAMES, (comp, bub, ttp, tcp, tep, tdp, tpp, toff), strict=True))
         step = sum(parts.values())
         tokens = lay.global_batch_size * self.seq_len
         W = lay.num_gpus

@@ -69,6 +69,10 @@ SHAPES: dict[str, ModelSpec] = {
                       hidden_act="gelu_new", norm_kind="layernorm", norm_bias=True,
                       attention_bias=True, attention_out_bias=True, mlp_bias=True,
                       position_embedding="learned", tie_word_embeddings=True),
+    # deeper and a small vocabulary: the peak moves into the layers' backward
+    "llama-deep": ModelSpec(name="llama-deep", hidden_size=1024, num_hidden_layers=4,
+                            num_attention_heads=16, num_key_value_heads=4,
+                            intermediate_size=2816, vocab_size=4096),
     # Mixtral-style MoE: 8 experts, top-2
     "moe": ModelSpec(name="moe", hidden_size=1024, num_hidden_layers=2, num_attention_heads=16,
                      num_key_value_heads=4, intermediate_size=1408, vocab_size=32000,
@@ -128,7 +132,28 @@ def default_grid() -> list[tuple[str, Scenario]]:
                          seq_len=512))
     grid.append(_scn("moe", precision="amp-bf16", recompute="selective"))
     grid.append(_scn("gpt2", precision="fp32", optimizer="adafactor", seq_len=1024))
+    grid += fsdp_grid()
     return grid
+
+
+def fsdp_grid() -> list[tuple[str, Scenario]]:
+    """FSDP2 data parallelism at world sizes 2, 4, 8 (vramcalc.trace.distributed)."""
+    cases = [
+        ("llama-gqa", 2, "full", {"precision": "amp-bf16"}),
+        ("llama-gqa", 4, "full", {"precision": "amp-bf16", "grad_accum": 2}),
+        ("llama-gqa", 8, "full", {"precision": "bf16"}),
+        ("gpt2", 2, "full", {"precision": "amp-bf16", "framework": "hf"}),
+        ("qwen2-bias", 4, "grad-op", {"precision": "amp-bf16"}),
+        ("llama-mha", 8, "hybrid", {"precision": "amp-bf16", "recompute": "selective"}),
+        ("moe", 8, "full", {"precision": "bf16-pure"}),
+    ]
+    out = []
+    for shape, world, fsdp, kw in cases:
+        name, scn = _scn(shape, **kw)
+        par = ParallelConfig(dp=world, fsdp=fsdp,
+                             shard_group=world // 2 if fsdp == "hybrid" else None)
+        out.append((f"{name}/fsdp-{fsdp}{world}", scn.model_copy(update={"parallel": par})))
+    return out
 
 
 # ---- comparison -----------------------------------------------------------------------
@@ -179,6 +204,7 @@ def trace_points(result: Any) -> dict[str, int]:
 def compare(name: str, scn: Scenario) -> dict[str, Any]:
     """Run both engines on one scenario; the row `run_validation` reports."""
     from vramcalc.analytic import estimate
+    from vramcalc.trace.distributed import distributed_trace
     from vramcalc.trace.engine import trace
 
     tr = scn.training
@@ -191,7 +217,7 @@ def compare(name: str, scn: Scenario) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         ana = estimate(scn)
-        res = trace(scn)
+        res = distributed_trace(scn) if scn.parallel.fsdp != "none" else trace(scn)
     except Exception as err:  # a scenario that cannot run is a failed row, not a crash
         row.update(error=f"{type(err).__name__}: {err}", ok=False, failures=["error"],
                    analytic_bytes=0, trace_bytes=0, rel_error=float("inf"), terms={},

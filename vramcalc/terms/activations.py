@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramcalc.terms.context import RankContext
-from vramcalc.units import DTYPE_BITS, alloc, ceil_div
+from vramcalc.units import DTYPE_BITS, alloc, ceil_div, round_alloc
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,11 @@ class Saved:
 
     @property
     def nbytes(self) -> int:
-        return self.count * alloc(self.numel, self.dtype)
+        bits = _BITS[self.dtype]
+        return self.count * round_alloc(ceil_div(self.numel * bits, 8))
+
+
+_BITS = {**DTYPE_BITS, "int32": 32}
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,8 @@ def dims(ctx: RankContext) -> Dims:
         V=ceil_div(spec.vocab_size, tp),
         sp_div=tp if par.sequence_parallel else 1,
         c=tr.compute_dtype,
-        r=tr.weight_dtype,
+        # FSDP2's MixedPrecisionPolicy all-gathers parameters in c: no autocast, r = c
+        r=tr.compute_dtype if ctx.engine == "fsdp2" else tr.weight_dtype,
     )
 
 
@@ -354,9 +359,12 @@ def _hf_moe_saved(ctx: RankContext, x: Dims) -> list[Saved]:
             Saved("moe.topk_index", T * k, "int64", "(T, k)", "kept by topk backward"),
             Saved("moe.topk_weight", T * k, "fp32", "(T, k)", "renormalised top-k weights"),
             Saved("moe.topk_sum", T, "fp32", "(T, 1)", "kept by /="),
-            Saved("moe.perm", S, "int64", "(T·k)", "sort permutation, kept by gather"),
+            Saved("moe.perm", S, "int64", "(T·k)", "sort permutation"),
+            Saved("moe.token_index", S, "int64", "(T·k)", "perm // k, kept by the gather"),
+            Saved("moe.offsets", E, "int32", "(E)", "cumsum of tokens per expert, grouped_mm"),
             Saved("moe.inv_perm", S, "int64", "(T·k)", "inverse permutation"),
-            Saved("moe.sample_weight", S, "fp32", "(T·k)", "routing weight per row"),
+            Saved("moe.sample_weight", S, "fp32" if hf_family(ctx) == "mixtral" else c, "(T·k)",
+                  "routing weight per row (Qwen MoE casts it to c)"),
             Saved("moe.rows", S * x.h, c, "(T·k, h)", "tokens sorted by expert"),
             Saved("moe.gate_up", S * 2 * fe, c, "(T·k, 2fe)", "grouped_mm output"),
             Saved("moe.act", S * fe, c, "(T·k, fe)", "act(gate)"),
@@ -426,38 +434,163 @@ def stage_layer_bytes(ctx: RankContext) -> tuple[int, int, int, int]:
     return n_dense, dense, n_moe, moe
 
 
-def layer_forward_working_bytes(ctx: RankContext) -> int:
-    """Largest set of temporaries alive inside one layer's forward beyond what it saves.
-
-    Under full recompute the backward re-runs one layer, so its whole saved set is needed.
-    """
+def eager_forward_moment(ctx: RankContext) -> tuple[int, int]:
+    """Eager attention's forward peak inside one layer, at the softmax: (bytes of the layer's
+    saved tensors that exist by then, temporaries). The softmax input (scores, c) and output
+    (probs, in the softmax dtype) coexist; under autocast CUDA's fp32 rule adds the fp32
+    copy of the input."""
     x = dims(ctx)
+    tr = ctx.training
+    if tr.attention != "eager":
+        return 0, 0
+    plain = ctx
+    if tr.recompute != "none":
+        plain = RankContext(ctx.spec, tr.model_copy(update={"recompute": "none"}),
+                            ctx.parallel, ctx.stage)
+    saved = layer_saved(plain, False)
+    pre = ("attn.input", "attn.input.cast", "attn.q", "attn.k", "attn.repeat_index",
+           "attn.qkv")
+    if x.g < x.a or tr.framework == "hf":
+        pre += ("attn.v",)  # repeated (or hf's repeat_kv) v exists before the scores
+    held = sum(t.nbytes for t in saved if t.name.startswith(("input_norm.", "attn.q_norm",
+                                                                  "attn.k_norm")) or t.name in pre)
+    bas = x.b * x.a * x.s * x.s
+    p_dtype = next((t.dtype for t in saved if t.name == "attn.probs"), x.c)
+    work = alloc(bas, x.c) + alloc(bas, p_dtype)
+    if x.amp and tr.framework != "hf":
+        work += alloc(bas, "fp32")  # softmax's fp32 input copy
+    elif tr.framework == "hf" and x.c != "fp32":
+        work += alloc(bas, "fp32") if x.amp else 0
+    if tr.recompute == "full":
+        held = 0  # nothing of the layer is kept; its inputs are temporaries of the same size
+        held += sum(t.nbytes for t in saved if t.name in pre)
+    return held, work
+
+
+def layer_forward_working_bytes(ctx: RankContext) -> int:
+    """Temporaries at the end of one layer's forward beyond what it saves: the MLP output
+    (T·h in c) next to the new residual (T·h in r). Under full recompute nothing inside the
+    layer is kept, and its MLP runs with every intermediate alive at once: the normed input,
+    gate, up, act and act·up (T·h + 4·T·f), or fc and act (T·h + 2·T·f)."""
+    x = dims(ctx)
+    out = alloc(_bsh(x), x.c) + alloc(_bsh(x), x.r)
     if ctx.training.recompute == "full":
-        full = ctx.training.model_copy(update={"recompute": "none"})
-        return sum(t.nbytes for t in layer_saved(RankContext(ctx.spec, full, ctx.parallel,
-                                                               ctx.stage)))
-    eager_scores = 0
-    if ctx.training.attention == "eager":
-        eager_scores = alloc(x.b * x.a * x.s * x.s, x.c)  # scores before softmax
-    return max(eager_scores, alloc(_bsh(x), x.c))
+        f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
+        n = 4 if ctx.spec.mlp_kind == "gated" else 2
+        out = max(out, alloc(_bsh(x), x.c) + n * alloc(x.T * f, x.c))
+    return out
 
 
 def layer_backward_working_bytes(ctx: RankContext) -> int:
-    """Gradient temporaries alive while one layer runs backward (excluding param grads)."""
+    """Largest gradient-temporary set of one layer's backward (see `layer_backward_moments`)."""
+    return max((m.work for m in layer_backward_moments(ctx)), default=0)
+
+
+@dataclass(frozen=True)
+class Moment:
+    """One instant inside a layer's backward: what of the layer is still saved (`held`),
+    which of its parameter groups already have gradients (`grads`: "mlp" or "mlp+o") and
+    the gradient temporaries alive (`work`)."""
+
+    name: str
+    held: int
+    work: int
+    grads: str
+
+
+def layer_backward_moments(ctx: RankContext, moe: bool | None = None) -> list[Moment]:
+    """The instants where one layer's backward can peak (top-down inside the layer).
+
+    Autograd runs the nodes in reverse forward order, frees each node's saved tensors after
+    it runs and its incoming gradient once consumed. g = dL/d residual (T·h in r) is held
+    through the whole branch. Two instants bound a layer:
+    - MLP: gated, the act · up backward: dL/d(act·up), d act, d up (3·T·f in c) with only
+      down_proj's input freed; 2-matrix, the activation backward: d act, d fc (2·T·f) with
+      the activation output freed;
+    - attention core: everything from the post-attention norm up is freed; flash keeps
+      dL/d out and allocates dq, dk, dv plus FlashAttention-2's scratch (softmax_d,
+      dq_accum in fp32, expanded dk/dv for GQA); eager holds dv while the softmax backward
+      turns d probs into d scores (2 (b, a, s, s) buffers in the softmax dtype).
+    Under recompute the layer's forward is re-run first, so the layer holds its full
+    (non-recomputed) saved set again at these instants.
+    """
     x = dims(ctx)
-    c = x.c
-    grad_io = 2 * alloc(_bsh(x), c)  # incoming and outgoing dL/dx of the residual stream
-    if ctx.spec.mlp_kind == "gated":
-        inner = 3 * alloc(x.b * x.s * x.f, c)  # d(act·up), d act, d up
+    tr = ctx.training
+    if moe is None:
+        moe = ctx.spec.is_moe and ctx.shapes.num_moe_layers * 2 >= max(ctx.num_layers, 1)
+    plain = ctx
+    if tr.recompute != "none":
+        plain = RankContext(ctx.spec, tr.model_copy(update={"recompute": "none"}),
+                            ctx.parallel, ctx.stage)
+    saved = layer_saved(plain, moe)
+    total = sum(t.nbytes for t in saved)
+    extra = 0
+    if tr.recompute == "full" and tr.framework == "hf" and x.r != "fp32" and (
+            ctx.spec.norm_kind == "rmsnorm"):
+        extra = alloc(_bsh(x), x.r)  # the checkpoint keeps the input next to hf's fp32 copy
+    c, r = x.c, x.r
+    g_res = alloc(_bsh(x), r)
+    out: list[Moment] = []
+    # MLP instant
+    if moe:
+        weighted = sum(t.nbytes for t in saved if t.name in ("moe.weighted", "moe.down_out"))
+        out.append(Moment("moe", total + extra - weighted, g_res + 2 * weighted, "shared"))
     else:
-        inner = 2 * alloc(x.b * x.s * x.f, c)
-    if ctx.training.attention == "eager":
-        inner = max(inner, 2 * alloc(x.b * x.a * x.s * x.s, c))
-    rec = 0
-    if ctx.training.recompute != "none":
-        rec = layer_forward_working_bytes(ctx) if ctx.training.recompute == "full" else sum(
-            t.nbytes for t in attention_core_saved(ctx, x))
-    return grad_io + inner + rec
+        f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
+        bsf = alloc(x.T * f, c)
+        kind = ctx.spec.mlp_kind
+        if kind == "gated":  # act · up backward: d(act·up), d act, d up
+            gone, n_f = ("mlp.down_input",), 3
+        elif any(t.name == "mlp.gelu.half_x" for t in saved):
+            # hf's Python GELU: the 0.5x · (1 + tanh) product's backward: d out, d 0.5x,
+            # d (1 + tanh), with only the product (c_proj's input) freed
+            gone, n_f = ("mlp.act",), 3
+        else:  # the activation's backward: d act, d fc
+            gone, n_f = ("mlp.act",), 2
+        freed = sum(t.nbytes for t in saved if t.name in gone)
+        work = g_res + n_f * bsf
+        out.append(Moment("mlp", total + extra - freed, work, "down"))
+    # attention-core instant
+    # eager: probs @ v's backward has run (its probs copy and v are freed)
+    gone = ("attn.o_input", "attn.probs_c", "attn.v") if tr.attention == "eager" else (
+        "attn.o_input",)
+    held = extra + sum(t.nbytes for t in saved if t.name.startswith(("input_norm.", "attn."))
+                       and t.name not in gone)
+    bsad = alloc(x.b * x.s * x.a * x.d, c)
+    if tr.attention == "flash":
+        bsgd = alloc(x.b * x.s * x.g * x.d, c)
+        s128, d32 = -(-x.s // 128) * 128, -(-x.d // (32 if x.d <= 128 else 64)) * (
+            32 if x.d <= 128 else 64)
+        scratch = alloc(x.b * x.a * s128, "fp32") + alloc(x.b * s128 * x.a * d32, "fp32")
+        if x.g < x.a:
+            scratch += 2 * bsad
+        work = g_res + 2 * bsad + 2 * bsgd + scratch
+    else:
+        p_dtype = next((t.dtype for t in saved if t.name == "attn.probs"), c)
+        work = g_res + bsad + 2 * alloc(x.b * x.a * x.s * x.s, p_dtype)
+    out.append(Moment("attention", held, work, "mlp+o"))
+    return out
+
+
+def layer_grad_fraction(ctx: RankContext, part: str) -> float:
+    """Share of one layer's gradient bytes in the parameter groups `part` names: "down"
+    (the MLP's output projection), "shared" (shared experts), "mlp+o" (the MLP or MoE,
+    the post-attention norm and the attention output projection)."""
+    prefixes: tuple[str, ...] = {
+        "down": ("mlp.down_proj.", "mlp.proj."),
+        "shared": ("shared_expert",),
+        "mlp+o": ("mlp.", "experts.", "router.", "shared_expert", "post_attention_layernorm.",
+                  "attn.o_proj."),
+    }[part]
+    done = every = 0
+    for t in ctx.tensors:
+        if t.group not in ("layer", "expert"):
+            continue
+        n = t.count * t.numel
+        every += n
+        if t.name.startswith(prefixes):
+            done += n
+    return done / every if every else 0.0
 
 
 # ---- per micro-batch, outside the layers -----------------------------------------------

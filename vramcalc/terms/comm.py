@@ -53,7 +53,8 @@ from functools import lru_cache
 
 from vramcalc.sharding import DS_PERSISTENCE_THRESHOLD, layer_param_numels
 from vramcalc.terms.context import RankContext
-from vramcalc.terms.gradients import grad_dtype
+from vramcalc.terms import activations as act
+from vramcalc.terms.gradients import grad_dtype, layer_gradient_bytes
 from vramcalc.units import alloc, ceil_div
 
 DS_REDUCE_BUCKET_NUMEL = 500_000_000
@@ -173,24 +174,49 @@ def gather_bytes(ctx: RankContext) -> int:
     if ctx.engine != "fsdp2":
         return 0
     root = fsdp_root_bytes(ctx)
-    if ctx.parallel.fsdp == "grad-op":  # reshard_after_forward=False: every block stays
-        return root + ctx.num_layers * fsdp_layer_bytes(ctx)
+    if ctx.parallel.fsdp == "grad-op":
+        # reshard_after_forward=False: every block stays unsharded into backward, and the
+        # last block's all-gather output exists next to its copy-out (foreach_all_gather_copy_out)
+        # at the start of its forward, when all the others are already unsharded (counted
+        # through backward too: one block conservative there)
+        return root + (ctx.num_layers + 1) * fsdp_layer_bytes(ctx)
     return root + fsdp_layer_bytes(ctx)
 
 
-def reduce_bytes(ctx: RankContext) -> int:
-    """Extra during one layer's backward: its unsharded gradients before they are reduced.
+def reduce_bytes(ctx: RankContext, layer: int = 0, done: float = 1.0,
+                 freed: int | None = None) -> int:
+    """Extra at one instant of the backward of the `layer`-th layer from the top, because
+    its gradients are whole until they are reduced and FSDP2 prefetches the next block. The phase model counts `done` (the share of the layer's gradients computed
+    so far) of one layer's *sharded* gradients (`layer_gradient_bytes`, g); what is really
+    alive:
 
-    DeepSpeed ZeRO-2/3: autograd's 16-bit `param.grad` of the layer until it is copied into
-    the reduce bucket. FSDP2: the block's unsharded gradients (compute dtype) and the
-    reduce-scatter input they are copied into (the sharded parameters' dtype).
+    - DeepSpeed ZeRO-2/3: autograd's gradient of one parameter until its hook copies it into
+      the reduce bucket (contiguous_gradients: `param.grad` then points into the bucket, which
+      `backward_buffer_bytes` / `persistent_buffer_bytes` count): the largest matrix.
+    - FSDP2, while the block runs: `done` of its unsharded gradients (compute dtype) instead
+      of done·g; for every block below the top the previous block's reduce-scatter input,
+      kept until this block's reduce-scatter (`reduce_scatter_max_input_buffers` = 1,
+      _fsdp_param_group.py post_backward); for every block above the bottom the next block,
+      all-gathered ahead by the backward prefetch (FSDPParamGroup.pre_backward).
+    - FSDP2, once the block's backward is over (its gradient temporaries and remaining saved
+      tensors, `freed`, are gone): the unsharded gradients, the reduce-scatter input they are
+      copied into (the sharded parameters' dtype) and the block's sharded gradient.
     """
-    n = _layer_numel(ctx)
     if ctx.engine == "deepspeed" and ctx.parallel.zero >= 2:
-        return alloc(n, grad_dtype(ctx))
-    if ctx.engine == "fsdp2":
-        return alloc(n, ctx.training.compute_dtype) + alloc(n, ctx.training.weight_dtype)
-    return 0
+        return alloc(max(layer_param_numels(ctx.spec, ctx.parallel)), grad_dtype(ctx))
+    if ctx.engine != "fsdp2":
+        return 0
+    n = _layer_numel(ctx)
+    g = layer_gradient_bytes(ctx)
+    whole = alloc(n, ctx.training.compute_dtype)
+    rs_input = alloc(n, ctx.training.weight_dtype)
+    if freed is None:
+        freed = act.layer_backward_working_bytes(ctx) + act.layer_activation_bytes(ctx)
+    regather = ctx.parallel.fsdp != "grad-op"  # grad-op keeps every block unsharded
+    prefetch = fsdp_layer_bytes(ctx) if regather and layer < ctx.num_layers - 1 else 0
+    early = int(done * (whole - g)) + (rs_input if layer > 0 else 0)
+    late = int((1 - done) * g) + whole + rs_input - freed
+    return max(early, late, 0) + prefetch
 
 
 # ---- inside one layer: SP, CP, EP ----------------------------------------------------------

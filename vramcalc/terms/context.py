@@ -86,7 +86,7 @@ class RankContext:
     @property
     def grad_layout(self) -> Layout:
         if self.engine == "fsdp2":
-            return "dim0"
+            return "group"
         if self.engine == "megatron" or (self.engine == "deepspeed" and self.parallel.zero >= 2):
             return "flat"
         return "tensor"

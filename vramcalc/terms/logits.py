@@ -1,23 +1,30 @@
 """Term: logits — the output projection's logits and the cross-entropy buffers (last stage).
 
-With N = b·s tokens on this rank and V' = V/tp (vocab-parallel head), c = compute dtype:
+With N = b·s tokens on this rank, V' = V/tp (vocab-parallel head), c = compute dtype, and
+the loss computed in fp32 (`F.cross_entropy(logits.float(), labels)`, as both profiles do):
 
-- forward, while log_softmax runs: logits (N·V' in c) + fp32 upcast (N·V'·4, skipped when
-  c is fp32) + log-probabilities (N·V'·4, saved for backward);
-- after forward: the fp32 log-probabilities stay (saved by log_softmax);
-- start of backward: saved log-probabilities + dL/dlogprobs (fp32) + dL/dlogits (fp32),
-  then the c-typed gradient of the logits flows into the head.
+- forward, at the end of the loss: the fp32 logits (the upcast; the c-typed logits are freed
+  by the reference model as soon as they are upcast, while transformers keeps them in its
+  output object until the forward returns) + fp32 log-probabilities (saved by log_softmax)
+  + the loss and nll_loss's total weight (0-dim, one 512 B block each); transformers also
+  pads and shifts the labels (int64);
+- after forward: the fp32 log-probabilities, the two scalars and (hf) the shifted labels;
+- start of backward (the loss is the root): saved log-probabilities + dL/dlogprobs (fp32,
+  from nll_loss_backward) + dL/dlogits (fp32, from log_softmax_backward) + the loss, its
+  scaled copy and their gradient (0-dim);
+- then the c-typed gradient of the logits flows into the head.
 
 Source: PyTorch's log_softmax/nll_loss autograd formulas (tools/autograd/derivatives.yaml:
 log_softmax saves `result`, its backward returns a new tensor; nll_loss backward allocates
-a zero grad of the input's shape).
+a zero grad of the input's shape); transformers loss/loss_utils.py ForCausalLMLoss. Checked
+against the trace engine (tests/test_trace.py).
 """
 
 from __future__ import annotations
 
 from vramcalc.terms.activations import dims
 from vramcalc.terms.context import RankContext
-from vramcalc.units import alloc
+from vramcalc.units import ALLOC_ROUND_BYTES, alloc
 
 
 def _nv(ctx: RankContext) -> int:
@@ -25,27 +32,57 @@ def _nv(ctx: RankContext) -> int:
     return x.b * x.s * x.V
 
 
+def _hf_labels_kept(ctx: RankContext) -> int:
+    """transformers' shifted labels kept by nll_loss: labels[..., 1:].contiguous() of the
+    (b, s + 1) padded labels — a view when b = 1, a copy otherwise."""
+    x = dims(ctx)
+    return alloc(x.b * (x.s + 1), "int64") if x.b == 1 else alloc(x.b * x.s, "int64")
+
+
 def logits_saved_bytes(ctx: RankContext) -> int:
-    """Held from the end of forward into backward (fp32 log-probabilities), per micro-batch."""
+    """Held from the end of forward into backward, per micro-batch: fp32 log-probabilities,
+    the loss and nll_loss's total weight (and the hf profile's shifted labels)."""
     if not ctx.is_last_stage:
         return 0
-    return alloc(_nv(ctx), "fp32")
+    out = alloc(_nv(ctx), "fp32") + 2 * ALLOC_ROUND_BYTES
+    if ctx.training.framework == "hf":
+        out += _hf_labels_kept(ctx)
+    return out
 
 
 def logits_forward_peak_bytes(ctx: RankContext) -> int:
-    """Peak of the loss computation in forward (includes the saved log-probabilities)."""
+    """Peak of the loss computation in forward (includes what it keeps for backward)."""
     if not ctx.is_last_stage:
         return 0
     nv, c = _nv(ctx), ctx.training.compute_dtype
-    upcast = 0 if c == "fp32" else alloc(nv, "fp32")
-    return alloc(nv, c) + upcast + alloc(nv, "fp32")
+    out = 2 * alloc(nv, "fp32") + 2 * ALLOC_ROUND_BYTES  # fp32 logits + log-probs + scalars
+    if ctx.training.framework == "hf":
+        x = dims(ctx)
+        if c != "fp32":  # the c-typed logits live on in the model output
+            out += alloc(nv, c)
+        out += alloc(x.b * (x.s + 1), "int64")  # padded labels
+        if x.b > 1:
+            out += alloc(x.b * x.s, "int64")  # their shifted copy
+    return out
 
 
 def logits_backward_peak_bytes(ctx: RankContext) -> int:
-    """Peak of the loss backward (saved log-probs + two fp32 gradient buffers)."""
+    """Peak of the loss backward: saved log-probs + two fp32 gradient buffers + 3 scalars."""
     if not ctx.is_last_stage:
         return 0
-    nv, c = _nv(ctx), ctx.training.compute_dtype
-    fp32_chain = 3 * alloc(nv, "fp32")
-    to_compute = alloc(nv, "fp32") + (0 if c == "fp32" else alloc(nv, c))
-    return max(fp32_chain, to_compute)
+    return 3 * alloc(_nv(ctx), "fp32") + 3 * ALLOC_ROUND_BYTES
+
+
+def head_forward_extra_bytes(ctx: RankContext) -> int:
+    """Under autocast the final norm's fp32 output is not what lm_head saves (it saves a
+    16-bit cast), yet the model keeps it in a local until the forward returns: T·h·4."""
+    x = dims(ctx)
+    if not ctx.is_last_stage or x.r == x.c:
+        return 0
+    return alloc(x.T * x.h, x.r)
+
+
+def loss_root_bytes(ctx: RankContext) -> int:
+    """0-dim tensors alive through the whole backward: the loss, the loss scaled by
+    1/grad_accum, and the root gradient (ones_like) that backward() seeds."""
+    return 3 * ALLOC_ROUND_BYTES if ctx.is_last_stage else 0

@@ -4,10 +4,10 @@ casts, ZeRO/FSDP gather and reduce buffers, the cuBLAS workspace.
 
 from __future__ import annotations
 
-from vramcalc.sharding import layer_param_numels, sharded_numel
+from vramcalc.sharding import layer_param_numels, sharded_numel  # noqa: F401
 from vramcalc.terms import comm
 from vramcalc.terms.context import RankContext
-from vramcalc.units import MiB, alloc
+from vramcalc.units import ALLOC_ROUND_BYTES, MiB, alloc
 
 # PyTorch allocates cuBLAS workspaces through the caching allocator, so they show in
 # max_memory_allocated: CUBLAS_WORKSPACE_CONFIG default ":4096:8" on Hopper and newer
@@ -26,15 +26,19 @@ def cublas_workspace_bytes(gpu_id: str | None) -> int:
 
 
 def optimizer_step_temp_bytes(ctx: RankContext) -> int:
-    """Temporaries of the optimizer step on this rank.
+    """Temporaries of the optimizer step on this rank (PyTorch optimizers, foreach).
 
-    - mixed precision (bf16/fp16 + fp32 master): each 16-bit grad is replaced by an fp32
-      copy for the master update (+2 bytes/param net once the 16-bit grad is freed);
-    - adam/adamw foreach (PyTorch's default on CUDA): `_foreach_sqrt(exp_avg_sq)` makes a
-      full copy of the second moments (one state-sized tensor per param);
-    - lion: the update direction, one state-sized tensor per param;
-    - sgd, sgd-momentum: updates in place; adafactor and adamw-8bit: per-tensor kernels,
-      at most the largest tensor's worth.
+    - mixed precision (bf16/fp16 + fp32 master, vramcalc/trace/optim.py): each 16-bit grad
+      is replaced by an fp32 copy on its master, one tensor at a time (+2 bytes/param net);
+      while the last one is copied its 16-bit grad still exists;
+    - then the inner step, on the fp32 masters, adds its own temporaries:
+      adam/adamw foreach (PyTorch's default on CUDA): `_foreach_sqrt(exp_avg_sq)` copies the
+      second moments (one state-sized tensor per param, all at once); lion: the update
+      direction, one state-sized tensor per param; adafactor foreach: `row_var @ col_var`
+      for every matrix at once (one state-sized tensor per matrix, plus a 512 B row mean
+      each; vectors are a second, smaller group); sgd, sgd-momentum and bitsandbytes'
+      fused 8-bit kernels update in place.
+    Peak = fp32 copies − 16-bit grads + max(last 16-bit grad, inner temporaries).
     """
     if "optimizer" in ctx.parallel.offload or (ctx.engine == "fsdp2" and ctx.parallel.offload):
         return 0
@@ -42,24 +46,89 @@ def optimizer_step_temp_bytes(ctx: RankContext) -> int:
         return fused_step_temp_bytes(ctx)
     tr = ctx.training
     shard = ctx.state_shard
-    numels = [(sharded_numel(t.numel, shard), t.count) for t in ctx.tensors]
-    temp = 0
-    if tr.has_master_weights:
-        temp += sum(c * (alloc(n, "fp32") - alloc(n, tr.grad_dtype)) for n, c in numels)
+    tensors = [(sharded_numel(t.numel, shard), t.count, t.rows) for t in ctx.tensors]
+    temp = copy_peak = 0
+    if tr.has_master_weights and tensors:
+        temp = sum(c * (alloc(n, "fp32") - alloc(n, tr.grad_dtype)) for n, c, _ in tensors)
+        copy_peak = _master_copy_peak(ctx, shard) - temp
+    inner = 0
+    sd = tr.state_dtype
     if tr.optimizer in ("adam", "adamw", "lion"):
-        temp += sum(c * alloc(n, tr.state_dtype) for n, c in numels)
-    elif tr.optimizer in ("adafactor", "adamw-8bit"):
-        temp += max((alloc(n, "fp32") for n, _ in numels), default=0)
-    return temp
+        inner = sum(c * alloc(n, sd) for n, c, _ in tensors)
+    elif tr.optimizer == "adafactor":
+        matrices = sum(c * (alloc(n, sd) + ALLOC_ROUND_BYTES) for n, c, rows in tensors
+                       if rows and shard == 1)
+        vectors = sum(c * alloc(n, sd) for n, c, rows in tensors if not (rows and shard == 1))
+        inner = max(matrices, vectors)
+    return temp + max(inner, copy_peak)
+
+
+def _module_order(ctx: RankContext) -> tuple[list[int], list[int], list[int]]:
+    """Numels of (embedding, one last layer, final norm + head) parameters in the order
+    model.parameters() yields them (vramcalc/trace/reference_model.py module order)."""
+    spec = ctx.spec
+    by_name = {t.name: t for t in ctx.tensors}
+
+    def take(*names: str) -> list[int]:
+        return [by_name[n].numel for n in names if n in by_name]
+
+    def lin(prefix: str) -> list[int]:
+        return take(f"{prefix}.weight", f"{prefix}.bias")
+
+    def mlp(prefix: str) -> list[int]:
+        mats = ("gate_proj", "up_proj", "down_proj") if spec.mlp_kind == "gated" else (
+            "fc", "proj")
+        return [n for m in mats for n in lin(f"{prefix}.{m}")]
+
+    layer = lin("input_layernorm")
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
+        layer += lin(f"attn.{proj}")
+    layer += lin("post_attention_layernorm")
+    if ctx.shapes.num_moe_layers:
+        per_layer = max(ctx.shapes.num_moe_layers, 1)
+        experts = next((t.count for t in ctx.tensors if t.name.startswith("experts.")), 0)
+        shared = next((t.count for t in ctx.tensors if t.name.startswith("shared_expert.")), 0)
+        layer += lin("router") + mlp("experts") * (experts // per_layer)
+        layer += mlp("shared_expert") * (shared // per_layer) + lin("shared_expert_gate")
+    else:
+        layer += mlp("mlp")
+    return take("embed_tokens", "embed_positions"), layer, lin("norm") + take("lm_head.weight")
+
+
+def _master_copy_peak(ctx: RankContext, shard: int) -> int:
+    """Peak of the mixed-precision wrapper's copy loop above the 16-bit gradients: while
+    parameter i is copied, the fp32 copies of 0..i and the 16-bit grads of i.. exist,
+    i.e. Σ_{j<i}(fp32_j − g16_j) + fp32_i. The prefix grows along the model, so only the
+    embedding and the last layer, final norm and head can hold the maximum."""
+    g = ctx.training.grad_dtype
+
+    def delta(n: int) -> int:
+        return alloc(sharded_numel(n, shard), "fp32") - alloc(sharded_numel(n, shard), g)
+
+    emb, layer, tail = _module_order(ctx)
+    best = prefix = 0
+    for n in emb:
+        best = max(best, prefix + alloc(sharded_numel(n, shard), "fp32"))
+        prefix += delta(n)
+    prefix += max(ctx.num_layers - 1, 0) * sum(delta(n) for n in layer)
+    for n in (layer if ctx.num_layers else []) + tail:
+        best = max(best, prefix + alloc(sharded_numel(n, shard), "fp32"))
+        prefix += delta(n)
+    return best
 
 
 def autocast_cache_layer_bytes(ctx: RankContext) -> int:
-    """torch.autocast casts each fp32 weight to the compute dtype once per forward and the
-    matmul saves the cast for backward: one layer's matrices in 16 bits."""
+    """torch.autocast casts each fp32 weight and bias of a linear to the compute dtype once
+    per forward (the cast cache) and the matmul saves the cast for backward: one layer's
+    linear parameters in 16 bits (norm weights are not cast). Average over the stage's
+    layers when dense and MoE layers mix."""
     if not ctx.training.is_autocast or ctx.engine == "fsdp2":  # FSDP2 casts via its MP policy
         return 0
-    return sum(alloc(n, ctx.training.compute_dtype) for n in layer_param_numels(
-        ctx.spec, ctx.parallel) if n > ctx.spec.hidden_size)
+    n = ctx.num_layers
+    c = ctx.training.compute_dtype
+    total = sum(t.count * alloc(t.numel, c) for t in ctx.tensors
+                if t.group in ("layer", "expert") and "norm" not in t.name)
+    return total // n if n else 0
 
 
 def autocast_cache_head_bytes(ctx: RankContext) -> int:
@@ -79,10 +148,14 @@ def gather_buffer_bytes(ctx: RankContext) -> int:
     return comm.gather_bytes(ctx) + comm.backward_buffer_bytes(ctx)
 
 
-def reduce_buffer_bytes(ctx: RankContext) -> int:
-    """Extra during one layer's backward: its unsharded gradients before reduce-scatter
-    (vramcalc.terms.comm.reduce_bytes)."""
-    return comm.reduce_bytes(ctx)
+def reduce_buffer_bytes(ctx: RankContext, layer: int = 0, done: float = 1.0,
+                        freed: int | None = None) -> int:
+    """Extra at an instant of the backward of the `layer`-th layer from the top: its
+    gradients are whole until reduced; FSDP2 also holds the previous layer's reduce-scatter
+    input and the next layer's prefetched parameters (vramcalc.terms.comm.reduce_bytes:
+    `done` share of the layer's gradients computed, `freed` bytes the layer releases when its
+    backward ends)."""
+    return comm.reduce_bytes(ctx, layer, done, freed)
 
 
 def persistent_buffer_bytes(ctx: RankContext) -> int:

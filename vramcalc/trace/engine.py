@@ -156,7 +156,8 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
         from vramcalc.trace.hf_models import real_device_behaviour
 
         framework_ctx = real_device_behaviour()
-    with framework_ctx, cuda_autocast_rules(), FakeTensorMode(), tracker:
+    fake = FakeTensorMode()
+    with framework_ctx, cuda_autocast_rules(), fake, tracker:
         model = build_model(scn)
         model.train()
         all_params = list(model.parameters())
@@ -221,8 +222,10 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
                 tracker.set_host(t)
             for t in states:
                 if tracker.term_of(t) != "optimizer_states/master":
-                    tracker.label(t, "optimizer_states")
+                    tracker.label(t, "optimizer_states/states")
             tracker.mark("end_step")
+            if debug:
+                debug("end_step", tracker)
             tracker.phase = "idle"
         report_progress("done", 1.0)
 

@@ -65,6 +65,9 @@ class MemoryTracker(TorchDispatchMode):
         super().__init__()
         self.debug = debug
         self._origin = ""
+        self.timeline: list[tuple[int, str, str, int, dict[str, int]]] | None = (
+            [] if debug else None)
+        self.peak_blocks: dict[tuple[int, str], tuple[str, list[tuple[int, str, str]]]] = {}
         self.blocks: dict[int, _Block] = {}
         self.host: dict[int, Any] = {}
         self.param_keys: set[int] = set()
@@ -100,6 +103,8 @@ class MemoryTracker(TorchDispatchMode):
             self._peak = self.snapshot()
             assert self._peak_key is not None
             self.peaks[self._peak_key] = self._peak
+            if self.debug:
+                self.peak_blocks[self._peak_key] = (self._origin, self.live())
 
     # ---- counting --------------------------------------------------------------------
     def default_term(self) -> str:
@@ -199,4 +204,7 @@ class MemoryTracker(TorchDispatchMode):
                 and args[0].untyped_storage()._cdata in self.param_keys):
             term = "transients/autocast_cache"
         tree_map(lambda t: self.track(t, term), out)
+        if self.timeline is not None:
+            self.timeline.append((self.iteration, self.phase, func.__name__, self.total,
+                                  dict(self.terms)))
         return out

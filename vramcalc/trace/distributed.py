@@ -1,0 +1,302 @@
+"""Distributed trace: FSDP2 (`fully_shard`) training steps of one rank, under fake tensors and
+a fake process group, counted like the single-rank trace.
+
+`run_distributed_trace(scn)` traces rank 0 of a data-parallel world of `dp` ranks:
+
+- `torch.distributed.init_process_group("fake", store=FakeStore())` (torch's testing
+  backend: collectives return at once and leave their outputs' contents alone, so every
+  buffer has its true shape and no rank needs to exist) and a CPU device mesh of the world
+  (2-D (replicate, shard) for hybrid sharding);
+- the model is built on the meta device (as torchtitan does), each transformer block and
+  then the root is wrapped with `fully_shard` (`reshard_after_forward=False` for
+  --fsdp grad-op), and `to_empty(device="cpu")` materializes only this rank's shards;
+- precision: amp-bf16 / amp-fp16 become FSDP2's MixedPrecisionPolicy (fp32 sharded
+  parameters, all-gathers in the compute dtype, fp32 gradient reduction), the others keep the
+  parameters in their storage dtype; bf16/fp16 keep an fp32 master copy per shard
+  (vramcalc.trace.optim.MixedPrecisionOptimizer);
+- the step loop, model, optimizer, CUDA rules and report are the single-rank engine's
+  (vramcalc.trace.engine); only the tracker learns about DTensors and FSDP2's buffers.
+
+What the tracker must be told (else its figures are not what a GPU holds):
+
+1. A DTensor is a wrapper subclass whose own storage reports the *global* size; a dispatch
+   mode sees the wrapper (modes run before subclass dispatch) and not the local shard it
+   wraps. Counting wrappers inflates everything created from a sharded parameter by the
+   world size: `torch.zeros_like(p)` for AdamW's exp_avg/exp_avg_sq, the foreach
+   temporaries of the step, `.float()` masters. `DistributedTracker` counts the local
+   tensor instead, which is what a GPU allocates.
+2. FSDP2 frees and re-allocates unsharded parameters with `UntypedStorage.resize_`
+   (`_fsdp_param.free_storage` / `alloc_storage`), which no dispatch mode sees; the two
+   functions are wrapped so the tracker re-reads the storage size after each call.
+
+torch is imported only when a trace runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from vramcalc.errors import InputError
+from vramcalc.report import MemoryReport
+from vramcalc.scenario import Scenario
+from vramcalc.trace.engine import (
+    ITERATIONS,
+    Progress,
+    TraceResult,
+    _loss,
+    _result,
+    _torch_dtype,
+    build_model,
+)
+
+
+def check_distributed(scn: Scenario) -> Scenario:
+    """Resolve the scenario and refuse what the distributed trace cannot run (InputError)."""
+    scn = scn.resolved()
+    par, tr = scn.parallel, scn.training
+    if par.fsdp == "none":
+        raise InputError("the distributed trace runs FSDP2 layouts: give --fsdp full, "
+                         "grad-op or hybrid")
+    other = [f"{k}={v}" for k, v in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp),
+                                      ("ep", par.ep)) if v > 1]
+    if other or par.offload:
+        raise InputError("the distributed trace runs data-parallel FSDP2 without offload; got "
+                         + ", ".join(other + [f"offload={','.join(par.offload)}"] * bool(
+                             par.offload)))
+    if tr.framework == "megatron":
+        raise InputError("trace runs the reference and hf profiles, not megatron")
+    if par.dp_degree < 2:
+        raise InputError("the distributed trace needs dp >= 2")
+    return scn
+
+
+def _tracker_class() -> Any:
+    from torch.distributed.tensor import DTensor
+
+    from vramcalc.trace.tracker import MemoryTracker
+
+    def local(t: Any) -> Any:
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    class DistributedTracker(MemoryTracker):
+        """MemoryTracker that counts a DTensor's local shard, not its global-size wrapper."""
+
+        def track(self, t: Any, term: str | None = None) -> None:
+            super().track(local(t), term)
+
+        def label(self, t: Any, term: str) -> None:
+            super().label(local(t), term)
+
+        def set_host(self, t: Any) -> None:
+            super().set_host(local(t))
+
+        def term_of(self, t: Any) -> str | None:
+            return super().term_of(local(t))
+
+        def register_params(self, params: list[Any]) -> None:
+            super().register_params([local(p) for p in params])
+
+    return DistributedTracker
+
+
+@contextlib.contextmanager
+def _fsdp_storage_hooks(tracker: Any) -> Iterator[None]:
+    """Let the tracker see FSDP2's storage resizes and name its all-gathered parameters."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp_param
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
+
+    orig_alloc, orig_free = fsdp_param.alloc_storage, fsdp_param.free_storage
+    orig_wait = fsdp_group.FSDPParamGroup.wait_for_unshard
+
+    def alloc_storage(t: Any) -> None:
+        orig_alloc(t)
+        tracker.track(t)
+
+    def free_storage(t: Any) -> None:
+        orig_free(t)
+        tracker.track(t)
+
+    def wait_for_unshard(self: Any) -> None:
+        orig_wait(self)
+        for p in self.fsdp_params:
+            for t in getattr(p, "all_gather_outputs", ()):
+                tracker.label(t, "transients/gather_buffers")
+
+    fsdp_param.alloc_storage = alloc_storage
+    fsdp_param.free_storage = free_storage
+    fsdp_group.alloc_storage = alloc_storage
+    fsdp_group.FSDPParamGroup.wait_for_unshard = wait_for_unshard
+    try:
+        yield
+    finally:
+        fsdp_param.alloc_storage, fsdp_param.free_storage = orig_alloc, orig_free
+        fsdp_group.alloc_storage = orig_alloc
+        fsdp_group.FSDPParamGroup.wait_for_unshard = orig_wait
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """A fake-backend default process group of `world_size` ranks (this process is rank 0)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise InputError("a process group is already initialized in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _blocks(model: Any, num_layers: int) -> list[Any]:
+    """The transformer blocks: the first ModuleList with one entry per layer."""
+    import torch.nn as nn
+
+    for mod in model.modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) == num_layers:
+            return list(mod)
+    raise InputError("could not find the model's transformer blocks to shard")
+
+
+def _shard(model: Any, scn: Scenario, mesh: Any) -> None:
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    tr, par = scn.training, scn.parallel
+    mp = MixedPrecisionPolicy()
+    if tr.is_autocast:  # fp32 sharded parameters, compute-dtype all-gathers, fp32 reduction
+        mp = MixedPrecisionPolicy(param_dtype=_torch_dtype(tr.compute_dtype),
+                                  reduce_dtype=torch.float32)
+    reshard = par.fsdp != "grad-op"
+    for block in _blocks(model, scn.model.num_hidden_layers):
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def distributed_trace(scn: Scenario, progress: Progress | None = None,
+                      iterations: int = ITERATIONS) -> TraceResult:
+    """Trace rank 0 of an FSDP2 data-parallel world (see the module docstring)."""
+    scn = check_distributed(scn)
+    try:
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.distributed.device_mesh import init_device_mesh
+    except ImportError:  # pragma: no cover - torch is an optional extra
+        raise InputError("the trace engine needs torch: pip install 'vramcalc[torch]'") from None
+    from vramcalc.trace.cuda_rules import cuda_autocast_rules
+
+    tr, par = scn.training, scn.parallel
+    world = par.dp_degree
+    report_progress = progress or (lambda _label, _frac: None)
+    steps = iterations * (tr.grad_accum * 2 + 1)
+    done = 0
+
+    def tick(label: str) -> None:
+        nonlocal done
+        report_progress(label, done / steps)
+        done += 1
+
+    tracker = _tracker_class()()
+    report_progress("building and sharding the model", 0.0)
+    framework_ctx: Any = contextlib.nullcontext()
+    if tr.framework == "hf":
+        from vramcalc.trace.hf_models import real_device_behaviour
+
+        framework_ctx = real_device_behaviour()
+    with fake_process_group(world), _fsdp_storage_hooks(tracker), framework_ctx:
+        # the mesh is built outside fake mode (its coordinates use data-dependent ops)
+        if par.fsdp == "hybrid":
+            assert par.shard_group is not None
+            mesh = init_device_mesh("cpu", (world // par.shard_group, par.shard_group),
+                                    mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world,))
+        with cuda_autocast_rules(), FakeTensorMode(), tracker:
+            return _run(scn, tracker, mesh, tick, report_progress, iterations)
+
+
+def _run(scn: Scenario, tracker: Any, mesh: Any, tick: Any, report_progress: Any,
+         iterations: int) -> TraceResult:
+    import torch
+
+    from vramcalc.trace.optim import (
+        MixedPrecisionOptimizer,
+        build_optimizer,
+        optimizer_state_tensors,
+    )
+
+    tr, spec = scn.training, scn.model
+    with torch.device("meta"):
+        model = build_model(scn)
+    _shard(model, scn, mesh)
+    model.to_empty(device="cpu")
+    model.train()
+    all_params = list(model.parameters())
+    params = [p for p in all_params if p.requires_grad]
+    tracker.register_params(all_params)
+    for buf in model.buffers():
+        tracker.label(buf, "weights/buffers")
+    param_bytes = sum(tracker.blocks[k].nbytes for k in tracker.param_keys)
+    head = model.get_output_embeddings() if tr.framework == "hf" else model.lm_head
+
+    def head_post(_mod: Any, _inp: Any, out: Any) -> None:
+        tracker.label(out, "logits")
+        tracker.region = "logits"
+
+        def leave(grad: Any) -> None:
+            tracker.region = None
+        if out.requires_grad:
+            out.register_hook(leave)
+
+    head.register_forward_hook(head_post)
+
+    tracker.phase = "build_optimizer"
+    opt = build_optimizer(tr.optimizer, params, tr.has_master_weights)
+    if isinstance(opt, MixedPrecisionOptimizer):
+        for m in opt.masters:
+            tracker.label(m, "optimizer_states/master")
+
+    b, s, V = tr.micro_batch_size, tr.seq_len, spec.vocab_size
+    for it in range(iterations):
+        tracker.iteration = it
+        for micro in range(tr.grad_accum):
+            tag = f"iteration {it + 1}/{iterations}, micro-batch {micro + 1}/{tr.grad_accum}"
+            tick(f"{tag}: forward")
+            tracker.set_phase("forward")
+            ids = torch.randint(0, V, (b, s))
+            labels = torch.randint(0, V, (b, s))
+            loss = _loss(model, tr.framework, ids, labels)
+            tracker.mark("end_forward")
+            tick(f"{tag}: backward")
+            tracker.set_phase("backward", region="logits")
+            (loss / tr.grad_accum).backward()
+            del loss, ids, labels
+            tracker.region = None
+            for p in params:  # FSDP2 writes the reduce-scattered shard into .grad
+                if p.grad is not None:
+                    tracker.label(p.grad, "gradients")
+        tracker.mark("end_backward")
+        tick(f"iteration {it + 1}/{iterations}: optimizer step")
+        tracker.set_phase("optimizer")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        states, host = optimizer_state_tensors(opt)
+        for t in host:
+            tracker.set_host(t)
+        for t in states:
+            if tracker.term_of(t) != "optimizer_states/master":
+                tracker.label(t, "optimizer_states")
+        tracker.mark("end_step")
+        tracker.phase = "idle"
+    report_progress("done", 1.0)
+    return _result(scn, tracker, param_bytes, iterations)
+
+
+def run_distributed_trace(scn: Scenario, progress: Progress | None = None) -> MemoryReport:
+    """Per-rank memory of an FSDP2 scenario from a fake-tensor, fake-process-group training
+    step (engine "trace"; same schema as `vramcalc.analytic.estimate`). Raises InputError for
+    layouts it cannot run (TP/PP/CP/EP, offload, megatron profile, dp < 2)."""
+    return distributed_trace(scn, progress).report
