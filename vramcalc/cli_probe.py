@@ -124,10 +124,14 @@ def _nproc_mode(values: dict[str, Any], nproc: int, iterations: int, out: Path |
     folder.mkdir(parents=True, exist_ok=True)
     plain = {k: (list(v) if isinstance(v, tuple) else v) for k, v in values.items()}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", "29533", "-m", "vramcalc.probe.worker", "--values",
+           "--master-port", str(_free_port()), "-m", "vramcalc.probe.worker", "--values",
            json.dumps(plain), "--out", str(folder), "--iterations", str(iterations)]
     proc = subprocess.run(cmd, check=False, capture_output=as_json, text=True)
     records = [json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))]
+    if not records:
+        tail = (proc.stderr or "").strip().splitlines()[-1:] if as_json else []
+        raise InputError("torchrun wrote no probe record (exit code "
+                         f"{proc.returncode}){': ' + tail[0] if tail else ''}")
     errors = [r.get("error") for r in records if r.get("status") == "error"]
     if errors:
         raise InputError(str(errors[0]))
@@ -143,3 +147,12 @@ def _nproc_mode(values: dict[str, Any], nproc: int, iterations: int, out: Path |
             print_probe_record(_console(), rec)
     if proc.returncode != 0:
         raise typer.Exit(proc.returncode)
+
+
+def _free_port() -> int:
+    """A free local TCP port for torchrun's rendezvous (fixed ports collide)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
