@@ -163,7 +163,9 @@ def test_vocab_parallel_cross_entropy_splits_the_logits() -> None:
     tr = TrainingConfig(seq_len=1024, micro_batch_size=2)
     full = logits_saved_bytes(RankContext(LLAMA, tr, ParallelConfig(dp=1)))
     split = logits_saved_bytes(RankContext(LLAMA, tr, ParallelConfig(dp=1, tp=8)))
-    assert split == alloc(2 * 1024 * LLAMA.vocab_size // 8, "fp32") and full == 8 * split
+    tokens, V = 2 * 1024, LLAMA.vocab_size
+    # the (b, s, V/t) fp32 log-probabilities are split; per-rank scalars are not
+    assert split - alloc(tokens * V // 8, "fp32") == full - alloc(tokens * V, "fp32") >= 0
 
 
 def test_sequence_parallel_splits_the_replicated_activations() -> None:

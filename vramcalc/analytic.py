@@ -35,7 +35,7 @@ from vramcalc.terms.gradients import (
 )
 from vramcalc.terms.optimizer_states import optimizer_state_split
 from vramcalc.terms.overhead import overhead_split
-from vramcalc.terms.weights import weights_by_group
+from vramcalc.terms.weights import weight_parts
 from vramcalc.offload import offload_footprint
 from vramcalc.units import alloc
 from vramcalc.sharding import moe_layers_on_stage
@@ -104,6 +104,15 @@ def candidate_stages(scn: Scenario) -> list[int]:
     return sorted(out)
 
 
+def tied_embedding_grad_bytes(ctx: RankContext) -> int:
+    """One copy of the tied token embedding's gradient (0 when the head is untied)."""
+    if not ctx.spec.tie_word_embeddings:
+        return 0
+    shard = ctx.grad_shard
+    return sum(t.count * alloc(-(-t.numel // shard), grad_dtype(ctx)) for t in ctx.tensors
+               if t.name == "embed_tokens")
+
+
 def late_gradient_bytes(ctx: RankContext) -> int:
     """Gradients that only appear after the bottom layer's backward: the token embedding's
     (untied) and the learned position embedding's."""
@@ -113,7 +122,7 @@ def late_gradient_bytes(ctx: RankContext) -> int:
         "embed_tokens", "embed_positions")
     shard = ctx.grad_shard
     dtype = grad_dtype(ctx)
-    return sum(t.count * alloc(-(-t.numel // shard), dtype) for t in ctx.tensors
+    return sum(t.count * alloc(-(-t.numel // shard), dtype) for t in ctx.train_tensors
                if t.name in names)
 
 
@@ -121,8 +130,8 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     """Phases (steady state) of one stage, plus the first-step peak and live-tensor count."""
     ctx = RankContext(scn.model, scn.training, scn.parallel, stage)
     train = scn.training
-    w_groups = weights_by_group(ctx)
-    W = sum(w_groups.values())
+    w_parts = weight_parts(ctx)  # {"weights": W}, or fine-tuning's sub-terms
+    W = sum(w_parts.values())
     opt = optimizer_state_split(ctx)
     O = opt["states"] + opt["master"]
     G = gradients_bytes(ctx)
@@ -136,10 +145,16 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
 
     n_dense, A_dense, n_moe, A_moe = act.stage_layer_bytes(ctx)
 
+    gap = 0  # what the first layer does not save when the embedding is frozen (LoRA)
+    if train.finetune != "full":
+        from vramcalc.terms.finetune_activations import first_layer_unsaved_bytes
+
+        gap = first_layer_unsaved_bytes(ctx)
+
     def A_bottom(n: int) -> int:
         """Activations of the bottom n layers of this stage (dense layers come first)."""
         dense = min(n, n_dense)
-        return dense * A_dense + (n - dense) * A_moe
+        return dense * A_dense + (n - dense) * A_moe - (gap if n else 0)
 
     A_layer = A_bottom(nL) // nL if nL else 0
     A_emb = sum(t.nbytes for t in act.embedding_saved(ctx))  # ids, labels, rope, mask
@@ -157,35 +172,43 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     prev = k - 1  # other in-flight micro-batches (whole)
 
     def base(grads: int) -> dict[str, int]:
-        return {"weights": W, "optimizer_states/states": opt["states"],
+        return {**w_parts, "optimizer_states/states": opt["states"],
                 "optimizer_states/master": opt["master"], "gradients": grads,
                 "transients/cublas_workspace": cublas, "transients/comm_buffers": persistent}
 
     g_acc = G if keep_grads else 0
-    forward = Phase("forward", {
-        **base(g_acc),
-        "activations": int(k * A_mb),
-        "transients/autocast_cache": int(k * C_mb),
-        "transients/gather_buffers": gather,
-    })
+
+    def fwd_point(activations: int, logits: int, extra: dict[str, int]) -> Phase:
+        return Phase("forward", {
+            **base(g_acc),
+            "activations": int(activations),
+            "transients/autocast_cache": int(k * C_mb),
+            "transients/gather_buffers": gather,
+            "logits": int(prev * logits_keep) + logits,
+            **extra,
+        })
+
+    # the forward peaks at the end of the loss, while the final norm runs, at the top
+    # layer's last residual add, or inside the top layer's eager attention (below)
     fwd_logits = lg.logits_forward_peak_bytes(ctx)
     head_extra = lg.head_forward_extra_bytes(ctx)
-    if fwd_logits + head_extra >= fwd_work:
-        forward.parts["logits"] = fwd_logits + int(prev * logits_keep)
-        forward.parts["activations"] += head_extra
-    else:
-        forward.parts["transients/layer_forward"] = fwd_work
-        forward.parts["logits"] = int(prev * logits_keep)
+    A_head = A_edges - A_emb
+    forward = max([
+        fwd_point(k * A_mb + head_extra, fwd_logits, {}),
+        fwd_point(k * A_mb + act.forward_end_extra_bytes(ctx), 0, {}),
+        fwd_point(k * A_mb - A_head, 0, {"transients/layer_forward": fwd_work}),
+    ], key=lambda p: p.total)
 
     eager_held, eager_work = act.eager_forward_moment(ctx)
     if eager_work and nL:
         # the top layer's softmax: its later saved tensors do not exist yet
         top_moe = n_moe > 0
         top_bytes = A_moe if top_moe else A_dense
+        qkv_share = 1 - act.layer_grad_fraction(ctx, "mlp+o")  # casts made so far
         eager = Phase("forward", {
             **base(g_acc),
             "activations": int(prev * A_mb + A_bottom(nL) - top_bytes + eager_held + A_emb),
-            "transients/autocast_cache": int(k * C_mb),
+            "transients/autocast_cache": int(prev * C_mb + (nL - 1 + qkv_share) * cache_layer),
             "transients/gather_buffers": gather,
             "transients/layer_forward": eager_work,
             "logits": int(prev * logits_keep),
@@ -193,10 +216,15 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
         if eager.total > forward.total:
             forward = eager
 
+    # autocast's casts live in its cache until the forward ends and on in the matmuls that
+    # saved them; under full recompute the checkpointed layers saved none (their casts are
+    # made again when each layer is recomputed in backward)
+    full = train.recompute == "full"
+    C_kept = cache_head + (0 if full else nL * cache_layer)
     loss_bwd = Phase("backward", {
         **base(g_acc),
         "activations": int(k * A_mb),
-        "transients/autocast_cache": int(k * C_mb),
+        "transients/autocast_cache": int(prev * C_mb + C_kept),
         "transients/gather_buffers": gather,
         "logits": lg.logits_backward_peak_bytes(ctx) + int(prev * logits_keep),
     })
@@ -211,8 +239,10 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
         grads = G if keep_grads else max(G_head - G_late, 0) + int((i + done) * g_layer)
         return Phase("backward", {
             **base(min(grads, G)),
-            "activations": int(prev * A_mb + A_bottom(nL - i - 1) + mom.held + A_emb),
-            "transients/autocast_cache": int(prev * C_mb + (nL - i - done) * cache_layer),
+            "activations": int(prev * A_mb + A_bottom(nL - i - 1) + mom.held + A_emb)
+            - (gap if i == nL - 1 else 0),
+            "transients/autocast_cache": int(prev * C_mb + ((1 - done) if full else (
+                nL - i - done)) * cache_layer),
             "transients/layer_backward": mom.work + comm_bwd,
             "transients/gather_buffers": gather,
             "transients/reduce_buffers": tr.reduce_buffer_bytes(ctx, i, done,
@@ -235,6 +265,20 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
             for i in sorted({1, nL - 2}):
                 candidates += [layer_point(i, mom)
                                for mom in act.layer_backward_moments(ctx, i < n_moe)]
+    if ctx.is_first_stage:
+        # the embedding's backward ends the sweep: every gradient exists; with tied
+        # embeddings the head's share waits in autograd's input buffer and is summed with
+        # the embedding's out of place (3 copies of the V·h gradient at once)
+        tied = tied_embedding_grad_bytes(ctx)
+        end_grads = G + (tied if keep_grads else 0)
+        candidates.append(Phase("backward", {
+            **base(end_grads),
+            "activations": int(prev * A_mb + A_emb),
+            "transients/autocast_cache": int(prev * C_mb),
+            "transients/layer_backward": 2 * tied,
+            "transients/gather_buffers": gather,
+            "logits": int(prev * logits_keep) + root,
+        }))
     backward = max(candidates, key=lambda p: p.total)
 
     optimizer = Phase("optimizer", {
@@ -248,8 +292,8 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
         max(p.total for p in (forward, backward)) - opt["states"],
         optimizer.total,
     )
-    live = sum(t.count for t in ctx.tensors) * (3 + (2 if train.optimizer in (
-        "adam", "adamw") else 1)) + int(k * nL * 12)
+    live = sum(t.count for t in ctx.tensors) + sum(t.count for t in ctx.train_tensors) * (
+        2 + (2 if train.optimizer in ("adam", "adamw") else 1)) + int(k * nL * 12)
     return phases, first, live
 
 
@@ -271,6 +315,7 @@ def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:
         phases, first, live = _stage_phases(scn, st, gpu_id)
         peak_phase = max(phases, key=lambda p: p.total)
         ovh = overhead_split(gpu.context_overhead_bytes if gpu else 0, scn.world_size, live)
+        ovh.update(_paged_overhead(scn, st))
         total = peak_phase.total + sum(ovh.values())
         t = peak_phase.terms()
         t["overhead"] = sum(ovh.values())
@@ -352,10 +397,26 @@ def strategy_dict(scn: Scenario) -> dict[str, object]:
     return out
 
 
+def _paged_overhead(scn: Scenario, stage: int) -> dict[str, int]:
+    """Paged optimizer states (bitsandbytes unified memory): device memory outside the
+    allocator, reported as overhead (vramcalc/finetune.py)."""
+    if not scn.training.optimizer.startswith("paged-"):
+        return {}
+    from vramcalc.finetune import paged_state_bytes
+
+    return {"paged_optimizer_states": paged_state_bytes(
+        RankContext(scn.model, scn.training, scn.parallel, stage))}
+
+
 def _notes(scn: Scenario) -> list[str]:
     notes = []
     if scn.model_note:
         notes.append(scn.model_note)
     if scn.gpu_note:
         notes.append(scn.gpu_note)
+    tr = scn.training
+    if tr.finetune != "full" or tr.optimizer.startswith("paged-"):
+        from vramcalc.finetune import notes as ft_notes
+
+        notes += ft_notes(RankContext(scn.model, scn.training, scn.parallel, 0))
     return notes

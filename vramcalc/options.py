@@ -15,7 +15,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from vramcalc.errors import InputError
-from vramcalc.training import ATTENTIONS, FRAMEWORKS, OPTIMIZERS, PRECISIONS, RECOMPUTES
+from vramcalc.training import (
+    ATTENTIONS,
+    FINETUNES,
+    FRAMEWORKS,
+    OPTIMIZERS,
+    PRECISIONS,
+    RECOMPUTES,
+)
 
 _FSDP = ("none", "full", "grad-op", "hybrid")
 _OFFLOAD = ("none", "optimizer", "gradients", "params")
@@ -49,7 +56,8 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("precision", str, "bf16", "fp32 | amp-bf16 | amp-fp16 (autocast, fp32 weights) | "
         "bf16 | fp16 (16-bit weights+grads, fp32 master) | bf16-pure.", PRECISIONS),
     Opt("optimizer", str, "adamw", "adamw | adam | sgd | sgd-momentum | lion | adafactor | "
-        "adamw-8bit.", OPTIMIZERS),
+        "adamw-8bit | paged-adamw | paged-adamw-8bit (bitsandbytes; paged states live in "
+        "unified memory, reported as overhead).", OPTIMIZERS),
     Opt("optimizer_dtype", str, None, "Optimizer state dtype: fp32 (default) or bf16.",
         ("fp32", "bf16")),
     Opt("attention", str, "flash", "flash (SDPA/FlashAttention) | eager (s x s scores).",
@@ -58,6 +66,13 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         RECOMPUTES),
     Opt("framework", str, "reference", "Saved-tensor profile: reference | hf | megatron.",
         FRAMEWORKS),
+    Opt("finetune", str, "full", "full | lora | qlora (NF4 base) | dora: frozen base weights "
+        "plus trained adapters.", FINETUNES),
+    Opt("lora_rank", int, 8, "LoRA rank r (PEFT default 8)."),
+    Opt("lora_targets", str, "q,v", "Adapted linears, comma-separated: q,k,v,o,gate,up,down, "
+        "or all-linear (default q,v: PEFT's default for Llama)."),
+    Opt("lora_dropout", float, 0.0, "LoRA dropout probability (PEFT default 0: no mask "
+        "kept)."),
     Opt("dp", int, None, "Data-parallel degree (default: GPUs / (tp x pp x cp)).", group="parallel"),
     Opt("tp", int, 1, "Tensor-parallel degree.", group="parallel"),
     Opt("pp", int, 1, "Pipeline-parallel degree.", group="parallel"),
@@ -85,7 +100,8 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
 )
 OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
-                  "optimizer_dtype", "attention", "recompute", "framework")
+                  "optimizer_dtype", "attention", "recompute", "framework", "finetune",
+                  "lora_rank", "lora_targets", "lora_dropout")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fsdp",
                   "shard_group", "offload_device", "pp_schedule", "virtual_stages",
                   "num_microbatches", "capacity_factor")
@@ -168,6 +184,11 @@ def normalize_values(values: dict[str, Any]) -> dict[str, Any]:
         opt = OPTIONS_BY_NAME[key]
         if key == "offload":
             out[key] = parse_offload(raw)
+            continue
+        if key == "lora_targets" and raw is not None:
+            from vramcalc.finetune import parse_targets
+
+            out[key] = parse_targets(raw)
             continue
         v = _coerce(opt, raw)
         if v is not None and opt.choices:

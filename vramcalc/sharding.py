@@ -49,6 +49,8 @@ class RankTensor:
     count: int
     group: str
     rows: int = 0  # local first dimension (0 for vectors)
+    trainable: bool = True  # False: a frozen base weight under LoRA/QLoRA (vramcalc/finetune.py)
+    dtype: str | None = None  # storage dtype when not the policy's (adapters, "nf4")
 
     @property
     def is_expert(self) -> bool:
@@ -260,21 +262,3 @@ def _layer_param_numels(spec: ModelSpec, tp: int, ep: int) -> tuple[int, ...]:
             per_layer = ceil_div(per_layer, ep)
         out.extend([n] * per_layer)
     return tuple(out)
-
-
-def layer_module_numels(spec: ModelSpec, parallel: ParallelConfig) -> tuple[int, ...]:
-    """Forward-order numels of one layer's modules as DeepSpeed ZeRO-3 fetches them: one
-    entry per Linear (q, k, v, o, MLP matrices; each routed expert's MLP), norms included
-    (they count towards reuse distances though they are never partitioned)."""
-    return _layer_module_numels(spec, parallel.tp, parallel.ep)
-
-
-@lru_cache(maxsize=1024)
-def _layer_module_numels(spec: ModelSpec, tp: int, ep: int) -> tuple[int, ...]:
-    numels = _layer_param_numels(spec, tp, ep)
-    return tuple(numels)
-
-
-def sharding_key(parallel: ParallelConfig) -> tuple[int, int, int, int]:
-    """The degrees that decide which tensors a rank holds: (tp, pp, chunks, ep)."""
-    return parallel.tp, parallel.pp, parallel.pp_chunks, parallel.ep

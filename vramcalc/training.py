@@ -18,16 +18,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Precision = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure"]
 OptimizerName = Literal[
-    "adamw", "adam", "sgd", "sgd-momentum", "lion", "adafactor", "adamw-8bit"
+    "adamw", "adam", "sgd", "sgd-momentum", "lion", "adafactor", "adamw-8bit",
+    "paged-adamw", "paged-adamw-8bit",
 ]
 PRECISIONS: tuple[str, ...] = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure")
 OPTIMIZERS: tuple[str, ...] = (
-    "adamw", "adam", "sgd", "sgd-momentum", "lion", "adafactor", "adamw-8bit"
+    "adamw", "adam", "sgd", "sgd-momentum", "lion", "adafactor", "adamw-8bit",
+    "paged-adamw", "paged-adamw-8bit",
 )
+FINETUNES: tuple[str, ...] = ("full", "lora", "qlora", "dora")  # vramcalc/finetune.py
 ATTENTIONS: tuple[str, ...] = ("flash", "eager")
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
 FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron")
@@ -47,6 +50,18 @@ class TrainingConfig(BaseModel):
     attention: Literal["flash", "eager"] = "flash"
     recompute: Literal["none", "selective", "full"] = "none"
     framework: Literal["reference", "hf", "megatron"] = "reference"
+    # fine-tuning (vramcalc/finetune.py): frozen base + adapters; PEFT's defaults
+    finetune: Literal["full", "lora", "qlora", "dora"] = "full"
+    lora_rank: int = Field(default=8, gt=0, le=65_536)
+    lora_targets: str = "q,v"  # canonical, see vramcalc.finetune.parse_targets
+    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+
+    @field_validator("lora_targets", mode="before")
+    @classmethod
+    def _targets(cls, value: object) -> str:
+        from vramcalc.finetune import parse_targets
+
+        return parse_targets(value)
 
     # ---- precision policy ---------------------------------------------
     @property
@@ -55,8 +70,16 @@ class TrainingConfig(BaseModel):
                 "fp16": "fp16", "bf16-pure": "bf16"}[self.precision]
 
     @property
+    def trainable_dtype(self) -> str:
+        """Dtype of the trained parameters: the weights, or the adapters when fine-tuning
+        (PEFT upcasts 16-bit adapters to fp32 for the hf profile; vramcalc/finetune.py)."""
+        if self.finetune == "full":
+            return self.weight_dtype
+        return "fp32" if self.framework == "hf" else self.weight_dtype
+
+    @property
     def grad_dtype(self) -> str:
-        return self.weight_dtype
+        return self.trainable_dtype
 
     @property
     def compute_dtype(self) -> str:
@@ -66,7 +89,7 @@ class TrainingConfig(BaseModel):
     @property
     def has_master_weights(self) -> bool:
         """An fp32 master copy kept by the optimizer (16-bit weights + fp32 update)."""
-        return self.precision in ("bf16", "fp16")
+        return self.precision in ("bf16", "fp16") and self.trainable_dtype != "fp32"
 
     @property
     def is_autocast(self) -> bool:
@@ -77,7 +100,8 @@ class TrainingConfig(BaseModel):
         """Optimizer state dtype: fp32 unless bf16-pure or asked for."""
         if self.optimizer_dtype:
             return self.optimizer_dtype
-        return "bf16" if self.precision == "bf16-pure" else "fp32"
+        return "bf16" if self.precision == "bf16-pure" and self.trainable_dtype == "bf16" else (
+            "fp32")
 
     @property
     def tokens_per_micro_batch(self) -> int:

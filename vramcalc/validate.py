@@ -176,6 +176,7 @@ def analytic_points(scn: Scenario) -> dict[str, int]:
     gpu_id = scn.cluster.gpu.id if scn.cluster else None
     phases, _first, _live = _stage_phases(scn, 0, gpu_id)
     by_name = {p.name: p.terms() for p in phases}
+    from vramcalc.terms import activations as act
     from vramcalc.terms import logits as lg
     from vramcalc.terms.context import RankContext
 
@@ -184,7 +185,7 @@ def analytic_points(scn: Scenario) -> dict[str, int]:
         "weights": by_name["optimizer"].get("weights", 0),
         "gradients": by_name["optimizer"].get("gradients", 0),
         "optimizer_states": by_name["optimizer"].get("optimizer_states", 0),
-        "activations": by_name["forward"].get("activations", 0),
+        "activations": act.microbatch_activation_bytes(ctx),
         "logits": lg.logits_saved_bytes(ctx),
     }
 

@@ -397,6 +397,10 @@ def layer_saved(ctx: RankContext, moe: bool | None = None) -> list[Saved]:
         out += _moe_saved(ctx, x)
     else:
         out += _mlp_saved(ctx, x, x.T, ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp))
+    if ctx.training.finetune != "full":  # frozen base + adapters
+        from vramcalc.terms.finetune_activations import adjust_layer_saved
+
+        out = adjust_layer_saved(ctx, out)
     return out
 
 
@@ -456,15 +460,48 @@ def eager_forward_moment(ctx: RankContext) -> tuple[int, int]:
                                                                   "attn.k_norm")) or t.name in pre)
     bas = x.b * x.a * x.s * x.s
     p_dtype = next((t.dtype for t in saved if t.name == "attn.probs"), x.c)
+    # softmax input (scores, c) and output; softmax(x16, dtype=fp32) converts its input
+    # first (a CUDA half_to_float kernel skips that copy for fp16; the trace makes it)
     work = alloc(bas, x.c) + alloc(bas, p_dtype)
-    if x.amp and tr.framework != "hf":
-        work += alloc(bas, "fp32")  # softmax's fp32 input copy
-    elif tr.framework == "hf" and x.c != "fp32":
-        work += alloc(bas, "fp32") if x.amp else 0
+    if p_dtype != x.c:
+        work += alloc(bas, p_dtype)
     if tr.recompute == "full":
-        held = 0  # nothing of the layer is kept; its inputs are temporaries of the same size
-        held += sum(t.nbytes for t in saved if t.name in pre)
+        held = sum(t.nbytes for t in saved if t.name in pre)  # the layer keeps nothing
+    if x.g < x.a:
+        held += 2 * alloc(x.b * x.s * x.g * x.d, x.c)  # k, v before the repeat (locals)
+    if tr.framework == "hf" and tr.recompute == "none":
+        held += alloc(x.b * x.s * x.s, x.r)  # the model's additive mask, alive in forward
     return held, work
+
+
+def forward_end_extra_bytes(ctx: RankContext) -> int:
+    """Beyond the saved tensors, while the final norm runs (last stage): transformers keeps
+    the embedding output (and GPT-2's position embeddings) and the last residual in locals
+    of the model's forward, its RMSNorm makes an fp32 x̂ before the cast (both only when the
+    residual is 16-bit), and eager attention's additive mask lives until the model returns."""
+    if not ctx.is_last_stage or ctx.training.framework != "hf":
+        return 0
+    x = dims(ctx)
+    extra = 0
+    if ctx.spec.norm_kind == "layernorm":
+        extra += alloc(_bsh(x), x.r)  # inputs_embeds next to inputs_embeds + positions
+        if ctx.is_first_stage and ctx.spec.position_embedding == "learned":
+            extra += alloc(x.s * x.h, x.r)
+    elif x.r != "fp32":
+        extra += 2 * alloc(_bsh(x), x.r) + alloc(_bsh(x), "fp32")
+        if hf_family(ctx) == "gemma":
+            extra += alloc(_bsh(x), "fp32")  # its fp32 x̂ is saved; the product is fp32 too
+    if ctx.training.attention == "eager" and ctx.training.recompute == "none":
+        extra += alloc(x.b * x.s * x.s, x.r)
+    return extra
+
+
+def microbatch_activation_bytes(ctx: RankContext) -> int:
+    """Everything one micro-batch keeps for backward on this rank at the end of its forward:
+    the stage's layers plus the embedding-side and head-side tensors."""
+    n_dense, a_dense, n_moe, a_moe = stage_layer_bytes(ctx)
+    edges = sum(t.nbytes for t in embedding_saved(ctx) + head_saved(ctx))
+    return n_dense * a_dense + n_moe * a_moe + edges
 
 
 def layer_forward_working_bytes(ctx: RankContext) -> int:
@@ -523,7 +560,10 @@ def layer_backward_moments(ctx: RankContext, moe: bool | None = None) -> list[Mo
         plain = RankContext(ctx.spec, tr.model_copy(update={"recompute": "none"}),
                             ctx.parallel, ctx.stage)
     saved = layer_saved(plain, moe)
-    total = sum(t.nbytes for t in saved)
+    # before the attention core the layer holds its own saved set (selective: the core is
+    # only recomputed when its backward comes; full: the whole layer is recomputed first)
+    mlp_saved = saved if tr.recompute == "full" else layer_saved(ctx, moe)
+    total = sum(t.nbytes for t in mlp_saved)
     extra = 0
     if tr.recompute == "full" and tr.framework == "hf" and x.r != "fp32" and (
             ctx.spec.norm_kind == "rmsnorm"):
@@ -533,7 +573,8 @@ def layer_backward_moments(ctx: RankContext, moe: bool | None = None) -> list[Mo
     out: list[Moment] = []
     # MLP instant
     if moe:
-        weighted = sum(t.nbytes for t in saved if t.name in ("moe.weighted", "moe.down_out"))
+        weighted = sum(t.nbytes for t in mlp_saved if t.name in ("moe.weighted",
+                                                                 "moe.down_out"))
         out.append(Moment("moe", total + extra - weighted, g_res + 2 * weighted, "shared"))
     else:
         f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
@@ -547,7 +588,7 @@ def layer_backward_moments(ctx: RankContext, moe: bool | None = None) -> list[Mo
             gone, n_f = ("mlp.act",), 3
         else:  # the activation's backward: d act, d fc
             gone, n_f = ("mlp.act",), 2
-        freed = sum(t.nbytes for t in saved if t.name in gone)
+        freed = sum(t.nbytes for t in mlp_saved if t.name in gone)
         work = g_res + n_f * bsf
         out.append(Moment("mlp", total + extra - freed, work, "down"))
     # attention-core instant
@@ -556,6 +597,8 @@ def layer_backward_moments(ctx: RankContext, moe: bool | None = None) -> list[Mo
         "attn.o_input",)
     held = extra + sum(t.nbytes for t in saved if t.name.startswith(("input_norm.", "attn."))
                        and t.name not in gone)
+    if tr.recompute == "selective" and tr.attention == "eager" and x.g < x.a:
+        held += 2 * alloc(x.b * x.s * x.g * x.d, c)  # the checkpoint's k, v before repeat
     bsad = alloc(x.b * x.s * x.a * x.d, c)
     if tr.attention == "flash":
         bsgd = alloc(x.b * x.s * x.g * x.d, c)
@@ -629,6 +672,10 @@ def head_saved(ctx: RankContext) -> list[Saved]:
     if ctx.spec.final_norm:
         out += _norm_saved(ctx, x, "final_norm", x.T, x.h, "(b, s, h)")
     out += _linear_inputs(x, "lm_head.input", _bsh(x), 1, "(b, s, h) normed")
+    if ctx.training.finetune != "full":  # frozen lm_head
+        from vramcalc.terms.finetune_activations import adjust_head_saved
+
+        out = adjust_head_saved(ctx, out)
     return out
 
 

@@ -52,8 +52,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 from vramcalc.sharding import DS_PERSISTENCE_THRESHOLD, layer_param_numels
-from vramcalc.terms.context import RankContext
 from vramcalc.terms import activations as act
+from vramcalc.terms.context import RankContext
 from vramcalc.terms.gradients import grad_dtype, layer_gradient_bytes
 from vramcalc.units import alloc, ceil_div
 

@@ -22,11 +22,29 @@ class RankContext:
 
     @cached_property
     def shapes(self) -> RankShapes:
+        """Every tensor the rank holds (under LoRA/QLoRA/DoRA: frozen base + adapters)."""
+        if self.training.finetune != "full":
+            from vramcalc.finetune import shapes_for
+
+            return shapes_for(self).all
         return rank_shapes(self.spec, self.parallel, self.stage)
 
     @property
     def tensors(self) -> tuple[RankTensor, ...]:
         return self.shapes.tensors
+
+    @cached_property
+    def train_shapes(self) -> RankShapes:
+        """The tensors that get gradients and optimizer states (all, unless fine-tuning)."""
+        if self.training.finetune != "full":
+            from vramcalc.finetune import shapes_for
+
+            return shapes_for(self).adapters
+        return self.shapes
+
+    @property
+    def train_tensors(self) -> tuple[RankTensor, ...]:
+        return self.train_shapes.tensors
 
     @property
     def num_layers(self) -> int:

@@ -1,4 +1,7 @@
-"""Term: gradients — one gradient per parameter, in the engine's gradient dtype and layout.
+"""Term: gradients — one gradient per trained parameter, in the engine's gradient dtype and layout.
+
+Frozen base weights (LoRA/QLoRA/DoRA, vramcalc/finetune.py) have none: only
+`ctx.train_shapes` (the adapters) are counted.
 
 bytes = Σ_tensors count · round512(numel_local / shard · bits/8), shard = the ZeRO-2+/FSDP
 group. Per engine (docs/parallelism.md):
@@ -51,7 +54,8 @@ def gradients_bytes(ctx: RankContext) -> int:
     if _offloaded(ctx) or "gradients" in ctx.parallel.offload and ctx.engine != "deepspeed":
         return 0
     shard = ctx.grad_shard
-    return ctx.shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard), ctx.grad_layout)
+    return ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard),
+                                   ctx.grad_layout)
 
 
 def gradients_at_step_bytes(ctx: RankContext) -> int:
@@ -60,7 +64,7 @@ def gradients_at_step_bytes(ctx: RankContext) -> int:
     free_grad_in_param_list(params_not_in_partition)) and keeps a flat partition."""
     if ctx.engine == "deepspeed" and ctx.parallel.zero == 1:
         shard = ctx.parallel.shard_degree
-        return ctx.shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard), "flat")
+        return ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard), "flat")
     return gradients_bytes(ctx)
 
 
@@ -72,6 +76,6 @@ def layer_gradient_bytes(ctx: RankContext) -> int:
     if not n:
         return 0
     shard = ctx.grad_shard
-    total = ctx.shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard), ctx.grad_layout,
-                              ("layer", "expert"))
+    total = ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard),
+                                    ctx.grad_layout, ("layer", "expert"))
     return total // n

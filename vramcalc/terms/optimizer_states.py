@@ -9,7 +9,14 @@ Per parameter tensor of numel n (after sharding), in the state dtype (fp32 by de
 | sgd-momentum | n (momentum_buffer)                | torch.optim.SGD |
 | lion         | n (exp_avg)                        | Chen et al. 2023, Alg. 2 |
 | adafactor    | rows + cols for a matrix, n for a vector | torch.optim.Adafactor (beta1=None) |
-| adamw-8bit   | 2n uint8 + 2·⌈n/2048⌉ fp32 absmax  | bitsandbytes blockwise 8-bit Adam (Dettmers et al. 2022, block 2048) |
+| adamw-8bit   | 2n uint8 + 2·⌈n/256⌉ fp32 absmax; 2n fp32 when n < 4096 | bitsandbytes blockwise 8-bit AdamW (Dettmers et al. 2022; block 256 since 0.44, min_8bit_size 4096) |
+| paged-adamw  | 2n fp32 (bitsandbytes 32-bit kernel) | bitsandbytes PagedAdamW |
+| paged-adamw-8bit | as adamw-8bit                  | bitsandbytes PagedAdamW8bit |
+
+Paged optimizers keep the state buffers of tensors with at least 1e5 elements in CUDA unified
+memory (bitsandbytes optim/optimizer.py `get_state_buffer`): those bytes are not in these
+device terms (the allocator does not see them) but in `paged_split` (reported as overhead).
+Only trainable tensors have states (`ctx.train_shapes`: the adapters under LoRA/QLoRA/DoRA).
 
 Mixed precision `bf16`/`fp16` adds an fp32 master copy (4n): the ZeRO paper's K = 12 with
 Adam = 4 (master) + 8 (m, v). Sharded ÷N_d from ZeRO-1 (DeepSpeed flat partitions,
@@ -23,9 +30,30 @@ from __future__ import annotations
 
 from vramcalc.sharding import RankTensor, dim0_numel, sharded_numel
 from vramcalc.terms.context import RankContext
-from vramcalc.units import alloc, ceil_div
+from vramcalc.units import alloc, ceil_div, nbytes
 
-BNB_BLOCK = 2048  # bitsandbytes blockwise quantization block for optimizer states
+# bitsandbytes 8-bit optimizer states: one fp32 absmax per block of 256 elements since
+# bitsandbytes 0.44.0 (bitsandbytes#1365, 2024-09-20; 2048 before), and tensors with fewer
+# than min_8bit_size = 4096 elements keep 32-bit states (optim/optimizer.py
+# Optimizer2State.init_state, 0.50.1 @ 95f9af30). Paged states: tensors of >= 1e5 elements.
+BNB_BLOCK = 256
+BNB_MIN_8BIT_SIZE = 4096
+BNB_PAGED_MIN_NUMEL = 100_000
+BNB_OPTIMIZERS = ("adamw-8bit", "paged-adamw", "paged-adamw-8bit")
+
+
+def bnb_state_split(n: int, optimizer: str) -> tuple[int, int]:
+    """(device, unified-memory) bytes of a bitsandbytes AdamW's states for n elements: two
+    uint8 states + two fp32 absmax per block (8-bit, n >= 4096) or two fp32 states; paged
+    optimizers move the state buffers (not the absmax) of tensors >= 1e5 elements to unified
+    memory, allocated outside the caching allocator (no 512-byte rounding)."""
+    if optimizer.endswith("8bit") and n >= BNB_MIN_8BIT_SIZE:
+        dtype, absmax = "uint8", 2 * alloc(ceil_div(n, BNB_BLOCK), "fp32")
+    else:
+        dtype, absmax = "fp32", 0
+    if optimizer.startswith("paged-") and n >= BNB_PAGED_MIN_NUMEL:
+        return absmax, 2 * nbytes(n, dtype)
+    return 2 * alloc(n, dtype) + absmax, 0
 
 
 def state_bytes_for_tensor(t: RankTensor, optimizer: str, state_dtype: str, shard: int,
@@ -43,9 +71,8 @@ def state_bytes_for_tensor(t: RankTensor, optimizer: str, state_dtype: str, shar
             cols = t.numel // t.rows
             return alloc(t.rows, state_dtype) + alloc(cols, state_dtype)
         return alloc(n, state_dtype)
-    if optimizer == "adamw-8bit":
-        blocks = ceil_div(n, BNB_BLOCK)
-        return 2 * alloc(n, "uint8") + 2 * alloc(blocks, "fp32")
+    if optimizer in BNB_OPTIMIZERS:
+        return bnb_state_split(n, optimizer)[0]
     raise ValueError(f"unknown optimizer {optimizer}")
 
 
@@ -57,8 +84,8 @@ def _flat_state_bytes(n: int, optimizer: str, state_dtype: str) -> int:
         return alloc(n, state_dtype)  # a 1-D flat buffer: Adafactor cannot factor it
     if optimizer == "sgd":
         return 0
-    if optimizer == "adamw-8bit":
-        return 2 * alloc(n, "uint8") + 2 * alloc(ceil_div(n, BNB_BLOCK), "fp32")
+    if optimizer in BNB_OPTIMIZERS:
+        return bnb_state_split(n, optimizer)[0]
     raise ValueError(f"unknown optimizer {optimizer}")
 
 
@@ -80,7 +107,7 @@ def optimizer_state_split_on_device(ctx: RankContext) -> dict[str, int]:
     shard = ctx.state_shard
     es = ctx.expert_shard(shard)
     layout = ctx.state_layout
-    shapes = ctx.shapes
+    shapes = ctx.train_shapes
     key = ("opt", tr.optimizer, tr.state_dtype, shard, es, layout, has_master(ctx),
            ctx.engine == "megatron" and ctx.training.weight_dtype == "fp16")
     hit = shapes._memo.get(key)
@@ -111,3 +138,38 @@ def optimizer_state_split_on_device(ctx: RankContext) -> dict[str, int]:
 def optimizer_states_bytes(ctx: RankContext) -> int:
     """Total device bytes of optimizer states and master weights on this rank."""
     return sum(optimizer_state_split(ctx).values())
+
+
+def paged_split(ctx: RankContext) -> tuple[int, int]:
+    """(device, unified-memory) optimizer-state bytes of a paged bitsandbytes optimizer on
+    this rank (per-tensor states; flat partitions under DeepSpeed/Megatron count as one
+    tensor each). (0, 0) for other optimizers or when the states are offloaded."""
+    tr = ctx.training
+    if not tr.optimizer.startswith("paged-") or "optimizer" in ctx.parallel.offload or (
+            ctx.engine == "fsdp2" and ctx.parallel.offload):
+        return 0, 0
+    shard = ctx.state_shard
+    es = ctx.expert_shard(shard)
+    shapes = ctx.train_shapes
+    key = ("paged", tr.optimizer, shard, es, ctx.state_layout)
+    hit = shapes._memo.get(key)
+    if hit is not None:
+        return hit
+    parts: list[tuple[int, int]] = []
+    if ctx.state_layout == "flat" and (shard > 1 or es > 1 or ctx.engine == "deepspeed"):
+        for experts, n in ((False, shard), (True, es)):
+            numel = sum(t.numel * t.count for t in shapes.tensors if t.is_expert == experts)
+            if numel:
+                parts.append((ceil_div(numel, n), 1))
+    else:
+        for t in shapes.tensors:
+            n = es if t.is_expert else shard
+            numel = dim0_numel(t, n) if ctx.state_layout == "dim0" else sharded_numel(t.numel, n)
+            parts.append((numel, t.count))
+    device = paged = 0
+    for numel, count in parts:
+        d, p = bnb_state_split(numel, tr.optimizer)
+        device += count * d
+        paged += count * p
+    shapes._memo[key] = (device, paged)
+    return device, paged

@@ -46,7 +46,7 @@ def optimizer_step_temp_bytes(ctx: RankContext) -> int:
         return fused_step_temp_bytes(ctx)
     tr = ctx.training
     shard = ctx.state_shard
-    tensors = [(sharded_numel(t.numel, shard), t.count, t.rows) for t in ctx.tensors]
+    tensors = [(sharded_numel(t.numel, shard), t.count, t.rows) for t in ctx.train_tensors]
     temp = copy_peak = 0
     if tr.has_master_weights and tensors:
         temp = sum(c * (alloc(n, "fp32") - alloc(n, tr.grad_dtype)) for n, c, _ in tensors)
@@ -105,6 +105,14 @@ def _master_copy_peak(ctx: RankContext, shard: int) -> int:
     def delta(n: int) -> int:
         return alloc(sharded_numel(n, shard), "fp32") - alloc(sharded_numel(n, shard), g)
 
+    if ctx.training.finetune != "full":  # adapters only, in model order (vramcalc/finetune.py)
+        best = prefix = 0
+        for t in ctx.train_tensors:
+            for _ in range(t.count):
+                best = max(best, prefix + alloc(sharded_numel(t.numel, shard), "fp32"))
+                prefix += delta(t.numel)
+        return best
+
     emb, layer, tail = _module_order(ctx)
     best = prefix = 0
     for n in emb:
@@ -124,6 +132,10 @@ def autocast_cache_layer_bytes(ctx: RankContext) -> int:
     layers when dense and MoE layers mix."""
     if not ctx.training.is_autocast or ctx.engine == "fsdp2":  # FSDP2 casts via its MP policy
         return 0
+    if ctx.training.finetune != "full":  # frozen weights' casts: vramcalc/terms/finetune_activations.py
+        from vramcalc.terms.finetune_activations import autocast_cache_layer_bytes as ft_cache
+
+        return ft_cache(ctx)
     n = ctx.num_layers
     c = ctx.training.compute_dtype
     total = sum(t.count * alloc(t.numel, c) for t in ctx.tensors

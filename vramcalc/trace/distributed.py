@@ -181,7 +181,6 @@ def distributed_trace(scn: Scenario, progress: Progress | None = None,
     """Trace rank 0 of an FSDP2 data-parallel world (see the module docstring)."""
     scn = check_distributed(scn)
     try:
-        import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.distributed.device_mesh import init_device_mesh
     except ImportError:  # pragma: no cover - torch is an optional extra

@@ -106,11 +106,17 @@ def build_model(scn: Scenario) -> Any:
     if tr.framework == "hf":
         from vramcalc.trace.hf_models import build_hf_model
 
-        return build_hf_model(scn.model, tr, dtype)
-    from vramcalc.trace.reference_model import ReferenceModel
+        model = build_hf_model(scn.model, tr, dtype)
+    else:
+        from vramcalc.trace.reference_model import ReferenceModel
 
-    return ReferenceModel(scn.model, attention=tr.attention, recompute=tr.recompute,
-                          capacity_factor=scn.parallel.capacity_factor, dtype=dtype)
+        model = ReferenceModel(scn.model, attention=tr.attention, recompute=tr.recompute,
+                               capacity_factor=scn.parallel.capacity_factor, dtype=dtype)
+    if tr.finetune != "full":  # LoRA / QLoRA / DoRA (vramcalc/trace/lora.py)
+        from vramcalc.trace.lora import apply_finetune
+
+        model = apply_finetune(model, scn)
+    return model
 
 
 def _loss(model: Any, framework: str, ids: Any, labels: Any) -> Any:

@@ -45,38 +45,61 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def _fused_kernels(x: torch.Tensor) -> bool:
-    """Use aten's fused RMSNorm kernels (CUDA, and fake/meta tensors standing in for CUDA);
-    real CPU tensors have no fused kernel and take the composite path."""
-    return x.device.type != "cpu" or type(x).__name__ == "FakeTensor"
+@torch.library.custom_op("vramcalc::rms_norm", mutates_args=())
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[
+        torch.Tensor, torch.Tensor]:
+    """RMSNorm as one kernel: (weight · x / rms(x), rstd (..., 1) fp32).
+
+    On CUDA this is aten's fused kernel; elsewhere the same math in plain ops. As a custom
+    op its fake kernel allocates exactly the two outputs, as the fused kernel does (aten's
+    fake implementation would decompose and allocate fp32 temporaries)."""
+    if x.is_cuda:
+        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        return y, rstd
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1) fp32
+    return (xf * rstd).to(x.dtype) * weight, rstd
 
 
-class _RMSNormFunction(torch.autograd.Function):
-    """RMSNorm that saves what fused CUDA kernels save: the input x and fp32 rstd (..., 1)."""
+@rms_norm_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(x, dtype=torch.result_type(x, weight))
+    return out, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
 
-    @staticmethod
-    def forward(ctx, x, weight, eps):  # type: ignore[override]
-        if _fused_kernels(x):
-            y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
-        else:
-            xf = x.float()
-            rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1) fp32
-            y = (xf * rstd).to(x.dtype) * weight
-        ctx.save_for_backward(x, weight, rstd)
-        return y
 
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        x, weight, rstd = ctx.saved_tensors
-        if _fused_kernels(x):
-            dx, dw = torch.ops.aten._fused_rms_norm_backward(
-                grad, x, [x.shape[-1]], rstd, weight, [True, True])
-            return dx, dw, None
-        xhat = x.float() * rstd
-        gw = grad.float() * weight.float()
-        dx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
-        dw = (grad.float() * xhat).reshape(-1, x.shape[-1]).sum(0)
-        return dx.to(x.dtype), dw.to(weight.dtype), None
+@torch.library.custom_op("vramcalc::rms_norm_backward", mutates_args=())
+def rms_norm_backward_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                         rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d x, d weight) of `rms_norm_op`; fused on CUDA, plain ops elsewhere."""
+    if x.is_cuda:
+        dx, dw = torch.ops.aten._fused_rms_norm_backward(
+            grad, x, [x.shape[-1]], rstd, weight, [True, True])
+        return dx, dw
+    xhat = x.float() * rstd
+    gw = grad.float() * weight.float()
+    dx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+    dw = (grad.float() * xhat).reshape(-1, x.shape[-1]).sum(0)
+    return dx.to(x.dtype), dw.to(weight.dtype)
+
+
+@rms_norm_backward_op.register_fake
+def _(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+      rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _rms_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+    x, weight, _eps = inputs
+    ctx.save_for_backward(x, weight, output[1])  # input + fp32 rstd, as fused kernels keep
+
+
+def _rms_backward(ctx, grad, _grad_rstd):  # noqa: ANN001, ANN202
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_backward_op(grad, x, weight, rstd)
+    return dx, dw, None
+
+
+rms_norm_op.register_autograd(_rms_backward, setup_context=_rms_setup)
 
 
 class RMSNorm(nn.Module):
@@ -90,7 +113,7 @@ class RMSNorm(nn.Module):
             # mixed dtypes only under autocast (16-bit q/k into qk_norm); CUDA autocast runs
             # rms_norm in fp32, so the saved input is the fp32 copy
             x = x.to(self.weight.dtype)
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        return rms_norm_op(x, self.weight, self.eps)[0]
 
 
 def make_norm(spec: ModelSpec, width: int, **kw: object) -> nn.Module:

@@ -1,0 +1,310 @@
+"""Fine-tuning methods: which tensors train, the adapters LoRA/DoRA add, QLoRA's NF4 layout,
+and the paged optimizers' unified-memory states.
+
+`--finetune` (TrainingConfig.finetune):
+
+| method | base weights                         | trainable                         | source |
+|--------|--------------------------------------|-----------------------------------|--------|
+| full   | policy weight dtype, trainable       | every parameter                   | |
+| lora   | policy weight dtype, frozen          | A (r × in), B (out × r) per targeted linear | Hu et al. 2021; PEFT `LoraConfig` |
+| qlora  | layer linears NF4 (block 64, double-quantized absmax), the rest frozen in the policy dtype | as lora | Dettmers et al. 2023; bitsandbytes `Params4bit` |
+| dora   | as lora                              | as lora + magnitude (out) per targeted linear | Liu et al. 2024; PEFT `use_dora=True` |
+
+Frozen tensors have no gradients and no optimizer states. The adapters' dtype depends on the
+profile: `hf` follows PEFT's `get_peft_model(..., autocast_adapter_dtype=True)` default,
+which upcasts bf16/fp16 adapters to fp32 (peft/tuners/tuners_utils.py `cast_adapter_dtype`),
+so under a 16-bit policy they are fp32 parameters with fp32 gradients and no master copy;
+`reference` keeps them in the policy's weight dtype (torchtune's choice: the whole model,
+adapters included, in the training dtype). Adapters are not split by tensor parallelism
+(each rank keeps r·(in + out) per targeted linear: a small overestimate for NeMo-style
+parallel adapters).
+
+QLoRA storage per quantized tensor of n elements (bitsandbytes 0.50.1 @ 95f9af30,
+functional.py `quantize_4bit` with `compress_statistics=True`, `quantize_blockwise`,
+`get_4bit_type`), each a separate allocation:
+
+| tensor               | dtype  | elements        |
+|----------------------|--------|-----------------|
+| packed weight        | uint8  | ⌈n/2⌉ (two 4-bit codes per byte) |
+| absmax (quantized)   | uint8  | ⌈n/64⌉          |
+| state2.absmax        | fp32   | ⌈⌈n/64⌉/256⌉    |
+| state2.code          | fp32   | 256 (a per-tensor copy of the dynamic map) |
+| offset               | fp32   | 1 (0-dim)       |
+| code (NF4 table)     | fp32   | 16              |
+
+Which tensors are quantized: every linear weight inside the transformer layers (attention
+projections, MLP and expert matrices); the embedding, norms, biases, router and lm_head stay
+in the policy's dtype (transformers keeps the output embedding out of bitsandbytes,
+`get_keys_to_not_convert`). Paged optimizers (bitsandbytes `is_paged=True`) keep the states of
+tensors with at least 1e5 elements in CUDA unified memory (`Optimizer8bit.get_state_buffer`):
+device memory the PyTorch allocator does not see (nvidia-smi does), which the driver evicts to
+host RAM under memory pressure.
+
+Everything here is pure and torch-free; the tensor lists are cached per (spec, layout,
+method) because the planner estimates thousands of scenarios.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import lru_cache
+
+from vramcalc.errors import InputError
+from vramcalc.model import ModelSpec, param_tensors
+from vramcalc.sharding import RankShapes, RankTensor, _rank_shapes
+from vramcalc.units import alloc, ceil_div
+
+FINETUNES: tuple[str, ...] = ("full", "lora", "qlora", "dora")
+ADAPTER_METHODS: tuple[str, ...] = ("lora", "qlora", "dora")
+# Target names: q, k, v, o projections and the MLP's gate, up (fc) and down (proj) matrices.
+TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+ALL_LINEAR = "all-linear"
+# PEFT's default targets for Llama, Mistral, Qwen2 (and Mixtral): q_proj and v_proj
+# (peft/utils/constants.py TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, peft 0.21.2).
+DEFAULT_TARGETS = "q,v"
+DEFAULT_RANK = 8  # peft LoraConfig.r default
+_ALIASES = {
+    "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "out_proj": "o",
+    "gate_proj": "gate", "up_proj": "up", "down_proj": "down", "fc": "up", "c_fc": "up",
+    "fc1": "up", "w1": "gate", "w3": "up", "w2": "down", "proj": "down", "fc2": "down",
+    "all_linear": ALL_LINEAR, "all": ALL_LINEAR,
+}
+
+NF4_BLOCK = 64  # bitsandbytes Params4bit blocksize default
+NF4_ABSMAX_BLOCK = 256  # double quantization of the absmax values (quantize_blockwise, 256)
+NF4_STATE2_CODE_ELEMS = 256  # state2.code: the 8-bit dynamic map, copied per tensor
+NF4_CODE_ELEMS = 16  # the NF4 lookup table (get_4bit_type), one per tensor
+PAGED_MIN_NUMEL = 100_000  # bitsandbytes get_state_buffer: smaller tensors are not paged
+PAGED_OPTIMIZERS: tuple[str, ...] = ("paged-adamw", "paged-adamw-8bit")
+
+
+# ---- option values ---------------------------------------------------------------------
+def parse_targets(value: object) -> str:
+    """'q,v', 'Q_PROJ, v_proj', ['q', 'v'] or 'all-linear' -> canonical 'q,v' / 'all-linear'.
+
+    Unknown names raise InputError with suggestions."""
+    from vramcalc.options import suggest
+
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    names: set[str] = set()
+    for raw in items:
+        word = str(raw).strip().lower().replace(" ", "")
+        if not word:
+            continue
+        word = _ALIASES.get(word, word)
+        if word == ALL_LINEAR:
+            return ALL_LINEAR
+        if word not in TARGETS:
+            choices = list(TARGETS) + [ALL_LINEAR] + list(_ALIASES)
+            raise InputError(f"--lora-targets: unknown target {raw!r}{suggest(word, choices)} "
+                             f"(choices: {', '.join(TARGETS)} or {ALL_LINEAR})")
+        names.add(word)
+    if not names:
+        raise InputError(f"--lora-targets: give at least one of {', '.join(TARGETS)} or "
+                         f"{ALL_LINEAR}")
+    return ",".join(t for t in TARGETS if t in names)
+
+
+def is_finetune(training: object) -> bool:
+    """A parameter-efficient method (the base is frozen)."""
+    return getattr(training, "finetune", "full") in ADAPTER_METHODS
+
+
+def adapter_dtype(framework: str, weight_dtype: str) -> str:
+    """Adapter parameters' dtype: PEFT (hf) upcasts 16-bit adapters to fp32; the reference
+    model keeps the policy's weight dtype (see the module docstring)."""
+    return "fp32" if framework == "hf" else weight_dtype
+
+
+# ---- which linears, which tensors --------------------------------------------------------
+def _mlp_prefixes() -> tuple[str, ...]:
+    return ("mlp.", "shared_expert.")
+
+
+def target_param_names(spec: ModelSpec, targets: str) -> frozenset[str]:
+    """Parameter names (vramcalc.model.param_tensors) of the linears that get adapters.
+
+    Routed experts are never targeted (transformers 5 keeps them as fused 3-D parameters that
+    PEFT's LoRA layers do not wrap); shared experts and dense MLPs are."""
+    gated = spec.mlp_kind == "gated"
+    wanted = set(TARGETS) if targets == ALL_LINEAR else set(targets.split(","))
+    if not gated and "gate" in wanted and targets != ALL_LINEAR:
+        raise InputError(f"--lora-targets: {spec.name} has a 2-matrix MLP (no gate); "
+                         "target up (fc) and down (proj) instead")
+    names: set[str] = set()
+    for t in ("q", "k", "v", "o"):
+        if t in wanted:
+            names.add(f"attn.{t}_proj.weight")
+    mats = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"} if gated else {
+        "up": "fc", "down": "proj"}
+    for t, mat in mats.items():
+        if t in wanted:
+            names.update(f"{p}{mat}.weight" for p in _mlp_prefixes())
+    return frozenset(names)
+
+
+def _is_quantized(t: RankTensor) -> bool:
+    """QLoRA quantizes every linear weight inside the layers (not norms, biases, router)."""
+    return (t.group in ("layer", "expert") and t.rows > 0 and t.name.endswith(".weight")
+            and "norm" not in t.name and not t.name.startswith(("router", "shared_expert_gate")))
+
+
+@dataclass(frozen=True, eq=False)
+class FinetuneShapes:
+    """One rank's tensors under a parameter-efficient method, split by role."""
+
+    all: RankShapes  # base (frozen) + adapters: what the rank holds
+    frozen: RankShapes  # base tensors in the policy's weight dtype
+    quantized: RankShapes  # NF4 base tensors (QLoRA), numel = logical elements
+    adapters: RankShapes  # trainable adapter tensors (A, B, DoRA magnitude)
+
+
+def finetune_shapes(spec: ModelSpec, training: object, tp: int, pp: int, v: int, ep: int,
+                    stage: int) -> FinetuneShapes:
+    """The rank's tensors for `training.finetune` (cached; see `_finetune_shapes`)."""
+    tr = training
+    return _finetune_shapes(spec, tp, pp, v, ep, stage, tr.finetune,  # type: ignore[attr-defined]
+                            tr.lora_rank, tr.lora_targets,  # type: ignore[attr-defined]
+                            adapter_dtype(tr.framework, tr.weight_dtype))  # type: ignore[attr-defined]
+
+
+@lru_cache(maxsize=2048)
+def _finetune_shapes(spec: ModelSpec, tp: int, pp: int, v: int, ep: int, stage: int,
+                     method: str, rank: int, targets: str, a_dtype: str) -> FinetuneShapes:
+    base = _rank_shapes(spec, tp, pp, v, ep, stage)
+    full = {p.name: p for p in param_tensors(spec)}
+    wanted = target_param_names(spec, targets)
+    frozen: list[RankTensor] = []
+    quant: list[RankTensor] = []
+    adapters: list[RankTensor] = []
+    for t in base.tensors:
+        if method == "qlora" and _is_quantized(t):
+            quant.append(dataclasses.replace(t, trainable=False, dtype="nf4"))
+        else:
+            frozen.append(dataclasses.replace(t, trainable=False))
+        if t.name not in wanted:
+            continue
+        p = full[t.name]
+        out_f, in_f = p.rows, p.numel // p.rows  # unsplit (adapters are replicated over tp)
+        stem = t.name[: -len(".weight")]
+        adapters.append(RankTensor(name=f"{stem}.lora_A", numel=rank * in_f, count=t.count,
+                                   group=t.group, rows=rank, dtype=a_dtype))
+        adapters.append(RankTensor(name=f"{stem}.lora_B", numel=out_f * rank, count=t.count,
+                                   group=t.group, rows=out_f, dtype=a_dtype))
+        if method == "dora":
+            adapters.append(RankTensor(name=f"{stem}.lora_magnitude", numel=out_f,
+                                       count=t.count, group=t.group, dtype=a_dtype))
+
+    def shapes(ts: list[RankTensor]) -> RankShapes:
+        return RankShapes(tensors=tuple(ts), num_layers=base.num_layers,
+                          num_moe_layers=base.num_moe_layers)
+
+    return FinetuneShapes(all=shapes(frozen + quant + adapters), frozen=shapes(frozen),
+                          quantized=shapes(quant), adapters=shapes(adapters))
+
+
+def shapes_for(ctx: object) -> FinetuneShapes:
+    """FinetuneShapes of a RankContext (vramcalc.terms.context)."""
+    par = ctx.parallel  # type: ignore[attr-defined]
+    return finetune_shapes(ctx.spec, ctx.training, par.tp, par.pp,  # type: ignore[attr-defined]
+                           par.pp_chunks, par.ep, ctx.stage)  # type: ignore[attr-defined]
+
+
+def targeted_linears(spec: ModelSpec, targets: str) -> tuple[str, ...]:
+    """Target letters present in one layer of this model (q, k, v, o, gate, up, down)."""
+    names = target_param_names(spec, targets)
+    out = []
+    for t in TARGETS:
+        if t in ("q", "k", "v", "o"):
+            hit = f"attn.{t}_proj.weight" in names
+        else:
+            mat = {"gate": ("gate_proj",), "up": ("up_proj", "fc"), "down": ("down_proj", "proj")}[t]
+            hit = any(f"mlp.{m}.weight" in names for m in mat)
+        if hit:
+            out.append(t)
+    return tuple(out)
+
+
+# ---- NF4 storage -------------------------------------------------------------------------
+def nf4_constant_bytes(n: int) -> int:
+    """Quantization constants of one NF4 tensor of n elements (module docstring table)."""
+    blocks = ceil_div(n, NF4_BLOCK)
+    return (alloc(blocks, "uint8") + alloc(ceil_div(blocks, NF4_ABSMAX_BLOCK), "fp32")
+            + alloc(NF4_STATE2_CODE_ELEMS, "fp32") + alloc(1, "fp32")
+            + alloc(NF4_CODE_ELEMS, "fp32"))
+
+
+def nf4_tensor_bytes(n: int) -> int:
+    """Packed data + constants of one NF4 tensor of n elements."""
+    return alloc(ceil_div(n, 2), "uint8") + nf4_constant_bytes(n)
+
+
+def dequant_transient_bytes(n: int, dtype: str) -> int:
+    """Temporaries of dequantizing one NF4 weight of n elements for a matmul (bitsandbytes
+    backends/cuda/ops.py `_dequant_linear_fallback`): the fp32 absmax decoded from its
+    8-bit form, absmax + offset (a second fp32 copy), and the weight in `dtype`."""
+    blocks = ceil_div(n, NF4_BLOCK)
+    return 2 * alloc(blocks, "fp32") + alloc(n, dtype)
+
+
+# ---- weights ---------------------------------------------------------------------------
+def weight_parts(ctx: object) -> dict[str, int]:
+    """Device bytes of the rank's weights by sub-term: weights/frozen (base in the policy's
+    dtype), weights/nf4 (packed 4-bit data), weights/nf4_constants (absmax, codes),
+    weights/adapters. Sharded like any parameter under ZeRO-3/FSDP (NF4 constants are kept
+    whole on every rank, as bitsandbytes' QuantState is not a parameter)."""
+    fs = shapes_for(ctx)
+    tr = ctx.training  # type: ignore[attr-defined]
+    shard = ctx.param_shard  # type: ignore[attr-defined]
+    es = ctx.expert_shard(shard)  # type: ignore[attr-defined]
+    layout = ctx.weight_layout  # type: ignore[attr-defined]
+    out = {"weights/frozen": fs.frozen.nbytes(tr.weight_dtype, shard, es, layout)}
+    if fs.quantized.tensors:
+        out["weights/nf4"] = fs.quantized.nbytes("nf4", shard, es, layout)
+        out["weights/nf4_constants"] = sum(t.count * nf4_constant_bytes(t.numel)
+                                           for t in fs.quantized.tensors)
+    out["weights/adapters"] = fs.adapters.nbytes(
+        adapter_dtype(tr.framework, tr.weight_dtype), shard, es, layout)
+    return out
+
+
+# ---- optimizers ------------------------------------------------------------------------
+def paged_state_bytes(ctx: object) -> int:
+    """Optimizer-state bytes a paged bitsandbytes optimizer keeps in unified memory: the
+    state buffers of trainable tensors with at least 1e5 elements (absmax buffers and small
+    tensors stay in ordinary device memory)."""
+    tr = ctx.training  # type: ignore[attr-defined]
+    if tr.optimizer not in PAGED_OPTIMIZERS:
+        return 0
+    from vramcalc.terms.optimizer_states import paged_split
+
+    return paged_split(ctx)[1]
+
+
+# ---- notes -----------------------------------------------------------------------------
+def notes(ctx: object) -> list[str]:
+    """Lines for the report's notes about fine-tuning and paged memory."""
+    from vramcalc.units import fmt_gb
+
+    tr = ctx.training  # type: ignore[attr-defined]
+    out: list[str] = []
+    if is_finetune(tr):
+        fs = shapes_for(ctx)
+        n_train = fs.adapters.numel()
+        n_all = n_train + fs.frozen.numel() + fs.quantized.numel()
+        out.append(f"{tr.finetune}: r={tr.lora_rank}, targets {tr.lora_targets}: "
+                   f"{n_train:,} trainable parameters ({100 * n_train / max(n_all, 1):.3f}% "
+                   f"of this rank's {n_all:,}); the frozen base has no gradients or "
+                   "optimizer states")
+        if tr.finetune == "qlora":
+            out.append("qlora: layer linears stored in NF4 (4.13 bits/param with double-"
+                       "quantized absmax); each matmul dequantizes its weight into a "
+                       "transient copy")
+    paged = paged_state_bytes(ctx)
+    if paged:
+        out.append(f"{tr.optimizer}: {fmt_gb(paged)} of optimizer states live in CUDA unified "
+                   "memory: invisible to torch.cuda.max_memory_allocated (not in the peak), "
+                   "visible in nvidia-smi (counted in overhead/paged_optimizer_states); the "
+                   "driver pages them to host RAM under memory pressure instead of failing")
+    return out

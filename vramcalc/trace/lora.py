@@ -1,0 +1,153 @@
+"""LoRA, QLoRA and DoRA on the traced models (vramcalc/finetune.py says what is modelled).
+
+`apply_finetune(model, scn)` turns the model `vramcalc.trace.engine.build_model` made into
+the fine-tuning one, inside the trace's FakeTensorMode:
+
+- every base parameter is frozen (`requires_grad_(False)`);
+- QLoRA: every linear inside the transformer layers (attention projections, MLP, expert and
+  shared-expert matrices; not the router, not lm_head) becomes `vramcalc.trace.nf4.NF4Linear`,
+  bitsandbytes' Linear4bit storage layout, computing in the policy's compute dtype
+  (`bnb_4bit_compute_dtype`);
+- reference profile: each targeted linear is wrapped in `LoRALinear` (adapters in the
+  policy's weight dtype; y = base(x) + B(A(dropout(x)))·α/r, PEFT's formula without its
+  input cast; DoRA as PEFT's DoraLinearLayer);
+- hf profile: `peft.get_peft_model(model, LoraConfig(r, target_modules, lora_dropout,
+  use_dora))` with PEFT's defaults (adapters upcast to fp32, inputs cast to the adapter
+  dtype). For QLoRA the NF4 layers are put in first, as bitsandbytes' loader does, so PEFT
+  wraps 4-bit bases (it keeps fp32 adapters next to a uint8 weight).
+
+torch (and peft for the hf profile) are imported only when a trace runs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from vramcalc.errors import InputError
+from vramcalc.finetune import targeted_linears
+from vramcalc.trace.nf4 import NF4Linear
+
+LORA_ALPHA = 16  # changes values only (scaling α/r), not memory
+_PEFT_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
+               "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LoRALinear(nn.Module):
+    """A frozen base linear plus trained adapters A (r × in) and B (out × r)."""
+
+    def __init__(self, base: nn.Linear, rank: int, dropout: float, dtype: torch.dtype,
+                 dora: bool = False) -> None:
+        super().__init__()
+        self.base = base
+        dev = base.weight.device
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=dev, dtype=dtype)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=dev, dtype=dtype)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+        self.dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.scaling = LORA_ALPHA / rank
+        self.magnitude = (nn.Parameter(torch.ones(base.out_features, device=dev, dtype=dtype))
+                          if dora else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.magnitude is None:
+            return y + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+        return y + self._dora(self.dropout(x), y)
+
+    def _dora(self, x: torch.Tensor, base_result: torch.Tensor) -> torch.Tensor:
+        """PEFT DoraLinearLayer.forward (peft 0.21.2 tuners/lora/dora.py), dropout-free form."""
+        a_w = self.lora_A.weight
+        eye = torch.eye(a_w.shape[1], device=a_w.device, dtype=a_w.dtype)  # (in, in)
+        lora_weight = self.lora_B(self.lora_A(eye)).T  # (out, in)
+        weight = self._base_weight(x.dtype)
+        norm = torch.linalg.norm(weight + self.scaling * lora_weight.detach().to(x.dtype), dim=1)
+        norm = norm.to(weight.dtype).detach()  # (out,): treated as a constant (DoRA Sec. 4.3)
+        scale = (self.magnitude / norm).view(1, -1)
+        lora_result = self.lora_B(self.lora_A(x))
+        return (scale - 1) * base_result + scale * lora_result * self.scaling
+
+    def _base_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(self.base, NF4Linear):
+            return self.base.new_weight(dtype)
+        return self.base.weight.to(dtype)
+
+
+def _linears(block: nn.Module) -> list[tuple[nn.Module, str, str | None]]:
+    """(parent, attribute, target letter or None) of every linear in a reference block that
+    QLoRA quantizes; the target letter says which --lora-targets name adapts it."""
+    out: list[tuple[nn.Module, str, str | None]] = []
+    attn = block.attn
+    for t in ("q", "k", "v", "o"):
+        out.append((attn, f"{t}_proj", t))
+    mlp = block.mlp
+
+    def dense(m: nn.Module, targeted: bool) -> None:
+        for attr, t in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down"),
+                        ("fc", "up"), ("proj", "down")):
+            if isinstance(getattr(m, attr, None), nn.Linear):
+                out.append((m, attr, t if targeted else None))
+
+    if hasattr(mlp, "experts"):  # MoE: routed experts frozen, shared experts adaptable
+        for e in mlp.experts:
+            dense(e, False)
+        for sh in mlp.shared_experts:
+            dense(sh, True)
+    else:
+        dense(mlp, True)
+    return out
+
+
+def _reference(model: nn.Module, scn: Any) -> nn.Module:
+    tr = scn.training
+    wanted = set(targeted_linears(scn.model, tr.lora_targets))
+    a_dtype = _TORCH[tr.weight_dtype]
+    compute = _TORCH[tr.compute_dtype]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for block in model.layers:
+        for parent, attr, target in _linears(block):
+            lin = getattr(parent, attr)
+            if tr.finetune == "qlora":
+                lin = NF4Linear.from_linear(lin, compute)
+            if target in wanted:
+                lin = LoRALinear(lin, tr.lora_rank, tr.lora_dropout, a_dtype,
+                                 dora=tr.finetune == "dora")
+            setattr(parent, attr, lin)
+    return model
+
+
+def _hf(model: nn.Module, scn: Any) -> nn.Module:
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:  # pragma: no cover - peft is a test dependency
+        raise InputError("tracing LoRA with the hf profile needs peft: pip install peft") from None
+    tr = scn.training
+    if tr.finetune == "qlora":
+        compute = _TORCH[tr.compute_dtype]
+        layers = model.get_decoder().layers
+        for layer in layers:
+            for name, mod in list(layer.named_modules()):
+                if isinstance(mod, nn.Linear) and not isinstance(mod, NF4Linear) and (
+                        name.rsplit(".", 1)[-1] not in ("router", "gate")):
+                    parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
+                    setattr(parent, name.rsplit(".", 1)[-1], NF4Linear.from_linear(mod, compute))
+    targets = [_PEFT_NAMES[t] for t in targeted_linears(scn.model, tr.lora_targets)]
+    cfg = LoraConfig(r=tr.lora_rank, lora_alpha=LORA_ALPHA, target_modules=targets,
+                     lora_dropout=tr.lora_dropout, bias="none", use_dora=tr.finetune == "dora",
+                     task_type="CAUSAL_LM")
+    return get_peft_model(model, cfg)
+
+
+def apply_finetune(model: nn.Module, scn: Any) -> nn.Module:
+    """The fine-tuning model for `scn.training.finetune` (see the module docstring)."""
+    if scn.training.finetune == "full":
+        return model
+    if scn.training.framework == "hf":
+        return _hf(model, scn)
+    return _reference(model, scn)
