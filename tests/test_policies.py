@@ -7,7 +7,8 @@ Independent sources:
   size of the parameter); SGD with momentum keeps momentum_buffer; plain SGD keeps none.
 - Megatron-LM distributed-optimizer docs: fp32 training 16 B/param (4 + 4 + 8).
 - bitsandbytes 8-bit Adam (Dettmers et al. 2022): 1 byte per state element plus one fp32
-  absmax per 2048-element block.
+  absmax per block; `Optimizer2State.init_state` in bitsandbytes/optim/optimizer.py uses
+  256-element blocks (2048 in releases before 0.44), fp32 states below min_8bit_size=4096.
 
 A one-layer model with large, 512-byte-aligned tensors keeps allocator rounding out of the
 arithmetic, so the expected values are plain products.
@@ -64,11 +65,11 @@ def test_zero_paper_total_is_16_bytes_per_param() -> None:
 
 
 def test_adamw_8bit_states() -> None:
-    # 2 states x 1 byte + 2 x fp32 absmax per 2048 elements (every tensor is a 2048-multiple);
-    # the two 4096-element norms have 2 blocks -> 8 B of absmax, one 512-byte block each
+    # 2 states x 1 byte + 2 x fp32 absmax per 256 elements (every tensor is a 256-multiple);
+    # the two 4096-element norms have 16 blocks -> 64 B of absmax, one 512-byte block each
     _, _, ob = model_state_bytes("fp32", "adamw-8bit")
     norms = 2 * 4096
-    assert ob == 2 * N + 2 * 4 * ((N - norms) // 2048) + 2 * 2 * 512
+    assert ob == 2 * N + 2 * 4 * ((N - norms) // 256) + 2 * 2 * 512
 
 
 def test_adafactor_factored_states() -> None:

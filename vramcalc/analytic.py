@@ -143,7 +143,8 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     keep_grads = m > 1 or gradients_persistent(ctx)  # ZeRO-2/3, Megatron: buffers kept
     k = in_flight_microbatches(scn, stage)
 
-    n_dense, A_dense, n_moe, A_moe = act.stage_layer_bytes(ctx)
+    P = act.profile(ctx)  # activation, logits and moment bytes (cached)
+    n_dense, A_dense, n_moe, A_moe = P.n_dense, P.dense_layer, P.n_moe, P.moe_layer
 
     gap = 0  # what the first layer does not save when the embedding is frozen (LoRA)
     if train.finetune != "full":
@@ -157,17 +158,16 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
         return dense * A_dense + (n - dense) * A_moe - (gap if n else 0)
 
     A_layer = A_bottom(nL) // nL if nL else 0
-    A_emb = sum(t.nbytes for t in act.embedding_saved(ctx))  # ids, labels, rope, mask
-    A_edges = A_emb + sum(t.nbytes for t in act.head_saved(ctx))
-    cache_layer = tr.autocast_cache_layer_bytes(ctx)
-    cache_head = tr.autocast_cache_head_bytes(ctx)
+    A_emb = P.embedding_side  # ids, labels, rope, mask
+    A_edges = A_emb + P.head_side
+    cache_layer = P.autocast_cache_layer
+    cache_head = P.autocast_cache_head
     A_mb = A_bottom(nL) + A_edges
     C_mb = nL * cache_layer + cache_head
-    logits_keep = lg.logits_saved_bytes(ctx)
+    logits_keep = P.logits_keep
     cublas = tr.cublas_workspace_bytes(gpu_id)
     gather = tr.gather_buffer_bytes(ctx)
-    fwd_work = act.layer_forward_working_bytes(ctx) + comm.layer_forward_comm_bytes(ctx)
-    bwd_work = act.layer_backward_working_bytes(ctx) + comm.layer_backward_comm_bytes(ctx)
+    fwd_work = P.forward_work + comm.layer_forward_comm_bytes(ctx)
     persistent = tr.persistent_buffer_bytes(ctx)
     prev = k - 1  # other in-flight micro-batches (whole)
 
@@ -190,21 +190,21 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
 
     # the forward peaks at the end of the loss, while the final norm runs, at the top
     # layer's last residual add, or inside the top layer's eager attention (below)
-    fwd_logits = lg.logits_forward_peak_bytes(ctx)
-    head_extra = lg.head_forward_extra_bytes(ctx)
+    fwd_logits = P.logits_forward
+    head_extra = P.head_forward_extra
     A_head = A_edges - A_emb
     forward = max([
         fwd_point(k * A_mb + head_extra, fwd_logits, {}),
-        fwd_point(k * A_mb + act.forward_end_extra_bytes(ctx), 0, {}),
+        fwd_point(k * A_mb + P.forward_end_extra, 0, {}),
         fwd_point(k * A_mb - A_head, 0, {"transients/layer_forward": fwd_work}),
     ], key=lambda p: p.total)
 
-    eager_held, eager_work = act.eager_forward_moment(ctx)
+    eager_held, eager_work = P.eager_forward
     if eager_work and nL:
         # the top layer's softmax: its later saved tensors do not exist yet
         top_moe = n_moe > 0
         top_bytes = A_moe if top_moe else A_dense
-        qkv_share = 1 - act.layer_grad_fraction(ctx, "mlp+o")  # casts made so far
+        qkv_share = 1 - P.grad_fraction["mlp+o"]  # casts made so far
         eager = Phase("forward", {
             **base(g_acc),
             "activations": int(prev * A_mb + A_bottom(nL) - top_bytes + eager_held + A_emb),
@@ -226,16 +226,16 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
         "activations": int(k * A_mb),
         "transients/autocast_cache": int(prev * C_mb + C_kept),
         "transients/gather_buffers": gather,
-        "logits": lg.logits_backward_peak_bytes(ctx) + int(prev * logits_keep),
+        "logits": P.logits_backward + int(prev * logits_keep),
     })
 
     G_late = late_gradient_bytes(ctx)  # the (untied) embedding's: after the bottom layer
     comm_bwd = comm.layer_backward_comm_bytes(ctx)
-    root = lg.loss_root_bytes(ctx)
+    root = P.loss_root
 
     def layer_point(i: int, mom: act.Moment) -> Phase:
         """Instant `mom` of the backward of the i-th layer from the top (0-based)."""
-        done = act.layer_grad_fraction(ctx, mom.grads)
+        done = P.grad_fraction[mom.grads]
         grads = G if keep_grads else max(G_head - G_late, 0) + int((i + done) * g_layer)
         return Phase("backward", {
             **base(min(grads, G)),
@@ -254,17 +254,25 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     if nL:
         # the top layer holds every other layer's activations; the bottom one every other
         # layer's gradients (dense layers sit at the bottom, MoE ones at the top)
-        top_moe = n_moe > 0
-        bottom_moe = n_dense == 0
-        candidates += [layer_point(0, mom) for mom in act.layer_backward_moments(ctx, top_moe)]
-        candidates += [layer_point(nL - 1, mom)
-                       for mom in act.layer_backward_moments(ctx, bottom_moe)]
+        candidates += [layer_point(0, mom) for mom in P.top_moments]
+        candidates += [layer_point(nL - 1, mom) for mom in P.bottom_moments]
         if ctx.engine == "fsdp2" and nL > 2:
             # FSDP2: only layers between the top and the bottom hold both the previous
             # layer's reduce-scatter input and the next one's prefetch (comm.reduce_bytes)
             for i in sorted({1, nL - 2}):
                 candidates += [layer_point(i, mom)
                                for mom in act.layer_backward_moments(ctx, i < n_moe)]
+    norm_work = P.final_norm_work
+    if norm_work:
+        lm_in = P.head_freed_at_final_norm
+        candidates.append(Phase("backward", {
+            **base(G if keep_grads else max(G_head - G_late, 0)),
+            "activations": int(k * A_mb - lm_in),
+            "transients/autocast_cache": int(prev * C_mb + C_kept - cache_head),
+            "transients/layer_backward": norm_work,
+            "transients/gather_buffers": gather,
+            "logits": int(prev * logits_keep) + root,
+        }))
     if ctx.is_first_stage:
         # the embedding's backward ends the sweep: every gradient exists; with tied
         # embeddings the head's share waits in autograd's input buffer and is summed with
@@ -283,7 +291,7 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
 
     optimizer = Phase("optimizer", {
         **base(gradients_at_step_bytes(ctx)),
-        "transients/optimizer_step": tr.optimizer_step_temp_bytes(ctx),
+        "transients/optimizer_step": P.optimizer_step,
     })
     phases = [forward, backward, optimizer]
 

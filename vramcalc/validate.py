@@ -69,10 +69,10 @@ SHAPES: dict[str, ModelSpec] = {
                       hidden_act="gelu_new", norm_kind="layernorm", norm_bias=True,
                       attention_bias=True, attention_out_bias=True, mlp_bias=True,
                       position_embedding="learned", tie_word_embeddings=True),
-    # deeper and a small vocabulary: the peak moves into the layers' backward
+    # deeper, with a small vocabulary: the peak moves from the loss into the layers
     "llama-deep": ModelSpec(name="llama-deep", hidden_size=1024, num_hidden_layers=4,
                             num_attention_heads=16, num_key_value_heads=4,
-                            intermediate_size=2816, vocab_size=4096),
+                            intermediate_size=2816, vocab_size=1024),
     # Mixtral-style MoE: 8 experts, top-2
     "moe": ModelSpec(name="moe", hidden_size=1024, num_hidden_layers=2, num_attention_heads=16,
                      num_key_value_heads=4, intermediate_size=1408, vocab_size=32000,
@@ -130,7 +130,12 @@ def default_grid() -> list[tuple[str, Scenario]]:
         grid.append(_scn("moe", **fw, recompute="full", micro_batch_size=4))
         grid.append(_scn("moe-shared", **fw, precision="bf16-pure", attention="eager",
                          seq_len=512))
+        # a small vocabulary: the peak moves into the layers' backward
+        grid.append(_scn("llama-deep", **fw, seq_len=2048))
+        grid.append(_scn("llama-deep", **fw, precision="amp-bf16", attention="eager",
+                         recompute="selective", micro_batch_size=1))
     grid.append(_scn("moe", precision="amp-bf16", recompute="selective"))
+    grid.append(_scn("llama-gqa", optimizer="paged-adamw-8bit"))
     grid.append(_scn("gpt2", precision="fp32", optimizer="adafactor", seq_len=1024))
     grid += fsdp_grid()
     return grid

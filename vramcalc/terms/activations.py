@@ -27,8 +27,12 @@ only; aten/src/ATen/autocast_mode.cpp `cached_cast`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
+from vramcalc.model import ModelSpec
+from vramcalc.parallel import ParallelConfig
 from vramcalc.terms.context import RankContext
+from vramcalc.training import TrainingConfig
 from vramcalc.units import DTYPE_BITS, alloc, ceil_div, round_alloc
 
 
@@ -224,12 +228,12 @@ def _attention_saved(ctx: RankContext, x: Dims) -> list[Saved]:
                Saved("attn.q", bsad, c, "(b, a, s, d)", "rotated q"),
                Saved("attn.k", bsgd, c, "(b, g, s, d)", "rotated k")]
     else:
-        qkv = [Saved("attn.q", bsad, c, "(b, a, s, d)", "rotated q, SDPA input"),
-               Saved("attn.k", bsgd, c, "(b, g, s, d)", "rotated k, SDPA input"),
+        # hf RoPE runs in r under autocast (its tables are in the residual dtype): SDPA keeps
+        # 16-bit casts of q, k, but a checkpoint around the core keeps its fp32 inputs
+        qk = x.r if (hf and x.amp and rope and selective) else c
+        qkv = [Saved("attn.q", bsad, qk, "(b, a, s, d)", "rotated q, SDPA input"),
+               Saved("attn.k", bsgd, qk, "(b, g, s, d)", "rotated k, SDPA input"),
                Saved("attn.v", bsgd, c, "(b, g, s, d)", "v, SDPA input")]
-    if hf and x.amp and rope and not fused_qkv:
-        # hf RoPE runs in fp32 under autocast (fp32 tables): SDPA keeps 16-bit casts of q, k
-        pass
     out += qkv
     if selective:
         if eager:
@@ -240,8 +244,6 @@ def _attention_saved(ctx: RankContext, x: Dims) -> list[Saved]:
                              "core output, kept by o_proj (the core is recomputed)"))
     else:
         out += attention_core_saved(ctx, x)
-        if hf and fam == "gpt2":
-            pass
     return out
 
 
@@ -501,7 +503,12 @@ def microbatch_activation_bytes(ctx: RankContext) -> int:
     the stage's layers plus the embedding-side and head-side tensors."""
     n_dense, a_dense, n_moe, a_moe = stage_layer_bytes(ctx)
     edges = sum(t.nbytes for t in embedding_saved(ctx) + head_saved(ctx))
-    return n_dense * a_dense + n_moe * a_moe + edges
+    gap = 0
+    if ctx.training.finetune != "full":  # the frozen embedding's first layer keeps less
+        from vramcalc.terms.finetune_activations import first_layer_unsaved_bytes
+
+        gap = first_layer_unsaved_bytes(ctx)
+    return n_dense * a_dense + n_moe * a_moe + edges - gap
 
 
 def layer_forward_working_bytes(ctx: RankContext) -> int:
@@ -515,6 +522,10 @@ def layer_forward_working_bytes(ctx: RankContext) -> int:
         f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
         n = 4 if ctx.spec.mlp_kind == "gated" else 2
         out = max(out, alloc(_bsh(x), x.c) + n * alloc(x.T * f, x.c))
+    if ctx.training.finetune != "full":  # adapters' sums, QLoRA's dequantized weights
+        from vramcalc.terms.finetune_activations import forward_working_bytes
+
+        out = max(out, forward_working_bytes(ctx))
     return out
 
 
@@ -573,9 +584,29 @@ def layer_backward_moments(ctx: RankContext, moe: bool | None = None) -> list[Mo
     out: list[Moment] = []
     # MLP instant
     if moe:
-        weighted = sum(t.nbytes for t in mlp_saved if t.name in ("moe.weighted",
-                                                                 "moe.down_out"))
-        out.append(Moment("moe", total + extra - weighted, g_res + 2 * weighted, "shared"))
+        spec = ctx.spec
+        E, k = spec.num_local_experts, spec.num_experts_per_tok
+        fe = ceil_div(spec.expert_ffn, ctx.parallel.tp)
+        if tr.framework == "hf":
+            # the combine's backward: d out (fp32 for Mixtral's fp32 routing weights) is
+            # expanded to the T·k rows (a copy), scattered back through the inverse
+            # permutation (zeros + index_put), next to d final in fp32 and c
+            S = x.T * k
+            w = "fp32" if hf_family(ctx) == "mixtral" else c
+            work = g_res + 3 * alloc(S * x.h, w) + 2 * alloc(_bsh(x), c)
+            out.append(Moment("moe", total + extra, work, "shared"))
+        else:
+            # the last expert's backward: d(outputs) (E·C, h) and the other experts' input
+            # grads (E·C, h in all) wait for the split's backward, next to the expert's own
+            # gated-MLP temporaries on C rows
+            C = max(1, -(-int(ctx.parallel.capacity_factor * x.T * k * 1_000_000) // (
+                E * 1_000_000)))
+            gone = sum(t.nbytes for t in mlp_saved if t.name in ("moe.weighted",
+                                                                 "moe.expert_output"))
+            n_f = 3 if spec.mlp_kind == "gated" else 2
+            work = g_res + 2 * alloc(E * C * x.h, c) + n_f * alloc(C * fe, c) + alloc(
+                C * x.h, c)
+            out.append(Moment("moe", total + extra - gone, work, "shared"))
     else:
         f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
         bsf = alloc(x.T * f, c)
@@ -613,6 +644,17 @@ def layer_backward_moments(ctx: RankContext, moe: bool | None = None) -> list[Mo
         work = g_res + bsad + 2 * alloc(x.b * x.a * x.s * x.s, p_dtype)
     out.append(Moment("attention", held, work, "mlp+o"))
     return out
+
+
+def final_norm_backward_work_bytes(ctx: RankContext) -> int:
+    """transformers' Python RMSNorm backward through the final norm (the first one, with
+    every layer's activations still held): d x̂, the rsqrt/pow/mean chain and d x, five
+    fp32 (b, s, h) temporaries at once (its x̂ copy and lm_head's input are freed)."""
+    if (ctx.training.framework != "hf" or ctx.spec.norm_kind != "rmsnorm"
+            or not ctx.is_last_stage or not ctx.spec.final_norm):
+        return 0
+    x = dims(ctx)
+    return 5 * alloc(_bsh(x), "fp32")
 
 
 def layer_grad_fraction(ctx: RankContext, part: str) -> float:
@@ -681,3 +723,81 @@ def head_saved(ctx: RankContext) -> list[Saved]:
 
 def activation_dtype_bytes(ctx: RankContext) -> int:
     return DTYPE_BITS[ctx.training.compute_dtype] // 8
+
+
+# ---- everything the analytic engine needs, once per (model, training, layout, stage) ----
+@dataclass(frozen=True)
+class Profile:
+    """Per-micro-batch activation quantities of one rank (bytes); see the functions above."""
+
+    n_dense: int
+    dense_layer: int
+    n_moe: int
+    moe_layer: int
+    embedding_side: int  # ids, labels, rope tables, masks (embedding_saved)
+    head_side: int  # final norm and lm_head input (head_saved)
+    top_moments: tuple[Moment, ...]
+    bottom_moments: tuple[Moment, ...]
+    eager_forward: tuple[int, int]
+    forward_work: int
+    forward_end_extra: int
+    final_norm_work: int
+    head_freed_at_final_norm: int  # lm_head input and the norm's x̂ copy (hf)
+    grad_fraction: dict[str, float]
+    logits_keep: int
+    logits_forward: int
+    logits_backward: int
+    head_forward_extra: int
+    loss_root: int
+    autocast_cache_layer: int  # vramcalc.terms.transients, cached here with the rest
+    autocast_cache_head: int
+    optimizer_step: int
+
+    @property
+    def layers(self) -> int:
+        return self.n_dense * self.dense_layer + self.n_moe * self.moe_layer
+
+    def bottom_layers(self, n: int) -> int:
+        """Activations of the bottom n layers (dense layers come first)."""
+        dense = min(n, self.n_dense)
+        return dense * self.dense_layer + (n - dense) * self.moe_layer
+
+
+def profile(ctx: RankContext) -> Profile:
+    """The activation profile of a rank (cached: the planner asks for the same one often)."""
+    return _profile(ctx.spec, ctx.training, ctx.parallel, ctx.stage)
+
+
+@lru_cache(maxsize=8192)
+def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig,
+             stage: int) -> Profile:
+    from vramcalc.terms import logits as lg  # both import this module
+    from vramcalc.terms import transients as tr
+
+    ctx = RankContext(spec, training, parallel, stage)
+    n_dense, dense, n_moe, moe = stage_layer_bytes(ctx)
+    top_moe, bottom_moe = n_moe > 0, n_dense == 0
+    return Profile(
+        n_dense=n_dense, dense_layer=dense, n_moe=n_moe, moe_layer=moe,
+        embedding_side=sum(t.nbytes for t in embedding_saved(ctx)),
+        head_side=sum(t.nbytes for t in head_saved(ctx)),
+        top_moments=tuple(layer_backward_moments(ctx, top_moe)) if ctx.num_layers else (),
+        bottom_moments=tuple(layer_backward_moments(ctx, bottom_moe)) if ctx.num_layers
+        else (),
+        eager_forward=eager_forward_moment(ctx),
+        forward_work=layer_forward_working_bytes(ctx),
+        forward_end_extra=forward_end_extra_bytes(ctx),
+        final_norm_work=final_norm_backward_work_bytes(ctx),
+        head_freed_at_final_norm=sum(t.nbytes for t in head_saved(ctx) if t.name.startswith(
+            ("lm_head.", "final_norm.xhat"))),
+        grad_fraction={part: layer_grad_fraction(ctx, part)
+                       for part in ("down", "shared", "mlp+o")},
+        logits_keep=lg.logits_saved_bytes(ctx),
+        logits_forward=lg.logits_forward_peak_bytes(ctx),
+        logits_backward=lg.logits_backward_peak_bytes(ctx),
+        head_forward_extra=lg.head_forward_extra_bytes(ctx),
+        loss_root=lg.loss_root_bytes(ctx),
+        autocast_cache_layer=tr._autocast_cache_layer_bytes(ctx),
+        autocast_cache_head=tr.autocast_cache_head_bytes(ctx),
+        optimizer_step=tr._optimizer_step_temp_bytes(ctx),
+    )

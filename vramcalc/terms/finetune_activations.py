@@ -38,6 +38,8 @@ gradient: its input norm records nothing (`first_layer_unsaved_bytes`).
 
 from __future__ import annotations
 
+import dataclasses
+
 from vramcalc.finetune import adapter_dtype, shapes_for, targeted_linears
 from vramcalc.terms.activations import Dims, Saved, dims
 from vramcalc.terms.context import RankContext
@@ -56,8 +58,17 @@ def _out_width(x: Dims, target: str) -> int:
             "down": x.h}[target]
 
 
-def _input_dtype(x: Dims, target: str) -> str:
+def _fp32_mlp(ctx: RankContext, x: Dims) -> bool:
+    """QLoRA under autocast: bitsandbytes' Linear4bit returns its output in its input's
+    dtype (`.to(inp_dtype)`), so the MLP's gate/up outputs and everything elementwise after
+    them stay in the residual's fp32."""
+    return ctx.training.finetune == "qlora" and x.amp
+
+
+def _input_dtype(ctx: RankContext, x: Dims, target: str) -> str:
     """dtype of the tensor a LoRA layer receives: a norm output (r) or a c-typed tensor."""
+    if target == "down" and _fp32_mlp(ctx, x):
+        return x.r
     return x.c if target in ("o", "down") else x.r
 
 
@@ -67,7 +78,7 @@ def adapter_saved(ctx: RankContext, x: Dims, target: str) -> tuple[list[Saved], 
     a_dt = adapter_dtype(tr.framework, tr.weight_dtype)
     T, rank, p = x.T, tr.lora_rank, tr.lora_dropout
     width = _in_width(x, target)
-    dt = _input_dtype(x, target)
+    dt = _input_dtype(ctx, x, target)
     cast = tr.framework == "hf" and dt != a_dt  # PEFT _cast_input_dtype
     if cast:
         dt = a_dt
@@ -138,6 +149,9 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
         drop.add("mlp.down_input" if ctx.spec.mlp_kind == "gated" else "mlp.act")
     out = [t for t in saved if t.name not in drop
            and not (hf and t.name.endswith((".xhat", ".xhat_fp32")))]
+    if _fp32_mlp(ctx, x):
+        out = [dataclasses.replace(t, dtype=x.r) if t.name in (
+            "mlp.gate", "mlp.up", "mlp.act", "mlp.down_input", "mlp.fc_out") else t for t in out]
     return out + added
 
 
@@ -150,15 +164,18 @@ def adjust_head_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
 
 def first_layer_unsaved_bytes(ctx: RankContext) -> int:
     """Bytes the first layer of the first stage does not keep because its input (the frozen
-    embedding's output) needs no gradient: its input norm's tensors and, when no q/k/v is
-    adapted, the attention core's (an approximation documented in docs/finetuning.md)."""
+    embedding's output) needs no gradient: its input norm's tensors, the q/k/v adapters'
+    dropout masks and, when no q/k/v is adapted, the attention core's (an approximation
+    documented in docs/finetuning.md)."""
     if not ctx.is_first_stage or ctx.training.recompute == "full" or not ctx.num_layers:
         return 0
     from vramcalc.terms.activations import layer_saved
 
     bottom_moe = ctx.spec.is_moe and ctx.spec.first_k_dense_replace == 0
     saved = layer_saved(ctx, bottom_moe)
-    gone = sum(t.nbytes for t in saved if t.name.startswith("input_norm."))
+    # the input norm, and dropout masks on its output (no grad flows into the dropout)
+    gone = sum(t.nbytes for t in saved if t.name.startswith("input_norm.") or t.name in (
+        "lora.q.dropout_mask", "lora.k.dropout_mask", "lora.v.dropout_mask"))
     if not set(targeted_linears(ctx.spec, ctx.training.lora_targets)) & set(_QKV):
         gone += sum(t.nbytes for t in saved if t.name.startswith("attn.")
                     and t.name != "attn.out")
@@ -186,3 +203,95 @@ def autocast_cache_layer_bytes(ctx: RankContext) -> int:
                          if t.name in ("attn.q_proj.weight", "attn.k_proj.weight",
                                        "attn.v_proj.weight"))
     return max(total, 0) // n
+
+
+# ---- forward transients ------------------------------------------------------------------
+# Where each saved tensor of a layer appears in its forward (for "saved so far" at a moment)
+_ORDER = (("input_norm.",), ("attn.input", "lora.q.", "lora.k.", "lora.v.", "attn.q_norm",
+                             "attn.k_norm"),
+          ("attn.",), ("lora.o.",), ("post_norm.",), ("mlp.input", "lora.gate.", "lora.up."),
+          ("mlp.",), ("lora.down.",))
+_STEP_OF = {"q": 1, "k": 1, "v": 1, "o": 3, "gate": 5, "up": 5, "down": 7}
+
+
+def _step(name: str) -> int:
+    """Index in _ORDER of the first group whose prefix matches (later groups are more
+    specific only for lora.*; attn.* and mlp.* fall through to their generic groups)."""
+    for i, prefixes in enumerate(_ORDER):
+        if name.startswith(prefixes):
+            return i
+    return len(_ORDER)
+
+
+def forward_working_bytes(ctx: RankContext) -> int:
+    """Worst transient inside the top layer's forward beyond what the forward-phase formula
+    already counts (every saved tensor of the micro-batch, head included), under
+    LoRA/QLoRA/DoRA: at each adapted or quantized linear, the tensors of the layer saved so
+    far plus what is alive and not saved —
+
+    - the linear's input when nothing saves it (the normed input during q/k/v and gate/up,
+      the act·up product during down), and under the hf profile the layer's residual and the
+      model's `inputs_embeds` local (first stage);
+    - QLoRA: the dequantized weight, its two fp32 absmax buffers and the output
+      (vramcalc.finetune.dequant_transient_bytes);
+    - the adapter's sum y + B(A(x))·α/r: the base output y (c), B's output and its scaled
+      copy (c under autocast, else a_dt; PEFT adds in fp32 and casts back), PEFT's fp32
+      input cast when dropout makes it a temporary.
+
+    Returned as bytes above the formula's count (may be negative; the caller takes a max)."""
+    from vramcalc.finetune import dequant_transient_bytes
+    from vramcalc.terms.activations import head_saved, layer_saved
+
+    tr = ctx.training
+    if tr.recompute == "full" or not ctx.num_layers:
+        return 0
+    x = dims(ctx)
+    saved = layer_saved(ctx, ctx.spec.is_moe and ctx.spec.first_k_dense_replace == 0)
+    full_layer = sum(t.nbytes for t in saved)
+    head = sum(t.nbytes for t in head_saved(ctx))
+    hf = tr.framework == "hf"
+    a_dt = adapter_dtype(tr.framework, tr.weight_dtype)
+    targets = set(targeted_linears(ctx.spec, tr.lora_targets))
+    names = {t.name for t in saved}
+    T, c, r = x.T, x.c, x.r
+    always = 0
+    if hf:
+        always += alloc(T * x.h, r) if r != "fp32" else 0  # the residual local
+        if ctx.is_first_stage:
+            always += alloc(T * x.h, r)  # inputs_embeds, alive through the decoder's forward
+    linears = ["q", "k", "v", "o"] + (["gate", "up", "down"] if ctx.spec.mlp_kind == "gated"
+                                      else ["up", "down"])
+    best = -(1 << 62)
+    for t in linears:
+        adapted = t in targets
+        if not adapted and tr.finetune != "qlora":
+            continue
+        step = _STEP_OF[t]
+        held = sum(s.nbytes for s in saved if _step(s.name) <= step)
+        w_in, w_out = _in_width(x, t), _out_width(x, t)
+        work = always
+        if t in _QKV and "attn.input" not in names:
+            work += alloc(T * x.h, r)  # the normed input, alive as the projections' argument
+        if t in _GU and "mlp.input" not in names:
+            work += alloc(T * x.h, r)
+        if t == "down" and not ({"mlp.down_input", "mlp.act"} & names):
+            work += alloc(T * w_in, _input_dtype(ctx, x, "down"))
+        y = alloc(T * w_out, c)
+        if tr.finetune == "qlora":
+            n = w_in * w_out
+            base_moment = dequant_transient_bytes(n, c) + y
+        else:
+            base_moment = 0
+        lora_moment = 0
+        if adapted:
+            o_dt = c if x.amp else a_dt
+            extra = 0
+            if hf and tr.lora_dropout > 0 and _input_dtype(ctx, x, t) != a_dt:
+                extra = alloc(T * w_in, a_dt)  # PEFT's cast, a temporary before dropout
+            sum_dt = "fp32" if hf and a_dt == "fp32" else c
+            lora_moment = y + max(2 * alloc(T * w_out, o_dt),
+                                  alloc(T * w_out, o_dt) + alloc(T * w_out, sum_dt)) + extra
+        best = max(best, held + work + max(base_moment, lora_moment))
+    if best < 0:
+        return 0
+    return best - full_layer - head

@@ -75,9 +75,15 @@ def logits_backward_peak_bytes(ctx: RankContext) -> int:
 
 def head_forward_extra_bytes(ctx: RankContext) -> int:
     """Under autocast the final norm's fp32 output is not what lm_head saves (it saves a
-    16-bit cast), yet the model keeps it in a local until the forward returns: T·h·4."""
+    16-bit cast), yet the model keeps it in a local until the forward returns: T·h·4. A
+    frozen lm_head (LoRA/QLoRA/DoRA) saves no input: the norm output, T·h·r, is then alive
+    only through that local."""
     x = dims(ctx)
-    if not ctx.is_last_stage or x.r == x.c:
+    if not ctx.is_last_stage:
+        return 0
+    if ctx.training.finetune != "full":  # a frozen lm_head saves no input at all
+        return alloc(x.T * x.h, x.r)
+    if x.r == x.c:
         return 0
     return alloc(x.T * x.h, x.r)
 

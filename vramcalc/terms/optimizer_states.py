@@ -40,6 +40,8 @@ BNB_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
 BNB_PAGED_MIN_NUMEL = 100_000
 BNB_OPTIMIZERS = ("adamw-8bit", "paged-adamw", "paged-adamw-8bit")
+# the "dynamic" and "udynamic" 8-bit quantization maps (256 fp32 each), shared by all states
+BNB_QMAP_BYTES = 2 * alloc(256, "fp32")
 
 
 def bnb_state_split(n: int, optimizer: str) -> tuple[int, int]:
@@ -126,6 +128,9 @@ def optimizer_state_split_on_device(ctx: RankContext) -> dict[str, int]:
                                              es if t.is_expert else shard, dim0)
             for t in shapes.tensors
         )
+    if tr.optimizer.endswith("8bit") and any(
+            t.numel >= BNB_MIN_8BIT_SIZE for t in shapes.tensors):
+        states += BNB_QMAP_BYTES  # the two quantization maps, moved to the device once
     master = 0
     if has_master(ctx):
         master = shapes.nbytes("fp32", shard, es, layout)

@@ -4,6 +4,12 @@ casts, ZeRO/FSDP gather and reduce buffers, the cuBLAS workspace.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import lru_cache
+
+from vramcalc.model import ModelSpec
+from vramcalc.parallel import ParallelConfig
+from vramcalc.training import TrainingConfig
 from vramcalc.sharding import layer_param_numels, sharded_numel  # noqa: F401
 from vramcalc.terms import comm
 from vramcalc.terms.context import RankContext
@@ -26,6 +32,21 @@ def cublas_workspace_bytes(gpu_id: str | None) -> int:
 
 
 def optimizer_step_temp_bytes(ctx: RankContext) -> int:
+    """Optimizer-step temporaries on this rank (cached; see `_optimizer_step_temp_bytes`)."""
+    return _cached(_optimizer_step_temp_bytes, ctx)
+
+
+def _cached(fn: Callable[[RankContext], int], ctx: RankContext) -> int:
+    return _memo(fn, ctx.spec, ctx.training, ctx.parallel, ctx.stage)
+
+
+@lru_cache(maxsize=16384)
+def _memo(fn: Callable[[RankContext], int], spec: ModelSpec, training: TrainingConfig,
+          parallel: ParallelConfig, stage: int) -> int:
+    return fn(RankContext(spec, training, parallel, stage))
+
+
+def _optimizer_step_temp_bytes(ctx: RankContext) -> int:
     """Temporaries of the optimizer step on this rank (PyTorch optimizers, foreach).
 
     - mixed precision (bf16/fp16 + fp32 master, vramcalc/trace/optim.py): each 16-bit grad
@@ -126,6 +147,11 @@ def _master_copy_peak(ctx: RankContext, shard: int) -> int:
 
 
 def autocast_cache_layer_bytes(ctx: RankContext) -> int:
+    """One layer's autocast weight casts (cached; see `_autocast_cache_layer_bytes`)."""
+    return _cached(_autocast_cache_layer_bytes, ctx)
+
+
+def _autocast_cache_layer_bytes(ctx: RankContext) -> int:
     """torch.autocast casts each fp32 weight and bias of a linear to the compute dtype once
     per forward (the cast cache) and the matmul saves the cast for backward: one layer's
     linear parameters in 16 bits (norm weights are not cast). Average over the stage's

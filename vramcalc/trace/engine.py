@@ -84,7 +84,7 @@ def check_traceable(scn: Scenario) -> Scenario:
     if tr.framework == "hf" and scn.model.is_moe and tr.weight_dtype != "bf16":
         raise InputError("hf MoE experts run torch grouped_mm, which takes bf16 weights only; "
                          "use --precision bf16 or bf16-pure with --framework hf")
-    natural = "bf16" if tr.precision == "bf16-pure" else "fp32"
+    natural = tr.trainable_dtype if tr.precision == "bf16-pure" else "fp32"
     if tr.optimizer in ("adamw-8bit", "sgd"):
         natural = tr.state_dtype
     if tr.state_dtype != natural:

@@ -208,6 +208,7 @@ def build_hf_model(spec: ModelSpec, training: TrainingConfig, dtype: Any) -> Any
         attn = SELECTIVE_PREFIX + attn
     model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
     if training.recompute == "full":
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None) or (
+            model.gradient_checkpointing_enable)  # renamed in transformers 5.x
+        enable({"use_reentrant": False})
     return model

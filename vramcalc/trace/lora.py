@@ -21,7 +21,9 @@ torch (and peft for the hf profile) are imported only when a trace runs.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,6 +39,20 @@ _PEFT_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class CudaDropout(nn.Module):
+    """Dropout as CUDA runs it: `native_dropout`, keeping a bool mask for backward. On the
+    CPU `F.dropout` takes a composite path that keeps a mask in the input's dtype."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        return torch.native_dropout(x, self.p, True)[0]
+
+
 class LoRALinear(nn.Module):
     """A frozen base linear plus trained adapters A (r × in) and B (out × r)."""
 
@@ -49,7 +65,7 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=dev, dtype=dtype)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
-        self.dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.dropout: nn.Module = CudaDropout(dropout) if dropout > 0 else nn.Identity()
         self.scaling = LORA_ALPHA / rank
         self.magnitude = (nn.Parameter(torch.ones(base.out_features, device=dev, dtype=dtype))
                           if dora else None)
@@ -122,6 +138,30 @@ def _reference(model: nn.Module, scn: Any) -> nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def _fake_module_casts() -> Iterator[None]:
+    """Let `module.to(dtype)` work on fake parameters while PEFT builds its layers.
+
+    nn.Module._apply swaps a FakeTensor parameter with its converted copy
+    (`torch.utils.swap_tensors`), which refuses tensors FakeTensorMode holds weak references
+    to; re-pointing the parameter at the new storage (`param.data = new`) is what _apply did
+    before the swap path and leaves the same storages alive."""
+    original = torch.utils.swap_tensors
+
+    def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        try:
+            original(t1, t2)
+        except RuntimeError:
+            with torch.no_grad():
+                t1.data = t2.data
+
+    torch.utils.swap_tensors = swap
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original
+
+
 def _hf(model: nn.Module, scn: Any) -> nn.Module:
     try:
         from peft import LoraConfig, get_peft_model
@@ -141,7 +181,15 @@ def _hf(model: nn.Module, scn: Any) -> nn.Module:
     cfg = LoraConfig(r=tr.lora_rank, lora_alpha=LORA_ALPHA, target_modules=targets,
                      lora_dropout=tr.lora_dropout, bias="none", use_dora=tr.finetune == "dora",
                      task_type="CAUSAL_LM")
-    return get_peft_model(model, cfg)
+    with _fake_module_casts():
+        model = get_peft_model(model, cfg)
+    for mod in list(model.modules()):  # PEFT's lora_dropout ModuleDicts: CUDA's kernel
+        drops = getattr(mod, "lora_dropout", None)
+        if isinstance(drops, nn.ModuleDict):
+            for key, d in list(drops.items()):
+                if isinstance(d, nn.Dropout):
+                    drops[key] = CudaDropout(d.p)
+    return model
 
 
 def apply_finetune(model: nn.Module, scn: Any) -> nn.Module:

@@ -5,10 +5,9 @@
   would be the per-tensor loop, which allocates different temporaries.
 - `Lion` (Chen et al. 2023, Alg. 2): a small foreach implementation; its step allocates one
   state-sized update direction per parameter, all at once.
-- `AdamW8bitStandIn`: bitsandbytes' blockwise 8-bit AdamW storage layout (two uint8 states
-  per element, two fp32 absmax per block of `BNB_BLOCK` elements, two 256-entry fp32
-  quantization maps shared by all parameters) with an in-place update, as bitsandbytes'
-  fused CUDA kernel does; bitsandbytes itself cannot run on fake tensors.
+- `AdamW8bitStandIn`: bitsandbytes' AdamW8bit / PagedAdamW / PagedAdamW8bit storage layout
+  (see the class) with an in-place update, as bitsandbytes' fused CUDA kernels do;
+  bitsandbytes itself cannot run on fake tensors.
 - `MixedPrecisionOptimizer`: 16-bit parameters with fp32 master copies. It allocates the
   masters once (4 bytes/param). At each step it replaces every 16-bit gradient by an fp32
   copy on its master (one tensor at a time: allocate fp32, free 16-bit), runs the inner
@@ -26,7 +25,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.optim import Optimizer
 
-from vramcalc.terms.optimizer_states import BNB_BLOCK
+from vramcalc.terms.optimizer_states import BNB_BLOCK, BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL
 
 QMAP_ENTRIES = 256  # bitsandbytes dynamic quantization map: 256 fp32 values (signed, unsigned)
 LR = 1e-4
@@ -63,12 +62,23 @@ class Lion(Optimizer):
 
 
 class AdamW8bitStandIn(Optimizer):
-    """bitsandbytes AdamW8bit's device storage with an in-place (fused-kernel-like) update."""
+    """bitsandbytes AdamW (8-bit, paged) device storage with an in-place (fused) update.
+
+    Per tensor of n elements (optim/optimizer.py Optimizer2State.init_state): 8-bit when
+    n >= BNB_MIN_8BIT_SIZE (two uint8 states + two fp32 absmax per BNB_BLOCK elements; the
+    first such tensor moves the two shared 256-entry fp32 quantization maps to the device),
+    else two fp32 states. Paged variants allocate the state buffers (not the absmax) of
+    tensors with n >= BNB_PAGED_MIN_NUMEL in CUDA unified memory, outside the caching
+    allocator: `paged_states` lists them so the tracker leaves them out.
+    """
 
     def __init__(self, params: Iterable[torch.Tensor], lr: float = LR,
-                 weight_decay: float = 0.01) -> None:
+                 weight_decay: float = 0.01, eight_bit: bool = True,
+                 paged: bool = False) -> None:
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
+        self.eight_bit, self.paged = eight_bit, paged
         self.qmaps: list[torch.Tensor] = []
+        self.paged_states: list[torch.Tensor] = []
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
@@ -78,20 +88,28 @@ class AdamW8bitStandIn(Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    if not self.qmaps:  # "dynamic" and "udynamic" maps, shared by all params
-                        self.qmaps = [torch.zeros(QMAP_ENTRIES, device=p.device)
-                                      for _ in range(2)]
-                    blocks = -(-p.numel() // BNB_BLOCK)
-                    state["state1"] = torch.zeros_like(p, dtype=torch.uint8)
-                    state["state2"] = torch.zeros_like(p, dtype=torch.uint8)
-                    state["absmax1"] = torch.zeros(blocks, device=p.device)
-                    state["absmax2"] = torch.zeros(blocks, device=p.device)
-                    state["qmap1"], state["qmap2"] = self.qmaps
+                    n = p.numel()
+                    if self.eight_bit and n >= BNB_MIN_8BIT_SIZE:
+                        if not self.qmaps:  # "dynamic" and "udynamic", shared by all params
+                            self.qmaps = [torch.zeros(QMAP_ENTRIES, device=p.device)
+                                          for _ in range(2)]
+                        blocks = -(-n // BNB_BLOCK)
+                        state["state1"] = torch.zeros_like(p, dtype=torch.uint8)
+                        state["state2"] = torch.zeros_like(p, dtype=torch.uint8)
+                        state["absmax1"] = torch.zeros(blocks, device=p.device)
+                        state["absmax2"] = torch.zeros(blocks, device=p.device)
+                        state["qmap1"], state["qmap2"] = self.qmaps
+                    else:
+                        state["state1"] = torch.zeros_like(p, dtype=torch.float32)
+                        state["state2"] = torch.zeros_like(p, dtype=torch.float32)
+                    if self.paged and n >= BNB_PAGED_MIN_NUMEL:
+                        self.paged_states += [state["state1"], state["state2"]]
                 # the fused kernel reads and writes these in place: no temporaries
                 state["state1"].add_(1)
                 state["state2"].add_(1)
-                state["absmax1"].mul_(1.0)
-                state["absmax2"].mul_(1.0)
+                for key in ("absmax1", "absmax2"):
+                    if key in state:
+                        state[key].mul_(1.0)
                 p.add_(p.grad, alpha=-group["lr"])
 
 
@@ -138,8 +156,9 @@ def make_optimizer(name: str, params: list[torch.Tensor]) -> Optimizer:
         return torch.optim.Adafactor(params, lr=1e-2, foreach=True)
     if name == "lion":
         return Lion(params)
-    if name == "adamw-8bit":
-        return AdamW8bitStandIn(params)
+    if name in ("adamw-8bit", "paged-adamw", "paged-adamw-8bit"):
+        return AdamW8bitStandIn(params, eight_bit=name.endswith("8bit"),
+                                paged=name.startswith("paged-"))
     raise ValueError(f"unknown optimizer {name!r}")
 
 
@@ -159,10 +178,11 @@ def optimizer_state_tensors(opt) -> tuple[list[torch.Tensor], list[torch.Tensor]
         inner = opt.inner
     else:
         inner = opt
+    paged = {id(t) for t in getattr(inner, "paged_states", [])}
     for st in inner.state.values():
         for key, val in st.items():
             if isinstance(val, torch.Tensor):
-                (host if key == "step" else device).append(val)
+                (host if key == "step" or id(val) in paged else device).append(val)
     if isinstance(inner, AdamW8bitStandIn):
         device += inner.qmaps
     return device, host

@@ -265,7 +265,8 @@ class MoE(nn.Module):
         token = slot // k  # (E·C,) source token of each slot
         xin = xt[token]  # (E·C, h) tokens gathered per expert
         gate = (weight.reshape(-1)[slot] * filled).to(x.dtype)  # (E·C,) 0 for empty slots
-        ys = torch.cat([self.experts[e](xin[e * C:(e + 1) * C]) for e in range(E)])  # (E·C, h)
+        ys = torch.cat([expert(part) for expert, part in zip(
+            self.experts, xin.split(C), strict=True)])  # (E·C, h); each expert sees (C, h)
         y = torch.zeros_like(xt).index_add(0, token, ys * gate[:, None])  # (N, h)
         for shared in self.shared_experts:
             out = shared(xt)  # (N, h)
