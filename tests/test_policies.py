@@ -67,9 +67,10 @@ def test_zero_paper_total_is_16_bytes_per_param() -> None:
 def test_adamw_8bit_states() -> None:
     # 2 states x 1 byte + 2 x fp32 absmax per 256 elements (every tensor is a 256-multiple);
     # the two 4096-element norms have 16 blocks -> 64 B of absmax, one 512-byte block each
+    # plus the two shared 256-entry fp32 quantization maps ("dynamic", "udynamic": fill_qmap)
     _, _, ob = model_state_bytes("fp32", "adamw-8bit")
     norms = 2 * 4096
-    assert ob == 2 * N + 2 * 4 * ((N - norms) // 256) + 2 * 2 * 512
+    assert ob == 2 * N + 2 * 4 * ((N - norms) // 256) + 2 * 2 * 512 + 2 * 256 * 4
 
 
 def test_adafactor_factored_states() -> None:

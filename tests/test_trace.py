@@ -31,9 +31,6 @@ PEAK_MEDIAN = 0.01
 PEAK_MAX = 0.03
 ACTIVATIONS = 0.03
 EXACT = ("weights", "gradients", "optimizer_states")
-# bitsandbytes moves two 256-entry fp32 quantization maps to the device (Optimizer8bit
-# fill_qmap); vramcalc/terms/optimizer_states.py does not count them yet (2 x 512 B)
-QMAP_GAP = ("adamw-8bit", "paged-adamw-8bit")
 
 GRID = default_grid()
 TINY = ModelSpec(name="tiny", hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -243,10 +240,6 @@ def test_analytic_agrees_with_trace(name: str) -> None:
     assert "error" not in r, r.get("error")
     assert abs(r["rel_error"]) <= PEAK_MAX, (r["analytic_bytes"], r["trace_bytes"])
     for term in EXACT:
-        if term == "optimizer_states" and r["optimizer"] in QMAP_GAP:
-            gap = r["terms"][term]["trace"] - r["terms"][term]["analytic"]
-            assert gap == 2 * 1024, "the quantization maps are counted now: drop QMAP_GAP"
-            continue
         assert r["terms"][term]["analytic"] == r["terms"][term]["trace"], term
     assert abs(r["terms"]["activations"]["rel_error"]) <= ACTIVATIONS
 

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vramcalc.offload import offload_footprint
 from vramcalc.report import GPUInfo, MemoryReport, ModelInfo, StageReport, Terms
 from vramcalc.scenario import Scenario
+from vramcalc.sharding import moe_layers_on_stage
 from vramcalc.terms import activations as act
-from vramcalc.terms import logits as lg
+from vramcalc.terms import comm
 from vramcalc.terms import transients as tr
 from vramcalc.terms.context import RankContext
-from vramcalc.terms import comm
 from vramcalc.terms.gradients import (
     grad_dtype,
     gradients_at_step_bytes,
@@ -36,9 +37,7 @@ from vramcalc.terms.gradients import (
 from vramcalc.terms.optimizer_states import optimizer_state_split
 from vramcalc.terms.overhead import overhead_split
 from vramcalc.terms.weights import weight_parts
-from vramcalc.offload import offload_footprint
 from vramcalc.units import alloc
-from vramcalc.sharding import moe_layers_on_stage
 
 
 @dataclass
@@ -131,9 +130,7 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     ctx = RankContext(scn.model, scn.training, scn.parallel, stage)
     train = scn.training
     w_parts = weight_parts(ctx)  # {"weights": W}, or fine-tuning's sub-terms
-    W = sum(w_parts.values())
     opt = optimizer_state_split(ctx)
-    O = opt["states"] + opt["master"]
     G = gradients_bytes(ctx)
     g_layer = layer_gradient_bytes(ctx)
     nL = ctx.num_layers
@@ -157,7 +154,6 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
         dense = min(n, n_dense)
         return dense * A_dense + (n - dense) * A_moe - (gap if n else 0)
 
-    A_layer = A_bottom(nL) // nL if nL else 0
     A_emb = P.embedding_side  # ids, labels, rope, mask
     A_edges = A_emb + P.head_side
     cache_layer = P.autocast_cache_layer

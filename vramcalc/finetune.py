@@ -144,8 +144,12 @@ def target_param_names(spec: ModelSpec, targets: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def _is_quantized(t: RankTensor) -> bool:
-    """QLoRA quantizes every linear weight inside the layers (not norms, biases, router)."""
+def _is_quantized(t: RankTensor, framework: str) -> bool:
+    """QLoRA quantizes every linear weight inside the layers (not norms, biases, router).
+    transformers 5 keeps routed experts as fused 3-D parameters, which bitsandbytes' Linear4bit
+    replacement does not touch: under the hf profile they stay in the policy's dtype."""
+    if t.is_expert and framework == "hf":
+        return False
     return (t.group in ("layer", "expert") and t.rows > 0 and t.name.endswith(".weight")
             and "norm" not in t.name and not t.name.startswith(("router", "shared_expert_gate")))
 
@@ -166,12 +170,14 @@ def finetune_shapes(spec: ModelSpec, training: object, tp: int, pp: int, v: int,
     tr = training
     return _finetune_shapes(spec, tp, pp, v, ep, stage, tr.finetune,  # type: ignore[attr-defined]
                             tr.lora_rank, tr.lora_targets,  # type: ignore[attr-defined]
+                            tr.framework,  # type: ignore[attr-defined]
                             adapter_dtype(tr.framework, tr.weight_dtype))  # type: ignore[attr-defined]
 
 
 @lru_cache(maxsize=2048)
 def _finetune_shapes(spec: ModelSpec, tp: int, pp: int, v: int, ep: int, stage: int,
-                     method: str, rank: int, targets: str, a_dtype: str) -> FinetuneShapes:
+                     method: str, rank: int, targets: str, framework: str,
+                     a_dtype: str) -> FinetuneShapes:
     base = _rank_shapes(spec, tp, pp, v, ep, stage)
     full = {p.name: p for p in param_tensors(spec)}
     wanted = target_param_names(spec, targets)
@@ -179,7 +185,7 @@ def _finetune_shapes(spec: ModelSpec, tp: int, pp: int, v: int, ep: int, stage: 
     quant: list[RankTensor] = []
     adapters: list[RankTensor] = []
     for t in base.tensors:
-        if method == "qlora" and _is_quantized(t):
+        if method == "qlora" and _is_quantized(t, framework):
             quant.append(dataclasses.replace(t, trainable=False, dtype="nf4"))
         else:
             frozen.append(dataclasses.replace(t, trainable=False))
@@ -204,8 +210,29 @@ def _finetune_shapes(spec: ModelSpec, tp: int, pp: int, v: int, ep: int, stage: 
                           quantized=shapes(quant), adapters=shapes(adapters))
 
 
+def check_finetune(ctx: object) -> None:
+    """Refuse what the fine-tuning model does not cover (InputError): the megatron profile
+    (Korthikanti et al.'s formula has no frozen layers) and, under the hf profile, the
+    families whose projections transformers fuses (GPT-2's c_attn, Phi-3's qkv_proj and
+    gate_up_proj: PEFT adapts the fused matrix, not q/k/v)."""
+    tr = ctx.training  # type: ignore[attr-defined]
+    if tr.framework == "megatron":
+        raise InputError(f"--finetune {tr.finetune}: the megatron profile models full training "
+                         "only; use --framework reference or hf")
+    if tr.framework == "hf":
+        from vramcalc.terms.activations import hf_family
+
+        fam = hf_family(ctx)  # type: ignore[arg-type]
+        if fam in ("gpt2", "phi3"):
+            raise InputError(f"--finetune {tr.finetune} with --framework hf: {ctx.spec.name} "  # type: ignore[attr-defined]
+                             f"is a {fam}-style model with fused projections, which PEFT adapts "
+                             "as one matrix; use --framework reference")
+
+
 def shapes_for(ctx: object) -> FinetuneShapes:
-    """FinetuneShapes of a RankContext (vramcalc.terms.context)."""
+    """FinetuneShapes of a RankContext (vramcalc.terms.context); InputError for what
+    `check_finetune` refuses."""
+    check_finetune(ctx)
     par = ctx.parallel  # type: ignore[attr-defined]
     return finetune_shapes(ctx.spec, ctx.training, par.tp, par.pp,  # type: ignore[attr-defined]
                            par.pp_chunks, par.ep, ctx.stage)  # type: ignore[attr-defined]

@@ -73,6 +73,15 @@ SHAPES: dict[str, ModelSpec] = {
     "llama-deep": ModelSpec(name="llama-deep", hidden_size=1024, num_hidden_layers=4,
                             num_attention_heads=16, num_key_value_heads=4,
                             intermediate_size=2816, vocab_size=1024),
+    # Phi-3-style fused qkv and gate_up projections; Gemma-style MQA, head_dim 256, GeGLU,
+    # (1 + w) RMSNorm and scaled embeddings (the hf profile follows each family's code)
+    "phi3-fused": ModelSpec(name="phi3-fused", model_type="phi3", hidden_size=1024,
+                            num_hidden_layers=2, num_attention_heads=16,
+                            intermediate_size=2816, vocab_size=32064),
+    "gemma-mqa": ModelSpec(name="gemma-mqa", model_type="gemma", hidden_size=1024,
+                           num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=1,
+                           head_dim=256, intermediate_size=4096, vocab_size=32000,
+                           hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True),
     # Mixtral-style MoE: 8 experts, top-2
     "moe": ModelSpec(name="moe", hidden_size=1024, num_hidden_layers=2, num_attention_heads=16,
                      num_key_value_heads=4, intermediate_size=1408, vocab_size=32000,
@@ -134,6 +143,9 @@ def default_grid() -> list[tuple[str, Scenario]]:
         grid.append(_scn("llama-deep", **fw, seq_len=2048))
         grid.append(_scn("llama-deep", **fw, precision="amp-bf16", attention="eager",
                          recompute="selective", micro_batch_size=1))
+    for shape in ("gpt2", "phi3-fused", "gemma-mqa"):
+        grid.append(_scn(shape, framework="hf", attention="eager", seq_len=1024))
+    grid.append(_scn("phi3-fused", framework="hf", precision="amp-bf16", recompute="selective"))
     grid.append(_scn("moe", precision="amp-bf16", recompute="selective"))
     grid.append(_scn("llama-gqa", optimizer="paged-adamw-8bit"))
     grid.append(_scn("gpt2", precision="fp32", optimizer="adafactor", seq_len=1024))

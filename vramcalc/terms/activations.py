@@ -132,7 +132,7 @@ def _norm_saved(ctx: RankContext, x: Dims, name: str, tokens: int, width: int,
                 shape: str) -> list[Saved]:
     """A norm over `width` of `tokens` rows, as the profile implements it (output excluded)."""
     numel = tokens * width
-    stats = f"{shape[:-3]})".replace(", )", ")") if shape.endswith(", h)") else "(rows)"
+    stats = shape.replace(", h)", ")") if shape.endswith(", h)") else "(rows)"
     if ctx.spec.norm_kind == "layernorm":  # nn.LayerNorm (both profiles): native_layer_norm
         return [Saved(f"{name}.input", numel, x.r, shape, "LayerNorm input"),
                 Saved(f"{name}.mean", tokens, "fp32", stats, "fp32 mean (CUDA acc type)"),
@@ -181,7 +181,8 @@ def attention_core_saved(ctx: RankContext, x: Dims) -> list[Saved]:
     probs = x.b * x.a * x.s * x.s
     hf = ctx.training.framework == "hf"
     # softmax output: fp32 when autocast upcasts softmax (CUDA list) or hf asks dtype=fp32
-    p_dtype = "fp32" if (x.amp or hf) else c
+    # (every hf family but GPT-2, whose softmax runs in the input dtype)
+    p_dtype = "fp32" if (x.amp or (hf and hf_family(ctx) != "gpt2")) else c
     out = [Saved("attn.probs", probs, p_dtype, "(b, a, s, s)", "softmax output")]
     if p_dtype != c:
         out.append(Saved("attn.probs_c", probs, c, "(b, a, s, s)",
@@ -194,7 +195,7 @@ def _attention_saved(ctx: RankContext, x: Dims) -> list[Saved]:
     spec, tr = ctx.spec, ctx.training
     hf = tr.framework == "hf"
     fam = hf_family(ctx) if hf else "reference"
-    c, T = x.c, x.T
+    c = x.c
     bsad, bsgd = x.b * x.s * x.a * x.d, x.b * x.s * x.g * x.d
     eager = tr.attention == "eager"
     selective = tr.recompute == "selective"
@@ -223,10 +224,11 @@ def _attention_saved(ctx: RankContext, x: Dims) -> list[Saved]:
         qkv = [Saved("attn.qkv", x.b * x.s * (x.a + 2 * x.g) * x.d, c, "(b, s, 3·h)",
                      "fused c_attn output; q, k, v are views of it")]
     elif fused_qkv:  # phi3: q and k rotated copies, v a view of the fused qkv output
+        qk = x.r if (x.amp and selective) else c  # see below
         qkv = [Saved("attn.qkv", x.b * x.s * (x.a + 2 * x.g) * x.d, c, "(b, s, (a+2g)·d)",
                      "fused qkv_proj output, alive through the v view"),
-               Saved("attn.q", bsad, c, "(b, a, s, d)", "rotated q"),
-               Saved("attn.k", bsgd, c, "(b, g, s, d)", "rotated k")]
+               Saved("attn.q", bsad, qk, "(b, a, s, d)", "rotated q"),
+               Saved("attn.k", bsgd, qk, "(b, g, s, d)", "rotated k")]
     else:
         # hf RoPE runs in r under autocast (its tables are in the residual dtype): SDPA keeps
         # 16-bit casts of q, k, but a checkpoint around the core keeps its fp32 inputs
@@ -254,13 +256,19 @@ def _hf_eager_qkv(ctx: RankContext, x: Dims, fam: str) -> list[Saved]:
     if fam == "gpt2":
         return [Saved("attn.qkv", x.b * x.s * 3 * x.a * x.d, c, "(b, s, 3·h)",
                       "fused c_attn output; q, k, v views")]
-    k_keep = bsad if x.g < x.a else bsgd
+    # repeat_kv copies k and v unless g == 1 (then expand + reshape stays a view, and
+    # matmul folds (b, a) into one batch dimension without a copy only when b == 1)
+    k_keep = bsgd if (x.g == x.a or (x.g == 1 and x.b == 1)) else bsad
     out = [Saved("attn.q", bsad, c, "(b, a, s, d)", "rotated q"),
-           Saved("attn.k", k_keep, c, "(b, a, s, d)", "rotated k (repeat_kv copy for GQA)"),
-           Saved("attn.v", k_keep, c, "(b, a, s, d)", "v (repeat_kv copy for GQA)")]
-    if fam == "phi3":
+           Saved("attn.k", k_keep, c, "(b, a, s, d)", "rotated k (repeat_kv copy for GQA)")]
+    # Phi-3's v is a view of the fused qkv output, kept as such unless repeat_kv copies it
+    # or matmul cannot fold (b, a) into one batch dimension (b > 1) and copies it
+    v_view = fam == "phi3" and x.b == 1 and (x.g == x.a or x.g == 1)
+    if v_view:
         out.append(Saved("attn.qkv", x.b * x.s * (x.a + 2 * x.g) * x.d, c, "(b, s, (a+2g)·d)",
-                         "fused qkv_proj output"))
+                         "fused qkv_proj output, kept through the v view"))
+    else:
+        out.append(Saved("attn.v", k_keep, c, "(b, a, s, d)", "v (repeat_kv copy for GQA)"))
     return out
 
 
@@ -469,7 +477,7 @@ def eager_forward_moment(ctx: RankContext) -> tuple[int, int]:
         work += alloc(bas, p_dtype)
     if tr.recompute == "full":
         held = sum(t.nbytes for t in saved if t.name in pre)  # the layer keeps nothing
-    if x.g < x.a:
+    if x.g < x.a and not (tr.framework == "hf" and x.g == 1 and x.b == 1):
         held += 2 * alloc(x.b * x.s * x.g * x.d, x.c)  # k, v before the repeat (locals)
     if tr.framework == "hf" and tr.recompute == "none":
         held += alloc(x.b * x.s * x.s, x.r)  # the model's additive mask, alive in forward
@@ -628,7 +636,8 @@ def layer_backward_moments(ctx: RankContext, moe: bool | None = None) -> list[Mo
         "attn.o_input",)
     held = extra + sum(t.nbytes for t in saved if t.name.startswith(("input_norm.", "attn."))
                        and t.name not in gone)
-    if tr.recompute == "selective" and tr.attention == "eager" and x.g < x.a:
+    if tr.recompute == "selective" and tr.attention == "eager" and x.g < x.a and not (
+            tr.framework == "hf" and x.g == 1 and x.b == 1):
         held += 2 * alloc(x.b * x.s * x.g * x.d, c)  # the checkpoint's k, v before repeat
     bsad = alloc(x.b * x.s * x.a * x.d, c)
     if tr.attention == "flash":
@@ -643,6 +652,10 @@ def layer_backward_moments(ctx: RankContext, moe: bool | None = None) -> list[Mo
         p_dtype = next((t.dtype for t in saved if t.name == "attn.probs"), c)
         work = g_res + bsad + 2 * alloc(x.b * x.a * x.s * x.s, p_dtype)
     out.append(Moment("attention", held, work, "mlp+o"))
+    if tr.finetune != "full":  # adapters' tensors, QLoRA's dequantized weights
+        from vramcalc.terms.finetune_activations import adjust_moments
+
+        out = adjust_moments(ctx, out, saved)
     return out
 
 

@@ -29,8 +29,9 @@ reference model's LoRALinear does the same without the input cast) adds:
 
 With p = 0, no cast and no autocast, A keeps x itself: the storage the full model kept
 anyway (shared by q, k, v or gate, up), so it stays. DoRA (PEFT's DoraLinearLayer) also keeps
-the base output and the LoRA output (T, out) and the (in, in) identity its `lora_B(lora_A(eye))`
-weight product reads, per adapted linear.
+the base output and the LoRA output (T, out) per adapted linear; its weight norm
+‖W + B·A‖ (detached) is computed from an (in, in) identity pushed through the adapters, a
+copy of W in the input's dtype and two (out, in) sums: forward temporaries, not saved.
 
 The first layer of the first stage sees the frozen embedding's output, which needs no
 gradient: its input norm records nothing (`first_layer_unsaved_bytes`).
@@ -43,7 +44,7 @@ import dataclasses
 from vramcalc.finetune import adapter_dtype, shapes_for, targeted_linears
 from vramcalc.terms.activations import Dims, Saved, dims
 from vramcalc.terms.context import RankContext
-from vramcalc.units import alloc
+from vramcalc.units import alloc, ceil_div
 
 # the storage a target reads (name in the full-fine-tuning saved list) and its width
 _QKV, _GU = ("q", "k", "v"), ("gate", "up")
@@ -104,11 +105,7 @@ def adapter_saved(ctx: RankContext, x: Dims, target: str) -> tuple[list[Saved], 
     if tr.finetune == "dora":
         o_w = _out_width(x, target)
         o_dt = x.c if x.amp else a_dt
-        out += [Saved(f"{name}.dora_eye", width * width, a_dt, "(in, in)",
-                      "torch.eye kept by lora_A for the weight product"),
-                Saved(f"{name}.dora_eye_a", width * rank, a_dt, "(in, r)",
-                      "lora_A(eye), kept by lora_B"),
-                Saved(f"{name}.dora_base_out", T * o_w, x.c, "(T, out)",
+        out += [Saved(f"{name}.dora_base_out", T * o_w, x.c, "(T, out)",
                       "base output, kept by (m/‖W‖ − 1) ·"),
                 Saved(f"{name}.dora_lora_out", T * o_w, o_dt, "(T, out)",
                       "LoRA output, kept by m/‖W‖ ·")]
@@ -120,33 +117,50 @@ _DROP_GU = ("mlp.input", "mlp.input.cast")
 
 
 def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
-    """The full-fine-tuning saved list of one layer (non-MoE parts) turned into the frozen
-    layer's: weight-gradient-only entries dropped unless an adapter shares them, adapter
-    tensors added (see the module docstring)."""
+    """The full-fine-tuning saved list of one layer turned into the frozen layer's:
+    weight-gradient-only entries dropped unless an adapter shares them, adapter tensors added
+    (see the module docstring). In a mixture-of-experts layer the router and routed experts
+    are frozen (their inputs, the gathered tokens and the experts' down-projection inputs go)
+    and the MLP targets adapt the shared experts (ffn fs, one adapter set each)."""
     x = dims(ctx)
     tr = ctx.training
-    targets = targeted_linears(ctx.spec, tr.lora_targets)
+    spec = ctx.spec
+    targets = targeted_linears(spec, tr.lora_targets)
     hf = tr.framework == "hf"
+    moe = any(t.name.startswith("moe.") for t in saved)
+    gated = spec.mlp_kind == "gated"
     added: list[Saved] = []
     keep: set[str] = set()
     for t in targets:
-        extra, shares = adapter_saved(ctx, x, t)
-        added += extra
+        xt, copies = x, 1
+        if moe and t in ("gate", "up", "down"):
+            copies = spec.num_shared_experts
+            if not copies:
+                continue
+            xt = dataclasses.replace(x, f=ceil_div(spec.shared_ffn, ctx.parallel.tp))
+        extra, shares = adapter_saved(ctx, xt, t)
+        added += [dataclasses.replace(e, count=e.count * copies) for e in extra]
         if shares:
             keep.add(t)
     drop = set()
     if not keep & set(_QKV):
         drop.update(_DROP_QKV)
     if not keep & set(_GU):
-        drop.update(_DROP_GU)
+        drop.update(_DROP_GU + ("moe.input", "moe.input.cast"))
     selective = tr.recompute == "selective"
     eager = tr.attention == "eager"
     if "o" not in keep:
         drop.add("attn.o_input")
         if selective and not eager:
             drop.add("attn.out")  # the core's output, kept only by o_proj
+    down_input = "down_input" if gated else "act"
     if "down" not in keep:
-        drop.add("mlp.down_input" if ctx.spec.mlp_kind == "gated" else "mlp.act")
+        drop.add(f"mlp.{down_input}")
+        drop.update(f"shared_expert{i}.{down_input}" for i in range(spec.num_shared_experts))
+        drop.add(f"shared_expert.{down_input}")  # the hf profile's name
+    if moe:  # frozen router and routed experts
+        drop.update(("moe.expert_input", "moe.expert_input.cast", f"moe.expert.{down_input}",
+                     "moe.rows", "moe.down_input"))
     out = [t for t in saved if t.name not in drop
            and not (hf and t.name.endswith((".xhat", ".xhat_fp32")))]
     if _fp32_mlp(ctx, x):
@@ -165,8 +179,8 @@ def adjust_head_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
 def first_layer_unsaved_bytes(ctx: RankContext) -> int:
     """Bytes the first layer of the first stage does not keep because its input (the frozen
     embedding's output) needs no gradient: its input norm's tensors, the q/k/v adapters'
-    dropout masks and, when no q/k/v is adapted, the attention core's (an approximation
-    documented in docs/finetuning.md)."""
+    dropout masks, eager attention's q (k) copy when k (q) has no adapter, and, when no q/k/v
+    is adapted, the attention core's (an approximation documented in docs/finetuning.md)."""
     if not ctx.is_first_stage or ctx.training.recompute == "full" or not ctx.num_layers:
         return 0
     from vramcalc.terms.activations import layer_saved
@@ -176,9 +190,15 @@ def first_layer_unsaved_bytes(ctx: RankContext) -> int:
     # the input norm, and dropout masks on its output (no grad flows into the dropout)
     gone = sum(t.nbytes for t in saved if t.name.startswith("input_norm.") or t.name in (
         "lora.q.dropout_mask", "lora.k.dropout_mask", "lora.v.dropout_mask"))
-    if not set(targeted_linears(ctx.spec, ctx.training.lora_targets)) & set(_QKV):
+    targets = set(targeted_linears(ctx.spec, ctx.training.lora_targets))
+    if not targets & set(_QKV):
         gone += sum(t.nbytes for t in saved if t.name.startswith("attn.")
                     and t.name != "attn.out")
+    elif ctx.training.attention == "eager":
+        # q @ kᵀ keeps q only for dk and k only for dq: one of them needs no grad here
+        for operand, other in (("attn.q", "k"), ("attn.k", "q")):
+            if other not in targets:
+                gone += sum(t.nbytes for t in saved if t.name == operand)
     return gone
 
 
@@ -224,8 +244,7 @@ def _step(name: str) -> int:
 
 
 def forward_working_bytes(ctx: RankContext) -> int:
-    """Worst transient inside the top layer's forward beyond what the forward-phase formula
-    already counts (every saved tensor of the micro-batch, head included), under
+    """Worst transient inside the top layer's forward, under
     LoRA/QLoRA/DoRA: at each adapted or quantized linear, the tensors of the layer saved so
     far plus what is alive and not saved —
 
@@ -238,9 +257,10 @@ def forward_working_bytes(ctx: RankContext) -> int:
       copy (c under autocast, else a_dt; PEFT adds in fp32 and casts back), PEFT's fp32
       input cast when dropout makes it a temporary.
 
-    Returned as bytes above the formula's count (may be negative; the caller takes a max)."""
+    Returned as bytes above every saved tensor of the micro-batch's layers (the analytic
+    forward point adds them; may be negative, the caller takes a max)."""
     from vramcalc.finetune import dequant_transient_bytes
-    from vramcalc.terms.activations import head_saved, layer_saved
+    from vramcalc.terms.activations import layer_saved
 
     tr = ctx.training
     if tr.recompute == "full" or not ctx.num_layers:
@@ -248,17 +268,12 @@ def forward_working_bytes(ctx: RankContext) -> int:
     x = dims(ctx)
     saved = layer_saved(ctx, ctx.spec.is_moe and ctx.spec.first_k_dense_replace == 0)
     full_layer = sum(t.nbytes for t in saved)
-    head = sum(t.nbytes for t in head_saved(ctx))
     hf = tr.framework == "hf"
     a_dt = adapter_dtype(tr.framework, tr.weight_dtype)
     targets = set(targeted_linears(ctx.spec, tr.lora_targets))
     names = {t.name for t in saved}
     T, c, r = x.T, x.c, x.r
-    always = 0
-    if hf:
-        always += alloc(T * x.h, r) if r != "fp32" else 0  # the residual local
-        if ctx.is_first_stage:
-            always += alloc(T * x.h, r)  # inputs_embeds, alive through the decoder's forward
+    keep_r = hf and r != "fp32"  # hf's norms save an fp32 copy, not the residual itself
     linears = ["q", "k", "v", "o"] + (["gate", "up", "down"] if ctx.spec.mlp_kind == "gated"
                                       else ["up", "down"])
     best = -(1 << 62)
@@ -267,14 +282,18 @@ def forward_working_bytes(ctx: RankContext) -> int:
         if not adapted and tr.finetune != "qlora":
             continue
         step = _STEP_OF[t]
+        mlp = step >= 5
         held = sum(s.nbytes for s in saved if _step(s.name) <= step)
         w_in, w_out = _in_width(x, t), _out_width(x, t)
-        work = always
-        if t in _QKV and "attn.input" not in names:
-            work += alloc(T * x.h, r)  # the normed input, alive as the projections' argument
-        if t in _GU and "mlp.input" not in names:
-            work += alloc(T * x.h, r)
-        if t == "down" and not ({"mlp.down_input", "mlp.act"} & names):
+        work = 0
+        if keep_r:  # the layer's input (the caller's variable) and, in the MLP, the residual
+            work += alloc(T * x.h, r) * (2 if mlp else 1)
+        if hf and ctx.is_first_stage and (ctx.num_layers > 1 or not keep_r):
+            work += alloc(T * x.h, r)  # inputs_embeds, alive through the decoder's forward
+        if (not mlp and "attn.input" not in names) or (mlp and "mlp.input" not in names):
+            work += alloc(T * x.h, r)  # the normed input, the attention's / MLP's argument
+        down_in = "mlp.down_input" if ctx.spec.mlp_kind == "gated" else "mlp.act"
+        if t == "down" and down_in not in names:
             work += alloc(T * w_in, _input_dtype(ctx, x, "down"))
         y = alloc(T * w_out, c)
         if tr.finetune == "qlora":
@@ -283,7 +302,9 @@ def forward_working_bytes(ctx: RankContext) -> int:
         else:
             base_moment = 0
         lora_moment = 0
-        if adapted:
+        if adapted and tr.finetune == "dora":
+            lora_moment = _dora_forward_bytes(ctx, x, t)
+        elif adapted:
             o_dt = c if x.amp else a_dt
             extra = 0
             if hf and tr.lora_dropout > 0 and _input_dtype(ctx, x, t) != a_dt:
@@ -294,4 +315,60 @@ def forward_working_bytes(ctx: RankContext) -> int:
         best = max(best, held + work + max(base_moment, lora_moment))
     if best < 0:
         return 0
-    return best - full_layer - head
+    return best - full_layer
+
+
+def _dora_forward_bytes(ctx: RankContext, x: Dims, target: str) -> int:
+    """PEFT DoraLinearLayer.forward's temporaries (peft 0.21.2 tuners/lora/dora.py): the
+    larger of the weight-norm instant — torch.eye(in) and lora_A(eye) (kept by the graph of
+    lora_weight = lora_B(lora_A(eye))ᵀ until the layer returns), lora_weight (out, in), W cast
+    to the input's dtype, scaling·lora_weight and W + that — and the combination instant
+    (m/‖W‖ − 1)·base + m/‖W‖·lora·α/r, whose products are promoted to fp32 (T, out)."""
+    tr = ctx.training
+    a_dt = adapter_dtype(tr.framework, tr.weight_dtype)
+    w_in, w_out, r_a = _in_width(x, target), _out_width(x, target), tr.lora_rank
+    x_dt = a_dt if tr.framework == "hf" else _input_dtype(ctx, x, target)
+    n = w_in * w_out
+    graph = alloc(w_in * w_in, a_dt) + alloc(w_in * r_a, a_dt) + alloc(n, a_dt)
+    cast_w = alloc(n, x_dt) if (x_dt != tr.weight_dtype or tr.finetune == "qlora") else 0
+    cast_l = alloc(n, x_dt) if x_dt != a_dt else 0
+    norm = graph + cast_w + cast_l + 2 * alloc(n, x_dt)
+    y = alloc(x.T * w_out, x.c)
+    combine = graph + y + 3 * alloc(x.T * w_out, "fp32")
+    return max(norm, combine)
+
+
+# ---- backward moments --------------------------------------------------------------------
+def adjust_moments(ctx: RankContext, moments: list, saved: list[Saved]) -> list:
+    """The full-fine-tuning backward instants of a layer (activations.layer_backward_moments)
+    corrected for adapters, plus QLoRA's dequantization instant:
+
+    - at the MLP instant the down adapter's backward has run: its tensors are freed;
+    - at the attention-core instant the q/k/v adapters' tensors are still held (they go
+      when the projections' backward runs, after the core's);
+    - QLoRA, down projection: its adapter's backward runs first (its nodes were created
+      last), then bitsandbytes dequantizes the weight (c) and computes dL/dx (T·f, c)
+      while dL/d residual (T·h, r) is held and nothing else of the layer is freed."""
+    from vramcalc.finetune import dequant_transient_bytes
+    from vramcalc.terms.activations import Moment
+
+    x = dims(ctx)
+    down = sum(t.nbytes for t in saved if t.name.startswith("lora.down."))
+    qkv = sum(t.nbytes for t in saved if t.name.startswith(("lora.q.", "lora.k.", "lora.v.")))
+    out = []
+    for m in moments:
+        if m.name == "mlp":
+            m = Moment(m.name, m.held - down, m.work, m.grads)
+        elif m.name == "attention":
+            m = Moment(m.name, m.held + qkv, m.work, m.grads)
+        out.append(m)
+    if ctx.training.finetune == "qlora" and ctx.spec.mlp_kind == "gated" and not (
+            ctx.spec.is_moe and ctx.spec.num_dense_layers == 0):
+        total = sum(t.nbytes for t in saved)
+        g_res = alloc(x.T * x.h, x.r)
+        n = x.h * x.f
+        w = dequant_transient_bytes(n, x.c) - 2 * alloc(-(-n // 64), "fp32")  # absmax freed
+        out.append(Moment("dequant_down", total - down,
+                          g_res + max(dequant_transient_bytes(n, x.c), w + alloc(x.T * x.f, x.c)),
+                          "down"))
+    return out

@@ -9,10 +9,10 @@ from functools import lru_cache
 
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
-from vramcalc.training import TrainingConfig
 from vramcalc.sharding import layer_param_numels, sharded_numel  # noqa: F401
 from vramcalc.terms import comm
 from vramcalc.terms.context import RankContext
+from vramcalc.training import TrainingConfig
 from vramcalc.units import ALLOC_ROUND_BYTES, MiB, alloc
 
 # PyTorch allocates cuBLAS workspaces through the caching allocator, so they show in

@@ -81,6 +81,10 @@ def check_traceable(scn: Scenario) -> Scenario:
     if tr.framework == "megatron":
         raise InputError("trace runs the reference and hf profiles; megatron has no traceable "
                          "model (use --framework reference or hf)")
+    spec = scn.model
+    if spec.position_embedding == "learned" and tr.seq_len > spec.max_position_embeddings:
+        raise InputError(f"seq_len={tr.seq_len} exceeds {spec.name}'s learned positions "
+                         f"(max_position_embeddings={spec.max_position_embeddings})")
     if tr.framework == "hf" and scn.model.is_moe and tr.weight_dtype != "bf16":
         raise InputError("hf MoE experts run torch grouped_mm, which takes bf16 weights only; "
                          "use --precision bf16 or bf16-pure with --framework hf")
@@ -140,7 +144,11 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
     except ImportError:  # pragma: no cover - torch is an optional extra
         raise InputError("the trace engine needs torch: pip install 'vramcalc[torch]'") from None
     from vramcalc.trace.cuda_rules import cuda_autocast_rules
-    from vramcalc.trace.optim import MixedPrecisionOptimizer, build_optimizer, optimizer_state_tensors
+    from vramcalc.trace.optim import (
+        MixedPrecisionOptimizer,
+        build_optimizer,
+        optimizer_state_tensors,
+    )
     from vramcalc.trace.tracker import MemoryTracker
 
     tr, spec = scn.training, scn.model

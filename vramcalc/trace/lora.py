@@ -174,7 +174,7 @@ def _hf(model: nn.Module, scn: Any) -> nn.Module:
         for layer in layers:
             for name, mod in list(layer.named_modules()):
                 if isinstance(mod, nn.Linear) and not isinstance(mod, NF4Linear) and (
-                        name.rsplit(".", 1)[-1] not in ("router", "gate")):
+                        name.rsplit(".", 1)[-1] not in ("router", "gate", "shared_expert_gate")):
                     parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
                     setattr(parent, name.rsplit(".", 1)[-1], NF4Linear.from_linear(mod, compute))
     targets = [_PEFT_NAMES[t] for t in targeted_linears(scn.model, tr.lora_targets)]
