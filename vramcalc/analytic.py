@@ -149,8 +149,16 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
 
         gap = first_layer_unsaved_bytes(ctx)
 
+    offload = train.activation_offload and train.recompute != "full"
+    if offload:  # saved layer tensors live in host memory (vramcalc/terms/lowmem.py)
+        from vramcalc.terms.lowmem import device_layer_bytes
+
+        A_dev = device_layer_bytes(act.layer_saved(ctx))
+
     def A_bottom(n: int) -> int:
         """Activations of the bottom n layers of this stage (dense layers come first)."""
+        if offload:
+            return n * A_dev
         dense = min(n, n_dense)
         return dense * A_dense + (n - dense) * A_moe - (gap if n else 0)
 
@@ -203,7 +211,8 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
         qkv_share = 1 - P.grad_fraction["mlp+o"]  # casts made so far
         eager = Phase("forward", {
             **base(g_acc),
-            "activations": int(prev * A_mb + A_bottom(nL) - top_bytes + eager_held + A_emb),
+            "activations": int(prev * A_mb + (A_bottom(nL - 1) if offload else A_bottom(nL)
+                                              - top_bytes) + eager_held + A_emb),
             "transients/autocast_cache": int(prev * C_mb + (nL - 1 + qkv_share) * cache_layer),
             "transients/gather_buffers": gather,
             "transients/layer_forward": eager_work,

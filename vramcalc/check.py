@@ -89,7 +89,7 @@ def load_config_file(path: Path) -> dict[str, Any]:
         if name not in OPTIONS_BY_NAME and name not in CONFIG_EXTRA_KEYS:
             raise InputError(f"{path}: unknown key {key!r}"
                              f"{suggest(name, list(OPTIONS_BY_NAME) + list(CONFIG_EXTRA_KEYS))}")
-        if isinstance(value, (dict, list)) and name != "offload":
+        if isinstance(value, (dict, list)) and name not in ("offload", "lora_targets"):
             raise InputError(f"{path}: {key!r} must be a single value, got a "
                              f"{type(value).__name__}")
         out[name] = value

@@ -128,6 +128,7 @@ def target_param_names(spec: ModelSpec, targets: str) -> frozenset[str]:
     Routed experts are never targeted (transformers 5 keeps them as fused 3-D parameters that
     PEFT's LoRA layers do not wrap); shared experts and dense MLPs are."""
     gated = spec.mlp_kind == "gated"
+    present = {p.name for p in param_tensors(spec)}
     wanted = set(TARGETS) if targets == ALL_LINEAR else set(targets.split(","))
     if not gated and "gate" in wanted and targets != ALL_LINEAR:
         raise InputError(f"--lora-targets: {spec.name} has a 2-matrix MLP (no gate); "
@@ -141,7 +142,7 @@ def target_param_names(spec: ModelSpec, targets: str) -> frozenset[str]:
     for t, mat in mats.items():
         if t in wanted:
             names.update(f"{p}{mat}.weight" for p in _mlp_prefixes())
-    return frozenset(names)
+    return frozenset(names & present)
 
 
 def _is_quantized(t: RankTensor, framework: str) -> bool:
@@ -247,7 +248,7 @@ def targeted_linears(spec: ModelSpec, targets: str) -> tuple[str, ...]:
             hit = f"attn.{t}_proj.weight" in names
         else:
             mat = {"gate": ("gate_proj",), "up": ("up_proj", "fc"), "down": ("down_proj", "proj")}[t]
-            hit = any(f"mlp.{m}.weight" in names for m in mat)
+            hit = any(f"{p}{m}.weight" in names for m in mat for p in _mlp_prefixes())
         if hit:
             out.append(t)
     return tuple(out)

@@ -73,6 +73,11 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "or all-linear (default q,v: PEFT's default for Llama)."),
     Opt("lora_dropout", float, 0.0, "LoRA dropout probability (PEFT default 0: no mask "
         "kept)."),
+    Opt("chunked_ce", int, 1, "Cross entropy over N token chunks (torchtune's "
+        "LinearCrossEntropyLoss): the fp32 logits and their gradients exist one chunk at a "
+        "time; 1 = off."),
+    Opt("activation_offload", bool, False, "Move saved activations of the transformer layers "
+        "to pinned host memory (torchtune OffloadActivations), one layer in flight."),
     Opt("dp", int, None, "Data-parallel degree (default: GPUs / (tp x pp x cp)).", group="parallel"),
     Opt("tp", int, 1, "Tensor-parallel degree.", group="parallel"),
     Opt("pp", int, 1, "Pipeline-parallel degree.", group="parallel"),
@@ -101,7 +106,8 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
 OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
                   "optimizer_dtype", "attention", "recompute", "framework", "finetune",
-                  "lora_rank", "lora_targets", "lora_dropout")
+                  "lora_rank", "lora_targets", "lora_dropout", "chunked_ce",
+                  "activation_offload")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fsdp",
                   "shard_group", "offload_device", "pp_schedule", "virtual_stages",
                   "num_microbatches", "capacity_factor")

@@ -51,7 +51,19 @@ def strategy_line(strategy: dict[str, Any]) -> str:
         parts.append(s["pp_schedule"])
     if s.get("framework", "reference") != "reference":
         parts.append(f"profile {s['framework']}")
+    if s.get("finetune", "full") != "full":
+        ft = f"{s['finetune']} r{s.get('lora_rank')} on {s.get('lora_targets')}"
+        if s.get("lora_dropout"):
+            ft += f" dropout {s['lora_dropout']}"
+        parts.append(ft)
     return ", ".join(parts)
+
+
+_SUB_ROWS = {
+    "weights": (("weights/frozen", "frozen base"), ("weights/nf4", "NF4 4-bit data"),
+                ("weights/nf4_constants", "NF4 absmax/codes"), ("weights/adapters", "adapters")),
+    "overhead": (("overhead/paged_optimizer_states", "paged optimizer states"),),
+}
 
 
 def report_table(report: MemoryReport) -> Table:
@@ -67,6 +79,11 @@ def report_table(report: MemoryReport) -> Table:
     for key, val in terms.items():
         table.add_row(TERM_LABELS[key], f"{val / GB:,.2f}", f"{val / GiB:,.2f}",
                       f"{100 * val / total:4.1f}%", _bar(val / total))
+        # fine-tuning's weight parts and paged optimizer states (vramcalc/finetune.py)
+        for sub, label in _SUB_ROWS.get(key, ()):
+            v = report.subterms.get(sub)
+            if v is not None and (v or key == "weights"):
+                table.add_row(f"  {label}", f"{v / GB:,.2f}", f"{v / GiB:,.2f}", "", "")
     table.add_section()
     table.add_row("peak allocated", f"{report.peak_allocated_bytes / GB:,.2f}",
                   f"{report.peak_allocated_bytes / GiB:,.2f}", "", f"({report.peak_phase} phase)")

@@ -55,6 +55,9 @@ class TrainingConfig(BaseModel):
     lora_rank: int = Field(default=8, gt=0, le=65_536)
     lora_targets: str = "q,v"  # canonical, see vramcalc.finetune.parse_targets
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    # memory techniques torchtune documents (vramcalc/terms/lowmem.py)
+    chunked_ce: int = Field(default=1, ge=1, le=65_536)  # cross entropy over N token chunks
+    activation_offload: bool = False  # saved activations to pinned host memory
 
     @field_validator("lora_targets", mode="before")
     @classmethod

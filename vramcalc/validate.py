@@ -149,6 +149,9 @@ def default_grid() -> list[tuple[str, Scenario]]:
     grid.append(_scn("moe", precision="amp-bf16", recompute="selective"))
     grid.append(_scn("llama-gqa", optimizer="paged-adamw-8bit"))
     grid.append(_scn("gpt2", precision="fp32", optimizer="adafactor", seq_len=1024))
+    from vramcalc.validate_finetune import finetune_grid
+
+    grid += finetune_grid()  # LoRA / QLoRA / DoRA, 8-bit and paged optimizers
     grid += fsdp_grid()
     return grid
 

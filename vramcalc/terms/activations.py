@@ -516,6 +516,10 @@ def microbatch_activation_bytes(ctx: RankContext) -> int:
         from vramcalc.terms.finetune_activations import first_layer_unsaved_bytes
 
         gap = first_layer_unsaved_bytes(ctx)
+    if ctx.training.activation_offload and ctx.training.recompute != "full":
+        from vramcalc.terms.lowmem import device_layer_bytes  # the rest is in host memory
+
+        return (n_dense + n_moe) * device_layer_bytes(layer_saved(ctx)) + edges
     return n_dense * a_dense + n_moe * a_moe + edges - gap
 
 
@@ -731,6 +735,10 @@ def head_saved(ctx: RankContext) -> list[Saved]:
         from vramcalc.terms.finetune_activations import adjust_head_saved
 
         out = adjust_head_saved(ctx, out)
+    if ctx.training.chunked_ce > 1:  # lm_head runs per chunk (vramcalc/terms/lowmem.py)
+        from vramcalc.terms.lowmem import adjust_head_saved_chunked
+
+        out = adjust_head_saved_chunked(ctx, out)
     return out
 
 

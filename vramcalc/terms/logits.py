@@ -44,6 +44,10 @@ def logits_saved_bytes(ctx: RankContext) -> int:
     the loss and nll_loss's total weight (and the hf profile's shifted labels)."""
     if not ctx.is_last_stage:
         return 0
+    if ctx.training.chunked_ce > 1:  # vramcalc/terms/lowmem.py
+        from vramcalc.terms.lowmem import chunked_saved_bytes
+
+        return chunked_saved_bytes(ctx)
     out = alloc(_nv(ctx), "fp32") + 2 * ALLOC_ROUND_BYTES
     if ctx.training.framework == "hf":
         out += _hf_labels_kept(ctx)
@@ -54,6 +58,10 @@ def logits_forward_peak_bytes(ctx: RankContext) -> int:
     """Peak of the loss computation in forward (includes what it keeps for backward)."""
     if not ctx.is_last_stage:
         return 0
+    if ctx.training.chunked_ce > 1:  # vramcalc/terms/lowmem.py
+        from vramcalc.terms.lowmem import chunked_forward_peak_bytes
+
+        return chunked_forward_peak_bytes(ctx)
     nv, c = _nv(ctx), ctx.training.compute_dtype
     out = 2 * alloc(nv, "fp32") + 2 * ALLOC_ROUND_BYTES  # fp32 logits + log-probs + scalars
     if ctx.training.framework == "hf":
@@ -70,6 +78,10 @@ def logits_backward_peak_bytes(ctx: RankContext) -> int:
     """Peak of the loss backward: saved log-probs + two fp32 gradient buffers + 3 scalars."""
     if not ctx.is_last_stage:
         return 0
+    if ctx.training.chunked_ce > 1:  # vramcalc/terms/lowmem.py
+        from vramcalc.terms.lowmem import chunked_backward_peak_bytes
+
+        return chunked_backward_peak_bytes(ctx)
     return 3 * alloc(_nv(ctx), "fp32") + 3 * ALLOC_ROUND_BYTES
 
 
@@ -83,6 +95,10 @@ def head_forward_extra_bytes(ctx: RankContext) -> int:
         return 0
     if ctx.training.finetune != "full":  # a frozen lm_head saves no input at all
         return alloc(x.T * x.h, x.r)
+    if ctx.training.chunked_ce > 1:  # lm_head saves per-chunk copies, or views of the local
+        from vramcalc.terms.lowmem import head_input_split
+
+        return alloc(x.T * x.h, x.r) if head_input_split(ctx) else 0
     if x.r == x.c:
         return 0
     return alloc(x.T * x.h, x.r)

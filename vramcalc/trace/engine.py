@@ -120,6 +120,10 @@ def build_model(scn: Scenario) -> Any:
         from vramcalc.trace.lora import apply_finetune
 
         model = apply_finetune(model, scn)
+    if tr.chunked_ce > 1 or tr.activation_offload:  # vramcalc/trace/lowmem.py
+        from vramcalc.trace.lowmem import apply_memory_options
+
+        model = apply_memory_options(model, scn)
     return model
 
 

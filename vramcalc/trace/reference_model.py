@@ -313,6 +313,7 @@ class ReferenceModel(nn.Module):
         self.lm_head = nn.Linear(h, V, bias=False, **kw)  # type: ignore[arg-type]
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.loss_head: object | None = None  # (lm_head, x, labels) -> loss, when set
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         b, s = input_ids.shape  # (b, s) int64; labels (b, s) int64 are the next tokens
@@ -333,5 +334,7 @@ class ReferenceModel(nn.Module):
                 x = layer(x, rope, mask)
         if self.norm is not None:
             x = self.norm(x)
+        if self.loss_head is not None:  # chunked cross entropy (vramcalc/trace/lowmem.py)
+            return self.loss_head(self.lm_head, x, labels)
         logits = self.lm_head(x).float()  # (b, s, V) fp32; the 16-bit logits are freed at once
         return F.cross_entropy(logits.view(b * s, -1), labels.reshape(b * s))

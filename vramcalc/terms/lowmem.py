@@ -1,0 +1,137 @@
+"""Chunked cross entropy and activation offloading: what they leave on the device.
+
+Legend as in vramcalc/terms/activations.py; n = --chunked-ce, N_i = b·s_i tokens of chunk i
+(the sequence split by `tensor_split`: the first s mod n chunks have ⌈s/n⌉ positions), V the
+vocabulary on this rank, c the compute dtype.
+
+Chunked cross entropy (torchtune LinearCrossEntropyLoss, eager; vramcalc/trace/lowmem.py):
+
+| moment            | logits-side bytes |
+|-------------------|-------------------|
+| kept for backward | Σ_i round512(N_i·V·4) log-probabilities + one 0-dim total weight per chunk (+ each chunk's labels copy when b > 1) + the loss |
+| forward peak      | the above, with the last chunk's logits (N·V·c) and fp32 upcast (N·V·4) alive |
+| backward peak     | the kept log-probabilities + dL/dlog-probs and dL/dlogits of one chunk (2·N·V·4) |
+
+against 2·b·s·V·4 (+ b·s·V·c) and 3·b·s·V·4 without chunking: the fp32 buffers of the loss
+exist one chunk at a time, the log-probabilities are still all kept (eager mode; a compiled
+loss can keep less).
+
+Activation offload (torchtune OffloadActivations, min_offload_size 1 KiB): every tensor a
+transformer layer saves for backward, except parameters and tensors under 1 KiB, is copied to
+pinned host memory in forward and comes back in backward one layer at a time. On the device:
+the embedding- and head-side tensors, the layer being computed and, in backward, the layer
+being differentiated; in host memory: every other layer's saved tensors of every micro-batch in
+flight (`offload_host_bytes`).
+"""
+
+from __future__ import annotations
+
+from vramcalc.terms.activations import Saved, dims
+from vramcalc.terms.context import RankContext
+from vramcalc.units import ALLOC_ROUND_BYTES, alloc, ceil_div
+
+MIN_OFFLOAD_BYTES = 1024  # torchtune OffloadActivations(min_offload_size=1024)
+
+
+def chunk_tokens(ctx: RankContext) -> list[int]:
+    """Tokens (b·s_i) of each cross-entropy chunk on this rank."""
+    x = dims(ctx)
+    n = min(ctx.training.chunked_ce, x.s)
+    q, r = divmod(x.s, n)
+    return [x.b * (q + (1 if i < r else 0)) for i in range(n)]
+
+
+def head_input_split(ctx: RankContext) -> bool:
+    """Whether a trained output layer keeps one input storage per chunk: a chunk of a
+    (b > 1, s, h) tensor is not contiguous, so the matmul keeps a contiguous copy, and under
+    autocast each chunk's 16-bit cast is a new tensor. Otherwise it keeps views of the final
+    norm's output, which is then one storage."""
+    x = dims(ctx)
+    return ctx.training.finetune == "full" and (x.b > 1 or x.amp)
+
+
+def adjust_head_saved_chunked(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
+    """The head-side saved list under chunked cross entropy: when the output layer keeps a
+    copy per chunk (`head_input_split`), the first chunk's is kept before the loss starts
+    (an activation) and the others are counted with the loss (`chunked_saved_bytes`)."""
+    if not head_input_split(ctx):
+        return saved
+    x = dims(ctx)
+    first = chunk_tokens(ctx)[0]
+    return [Saved(t.name, first * x.h, t.dtype, "(b, s/n, h)", t.why + ", first chunk")
+            if t.name.startswith("lm_head.input") else t for t in saved]
+
+
+def chunked_saved_bytes(ctx: RankContext) -> int:
+    """Kept from the end of forward into backward (table in the module docstring)."""
+    if not ctx.is_last_stage:
+        return 0
+    x = dims(ctx)
+    out = ALLOC_ROUND_BYTES  # the loss
+    chunks = chunk_tokens(ctx)
+    for n in chunks:
+        out += alloc(n * x.V, "fp32") + ALLOC_ROUND_BYTES  # log-probs, total weight
+        if x.b > 1:
+            out += alloc(n, "int64")  # the chunk's labels, reshaped (copied) for nll_loss
+    if head_input_split(ctx):  # the other chunks' copies of the output layer's input
+        out += sum(alloc(n * x.h, x.c) for n in chunks[1:])
+    return out
+
+
+def chunked_forward_peak_bytes(ctx: RankContext) -> int:
+    """The loss in forward: everything kept plus the last chunk's logits and upcast."""
+    if not ctx.is_last_stage:
+        return 0
+    x = dims(ctx)
+    last = chunk_tokens(ctx)[-1]
+    return chunked_saved_bytes(ctx) + alloc(last * x.V, x.c) + alloc(last * x.V, "fp32")
+
+
+def chunked_backward_peak_bytes(ctx: RankContext) -> int:
+    """The loss backward: kept log-probabilities + one chunk's two fp32 gradient buffers;
+    with a trained output layer, also the instant its second chunk's weight gradient is
+    summed into the first (gradient, new chunk's gradient and their sum: 3·V·h in the
+    gradient dtype) while the log-probabilities of the n − 2 chunks not yet reached are
+    kept."""
+    if not ctx.is_last_stage:
+        return 0
+    x = dims(ctx)
+    chunks = chunk_tokens(ctx)
+    saved = chunked_saved_bytes(ctx)
+    first = saved + 2 * alloc(chunks[-1] * x.V, "fp32")
+    if ctx.training.finetune != "full" or len(chunks) < 2 or x.amp:
+        # under autocast the chunks' 16-bit weight gradients are upcast one at a time as
+        # they arrive, which the trace shows never outgrows the first instant
+        return first
+    from vramcalc.terms.gradients import grad_dtype
+
+    done = sum(alloc(n * x.V, "fp32") for n in chunks[-2:])
+    return max(first, saved - done + 3 * alloc(x.V * x.h, grad_dtype(ctx)))
+
+
+# ---- activation offload ----------------------------------------------------------------
+def stays_on_device(t: Saved) -> bool:
+    """Tensors under min_offload_size stay on the device."""
+    return ceil_div(t.numel * _bits(t.dtype), 8) < MIN_OFFLOAD_BYTES
+
+
+def _bits(dtype: str) -> int:
+    from vramcalc.units import DTYPE_BITS
+
+    return {**DTYPE_BITS, "int32": 32}[dtype]
+
+
+def device_layer_bytes(saved: list[Saved]) -> int:
+    """The part of one layer's saved tensors offloading leaves on the device."""
+    return sum(t.nbytes for t in saved if stays_on_device(t))
+
+
+def offload_host_bytes(ctx: RankContext, in_flight: float = 1.0) -> int:
+    """Pinned host memory for the offloaded activations of `in_flight` micro-batches."""
+    if not ctx.training.activation_offload or ctx.training.recompute == "full":
+        return 0
+    from vramcalc.terms.activations import layer_saved
+
+    saved = layer_saved(ctx)
+    per_layer = sum(t.nbytes for t in saved if not stays_on_device(t))
+    return int(in_flight * ctx.num_layers * per_layer)

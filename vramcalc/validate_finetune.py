@@ -1,0 +1,56 @@
+"""Fine-tuning scenarios for `vramcalc validate` (LoRA, QLoRA, DoRA, 8-bit and paged
+optimizers), included in vramcalc.validate.default_grid.
+
+Both profiles: `reference` traces vramcalc's LoRALinear / NF4Linear (vramcalc/trace/lora.py,
+nf4.py); `hf` traces transformers + PEFT's get_peft_model (with NF4Linear bases for QLoRA).
+The shapes are the validation grid's; names extend the grid's with the method, rank,
+targets and dropout so they stay unique.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vramcalc.scenario import Scenario
+
+# (shape, framework, training options)
+CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("llama-gqa", "reference", {"finetune": "lora"}),
+    ("llama-gqa", "reference", {"finetune": "qlora", "lora_targets": "all-linear"}),
+    ("llama-gqa", "reference", {"finetune": "lora", "lora_targets": "all-linear",
+                                "lora_dropout": 0.1, "precision": "amp-bf16"}),
+    ("llama-gqa", "reference", {"finetune": "qlora", "precision": "amp-bf16"}),
+    ("llama-deep", "reference", {"finetune": "qlora", "lora_targets": "all-linear",
+                                 "lora_dropout": 0.05, "seq_len": 2048}),
+    ("llama-mha", "reference", {"finetune": "lora", "attention": "eager",
+                                "recompute": "selective", "lora_targets": "q,k,v,o"}),
+    ("llama-gqa", "reference", {"finetune": "qlora", "recompute": "full", "lora_rank": 64,
+                                "optimizer": "paged-adamw-8bit", "lora_targets": "all-linear"}),
+    ("llama-gqa", "reference", {"finetune": "dora"}),
+    ("gpt2", "reference", {"finetune": "lora", "lora_targets": "all-linear"}),
+    ("moe-shared", "reference", {"finetune": "qlora", "lora_targets": "all-linear"}),
+    ("llama-gqa", "hf", {"finetune": "lora"}),
+    ("llama-gqa", "hf", {"finetune": "qlora", "lora_targets": "all-linear",
+                         "optimizer": "adamw-8bit"}),
+    ("llama-deep", "hf", {"finetune": "lora", "lora_targets": "all-linear",
+                          "lora_dropout": 0.05}),
+    ("llama-gqa", "hf", {"finetune": "dora", "lora_targets": "all-linear"}),
+    ("llama-gqa", "hf", {"finetune": "lora", "precision": "amp-bf16", "recompute": "full"}),
+    ("llama-gqa", "hf", {"finetune": "qlora", "attention": "eager", "optimizer": "paged-adamw"}),
+    ("moe", "hf", {"finetune": "qlora"}),
+)
+
+
+def finetune_grid() -> list[tuple[str, Scenario]]:
+    """(name, scenario) pairs of the fine-tuning cases above."""
+    from vramcalc.validate import _scn
+
+    out = []
+    for shape, framework, kw in CASES:
+        name, scn = _scn(shape, framework=framework, **kw)
+        tr = scn.training
+        tag = f"{tr.finetune}-r{tr.lora_rank}-{tr.lora_targets.replace(',', '')}"
+        if tr.lora_dropout:
+            tag += f"-p{tr.lora_dropout:g}"
+        out.append((f"{name}/{tag}", scn))
+    return out
