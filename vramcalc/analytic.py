@@ -389,9 +389,14 @@ def host_bytes_per_node(scn: Scenario, ctx: RankContext) -> int:
     """Host RAM one node needs for offloaded state: the rank's footprint
     (vramcalc.offload, incl. DeepSpeed's pinned fp32 gradient and swap buffers) x GPUs per
     node. Without offload 0."""
+    act_host = 0
+    if scn.training.activation_offload:  # pinned copies of saved activations
+        from vramcalc.terms.lowmem import offload_host_bytes
+
+        act_host = offload_host_bytes(ctx, in_flight_microbatches(scn, ctx.stage))
     if not scn.parallel.offload:
-        return 0
-    return offload_footprint(ctx).host_bytes * _gpus_per_node(scn)
+        return act_host * _gpus_per_node(scn)
+    return (offload_footprint(ctx).host_bytes + act_host) * _gpus_per_node(scn)
 
 
 def nvme_bytes_per_node(scn: Scenario, ctx: RankContext) -> int:
@@ -428,7 +433,8 @@ def _notes(scn: Scenario) -> list[str]:
     if scn.gpu_note:
         notes.append(scn.gpu_note)
     tr = scn.training
-    if tr.finetune != "full" or tr.optimizer.startswith("paged-"):
+    if tr.finetune != "full" or tr.optimizer.startswith("paged-") or tr.activation_offload or (
+            tr.chunked_ce > 1):
         from vramcalc.finetune import notes as ft_notes
 
         notes += ft_notes(RankContext(scn.model, scn.training, scn.parallel, 0))

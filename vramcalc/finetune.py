@@ -329,6 +329,16 @@ def notes(ctx: object) -> list[str]:
             out.append("qlora: layer linears stored in NF4 (4.13 bits/param with double-"
                        "quantized absmax); each matmul dequantizes its weight into a "
                        "transient copy")
+    if tr.activation_offload:
+        if tr.recompute == "full":
+            out.append("activation offload: nothing to offload beyond the checkpointed layer "
+                       "inputs, which this model keeps on the device")
+        else:
+            out.append("activation offload: the layers' saved tensors wait in pinned host "
+                       "memory (host RAM above); each comes back when its backward node runs")
+    if tr.chunked_ce > 1:
+        out.append(f"chunked cross entropy ({tr.chunked_ce} chunks): the fp32 logits and loss "
+                   "gradients exist one chunk at a time; the log-probabilities are all kept")
     paged = paged_state_bytes(ctx)
     if paged:
         out.append(f"{tr.optimizer}: {fmt_gb(paged)} of optimizer states live in CUDA unified "

@@ -1,5 +1,6 @@
-"""Fine-tuning scenarios for `vramcalc validate` (LoRA, QLoRA, DoRA, 8-bit and paged
-optimizers), included in vramcalc.validate.default_grid.
+"""Fine-tuning and low-memory scenarios for `vramcalc validate` (LoRA, QLoRA, DoRA, 8-bit
+and paged optimizers, chunked cross entropy, activation offload), included in
+vramcalc.validate.default_grid.
 
 Both profiles: `reference` traces vramcalc's LoRALinear / NF4Linear (vramcalc/trace/lora.py,
 nf4.py); `hf` traces transformers + PEFT's get_peft_model (with NF4Linear bases for QLoRA).
@@ -38,6 +39,16 @@ CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("llama-gqa", "hf", {"finetune": "lora", "precision": "amp-bf16", "recompute": "full"}),
     ("llama-gqa", "hf", {"finetune": "qlora", "attention": "eager", "optimizer": "paged-adamw"}),
     ("moe", "hf", {"finetune": "qlora"}),
+    # chunked cross entropy and activation offload (vramcalc/terms/lowmem.py)
+    ("llama-deep", "reference", {"chunked_ce": 16, "seq_len": 2048}),
+    ("llama-gqa", "reference", {"chunked_ce": 4, "precision": "amp-bf16"}),
+    ("llama-gqa", "hf", {"finetune": "lora", "chunked_ce": 8, "lora_targets": "all-linear"}),
+    ("llama-deep", "reference", {"activation_offload": True, "seq_len": 2048}),
+    ("llama-deep", "reference", {"finetune": "qlora", "activation_offload": True,
+                                 "lora_targets": "all-linear", "seq_len": 2048}),
+    ("llama-gqa", "hf", {"finetune": "lora", "activation_offload": True, "lora_dropout": 0.1}),
+    ("llama-mha", "reference", {"finetune": "lora", "activation_offload": True,
+                                "attention": "eager", "chunked_ce": 4}),
 )
 
 
@@ -49,8 +60,14 @@ def finetune_grid() -> list[tuple[str, Scenario]]:
     for shape, framework, kw in CASES:
         name, scn = _scn(shape, framework=framework, **kw)
         tr = scn.training
-        tag = f"{tr.finetune}-r{tr.lora_rank}-{tr.lora_targets.replace(',', '')}"
+        tag = tr.finetune
+        if tr.finetune != "full":
+            tag += f"-r{tr.lora_rank}-{tr.lora_targets.replace(',', '')}"
         if tr.lora_dropout:
             tag += f"-p{tr.lora_dropout:g}"
+        if tr.chunked_ce > 1:
+            tag += f"-ce{tr.chunked_ce}"
+        if tr.activation_offload:
+            tag += "-offload"
         out.append((f"{name}/{tag}", scn))
     return out

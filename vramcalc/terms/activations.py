@@ -517,9 +517,11 @@ def microbatch_activation_bytes(ctx: RankContext) -> int:
 
         gap = first_layer_unsaved_bytes(ctx)
     if ctx.training.activation_offload and ctx.training.recompute != "full":
-        from vramcalc.terms.lowmem import device_layer_bytes  # the rest is in host memory
+        from vramcalc.terms.lowmem import device_layer_bytes, offloaded_edge_bytes
 
-        return (n_dense + n_moe) * device_layer_bytes(layer_saved(ctx)) + edges
+        # the rest is in host memory, the rotary tables and mask the layers saved included
+        return (n_dense + n_moe) * device_layer_bytes(layer_saved(ctx)) + edges - (
+            offloaded_edge_bytes(ctx))
     return n_dense * a_dense + n_moe * a_moe + edges - gap
 
 
@@ -529,6 +531,10 @@ def layer_forward_working_bytes(ctx: RankContext) -> int:
     layer is kept, and its MLP runs with every intermediate alive at once: the normed input,
     gate, up, act and act·up (T·h + 4·T·f), or fc and act (T·h + 2·T·f)."""
     x = dims(ctx)
+    if ctx.training.activation_offload and ctx.training.recompute != "full":
+        from vramcalc.terms.lowmem import offload_forward_working_bytes
+
+        return offload_forward_working_bytes(ctx)
     out = alloc(_bsh(x), x.c) + alloc(_bsh(x), x.r)
     if ctx.training.recompute == "full":
         f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
@@ -660,6 +666,10 @@ def layer_backward_moments(ctx: RankContext, moe: bool | None = None) -> list[Mo
         from vramcalc.terms.finetune_activations import adjust_moments
 
         out = adjust_moments(ctx, out, saved)
+    if tr.activation_offload and tr.recompute != "full":  # saved tensors in host memory
+        from vramcalc.terms.lowmem import offload_moments
+
+        out = offload_moments(ctx, out, saved)
     return out
 
 

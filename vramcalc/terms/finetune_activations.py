@@ -243,7 +243,7 @@ def _step(name: str) -> int:
     return len(_ORDER)
 
 
-def forward_working_bytes(ctx: RankContext) -> int:
+def forward_working_bytes(ctx: RankContext, held: bool = True) -> int:
     """Worst transient inside the top layer's forward, under
     LoRA/QLoRA/DoRA: at each adapted or quantized linear, the tensors of the layer saved so
     far plus what is alive and not saved —
@@ -258,7 +258,8 @@ def forward_working_bytes(ctx: RankContext) -> int:
       input cast when dropout makes it a temporary.
 
     Returned as bytes above every saved tensor of the micro-batch's layers (the analytic
-    forward point adds them; may be negative, the caller takes a max)."""
+    forward point adds them; may be negative, the caller takes a max); with `held=False`
+    (activation offloading: the saved tensors are in host memory) the temporaries alone."""
     from vramcalc.finetune import dequant_transient_bytes
     from vramcalc.terms.activations import layer_saved
 
@@ -283,7 +284,7 @@ def forward_working_bytes(ctx: RankContext) -> int:
             continue
         step = _STEP_OF[t]
         mlp = step >= 5
-        held = sum(s.nbytes for s in saved if _step(s.name) <= step)
+        kept = sum(s.nbytes for s in saved if _step(s.name) <= step) if held else 0
         w_in, w_out = _in_width(x, t), _out_width(x, t)
         work = 0
         if keep_r:  # the layer's input (the caller's variable) and, in the MLP, the residual
@@ -312,10 +313,10 @@ def forward_working_bytes(ctx: RankContext) -> int:
             sum_dt = "fp32" if hf and a_dt == "fp32" else c
             lora_moment = y + max(2 * alloc(T * w_out, o_dt),
                                   alloc(T * w_out, o_dt) + alloc(T * w_out, sum_dt)) + extra
-        best = max(best, held + work + max(base_moment, lora_moment))
+        best = max(best, kept + work + max(base_moment, lora_moment))
     if best < 0:
         return 0
-    return best - full_layer
+    return best - (full_layer if held else 0)
 
 
 def _dora_forward_bytes(ctx: RankContext, x: Dims, target: str) -> int:

@@ -135,3 +135,57 @@ def offload_host_bytes(ctx: RankContext, in_flight: float = 1.0) -> int:
     saved = layer_saved(ctx)
     per_layer = sum(t.nbytes for t in saved if not stays_on_device(t))
     return int(in_flight * ctx.num_layers * per_layer)
+
+
+def offload_forward_working_bytes(ctx: RankContext) -> int:
+    """The top layer's forward under offloading: its saved tensors are in host memory, so
+    what is alive is what the code still references — the residual (T·h, r) and, inside the
+    MLP, its normed input, gate, up, act and act·up (gated: T·h + 4·T·f; 2-matrix: fc and
+    act), or at the layer's end the MLP output and the new residual; adapters' and QLoRA's
+    temporaries on top (vramcalc.terms.finetune_activations, without the saved tensors)."""
+    x = dims(ctx)
+    f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
+    n_f = 3 if ctx.spec.mlp_kind == "gated" else 2
+    residual = alloc(x.T * x.h, x.r)
+    mlp = residual + alloc(x.T * x.h, x.r) + n_f * alloc(x.T * f, x.c)
+    end = residual + alloc(x.T * x.h, x.c) + alloc(x.T * x.h, x.r)
+    out = max(mlp, end)
+    if ctx.training.finetune != "full":
+        from vramcalc.terms.finetune_activations import forward_working_bytes
+
+        out = max(out, residual + forward_working_bytes(ctx, held=False))
+    return out
+
+
+# the saved tensors each backward instant reads (brought back from host memory for it)
+_MOMENT_INPUTS = {
+    "mlp": ("mlp.act", "mlp.up", "mlp.fc_out", "mlp.gelu.half_x", "mlp.gelu.one_plus"),
+    "attention": ("attn.q", "attn.k", "attn.v", "attn.out", "attn.lse", "attn.probs",
+                  "attn.probs_c"),
+}
+
+
+def offload_moments(ctx: RankContext, moments: list, saved: list[Saved]) -> list:
+    """Backward instants under offloading: of the layer's saved tensors only those the
+    running node reads are on the device (copied back for it), plus the small ones that
+    never left."""
+    from vramcalc.terms.activations import Moment
+
+    small = device_layer_bytes(saved)
+    out = []
+    for m in moments:
+        names = _MOMENT_INPUTS.get(m.name, ())
+        held = small + sum(t.nbytes for t in saved if t.name in names
+                           and not stays_on_device(t))
+        out.append(Moment(m.name, held, m.work, m.grads))
+    return out
+
+
+def offloaded_edge_bytes(ctx: RankContext) -> int:
+    """Embedding-side tensors the layers save (rotary tables, the eager mask): offloading
+    copies them to the host with each layer, so once the forward returns (its locals gone)
+    the device no longer holds them."""
+    from vramcalc.terms.activations import embedding_saved
+
+    return sum(t.nbytes for t in embedding_saved(ctx) if t.name.startswith(
+        ("rope.", "attn.mask", "position_ids")) and not stays_on_device(t))

@@ -9,12 +9,12 @@ vramcalc/terms/lowmem.py).
   backward, but the fp32 upcast and the gradient buffers of the loss exist one chunk at a
   time. Labels are the next tokens, aligned with the positions (as the reference model and
   torchtune's recipes pass them).
-- `offload_layers(layers, tracker)`: torchtune's OffloadActivations (saved-tensor hooks) on
-  each transformer layer: a saved tensor of at least 1 KiB that is not a parameter is
-  copied to pinned host memory (the trace marks the copy as host memory and drops the
-  device reference); in backward the first access to any tensor of a layer brings the
-  whole layer back (one layer in flight), freed when the next layer's first tensor comes
-  back.
+- `apply_activation_offload(model, scn)`: torchtune's OffloadActivations (saved-tensor hooks,
+  torchtune/training/_activation_offloading.py, single stream) on each transformer layer: a
+  saved tensor of at least 1 KiB that is not a parameter (nor a view of one, such as the
+  transposed weight a matmul keeps) is copied to pinned host memory, one copy per packed
+  tensor (the trace marks the copy as host memory and drops the device reference); in
+  backward each comes back to the device when its node runs and is released after it.
 
 torch is imported only when a trace runs.
 """
@@ -69,12 +69,13 @@ def apply_chunked_ce(model: nn.Module, scn: Any) -> nn.Module:
 class _LayerOffload:
     """Saved-tensor hooks for one layer; `store` is shared by all layers."""
 
-    def __init__(self, index: int, store: _OffloadStore) -> None:
-        self.index, self.store = index, store
+    def __init__(self, index: int, store: _OffloadStore, params: set[int]) -> None:
+        self.index, self.store, self.params = index, store, params
 
     def pack(self, t: torch.Tensor) -> Any:
-        if isinstance(t, nn.Parameter) or t.untyped_storage().nbytes() < MIN_OFFLOAD_BYTES:
-            return t
+        st = t.untyped_storage()
+        if st._cdata in self.params or st.nbytes() < MIN_OFFLOAD_BYTES:
+            return t  # parameters (and views of them, e.g. a weight's transpose) stay
         return self.store.offload(self.index, t)
 
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -84,60 +85,35 @@ class _LayerOffload:
 
 
 class _OffloadStore:
-    """Host copies of saved tensors, and the one layer brought back in backward: the first
-    access to a layer's tensors materializes all of them on the device; each leaves the
-    store when its node takes it (alive while that node runs), so the layer's device copies
-    shrink as its backward proceeds and are gone when it ends."""
+    """Host copies of saved tensors (torchtune's single-stream OffloadActivations: one copy
+    per packed tensor, brought back to the device when its node needs it in backward and
+    released when that node is done). Only the copies' shapes are kept: their bytes are host
+    memory, which the trace does not count."""
 
-    def __init__(self, tracker: Any) -> None:
-        self.tracker = tracker
-        self.host: dict[int, dict[int, torch.Tensor]] = {}
-        self.device: dict[int, torch.Tensor] = {}
-        self.device_layer: int | None = None
+    def __init__(self) -> None:
+        self.host: dict[int, tuple[Any, Any, Any, Any]] = {}
         self.next_id = 0
 
-    def offload(self, layer: int, t: torch.Tensor) -> tuple[int, int]:
-        host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
-        if self.tracker is not None:
-            self.tracker.set_host(host)
+    def offload(self, layer: int, t: torch.Tensor) -> int:
         key = self.next_id
         self.next_id += 1
-        self.host.setdefault(layer, {})[key] = host
-        return layer, key
+        self.host[key] = (t.size(), t.stride(), t.dtype, t.device)
+        return key
 
-    def host_bytes(self) -> int:
-        return sum(h.untyped_storage().nbytes() for d in self.host.values() for h in d.values())
-
-    def fetch(self, packed: tuple[int, int]) -> torch.Tensor:
-        layer, key = packed
-        if self.device_layer != layer:
-            self.device = {}
-            self.device_layer = layer
-            for k, host in self.host.pop(layer, {}).items():
-                self.device[k] = torch.empty_strided(host.size(), host.stride(),
-                                                     dtype=host.dtype, device=host.device)
-        return self.device.pop(key)
-
-
-def _active_tracker() -> Any:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-    from vramcalc.trace.tracker import MemoryTracker
-
-    for mode in _get_current_dispatch_mode_stack():
-        if isinstance(mode, MemoryTracker):
-            return mode
-    return None
+    def fetch(self, key: int) -> torch.Tensor:
+        size, stride, dtype, device = self.host.pop(key)
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
 
 def apply_activation_offload(model: nn.Module, scn: Any) -> nn.Module:
     """Wrap each transformer layer's forward in offloading saved-tensor hooks."""
     causal = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = causal.get_decoder().layers if scn.training.framework == "hf" else causal.layers
-    store = _OffloadStore(_active_tracker())
+    store = _OffloadStore()
     model._vramcalc_offload = store  # type: ignore[attr-defined]
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
     for i, layer in enumerate(layers):
-        hooks = _LayerOffload(i, store)
+        hooks = _LayerOffload(i, store, params)
         original = layer.forward
 
         def forward(*args: Any, _orig: Any = original, _hooks: Any = hooks, **kw: Any) -> Any:
