@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> None:
     """Console-script entry."""
     sys.exit(main())
-from vramcalc import cli_probe  # noqa: E402,F401
-
-
-from vramcalc import cli_plan  # noqa: E402,F401
+from vramcalc import (
+    cli_plan,  # noqa: E402,F401
+    cli_probe,  # noqa: E402,F401
+)

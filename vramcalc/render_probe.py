@@ -26,7 +26,7 @@ def print_probe_record(console: Console, rec: dict[str, Any]) -> None:
                      else ""))
     if rec["status"] == "oom":
         failed = (rec.get("oom") or {}).get("failed_alloc_bytes")
-        console.print(f"[bold red]DID NOT FIT[/bold red]: out of memory"
+        console.print("[bold red]DID NOT FIT[/bold red]: out of memory"
                       + (f" while allocating {_gb(failed)}" if failed else ""))
     table = Table(show_edge=False, pad_edge=False)
     table.add_column("")
