@@ -278,7 +278,5 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> None:
     """Console-script entry."""
     sys.exit(main())
-from vramcalc import (
-    cli_plan,  # noqa: E402,F401
-    cli_probe,  # noqa: E402,F401
-)
+# commands defined in their own modules register themselves on `app`
+from vramcalc import cli_plan, cli_probe  # noqa: E402,F401,I001
