@@ -48,10 +48,15 @@ def explain(scn: Scenario) -> dict[str, Any]:
         "(each tensor rounded up to the allocator's 512-byte blocks).",
         "By group: " + ", ".join(f"{k} {_gb(v)}" for k, v in groups.items()),
     ]})
+    if tr.finetune != "full":  # frozen base, NF4 and adapters (vramcalc/finetune.py)
+        from vramcalc.finetune import explain_weight_lines
+
+        sections[-1]["lines"] = explain_weight_lines(ctx)
 
     gb_ = DTYPE_BITS[tr.grad_dtype] // 8
     sections.append({"title": "Gradients", "lines": [
-        f"One {tr.grad_dtype} gradient ({gb_} B) per parameter"
+        f"One {tr.grad_dtype} gradient ({gb_} B) per "
+        + ("trained (adapter) parameter" if tr.finetune != "full" else "parameter")
         + (f", sharded over {ctx.grad_shard} ranks (ZeRO-2+/FSDP)" if ctx.grad_shard > 1 else "")
         + f": {_gb(gradients_bytes(ctx))} once backward has finished.",
         "With zero_grad(set_to_none=True) they do not exist during forward unless gradients "

@@ -297,6 +297,27 @@ def weight_parts(ctx: object) -> dict[str, int]:
     return out
 
 
+def explain_weight_lines(ctx: object) -> list[str]:
+    """`vramcalc explain`'s weights section under LoRA/QLoRA/DoRA."""
+    from vramcalc.units import fmt_gb
+
+    fs = shapes_for(ctx)
+    tr = ctx.training  # type: ignore[attr-defined]
+    parts = weight_parts(ctx)
+    a_dt = adapter_dtype(tr.framework, tr.weight_dtype)
+    lines = [f"{tr.finetune}: the base is frozen; {fs.frozen.numel():,} parameters stay in "
+             f"{tr.weight_dtype}: {fmt_gb(parts['weights/frozen'])}."]
+    if fs.quantized.tensors:
+        lines.append(f"{fs.quantized.numel():,} layer-linear parameters in NF4: 4 bits each "
+                     f"({fmt_gb(parts['weights/nf4'])}) + absmax per 64, double-quantized, and "
+                     f"per-tensor codes ({fmt_gb(parts['weights/nf4_constants'])}): 4.127 "
+                     "bits/param (Dettmers et al. 2023).")
+    lines.append(f"Adapters: {fs.adapters.numel():,} trained parameters (r={tr.lora_rank} on "
+                 f"{tr.lora_targets}: r·(in + out) per linear) in {a_dt}: "
+                 f"{fmt_gb(parts['weights/adapters'])}.")
+    return lines
+
+
 # ---- optimizers ------------------------------------------------------------------------
 def paged_state_bytes(ctx: object) -> int:
     """Optimizer-state bytes a paged bitsandbytes optimizer keeps in unified memory: the

@@ -564,6 +564,8 @@ class _Bound:
         self.head = spec.head_params + spec.final_norm_params
         self.tied = spec.tie_word_embeddings
         self.seq = base.training.seq_len
+        # offloaded activations leave the device: no floor (vramcalc/terms/lowmem.py)
+        self.offload_acts = base.training.activation_offload
         self.opt_dtype = base.training.optimizer_dtype
         self.acts: dict[tuple, dict[tuple[int, int], float]] = {}
         self.opt_phase: dict[tuple, float] = {}
@@ -631,6 +633,8 @@ class _Bound:
         spec = self.spec
         h = spec.hidden_size
         sp_div = tp if sp else 1
+        if self.offload_acts and rec != "full":
+            return 0.0
         if rec == "full":
             per_token = h / sp_div
         else:
