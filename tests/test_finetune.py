@@ -300,3 +300,64 @@ def test_estimate_is_fast_enough_for_the_planner() -> None:
     a = estimate(scn)
     b = estimate(Scenario(**{**scn.__dict__}))
     assert a.peak_allocated_bytes == b.peak_allocated_bytes
+
+
+# ---- invariants (hypothesis) -------------------------------------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from vramcalc.terms.weights import weights_bytes  # noqa: E402
+
+
+@st.composite
+def small_specs(draw: st.DrawFn) -> ModelSpec:
+    kv = draw(st.sampled_from([1, 2, 4]))
+    heads = kv * draw(st.sampled_from([1, 2]))
+    return ModelSpec(hidden_size=heads * draw(st.sampled_from([64, 128])),
+                     num_hidden_layers=draw(st.integers(1, 4)), num_attention_heads=heads,
+                     num_key_value_heads=kv, intermediate_size=draw(st.sampled_from([128, 512])),
+                     vocab_size=draw(st.integers(100, 3000)))
+
+
+finetune_trainings = st.fixed_dictionaries({
+    "seq_len": st.sampled_from([64, 256]),
+    "micro_batch_size": st.integers(1, 3),
+    "precision": st.sampled_from(["bf16", "bf16-pure", "amp-bf16", "fp32"]),
+    "optimizer": st.sampled_from(["adamw", "adamw-8bit", "paged-adamw-8bit", "sgd-momentum"]),
+    "attention": st.sampled_from(["flash", "eager"]),
+    "recompute": st.sampled_from(["none", "selective", "full"]),
+    "framework": st.sampled_from(["reference", "hf"]),
+    "lora_targets": st.sampled_from(["q,v", "all-linear", "o,down", "k"]),
+    "lora_dropout": st.sampled_from([0.0, 0.1]),
+    "lora_rank": st.sampled_from([1, 8, 16]),  # r < in·out/(in + out): fewer than the base
+})
+
+
+@settings(max_examples=60, deadline=None)
+@given(small_specs(), finetune_trainings)
+def test_finetuning_never_needs_more_model_state_or_activations(spec: ModelSpec,
+                                                               kw: dict) -> None:
+    full = RankContext(spec, TrainingConfig(**{**kw, "finetune": "full"}), ParallelConfig(dp=1))
+    lora = RankContext(spec, TrainingConfig(**{**kw, "finetune": "lora"}), ParallelConfig(dp=1))
+    qlora = RankContext(spec, TrainingConfig(**{**kw, "finetune": "qlora"}),
+                        ParallelConfig(dp=1))
+    assert gradients_bytes(lora) <= gradients_bytes(full)
+    assert sum(optimizer_state_split(lora).values()) <= sum(optimizer_state_split(full).values())
+    assert weights_bytes(qlora) <= weights_bytes(lora)
+    if kw["recompute"] != "full":  # a checkpointed layer keeps its input either way
+        assert act.layer_activation_bytes(lora) <= act.layer_activation_bytes(full) + (
+            # adapters on a target whose input full training did not keep (o, down under
+            # dropout or PEFT's fp32 cast) add a little
+            sum(t.nbytes for t in act.layer_saved(lora) if t.name.startswith("lora.")))
+
+
+@settings(max_examples=40, deadline=None)
+@given(small_specs(), finetune_trainings, st.sampled_from(["lora", "qlora", "dora"]))
+def test_finetune_terms_add_up(spec: ModelSpec, kw: dict, ft: str) -> None:
+    scn = Scenario(model=spec, training=TrainingConfig(**{**kw, "finetune": ft}))
+    rep = estimate(scn)
+    terms = rep.terms.as_dict()
+    assert all(v >= 0 for v in terms.values())
+    assert sum(v for k, v in terms.items() if k != "overhead") == rep.peak_allocated_bytes
+    assert sum(v for k, v in rep.subterms.items() if k.startswith("weights/")) == terms[
+        "weights"]
