@@ -349,22 +349,13 @@ def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:
             subterms[key] = val
     for key, val in ovh.items():
         subterms[f"overhead/{key}"] = val
-    fits: bool | None = None
-    headroom: int | None = None
-    if gpu is not None:
-        usable = int(gpu.memory_total_bytes * (1 - scn.headroom_fraction))
-        headroom = gpu.memory_total_bytes - total
-        fits = total <= usable
+    fits, headroom = fit_verdict(scn, total)
     ctx0 = RankContext(scn.model, scn.training, scn.parallel, st)
     return MemoryReport(
         engine="analytic",
-        model=ModelInfo(name=scn.model.name, num_params=scn.model.num_params,
-                        num_active_params=scn.model.num_active_params,
-                        source=scn.model.source, note=scn.model_note),
+        model=model_info(scn),
         strategy=strategy_dict(scn),
-        gpu=GPUInfo(id=gpu.id, name=gpu.name, memory_total_bytes=gpu.memory_total_bytes,
-                    num_gpus=scn.cluster.num_gpus, num_nodes=scn.cluster.num_nodes,
-                    note=scn.gpu_note) if gpu and scn.cluster else None,
+        gpu=gpu_info(scn),
         terms=Terms(**terms),
         subterms=subterms,
         phases={p.name: p.total for p in phases},
@@ -404,6 +395,28 @@ def nvme_bytes_per_node(scn: Scenario, ctx: RankContext) -> int:
     if not scn.parallel.offload or scn.parallel.offload_device != "nvme":
         return 0
     return offload_footprint(ctx).nvme_bytes * _gpus_per_node(scn)
+
+
+def fit_verdict(scn: Scenario, device_total_bytes: int) -> tuple[bool | None, int | None]:
+    """(fits, headroom bytes) against the cluster's GPU; (None, None) without a GPU."""
+    if scn.cluster is None:
+        return None, None
+    cap = scn.cluster.gpu.memory_total_bytes
+    return device_total_bytes <= int(cap * (1 - scn.headroom_fraction)), cap - device_total_bytes
+
+
+def model_info(scn: Scenario) -> ModelInfo:
+    m = scn.model
+    return ModelInfo(name=m.name, num_params=m.num_params, num_active_params=m.num_active_params,
+                     source=m.source, note=scn.model_note)
+
+
+def gpu_info(scn: Scenario) -> GPUInfo | None:
+    if scn.cluster is None:
+        return None
+    g, c = scn.cluster.gpu, scn.cluster
+    return GPUInfo(id=g.id, name=g.name, memory_total_bytes=g.memory_total_bytes,
+                   num_gpus=c.num_gpus, num_nodes=c.num_nodes, note=scn.gpu_note)
 
 
 def strategy_dict(scn: Scenario) -> dict[str, object]:

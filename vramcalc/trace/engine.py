@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vramcalc.analytic import strategy_dict
+from vramcalc.analytic import fit_verdict, gpu_info, model_info, strategy_dict
 from vramcalc.errors import InputError
-from vramcalc.report import PHASE_NAMES, GPUInfo, MemoryReport, ModelInfo, Terms
+from vramcalc.report import PHASE_NAMES, MemoryReport, Terms
 from vramcalc.scenario import Scenario
 from vramcalc.terms.overhead import overhead_split
 from vramcalc.terms.transients import cublas_workspace_bytes
@@ -272,22 +272,13 @@ def _result(scn: Scenario, tracker: Any, param_bytes: int, iterations: int) -> T
     subterms = {k: v for k, v in peak.parts.items() if "/" in k}
     subterms.update({f"overhead/{k}": v for k, v in ovh.items()})
     total = peak.total + terms["overhead"]
-    fits: bool | None = None
-    headroom: int | None = None
-    if gpu is not None:
-        usable = int(gpu.memory_total_bytes * (1 - scn.headroom_fraction))
-        headroom = gpu.memory_total_bytes - total
-        fits = total <= usable
+    fits, headroom = fit_verdict(scn, total)
     notes = [n for n in (scn.model_note, scn.gpu_note) if n]
     report = MemoryReport(
         engine="trace",
-        model=ModelInfo(name=scn.model.name, num_params=scn.model.num_params,
-                        num_active_params=scn.model.num_active_params,
-                        source=scn.model.source, note=scn.model_note),
+        model=model_info(scn),
         strategy=strategy_dict(scn),
-        gpu=GPUInfo(id=gpu.id, name=gpu.name, memory_total_bytes=gpu.memory_total_bytes,
-                    num_gpus=scn.cluster.num_gpus, num_nodes=scn.cluster.num_nodes,
-                    note=scn.gpu_note) if gpu and scn.cluster else None,
+        gpu=gpu_info(scn),
         terms=Terms(**{k: max(v, 0) for k, v in terms.items()}),
         subterms=subterms,
         phases={ph: phases[ph].total for ph in PHASE_NAMES},
