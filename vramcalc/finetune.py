@@ -15,9 +15,12 @@ profile: `hf` follows PEFT's `get_peft_model(..., autocast_adapter_dtype=True)` 
 which upcasts bf16/fp16 adapters to fp32 (peft/tuners/tuners_utils.py `cast_adapter_dtype`),
 so under a 16-bit policy they are fp32 parameters with fp32 gradients and no master copy;
 `reference` keeps them in the policy's weight dtype (torchtune's choice: the whole model,
-adapters included, in the training dtype). Adapters are not split by tensor parallelism
-(each rank keeps r·(in + out) per targeted linear: a small overestimate for NeMo-style
-parallel adapters).
+adapters included, in the training dtype). Under tensor parallelism the adapters are split
+with their base, as Megatron-style parallel LoRA does (PEFT tuners/lora/tp_layer.py
+`LoraParallelLinear`; NeMo's ParallelLinearAdapter likewise): column-parallel bases (q, k,
+v, gate, up) keep A (r × in) whole on every rank and split B (out/t × r); row-parallel bases
+(o, down) split A (r × in/t) and keep B (out × r) whole. Per rank and adapted linear:
+r·(in + out/t) or r·(in/t + out).
 
 QLoRA storage per quantized tensor of n elements (bitsandbytes 0.50.1 @ 95f9af30,
 functional.py `quantize_4bit` with `compress_statistics=True`, `quantize_blockwise`,
@@ -180,7 +183,6 @@ def _finetune_shapes(spec: ModelSpec, tp: int, pp: int, v: int, ep: int, stage: 
                      method: str, rank: int, targets: str, framework: str,
                      a_dtype: str) -> FinetuneShapes:
     base = _rank_shapes(spec, tp, pp, v, ep, stage)
-    full = {p.name: p for p in param_tensors(spec)}
     wanted = target_param_names(spec, targets)
     frozen: list[RankTensor] = []
     quant: list[RankTensor] = []
@@ -192,8 +194,11 @@ def _finetune_shapes(spec: ModelSpec, tp: int, pp: int, v: int, ep: int, stage: 
             frozen.append(dataclasses.replace(t, trainable=False))
         if t.name not in wanted:
             continue
-        p = full[t.name]
-        out_f, in_f = p.rows, p.numel // p.rows  # unsplit (adapters are replicated over tp)
+        # The adapters follow the base's tensor-parallel split (PEFT tuners/lora/tp_layer.py
+        # LoraParallelLinear, Megatron backend): a column-parallel base (q, k, v, gate, up)
+        # keeps A (r × in) whole and B (out/t × r) split with it; a row-parallel base (o, down)
+        # splits A (r × in/t) and keeps B (out × r) whole. Both are the base's local shape.
+        out_f, in_f = t.rows, t.numel // t.rows
         stem = t.name[: -len(".weight")]
         adapters.append(RankTensor(name=f"{stem}.lora_A", numel=rank * in_f, count=t.count,
                                    group=t.group, rows=rank, dtype=a_dtype))

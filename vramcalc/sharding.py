@@ -29,8 +29,10 @@ from vramcalc.model import ModelSpec, ParamTensor, param_tensors
 from vramcalc.parallel import ParallelConfig
 from vramcalc.units import alloc, ceil_div
 
-# Row-parallel matrices split their input dimension under TP (Megatron RowParallelLinear).
-ROW_PARALLEL = ("o_proj.weight", "down_proj.weight", "proj.weight")
+# Row-parallel matrices split their input dimension under TP (Megatron RowParallelLinear):
+# o_proj, down_proj and the 2-matrix MLP's output `proj` (".proj": q_proj etc. are column-
+# parallel).
+ROW_PARALLEL = ("o_proj.weight", "down_proj.weight", ".proj.weight")
 
 # DeepSpeed ZeRO-3 keeps parameters of at most this many elements unpartitioned on every
 # rank (stage3_param_persistence_threshold = 1e5; deepspeed/runtime/zero/config.py,

@@ -1,0 +1,103 @@
+"""Fine-tuning under parallelism: tensor-parallel LoRA adapters, ZeRO-3/FSDP gathers of a
+QLoRA base, the speed model of frozen-base steps, fused projections of the hf profile.
+
+Independent sources for the expected values (each test cites the one it uses):
+- Tensor-parallel LoRA (PEFT tuners/lora/tp_layer.py `LoraParallelLinear`, Megatron
+  backend; NeMo's ParallelLinearAdapter has the same split): for a ColumnParallelLinear base
+  (q, k, v, gate, up) lora_A is a plain nn.Linear(in, r) on every rank and lora_B a
+  ColumnParallelLinear(r, out): (out/t) × r per rank; for a RowParallelLinear base (o, down)
+  lora_A is a RowParallelLinear(in, r): r × (in/t) per rank, and lora_B a plain
+  nn.Linear(r, out).
+- LoRA parameter count r·(in + out) per adapted matrix (Hu et al. 2021, Sec. 4.1).
+- FSDP + QLoRA (Answer.AI fsdp_qlora; bitsandbytes `bnb_4bit_quant_storage`; PEFT docs
+  "FSDP + QLoRA"): the packed 4-bit data is stored in a container of the parameters' dtype,
+  so FSDP shards and all-gathers ⌈n/2⌉ bytes per weight of n elements; the quantization
+  state is module metadata, kept whole on every rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vramcalc.catalog import resolve_model
+from vramcalc.finetune import shapes_for
+from vramcalc.parallel import ParallelConfig
+from vramcalc.terms import activations as act
+from vramcalc.terms.context import RankContext
+from vramcalc.terms.gradients import gradients_bytes
+from vramcalc.terms.optimizer_states import optimizer_state_split
+from vramcalc.training import TrainingConfig
+from vramcalc.units import alloc
+
+LLAMA2_7B, _ = resolve_model("llama2-7b")
+
+
+def ctx_for(spec, parallel: ParallelConfig | None = None, **kw: object) -> RankContext:  # noqa: ANN001
+    return RankContext(spec, TrainingConfig(**kw), parallel or ParallelConfig(dp=1))  # type: ignore[arg-type]
+
+
+# ---- 1. tensor parallelism splits the adapters with their base ---------------------------
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_tp_adapter_parameters_per_rank(t: int) -> None:
+    """Llama-2-7B (h 4096, f 11008, 32 layers), r 8, all-linear. Per rank and layer, from
+    PEFT's LoraParallelLinear: q, k, v (column-parallel) r·(h + h/t) each; o (row-parallel)
+    r·(h/t + h); gate, up r·(h + f/t); down r·(f/t + h)."""
+    h, f, L, r = 4096, 11008, 32, 8
+    per_layer = 4 * r * (h + h // t) + 3 * r * (h + f // t)
+    ctx = ctx_for(LLAMA2_7B, ParallelConfig(tp=t, dp=1), finetune="lora", lora_rank=r,
+                  lora_targets="all-linear")
+    assert shapes_for(ctx).adapters.numel() == L * per_layer
+    if t == 1:  # Hu et al.: r·(in + out) per matrix, 4 attention + 3 MLP matrices
+        assert per_layer == 4 * r * 2 * h + 3 * r * (h + f)
+
+
+def test_tp_column_parallel_splits_b_row_parallel_splits_a() -> None:
+    ctx = ctx_for(LLAMA2_7B, ParallelConfig(tp=4, dp=1), finetune="lora",
+                  lora_targets="q,o,up,down")
+    by = {x.name: x for x in shapes_for(ctx).adapters.tensors}
+    r, h, f = 8, 4096, 11008
+    assert by["attn.q_proj.lora_A"].numel == r * h  # replicated nn.Linear(in, r)
+    assert by["attn.q_proj.lora_B"].numel == (h // 4) * r  # ColumnParallelLinear(r, out)
+    assert by["attn.o_proj.lora_A"].numel == r * (h // 4)  # RowParallelLinear(in, r)
+    assert by["attn.o_proj.lora_B"].numel == h * r  # replicated nn.Linear(r, out)
+    assert by["mlp.up_proj.lora_B"].numel == (f // 4) * r
+    assert by["mlp.down_proj.lora_A"].numel == r * (f // 4)
+    assert by["mlp.down_proj.lora_B"].numel == h * r
+
+
+def test_tp_adapter_states_follow_the_split() -> None:
+    """PEFT (hf profile) keeps adapters in fp32: gradients 4 B and AdamW states 8 B per
+    adapter element on each rank, no master. Llama-2-7B, q and v, tp 2, per layer:
+    A 8 × 4096 and B 2048 × 8 for each of q, v."""
+    ctx = ctx_for(LLAMA2_7B, ParallelConfig(tp=2, dp=1), finetune="lora", framework="hf",
+                  precision="bf16")
+    n = 32 * 2 * (8 * 4096 + 2048 * 8)
+    assert gradients_bytes(ctx) == 4 * n  # every tensor a multiple of 512 B
+    opt = optimizer_state_split(ctx)
+    assert (opt["states"], opt["master"]) == (8 * n, 0)
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_tp_ranks_together_hold_the_adapters_plus_replicas(t: int) -> None:
+    """Summed over the t ranks: every adapter once, plus t − 1 extra copies of the replicated
+    halves (A of column-parallel, B of row-parallel) — never fewer elements than tp = 1."""
+    kw = {"finetune": "lora", "lora_targets": "all-linear"}
+    whole = shapes_for(ctx_for(LLAMA2_7B, **kw)).adapters.numel()
+    rank = shapes_for(ctx_for(LLAMA2_7B, ParallelConfig(tp=t, dp=1), **kw)).adapters.numel()
+    h, L, r = 4096, 32, 8
+    replicated = L * (3 * r * h + r * h + 2 * r * h + r * h)  # A of q,k,v,gate,up; B of o,down
+    assert t * rank == whole + (t - 1) * replicated
+    assert t * rank >= whole
+
+
+def test_tp_adapter_activations_are_per_rank() -> None:
+    """With dropout each adapter keeps a bool mask of its input: A of q reads the whole
+    (T, h) normed input (column-parallel base, input replicated); A of o reads this rank's
+    (T, h/t) slice of the attention output (row-parallel base); A's output is (T, r)."""
+    T, h, t = 4096, 4096, 4  # default seq 4096, micro-batch 1
+    ctx = ctx_for(LLAMA2_7B, ParallelConfig(tp=t, dp=1), finetune="lora",
+                  lora_targets="q,o", lora_dropout=0.1)
+    saved = {x.name: x for x in act.layer_saved(ctx)}
+    assert saved["lora.q.dropout_mask"].nbytes == alloc(T * h, "bool")
+    assert saved["lora.o.dropout_mask"].nbytes == alloc(T * h // t, "bool")
+    assert saved["lora.q.a_out"].nbytes == alloc(T * 8, "bf16")
