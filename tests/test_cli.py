@@ -9,7 +9,9 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from vramcalc.cli import app, main
+from vramcalc.cli import full_app, main
+
+app = full_app()  # every command registered (vramcalc.cli.load_commands)
 
 runner = CliRunner()
 

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from vramcalc.analytic import estimate
 from vramcalc.catalog import resolve_model
-from vramcalc.cli import app, main
+from vramcalc.cli import full_app, main
 from vramcalc.errors import InputError
 from vramcalc.finetune import (
     nf4_constant_bytes,
@@ -44,6 +44,8 @@ from vramcalc.terms.optimizer_states import bnb_state_split, optimizer_state_spl
 from vramcalc.terms.weights import weights_by_group
 from vramcalc.training import TrainingConfig
 from vramcalc.units import GB, alloc
+
+app = full_app()  # every command registered (vramcalc.cli.load_commands)
 
 runner = CliRunner()
 LLAMA2_7B, _ = resolve_model("llama2-7b")

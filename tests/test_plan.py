@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from vramcalc.analytic import estimate
-from vramcalc.cli import app, main
+from vramcalc.cli import full_app, main
 from vramcalc.cli_plan import prepare_plan
 from vramcalc.errors import InputError
 from vramcalc.hardware import load_profiles
@@ -30,6 +30,8 @@ from vramcalc.plan import (
     suggest_changes,
 )
 from vramcalc.speed import scenario_speed
+
+app = full_app()  # every command registered (vramcalc.cli.load_commands)
 
 CANDIDATE_KEYS = {"strategy", "fits", "peak_allocated_bytes", "device_total_bytes",
                   "tokens_per_s", "step_time_s", "mfu"}

@@ -247,9 +247,39 @@ def validate_cmd(
         raise typer.Exit(1)
 
 
+# commands defined in their own modules register themselves on `app` when imported; the
+# entry point imports only the module of the command it runs (start-up time, issue 2)
+_COMMAND_MODULES: dict[str, str] = {
+    "plan": "vramcalc.cli_plan", "size": "vramcalc.cli_plan", "check": "vramcalc.cli_plan",
+    "probe": "vramcalc.cli_probe",
+}
+
+
+def load_commands(argv: list[str] | None = None) -> None:
+    """Register the commands `argv` runs; every command when it names none we know (help,
+    typos: the usage error lists and suggests them all) or when argv is None."""
+    import importlib
+
+    name = next((a for a in argv or [] if not a.startswith("-")), None)
+    if argv is not None and name is not None and name not in _COMMAND_MODULES and (
+            name in {c.name for c in app.registered_commands}):
+        return
+    wanted = [_COMMAND_MODULES[name]] if argv is not None and name in _COMMAND_MODULES else (
+        sorted(set(_COMMAND_MODULES.values())))
+    for module in wanted:
+        importlib.import_module(module)
+
+
+def full_app() -> typer.Typer:
+    """The app with every command registered (for tests and docs that drive `app`)."""
+    load_commands(None)
+    return app
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the app, turning bad input into one line and exit code 2."""
     try:
+        load_commands(sys.argv[1:] if argv is None else argv)
         rv = app(args=argv, standalone_mode=False, prog_name="vramcalc")
         if isinstance(rv, int):  # click returns Exit codes instead of raising here
             return rv
@@ -278,5 +308,3 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> None:
     """Console-script entry."""
     sys.exit(main())
-# commands defined in their own modules register themselves on `app`
-from vramcalc import cli_plan, cli_probe  # noqa: E402,F401,I001
