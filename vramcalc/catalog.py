@@ -22,7 +22,6 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vramcalc import yamlio
@@ -118,10 +117,16 @@ def _read_text(path: Path) -> str:
         raise InputError(f"{path}: cannot read: {_one_line(str(err))}") from None
 
 
-def _load_yaml(path: Path) -> Any:
+def _load_yaml(path: Path, cached: bool = False) -> Any:
+    """Parse a YAML file; `cached` (built-in presets) goes through yamlio's parse cache."""
     try:
+        if cached:
+            try:
+                return yamlio.load_file(path)
+            except (OSError, UnicodeDecodeError):
+                pass  # _read_text below names the file in the error
         return yamlio.safe_load(_read_text(path))
-    except yaml.YAMLError as err:
+    except yamlio.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         problem = getattr(err, "problem", None) or str(err)
         at = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
@@ -143,7 +148,7 @@ def _presets() -> tuple[Preset, ...]:
     presets = []
     for path in sorted(PRESETS_DIR.glob("*.yaml")):
         where = f"preset {path.name}"
-        fields, meta = _split_yaml_mapping(_load_yaml(path), where)
+        fields, meta = _split_yaml_mapping(_load_yaml(path, cached=True), where)
         if fields.get("name") != path.stem:
             raise InputError(f"{where}: name must equal the file stem '{path.stem}'")
         fields.setdefault("source", f"preset {path.stem}")

@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from vramcalc import yamlio
 from vramcalc.errors import InputError
 from vramcalc.options import OPTIONS_BY_NAME, normalize_values, suggest
@@ -77,7 +75,7 @@ def load_config_file(path: Path) -> dict[str, Any]:
     text = _read(path, "config file")
     try:
         data = yamlio.safe_load(text)
-    except yaml.YAMLError as exc:
+    except yamlio.YAMLError as exc:
         raise InputError(f"malformed YAML in {path}: {' '.join(str(exc).split())}") from None
     if data is None:
         data = {}

@@ -20,7 +20,6 @@ import re
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -80,7 +79,7 @@ class GPUProfile(BaseModel):
     id: str = Field(pattern=r"^[a-z0-9][a-z0-9_]*$")
     name: str = Field(min_length=1)
     vendor: str = Field(min_length=1)
-    aliases: list[str] = Field(default_factory=list)
+    aliases: list[str] = []  # pydantic copies mutable defaults per instance
     # Capacity as labelled by the vendor (the "80" of "80GB"); HBM labels are in practice
     # binary (80 GiB of HBM, of which the runtime reports ~79.2 GiB).
     marketed_gb: float = Field(gt=0)
@@ -198,8 +197,8 @@ def _one_line(error: ValidationError) -> str:
 
 def _load_file(path: Path) -> GPUProfile:
     try:
-        data = yamlio.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
+        data = yamlio.load_file(path)  # parse cache: vramcalc/yamlio.py
+    except yamlio.YAMLError as exc:
         reason = " ".join(str(exc).split())
         raise InputError(f"malformed GPU profile {path}: {reason}") from None
     except (OSError, UnicodeDecodeError) as exc:
