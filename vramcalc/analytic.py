@@ -175,8 +175,14 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     persistent = tr.persistent_buffer_bytes(ctx)
     prev = k - 1  # other in-flight micro-batches (whole)
 
+    lowprec_parts: dict[str, int] = {}  # FP8 weight cache, QAT qparams (terms/lowprec.py)
+    if train.precision == "fp8" or train.qat != "none":
+        from vramcalc.terms.lowprec import persistent_parts
+
+        lowprec_parts = persistent_parts(ctx, gpu_id)
+
     def base(grads: int) -> dict[str, int]:
-        return {**w_parts, "optimizer_states/states": opt["states"],
+        return {**w_parts, **lowprec_parts, "optimizer_states/states": opt["states"],
                 "optimizer_states/master": opt["master"], "gradients": grads,
                 "transients/cublas_workspace": cublas, "transients/comm_buffers": persistent}
 
@@ -319,6 +325,10 @@ def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:
     callers that estimate thousands of scenarios.
     """
     scn = scn.resolved()
+    if scn.training.precision == "fp8" or scn.training.qat != "none":
+        from vramcalc.terms.lowprec import check_lowprec
+
+        check_lowprec(scn)  # FP8 / QAT combinations not modelled: InputError
     gpu = scn.cluster.gpu if scn.cluster else None
     gpu_id = gpu.id if gpu else None
     stages = list(range(scn.parallel.pp)) if every_stage else candidate_stages(scn)
@@ -451,4 +461,9 @@ def _notes(scn: Scenario) -> list[str]:
         from vramcalc.finetune import notes as ft_notes
 
         notes += ft_notes(RankContext(scn.model, scn.training, scn.parallel, 0))
+    if tr.precision == "fp8" or tr.qat != "none":
+        from vramcalc.terms.lowprec import notes as lowprec_notes
+
+        notes += lowprec_notes(RankContext(scn.model, scn.training, scn.parallel, 0),
+                               scn.cluster.gpu.id if scn.cluster else None)
     return notes

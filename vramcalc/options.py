@@ -21,6 +21,7 @@ from vramcalc.training import (
     FRAMEWORKS,
     OPTIMIZERS,
     PRECISIONS,
+    QATS,
     RECOMPUTES,
 )
 
@@ -54,7 +55,8 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("micro_batch_size", int, 1, "Sequences per micro-batch per data-parallel rank."),
     Opt("grad_accum", int, 1, "Gradient-accumulation micro-steps per optimizer step."),
     Opt("precision", str, "bf16", "fp32 | amp-bf16 | amp-fp16 (autocast, fp32 weights) | "
-        "bf16 | fp16 (16-bit weights+grads, fp32 master) | bf16-pure.", PRECISIONS),
+        "bf16 | fp16 (16-bit weights+grads, fp32 master) | bf16-pure | fp8 (Transformer "
+        "Engine FP8 block linears, bf16 weights + fp32 master; FP8-capable GPUs).", PRECISIONS),
     Opt("optimizer", str, "adamw", "adamw | adam | sgd | sgd-momentum | lion | adafactor | "
         "adamw-8bit | paged-adamw | paged-adamw-8bit (bitsandbytes; paged states live in "
         "unified memory, reported as overhead).", OPTIMIZERS),
@@ -78,6 +80,9 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "time; 1 = off."),
     Opt("activation_offload", bool, False, "Move saved activations of the transformer layers "
         "to pinned host memory (torchtune OffloadActivations), one layer in flight."),
+    Opt("qat", str, "none", "Quantization-aware training of the block linears: none | int8 "
+        "(8da8w: int8 per-token activations, per-channel weights) | int4 (8da4w: int4 weights "
+        "per group of 32).", QATS),
     Opt("dp", int, None, "Data-parallel degree (default: GPUs / (tp x pp x cp)).", group="parallel"),
     Opt("tp", int, 1, "Tensor-parallel degree.", group="parallel"),
     Opt("pp", int, 1, "Pipeline-parallel degree.", group="parallel"),
@@ -107,7 +112,7 @@ OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
                   "optimizer_dtype", "attention", "recompute", "framework", "finetune",
                   "lora_rank", "lora_targets", "lora_dropout", "chunked_ce",
-                  "activation_offload")
+                  "activation_offload", "qat")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fsdp",
                   "shard_group", "offload_device", "pp_schedule", "virtual_stages",
                   "num_microbatches", "capacity_factor")

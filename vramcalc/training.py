@@ -10,8 +10,11 @@ Precision policies (what each tensor is stored in):
 | bf16      | bf16    | bf16  | fp32        | bf16                  |
 | fp16      | fp16    | fp16  | fp32        | fp16                  |
 | bf16-pure | bf16    | bf16  | none        | bf16 (states bf16)    |
+| fp8       | bf16    | bf16  | fp32        | bf16; block linears in FP8 (Transformer Engine, vramcalc/terms/lowprec.py) |
 
 `bf16`/`fp16` is the Megatron/DeepSpeed default (ZeRO paper: 2 + 2 + 12 bytes/param with Adam).
+`qat` (int8 / int4 fake quantization of the block linears) combines with the non-autocast
+policies; see vramcalc/terms/lowprec.py.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-Precision = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure"]
+Precision = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"]
 OptimizerName = Literal[
     "adamw", "adam", "sgd", "sgd-momentum", "lion", "adafactor", "adamw-8bit",
     "paged-adamw", "paged-adamw-8bit",
 ]
-PRECISIONS: tuple[str, ...] = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure")
+PRECISIONS: tuple[str, ...] = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure",
+                                "fp8")
+QATS: tuple[str, ...] = ("none", "int8", "int4")  # vramcalc/terms/lowprec.py
 OPTIMIZERS: tuple[str, ...] = (
     "adamw", "adam", "sgd", "sgd-momentum", "lion", "adafactor", "adamw-8bit",
     "paged-adamw", "paged-adamw-8bit",
@@ -58,6 +63,8 @@ class TrainingConfig(BaseModel):
     # memory techniques torchtune documents (vramcalc/terms/lowmem.py)
     chunked_ce: int = Field(default=1, ge=1, le=65_536)  # cross entropy over N token chunks
     activation_offload: bool = False  # saved activations to pinned host memory
+    # quantization-aware training: fake-quantized block linears (vramcalc/terms/lowprec.py)
+    qat: Literal["none", "int8", "int4"] = "none"
 
     @field_validator("lora_targets", mode="before")
     @classmethod
@@ -70,7 +77,7 @@ class TrainingConfig(BaseModel):
     @property
     def weight_dtype(self) -> str:
         return {"fp32": "fp32", "amp-bf16": "fp32", "amp-fp16": "fp32", "bf16": "bf16",
-                "fp16": "fp16", "bf16-pure": "bf16"}[self.precision]
+                "fp16": "fp16", "bf16-pure": "bf16", "fp8": "bf16"}[self.precision]
 
     @property
     def trainable_dtype(self) -> str:
@@ -87,12 +94,12 @@ class TrainingConfig(BaseModel):
     @property
     def compute_dtype(self) -> str:
         return {"fp32": "fp32", "amp-bf16": "bf16", "amp-fp16": "fp16", "bf16": "bf16",
-                "fp16": "fp16", "bf16-pure": "bf16"}[self.precision]
+                "fp16": "fp16", "bf16-pure": "bf16", "fp8": "bf16"}[self.precision]
 
     @property
     def has_master_weights(self) -> bool:
         """An fp32 master copy kept by the optimizer (16-bit weights + fp32 update)."""
-        return self.precision in ("bf16", "fp16") and self.trainable_dtype != "fp32"
+        return self.precision in ("bf16", "fp16", "fp8") and self.trainable_dtype != "fp32"
 
     @property
     def is_autocast(self) -> bool:

@@ -83,6 +83,14 @@ class Dims:
 
 
 def dims(ctx: RankContext) -> Dims:
+    """The rank's tensor dimensions (memoised on the context: a profile asks a dozen times)."""
+    cached = ctx.__dict__.get("_dims")
+    if cached is None:
+        cached = ctx.__dict__["_dims"] = _dims(ctx)
+    return cached
+
+
+def _dims(ctx: RankContext) -> Dims:
     spec, tr, par = ctx.spec, ctx.training, ctx.parallel
     tp = par.tp
     ffn = spec.expert_ffn if spec.is_moe and spec.num_dense_layers == 0 else spec.intermediate_size
@@ -411,6 +419,10 @@ def layer_saved(ctx: RankContext, moe: bool | None = None) -> list[Saved]:
         from vramcalc.terms.finetune_activations import adjust_layer_saved
 
         out = adjust_layer_saved(ctx, out)
+    if ctx.training.precision == "fp8" or ctx.training.qat != "none":  # FP8 / QAT linears
+        from vramcalc.terms import lowprec
+
+        out = lowprec.adjust_layer_saved(ctx, out)
     return out
 
 
@@ -544,6 +556,10 @@ def layer_forward_working_bytes(ctx: RankContext) -> int:
         from vramcalc.terms.finetune_activations import forward_working_bytes
 
         out = max(out, forward_working_bytes(ctx))
+    if ctx.training.precision == "fp8" or ctx.training.qat != "none":  # the down projection
+        from vramcalc.terms import lowprec
+
+        out = max(out, lowprec.forward_working_bytes(ctx))
     return out
 
 
@@ -666,6 +682,10 @@ def layer_backward_moments(ctx: RankContext, moe: bool | None = None) -> list[Mo
         from vramcalc.terms.finetune_activations import adjust_moments
 
         out = adjust_moments(ctx, out, saved)
+    if tr.precision == "fp8" or tr.qat != "none":  # FP8 / QAT linears' extra saved tensors
+        from vramcalc.terms import lowprec
+
+        out = lowprec.adjust_moments(ctx, out, saved)
     if tr.activation_offload and tr.recompute != "full":  # saved tensors in host memory
         from vramcalc.terms.lowmem import offload_moments
 

@@ -88,6 +88,10 @@ def check_traceable(scn: Scenario) -> Scenario:
     if tr.framework == "hf" and scn.model.is_moe and tr.weight_dtype != "bf16":
         raise InputError("hf MoE experts run torch grouped_mm, which takes bf16 weights only; "
                          "use --precision bf16 or bf16-pure with --framework hf")
+    if tr.precision == "fp8" or tr.qat != "none":
+        from vramcalc.terms.lowprec import check_lowprec
+
+        check_lowprec(scn)
     natural = tr.trainable_dtype if tr.precision == "bf16-pure" else "fp32"
     if tr.optimizer in ("adamw-8bit", "sgd"):
         natural = tr.state_dtype
@@ -120,6 +124,10 @@ def build_model(scn: Scenario) -> Any:
         from vramcalc.trace.lora import apply_finetune
 
         model = apply_finetune(model, scn)
+    if tr.precision == "fp8" or tr.qat != "none":  # FP8 / QAT linears (trace/lowprec.py)
+        from vramcalc.trace.lowprec import apply_lowprec
+
+        model = apply_lowprec(model, scn)
     if tr.chunked_ce > 1 or tr.activation_offload:  # vramcalc/trace/lowmem.py
         from vramcalc.trace.lowmem import apply_memory_options
 
@@ -183,6 +191,9 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
         tracker.register_params(all_params)
         for buf in model.buffers():
             tracker.label(buf, "weights/buffers")
+        for mod in model.modules():  # FP8 weight caches, QAT qparams (trace/lowprec.py)
+            for t, term in getattr(mod, "vramcalc_state", list)():
+                tracker.label(t, term)
         param_bytes = sum(tracker.blocks[k].nbytes for k in tracker.param_keys)
 
         def on_grad(p: Any) -> None:

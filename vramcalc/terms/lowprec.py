@@ -1,0 +1,332 @@
+"""Low-precision training: FP8 linears (Transformer Engine) and quantization-aware training.
+
+Legend as in vramcalc/terms/activations.py (b, s, h, a, g, d, f, T = b·s tokens on this
+rank, c = compute dtype); per block linear: `in` and `out` its local (÷tp) widths,
+n = in·out its local weight elements. Only the linears inside the transformer blocks
+(q, k, v, o, gate, up, down / fc, proj) change; the embedding, the norms, attention and
+lm_head stay as the policy has them (Transformer Engine's default: `te.Linear` modules
+replace the block linears, nothing else runs in FP8). docs/methodology.md section 11 gives
+every tensor with its source; docs/saved-tensors.md the saved-tensor rows.
+
+**`--precision fp8`** — Transformer Engine (TE) `Linear` under `fp8_autocast` with the
+DelayedScaling recipe (TE @ d0067d0d, transformer_engine/common/recipe/__init__.py,
+pytorch/module/linear.py, module/base.py, quantization.py, tensor/float8_tensor.py):
+
+- model states as `bf16`: bf16 weights and gradients, fp32 master weights and fp32 Adam
+  states (Megatron-LM's mixed-precision optimizer; TE leaves them alone);
+- per block linear, persistent (`transients/fp8_weight_cache`): the FP8 weight workspace
+  TE caches when the caller passes `is_first_microbatch` (Megatron does;
+  `Linear.forward` `cache_name = "weight"`, `_fp8_workspaces`): a Float8Tensor with
+  `_data` (out, in) and, on GPUs without non-TN FP8 GEMMs (everything but sm100/103,
+  `is_non_tn_fp8_gemm_supported`), `_transpose` (in, out), 1 byte each, plus a (1,) fp32
+  `_scale_inv`;
+- per block linear, persistent (`transients/fp8_meta`): DelayedScalingRecipeState for
+  forward (3 tensors per GEMM: input, weight, output) and backward (2: grad_output,
+  grad_input): `scale` (k,) fp32 and `amax_history` (amax_history_len = 1024, k) fp32;
+- saved for backward: the linear's input in FP8 e4m3 — TE quantizes it row- and
+  column-wise and drops the row-wise data after the forward GEMM
+  (`update_usage(rowwise_usage=False)`), so the (in, T) transpose and its (1,) fp32
+  scale_inv are kept (non-TN GPUs keep the (T, in) data instead: same bytes). One copy per
+  distinct input: q/k/v share the normed input and gate/up the MLP input, as TE's fused
+  `LayerNormLinear` (qkv, fc1) saves one FP8 `ln_out`. The bf16 inputs those linears kept
+  are no longer saved;
+- transients: the quantized input's row-wise data next to its transpose during the forward
+  GEMM; in backward the grad_output cast to e5m2 row- and column-wise (2 bytes per element
+  of (T, out)) next to dgrad (T, in) and wgrad (out, in) in bf16.
+
+**`--qat int8 | int4`** — fake quantization of every block linear (torchao QAT configs,
+pytorch/ao @ 36027d82 torchao/quantization/qat/fake_quantizer.py; the trace runs torch's
+own `fake_quantize_per_channel_affine`, which saves a bool mask for its straight-through
+estimator, aten `fake_quantize_per_channel_affine_cachemask`):
+
+- int4 = torchao "8da4w": activations int8 asymmetric per token (dynamic), weights int4
+  symmetric per group of 32 input columns (`IntxFakeQuantizeConfig(torch.int4,
+  group_size=32)`);
+- int8 = "8da8w": activations int8 asymmetric per token, weights int8 symmetric per output
+  channel (torchao's Int8DynamicActivationInt8Weight target);
+- per linear, saved: the fake-quantized input (T, in) c and its mask (T, in) bool (one per
+  linear: q, k and v each quantize their input), the fake-quantized weight (out, in) c and
+  its mask (out, in) bool;
+- per linear, persistent (`transients/qat_qparams`): the last qparams the fake quantizers
+  keep (torchao stores `self.scale`, `self.zero_point`): weights (out,) or (n/32,) fp32
+  scale + int32 zero point, activations (T,) fp32 + (T,) int32.
+
+Refused (one-line InputError): fp8 together with qat, either with fine-tuning (LoRA, QLoRA,
+DoRA), with the hf or megatron profiles, with MoE models, with activation offload; qat under
+autocast (amp-*); fp8 under ZeRO-3 / FSDP (TE re-quantizes the gathered weight instead of
+caching it); fp8 on a GPU whose profile has no FP8 peak (FP8 tensor cores: Ada, Hopper,
+Blackwell, MI300, Gaudi); dimensions TE's FP8 GEMM (multiples of 16) or the int4 groups
+(multiples of 32) cannot take.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from vramcalc.errors import InputError
+from vramcalc.terms.context import RankContext
+from vramcalc.units import alloc
+
+# TE DelayedScaling defaults (common/recipe/__init__.py): amax_history_len = 1024.
+FP8_AMAX_HISTORY_LEN = 1024
+# module/base.py set_meta_tensor: "Max. number of fp8 tensors per GEMM = 3 (input, weight,
+# output) for fwd and 2 (grad_output and grad_input) for bwd".
+FP8_FWD_TENSORS_PER_GEMM = 3
+FP8_BWD_TENSORS_PER_GEMM = 2
+# TE assert_dim_for_fp8_exec: FP8 GEMM dimensions must be multiples of 16.
+FP8_DIM_MULTIPLE = 16
+# GPUs with non-TN FP8 GEMMs (sm100/sm103: TE is_non_tn_fp8_gemm_supported); TE then
+# keeps one FP8 buffer for row- and column-wise use and never materialises a transpose.
+FP8_NON_TN_GPUS = ("b200", "b300", "gb200", "gb300")
+# torchao QAT: int4 weights per group of 32 columns (the 8da4w example config).
+QAT_INT4_GROUP = 32
+QAT_SCHEMES = {"int8": "8da8w (int8 per-token activations, int8 per-channel weights)",
+               "int4": "8da4w (int8 per-token activations, int4 weights per group of 32)"}
+
+
+def uses_lowprec(tr: Any) -> bool:
+    """FP8 or QAT is on."""
+    return tr.precision == "fp8" or getattr(tr, "qat", "none") != "none"
+
+
+def fp8_transpose(gpu_id: str | None) -> bool:
+    """Whether TE keeps a separate FP8 transpose (every FP8 GPU but sm100/sm103)."""
+    return not (gpu_id and any(gpu_id.startswith(k) for k in FP8_NON_TN_GPUS))
+
+
+def block_linears(ctx: RankContext) -> list[tuple[str, int, int, int]]:
+    """(name, out, in, count) of the block linears' local weights on this rank."""
+    out = []
+    for t in ctx.tensors:
+        if t.group != "layer" or not t.rows or not t.name.endswith(".weight") or (
+                "norm" in t.name or t.name.startswith(("router.", "shared_expert_gate."))):
+            continue
+        out.append((t.name[: -len(".weight")], t.rows, t.numel // t.rows, t.count))
+    return out
+
+
+def _mode(tr: Any) -> str:
+    return "fp8" if tr.precision == "fp8" else f"qat-{tr.qat}"
+
+
+def check_lowprec(scn: Any) -> None:
+    """Refuse what the FP8 / QAT model does not cover (InputError, one line each)."""
+    tr = scn.training
+    if not uses_lowprec(tr):
+        return
+    flag = "--precision fp8" if tr.precision == "fp8" else f"--qat {tr.qat}"
+    if tr.precision == "fp8" and tr.qat != "none":
+        raise InputError("--precision fp8 and --qat cannot be combined: choose FP8 training or "
+                         "quantization-aware training")
+    if tr.finetune != "full":
+        extra = " (QLoRA's base is already 4-bit NF4)" if tr.finetune == "qlora" else ""
+        raise InputError(f"{flag} with --finetune {tr.finetune} is not modelled{extra}; "
+                         "use --finetune full")
+    if tr.framework != "reference":
+        raise InputError(f"{flag} is modelled on the reference profile only; use "
+                         "--framework reference")
+    if scn.model.is_moe:
+        raise InputError(f"{flag}: mixture-of-experts models are not modelled yet "
+                         f"({scn.model.name} is MoE)")
+    if tr.activation_offload:
+        raise InputError(f"{flag} with --activation-offload is not modelled")
+    if tr.qat != "none" and tr.is_autocast:
+        raise InputError(f"--qat {tr.qat} fake-quantizes in the weights' dtype; autocast "
+                         f"({tr.precision}) is not modelled: use --precision bf16, bf16-pure, "
+                         "fp16 or fp32")
+    par = scn.parallel
+    if tr.precision == "fp8" and (par.zero >= 3 or par.fsdp in ("full", "hybrid")):
+        raise InputError("--precision fp8 with ZeRO-3 / FSDP full sharding is not modelled "
+                         "(TE re-quantizes the gathered weight each step); use --zero 1 or 2")
+    gpu = scn.cluster.gpu if scn.cluster is not None else None
+    if tr.precision == "fp8" and gpu is not None and gpu.peak_tflops("fp8") is None:
+        raise InputError(f"--precision fp8 needs a GPU with FP8 tensor cores (Ada, Hopper, "
+                         f"Blackwell, MI300, Gaudi); {gpu.name} has none")
+    ctx = RankContext(scn.model, tr, par, 0)
+    for name, rows, cols, _ in block_linears(ctx):
+        if tr.precision == "fp8" and (rows % FP8_DIM_MULTIPLE or cols % FP8_DIM_MULTIPLE):
+            raise InputError(f"--precision fp8: {name} is {rows} x {cols} on this rank; TE's "
+                             f"FP8 GEMMs need multiples of {FP8_DIM_MULTIPLE}")
+        if tr.qat == "int4" and cols % QAT_INT4_GROUP:
+            raise InputError(f"--qat int4: {name} has {cols} input columns on this rank, not a "
+                             f"multiple of the group size {QAT_INT4_GROUP}")
+
+
+# ---- persistent state -----------------------------------------------------------------
+def fp8_weight_cache_bytes(ctx: RankContext, gpu_id: str | None) -> int:
+    """TE's cached FP8 weights: per block linear `_data` (+ `_transpose`) + `_scale_inv`."""
+    copies = 2 if fp8_transpose(gpu_id) else 1
+    return sum(c * (copies * alloc(rows * cols, "fp8") + alloc(1, "fp32"))
+               for _, rows, cols, c in block_linears(ctx))
+
+
+def fp8_meta_bytes(ctx: RankContext) -> int:
+    """DelayedScalingRecipeState per block linear: forward and backward scale + amax history."""
+    per = 0
+    for k in (FP8_FWD_TENSORS_PER_GEMM, FP8_BWD_TENSORS_PER_GEMM):
+        per += alloc(k, "fp32") + alloc(FP8_AMAX_HISTORY_LEN * k, "fp32")
+    return per * sum(c for *_, c in block_linears(ctx))
+
+
+def qat_group_count(scheme: str, rows: int, cols: int) -> int:
+    """Weight scales of one linear: one per output channel (int8), per 32 columns (int4)."""
+    return rows if scheme == "int8" else rows * cols // QAT_INT4_GROUP
+
+
+def qat_qparam_bytes(ctx: RankContext) -> int:
+    """The fake quantizers' last scales (fp32) and zero points (int32, 4 bytes) per linear."""
+    scheme = ctx.training.qat
+    T = ctx.training.micro_batch_size * -(-ctx.training.seq_len // ctx.parallel.cp)
+    return sum(c * 2 * (alloc(qat_group_count(scheme, rows, cols), "fp32") + alloc(T, "fp32"))
+               for _, rows, cols, c in block_linears(ctx))
+
+
+def persistent_parts(ctx: RankContext, gpu_id: str | None) -> dict[str, int]:
+    """Report sub-terms alive for the whole step (empty unless FP8 or QAT)."""
+    tr = ctx.training
+    if tr.precision == "fp8":
+        return {"transients/fp8_weight_cache": fp8_weight_cache_bytes(ctx, gpu_id),
+                "transients/fp8_meta": fp8_meta_bytes(ctx)}
+    if tr.qat != "none":
+        return {"transients/qat_qparams": qat_qparam_bytes(ctx)}
+    return {}
+
+
+# ---- saved tensors ----------------------------------------------------------------------
+def _widths(ctx: RankContext) -> dict[str, tuple[int, int]]:
+    """(out, in) per linear role of one dense layer on this rank."""
+    return {name.split(".")[-1]: (rows, cols) for name, rows, cols, _ in block_linears(ctx)}
+
+
+# the input a role reads: the entry of the full-training saved list it replaces
+_ATTN_IN, _O_IN = "attn.input", "attn.o_input"
+_MLP_IN = "mlp.input"
+
+
+def adjust_layer_saved(ctx: RankContext, saved: list[Any]) -> list[Any]:
+    """The bf16 layer's saved list turned into the FP8 / QAT one (module docstring)."""
+    from vramcalc.terms.activations import Saved, dims
+
+    tr = ctx.training
+    x = dims(ctx)
+    T, c = x.T, x.c
+    gated = ctx.spec.mlp_kind == "gated"
+    o_in = x.a * x.d
+    down_name = "mlp.down_input" if gated else "mlp.act"
+    f_local = next((t.numel // T for t in saved if t.name == down_name), 0)
+    selective_flash = tr.recompute == "selective" and tr.attention == "flash"
+    out = [t for t in saved if t.name not in (_ATTN_IN, _MLP_IN, down_name, _O_IN)
+           and not (selective_flash and t.name == "attn.out")]
+    # (name, elements per copy, copies, shape, what reads it)
+    inputs = [(_ATTN_IN, T * x.h, 3, "(b, s, h)", "q, k, v"),
+              (_O_IN, T * o_in, 1, "(b, s, a·d)", "o_proj"),
+              (_MLP_IN, T * x.h, 2 if gated else 1, "(b, s, h)", "gate, up" if gated else "fc"),
+              (down_name, T * f_local, 1, "(b, s, f)", "down_proj" if gated else "proj")]
+    if tr.precision == "fp8":
+        for name, numel, _copies, shape, who in inputs:
+            out += [Saved(name, numel, "fp8", shape.replace("(b, s, ", "(").replace(")", ", T)"),
+                          f"FP8 e4m3 transpose of the input of {who} (TE: one per input)"),
+                    Saved(f"{name}.scale_inv", 1, "fp32", "(1)", "its Float8Tensor scale_inv")]
+        return out
+    for name, numel, copies, shape, who in inputs:
+        out += [Saved(name, numel, c, shape, f"fake-quantized input of {who} (one per linear)",
+                      copies),
+                Saved(f"{name}.mask", numel, "bool", shape, "fake-quant STE mask", copies)]
+    for role, (rows, cols) in _widths(ctx).items():
+        prefix = "attn" if role in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        out += [Saved(f"{prefix}.{role}.wq", rows * cols, c, "(out, in)",
+                      "fake-quantized weight, kept by the matmul"),
+                Saved(f"{prefix}.{role}.wmask", rows * cols, "bool", "(out, in)",
+                      "fake-quant STE mask of the weight")]
+    return out
+
+
+# entries the down / o projections' backward frees beyond their input (activations.py frees
+# "mlp.down_input" / "mlp.act" and "attn.o_input" itself)
+_DOWN_EXTRA = ("mlp.down_input.scale_inv", "mlp.act.scale_inv", "mlp.down_input.mask",
+               "mlp.act.mask", "mlp.down_proj.wq", "mlp.down_proj.wmask", "mlp.proj.wq",
+               "mlp.proj.wmask")
+_O_EXTRA = ("attn.o_input.scale_inv", "attn.o_input.mask", "attn.o_proj.wq",
+            "attn.o_proj.wmask")
+
+
+def adjust_moments(ctx: RankContext, moments: list[Any], saved: list[Any]) -> list[Any]:
+    """Free what the down (MLP instant) and o (attention instant) projections' backward
+    released besides their inputs."""
+    def gone(names: tuple[str, ...]) -> int:
+        return sum(t.nbytes for t in saved if t.name in names)
+
+    out = []
+    for m in moments:
+        if m.name == "mlp":
+            m = dataclasses.replace(m, held=m.held - gone(_DOWN_EXTRA))
+        elif m.name == "attention":
+            m = dataclasses.replace(m, held=m.held - gone(_O_EXTRA))
+        out.append(m)
+    return out
+
+
+def forward_working_bytes(ctx: RankContext) -> int:
+    """The down projection's forward (the layer's largest): its 16-bit input (act·up, no
+    longer saved) and the GEMM output, plus under FP8 the input's row-wise FP8 data next to
+    the saved transpose."""
+    from vramcalc.terms.activations import dims
+
+    x = dims(ctx)
+    f = next((cols for name, _rows, cols, _ in block_linears(ctx)
+              if name.endswith(("down_proj", "mlp.proj"))), x.h)
+    work = alloc(x.T * f, x.c) + alloc(x.T * x.h, x.c)
+    if ctx.training.precision == "fp8":
+        work += alloc(x.T * f, "fp8")
+    return work
+
+
+# ---- words --------------------------------------------------------------------------------
+def notes(ctx: RankContext, gpu_id: str | None) -> list[str]:
+    """One note per mode for the report."""
+    tr = ctx.training
+    parts = persistent_parts(ctx, gpu_id)
+    gb = sum(parts.values()) / 1e9
+    if tr.precision == "fp8":
+        layout = "data + transpose" if fp8_transpose(gpu_id) else "data only (non-TN GPU)"
+        return [f"fp8: Transformer Engine delayed scaling on the block linears: cached FP8 "
+                f"weights ({layout}) and amax histories {gb:.2f} GB; linear inputs saved in "
+                "FP8 e4m3; attention, norms, embedding and lm_head in bf16"]
+    return [f"qat {tr.qat}: {QAT_SCHEMES[tr.qat]}; fake-quantized weight copies and STE masks "
+            f"are saved per linear; qparams {gb:.3f} GB"]
+
+
+def explain_lines(ctx: RankContext, gpu_id: str | None) -> list[str]:
+    """Plain-words formulas with this scenario's numbers (vramcalc explain)."""
+    tr = ctx.training
+    lins = block_linears(ctx)
+    n = sum(r * cols * c for _, r, cols, c in lins)
+    k = sum(c for *_, c in lins)
+    gb = 1e9
+    if tr.precision == "fp8":
+        copies = 2 if fp8_transpose(gpu_id) else 1
+        return [
+            f"FP8 (Transformer Engine): {k} block linears hold {n:,} weight elements on this "
+            "rank; weights, gradients, master and optimizer states are as 'bf16'.",
+            f"Cached FP8 weights: {n:,} x {copies} B ({'data + transpose' if copies == 2 else 'data'})"
+            f" + a 4 B scale_inv each = {fp8_weight_cache_bytes(ctx, gpu_id) / gb:,.3f} GB.",
+            f"Amax history and scales: {k} linears x (1024 x (3 + 2) + 3 + 2) fp32 = "
+            f"{fp8_meta_bytes(ctx) / gb:,.4f} GB.",
+            "Each distinct linear input (normed input for q/k/v, o input, MLP input, down "
+            "input) is saved as a 1-byte e4m3 transpose instead of the 2-byte bf16 tensor; "
+            "grad outputs are cast to e5m2 (2 x 1 byte per element) only while each "
+            "linear's backward runs.",
+        ]
+    T = tr.micro_batch_size * tr.seq_len
+    c = 4 if tr.compute_dtype == "fp32" else 2
+    return [
+        f"QAT {tr.qat}: {QAT_SCHEMES[tr.qat]}.",
+        f"Per micro-batch, every block linear keeps its fake-quantized weight ({c} B) and "
+        f"its bool mask (1 B): {n:,} x {c + 1} B = {n * (c + 1) / gb:,.3f} GB over the "
+        f"{k} linears of this rank, freed layer by layer in backward.",
+        f"Every linear also keeps its fake-quantized input ({c} B) and mask (1 B) per element "
+        f"of (T = {T:,} tokens, in): q, k and v each keep their own.",
+        f"Scales and zero points kept by the fake quantizers: "
+        f"{qat_qparam_bytes(ctx) / gb:,.4f} GB.",
+    ]
