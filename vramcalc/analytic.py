@@ -17,8 +17,6 @@ forward and backward (they are created lazily by the first optimizer step).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from vramcalc.offload import offload_footprint
 from vramcalc.report import GPUInfo, MemoryReport, ModelInfo, StageReport, Terms
 from vramcalc.scenario import Scenario
@@ -40,23 +38,47 @@ from vramcalc.terms.weights import weight_parts
 from vramcalc.units import alloc
 
 
-@dataclass
-class Phase:
-    """Composition of allocated memory at one moment."""
+class StageBase:
+    """What every moment of a stage holds besides its gradients and its own parts: weights,
+    optimizer states (+ master), cuBLAS workspace, persistent comm buffers."""
 
-    name: str
-    parts: dict[str, int] = field(default_factory=dict)
+    __slots__ = ("head", "tail", "total", "terms")
+
+    def __init__(self, head: dict[str, int], tail: dict[str, int]) -> None:
+        self.head, self.tail = head, tail
+        self.total = sum(head.values()) + sum(tail.values())
+        self.terms = _add_terms({}, head)
+        _add_terms(self.terms, tail)
+
+
+def _add_terms(out: dict[str, int], parts: dict[str, int]) -> dict[str, int]:
+    """Add sub-term bytes ("term/detail" keys) into `out` by term."""
+    for key, val in parts.items():
+        term = key.split("/", 1)[0]
+        out[term] = out.get(term, 0) + val
+    return out
+
+
+class Phase:
+    """Composition of allocated memory at one moment: the stage's base, `grads` bytes of
+    gradients and the moment's own parts. The total is summed once; the full composition
+    (`parts`) is only assembled for the moments a report shows (the planner evaluates
+    thousands of moments per second)."""
+
+    __slots__ = ("name", "base", "grads", "own", "total")
+
+    def __init__(self, name: str, base: StageBase, grads: int, own: dict[str, int]) -> None:
+        self.name, self.base, self.grads, self.own = name, base, grads, own
+        self.total = base.total + grads + sum(own.values())
 
     @property
-    def total(self) -> int:
-        return sum(self.parts.values())
+    def parts(self) -> dict[str, int]:
+        return {**self.base.head, "gradients": self.grads, **self.base.tail, **self.own}
 
     def terms(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for key, val in self.parts.items():
-            term = key.split("/", 1)[0]
-            out[term] = out.get(term, 0) + val
-        return out
+        out = dict(self.base.terms)
+        out["gradients"] = out.get("gradients", 0) + self.grads
+        return _add_terms(out, self.own)
 
 
 def in_flight_microbatches(scn: Scenario, stage: int) -> float:
@@ -181,16 +203,14 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
 
         lowprec_parts = persistent_parts(ctx, gpu_id)
 
-    def base(grads: int) -> dict[str, int]:
-        return {**w_parts, **lowprec_parts, "optimizer_states/states": opt["states"],
-                "optimizer_states/master": opt["master"], "gradients": grads,
-                "transients/cublas_workspace": cublas, "transients/comm_buffers": persistent}
+    B = StageBase({**w_parts, **lowprec_parts, "optimizer_states/states": opt["states"],
+                   "optimizer_states/master": opt["master"]},
+                  {"transients/cublas_workspace": cublas, "transients/comm_buffers": persistent})
 
     g_acc = G if keep_grads else 0
 
     def fwd_point(activations: int, logits: int, extra: dict[str, int]) -> Phase:
-        return Phase("forward", {
-            **base(g_acc),
+        return Phase("forward", B, g_acc, {
             "activations": int(activations),
             "transients/autocast_cache": int(k * C_mb),
             "transients/gather_buffers": gather,
@@ -215,8 +235,7 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
         top_moe = n_moe > 0
         top_bytes = A_moe if top_moe else A_dense
         qkv_share = 1 - P.grad_fraction["mlp+o"]  # casts made so far
-        eager = Phase("forward", {
-            **base(g_acc),
+        eager = Phase("forward", B, g_acc, {
             "activations": int(prev * A_mb + (A_bottom(nL - 1) if offload else A_bottom(nL)
                                               - top_bytes) + eager_held + A_emb),
             "transients/autocast_cache": int(prev * C_mb + (nL - 1 + qkv_share) * cache_layer),
@@ -232,8 +251,7 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     # made again when each layer is recomputed in backward)
     full = train.recompute == "full"
     C_kept = cache_head + (0 if full else nL * cache_layer)
-    loss_bwd = Phase("backward", {
-        **base(g_acc),
+    loss_bwd = Phase("backward", B, g_acc, {
         "activations": int(k * A_mb),
         "transients/autocast_cache": int(prev * C_mb + C_kept),
         "transients/gather_buffers": gather,
@@ -248,8 +266,7 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
         """Instant `mom` of the backward of the i-th layer from the top (0-based)."""
         done = P.grad_fraction[mom.grads]
         grads = G if keep_grads else max(G_head - G_late, 0) + int((i + done) * g_layer)
-        return Phase("backward", {
-            **base(min(grads, G)),
+        return Phase("backward", B, min(grads, G), {
             "activations": int(prev * A_mb + A_bottom(nL - i - 1) + mom.held + A_emb)
             - (gap if i == nL - 1 else 0),
             "transients/autocast_cache": int(prev * C_mb + ((1 - done) if full else (
@@ -276,8 +293,7 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     norm_work = P.final_norm_work
     if norm_work:
         lm_in = P.head_freed_at_final_norm
-        candidates.append(Phase("backward", {
-            **base(G if keep_grads else max(G_head - G_late, 0)),
+        candidates.append(Phase("backward", B, G if keep_grads else max(G_head - G_late, 0), {
             "activations": int(k * A_mb - lm_in),
             "transients/autocast_cache": int(prev * C_mb + C_kept - cache_head),
             "transients/layer_backward": norm_work,
@@ -290,8 +306,7 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
         # the embedding's out of place (3 copies of the V·h gradient at once)
         tied = tied_embedding_grad_bytes(ctx)
         end_grads = G + (tied if keep_grads else 0)
-        candidates.append(Phase("backward", {
-            **base(end_grads),
+        candidates.append(Phase("backward", B, end_grads, {
             "activations": int(prev * A_mb + A_emb),
             "transients/autocast_cache": int(prev * C_mb),
             "transients/layer_backward": 2 * tied,
@@ -300,8 +315,7 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
         }))
     backward = max(candidates, key=lambda p: p.total)
 
-    optimizer = Phase("optimizer", {
-        **base(gradients_at_step_bytes(ctx)),
+    optimizer = Phase("optimizer", B, gradients_at_step_bytes(ctx), {
         "transients/optimizer_step": P.optimizer_step,
     })
     phases = [forward, backward, optimizer]
@@ -343,9 +357,9 @@ def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:
         t = peak_phase.terms()
         t["overhead"] = sum(ovh.values())
         nl = RankContext(scn.model, scn.training, scn.parallel, st).num_layers
-        stage_reports.append(StageReport(stage=st, num_layers=nl, terms=Terms(**t),
-                                         peak_allocated_bytes=peak_phase.total,
-                                         device_total_bytes=total))
+        stage_reports.append(StageReport.model_construct(
+            stage=st, num_layers=nl, terms=Terms.model_construct(**t),
+            peak_allocated_bytes=peak_phase.total, device_total_bytes=total))
         if worst is None or total > worst[0]:
             worst = (total, phases, first, st, live, ovh)
     assert worst is not None
@@ -361,12 +375,14 @@ def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:
         subterms[f"overhead/{key}"] = val
     fits, headroom = fit_verdict(scn, total)
     ctx0 = RankContext(scn.model, scn.training, scn.parallel, st)
-    return MemoryReport(
+    # built from ints this module computed: model_construct skips re-validating them (a
+    # quarter of an estimate's time); tests/test_properties.py checks the terms add up
+    return MemoryReport.model_construct(
         engine="analytic",
         model=model_info(scn),
         strategy=strategy_dict(scn),
         gpu=gpu_info(scn),
-        terms=Terms(**terms),
+        terms=Terms.model_construct(**terms),
         subterms=subterms,
         phases={p.name: p.total for p in phases},
         peak_phase=peak_phase.name,
