@@ -16,10 +16,12 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PYC = ""  # private bytecode folder of the timed children (set in main)
 sys.path.insert(0, str(ROOT))
 
 
@@ -56,7 +58,12 @@ def whole_cli(model: str, gpus: str, repeat: int, as_json: bool) -> None:
                                                           ["-m", "vramcalc"]),
            "plan", "--model", model, "--gpus", gpus] + (["--json"] if as_json else [])
     walls, cpus = [], []
-    env = {**os.environ, "COLUMNS": "120"}
+    # as after `pip install` (bytecode compiled) and one earlier run (parse cache filled):
+    # see bench_estimate.py
+    from bench_estimate import _child_env
+
+    env = {**_child_env(str(PYC)), "COLUMNS": "120"}
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)  # warm-up
     for _ in range(repeat):
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
@@ -77,8 +84,10 @@ def main() -> None:
     args = ap.parse_args()
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
     in_process(args.model, args.gpus, args.repeat)
-    whole_cli(args.model, args.gpus, args.repeat, as_json=True)
-    whole_cli(args.model, args.gpus, args.repeat, as_json=False)
+    global PYC
+    with tempfile.TemporaryDirectory() as PYC:
+        whole_cli(args.model, args.gpus, args.repeat, as_json=True)
+        whole_cli(args.model, args.gpus, args.repeat, as_json=False)
 
 
 if __name__ == "__main__":
