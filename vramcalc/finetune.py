@@ -56,7 +56,7 @@ from functools import lru_cache
 from vramcalc.errors import InputError
 from vramcalc.model import ModelSpec, param_tensors
 from vramcalc.sharding import RankShapes, RankTensor, _rank_shapes
-from vramcalc.units import alloc, ceil_div
+from vramcalc.units import DTYPE_BITS, alloc, ceil_div
 
 FINETUNES: tuple[str, ...] = ("full", "lora", "qlora", "dora")
 ADAPTER_METHODS: tuple[str, ...] = ("lora", "qlora", "dora")
@@ -189,7 +189,10 @@ def _finetune_shapes(spec: ModelSpec, tp: int, pp: int, v: int, ep: int, stage: 
     adapters: list[RankTensor] = []
     for t in base.tensors:
         if method == "qlora" and _is_quantized(t, framework):
-            quant.append(dataclasses.replace(t, trainable=False, dtype="nf4"))
+            # bitsandbytes stores the packed codes as a (⌈n/2⌉, 1) tensor (quantize_4bit), so
+            # ZeRO-3/FSDP shard its dim 0 of n/2 bytes, not the logical (out, in) rows
+            packed_rows = t.numel // 2 if t.numel % 2 == 0 else 0
+            quant.append(dataclasses.replace(t, trainable=False, dtype="nf4", rows=packed_rows))
         else:
             frozen.append(dataclasses.replace(t, trainable=False))
         if t.name not in wanted:
@@ -279,6 +282,75 @@ def dequant_transient_bytes(n: int, dtype: str) -> int:
     8-bit form, absmax + offset (a second fp32 copy), and the weight in `dtype`."""
     blocks = ceil_div(n, NF4_BLOCK)
     return 2 * alloc(blocks, "fp32") + alloc(n, dtype)
+
+
+# ---- ZeRO-3 / FSDP: what one gathered layer holds ----------------------------------------
+def _per_layer_copies(t: RankTensor, n_layers: int, n_moe: int) -> int:
+    """Copies of tensor `t` in one layer (its count is over the stage's layers)."""
+    if t.name.startswith(("experts.", "router", "shared_expert")):
+        return t.count // max(n_moe, 1)
+    if t.name.startswith("mlp."):
+        return t.count // max(n_layers - n_moe, 1)
+    return t.count // max(n_layers, 1)
+
+
+def _layer_tensors(ctx: object, shapes: RankShapes) -> list[tuple[RankTensor, int]]:
+    """(tensor, copies) of one transformer layer of this rank: the MoE layer when the rank
+    has any (the larger), else a dense one (as vramcalc.sharding.layer_param_numels)."""
+    n_layers, n_moe = shapes.num_layers, shapes.num_moe_layers
+    out = []
+    for t in shapes.tensors:
+        if t.group not in ("layer", "expert") or (n_moe and t.name.startswith("mlp.")):
+            continue
+        if not n_moe and t.name.startswith(("experts.", "router", "shared_expert")):
+            continue
+        copies = _per_layer_copies(t, n_layers, n_moe)
+        if copies:
+            out.append((t, copies))
+    return out
+
+
+def gathered_layer_bytes(ctx: object, dtype: str) -> tuple[int, ...]:
+    """Bytes of each tensor copy of one layer as ZeRO-3 / FSDP all-gathers it under a PEFT
+    method: the other frozen tensors and the adapters in `dtype` (the all-gather dtype) —
+    except adapters kept in their own dtype when no mixed-precision cast applies — and a
+    QLoRA weight as its packed 4-bit data, ⌈n/2⌉ bytes, whatever `dtype` is.
+
+    FSDP + QLoRA (bitsandbytes docs/source/fsdp_qlora.md, Answer.AI's fsdp_qlora, PEFT's
+    "FSDP + QLoRA" guide; bitsandbytes `quantize_4bit(quant_storage=...)` allocates
+    ((n + 1) // (2·bytes(quant_storage)), 1) elements): the packed codes live in a container
+    of the model's float dtype (`bnb_4bit_quant_storage`) so FSDP1/DeepSpeed can flatten and
+    shard them with the other parameters; FSDP2 gathers integer parameters without a cast
+    (`FSDPParam.init_dtype_attrs`: no param_dtype for non-float tensors) and mixes dtypes in
+    a uint8 all-gather. Either way the gathered bytes are the packed bytes: 4× fewer than a
+    bf16 weight. The quantization state (absmax, codes) is module metadata outside the
+    sharded parameters, whole on every rank (weights/nf4_constants), and the compute-dtype
+    weight is made per matmul by dequantization (a transient, vramcalc/terms/
+    finetune_activations.py), never gathered."""
+    fs = shapes_for(ctx)
+    tr = ctx.training  # type: ignore[attr-defined]
+    a_dt = dtype if tr.is_autocast else adapter_dtype(tr.framework, tr.weight_dtype)
+    quant = {id(t) for t in fs.quantized.tensors}
+    adapters = {id(t) for t in fs.adapters.tensors}
+    out: list[int] = []
+    for t, copies in _layer_tensors(ctx, fs.all):
+        if id(t) in quant:
+            nbytes = ceil_div(t.numel * DTYPE_BITS["nf4"], 8)
+        else:
+            dt = a_dt if id(t) in adapters else dtype
+            nbytes = ceil_div(t.numel * DTYPE_BITS[dt], 8)
+        out += [nbytes] * copies
+    return tuple(out)
+
+
+def trained_layer_numels(ctx: object) -> tuple[int, ...]:
+    """Element counts of the trained (adapter) tensors of one layer on this rank: what
+    ZeRO-2/3 and FSDP reduce per layer under a PEFT method (frozen weights get no grads)."""
+    fs = shapes_for(ctx)
+    out: list[int] = []
+    for t, copies in _layer_tensors(ctx, fs.adapters):
+        out += [t.numel] * copies
+    return tuple(out)
 
 
 # ---- weights ---------------------------------------------------------------------------

@@ -52,13 +52,33 @@ CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
 )
 
 
+# FSDP2 (vramcalc/trace/distributed.py): (shape, framework, world, training options). The
+# small-vocabulary shape puts the peak in the layers' backward, where the gathered block,
+# the prefetched next block and the adapters' reduce-scatter count; QLoRA gathers packed
+# 4-bit weights (vramcalc.finetune.gathered_layer_bytes).
+FSDP_CASES: tuple[tuple[str, str, int, dict[str, Any]], ...] = (
+    ("llama-deep", "reference", 4, {"finetune": "qlora", "precision": "bf16",
+                                    "lora_targets": "all-linear"}),
+    ("llama-deep", "hf", 2, {"finetune": "qlora", "precision": "bf16"}),
+    ("llama-deep", "reference", 2, {"finetune": "qlora", "precision": "amp-bf16"}),
+    ("llama-deep", "reference", 4, {"finetune": "lora", "precision": "amp-bf16",
+                                    "lora_targets": "all-linear"}),
+    ("llama-gqa", "hf", 2, {"finetune": "lora"}),
+)
+
+
 def finetune_grid() -> list[tuple[str, Scenario]]:
-    """(name, scenario) pairs of the fine-tuning cases above."""
+    """(name, scenario) pairs of the fine-tuning cases above (FSDP2 ones included)."""
+    from vramcalc.parallel import ParallelConfig
     from vramcalc.validate import _scn
 
+    cases = [(shape, fw, 1, kw) for shape, fw, kw in CASES] + list(FSDP_CASES)
     out = []
-    for shape, framework, kw in CASES:
+    for shape, framework, world, kw in cases:
         name, scn = _scn(shape, framework=framework, **kw)
+        if world > 1:
+            scn = scn.model_copy(update={"parallel": ParallelConfig(dp=world, fsdp="full")})
+            name += f"/fsdp-full{world}"
         tr = scn.training
         tag = tr.finetune
         if tr.finetune != "full":

@@ -55,7 +55,7 @@ from vramcalc.sharding import DS_PERSISTENCE_THRESHOLD, layer_param_numels
 from vramcalc.terms import activations as act
 from vramcalc.terms.context import RankContext
 from vramcalc.terms.gradients import grad_dtype, layer_gradient_bytes
-from vramcalc.units import alloc, ceil_div
+from vramcalc.units import DTYPE_BITS, alloc, ceil_div
 
 DS_REDUCE_BUCKET_NUMEL = 500_000_000
 DS_PREFETCH_BUCKET_NUMEL = 50_000_000
@@ -69,10 +69,12 @@ ROOT_GROUPS: tuple[str, ...] = ("embedding", "final", "head")
 
 # ---- persistent ------------------------------------------------------------------------
 def ddp_bucket_bytes(ctx: RankContext) -> int:
-    """DDP's reducer buckets: one more copy of every gradient (reference/hf profiles)."""
+    """DDP's reducer buckets: one more copy of every gradient (reference/hf profiles) —
+    of the trained parameters only: the reducer builds its buckets from the parameters that
+    require grad (`Reducer` skips the others), so under LoRA/QLoRA the adapters'."""
     if ctx.engine != "ddp":
         return 0
-    return ctx.shapes.nbytes(grad_dtype(ctx), 1, 1, "flat")
+    return ctx.train_shapes.nbytes(grad_dtype(ctx), 1, 1, "flat")
 
 
 def ds_reduce_bucket_bytes(ctx: RankContext) -> int:
@@ -108,14 +110,29 @@ def fsdp_root_bytes(ctx: RankContext) -> int:
 
 
 def fsdp_layer_bytes(ctx: RankContext) -> int:
-    """One transformer block's parameters, unsharded, in the all-gather (compute) dtype."""
+    """One transformer block's parameters, unsharded, in the all-gather (compute) dtype;
+    under LoRA/QLoRA/DoRA the frozen base + adapters, a QLoRA weight as its packed 4-bit
+    data (vramcalc.finetune.gathered_layer_bytes)."""
+    if ctx.training.finetune != "full":
+        from vramcalc.finetune import gathered_layer_bytes
+
+        return alloc(sum(gathered_layer_bytes(ctx, ctx.training.compute_dtype)), "uint8")
     return alloc(_layer_numel(ctx), ctx.training.compute_dtype)
 
 
 def _ds_key(ctx: RankContext) -> tuple:
     root = tuple((t.name, t.numel) for t in ctx.tensors if t.group in ROOT_GROUPS)
+    layer: tuple[int, ...] = ()
+    if ctx.training.finetune != "full":
+        # frozen base + adapters; a QLoRA weight is its packed data in a container of the
+        # weight dtype (bnb_4bit_quant_storage): n/2 bytes = n/(2·w) elements for DeepSpeed
+        from vramcalc.finetune import gathered_layer_bytes
+
+        w = ctx.training.weight_dtype
+        unit = DTYPE_BITS[w] // 8 or 1
+        layer = tuple(ceil_div(b, unit) for b in gathered_layer_bytes(ctx, w))
     return (ctx.spec, ctx.parallel.tp, ctx.parallel.ep, ctx.num_layers, ctx.is_first_stage,
-            ctx.is_last_stage, root)
+            ctx.is_last_stage, root, layer)
 
 
 def ds_module_order(ctx: RankContext) -> tuple[int, ...]:
@@ -125,10 +142,12 @@ def ds_module_order(ctx: RankContext) -> tuple[int, ...]:
 
 @lru_cache(maxsize=1024)
 def _ds_module_order(spec, tp: int, ep: int, n_layers: int, first: bool, last: bool,  # noqa: ANN001
-                     root: tuple[tuple[str, int], ...]) -> tuple[int, ...]:
+                     root: tuple[tuple[str, int], ...],
+                     layer: tuple[int, ...] = ()) -> tuple[int, ...]:
     from vramcalc.parallel import ParallelConfig
 
-    layer = tuple(layer_param_numels(spec, ParallelConfig(tp=tp, ep=ep)))
+    if not layer:  # full training: the model's own tensors
+        layer = tuple(layer_param_numels(spec, ParallelConfig(tp=tp, ep=ep)))
     emb = tuple(n for name, n in root if name.startswith("embed"))
     tail = tuple(n for name, n in root if not name.startswith("embed"))
     return (emb if first else ()) + layer * n_layers + (tail if last else ())
@@ -202,14 +221,30 @@ def reduce_bytes(ctx: RankContext, layer: int = 0, done: float = 1.0,
       tensors, `freed`, are gone): the unsharded gradients, the reduce-scatter input they are
       copied into (the sharded parameters' dtype) and the block's sharded gradient.
     """
+    trained: tuple[int, ...] | None = None
+    if ctx.training.finetune != "full":  # only the adapters get gradients
+        from vramcalc.finetune import trained_layer_numels
+
+        trained = trained_layer_numels(ctx)
     if ctx.engine == "deepspeed" and ctx.parallel.zero >= 2:
-        return alloc(max(layer_param_numels(ctx.spec, ctx.parallel)), grad_dtype(ctx))
+        largest = max(trained or (0,)) if trained is not None else max(
+            layer_param_numels(ctx.spec, ctx.parallel))
+        return alloc(largest, grad_dtype(ctx))
     if ctx.engine != "fsdp2":
         return 0
-    n = _layer_numel(ctx)
     g = layer_gradient_bytes(ctx)
-    whole = alloc(n, ctx.training.compute_dtype)
-    rs_input = alloc(n, ctx.training.weight_dtype)
+    if trained is None:
+        n = _layer_numel(ctx)
+        whole = alloc(n, ctx.training.compute_dtype)
+        rs_input = alloc(n, ctx.training.weight_dtype)
+    else:  # adapters: unsharded grads in the gather dtype, reduce-scatter in their own
+        tr = ctx.training
+        from vramcalc.finetune import adapter_dtype
+
+        a_dt = adapter_dtype(tr.framework, tr.weight_dtype)
+        n = sum(trained)
+        whole = alloc(n, tr.compute_dtype if tr.is_autocast else a_dt)
+        rs_input = alloc(n, a_dt)
     if freed is None:
         freed = act.layer_backward_working_bytes(ctx) + act.layer_activation_bytes(ctx)
     regather = ctx.parallel.fsdp != "grad-op"  # grad-op keeps every block unsharded

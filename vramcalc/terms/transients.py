@@ -215,7 +215,7 @@ def fused_step_temp_bytes(ctx: RankContext) -> int:
     if ctx.engine != "deepspeed" or not ctx.training.has_master_weights:
         return 0
     shard = ctx.parallel.shard_degree
-    numel = -(-ctx.shapes.numel() // shard)
+    numel = -(-ctx.train_shapes.numel() // shard)  # the optimizer's parameters only
     if ctx.parallel.zero >= 3:
         numel = min(numel, comm.DS_SUB_GROUP_NUMEL)
     return alloc(numel, "fp32")

@@ -230,14 +230,24 @@ def _run(scn: Scenario, tracker: Any, mesh: Any, tick: Any, report_progress: Any
     tr, spec = scn.training, scn.model
     with torch.device("meta"):
         model = build_model(scn)
+    # QLoRA: bitsandbytes' quantization state is module metadata FSDP does not shard (whole
+    # on every rank); the NF4 stand-in's becomes buffers, counted as weights below
+    from vramcalc.trace.nf4 import NF4Linear
+
+    nf4 = [m for m in model.modules() if isinstance(m, NF4Linear)]
+    for m in nf4:
+        m.quant_state_to_buffers()
     _shard(model, scn, mesh)
     model.to_empty(device="cpu")
     model.train()
-    all_params = list(model.parameters())
+    quant_state = [getattr(m, n) for m in nf4 for n in NF4Linear.QUANT_STATE]
+    all_params = list(model.parameters()) + quant_state
     params = [p for p in all_params if p.requires_grad]
     tracker.register_params(all_params)
+    qs = {id(t) for t in quant_state}
     for buf in model.buffers():
-        tracker.label(buf, "weights/buffers")
+        if id(buf) not in qs:
+            tracker.label(buf, "weights/buffers")
     param_bytes = sum(tracker.blocks[k].nbytes for k in tracker.param_keys)
     head = model.get_output_embeddings() if tr.framework == "hf" else model.lm_head
 

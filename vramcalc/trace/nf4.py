@@ -15,7 +15,10 @@ bitsandbytes 0.50.1 (@ 95f9af30) allocates per weight of n = out·in elements
 | offset             | quant_state.offset              | () fp32                    |
 | code               | quant_state.code (NF4 table)    | (16,) fp32                 |
 
-They are registered as frozen parameters so the trace counts them as weights.
+They are registered as frozen parameters so the trace counts them as weights; under FSDP2
+the quantization state is kept whole on every rank (`quant_state_to_buffers`: buffers,
+which FSDP does not shard) and the packed uint8 weight is sharded along its first dimension, as
+FSDP-QLoRA shards bitsandbytes' packed storage (docs/finetuning.md).
 
 The matmul follows `MatMul4Bit` (autograd/_functions.py) on the dequantize-then-matmul path
 (`_dequant_linear_fallback` in backends/cuda/ops.py: every token count above 1536, and all
@@ -94,6 +97,22 @@ class NF4Linear(nn.Linear):
         self.code = _frozen(torch.empty(NF4_CODE_ELEMS, dtype=torch.float32, **kw))
         self.compute_dtype = compute_dtype or dtype or torch.float32  # bnb_4bit_compute_dtype
         self.bias = _frozen(torch.empty(out_features, dtype=dtype, **kw)) if bias else None
+
+    QUANT_STATE = ("absmax", "state2_absmax", "state2_code", "offset", "code")
+
+    def quant_state_to_buffers(self) -> list[torch.Tensor]:
+        """Re-register the quantization state as buffers and return them. bitsandbytes keeps
+        it in `Params4bit.quant_state`, module metadata rather than parameters, so FSDP leaves
+        it whole on every rank (and FSDP2 refuses 0-dim parameters such as `offset`); the
+        distributed trace calls this before `fully_shard` so that only the packed weight is
+        sharded, and counts these buffers as weights."""
+        out = []
+        for name in self.QUANT_STATE:
+            t = getattr(self, name).data
+            del self._parameters[name]
+            self.register_buffer(name, t)
+            out.append(t)
+        return out
 
     def new_absmax(self) -> torch.Tensor:
         """The fp32 absmax decoded from its 8-bit form (one value per 64-element block)."""
