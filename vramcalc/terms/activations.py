@@ -397,14 +397,36 @@ def _hf_moe_saved(ctx: RankContext, x: Dims) -> list[Saved]:
 
 
 # ---- per layer -------------------------------------------------------------------------
+def without_recompute(ctx: RankContext) -> RankContext:
+    """The same rank without activation recomputation (what a recomputed layer holds while
+    its backward runs); memoised on the context."""
+    if ctx.training.recompute == "none":
+        return ctx
+    plain = ctx.__dict__.get("_without_recompute")
+    if plain is None:
+        plain = ctx.__dict__["_without_recompute"] = RankContext(
+            ctx.spec, ctx.training.model_copy(update={"recompute": "none"}), ctx.parallel,
+            ctx.stage)
+    return plain
+
+
 def layer_saved(ctx: RankContext, moe: bool | None = None) -> list[Saved]:
     """Saved tensors of one transformer layer for one micro-batch (reference/hf profiles).
 
     `moe` picks a dense or MoE layer; by default the kind most of this rank's layers are.
+    Memoised per context (a profile asks for the same layer several times); callers get
+    their own list.
     """
-    x = dims(ctx)
     if moe is None:
         moe = ctx.spec.is_moe and ctx.shapes.num_moe_layers * 2 >= max(ctx.num_layers, 1)
+    memo = ctx.__dict__.setdefault("_layer_saved", {})
+    if moe not in memo:
+        memo[moe] = tuple(_layer_saved(ctx, moe))
+    return list(memo[moe])
+
+
+def _layer_saved(ctx: RankContext, moe: bool) -> list[Saved]:
+    x = dims(ctx)
     if ctx.training.recompute == "full":
         # torch.utils.checkpoint keeps only the layer input
         return [Saved("layer.input", _bsh(x), x.r, "(b, s, h)", "checkpoint input")]
@@ -469,10 +491,7 @@ def eager_forward_moment(ctx: RankContext) -> tuple[int, int]:
     tr = ctx.training
     if tr.attention != "eager":
         return 0, 0
-    plain = ctx
-    if tr.recompute != "none":
-        plain = RankContext(ctx.spec, tr.model_copy(update={"recompute": "none"}),
-                            ctx.parallel, ctx.stage)
+    plain = without_recompute(ctx)
     saved = layer_saved(plain, False)
     pre = ("attn.input", "attn.input.cast", "attn.q", "attn.k", "attn.repeat_index",
            "attn.qkv")
@@ -600,10 +619,7 @@ def layer_backward_moments(ctx: RankContext, moe: bool | None = None) -> list[Mo
     tr = ctx.training
     if moe is None:
         moe = ctx.spec.is_moe and ctx.shapes.num_moe_layers * 2 >= max(ctx.num_layers, 1)
-    plain = ctx
-    if tr.recompute != "none":
-        plain = RankContext(ctx.spec, tr.model_copy(update={"recompute": "none"}),
-                            ctx.parallel, ctx.stage)
+    plain = without_recompute(ctx)
     saved = layer_saved(plain, moe)
     # before the attention core the layer holds its own saved set (selective: the core is
     # only recomputed when its backward comes; full: the whole layer is recomputed first)
