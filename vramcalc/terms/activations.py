@@ -27,7 +27,7 @@ only; aten/src/ATen/autocast_mode.cpp `cached_cast`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
@@ -47,7 +47,7 @@ class Saved:
     why: str = ""
     count: int = 1  # identical storages (one per expert, say)
 
-    @property
+    @cached_property  # summed many times per profile
     def nbytes(self) -> int:
         bits = _BITS[self.dtype]
         return self.count * round_alloc(ceil_div(self.numel * bits, 8))
