@@ -202,3 +202,87 @@ def test_fsdp2_trace_gathers_packed_qlora_blocks() -> None:
     a, t = analytic_points(scn), trace_points(res)
     for term in ("weights", "gradients", "optimizer_states"):
         assert a[term] == t[term], term
+
+
+# ---- 3. speed: a frozen base skips its weight-gradient matmuls --------------------------
+# Llama-2-7B: 6,738,415,616 parameters (model card / published-figures.md), untied
+# embedding 32000 × 4096 (the lookup is not a matmul; the head is); PEFT's default LoRA on
+# q, v with r = 8: 4,194,304 adapter parameters (print_trainable_parameters).
+N_MM_7B = 6_738_415_616 - 32000 * 4096
+N_AD_7B = 4_194_304
+ATTN_7B = 12 * 32 * 4096 * 4096  # 12·L·s·A at s = 4096 (PaLM App. B)
+
+
+def _speed(finetune: str = "full", layout=None, gpus: int = 8, **kw: object):  # noqa: ANN001, ANN202
+    from vramcalc.hardware import resolve_gpu
+    from vramcalc.speed import Layout, estimate_speed, peft_counts
+
+    peft = peft_counts(LLAMA2_7B, "bf16", finetune, **kw)  # type: ignore[arg-type]
+    return estimate_speed(LLAMA2_7B, resolve_gpu("H100"), gpus, layout or Layout(), 4096,
+                          "bf16", peft=peft)
+
+
+def test_lora_flops_per_token() -> None:
+    """Forward 2N, input gradients 2N, no weight gradients for the frozen base; adapters
+    6·N_ad; the attention core's 12·L·s·A unchanged (its backward is all input gradients)."""
+    r = _speed("lora")
+    assert r.model_flops_per_token == 4 * N_MM_7B + 6 * N_AD_7B + ATTN_7B
+    assert _speed().model_flops_per_token == 6 * N_MM_7B + ATTN_7B
+
+
+def test_lora_full_recompute_adds_the_forward_of_layers_and_adapters() -> None:
+    from vramcalc.speed import Layout
+
+    r = _speed("lora", Layout(recompute="full"))
+    fwd_layers = 2 * (N_MM_7B - 32000 * 4096) + 2 * N_AD_7B + 4 * 32 * 4096 * 4096
+    assert r.hardware_flops_per_token == 4 * N_MM_7B + 6 * N_AD_7B + ATTN_7B + fwd_layers
+
+
+def test_lora_is_faster_than_full_training_by_the_flop_ratio() -> None:
+    """One H100, no communication: step time is FLOPs / (peak · efficiency), so LoRA's
+    tokens/s exceed full training's by (6N + 12LsA)/(4N + 6N_ad + 12LsA) ≈ 1.40, and the
+    MFU (the method's own FLOPs) is the same."""
+    full, lora = _speed(gpus=1), _speed("lora", gpus=1)
+    ratio = (6 * N_MM_7B + ATTN_7B) / (4 * N_MM_7B + 6 * N_AD_7B + ATTN_7B)
+    assert lora.tokens_per_s / full.tokens_per_s == pytest.approx(ratio, rel=1e-12)
+    assert 1.39 < ratio < 1.41
+    assert lora.mfu == pytest.approx(full.mfu, rel=1e-12)
+
+
+def test_qlora_pays_memory_bound_dequantization() -> None:
+    """QLoRA dequantizes each of the 32·(4h² + 3hf) NF4 parameters twice per micro-batch
+    (forward, backward): reads 1/2 + 1/64 bytes, writes 2 (bf16), at the H100 SXM's 3.35 TB/s
+    (hardware_profiles/h100_sxm.yaml)."""
+    n_q = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
+    qlora, lora = _speed("qlora", gpus=1), _speed("lora", gpus=1)
+    t_dq = 2 * n_q * (0.5 + 1 / 64 + 2) / 3.35e12
+    assert qlora.parts_s["dequant"] == pytest.approx(t_dq, rel=1e-12)
+    assert lora.parts_s["dequant"] == 0.0
+    assert qlora.step_time_s == pytest.approx(lora.step_time_s + t_dq, rel=1e-12)
+    assert qlora.model_flops_per_token == lora.model_flops_per_token
+
+
+def test_lora_data_parallel_reduces_only_the_adapters() -> None:
+    """DDP over 8 H100s in one node: the all-reduce moves the adapters' fp32 gradients (PEFT,
+    hf profile) instead of the 16-bit gradients of every parameter; both hide behind the
+    backward pass, so only the 10 % overlap floor shows and the ratio is the bytes' ratio."""
+    from vramcalc.speed import Layout
+
+    full = _speed(layout=Layout(dp=8))
+    lora = _speed("lora", Layout(dp=8), framework="hf")
+    bytes_ratio = (N_AD_7B * 4) / (6_738_415_616 * 2)
+    assert lora.parts_s["dp_comm"] / full.parts_s["dp_comm"] == pytest.approx(bytes_ratio,
+                                                                              rel=1e-9)
+
+
+def test_fsdp_qlora_all_gathers_packed_weights() -> None:
+    """ZeRO-3/FSDP all-gather the frozen weights: QLoRA's NF4 matrices as packed n/2 bytes,
+    the embedding, head and norms in bf16, the fp32 adapters (hf)."""
+    from vramcalc.speed import peft_counts
+
+    pc = peft_counts(LLAMA2_7B, "bf16", "qlora", framework="hf")
+    assert pc is not None
+    n_q = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
+    bf16_rest = 2 * 32000 * 4096 + (2 * 32 + 1) * 4096
+    assert pc.quantized_params == n_q
+    assert pc.gathered_weight_bytes == (bf16_rest * 2 + n_q / 2 + N_AD_7B * 4, 0.0)

@@ -281,6 +281,14 @@ def _offloads(stage: int, allowed: bool, pinned: Mapping[str, Any]) -> list[tupl
     return out
 
 
+def _fp8_allowed(base: Scenario) -> bool:
+    """FP8 is proposed where vramcalc models it: dense models, full training, the reference
+    profile, no QAT or activation offload (vramcalc/terms/lowprec.py check_lowprec)."""
+    tr = base.training
+    return (not base.model.is_moe and tr.framework == "reference" and tr.finetune == "full"
+            and tr.qat == "none" and not tr.activation_offload)
+
+
 def _pick(pinned: Mapping[str, Any], key: str, values: Iterable[Any]) -> list[Any]:
     if _given(pinned, key):
         return [v for v in values if v == pinned[key]]
@@ -294,6 +302,8 @@ def _variants(base: Scenario, req: PlanRequest, gpu: GPUProfile
     precs = [tr.precision]
     if "precision" in req.allow:
         extra = ("bf16", "bf16-pure") if gpu.peak_tflops("bf16") else ("fp16",)
+        if gpu.peak_tflops("fp8") and _fp8_allowed(base):  # FP8 tensor cores (terms/lowprec.py)
+            extra += ("fp8",)
         precs += [p for p in extra if p not in precs]
     opts = [tr.optimizer]
     if "optimizer" in req.allow and tr.optimizer in ("adam", "adamw"):
@@ -398,7 +408,7 @@ class _Enumerator:
     def __init__(self, base: Scenario, req: PlanRequest, bound: _Bound | None = None,
                  limit_bytes: float | None = None, dominance: bool = True) -> None:
         assert base.cluster is not None
-        cl, tr = base.cluster, base.training
+        cl = base.cluster
         self.base, self.req, self.bound, self.dominance = base, req, bound, dominance
         self.limit = limit_bytes if (bound is not None and limit_bytes is not None) else None
         pinned = req.pinned
@@ -406,12 +416,13 @@ class _Enumerator:
         self.allow_off = "offload" in req.allow
         self.zero_pinned = _given(pinned, "zero")
         self.off_dev = base.parallel.offload_device
-        self.by_prec: dict[str, list[tuple[str, str | None, tuple[str, ...]]]] = {}
+        # variants grouped by (precision, finetune): the speed model depends on both (a
+        # frozen base skips its weight-gradient matmuls; vramcalc/speed.py)
+        self.by_prec: dict[tuple[str, str | None], list[tuple[str, str | None,
+                                                              tuple[str, ...]]]] = {}
         for prec, opt, ft, changed in _variants(base, req, cl.gpu):
-            self.by_prec.setdefault(prec, []).append((opt, ft, changed))
-        self.models = {p: SpeedModel(base.model, cl.gpu, cl.gpus_per_node, tr.seq_len, p,
-                                     req.efficiency, base.parallel.capacity_factor)
-                       for p in self.by_prec}
+            self.by_prec.setdefault((prec, ft), []).append((opt, ft, changed))
+        self.models = {k: _speed_model(base, k[0], k[1], req.efficiency) for k in self.by_prec}
         self.groups = list(_layouts(base, req))
         self.next_idx = 0
         self.pruned = 0
@@ -456,16 +467,18 @@ class _Enumerator:
         if limit is not None:
             assert bound is not None
             for sh, off in shardings:
-                for prec, vlist in self.by_prec.items():
-                    states[(sh, off, prec)] = [
+                for pkey, vlist in self.by_prec.items():
+                    prec = pkey[0]
+                    states[(sh, off, pkey)] = [
                         (var, *bound.states(tp, pp, ep, dp, cp, sh[3], sh[2], off, prec,
                                             var[0], var[1])[:2], bound.states(
                             tp, pp, ep, dp, cp, sh[3], sh[2], off, prec, var[0], var[1])[3])
                         for var in vlist]
         out: list[_Cand] = []
         for rec in self.recomputes:
-            for prec, sm in self.models.items():
-                vlist = self.by_prec[prec]
+            for pkey, sm in self.models.items():
+                prec = pkey[0]
+                vlist = self.by_prec[pkey]
                 smaller: dict[tuple, list[tuple[int, float]]] = {}  # key -> [(b, tps)]
                 index: dict[tuple, int] = {}  # (b, key, opt, ft) -> idx
                 for b, m, scheds in batches:
@@ -479,7 +492,7 @@ class _Enumerator:
                         fixed = comp + bub + ttp + tcp + tep + tpp
                         for sh, off in shardings:
                             if limit is not None:
-                                keep_v = [var for var, wo, g, ms in states[(sh, off, prec)]
+                                keep_v = [var for var, wo, g, ms in states[(sh, off, pkey)]
                                           if ms <= limit and wo + g * (m > 1) <= w_room]
                                 if len(keep_v) < len(vlist):
                                     self.pruned += len(vlist) - len(keep_v)
@@ -575,6 +588,7 @@ class _Bound:
         self._bytes: dict[tuple[str, str], tuple[float, float, float]] = {}
         self._compute_bytes = {p: DTYPE_BITS[TrainingConfig.model_construct(
             precision=p).compute_dtype] / 8 for p in _PRECISIONS}
+        self._compute_bytes["fp8"] = 1.0  # FP8 linears save 1-byte inputs (terms/lowprec.py)
 
     def _per_param(self, prec: str, opt: str) -> tuple[float, float, float]:
         key = (prec, opt)
@@ -793,6 +807,22 @@ def _pin_text(pinned: Mapping[str, Any]) -> str:
     return " with " + ", ".join(f"{k}={v}" for k, v in items)
 
 
+def _speed_model(base: Scenario, prec: str, ft: str | None,
+                 efficiency: float | None) -> SpeedModel:
+    """The speed model of the base scenario at precision `prec` and fine-tuning method `ft`
+    (None: the base's)."""
+    from vramcalc.speed import training_peft
+
+    assert base.cluster is not None
+    tr = base.training
+    if ft is not None and ft != getattr(tr, "finetune", "full"):
+        tr = tr.model_copy(update={"finetune": ft})
+    tr = tr.model_copy(update={"precision": prec}) if prec != tr.precision else tr
+    return SpeedModel(base.model, base.cluster.gpu, base.cluster.gpus_per_node, tr.seq_len,
+                      prec, efficiency, base.parallel.capacity_factor,
+                      training_peft(base.model, tr))
+
+
 def _estimate(c: _Cand, base: Scenario, req: PlanRequest) -> PlanEntry | None:
     from vramcalc.analytic import estimate
 
@@ -802,9 +832,8 @@ def _estimate(c: _Cand, base: Scenario, req: PlanRequest) -> PlanEntry | None:
     except (InputError, ValueError):
         return None  # the engine's validation refuses this layout
     assert base.cluster is not None
-    speed = SpeedModel(base.model, base.cluster.gpu, base.cluster.gpus_per_node,
-                       base.training.seq_len, c.prec, req.efficiency,
-                       base.parallel.capacity_factor).report(c.layout(base.parallel.offload_device))
+    speed = _speed_model(base, c.prec, c.ft, req.efficiency).report(
+        c.layout(base.parallel.offload_device))
     return PlanEntry(scenario=scn, report=rep, speed=speed, changes=c.changes)
 
 

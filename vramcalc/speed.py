@@ -19,6 +19,29 @@ PaLM, App. B; Kaplan et al. 2020 for 6N):
     token for a 4h MLP without biases)
     t_compute = F_hw · B·s / W / (peak_dtype · efficiency)
 
+Parameter-efficient fine-tuning (LoRA, QLoRA, DoRA; `finetune`): the frozen base skips
+the weight-gradient matmuls, so per token the base costs its forward 2·N_mm and the input
+gradients 2·N_mm, and the N_ad adapter parameters the usual 6·N_ad (Hu et al. 2021, Sec. 4.2
+ascribes LoRA's ~25 % training speed-up to not computing most gradients):
+
+    F_model per token (PEFT) = 4·N_mm + 6·N_ad + 12·L·s·A
+    recompute full adds 2·(N_mm − V·h) + 2·N_ad + 4·L·s·A; selective 4·L·s·A
+
+MFU counts F_model — the FLOPs the training method needs, without recomputation (the PaLM
+definition) — so a LoRA step at the same efficiency shows the same MFU as full training
+and its tokens/s is higher by (6·N_mm + 12LsA)/(4·N_mm + 6·N_ad + 12LsA). Tools that report a
+LoRA run's MFU with 6·N print 1.5× our figure for the same step time.
+QLoRA also dequantizes every NF4 weight before each matmul, forward and backward (and again
+when recomputing): a memory-bound kernel reading n/2 packed bytes + n/64 absmax bytes and
+writing n·c bytes, timed at the profile's memory bandwidth (a floor: the kernel reaches less),
+per micro-batch, for the N_q quantized parameters of the rank (÷tp·pp):
+
+    t_dequant = m · passes · (N_q/(tp·pp)) · (1/2 + 1/64 + c) / memory_bandwidth
+
+Data-parallel traffic under PEFT: gradients are reduced for the adapters only; ZeRO-3/FSDP
+still all-gather the frozen weights (QLoRA: the packed 4-bit data, n/2 bytes); ZeRO-1/2
+all-gather only the updated adapters; optimizer offload moves the adapters' gradients.
+
 `efficiency` is the GPU profile's `mfu_fraction` (calibrated on published MFU) or `--mfu`.
 The attention term counts the full s×s products (causal kernels skip about half the work);
 we keep the convention of the published MFU figures the efficiencies are calibrated on.
@@ -82,9 +105,9 @@ NVME_BYTES_PER_S_PER_NODE = 26 * 10**9
 OVERLAP_EXPOSED_FRACTION = 0.1
 
 _COMPUTE_DTYPE = {"fp32": "fp32", "amp-bf16": "bf16", "amp-fp16": "fp16", "bf16": "bf16",
-                  "fp16": "fp16", "bf16-pure": "bf16"}
+                  "fp16": "fp16", "bf16-pure": "bf16", "fp8": "bf16"}
 _WEIGHT_DTYPE = {"fp32": "fp32", "amp-bf16": "fp32", "amp-fp16": "fp32", "bf16": "bf16",
-                 "fp16": "fp16", "bf16-pure": "bf16"}
+                 "fp16": "fp16", "bf16-pure": "bf16", "fp8": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -153,10 +176,15 @@ def matmul_params(spec: ModelSpec) -> int:
     return n
 
 
-def model_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
-    """6·N_mm + 12·L·s·A: training FLOPs per token without recomputation (PaLM App. B)."""
+def model_flops_per_token(spec: ModelSpec, seq_len: int,
+                          adapter_params: int | None = None) -> float:
+    """6·N_mm + 12·L·s·A: training FLOPs per token without recomputation (PaLM App. B).
+    With `adapter_params` (LoRA/QLoRA/DoRA: frozen base) 4·N_mm + 6·N_ad + 12·L·s·A: the
+    frozen weights' gradient matmuls are skipped (module docstring)."""
     attn = spec.num_attention_heads * spec.head_size
-    return 6.0 * matmul_params(spec) + 12.0 * spec.num_hidden_layers * seq_len * attn
+    base = 6.0 * matmul_params(spec) if adapter_params is None else (
+        4.0 * matmul_params(spec) + 6.0 * adapter_params)
+    return base + 12.0 * spec.num_hidden_layers * seq_len * attn
 
 
 def recompute_flops_per_token(spec: ModelSpec, seq_len: int, recompute: str) -> float:
@@ -185,7 +213,44 @@ def peak_flops(gpu: GPUProfile, dtype: str) -> tuple[float, str | None]:
 
 
 PART_NAMES = ("compute", "bubble", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_comm",
-              "offload")
+              "offload", "dequant")
+
+
+@dataclass(frozen=True)
+class PeftCounts:
+    """Whole-model counts of a parameter-efficient method, for the speed model: adapter
+    parameters, NF4-quantized parameters, and bytes per step-relevant element."""
+
+    adapter_params: int = 0
+    quantized_params: int = 0
+    adapter_bytes: float = 2.0  # bytes per adapter element (PEFT: fp32)
+    # frozen weights as ZeRO-3/FSDP gather them, bytes: (dense, routed experts)
+    gathered_weight_bytes: tuple[float, float] = (0.0, 0.0)
+
+
+def peft_counts(spec: ModelSpec, precision: str, finetune: str, lora_rank: int = 8,
+                lora_targets: str = "q,v", framework: str = "reference") -> PeftCounts | None:
+    """PeftCounts of `finetune` on the whole model (None for full training)."""
+    if finetune in ("full", "none", None):
+        return None
+    from vramcalc.finetune import _finetune_shapes, adapter_dtype
+
+    w_dtype = _WEIGHT_DTYPE.get(precision, "bf16")
+    a_dt = adapter_dtype(framework, w_dtype)
+    fs = _finetune_shapes(spec, 1, 1, 1, 1, 0, finetune, lora_rank, lora_targets, framework,
+                          a_dt)
+    w = _bytes(w_dtype)
+    dense = exp = 0.0
+    for t in fs.frozen.tensors:
+        b = t.numel * t.count * w
+        exp, dense = (exp + b, dense) if t.is_expert else (exp, dense + b)
+    for t in fs.quantized.tensors:
+        b = t.numel * t.count * 0.5  # packed 4-bit data; absmax stays whole on every rank
+        exp, dense = (exp + b, dense) if t.is_expert else (exp, dense + b)
+    n_ad = fs.adapters.numel()
+    return PeftCounts(adapter_params=n_ad, quantized_params=fs.quantized.numel(),
+                      adapter_bytes=_bytes(a_dt),
+                      gathered_weight_bytes=(dense + n_ad * _bytes(a_dt), exp))
 
 
 class SpeedModel:
@@ -198,7 +263,7 @@ class SpeedModel:
 
     def __init__(self, spec: ModelSpec, gpu: GPUProfile, gpus_per_node: int, seq_len: int,
                  precision: str = "bf16", efficiency: float | None = None,
-                 capacity_factor: float = 1.0) -> None:
+                 capacity_factor: float = 1.0, peft: PeftCounts | None = None) -> None:
         self.spec, self.gpu, self.gpn, self.seq_len = spec, gpu, gpus_per_node, seq_len
         self.efficiency = efficiency if efficiency is not None else gpu.mfu_fraction
         c_dtype = _COMPUTE_DTYPE[precision]
@@ -206,14 +271,38 @@ class SpeedModel:
         self.w = _bytes(_WEIGHT_DTYPE[precision])
         self.g = self.w  # gradients are stored in the weight dtype (vramcalc.training)
         self.peak, note = peak_flops(gpu, c_dtype)
+        if precision == "fp8":  # block linears at the FP8 peak (vramcalc/terms/lowprec.py)
+            from vramcalc.terms.lowprec import fp8_peak_flops
+
+            self.peak, note = fp8_peak_flops(spec, gpu, seq_len)
         self.notes: tuple[str, ...] = (note,) if note else ()
         self.rate = self.peak * self.efficiency
-        self.f_model = model_flops_per_token(spec, seq_len)
+        self.peft = peft
+        n_ad = peft.adapter_params if peft else 0
+        self.f_model = model_flops_per_token(spec, seq_len, n_ad if peft else None)
         self.f_hw = {r: self.f_model + recompute_flops_per_token(spec, seq_len, r)
+                     + (2.0 * n_ad if peft and r == "full" else 0.0)
                      for r in ("none", "selective", "full")}
         n_exp = spec.num_moe_layers * spec.num_local_experts * spec.expert_params
         self.n_exp = n_exp
         self.n_dense = spec.num_params - n_exp
+        # bytes moved per step by data parallelism, whole model (÷tp·pp, experts ÷ep later):
+        # weights all-gathered (ZeRO-3/FSDP), gradients reduced, updated weights gathered
+        # after the step (ZeRO-1/2); dense and routed-expert parts
+        w = self.w
+        if peft is None:
+            self.gather_b = (self.n_dense * w, n_exp * w)
+            self.grad_b = (self.n_dense * self.g, n_exp * self.g)
+            self.update_b = self.gather_b
+            self.train_params = float(spec.num_params)
+            self.dequant_s_per_param = 0.0
+        else:
+            self.gather_b = peft.gathered_weight_bytes
+            self.grad_b = (n_ad * peft.adapter_bytes, 0.0)  # routed experts never adapted
+            self.update_b = self.grad_b
+            self.train_params = float(n_ad)
+            # read n/2 packed + n/64 absmax bytes, write n·c (module docstring)
+            self.dequant_s_per_param = (0.5 + 1 / 64 + self.c) / gpu.memory_bandwidth_bytes_per_s
         self.attn_width = spec.num_attention_heads * spec.head_size
         self.intra, self.inter = gpu.intra_node_bytes_per_s, gpu.inter_node_bytes_per_s
         self.capacity_factor = capacity_factor
@@ -262,52 +351,72 @@ class SpeedModel:
             t_pp = 2 * v * m * (b * s_local * h * self.c / tp) / bw
         return t_compute, t_bubble, t_tp, t_cp, t_ep, t_pp, t_fwd, t_bwd
 
+    def dequant_time(self, tp: int, pp: int, m: int, recompute: str) -> float:
+        """QLoRA: seconds per step spent dequantizing this rank's NF4 weights (module doc)."""
+        if not self.dequant_s_per_param or self.peft is None:
+            return 0.0
+        passes = 3 if recompute == "full" else 2
+        return m * passes * self.peft.quantized_params / (tp * pp) * self.dequant_s_per_param
+
     def sharding_parts(self, dp: int, tp: int, pp: int, cp: int, ep: int, m: int, stage: int,
                        shard_group: int | None, offload: tuple[str, ...], offload_device: str,
                        t_fwd: float, t_bwd: float) -> tuple[float, float]:
         """(data-parallel / ZeRO communication, offload) seconds per step."""
         gpn, intra, inter = self.gpn, self.intra, self.inter
-        psi_d = self.n_dense / (tp * pp)
-        psi_e = self.n_exp / (tp * pp * ep)
-        w, g = self.w, self.g
+        div_d, div_e = tp * pp, tp * pp * ep
         d_d, d_e = dp * cp, max(dp * cp // ep, 1)
         bw = intra if tp * cp * dp <= gpn else inter
+
+        def moved(parts: tuple[float, float], n_d: int, n_e: int) -> float:
+            """Bytes each rank sends in a ring over n_d dense / n_e expert ranks."""
+            return parts[0] / div_d * _ring(n_d) + parts[1] / div_e * _ring(n_e)
+
         t_dp = 0.0
         if d_d > 1 or d_e > 1:
             if shard_group and shard_group < dp:
                 S = shard_group
                 bw_s = intra if tp * cp * S <= gpn else inter
-                frac = psi_d * _ring(S) + psi_e * _ring(max(S // ep, 1))
-                ag, red = frac * w / bw_s, frac * g / bw_s
+                S_e = max(S // ep, 1)
+                ag = moved(self.gather_b, S, S_e) / bw_s
+                red = moved(self.grad_b, S, S_e) / bw_s
                 t_dp = m * (_hidden(ag, t_fwd) + _hidden(ag + red, t_bwd))
-                shard_bytes = (psi_d + psi_e) / S * g
+                shard_bytes = (self.grad_b[0] / div_d + self.grad_b[1] / div_e) / S
                 t_dp += _hidden(2 * _ring(dp // S * cp) * shard_bytes / bw, t_bwd)
             else:
-                frac = psi_d * _ring(d_d) + psi_e * _ring(d_e)
-                ag, red = frac * w / bw, frac * g / bw
+                ag = moved(self.gather_b, d_d, d_e) / bw
+                red = moved(self.grad_b, d_d, d_e) / bw
+                upd = moved(self.update_b, d_d, d_e) / bw
                 if stage == 0:
                     t_dp = _hidden(2 * red, t_bwd)
                 elif stage == 1:
-                    t_dp = _hidden(red, t_bwd) + _hidden(ag, t_fwd)
+                    t_dp = _hidden(red, t_bwd) + _hidden(upd, t_fwd)
                 elif stage == 2:
-                    t_dp = m * _hidden(red, t_bwd) + _hidden(ag, t_fwd)
+                    t_dp = m * _hidden(red, t_bwd) + _hidden(upd, t_fwd)
                 else:
                     t_dp = m * (_hidden(ag, t_fwd) + _hidden(ag + red, t_bwd))
         t_off = 0.0
         if offload:
             shard = (shard_group or dp) if stage >= 1 else 1
-            psi_s = (psi_d + psi_e) / shard
+            if self.peft is None:
+                psi_d = self.n_dense / div_d
+                psi_e = self.n_exp / div_e
+                psi_s = (psi_d + psi_e) / shard  # trained parameters of the rank's shard
+                w_b, g_b = self.w, self.g
+            else:  # the optimizer holds the adapters only
+                psi_s = self.train_params / div_d / shard
+                w_b = g_b = self.peft.adapter_bytes
+            weights_s = (self.gather_b[0] / div_d + self.gather_b[1] / div_e) / shard
             host = self.gpu.host_link_bytes_per_s
             if offload_device == "nvme":
                 host = min(host, NVME_BYTES_PER_S_PER_NODE / gpn)
             if "optimizer" in offload:
-                t_off += psi_s * (4 + w) / host  # fp32 gradients out, weights back
+                t_off += psi_s * (4 + w_b) / host  # fp32 gradients out, weights back
                 t_off += psi_s * CPU_OPTIMIZER_BYTES_PER_PARAM / (
                     HOST_MEMORY_BYTES_PER_S_PER_NODE / gpn)
             elif "gradients" in offload:
-                t_off += psi_s * g / host
+                t_off += psi_s * g_b / host
             if "params" in offload:
-                t_off += 2 * m * psi_s * w / host
+                t_off += 2 * m * weights_s / host
         return t_dp, t_off
 
     def report(self, lay: Layout) -> SpeedReport:
@@ -319,7 +428,9 @@ class SpeedModel:
         tdp, toff = self.sharding_parts(lay.dp, lay.tp, lay.pp, lay.cp, lay.ep,
                                         lay.num_microbatches, lay.shard_stage, lay.shard_group,
                                         lay.offload, lay.offload_device, t_fwd, t_bwd)
-        parts = dict(zip(PART_NAMES, (comp, bub, ttp, tcp, tep, tdp, tpp, toff), strict=True))
+        tdq = self.dequant_time(lay.tp, lay.pp, lay.num_microbatches, lay.recompute)
+        parts = dict(zip(PART_NAMES, (comp, bub, ttp, tcp, tep, tdp, tpp, toff, tdq),
+                         strict=True))
         step = sum(parts.values())
         tokens = lay.global_batch_size * self.seq_len
         W = lay.num_gpus
@@ -347,6 +458,7 @@ def estimate_speed(
     precision: str = "bf16",
     efficiency: float | None = None,
     capacity_factor: float = 1.0,
+    peft: PeftCounts | None = None,
 ) -> SpeedReport:
     """Step time of `layout` on `layout.num_gpus` GPUs with `gpus_per_node` per node.
 
@@ -354,7 +466,7 @@ def estimate_speed(
     whole cluster.
     """
     return SpeedModel(spec, gpu, gpus_per_node, seq_len, precision, efficiency,
-                      capacity_factor).report(layout)
+                      capacity_factor, peft).report(layout)
 
 
 def layout_of(scn) -> Layout:  # noqa: ANN001 - a Scenario (import kept light)
@@ -378,4 +490,12 @@ def scenario_speed(scn, efficiency: float | None = None) -> SpeedReport:  # noqa
         raise ValueError("speed needs a cluster (GPU type and count)")
     return estimate_speed(scn.model, scn.cluster.gpu, scn.cluster.gpus_per_node, layout_of(scn),
                           scn.training.seq_len, scn.training.precision, efficiency,
-                          scn.parallel.capacity_factor)
+                          scn.parallel.capacity_factor, training_peft(scn.model, scn.training))
+
+
+def training_peft(spec: ModelSpec, training) -> PeftCounts | None:  # noqa: ANN001
+    """PeftCounts of a TrainingConfig's fine-tuning method (None for full training)."""
+    tr = training
+    return peft_counts(spec, tr.precision, getattr(tr, "finetune", "full"),
+                       getattr(tr, "lora_rank", 8), getattr(tr, "lora_targets", "q,v"),
+                       getattr(tr, "framework", "reference"))
