@@ -152,6 +152,9 @@ def default_grid() -> list[tuple[str, Scenario]]:
     from vramcalc.validate_finetune import finetune_grid
 
     grid += finetune_grid()  # LoRA / QLoRA / DoRA, 8-bit and paged optimizers
+    from vramcalc.validate_lowprec import lowprec_grid
+
+    grid += lowprec_grid()  # FP8 (Transformer Engine stand-in) and QAT
     grid += fsdp_grid()
     return grid
 

@@ -330,3 +330,22 @@ def explain_lines(ctx: RankContext, gpu_id: str | None) -> list[str]:
         f"Scales and zero points kept by the fake quantizers: "
         f"{qat_qparam_bytes(ctx) / gb:,.4f} GB.",
     ]
+
+
+# ---- speed --------------------------------------------------------------------------------
+def fp8_peak_flops(spec: Any, gpu: Any, seq_len: int) -> tuple[float, str | None]:
+    """Effective dense FLOP/s of an FP8 step: the block linears' 6·N_layers FLOPs per token
+    at the profile's FP8 peak, the rest (lm_head, attention 12·L·s·a·d) at its BF16 peak
+    (TE runs only the linears in FP8): F / (F_fp8/P_fp8 + F_bf16/P_bf16). Falls back to the
+    BF16 peak, with a note, when the profile has no FP8 figure."""
+    from vramcalc.speed import model_flops_per_token, peak_flops
+
+    p16, note = peak_flops(gpu, "bf16")
+    fp8 = gpu.peak_tflops("fp8")
+    if fp8 is None:
+        return p16, f"{gpu.name} has no fp8 peak in its profile; speed uses its bf16 peak"
+    n_lin = (spec.num_active_params - spec.embedding_params - spec.head_params
+             - spec.final_norm_params)
+    total = model_flops_per_token(spec, seq_len)
+    f_fp8 = min(6.0 * n_lin, total)
+    return total / (f_fp8 / (fp8 * 1e12) + (total - f_fp8) / p16), note
