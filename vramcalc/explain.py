@@ -72,6 +72,12 @@ def explain(scn: Scenario) -> dict[str, Any]:
         lines.append(f"Mixed precision adds an fp32 master copy (4 B/param): "
                      f"{_gb(split['master'])} — the ZeRO paper's K = 12 with Adam (4 + 4 + 4).")
     sections.append({"title": "Optimizer states", "lines": lines})
+    if tr.precision == "fp8" or tr.qat != "none":  # vramcalc/terms/lowprec.py
+        from vramcalc.terms.lowprec import explain_lines
+
+        sections.append({"title": "FP8" if tr.precision == "fp8" else "Quantization-aware "
+                         "training", "lines": explain_lines(
+                             ctx, scn.cluster.gpu.id if scn.cluster else None)})
 
     saved = act.layer_saved(ctx)
     per_layer = act.layer_activation_bytes(ctx)

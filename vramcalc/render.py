@@ -56,12 +56,17 @@ def strategy_line(strategy: dict[str, Any]) -> str:
         if s.get("lora_dropout"):
             ft += f" dropout {s['lora_dropout']}"
         parts.append(ft)
+    if s.get("qat", "none") != "none":
+        parts.append(f"qat {s['qat']}")
     return ", ".join(parts)
 
 
 _SUB_ROWS = {
     "weights": (("weights/frozen", "frozen base"), ("weights/nf4", "NF4 4-bit data"),
                 ("weights/nf4_constants", "NF4 absmax/codes"), ("weights/adapters", "adapters")),
+    "transients": (("transients/fp8_weight_cache", "FP8 weight cache"),
+                   ("transients/fp8_meta", "FP8 scales/amax"),
+                   ("transients/qat_qparams", "QAT scales/zero pts")),
     "overhead": (("overhead/paged_optimizer_states", "paged optimizer states"),),
 }
 
