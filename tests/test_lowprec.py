@@ -302,3 +302,13 @@ def test_planner_memory_bound_is_sound_for_fp8() -> None:
         assert bound.total(c) <= e.report.device_total_bytes, c
         checked += 1
     assert checked > 10
+
+
+def test_fp8_odd_widths_get_a_note_int4_odd_groups_an_error() -> None:
+    """TE asserts FP8 GEMM dims divisible by 16 (assert_dim_for_fp8_exec): a note, since
+    padding fixes it; int4 groups of 32 cannot split 1000 columns: an error."""
+    odd = SPEC.model_copy(update={"intermediate_size": 1000})
+    rep = estimate(Scenario(model=odd, training=TrainingConfig(precision="fp8")))
+    assert any("padded" in n and "1000" in n for n in rep.notes)
+    with pytest.raises(InputError, match="multiple of the group size 32"):
+        estimate(Scenario(model=odd, training=TrainingConfig(qat="int4")))

@@ -55,8 +55,8 @@ Refused (one-line InputError): fp8 together with qat, either with fine-tuning (L
 DoRA), with the hf or megatron profiles, with MoE models, with activation offload; qat under
 autocast (amp-*); fp8 under ZeRO-3 / FSDP (TE re-quantizes the gathered weight instead of
 caching it); fp8 on a GPU whose profile has no FP8 peak (FP8 tensor cores: Ada, Hopper,
-Blackwell, MI300, Gaudi); dimensions TE's FP8 GEMM (multiples of 16) or the int4 groups
-(multiples of 32) cannot take.
+Blackwell, MI300, Gaudi); int4 QAT on linears whose input width is not a multiple of 32.
+Widths TE's FP8 GEMMs cannot take (not multiples of 16) get a note, not an error.
 """
 
 from __future__ import annotations
@@ -144,10 +144,7 @@ def check_lowprec(scn: Any) -> None:
         raise InputError(f"--precision fp8 needs a GPU with FP8 tensor cores (Ada, Hopper, "
                          f"Blackwell, MI300, Gaudi); {gpu.name} has none")
     ctx = RankContext(scn.model, tr, par, 0)
-    for name, rows, cols, _ in block_linears(ctx):
-        if tr.precision == "fp8" and (rows % FP8_DIM_MULTIPLE or cols % FP8_DIM_MULTIPLE):
-            raise InputError(f"--precision fp8: {name} is {rows} x {cols} on this rank; TE's "
-                             f"FP8 GEMMs need multiples of {FP8_DIM_MULTIPLE}")
+    for name, _rows, cols, _ in block_linears(ctx):
         if tr.qat == "int4" and cols % QAT_INT4_GROUP:
             raise InputError(f"--qat int4: {name} has {cols} input columns on this rank, not a "
                              f"multiple of the group size {QAT_INT4_GROUP}")
@@ -290,9 +287,15 @@ def notes(ctx: RankContext, gpu_id: str | None) -> list[str]:
     gb = sum(parts.values()) / 1e9
     if tr.precision == "fp8":
         layout = "data + transpose" if fp8_transpose(gpu_id) else "data only (non-TN GPU)"
-        return [f"fp8: Transformer Engine delayed scaling on the block linears: cached FP8 "
-                f"weights ({layout}) and amax histories {gb:.2f} GB; linear inputs saved in "
-                "FP8 e4m3; attention, norms, embedding and lm_head in bf16"]
+        out = [f"fp8: Transformer Engine delayed scaling on the block linears: cached FP8 "
+               f"weights ({layout}) and amax histories {gb:.2f} GB; linear inputs saved in "
+               "FP8 e4m3; attention, norms, embedding and lm_head in bf16"]
+        odd = [f"{n} ({r} x {c})" for n, r, c, _ in block_linears(ctx)
+               if r % FP8_DIM_MULTIPLE or c % FP8_DIM_MULTIPLE]
+        if odd:  # TE assert_dim_for_fp8_exec
+            out.append(f"fp8: TE's FP8 GEMMs need dimensions divisible by {FP8_DIM_MULTIPLE}; "
+                       f"{', '.join(odd)} would have to be padded (memory shown unpadded)")
+        return out
     return [f"qat {tr.qat}: {QAT_SCHEMES[tr.qat]}; fake-quantized weight copies and STE masks "
             f"are saved per linear; qparams {gb:.3f} GB"]
 
