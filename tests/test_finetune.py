@@ -237,9 +237,15 @@ def test_bad_finetune_input_is_one_line_exit_2(args: list[str], needle: str,
     assert code == 2 and needle in err and err.count("\n") == 1
 
 
-def test_hf_fused_families_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["estimate", "--model", "gpt2", "--finetune", "lora", "--framework", "hf"]) == 2
-    assert "fused" in capsys.readouterr().err
+def test_hf_fused_gpt2_gets_one_adapter_on_c_attn() -> None:
+    """PEFT's LoRA on GPT-2 small (default target c_attn, r = 8) prints "trainable params:
+    294,912 || all params: 124,734,720" (PEFT quicktour / countless tutorials): one adapter on
+    the fused h → 3h projection per layer, 12 · 8 · (768 + 2304)."""
+    spec, _ = resolve_model("gpt2")
+    for targets in ("q,v", "q", "q,k,v"):  # any of q, k, v adapts the fused c_attn
+        fs = shapes_for(ctx_for(spec, finetune="lora", framework="hf", lora_targets=targets))
+        assert fs.adapters.numel() == 294_912
+        assert fs.adapters.numel() + fs.frozen.numel() == 124_734_720
 
 
 def test_cli_json_carries_the_breakdown() -> None:

@@ -286,3 +286,44 @@ def test_fsdp_qlora_all_gathers_packed_weights() -> None:
     bf16_rest = 2 * 32000 * 4096 + (2 * 32 + 1) * 4096
     assert pc.quantized_params == n_q
     assert pc.gathered_weight_bytes == (bf16_rest * 2 + n_q / 2 + N_AD_7B * 4, 0.0)
+
+
+# ---- 4. hf fused projections: one adapter per fused module (PEFT) ------------------------
+def test_phi3_fused_adapters_by_hand() -> None:
+    """Phi-3-mini (h 3072, 32 heads of 96, no GQA, f 8192, 32 layers): PEFT adapts qkv_proj
+    (3072 → 9216) and gate_up_proj (3072 → 16384) as single modules; any of their member
+    targets maps onto them. r 8: q,v → 32·8·(3072 + 9216); all-linear → + o (3072 → 3072),
+    gate_up, down (8192 → 3072)."""
+    spec, _ = resolve_model("phi3-mini")
+    h, f, L, r = 3072, 8192, 32, 8
+    qkv = ctx_for(spec, finetune="lora", framework="hf", lora_targets="q,v")
+    assert shapes_for(qkv).adapters.numel() == L * r * (h + 3 * h)
+    every = ctx_for(spec, finetune="lora", framework="hf", lora_targets="all-linear")
+    per_layer = r * (h + 3 * h) + r * (h + h) + r * (h + 2 * f) + r * (f + h)
+    assert shapes_for(every).adapters.numel() == L * per_layer
+    # the reference profile builds separate q, k, v, gate, up: one adapter each
+    ref = ctx_for(spec, finetune="lora", framework="reference", lora_targets="q,v")
+    assert shapes_for(ref).adapters.numel() == L * 2 * r * (h + h)
+
+
+@pytest.mark.parametrize(("shape", "kw"), [
+    ("gpt2", {"finetune": "lora"}),
+    ("phi3-fused", {"finetune": "qlora", "lora_targets": "all-linear"}),
+    ("phi3-fused", {"finetune": "lora", "lora_targets": "up,v", "lora_dropout": 0.1}),
+])
+def test_peft_trace_of_fused_models(shape: str, kw: dict) -> None:
+    """PEFT's get_peft_model on transformers' GPT-2 / Phi-3 (small configs), traced: the
+    analytic peak within 3 %, weights (adapters, NF4 storage), gradients and optimizer states
+    exact."""
+    pytest.importorskip("peft")
+    from vramcalc.analytic import estimate
+    from vramcalc.trace.engine import trace
+    from vramcalc.validate import _scn, analytic_points, trace_points
+
+    _, scn = _scn(shape, framework="hf", **kw)
+    res = trace(scn)
+    ana = estimate(scn)
+    assert abs(ana.peak_allocated_bytes / res.report.peak_allocated_bytes - 1) <= 0.03
+    a, t = analytic_points(scn), trace_points(res)
+    for term in ("weights", "gradients", "optimizer_states"):
+        assert a[term] == t[term], term

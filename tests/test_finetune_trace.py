@@ -58,6 +58,33 @@ def test_peft_counts_the_same_adapters(targets: str, rank: int) -> None:
     assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize(("model", "targets", "peft_targets", "rank"), [
+    ("gpt2", "q,v", ["c_attn"], 8),  # PEFT's default for GPT-2
+    ("gpt2", "all-linear", "all-linear", 16),  # c_attn, attn.c_proj, c_fc, mlp.c_proj
+    ("gpt2", "k,down", ["c_attn", "mlp.c_proj"], 4),
+    ("phi3-mini", "q,v", ["qkv_proj"], 8),  # PEFT's default for Phi-3
+    ("phi3-mini", "all-linear", "all-linear", 8),
+    ("phi3-mini", "up,o", ["gate_up_proj", "o_proj"], 4),
+])
+def test_peft_counts_fused_adapters(model: str, targets: str, peft_targets: object,
+                                    rank: int) -> None:
+    """GPT-2 and Phi-3 fuse q, k, v (and Phi-3 gate, up) into one module; PEFT adapts the
+    module it is given, one adapter each, and the hf profile maps any of the member targets
+    onto it. PEFT's own count (its "all-linear" keyword included) on the meta device."""
+    from vramcalc.trace.hf_models import to_hf_config
+
+    spec, _ = resolve_model(model)
+    tr = TrainingConfig(finetune="lora", lora_rank=rank, lora_targets=targets, framework="hf")
+    import transformers
+
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(to_hf_config(spec))
+    hf = peft.get_peft_model(hf, peft.LoraConfig(r=rank, target_modules=peft_targets))
+    trainable = sum(p.numel() for p in hf.parameters() if p.requires_grad)
+    fs = shapes_for(RankContext(spec, tr, ParallelConfig(dp=1)))
+    assert trainable == fs.adapters.numel()
+
+
 def test_nf4_stand_in_has_bitsandbytes_storage() -> None:
     from vramcalc.trace.nf4 import NF4Linear
 

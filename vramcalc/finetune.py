@@ -148,6 +148,37 @@ def target_param_names(spec: ModelSpec, targets: str) -> frozenset[str]:
     return frozenset(names & present)
 
 
+# Fused projections of the hf profile (transformers' modelling code): PEFT adapts the fused
+# module named in a target list, one adapter per module (GPT-2: c_attn = q, k, v as one
+# Conv1D h → 3h; Phi-3: qkv_proj h → (a + 2g)·d and gate_up_proj h → 2f). PEFT's own defaults
+# are ["c_attn"] and ["qkv_proj"] (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING).
+FUSED_QKV = ("q", "k", "v")
+FUSED_GATE_UP = ("gate", "up")
+
+
+def fused_family(spec: ModelSpec, framework: str) -> str | None:
+    """'gpt2' or 'phi3' when the hf profile builds this model with fused projections
+    (vramcalc.terms.activations.hf_family), else None."""
+    if framework != "hf":
+        return None
+    if spec.norm_kind == "layernorm" or spec.mlp_kind == "standard":
+        return "gpt2"
+    if (spec.model_type == "phi3" and not spec.is_moe
+            and not (spec.attention_bias or spec.qk_norm)):
+        return "phi3"
+    return None
+
+
+def fused_groups(spec: ModelSpec, framework: str) -> dict[str, tuple[str, ...]]:
+    """Fused module → the target letters it covers, for this model under `framework`."""
+    fam = fused_family(spec, framework)
+    if fam == "gpt2":
+        return {"qkv": FUSED_QKV}
+    if fam == "phi3":
+        return {"qkv": FUSED_QKV, "gate_up": FUSED_GATE_UP}
+    return {}
+
+
 def _is_quantized(t: RankTensor, framework: str) -> bool:
     """QLoRA quantizes every linear weight inside the layers (not norms, biases, router).
     transformers 5 keeps routed experts as fused 3-D parameters, which bitsandbytes' Linear4bit
@@ -184,18 +215,35 @@ def _finetune_shapes(spec: ModelSpec, tp: int, pp: int, v: int, ep: int, stage: 
                      a_dtype: str) -> FinetuneShapes:
     base = _rank_shapes(spec, tp, pp, v, ep, stage)
     wanted = target_param_names(spec, targets)
+    # fused modules (hf GPT-2 / Phi-3): the member matrices' names → the fused module's stem
+    fused_of: dict[str, str] = {}
+    for fused, letters in fused_groups(spec, framework).items():
+        prefix = "attn." if fused == "qkv" else "mlp."
+        mats = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "gate": "gate_proj",
+                "up": "up_proj"}
+        for letter in letters:
+            fused_of[f"{prefix}{mats[letter]}.weight"] = f"{prefix}{fused}_proj"
+    fused_rows: dict[str, list[RankTensor]] = {}
     frozen: list[RankTensor] = []
     quant: list[RankTensor] = []
     adapters: list[RankTensor] = []
+    fused_quant: dict[str, list[RankTensor]] = {}
     for t in base.tensors:
-        if method == "qlora" and _is_quantized(t, framework):
+        if method == "qlora" and _is_quantized(t, framework) and t.name in fused_of:
+            # bitsandbytes quantizes the fused module's weight: one NF4 tensor (one set of
+            # quantization constants) for q, k, v (gate, up) together
+            fused_quant.setdefault(fused_of[t.name], []).append(t)
+        elif method == "qlora" and _is_quantized(t, framework):
             # bitsandbytes stores the packed codes as a (⌈n/2⌉, 1) tensor (quantize_4bit), so
             # ZeRO-3/FSDP shard its dim 0 of n/2 bytes, not the logical (out, in) rows
             packed_rows = t.numel // 2 if t.numel % 2 == 0 else 0
             quant.append(dataclasses.replace(t, trainable=False, dtype="nf4", rows=packed_rows))
         else:
             frozen.append(dataclasses.replace(t, trainable=False))
-        if t.name not in wanted:
+        if t.name not in fused_of and t.name not in wanted:
+            continue
+        if t.name in fused_of:  # one adapter for the fused module if any member is targeted
+            fused_rows.setdefault(fused_of[t.name], []).append(t)
             continue
         # The adapters follow the base's tensor-parallel split (PEFT tuners/lora/tp_layer.py
         # LoraParallelLinear, Megatron backend): a column-parallel base (q, k, v, gate, up)
@@ -211,6 +259,28 @@ def _finetune_shapes(spec: ModelSpec, tp: int, pp: int, v: int, ep: int, stage: 
             adapters.append(RankTensor(name=f"{stem}.lora_magnitude", numel=out_f,
                                        count=t.count, group=t.group, dtype=a_dtype))
 
+    for stem, members in fused_quant.items():
+        n = sum(m.numel for m in members)
+        quant.append(RankTensor(name=f"{stem}.weight", numel=n, count=members[0].count,
+                                group=members[0].group, rows=n // 2 if n % 2 == 0 else 0,
+                                trainable=False, dtype="nf4"))
+    for stem, members in fused_rows.items():
+        if not any(m.name in wanted for m in members):
+            continue
+        # A: r × in (the members share their input), B: (Σ member rows) × r — PEFT's
+        # lora_A / lora_B of the fused module (out = 3h for c_attn, (a + 2g)·d for qkv_proj)
+        first = members[0]
+        in_f, out_f = first.numel // first.rows, sum(m.rows for m in members)
+        adapters.append(RankTensor(name=f"{stem}.lora_A", numel=rank * in_f,
+                                   count=first.count, group=first.group, rows=rank,
+                                   dtype=a_dtype))
+        adapters.append(RankTensor(name=f"{stem}.lora_B", numel=out_f * rank,
+                                   count=first.count, group=first.group, rows=out_f,
+                                   dtype=a_dtype))
+        if method == "dora":
+            adapters.append(RankTensor(name=f"{stem}.lora_magnitude", numel=out_f,
+                                       count=first.count, group=first.group, dtype=a_dtype))
+
     def shapes(ts: list[RankTensor]) -> RankShapes:
         return RankShapes(tensors=tuple(ts), num_layers=base.num_layers,
                           num_moe_layers=base.num_moe_layers)
@@ -221,21 +291,13 @@ def _finetune_shapes(spec: ModelSpec, tp: int, pp: int, v: int, ep: int, stage: 
 
 def check_finetune(ctx: object) -> None:
     """Refuse what the fine-tuning model does not cover (InputError): the megatron profile
-    (Korthikanti et al.'s formula has no frozen layers) and, under the hf profile, the
-    families whose projections transformers fuses (GPT-2's c_attn, Phi-3's qkv_proj and
-    gate_up_proj: PEFT adapts the fused matrix, not q/k/v)."""
+    (Korthikanti et al.'s formula has no frozen layers). The hf profile's fused projections
+    (GPT-2's c_attn, Phi-3's qkv_proj and gate_up_proj) get one adapter per fused module,
+    as PEFT gives them (`fused_groups`)."""
     tr = ctx.training  # type: ignore[attr-defined]
     if tr.framework == "megatron":
         raise InputError(f"--finetune {tr.finetune}: the megatron profile models full training "
                          "only; use --framework reference or hf")
-    if tr.framework == "hf":
-        from vramcalc.terms.activations import hf_family
-
-        fam = hf_family(ctx)  # type: ignore[arg-type]
-        if fam in ("gpt2", "phi3"):
-            raise InputError(f"--finetune {tr.finetune} with --framework hf: {ctx.spec.name} "  # type: ignore[attr-defined]
-                             f"is a {fam}-style model with fused projections, which PEFT adapts "
-                             "as one matrix; use --framework reference")
 
 
 def shapes_for(ctx: object) -> FinetuneShapes:
@@ -245,6 +307,24 @@ def shapes_for(ctx: object) -> FinetuneShapes:
     par = ctx.parallel  # type: ignore[attr-defined]
     return finetune_shapes(ctx.spec, ctx.training, par.tp, par.pp,  # type: ignore[attr-defined]
                            par.pp_chunks, par.ep, ctx.stage)  # type: ignore[attr-defined]
+
+
+def adapted_linears(spec: ModelSpec, targets: str, framework: str) -> tuple[str, ...]:
+    """The linears of one layer that carry an adapter, as the framework builds them: target
+    letters, with the hf profile's fused modules ('qkv', 'gate_up') replacing their members
+    (one adapter for the fused module when any member is targeted)."""
+    letters = targeted_linears(spec, targets)
+    out: list[str] = []
+    groups = fused_groups(spec, framework)
+    done: set[str] = set()
+    for t in letters:
+        fused = next((f for f, members in groups.items() if t in members), None)
+        if fused is None:
+            out.append(t)
+        elif fused not in done:
+            done.add(fused)
+            out.append(fused)
+    return tuple(out)
 
 
 def targeted_linears(spec: ModelSpec, targets: str) -> tuple[str, ...]:

@@ -39,6 +39,15 @@ CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("llama-gqa", "hf", {"finetune": "lora", "precision": "amp-bf16", "recompute": "full"}),
     ("llama-gqa", "hf", {"finetune": "qlora", "attention": "eager", "optimizer": "paged-adamw"}),
     ("moe", "hf", {"finetune": "qlora"}),
+    # fused projections under PEFT: GPT-2's c_attn (Conv1D), Phi-3's qkv_proj / gate_up_proj
+    ("gpt2", "hf", {"finetune": "lora"}),
+    ("gpt2", "hf", {"finetune": "lora", "lora_targets": "all-linear", "lora_dropout": 0.1,
+                    "attention": "eager"}),
+    ("phi3-fused", "hf", {"finetune": "lora"}),
+    ("phi3-fused", "hf", {"finetune": "qlora", "lora_targets": "all-linear"}),
+    ("phi3-fused", "hf", {"finetune": "lora", "lora_targets": "q,k,v,o,gate,up",
+                          "precision": "amp-bf16", "recompute": "selective"}),
+    ("phi3-fused", "hf", {"finetune": "dora", "lora_targets": "k,up"}),
     # chunked cross entropy and activation offload (vramcalc/terms/lowmem.py)
     ("llama-deep", "reference", {"chunked_ce": 16, "seq_len": 2048}),
     ("llama-gqa", "reference", {"chunked_ce": 4, "precision": "amp-bf16"}),

@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from vramcalc.finetune import adapter_dtype, shapes_for, targeted_linears
+from vramcalc.finetune import adapted_linears, adapter_dtype, fused_groups, shapes_for
 from vramcalc.terms.activations import Dims, Saved, dims
 from vramcalc.terms.context import RankContext
 from vramcalc.units import alloc, ceil_div
 
-# the storage a target reads (name in the full-fine-tuning saved list) and its width
-_QKV, _GU = ("q", "k", "v"), ("gate", "up")
+# the storage a target reads (name in the full-fine-tuning saved list) and its width; the hf
+# profile's fused modules (GPT-2 c_attn, Phi-3 qkv_proj / gate_up_proj) are 'qkv', 'gate_up'
+_QKV, _GU = ("q", "k", "v", "qkv"), ("gate", "up", "gate_up")
 
 
 def _in_width(x: Dims, target: str) -> int:
@@ -56,7 +57,23 @@ def _in_width(x: Dims, target: str) -> int:
 
 def _out_width(x: Dims, target: str) -> int:
     return {"q": x.a * x.d, "k": x.g * x.d, "v": x.g * x.d, "o": x.h, "gate": x.f, "up": x.f,
-            "down": x.h}[target]
+            "down": x.h, "qkv": (x.a + 2 * x.g) * x.d, "gate_up": 2 * x.f}[target]
+
+
+def _targets(ctx: RankContext) -> tuple[str, ...]:
+    """Adapted linears of a layer (fused modules as one: vramcalc.finetune.adapted_linears)."""
+    tr = ctx.training
+    return adapted_linears(ctx.spec, tr.lora_targets, tr.framework)
+
+
+def _covers(targets: set[str] | tuple[str, ...]) -> set[str]:
+    """Target letters an adapter set covers (a fused module covers its members)."""
+    out = set(targets)
+    if "qkv" in out:
+        out |= {"q", "k", "v"}
+    if "gate_up" in out:
+        out |= {"gate", "up"}
+    return out
 
 
 def _fp32_mlp(ctx: RankContext, x: Dims) -> bool:
@@ -125,7 +142,7 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     x = dims(ctx)
     tr = ctx.training
     spec = ctx.spec
-    targets = targeted_linears(spec, tr.lora_targets)
+    targets = _targets(ctx)
     hf = tr.framework == "hf"
     moe = any(t.name.startswith("moe.") for t in saved)
     gated = spec.mlp_kind == "gated"
@@ -165,7 +182,8 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
            and not (hf and t.name.endswith((".xhat", ".xhat_fp32")))]
     if _fp32_mlp(ctx, x):
         out = [dataclasses.replace(t, dtype=x.r) if t.name in (
-            "mlp.gate", "mlp.up", "mlp.act", "mlp.down_input", "mlp.fc_out") else t for t in out]
+            "mlp.gate", "mlp.up", "mlp.gate_up", "mlp.act", "mlp.down_input", "mlp.fc_out")
+            else t for t in out]
     return out + added
 
 
@@ -189,8 +207,9 @@ def first_layer_unsaved_bytes(ctx: RankContext) -> int:
     saved = layer_saved(ctx, bottom_moe)
     # the input norm, and dropout masks on its output (no grad flows into the dropout)
     gone = sum(t.nbytes for t in saved if t.name.startswith("input_norm.") or t.name in (
-        "lora.q.dropout_mask", "lora.k.dropout_mask", "lora.v.dropout_mask"))
-    targets = set(targeted_linears(ctx.spec, ctx.training.lora_targets))
+        "lora.q.dropout_mask", "lora.k.dropout_mask", "lora.v.dropout_mask",
+        "lora.qkv.dropout_mask"))
+    targets = _covers(_targets(ctx))
     if not targets & set(_QKV):
         gone += sum(t.nbytes for t in saved if t.name.startswith("attn.")
                     and t.name != "attn.out")
@@ -227,11 +246,12 @@ def autocast_cache_layer_bytes(ctx: RankContext) -> int:
 
 # ---- forward transients ------------------------------------------------------------------
 # Where each saved tensor of a layer appears in its forward (for "saved so far" at a moment)
-_ORDER = (("input_norm.",), ("attn.input", "lora.q.", "lora.k.", "lora.v.", "attn.q_norm",
-                             "attn.k_norm"),
-          ("attn.",), ("lora.o.",), ("post_norm.",), ("mlp.input", "lora.gate.", "lora.up."),
-          ("mlp.",), ("lora.down.",))
-_STEP_OF = {"q": 1, "k": 1, "v": 1, "o": 3, "gate": 5, "up": 5, "down": 7}
+_ORDER = (("input_norm.",), ("attn.input", "lora.q.", "lora.k.", "lora.v.", "lora.qkv.",
+                             "attn.q_norm", "attn.k_norm"),
+          ("attn.",), ("lora.o.",), ("post_norm.",),
+          ("mlp.input", "lora.gate.", "lora.up.", "lora.gate_up."), ("mlp.",), ("lora.down.",))
+_STEP_OF = {"q": 1, "k": 1, "v": 1, "qkv": 1, "o": 3, "gate": 5, "up": 5, "gate_up": 5,
+            "down": 7}
 
 
 def _step(name: str) -> int:
@@ -271,12 +291,14 @@ def forward_working_bytes(ctx: RankContext, held: bool = True) -> int:
     full_layer = sum(t.nbytes for t in saved)
     hf = tr.framework == "hf"
     a_dt = adapter_dtype(tr.framework, tr.weight_dtype)
-    targets = set(targeted_linears(ctx.spec, tr.lora_targets))
+    targets = set(_targets(ctx))
     names = {t.name for t in saved}
     T, c, r = x.T, x.c, x.r
     keep_r = hf and r != "fp32"  # hf's norms save an fp32 copy, not the residual itself
-    linears = ["q", "k", "v", "o"] + (["gate", "up", "down"] if ctx.spec.mlp_kind == "gated"
-                                      else ["up", "down"])
+    groups = fused_groups(ctx.spec, tr.framework)
+    linears = (["qkv"] if "qkv" in groups else ["q", "k", "v"]) + ["o"] + (
+        (["gate_up"] if "gate_up" in groups else ["gate", "up"]) + ["down"]
+        if ctx.spec.mlp_kind == "gated" else ["up", "down"])
     best = -(1 << 62)
     for t in linears:
         adapted = t in targets
@@ -355,7 +377,8 @@ def adjust_moments(ctx: RankContext, moments: list, saved: list[Saved]) -> list:
 
     x = dims(ctx)
     down = sum(t.nbytes for t in saved if t.name.startswith("lora.down."))
-    qkv = sum(t.nbytes for t in saved if t.name.startswith(("lora.q.", "lora.k.", "lora.v.")))
+    qkv = sum(t.nbytes for t in saved if t.name.startswith(("lora.q.", "lora.k.", "lora.v.",
+                                                             "lora.qkv.")))
     out = []
     for m in moments:
         if m.name == "mlp":

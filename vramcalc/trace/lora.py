@@ -30,12 +30,18 @@ import torch
 from torch import nn
 
 from vramcalc.errors import InputError
-from vramcalc.finetune import targeted_linears
+from vramcalc.finetune import adapted_linears, fused_family, targeted_linears
 from vramcalc.trace.nf4 import NF4Linear
 
 LORA_ALPHA = 16  # changes values only (scaling α/r), not memory
 _PEFT_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
                "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+# transformers' module names in the fused families: GPT-2 (Conv1D c_attn, attn.c_proj, c_fc,
+# mlp.c_proj) and Phi-3 (qkv_proj, o_proj, gate_up_proj, down_proj)
+_PEFT_NAMES_FUSED = {
+    "gpt2": {"qkv": "c_attn", "o": "attn.c_proj", "up": "c_fc", "down": "mlp.c_proj"},
+    "phi3": {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj", "down": "down_proj"},
+}
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -177,7 +183,10 @@ def _hf(model: nn.Module, scn: Any) -> nn.Module:
                         name.rsplit(".", 1)[-1] not in ("router", "gate", "shared_expert_gate")):
                     parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
                     setattr(parent, name.rsplit(".", 1)[-1], NF4Linear.from_linear(mod, compute))
-    targets = [_PEFT_NAMES[t] for t in targeted_linears(scn.model, tr.lora_targets)]
+    # module names PEFT matches (a suffix after a dot); fused families adapt the fused module
+    fam = fused_family(scn.model, "hf")
+    names = _PEFT_NAMES_FUSED.get(fam or "", _PEFT_NAMES)
+    targets = [names[t] for t in adapted_linears(scn.model, tr.lora_targets, "hf")]
     cfg = LoraConfig(r=tr.lora_rank, lora_alpha=LORA_ALPHA, target_modules=targets,
                      lora_dropout=tr.lora_dropout, bias="none", use_dora=tr.finetune == "dora",
                      task_type="CAUSAL_LM")
