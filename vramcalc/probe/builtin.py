@@ -60,6 +60,12 @@ def measure(scn: Scenario, device: Device, iterations: int = 2) -> dict[str, Any
     from vramcalc.trace.optim import build_optimizer
 
     scn = check_traceable(scn)
+    if scn.training.precision == "fp8":  # FP8Linear is a memory stand-in (trace/lowprec.py)
+        from vramcalc.errors import InputError
+
+        raise InputError("the built-in probe cannot run --precision fp8 (vramcalc's FP8 layer "
+                         "is a Transformer Engine memory stand-in); measure your TE job with "
+                         "`vramcalc probe --run`")
     m = device.module
     gc.collect()
     m.empty_cache()
