@@ -43,6 +43,7 @@ from vramcalc.terms.lowprec import (
 )
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+QAT_EPS = torch.finfo(torch.float32).eps  # scale floor, as choose_qparams_affine applies one
 
 
 class _InputCache:
@@ -165,9 +166,10 @@ class QATLinear(nn.Module):
         x2 = x.reshape(-1, in_f)  # (T, in)
         with torch.no_grad():  # dynamic asymmetric per-token int8 qparams
             lo, hi = torch.aminmax(x2, dim=1)  # (T,), (T,)
-            scale = (hi - lo).float() / 255.0
+            scale = ((hi - lo).float() / 255.0).clamp_(min=QAT_EPS)
             self.a_scale.copy_(scale)
-            self.a_zero.copy_(torch.round(-128.0 - lo.float() / scale).to(torch.int32))
+            self.a_zero.copy_(torch.round(-128.0 - lo.float() / scale).clamp_(-128, 127)
+                              .to(torch.int32))
             del lo, hi, scale
         xq = torch.fake_quantize_per_channel_affine(x2, self.a_scale, self.a_zero, 0, -128, 127)
         w = self.weight
@@ -177,7 +179,8 @@ class QATLinear(nn.Module):
             wg, qmin, qmax = w.view(-1, QAT_INT4_GROUP), -8, 7
         with torch.no_grad():
             lo, hi = torch.aminmax(wg, dim=1)
-            self.w_scale.copy_(torch.maximum(lo.abs(), hi.abs()).float() / qmax)
+            self.w_scale.copy_((torch.maximum(lo.abs(), hi.abs()).float() / qmax)
+                               .clamp_(min=QAT_EPS))
             self.w_zero.zero_()
             del lo, hi
         wq = torch.fake_quantize_per_channel_affine(wg, self.w_scale, self.w_zero, 0, qmin, qmax)
