@@ -350,3 +350,19 @@ def test_request_defaults() -> None:
     assert PlanRequest().top_n == 5
     base, req, _ = prepare_plan({"model": "8b", "gpus": "8xH100"})
     assert base.headroom_fraction == 0.05  # --headroom default for plan: 5%
+
+
+def test_every_speed_part_has_a_label() -> None:
+    """The table renderer names every part of the step time the speed model reports."""
+    from vramcalc.render_plan import SPEED_LABELS
+    from vramcalc.speed import PART_NAMES
+
+    assert set(PART_NAMES) == set(SPEED_LABELS)
+
+
+def test_plan_table_with_a_qlora_best_renders() -> None:
+    """A QLoRA winner carries a dequantization part in its step time; the table shows it."""
+    r = CliRunner().invoke(app, ["plan", "--model", "70b", "--gpus", "A100", "--allow",
+                                 "finetune", "--seq-len", "1024"], env={"COLUMNS": "120"})
+    assert r.exit_code == 0, r.output
+    assert "qlora" in r.output and "NF4 dequant" in r.output

@@ -14,7 +14,7 @@ from vramcalc.units import GB, GiB, fmt_gb
 
 SPEED_LABELS = {"compute": "compute", "bubble": "pipeline bubble", "tp_comm": "TP comm",
                 "cp_comm": "CP comm", "ep_comm": "EP comm", "dp_comm": "DP/ZeRO comm",
-                "pp_comm": "PP p2p", "offload": "offload"}
+                "pp_comm": "PP p2p", "offload": "offload", "dequant": "NF4 dequant"}
 
 
 # ---- small formatters -------------------------------------------------------------------
