@@ -215,7 +215,12 @@ def plan_cmd(**kwargs: Any) -> None:
         _emit_json({"candidates": [e.to_json() for e in cands],
                     "suggestions": [s.to_json() for s in suggestions]})
         return
+    from vramcalc.plan import with_every_stage
     from vramcalc.render_plan import config_yaml, print_plan, strategy_flags
+
+    if result.entries:  # the breakdown shown lists every pipeline stage
+        result.entries[0] = with_every_stage(result.entries[0])
+    result.closest = with_every_stage(result.closest)
 
     tr = base.training
     B = result.global_batch_size

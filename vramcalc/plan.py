@@ -119,6 +119,16 @@ class PlanEntry:
         }
 
 
+def with_every_stage(entry: PlanEntry | None) -> PlanEntry | None:
+    """The entry with its report listing every pipeline stage (the search estimates only the
+    stages that can be the worst, `analytic.candidate_stages`: same totals, fewer stages)."""
+    if entry is None or entry.scenario.parallel.pp == 1:
+        return entry
+    from vramcalc.analytic import estimate
+
+    return replace(entry, report=estimate(entry.scenario))
+
+
 @dataclass
 class PlanResult:
     """Fitting entries ranked best first; `closest` when none fits."""
@@ -828,7 +838,7 @@ def _estimate(c: _Cand, base: Scenario, req: PlanRequest) -> PlanEntry | None:
 
     try:
         scn = scenario_for(c, base)
-        rep = estimate(scn)
+        rep = estimate(scn, every_stage=False)  # worst rank exact; `with_every_stage` for display
     except (InputError, ValueError):
         return None  # the engine's validation refuses this layout
     assert base.cluster is not None
