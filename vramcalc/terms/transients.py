@@ -128,10 +128,11 @@ def _master_copy_peak(ctx: RankContext, shard: int) -> int:
 
     if ctx.training.finetune != "full":  # adapters only, in model order (vramcalc/finetune.py)
         best = prefix = 0
-        for t in ctx.train_tensors:
-            for _ in range(t.count):
-                best = max(best, prefix + alloc(sharded_numel(t.numel, shard), "fp32"))
-                prefix += delta(t.numel)
+        for t in ctx.train_tensors:  # `count` identical tensors in a row; delta >= 0, so
+            d = delta(t.numel)       # the last of them holds the largest prefix
+            best = max(best, prefix + (t.count - 1) * d
+                       + alloc(sharded_numel(t.numel, shard), "fp32"))
+            prefix += t.count * d
         return best
 
     emb, layer, tail = _module_order(ctx)
