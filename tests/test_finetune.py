@@ -387,3 +387,17 @@ def test_small_adapters_keep_32bit_states_under_8bit_adamw() -> None:
     n_adapter = sum(t.numel * t.count for t in lora.train_tensors)
     assert all(t.numel < 4096 for t in lora.train_tensors)
     assert sum(optimizer_state_split(lora).values()) == n_adapter * 8
+
+
+def test_fused_projection_note_names_the_module_peft_adapts() -> None:
+    """GPT-2 under the hf profile has q, k, v fused in c_attn (PEFT's default target for
+    gpt2 is ["c_attn"]); Phi-3 fuses qkv_proj and gate_up_proj. The report says which."""
+    gpt2 = estimate(build_scenario({"model": "gpt2", "gpus": "4090", "framework": "hf",
+                                    "finetune": "lora", "lora_targets": "q,v"}))
+    assert any("q,v -> c_attn" in n for n in gpt2.notes)
+    phi = estimate(build_scenario({"model": "phi3-mini", "gpus": "4090", "framework": "hf",
+                                   "finetune": "lora", "lora_targets": "q,up"}))
+    assert any("q -> qkv_proj" in n and "up -> gate_up_proj" in n for n in phi.notes)
+    llama = estimate(build_scenario({"model": "8b", "gpus": "4090", "framework": "hf",
+                                     "finetune": "lora"}))
+    assert not any("fuses" in n for n in llama.notes)

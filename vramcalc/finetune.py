@@ -52,11 +52,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from vramcalc.errors import InputError
 from vramcalc.model import ModelSpec, param_tensors
 from vramcalc.sharding import RankShapes, RankTensor, _rank_shapes
 from vramcalc.units import DTYPE_BITS, alloc, ceil_div
+
+if TYPE_CHECKING:
+    from vramcalc.training import TrainingConfig
 
 FINETUNES: tuple[str, ...] = ("full", "lora", "qlora", "dora")
 ADAPTER_METHODS: tuple[str, ...] = ("lora", "qlora", "dora")
@@ -489,6 +493,28 @@ def paged_state_bytes(ctx: object) -> int:
 
 
 # ---- notes -----------------------------------------------------------------------------
+_FUSED_MODULES = {("gpt2", "qkv"): "c_attn", ("phi3", "qkv"): "qkv_proj",
+                  ("phi3", "gate_up"): "gate_up_proj"}
+
+
+def _fused_target_note(spec: ModelSpec, tr: TrainingConfig) -> str | None:
+    """Which fused module carries the adapters when targets name part of it (hf profile)."""
+    fam = fused_family(spec, tr.framework)
+    if fam is None:
+        return None
+    wanted = set(tr.lora_targets.split(","))
+    parts = []
+    for group, letters in fused_groups(spec, tr.framework).items():
+        hit = list(letters) if "all-linear" in wanted else [x for x in letters if x in wanted]
+        if hit:
+            parts.append(f"{','.join(hit)} -> {_FUSED_MODULES[(fam, group)]} "
+                         f"(one adapter for {', '.join(letters)})")
+    if not parts:
+        return None
+    return (f"{spec.name} fuses projections under --framework hf: targets {'; '.join(parts)}, "
+            "as PEFT adapts the fused module")
+
+
 def notes(ctx: object) -> list[str]:
     """Lines for the report's notes about fine-tuning and paged memory."""
     from vramcalc.units import fmt_gb
@@ -503,6 +529,9 @@ def notes(ctx: object) -> list[str]:
                    f"{n_train:,} trainable parameters ({100 * n_train / max(n_all, 1):.3f}% "
                    f"of this rank's {n_all:,}); the frozen base has no gradients or "
                    "optimizer states")
+        fused = _fused_target_note(ctx.spec, tr)  # type: ignore[attr-defined]
+        if fused:
+            out.append(fused)
         if tr.finetune == "qlora":
             out.append("qlora: layer linears stored in NF4 (4.13 bits/param with double-"
                        "quantized absmax); each matmul dequantizes its weight into a "
