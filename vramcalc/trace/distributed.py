@@ -45,10 +45,12 @@ from vramcalc.trace.engine import (
     ITERATIONS,
     Progress,
     TraceResult,
-    _loss,
     _result,
     _torch_dtype,
     build_model,
+    run_steps,
+    tracked_optimizer,
+    watch_logits,
 )
 
 
@@ -221,13 +223,7 @@ def _run(scn: Scenario, tracker: Any, mesh: Any, tick: Any, report_progress: Any
          iterations: int) -> TraceResult:
     import torch
 
-    from vramcalc.trace.optim import (
-        MixedPrecisionOptimizer,
-        build_optimizer,
-        optimizer_state_tensors,
-    )
-
-    tr, spec = scn.training, scn.model
+    tr = scn.training
     with torch.device("meta"):
         model = build_model(scn)
     # QLoRA: bitsandbytes' quantization state is module metadata FSDP does not shard (whole
@@ -249,57 +245,16 @@ def _run(scn: Scenario, tracker: Any, mesh: Any, tick: Any, report_progress: Any
         if id(buf) not in qs:
             tracker.label(buf, "weights/buffers")
     param_bytes = sum(tracker.blocks[k].nbytes for k in tracker.param_keys)
-    head = model.get_output_embeddings() if tr.framework == "hf" else model.lm_head
+    watch_logits(tracker, model, tr.framework)
+    opt = tracked_optimizer(tracker, tr, params)
 
-    def head_post(_mod: Any, _inp: Any, out: Any) -> None:
-        tracker.label(out, "logits")
-        tracker.region = "logits"
+    def label_grads() -> None:  # FSDP2 writes the reduce-scattered shard into .grad
+        for p in params:
+            if p.grad is not None:
+                tracker.label(p.grad, "gradients")
 
-        def leave(grad: Any) -> None:
-            tracker.region = None
-        if out.requires_grad:
-            out.register_hook(leave)
-
-    head.register_forward_hook(head_post)
-
-    tracker.phase = "build_optimizer"
-    opt = build_optimizer(tr.optimizer, params, tr.has_master_weights)
-    if isinstance(opt, MixedPrecisionOptimizer):
-        for m in opt.masters:
-            tracker.label(m, "optimizer_states/master")
-
-    b, s, V = tr.micro_batch_size, tr.seq_len, spec.vocab_size
-    for it in range(iterations):
-        tracker.iteration = it
-        for micro in range(tr.grad_accum):
-            tag = f"iteration {it + 1}/{iterations}, micro-batch {micro + 1}/{tr.grad_accum}"
-            tick(f"{tag}: forward")
-            tracker.set_phase("forward")
-            ids = torch.randint(0, V, (b, s))
-            labels = torch.randint(0, V, (b, s))
-            loss = _loss(model, tr.framework, ids, labels)
-            tracker.mark("end_forward")
-            tick(f"{tag}: backward")
-            tracker.set_phase("backward", region="logits")
-            (loss / tr.grad_accum).backward()
-            del loss, ids, labels
-            tracker.region = None
-            for p in params:  # FSDP2 writes the reduce-scattered shard into .grad
-                if p.grad is not None:
-                    tracker.label(p.grad, "gradients")
-        tracker.mark("end_backward")
-        tick(f"iteration {it + 1}/{iterations}: optimizer step")
-        tracker.set_phase("optimizer")
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        states, host = optimizer_state_tensors(opt)
-        for t in host:
-            tracker.set_host(t)
-        for t in states:
-            if tracker.term_of(t) != "optimizer_states/master":
-                tracker.label(t, "optimizer_states")
-        tracker.mark("end_step")
-        tracker.phase = "idle"
+    run_steps(scn, tracker, model, params, opt, iterations, tick, after_backward=label_grads,
+              state_label="optimizer_states")
     report_progress("done", 1.0)
     return _result(scn, tracker, param_bytes, iterations)
 

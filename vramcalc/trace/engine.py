@@ -156,14 +156,9 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
     except ImportError:  # pragma: no cover - torch is an optional extra
         raise InputError("the trace engine needs torch: pip install 'vramcalc[torch]'") from None
     from vramcalc.trace.cuda_rules import cuda_autocast_rules
-    from vramcalc.trace.optim import (
-        MixedPrecisionOptimizer,
-        build_optimizer,
-        optimizer_state_tensors,
-    )
     from vramcalc.trace.tracker import MemoryTracker
 
-    tr, spec = scn.training, scn.model
+    tr = scn.training
     report_progress = progress or (lambda _label, _frac: None)
     steps = iterations * (tr.grad_accum * 2 + 1)
     done = 0
@@ -201,64 +196,95 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
 
         for p in params:
             p.register_post_accumulate_grad_hook(on_grad)
-        head = model.get_output_embeddings() if tr.framework == "hf" else model.lm_head
-
-        def head_post(_mod: Any, _inp: Any, out: Any) -> None:
-            # from the logits on, forward tensors are the loss's; in backward the region
-            # ends when d loss / d logits is ready (the head's and layers' backward follow)
-            tracker.label(out, "logits")
-            tracker.region = "logits"
-
-            def leave(grad: Any) -> None:
-                tracker.region = None
-            if out.requires_grad:
-                out.register_hook(leave)
-
-        head.register_forward_hook(head_post)
-
-        tracker.phase = "build_optimizer"
-        opt = build_optimizer(tr.optimizer, params, tr.has_master_weights)
-        if isinstance(opt, MixedPrecisionOptimizer):
-            for m in opt.masters:
-                tracker.label(m, "optimizer_states/master")
-
-        b, s, V = tr.micro_batch_size, tr.seq_len, spec.vocab_size
-        for it in range(iterations):
-            tracker.iteration = it
-            for micro in range(tr.grad_accum):
-                tag = f"iteration {it + 1}/{iterations}, micro-batch {micro + 1}/{tr.grad_accum}"
-                tick(f"{tag}: forward")
-                tracker.set_phase("forward")
-                ids = torch.randint(0, V, (b, s))
-                labels = torch.randint(0, V, (b, s))
-                with autocast():
-                    loss = _loss(model, tr.framework, ids, labels)
-                tracker.mark("end_forward")
-                if debug:
-                    debug("end_forward", tracker)
-                tick(f"{tag}: backward")
-                tracker.set_phase("backward", region="logits")
-                (loss / tr.grad_accum).backward()
-                del loss, ids, labels
-                tracker.region = None
-            tracker.mark("end_backward")
-            tick(f"iteration {it + 1}/{iterations}: optimizer step")
-            tracker.set_phase("optimizer")
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            states, host = optimizer_state_tensors(opt)
-            for t in host:
-                tracker.set_host(t)
-            for t in states:
-                if tracker.term_of(t) != "optimizer_states/master":
-                    tracker.label(t, "optimizer_states/states")
-            tracker.mark("end_step")
-            if debug:
-                debug("end_step", tracker)
-            tracker.phase = "idle"
+        watch_logits(tracker, model, tr.framework)
+        opt = tracked_optimizer(tracker, tr, params)
+        run_steps(scn, tracker, model, params, opt, iterations, tick, autocast=autocast,
+                  debug=debug)
         report_progress("done", 1.0)
 
     return _result(scn, tracker, param_bytes, iterations)
+
+
+def watch_logits(tracker: Any, model: Any, framework: str) -> None:
+    """Label the head's output as logits: from there on, forward tensors are the loss's; in
+    backward the "logits" region ends when d loss / d logits is ready (the head's and the
+    layers' backward follow)."""
+    head = model.get_output_embeddings() if framework == "hf" else model.lm_head
+
+    def head_post(_mod: Any, _inp: Any, out: Any) -> None:
+        tracker.label(out, "logits")
+        tracker.region = "logits"
+
+        def leave(grad: Any) -> None:
+            tracker.region = None
+        if out.requires_grad:
+            out.register_hook(leave)
+
+    head.register_forward_hook(head_post)
+
+
+def tracked_optimizer(tracker: Any, tr: Any, params: list[Any]) -> Any:
+    """The optimizer (vramcalc/trace/optim.py), its fp32 master copies labelled."""
+    from vramcalc.trace.optim import MixedPrecisionOptimizer, build_optimizer
+
+    tracker.phase = "build_optimizer"
+    opt = build_optimizer(tr.optimizer, params, tr.has_master_weights)
+    if isinstance(opt, MixedPrecisionOptimizer):
+        for m in opt.masters:
+            tracker.label(m, "optimizer_states/master")
+    return opt
+
+
+def run_steps(scn: Scenario, tracker: Any, model: Any, params: list[Any], opt: Any,
+              iterations: int, tick: Callable[[str], None], *,
+              autocast: Callable[[], Any] = contextlib.nullcontext,
+              after_backward: Callable[[], None] | None = None,
+              debug: Callable[[str, Any], None] | None = None,
+              state_label: str = "optimizer_states/states") -> None:
+    """`iterations` training steps of `grad_accum` micro-batches each, with the tracker's
+    phases and marks set (end_forward, end_backward, end_step); `after_backward` runs after
+    each micro-batch's backward, `debug(event, tracker)` at end_forward and end_step."""
+    import torch
+
+    from vramcalc.trace.optim import optimizer_state_tensors
+
+    tr = scn.training
+    b, s, V = tr.micro_batch_size, tr.seq_len, scn.model.vocab_size
+    for it in range(iterations):
+        tracker.iteration = it
+        for micro in range(tr.grad_accum):
+            tag = f"iteration {it + 1}/{iterations}, micro-batch {micro + 1}/{tr.grad_accum}"
+            tick(f"{tag}: forward")
+            tracker.set_phase("forward")
+            ids = torch.randint(0, V, (b, s))
+            labels = torch.randint(0, V, (b, s))
+            with autocast():
+                loss = _loss(model, tr.framework, ids, labels)
+            tracker.mark("end_forward")
+            if debug:
+                debug("end_forward", tracker)
+            tick(f"{tag}: backward")
+            tracker.set_phase("backward", region="logits")
+            (loss / tr.grad_accum).backward()
+            del loss, ids, labels
+            tracker.region = None
+            if after_backward:
+                after_backward()
+        tracker.mark("end_backward")
+        tick(f"iteration {it + 1}/{iterations}: optimizer step")
+        tracker.set_phase("optimizer")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        states, host = optimizer_state_tensors(opt)
+        for t in host:
+            tracker.set_host(t)
+        for t in states:
+            if tracker.term_of(t) != "optimizer_states/master":
+                tracker.label(t, state_label)
+        tracker.mark("end_step")
+        if debug:
+            debug("end_step", tracker)
+        tracker.phase = "idle"
 
 
 def _snap(s: Any, extra: dict[str, int]) -> PhaseSnapshot:
