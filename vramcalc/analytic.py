@@ -428,7 +428,7 @@ def fit_verdict(scn: Scenario, device_total_bytes: int) -> tuple[bool | None, in
     if scn.cluster is None:
         return None, None
     cap = scn.cluster.gpu.memory_total_bytes
-    return device_total_bytes <= int(cap * (1 - scn.headroom_fraction)), cap - device_total_bytes
+    return device_total_bytes <= (scn.usable_bytes or 0), cap - device_total_bytes
 
 
 def model_info(scn: Scenario) -> ModelInfo:

@@ -253,10 +253,9 @@ def run_check(values: dict[str, Any], train_batch_size: int | None = None,
                          f"train_batch_size {train_batch_size}")
             scn = build_scenario(values, profile_dirs)
     report = estimate(scn)
-    gpu = scn.cluster.gpu if scn.cluster else None
-    if gpu is None:
+    usable = scn.usable_bytes
+    if usable is None:
         raise InputError("check needs gpus (e.g. gpus: 8xH100)")
-    usable = int(gpu.memory_total_bytes * (1 - scn.headroom_fraction))
     return CheckResult(report=report, usable_bytes=usable,
                        headroom_fraction=scn.headroom_fraction, notes=notes)
 

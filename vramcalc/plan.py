@@ -96,10 +96,7 @@ class PlanEntry:
 
     @property
     def usable_bytes(self) -> int:
-        gpu = self.scenario.cluster.gpu if self.scenario.cluster else None
-        if gpu is None:
-            return 0
-        return int(gpu.memory_total_bytes * (1 - self.scenario.headroom_fraction))
+        return self.scenario.usable_bytes or 0
 
     @property
     def over_bytes(self) -> int:

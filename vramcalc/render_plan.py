@@ -164,7 +164,7 @@ def print_plan(console: Console, doc: dict[str, Any]) -> None:
     for note in doc["notes"]:
         console.print(f"[dim]note: {note}[/dim]")
     console.print()
-    usable = int(gpu.memory_total_bytes * (1 - base.headroom_fraction))
+    usable = base.usable_bytes
     if res.entries:
         console.print(plan_table(res.entries, usable,
                                  f"Top {len(res.entries)} strategies that fit, fastest first"))

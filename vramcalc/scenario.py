@@ -30,6 +30,14 @@ class Scenario(BaseModel):
         p = self.parallel
         return (p.dp or 1) * p.tp * p.pp * p.cp
 
+    @property
+    def usable_bytes(self) -> int | None:
+        """GPU memory the fit check allows: the device's total less the headroom kept free
+        (None without a cluster)."""
+        if self.cluster is None:
+            return None
+        return int(self.cluster.gpu.memory_total_bytes * (1 - self.headroom_fraction))
+
     def resolved(self) -> Scenario:
         """Validate the layout against model and world size; fill in dp."""
         par = resolve_layout(self.model, self.training, self.parallel, self.world_size)
