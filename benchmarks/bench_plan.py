@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PYC = ""  # private bytecode folder of the timed children (set in main)
 sys.path.insert(0, str(ROOT))
 
 
@@ -52,7 +51,7 @@ def in_process(model: str, gpus: str, repeat: int) -> None:
               f"{e.report.device_total_bytes / 1e9:.1f} GB per GPU")
 
 
-def whole_cli(model: str, gpus: str, repeat: int, as_json: bool) -> None:
+def whole_cli(model: str, gpus: str, repeat: int, as_json: bool, pyc: str) -> None:
     exe = Path(sys.executable).with_name("vramcalc")
     cmd = [str(exe) if exe.exists() else sys.executable, *([] if exe.exists() else
                                                           ["-m", "vramcalc"]),
@@ -62,7 +61,7 @@ def whole_cli(model: str, gpus: str, repeat: int, as_json: bool) -> None:
     # see bench_estimate.py
     from bench_estimate import _child_env
 
-    env = {**_child_env(str(PYC)), "COLUMNS": "120"}
+    env = {**_child_env(pyc), "COLUMNS": "120"}
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)  # warm-up
     for _ in range(repeat):
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -84,10 +83,9 @@ def main() -> None:
     args = ap.parse_args()
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
     in_process(args.model, args.gpus, args.repeat)
-    global PYC
-    with tempfile.TemporaryDirectory() as PYC:
-        whole_cli(args.model, args.gpus, args.repeat, as_json=True)
-        whole_cli(args.model, args.gpus, args.repeat, as_json=False)
+    with tempfile.TemporaryDirectory() as pyc:  # the timed children's bytecode folder
+        whole_cli(args.model, args.gpus, args.repeat, as_json=True, pyc=pyc)
+        whole_cli(args.model, args.gpus, args.repeat, as_json=False, pyc=pyc)
 
 
 if __name__ == "__main__":
