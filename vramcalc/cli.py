@@ -118,6 +118,18 @@ def _scenario(values: dict[str, Any], dirs: list[Path] | None):  # noqa: ANN202
     return build_scenario(values, dirs)
 
 
+def _with_progress(label: str, run: Callable[[Any], Any], quiet: bool) -> Any:
+    """`run(progress)` under a transient rich progress bar (`progress(message, fraction)`);
+    without one when `quiet` (JSON output)."""
+    if quiet:
+        return run(None)
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task(label, total=1.0)
+        return run(lambda msg, frac: bar.update(task, completed=frac, description=msg))
+
+
 def _show_report(report: Any, as_json: bool) -> None:
     if as_json:
         _emit_json(report.to_json_dict())
@@ -160,15 +172,8 @@ def trace_cmd(**kwargs: Any) -> None:
             from vramcalc.trace.distributed import run_distributed_trace as run_trace
     except ImportError as err:
         raise InputError(f"trace needs PyTorch: pip install 'vramcalc[torch]' ({err})") from None
-    if as_json:
-        report = run_trace(scn)
-    else:
-        from rich.progress import Progress
-
-        with Progress(transient=True) as bar:
-            task = bar.add_task("tracing", total=1.0)
-            report = run_trace(scn, progress=lambda msg, frac: bar.update(
-                task, completed=frac, description=msg))
+    report = _with_progress("tracing", lambda progress: run_trace(scn, progress=progress),
+                            as_json)
     _show_report(report, as_json)
 
 
@@ -228,15 +233,9 @@ def validate_cmd(
         grid = default_grid()
         if quick:
             grid = grid[::8]
-        if as_json:
-            result = run_validation(grid)
-        else:
-            from rich.progress import Progress
-
-            with Progress(transient=True) as bar:
-                task = bar.add_task("validating", total=1.0)
-                result = run_validation(grid, progress=lambda msg, frac: bar.update(
-                    task, completed=frac, description=msg))
+        result = _with_progress("validating",
+                                lambda progress: run_validation(grid, progress=progress),
+                                as_json)
     if as_json:
         _emit_json(result)
     else:
