@@ -319,8 +319,9 @@ def test_cluster_rejects_nonpositive_counts() -> None:
 
 def test_profiles_are_frozen() -> None:
     profile = resolve_gpu("H100")
-    with pytest.raises(ValueError):
+    with pytest.raises(AttributeError, match="frozen"):
         profile.gpus_per_node = 4  # type: ignore[misc]
+    assert profile.gpus_per_node == 8
 
 
 # ---------------------------------------------------------------- user profiles

@@ -79,7 +79,7 @@ def test_corrupt_cache_is_ignored(cache: Path, tmp_path: Path,
     monkeypatch.setattr(yamlio, "_CACHES", {})
     assert yamlio.load_file(f) == {"value": 1}
     for c in cache.iterdir():  # rewritten whole
-        assert json.loads(c.read_text())["version"] == 1
+        assert json.loads(c.read_text())["version"] == yamlio._CACHE_VERSION
 
 
 def test_malformed_yaml_raises_and_disabled_cache_writes_nothing(

@@ -22,11 +22,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
 from vramcalc import yamlio
 from vramcalc.errors import InputError
 from vramcalc.model import ModelSpec
+from vramcalc.record import Record, field
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
@@ -38,21 +37,17 @@ _STRIP_SUFFIXES = ("-hf", "-instruct", "-chat", "-it", "-base")
 _STRIP_PREFIXES = ("meta-",)
 
 
-class PresetMeta(BaseModel):
+class PresetMeta(Record):
     """Catalog metadata of one preset (not part of the spec)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     aliases: tuple[str, ...] = ()
     sources: tuple[str, ...] = ()
     hf_repo: str | None = None  # e.g. "meta-llama/Meta-Llama-3-70B"
-    num_params_published: int | None = Field(default=None, gt=0)
+    num_params_published: int | None = field(None, gt=0)
 
 
-class Preset(BaseModel):
+class Preset(Record):
     """A built-in model: its spec and catalog metadata."""
-
-    model_config = ConfigDict(frozen=True)
 
     spec: ModelSpec
     meta: PresetMeta
@@ -68,7 +63,7 @@ def _key(text: str) -> str:
     return re.sub(r"[\s_.\-]+", "", text.lower())
 
 
-def _validation_message(err: ValidationError, allowed: list[str]) -> str:
+def _validation_message(err: Any, allowed: list[str]) -> str:
     """First pydantic error as one line: `field: message` (+ a suggestion for typos)."""
     # Unknown fields first: a missing field is often a typo of one.
     errors = sorted(err.errors(), key=lambda e: e.get("type") != "extra_forbidden")
@@ -88,8 +83,12 @@ def _validation_message(err: ValidationError, allowed: list[str]) -> str:
 
 def _build_spec(fields: dict[str, Any], where: str) -> ModelSpec:
     """ModelSpec(**fields), with every validation failure turned into a one-line InputError."""
+    from pydantic import ValidationError
+
     try:
         return ModelSpec(**fields)
+    except InputError as err:  # ModelSpec._check: shapes that do not divide
+        raise InputError(f"{where}: {err}") from None
     except ValidationError as err:
         raise InputError(
             f"{where}: {_validation_message(err, list(ModelSpec.model_fields))}"
@@ -98,6 +97,8 @@ def _build_spec(fields: dict[str, Any], where: str) -> ModelSpec:
 
 def _split_yaml_mapping(data: Any, where: str) -> tuple[dict[str, Any], PresetMeta]:
     """Split a YAML mapping into ModelSpec fields and catalog metadata, both validated."""
+    from pydantic import ValidationError
+
     if not isinstance(data, dict):
         raise InputError(
             f"{where}: expected a mapping of ModelSpec fields, got {type(data).__name__}"
@@ -117,20 +118,19 @@ def _read_text(path: Path) -> str:
         raise InputError(f"{path}: cannot read: {_one_line(str(err))}") from None
 
 
-def _load_yaml(path: Path, cached: bool = False) -> Any:
-    """Parse a YAML file; `cached` (built-in presets) goes through yamlio's parse cache."""
+def _yaml_error(path: Path, err: yamlio.YAMLError) -> InputError:
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err)
+    at = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+    return InputError(f"{path}: malformed YAML: {_one_line(problem)}{at}")
+
+
+def _load_yaml(path: Path) -> Any:
+    """Parse a (user's) YAML file."""
     try:
-        if cached:
-            try:
-                return yamlio.load_file(path)
-            except (OSError, UnicodeDecodeError):
-                pass  # _read_text below names the file in the error
         return yamlio.safe_load(_read_text(path))
     except yamlio.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        problem = getattr(err, "problem", None) or str(err)
-        at = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
-        raise InputError(f"{path}: malformed YAML: {_one_line(problem)}{at}") from None
+        raise _yaml_error(path, err) from None
 
 
 def _load_json(path: Path) -> Any:
@@ -143,16 +143,30 @@ def _load_json(path: Path) -> Any:
 
 
 # ---- presets --------------------------------------------------------------------------
+def _validated_preset(data: Any, path: Path) -> dict[str, Any]:
+    """A preset file's parsed data, validated, as the fields the cache keeps."""
+    where = f"preset {path.name}"
+    fields, meta = _split_yaml_mapping(data, where)
+    if fields.get("name") != path.stem:
+        raise InputError(f"{where}: name must equal the file stem '{path.stem}'")
+    fields.setdefault("source", f"preset {path.stem}")
+    return {"spec": _build_spec(fields, where).model_dump(mode="json"),
+            "meta": meta.model_dump(mode="json")}
+
+
 @cache
 def _presets() -> tuple[Preset, ...]:
     presets = []
+    key = yamlio.code_key(__name__, "vramcalc.model", "vramcalc.record")
     for path in sorted(PRESETS_DIR.glob("*.yaml")):
-        where = f"preset {path.name}"
-        fields, meta = _split_yaml_mapping(_load_yaml(path, cached=True), where)
-        if fields.get("name") != path.stem:
-            raise InputError(f"{where}: name must equal the file stem '{path.stem}'")
-        fields.setdefault("source", f"preset {path.stem}")
-        presets.append(Preset(spec=_build_spec(fields, where), meta=meta))
+        try:  # through the validated-file cache (vramcalc/yamlio.py)
+            data = yamlio.load_file(path, _validated_preset, key)
+        except yamlio.YAMLError as err:
+            raise _yaml_error(path, err) from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise InputError(f"{path}: cannot read: {_one_line(str(err))}") from None
+        presets.append(Preset.model_construct(spec=ModelSpec.from_dump(data["spec"]),
+                                              meta=PresetMeta.from_dump(data["meta"])))
     return tuple(presets)
 
 

@@ -18,19 +18,11 @@ import functools
 import os
 import re
 from pathlib import Path
-from typing import Literal
-
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from typing import Any, Literal
 
 from vramcalc import yamlio
 from vramcalc.errors import InputError
+from vramcalc.record import Record, field
 
 ENV_VAR = "VRAMCALC_PROFILES"
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
@@ -67,69 +59,56 @@ ALIAS_NOTES: dict[str, tuple[str, str]] = {
 }
 
 
-class GPUProfile(BaseModel):
+class GPUProfile(Record):
     """One accelerator, as one torch device sees it (a rank = one device).
 
     Multi-die packages (MI250X, Ascend 910C) are profiled per die, because each die is a
     separate torch device with its own memory.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    id: str = Field(pattern=r"^[a-z0-9][a-z0-9_]*$")
-    name: str = Field(min_length=1)
-    vendor: str = Field(min_length=1)
-    aliases: list[str] = []  # pydantic copies mutable defaults per instance
+    id: str = field(pattern=r"^[a-z0-9][a-z0-9_]*$")
+    name: str = field(min_length=1)
+    vendor: str = field(min_length=1)
+    aliases: list[str] = []  # copied per instance (vramcalc/record.py)
     # Capacity as labelled by the vendor (the "80" of "80GB"); HBM labels are in practice
     # binary (80 GiB of HBM, of which the runtime reports ~79.2 GiB).
-    marketed_gb: float = Field(gt=0)
+    marketed_gb: float = field(gt=0)
     # Bytes the runtime reports (torch.cuda.get_device_properties(d).total_memory).
-    memory_total_bytes: int = Field(gt=0)
-    memory_total_note: str = Field(min_length=1)
-    memory_bandwidth_bytes_per_s: int = Field(gt=0)
+    memory_total_bytes: int = field(gt=0)
+    memory_total_note: str = field(min_length=1)
+    memory_bandwidth_bytes_per_s: int = field(gt=0)
     # Dense peak TFLOP/s per dtype; a dtype is absent when unsupported or unconfirmed.
     dense_tflops: dict[str, float]
-    intra_node_bytes_per_s: int = Field(gt=0)  # per direction, per device, GPU-GPU
-    inter_node_bytes_per_s: int = Field(gt=0)  # per direction, per device, network
-    host_link_bytes_per_s: int = Field(gt=0)  # per direction, device <-> host
-    gpus_per_node: int = Field(gt=0, le=MAX_COUNT)
+    intra_node_bytes_per_s: int = field(gt=0)  # per direction, per device, GPU-GPU
+    inter_node_bytes_per_s: int = field(gt=0)  # per direction, per device, network
+    host_link_bytes_per_s: int = field(gt=0)  # per direction, device <-> host
+    gpus_per_node: int = field(gt=0, le=MAX_COUNT)
     bf16_supported: bool
     fused_attention: bool
-    context_overhead_bytes: int = Field(ge=0)
+    context_overhead_bytes: int = field(ge=0)
     memory_api: Literal["cuda", "rocm", "npu", "hpu"]
-    mfu_fraction: float = Field(gt=0, le=1)
-    price_usd_per_hour: float | None = Field(default=None, gt=0)
-    sources: list[str] = Field(min_length=1)
+    mfu_fraction: float = field(gt=0, le=1)
+    price_usd_per_hour: float | None = field(None, gt=0)
+    sources: list[str] = field(min_length=1)
     notes: str = ""
 
-    @field_validator("dense_tflops", mode="before")
     @classmethod
-    def _drop_null_dtypes(cls, value: object) -> object:
-        if isinstance(value, dict):
-            return {k: v for k, v in value.items() if v is not None}
-        return value
+    def _prepare(cls, values: dict[str, Any]) -> dict[str, Any]:
+        tflops = values.get("dense_tflops")
+        if isinstance(tflops, dict):  # a null entry means "unsupported": drop it
+            values["dense_tflops"] = {k: v for k, v in tflops.items() if v is not None}
+        return values
 
-    @field_validator("dense_tflops")
-    @classmethod
-    def _known_dtypes(cls, value: dict[str, float]) -> dict[str, float]:
-        for key, tflops in value.items():
+    def _check(self) -> None:
+        for key, tflops in self.dense_tflops.items():
             if key not in DTYPES:
                 raise ValueError(
-                    f"unknown dtype {key!r} (expected one of {', '.join(DTYPES)})"
+                    f"dense_tflops: unknown dtype {key!r} (expected one of {', '.join(DTYPES)})"
                 )
             if tflops <= 0:
-                raise ValueError(f"{key} TFLOP/s must be positive")
-        return value
-
-    @field_validator("sources")
-    @classmethod
-    def _non_empty_sources(cls, value: list[str]) -> list[str]:
-        if any(not s.strip() for s in value):
-            raise ValueError("sources must not contain empty strings")
-        return value
-
-    @model_validator(mode="after")
-    def _consistent(self) -> GPUProfile:
+                raise ValueError(f"dense_tflops: {key} TFLOP/s must be positive")
+        if any(not s.strip() for s in self.sources):
+            raise ValueError("sources: sources must not contain empty strings")
         if self.context_overhead_bytes >= self.memory_total_bytes:
             raise ValueError(
                 "context_overhead_bytes must be smaller than memory_total_bytes"
@@ -138,21 +117,18 @@ class GPUProfile(BaseModel):
             raise ValueError(
                 "bf16_supported is true but dense_tflops has no bf16 entry"
             )
-        return self
 
     def peak_tflops(self, dtype: str) -> float | None:
         """Dense peak TFLOP/s for `dtype` ('bf16', 'fp16', 'fp8', 'fp32'), None if unknown."""
         return self.dense_tflops.get(dtype)
 
 
-class Cluster(BaseModel):
+class Cluster(Record):
     """`num_nodes` nodes of `gpus_per_node` identical devices."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
     gpu: GPUProfile
-    num_nodes: int = Field(gt=0, le=MAX_COUNT)
-    gpus_per_node: int = Field(gt=0, le=MAX_COUNT)
+    num_nodes: int = field(gt=0, le=MAX_COUNT)
+    gpus_per_node: int = field(gt=0, le=MAX_COUNT)
 
     @property
     def num_gpus(self) -> int:
@@ -187,33 +163,38 @@ def profiles_dirs(extra: list[Path] | None = None) -> list[Path]:
     return dirs
 
 
-def _one_line(error: ValidationError) -> str:
-    parts = []
-    for err in error.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "profile"
-        parts.append(f"{loc}: {err['msg']}")
-    return "; ".join(parts)
+def _validated_profile(data: Any, path: Path) -> dict[str, Any]:
+    """A profile file's parsed data, validated (pydantic, vramcalc/record.py), as the
+    fields the cache keeps. Raises InputError naming the file."""
+    from pydantic import ValidationError
+
+    if not isinstance(data, dict):
+        raise InputError(f"malformed GPU profile {path}: expected a mapping of fields")
+    try:
+        profile = GPUProfile(**data)
+    except ValidationError as exc:
+        parts = [f"{'.'.join(str(x) for x in err['loc']) or 'profile'}: {err['msg']}"
+                 for err in exc.errors()]
+        raise InputError(f"invalid GPU profile {path}: {'; '.join(parts)}") from None
+    except ValueError as exc:  # GPUProfile._check
+        raise InputError(f"invalid GPU profile {path}: {exc}") from None
+    if profile.id != path.stem:
+        raise InputError(
+            f"invalid GPU profile {path}: id {profile.id!r} must equal the file name {path.stem!r}"
+        )
+    return profile.model_dump(mode="json")
 
 
 def _load_file(path: Path) -> GPUProfile:
-    try:
-        data = yamlio.load_file(path)  # parse cache: vramcalc/yamlio.py
+    try:  # through the validated-file cache (vramcalc/yamlio.py)
+        data = yamlio.load_file(path, _validated_profile,
+                                yamlio.code_key(__name__, "vramcalc.record"))
     except yamlio.YAMLError as exc:
         reason = " ".join(str(exc).split())
         raise InputError(f"malformed GPU profile {path}: {reason}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read GPU profile {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise InputError(f"malformed GPU profile {path}: expected a mapping of fields")
-    try:
-        profile = GPUProfile.model_validate(data)
-    except ValidationError as exc:
-        raise InputError(f"invalid GPU profile {path}: {_one_line(exc)}") from None
-    if profile.id != path.stem:
-        raise InputError(
-            f"invalid GPU profile {path}: id {profile.id!r} must equal the file name {path.stem!r}"
-        )
-    return profile
+    return GPUProfile.from_dump(data)
 
 
 def _profile_files(location: Path) -> list[Path]:
@@ -342,7 +323,7 @@ def parse_gpus(text: str, extra_dirs: list[Path] | None = None) -> Cluster:
         raise InputError(f"bad GPU spec {text!r}: missing GPU name (e.g. 8xH100)")
     gpu = resolve_gpu(gpu_name, extra_dirs)
     if count_token is None:
-        return Cluster(gpu=gpu, num_nodes=1, gpus_per_node=1)
+        return Cluster.model_construct(gpu=gpu, num_nodes=1, gpus_per_node=1)
     count = _parse_count(
         count_token, "GPU count" if nodes_token is None else "GPUs per node", text
     )
@@ -352,13 +333,13 @@ def parse_gpus(text: str, extra_dirs: list[Path] | None = None) -> Cluster:
             raise InputError(
                 f"bad GPU spec {text!r}: more than {MAX_COUNT:,} GPUs in total"
             )
-        return Cluster(gpu=gpu, num_nodes=num_nodes, gpus_per_node=count)
+        return Cluster.model_construct(gpu=gpu, num_nodes=num_nodes, gpus_per_node=count)
     per_node = gpu.gpus_per_node
     if count <= per_node:
-        return Cluster(gpu=gpu, num_nodes=1, gpus_per_node=count)
+        return Cluster.model_construct(gpu=gpu, num_nodes=1, gpus_per_node=count)
     if count % per_node:
         raise InputError(
             f"bad GPU spec {text!r}: {count} GPUs is not a multiple of {per_node} per {gpu.id} node; "
             f"write NODESxPER_NODExGPU, e.g. {-(-count // per_node)}x{per_node}x{gpu_name}"
         )
-    return Cluster(gpu=gpu, num_nodes=count // per_node, gpus_per_node=per_node)
+    return Cluster.model_construct(gpu=gpu, num_nodes=count // per_node, gpus_per_node=per_node)

@@ -14,29 +14,26 @@ from __future__ import annotations
 from functools import cached_property, lru_cache
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
 from vramcalc.errors import InputError
+from vramcalc.record import Record, field
 
 MAX_DIM = 10_000_000
 MAX_LAYERS = 100_000
 
 
-class ModelSpec(BaseModel):
+class ModelSpec(Record):
     """A decoder-only transformer; see the module docstring for the letters."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = "custom"
     model_type: str = "llama"
-    hidden_size: int = Field(gt=0, le=MAX_DIM)
-    num_hidden_layers: int = Field(gt=0, le=MAX_LAYERS)
-    num_attention_heads: int = Field(gt=0, le=MAX_DIM)
-    num_key_value_heads: int | None = Field(default=None, gt=0, le=MAX_DIM)
-    head_dim: int | None = Field(default=None, gt=0, le=MAX_DIM)
-    intermediate_size: int = Field(gt=0, le=MAX_DIM * 10)
-    vocab_size: int = Field(gt=0, le=MAX_DIM * 10)
-    max_position_embeddings: int = Field(default=4096, gt=0, le=100_000_000)
+    hidden_size: int = field(gt=0, le=MAX_DIM)
+    num_hidden_layers: int = field(gt=0, le=MAX_LAYERS)
+    num_attention_heads: int = field(gt=0, le=MAX_DIM)
+    num_key_value_heads: int | None = field(None, gt=0, le=MAX_DIM)
+    head_dim: int | None = field(None, gt=0, le=MAX_DIM)
+    intermediate_size: int = field(gt=0, le=MAX_DIM * 10)
+    vocab_size: int = field(gt=0, le=MAX_DIM * 10)
+    max_position_embeddings: int = field(4096, gt=0, le=100_000_000)
     mlp_kind: Literal["gated", "standard"] = "gated"
     hidden_act: str = "silu"
     norm_kind: Literal["rmsnorm", "layernorm"] = "rmsnorm"
@@ -49,19 +46,18 @@ class ModelSpec(BaseModel):
     tie_word_embeddings: bool = False
     final_norm: bool = True
     # Mixture of experts; num_local_experts == 0 means dense.
-    num_local_experts: int = Field(default=0, ge=0, le=100_000)
-    num_experts_per_tok: int = Field(default=0, ge=0, le=100_000)
-    moe_intermediate_size: int | None = Field(default=None, gt=0, le=MAX_DIM * 10)
-    num_shared_experts: int = Field(default=0, ge=0, le=1000)
-    shared_expert_intermediate_size: int | None = Field(default=None, gt=0, le=MAX_DIM * 10)
+    num_local_experts: int = field(0, ge=0, le=100_000)
+    num_experts_per_tok: int = field(0, ge=0, le=100_000)
+    moe_intermediate_size: int | None = field(None, gt=0, le=MAX_DIM * 10)
+    num_shared_experts: int = field(0, ge=0, le=1000)
+    shared_expert_intermediate_size: int | None = field(None, gt=0, le=MAX_DIM * 10)
     shared_expert_gate: bool = False  # Qwen2-MoE: a h->1 gate on the shared expert
-    first_k_dense_replace: int = Field(default=0, ge=0, le=MAX_LAYERS)  # leading dense layers
+    first_k_dense_replace: int = field(0, ge=0, le=MAX_LAYERS)  # leading dense layers
     router_bias: bool = False
-    num_layer_norms: int = Field(default=2, ge=1, le=8)  # Gemma 2/3: 4 (pre/post attn and MLP)
+    num_layer_norms: int = field(2, ge=1, le=8)  # Gemma 2/3: 4 (pre/post attn and MLP)
     source: str = "custom"  # where the spec came from (preset, file path)
 
-    @model_validator(mode="after")
-    def _check(self) -> ModelSpec:
+    def _check(self) -> None:
         g = self.kv_heads
         if self.num_attention_heads % g != 0:
             raise InputError(
@@ -81,7 +77,6 @@ class ModelSpec(BaseModel):
                 )
             if self.first_k_dense_replace > self.num_hidden_layers:
                 raise InputError("first_k_dense_replace exceeds num_hidden_layers")
-        return self
 
     # ---- derived shapes -------------------------------------------------
     @property
@@ -165,11 +160,9 @@ class ModelSpec(BaseModel):
         """The norms of one layer: before attention and before the MLP (Gemma 2/3: four)."""
         return self.num_layer_norms * self._norm_params(self.hidden_size)
 
-    def model_copy(self, *, update: dict | None = None, deep: bool = False) -> ModelSpec:  # type: ignore[override]
-        """Copy with changes, re-validated, so cached counts are never stale."""
-        data = self.model_dump()
-        data.update(update or {})
-        return type(self).model_validate(data)
+    def model_copy(self, *, update: dict | None = None) -> ModelSpec:
+        """Copy with changes, validated like a new spec (a changed shape must still divide)."""
+        return type(self)(**{**self.model_dump(), **(update or {})})
 
     @cached_property
     def dense_layer_params(self) -> int:
@@ -239,14 +232,12 @@ class ModelSpec(BaseModel):
         )
 
 
-class ParamTensor(BaseModel):
+class ParamTensor(Record, validate=False):
     """One parameter tensor shape, repeated `count` times in the model.
 
     `group` says where it lives: embedding, layer (per dense or moe layer), expert,
     final (final norm) or head. `tp_split` says whether tensor parallelism splits it.
     """
-
-    model_config = ConfigDict(frozen=True)
 
     name: str
     numel: int

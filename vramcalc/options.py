@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from vramcalc.errors import InputError
 from vramcalc.training import (
     ATTENTIONS,
@@ -179,11 +177,17 @@ def parse_offload(value: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _pydantic_line(err: ValidationError) -> str:
-    first = err.errors()[0]
-    loc = ".".join(str(x) for x in first.get("loc", ()))
-    flag = "--" + loc.replace("_", "-") if loc else "value"
-    return f"{flag}: {first.get('msg', 'invalid value')} (got {first.get('input')!r})"
+def _checked(cls: Any, values: dict[str, Any]) -> Any:
+    """A TrainingConfig / ParallelConfig from option values normalize_values coerced and
+    choice-checked: the numeric bounds the class declares are checked here, in pydantic's
+    words, without importing pydantic (vramcalc/record.py)."""
+    from vramcalc.record import bound_violation
+
+    for name, value in values.items():
+        problem = bound_violation(cls.model_fields[name], value)
+        if problem:
+            raise InputError(f"--{name.replace('_', '-')}: {problem} (got {value!r})")
+    return cls.model_construct(**values)
 
 
 def normalize_values(values: dict[str, Any]) -> dict[str, Any]:
@@ -229,13 +233,10 @@ def build_scenario(values: dict[str, Any], profile_dirs: list[Path] | None = Non
     headroom = v["headroom"]
     if not 0 <= headroom < 1:
         raise InputError(f"--headroom must be a fraction in [0, 1), got {headroom}")
-    try:
-        training = TrainingConfig(**{k: v[k] for k in _TRAINING_KEYS if v[k] is not None})
-        parallel = ParallelConfig(
-            offload=v["offload"], **{k: v[k] for k in _PARALLEL_KEYS if v[k] is not None}
-        )
-    except ValidationError as err:
-        raise InputError(_pydantic_line(err)) from None
-    scn = Scenario(model=spec, training=training, parallel=parallel, cluster=cluster,
+    training = _checked(TrainingConfig,
+                        {k: v[k] for k in _TRAINING_KEYS if v[k] is not None})
+    parallel = _checked(ParallelConfig, {"offload": v["offload"],
+                                         **{k: v[k] for k in _PARALLEL_KEYS if v[k] is not None}})
+    scn = Scenario.model_construct(model=spec, training=training, parallel=parallel, cluster=cluster,
                    headroom_fraction=headroom, model_note=model_note, gpu_note=gpu_note)
     return scn.resolved()

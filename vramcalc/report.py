@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from vramcalc.record import Record
 
 TERM_NAMES: tuple[str, ...] = (
     "weights",
@@ -25,10 +25,8 @@ ALLOCATED_TERMS: tuple[str, ...] = TERM_NAMES[:-1]
 PHASE_NAMES: tuple[str, ...] = ("forward", "backward", "optimizer")
 
 
-class Terms(BaseModel):
+class Terms(Record):
     """Bytes per memory term (ints)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     weights: int = 0
     gradients: int = 0
@@ -46,10 +44,8 @@ class Terms(BaseModel):
         return {t: getattr(self, t) for t in TERM_NAMES}
 
 
-class StageReport(BaseModel):
+class StageReport(Record):
     """One pipeline stage's (or rank group's) peak."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     stage: int
     num_layers: int
@@ -58,9 +54,7 @@ class StageReport(BaseModel):
     device_total_bytes: int
 
 
-class GPUInfo(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
+class GPUInfo(Record):
     id: str
     name: str
     memory_total_bytes: int
@@ -69,9 +63,7 @@ class GPUInfo(BaseModel):
     note: str | None = None
 
 
-class ModelInfo(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
+class ModelInfo(Record):
     name: str
     num_params: int
     num_active_params: int
@@ -79,10 +71,8 @@ class ModelInfo(BaseModel):
     note: str | None = None
 
 
-class MemoryReport(BaseModel):
+class MemoryReport(Record):
     """Per-rank memory of one scenario, worst rank first."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     engine: str
     model: ModelInfo

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from vramcalc.record import Record, field
 
 Precision = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"]
 OptimizerName = Literal[
@@ -41,14 +41,12 @@ RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
 FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron")
 
 
-class TrainingConfig(BaseModel):
+class TrainingConfig(Record):
     """One training job's per-step settings (parallel layout lives in ParallelConfig)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    seq_len: int = Field(default=4096, gt=0, le=100_000_000)
-    micro_batch_size: int = Field(default=1, gt=0, le=1_000_000)
-    grad_accum: int = Field(default=1, gt=0, le=1_000_000)
+    seq_len: int = field(4096, gt=0, le=100_000_000)
+    micro_batch_size: int = field(1, gt=0, le=1_000_000)
+    grad_accum: int = field(1, gt=0, le=1_000_000)
     precision: Precision = "bf16"
     optimizer: OptimizerName = "adamw"
     optimizer_dtype: Literal["fp32", "bf16"] | None = None
@@ -57,21 +55,22 @@ class TrainingConfig(BaseModel):
     framework: Literal["reference", "hf", "megatron"] = "reference"
     # fine-tuning (vramcalc/finetune.py): frozen base + adapters; PEFT's defaults
     finetune: Literal["full", "lora", "qlora", "dora"] = "full"
-    lora_rank: int = Field(default=8, gt=0, le=65_536)
+    lora_rank: int = field(8, gt=0, le=65_536)
     lora_targets: str = "q,v"  # canonical, see vramcalc.finetune.parse_targets
-    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    lora_dropout: float = field(0.0, ge=0.0, lt=1.0)
     # memory techniques torchtune documents (vramcalc/terms/lowmem.py)
-    chunked_ce: int = Field(default=1, ge=1, le=65_536)  # cross entropy over N token chunks
+    chunked_ce: int = field(1, ge=1, le=65_536)  # cross entropy over N token chunks
     activation_offload: bool = False  # saved activations to pinned host memory
     # quantization-aware training: fake-quantized block linears (vramcalc/terms/lowprec.py)
     qat: Literal["none", "int8", "int4"] = "none"
 
-    @field_validator("lora_targets", mode="before")
     @classmethod
-    def _targets(cls, value: object) -> str:
-        from vramcalc.finetune import parse_targets
+    def _prepare(cls, values: dict) -> dict:
+        if "lora_targets" in values:
+            from vramcalc.finetune import parse_targets
 
-        return parse_targets(value)
+            values["lora_targets"] = parse_targets(values["lora_targets"])
+        return values
 
     # ---- precision policy ---------------------------------------------
     @property
