@@ -1,5 +1,5 @@
 """`python -m vramcalc`."""
 
-from vramcalc.cli import run
+from vramcalc.entry import run
 
 run()

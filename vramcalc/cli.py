@@ -7,7 +7,6 @@ files, usage errors); `--json` prints exactly one JSON document on stdout.
 from __future__ import annotations
 
 import inspect
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +16,10 @@ import typer
 
 from vramcalc.errors import InputError
 from vramcalc.options import SCENARIO_OPTIONS, Opt
+from vramcalc.output import console as _console
+from vramcalc.output import emit_json as _emit_json
+from vramcalc.output import run_estimate
+from vramcalc.output import show_report as _show_report
 
 app = typer.Typer(
     name="vramcalc",
@@ -28,19 +31,6 @@ app = typer.Typer(
 )
 
 EXIT_BAD_INPUT = 2
-
-
-def _console():  # noqa: ANN202
-    from rich.console import Console
-
-    console = Console(highlight=False)
-    if not console.is_terminal:  # pipes and CI logs: wide enough for the tables
-        console = Console(highlight=False, width=120)
-    return console
-
-
-def _emit_json(doc: Any) -> None:
-    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
 
 
 # ---- shared scenario options -------------------------------------------------
@@ -130,21 +120,9 @@ def _with_progress(label: str, run: Callable[[Any], Any], quiet: bool) -> Any:
         return run(lambda msg, frac: bar.update(task, completed=frac, description=msg))
 
 
-def _show_report(report: Any, as_json: bool) -> None:
-    if as_json:
-        _emit_json(report.to_json_dict())
-        return
-    from vramcalc.render import print_report
-
-    print_report(_console(), report)
-
-
 @scenario_command("estimate", "One scenario's per-GPU memory breakdown and fit check.")
 def estimate_cmd(**kwargs: Any) -> None:
-    from vramcalc.analytic import estimate
-
-    values, dirs, as_json = _split(kwargs)
-    _show_report(estimate(_scenario(values, dirs)), as_json)
+    run_estimate(*_split(kwargs))  # also run without typer: vramcalc/entry.py
 
 
 @scenario_command("explain", "Every formula with this scenario's numbers substituted.")

@@ -714,8 +714,8 @@ def scenario_for(c: _Cand, base: Scenario) -> Scenario:
                            "precision": c.prec, "optimizer": c.opt}
     if c.ft is not None:
         upd["finetune"] = c.ft
-    training = TrainingConfig(**{**base.training.model_dump(), **upd})
-    parallel = ParallelConfig(
+    training = base.training.model_copy(update=upd)  # the planner's own valid values
+    parallel = ParallelConfig.model_construct(
         dp=c.dp, tp=c.tp, pp=c.pp, cp=c.cp, ep=c.ep, sequence_parallel=c.sp, zero=c.zero,
         fsdp=c.fsdp, shard_group=c.group, offload=c.off,  # type: ignore[arg-type]
         offload_device=base.parallel.offload_device,
@@ -908,9 +908,9 @@ def _with_cluster(base: Scenario, num_gpus: int, gpu: GPUProfile) -> Scenario | 
 
     gpn = gpu.gpus_per_node
     if num_gpus <= gpn:
-        cl = Cluster(gpu=gpu, num_nodes=1, gpus_per_node=num_gpus)
+        cl = Cluster.model_construct(gpu=gpu, num_nodes=1, gpus_per_node=num_gpus)
     elif num_gpus % gpn == 0:
-        cl = Cluster(gpu=gpu, num_nodes=num_gpus // gpn, gpus_per_node=gpn)
+        cl = Cluster.model_construct(gpu=gpu, num_nodes=num_gpus // gpn, gpus_per_node=gpn)
     else:
         return None
     return base.model_copy(update={"cluster": cl, "gpu_note": None})
@@ -1037,8 +1037,9 @@ def suggest_changes(base: Scenario, req: PlanRequest, profiles: Sequence[GPUProf
 
 
 def _retrain(base: Scenario, **update: Any) -> Scenario | None:
-    try:
-        training = TrainingConfig(**{**base.training.model_dump(), **update})
-        return base.model_copy(update={"training": training})
-    except (ValueError, InputError):
+    """`base` with these training values; None when one is out of its declared bounds."""
+    from vramcalc.record import bound_violation
+
+    if any(bound_violation(TrainingConfig.model_fields[k], v) for k, v in update.items()):
         return None
+    return base.model_copy(update={"training": base.training.model_copy(update=update)})

@@ -1,5 +1,8 @@
 """The report schema shared by the analytic, trace and probe engines.
 
+Reports are outputs the engines build from numbers they computed: their records trust
+their values (`validate=False`, vramcalc/record.py); their names are still checked.
+
 `terms` is the composition of memory at the peak moment: the six allocated terms add up
 to `peak_allocated_bytes` (comparable with torch.cuda.max_memory_allocated on the worst
 rank) and `overhead` (CUDA context, NCCL buffers, allocator fragmentation) is added on
@@ -25,7 +28,7 @@ ALLOCATED_TERMS: tuple[str, ...] = TERM_NAMES[:-1]
 PHASE_NAMES: tuple[str, ...] = ("forward", "backward", "optimizer")
 
 
-class Terms(Record):
+class Terms(Record, validate=False):
     """Bytes per memory term (ints)."""
 
     weights: int = 0
@@ -44,7 +47,7 @@ class Terms(Record):
         return {t: getattr(self, t) for t in TERM_NAMES}
 
 
-class StageReport(Record):
+class StageReport(Record, validate=False):
     """One pipeline stage's (or rank group's) peak."""
 
     stage: int
@@ -54,7 +57,7 @@ class StageReport(Record):
     device_total_bytes: int
 
 
-class GPUInfo(Record):
+class GPUInfo(Record, validate=False):
     id: str
     name: str
     memory_total_bytes: int
@@ -63,7 +66,7 @@ class GPUInfo(Record):
     note: str | None = None
 
 
-class ModelInfo(Record):
+class ModelInfo(Record, validate=False):
     name: str
     num_params: int
     num_active_params: int
@@ -71,7 +74,7 @@ class ModelInfo(Record):
     note: str | None = None
 
 
-class MemoryReport(Record):
+class MemoryReport(Record, validate=False):
     """Per-rank memory of one scenario, worst rank first."""
 
     engine: str

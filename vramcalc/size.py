@@ -77,9 +77,9 @@ def size_counts(gpus_per_node: int, limit: int) -> list[int]:
 def _on(base: Scenario, gpu: GPUProfile, num_gpus: int) -> Scenario:
     gpn = gpu.gpus_per_node
     if num_gpus <= gpn:
-        cl = Cluster(gpu=gpu, num_nodes=1, gpus_per_node=num_gpus)
+        cl = Cluster.model_construct(gpu=gpu, num_nodes=1, gpus_per_node=num_gpus)
     else:
-        cl = Cluster(gpu=gpu, num_nodes=num_gpus // gpn, gpus_per_node=gpn)
+        cl = Cluster.model_construct(gpu=gpu, num_nodes=num_gpus // gpn, gpus_per_node=gpn)
     return base.model_copy(update={"cluster": cl, "gpu_note": None})
 
 

@@ -147,7 +147,7 @@ def _ds_module_order(spec, tp: int, ep: int, n_layers: int, first: bool, last: b
     from vramcalc.parallel import ParallelConfig
 
     if not layer:  # full training: the model's own tensors
-        layer = tuple(layer_param_numels(spec, ParallelConfig(tp=tp, ep=ep)))
+        layer = tuple(layer_param_numels(spec, ParallelConfig.model_construct(tp=tp, ep=ep)))
     emb = tuple(n for name, n in root if name.startswith("embed"))
     tail = tuple(n for name, n in root if not name.startswith("embed"))
     return (emb if first else ()) + layer * n_layers + (tail if last else ())
