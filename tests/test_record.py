@@ -42,6 +42,14 @@ def test_validation_coerces_like_pydantic() -> None:
     assert par.offload == ("optimizer",)
 
 
+def test_the_validating_pydantic_model_is_derived_from_the_declarations() -> None:
+    props = TrainingConfig.pydantic_model().model_json_schema()["properties"]
+    assert props["seq_len"]["exclusiveMinimum"] == 0
+    assert props["seq_len"]["maximum"] == 100_000_000
+    assert set(props["recompute"]["enum"]) == {"none", "selective", "full"}
+    assert set(props) == set(TrainingConfig.model_fields)
+
+
 def test_model_spec_checks_shapes_after_the_fields() -> None:
     with pytest.raises(InputError, match="not divisible"):
         ModelSpec(**{**TINY, "num_key_value_heads": 3})

@@ -103,6 +103,11 @@ class Record:
         self._check()
 
     @classmethod
+    def pydantic_model(cls) -> Any:
+        """The pydantic model that validates this record's fields (for JSON schema, say)."""
+        return schema(cls)[0]
+
+    @classmethod
     def model_validate(cls, data: dict[str, Any]) -> Any:
         """`cls(**data)`: a validated record from a mapping (pydantic's spelling)."""
         if not isinstance(data, dict):
