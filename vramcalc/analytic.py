@@ -17,6 +17,10 @@ forward and backward (they are created lazily by the first optimizer step).
 
 from __future__ import annotations
 
+from typing import Any
+
+from vramcalc.affine import Affine, Split, whole
+from vramcalc.errors import InputError
 from vramcalc.offload import offload_footprint
 from vramcalc.report import GPUInfo, MemoryReport, ModelInfo, StageReport, Terms
 from vramcalc.scenario import Scenario
@@ -211,10 +215,10 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
 
     def fwd_point(activations: int, logits: int, extra: dict[str, int]) -> Phase:
         return Phase("forward", B, g_acc, {
-            "activations": int(activations),
-            "transients/autocast_cache": int(k * C_mb),
+            "activations": whole(activations),
+            "transients/autocast_cache": whole(k * C_mb),
             "transients/gather_buffers": gather,
-            "logits": int(prev * logits_keep) + logits,
+            "logits": whole(prev * logits_keep) + logits,
             **extra,
         })
 
@@ -236,12 +240,12 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
         top_bytes = A_moe if top_moe else A_dense
         qkv_share = 1 - P.grad_fraction["mlp+o"]  # casts made so far
         eager = Phase("forward", B, g_acc, {
-            "activations": int(prev * A_mb + (A_bottom(nL - 1) if offload else A_bottom(nL)
+            "activations": whole(prev * A_mb + (A_bottom(nL - 1) if offload else A_bottom(nL)
                                               - top_bytes) + eager_held + A_emb),
-            "transients/autocast_cache": int(prev * C_mb + (nL - 1 + qkv_share) * cache_layer),
+            "transients/autocast_cache": whole(prev * C_mb + (nL - 1 + qkv_share) * cache_layer),
             "transients/gather_buffers": gather,
             "transients/layer_forward": eager_work,
-            "logits": int(prev * logits_keep),
+            "logits": whole(prev * logits_keep),
         })
         if eager.total > forward.total:
             forward = eager
@@ -252,10 +256,10 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     full = train.recompute == "full"
     C_kept = cache_head + (0 if full else nL * cache_layer)
     loss_bwd = Phase("backward", B, g_acc, {
-        "activations": int(k * A_mb),
-        "transients/autocast_cache": int(prev * C_mb + C_kept),
+        "activations": whole(k * A_mb),
+        "transients/autocast_cache": whole(prev * C_mb + C_kept),
         "transients/gather_buffers": gather,
-        "logits": P.logits_backward + int(prev * logits_keep),
+        "logits": P.logits_backward + whole(prev * logits_keep),
     })
 
     G_late = late_gradient_bytes(ctx)  # the (untied) embedding's: after the bottom layer
@@ -265,17 +269,17 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     def layer_point(i: int, mom: act.Moment) -> Phase:
         """Instant `mom` of the backward of the i-th layer from the top (0-based)."""
         done = P.grad_fraction[mom.grads]
-        grads = G if keep_grads else max(G_head - G_late, 0) + int((i + done) * g_layer)
+        grads = G if keep_grads else max(G_head - G_late, 0) + whole((i + done) * g_layer)
         return Phase("backward", B, min(grads, G), {
-            "activations": int(prev * A_mb + A_bottom(nL - i - 1) + mom.held + A_emb)
+            "activations": whole(prev * A_mb + A_bottom(nL - i - 1) + mom.held + A_emb)
             - (gap if i == nL - 1 else 0),
-            "transients/autocast_cache": int(prev * C_mb + ((1 - done) if full else (
+            "transients/autocast_cache": whole(prev * C_mb + ((1 - done) if full else (
                 nL - i - done)) * cache_layer),
             "transients/layer_backward": mom.work + comm_bwd,
             "transients/gather_buffers": gather,
             "transients/reduce_buffers": tr.reduce_buffer_bytes(ctx, i, done,
                                                                 mom.work + mom.held),
-            "logits": int(prev * logits_keep) + root,
+            "logits": whole(prev * logits_keep) + root,
         })
 
     candidates = [loss_bwd]
@@ -294,11 +298,11 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     if norm_work:
         lm_in = P.head_freed_at_final_norm
         candidates.append(Phase("backward", B, G if keep_grads else max(G_head - G_late, 0), {
-            "activations": int(k * A_mb - lm_in),
-            "transients/autocast_cache": int(prev * C_mb + C_kept - cache_head),
+            "activations": whole(k * A_mb - lm_in),
+            "transients/autocast_cache": whole(prev * C_mb + C_kept - cache_head),
             "transients/layer_backward": norm_work,
             "transients/gather_buffers": gather,
-            "logits": int(prev * logits_keep) + root,
+            "logits": whole(prev * logits_keep) + root,
         }))
     if ctx.is_first_stage:
         # the embedding's backward ends the sweep: every gradient exists; with tied
@@ -307,11 +311,11 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
         tied = tied_embedding_grad_bytes(ctx)
         end_grads = G + (tied if keep_grads else 0)
         candidates.append(Phase("backward", B, end_grads, {
-            "activations": int(prev * A_mb + A_emb),
-            "transients/autocast_cache": int(prev * C_mb),
+            "activations": whole(prev * A_mb + A_emb),
+            "transients/autocast_cache": whole(prev * C_mb),
             "transients/layer_backward": 2 * tied,
             "transients/gather_buffers": gather,
-            "logits": int(prev * logits_keep) + root,
+            "logits": whole(prev * logits_keep) + root,
         }))
     backward = max(candidates, key=lambda p: p.total)
 
@@ -337,7 +341,70 @@ def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:
     numbers are the worst rank's; `every_stage=False` computes only `candidate_stages`
     (which provably contain the worst rank) and lists those: same answer, less work, for
     callers that estimate thousands of scenarios.
+
+    Reports are compiled per structure (the scenario less its micro-batch size b): the
+    engine runs once with b symbolic (vramcalc/affine.py) and later calls only evaluate
+    c1·b + c0 for each number; where that is not exact the engine runs as written.
     """
+    key = _structure_key(scn, every_stage)
+    b = scn.training.micro_batch_size
+    if key is None or type(b) is not int or not 1 <= b <= _B_MAX:
+        return _estimate(scn, every_stage)
+    pieces = _PLANS.get(key)
+    if pieces is None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        pieces = _PLANS[key] = []
+    for piece in pieces:
+        if piece.lo <= b <= piece.hi:
+            break
+    else:
+        piece = _compile(scn, every_stage, b)
+        pieces.append(piece)
+    if piece.fields is None:
+        return _estimate(scn, every_stage)
+    return piece.report(scn, b)
+
+
+def _estimate(scn: Scenario, every_stage: bool) -> MemoryReport:
+    """The engine as written, for one scenario."""
+    fields = _report_fields(scn, every_stage)
+    return _assemble(scn, fields, strategy_dict(scn.resolved()))
+
+
+def _assemble(scn: Scenario, fields: dict[str, Any], strategy: dict[str, object]) -> MemoryReport:
+    """The report from `_report_fields`' numbers and the fit verdict: built with
+    model_construct from ints this module computed (pydantic re-validation was a quarter
+    of an estimate's time); tests/test_properties.py checks the terms add up."""
+    fits, headroom = fit_verdict(scn, fields["device_total_bytes"])
+    stages = [StageReport.model_construct(
+        stage=st["stage"], num_layers=st["num_layers"], terms=Terms.model_construct(**st["terms"]),
+        peak_allocated_bytes=st["peak_allocated_bytes"],
+        device_total_bytes=st["device_total_bytes"]) for st in fields["stages"]]
+    return MemoryReport.model_construct(
+        engine="analytic",
+        model=fields["model"],
+        strategy=strategy,
+        gpu=fields["gpu"],
+        terms=Terms.model_construct(**fields["terms"]),
+        subterms=fields["subterms"],
+        phases=fields["phases"],
+        peak_phase=fields["peak_phase"],
+        peak_allocated_bytes=fields["peak_allocated_bytes"],
+        first_step_peak_bytes=fields["first_step_peak_bytes"],
+        device_total_bytes=fields["device_total_bytes"],
+        fits=fits,
+        headroom_bytes=headroom,
+        host_bytes_per_node=fields["host_bytes_per_node"],
+        nvme_bytes_per_node=fields["nvme_bytes_per_node"],
+        stages=stages,
+        notes=list(fields["notes"]),
+    )
+
+
+def _report_fields(scn: Scenario, every_stage: bool) -> dict[str, Any]:
+    """Everything a report holds but the strategy and the fit verdict, as plain values (ints, or `Affine`s of b
+    when `_compile` runs the engine with a symbolic micro-batch size)."""
     scn = scn.resolved()
     if scn.training.precision == "fp8" or scn.training.qat != "none":
         from vramcalc.terms.lowprec import check_lowprec
@@ -346,7 +413,7 @@ def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:
     gpu = scn.cluster.gpu if scn.cluster else None
     gpu_id = gpu.id if gpu else None
     stages = list(range(scn.parallel.pp)) if every_stage else candidate_stages(scn)
-    stage_reports: list[StageReport] = []
+    stage_rows: list[dict[str, Any]] = []
     worst: tuple[int, list[Phase], int, int, int, dict[str, int]] | None = None
     for st in stages:
         phases, first, live = _stage_phases(scn, st, gpu_id)
@@ -357,9 +424,9 @@ def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:
         t = peak_phase.terms()
         t["overhead"] = sum(ovh.values())
         nl = RankContext(scn.model, scn.training, scn.parallel, st).num_layers
-        stage_reports.append(StageReport.model_construct(
-            stage=st, num_layers=nl, terms=Terms.model_construct(**t),
-            peak_allocated_bytes=peak_phase.total, device_total_bytes=total))
+        stage_rows.append({"stage": st, "num_layers": nl, "terms": t,
+                           "peak_allocated_bytes": peak_phase.total,
+                           "device_total_bytes": total})
         if worst is None or total > worst[0]:
             worst = (total, phases, first, st, live, ovh)
     assert worst is not None
@@ -373,29 +440,148 @@ def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:
             subterms[key] = val
     for key, val in ovh.items():
         subterms[f"overhead/{key}"] = val
-    fits, headroom = fit_verdict(scn, total)
     ctx0 = RankContext(scn.model, scn.training, scn.parallel, st)
-    # built from ints this module computed: model_construct skips re-validating them (a
-    # quarter of an estimate's time); tests/test_properties.py checks the terms add up
-    return MemoryReport.model_construct(
-        engine="analytic",
-        model=model_info(scn),
-        strategy=strategy_dict(scn),
-        gpu=gpu_info(scn),
-        terms=Terms.model_construct(**terms),
-        subterms=subterms,
-        phases={p.name: p.total for p in phases},
-        peak_phase=peak_phase.name,
-        peak_allocated_bytes=peak_phase.total,
-        first_step_peak_bytes=first,
-        device_total_bytes=total,
-        fits=fits,
-        headroom_bytes=headroom,
-        host_bytes_per_node=host_bytes_per_node(scn, ctx0),
-        nvme_bytes_per_node=nvme_bytes_per_node(scn, ctx0),
-        stages=stage_reports if scn.parallel.pp > 1 else [],
-        notes=_notes(scn),
-    )
+    return {
+        "model": model_info(scn),
+        "gpu": gpu_info(scn),
+        "terms": terms,
+        "subterms": subterms,
+        "phases": {p.name: p.total for p in phases},
+        "peak_phase": peak_phase.name,
+        "peak_allocated_bytes": peak_phase.total,
+        "first_step_peak_bytes": first,
+        "device_total_bytes": total,
+        "host_bytes_per_node": host_bytes_per_node(scn, ctx0),
+        "nvme_bytes_per_node": nvme_bytes_per_node(scn, ctx0),
+        "stages": stage_rows if scn.parallel.pp > 1 else [],
+        "notes": _notes(scn),
+    }
+
+
+# ---- reports compiled per structure ---------------------------------------------------------
+_B_MAX = 2**20  # the symbolic b's domain: [2, _B_MAX] (micro-batch sizes are <= 10**6)
+_MAX_SPLITS = 8  # domain splits (comparisons that flip with b) tried before giving up
+_PLANS_MAX = 4096  # structures kept (the whole table is dropped when full)
+_PLANS: dict[tuple, list[_Piece]] = {}
+
+
+class _Piece:
+    """A structure's report for every micro-batch size in [lo, hi]: `fields` as
+    `_report_fields` returns them with each `Affine` replaced by 0 and listed in `affine`
+    as (path, c1, c0); `fields=None` means "run the engine as written"."""
+
+    __slots__ = ("lo", "hi", "fields", "strategy", "affine")
+
+    def __init__(self, lo: int, hi: int, fields: dict[str, Any] | None = None,
+                 strategy: dict[str, object] | None = None) -> None:
+        self.lo, self.hi, self.fields, self.strategy = lo, hi, fields, strategy
+        self.affine: list[tuple[tuple[Any, ...], int, int]] = []
+        if fields is not None:
+            self.fields = self._strip(fields, ())
+
+    def _strip(self, value: Any, path: tuple[Any, ...]) -> Any:
+        if type(value) is Affine:
+            self.affine.append((path, value.c1, value.c0))
+            return 0
+        if type(value) is dict:
+            return {k: self._strip(v, (*path, k)) for k, v in value.items()}
+        if type(value) is list and path == ("stages",):
+            return [self._strip(v, (*path, i)) for i, v in enumerate(value)]
+        return value
+
+    def report(self, scn: Scenario, b: int) -> MemoryReport:
+        assert self.fields is not None and self.strategy is not None
+        f = dict(self.fields)
+        copied: set[tuple[Any, ...]] = set()
+        for path, c1, c0 in self.affine:
+            # copy the containers on the way down (the piece's own stay untouched)
+            node = f
+            for depth in range(len(path) - 1):
+                sub = path[: depth + 1]
+                if sub not in copied:
+                    node[path[depth]] = (dict if type(node[path[depth]]) is dict else list)(
+                        node[path[depth]])
+                    copied.add(sub)
+                node = node[path[depth]]
+            node[path[-1]] = c1 * b + c0
+        strategy = dict(self.strategy)
+        strategy["micro_batch_size"] = b
+        return _assemble(scn, f, strategy)
+
+
+def _compile(scn: Scenario, every_stage: bool, b: int) -> _Piece:
+    """The piece of the structure of `scn` that holds b: the engine run with the micro-batch
+    size an `Affine` symbol, on a domain narrowed at each comparison whose answer flips."""
+    lo, hi = (1, 1) if b == 1 else (2, _B_MAX)  # b = 1 is special (logits, offload)
+    tr = scn.training
+    base = tr.model_dump()
+    for _ in range(_MAX_SPLITS):
+        sym = scn.model_copy(update={"training": tr.model_construct(
+            **{**base, "micro_batch_size": Affine.symbol(lo, hi)})})
+        try:
+            fields = _report_fields(sym, every_stage)
+        except Split as cut:
+            lo, hi = (lo, cut.at) if b <= cut.at else (cut.at + 1, hi)
+            continue
+        except InputError:
+            return _Piece(lo, hi)  # refused on this domain: the engine raises it
+        except Exception:  # NotAffine, or anything else a symbol cannot pass through
+            return _Piece(1, _B_MAX)
+        return _Piece(lo, hi, fields, strategy_dict(scn.resolved()))
+    return _Piece(lo, hi)
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+_CLUSTER_KEYS: dict[int, tuple[object, object]] = {}
+
+
+def _field_names(obj: Any) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(type(obj))
+    if names is None:
+        names = _FIELD_NAMES[type(obj)] = tuple(obj.model_dump())
+    return names
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple((k, _frozen(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def _cluster_key(cluster: Any) -> Any:
+    """A hashable value equal for equal clusters (memoised per object: they hold lists)."""
+    if cluster is None:
+        return None
+    hit = _CLUSTER_KEYS.get(id(cluster))
+    if hit is not None and hit[0] is cluster:
+        return hit[1]
+    if len(_CLUSTER_KEYS) >= 256:
+        _CLUSTER_KEYS.clear()
+    key = _frozen(cluster.model_dump())
+    _CLUSTER_KEYS[id(cluster)] = (cluster, key)
+    return key
+
+
+def _structure_key(scn: Scenario, every_stage: bool) -> tuple | None:
+    """Every input of the estimate but the micro-batch size (None when not hashable)."""
+    key: list[Any] = [every_stage]
+    for name in _field_names(scn):
+        value = getattr(scn, name)
+        if name == "training":
+            key.append(tuple([getattr(value, n) for n in _field_names(value)
+                              if n != "micro_batch_size"]))
+        elif name == "cluster":
+            key.append(_cluster_key(value))
+        else:
+            key.append(value)
+    out = tuple(key)
+    try:
+        hash(out)
+    except TypeError:
+        return None
+    return out
 
 
 def _gpus_per_node(scn: Scenario) -> int:
