@@ -27,11 +27,11 @@ only; aten/src/ATen/autocast_mode.cpp `cached_cast`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
-from vramcalc.terms.context import RankContext
+from vramcalc.terms.context import RankContext, lazy
 from vramcalc.training import TrainingConfig
 from vramcalc.units import DTYPE_BITS, alloc, ceil_div, round_alloc, whole
 
@@ -47,7 +47,7 @@ class Saved:
     why: str = ""
     count: int = 1  # identical storages (one per expert, say)
 
-    @cached_property  # summed many times per profile
+    @lazy  # summed many times per profile
     def nbytes(self) -> int:
         bits = _BITS[self.dtype]
         return self.count * round_alloc(ceil_div(self.numel * bits, 8))
