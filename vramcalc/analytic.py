@@ -342,19 +342,21 @@ def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:
     (which provably contain the worst rank) and lists those: same answer, less work, for
     callers that estimate thousands of scenarios.
 
-    Reports are compiled per structure (the scenario less its micro-batch size b): the
-    engine runs once with b symbolic (vramcalc/affine.py) and later calls only evaluate
-    c1·b + c0 for each number; where that is not exact the engine runs as written.
+    Reports are compiled per structure (the scenario less its micro-batch size b) the
+    second time the structure is asked for: the engine runs with b symbolic
+    (vramcalc/affine.py) and later calls only evaluate c1·b + c0 for each number; where
+    that is not exact the engine runs as written.
     """
     key = _structure_key(scn, every_stage)
     b = scn.training.micro_batch_size
     if key is None or type(b) is not int or not 1 <= b <= _B_MAX:
         return _estimate(scn, every_stage)
     pieces = _PLANS.get(key)
-    if pieces is None:
+    if pieces is None:  # first sight: compiling costs ~2 estimates, so wait for a second
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()
-        pieces = _PLANS[key] = []
+        _PLANS[key] = []
+        return _estimate(scn, every_stage)
     for piece in pieces:
         if piece.lo <= b <= piece.hi:
             break
@@ -465,48 +467,50 @@ _PLANS_MAX = 4096  # structures kept (the whole table is dropped when full)
 _PLANS: dict[tuple, list[_Piece]] = {}
 
 
-class _Piece:
-    """A structure's report for every micro-batch size in [lo, hi]: `fields` as
-    `_report_fields` returns them with each `Affine` replaced by 0 and listed in `affine`
-    as (path, c1, c0); `fields=None` means "run the engine as written"."""
+class _Template:
+    """A dict or list of report values whose `Affine` entries are evaluated at b: `base`
+    with those entries 0, `affine` their (key, c1, c0), `kids` the containers below.
+    Evaluation copies every container; the template itself is never changed."""
 
-    __slots__ = ("lo", "hi", "fields", "strategy", "affine")
+    __slots__ = ("base", "affine", "kids")
+
+    def __init__(self, value: dict[Any, Any] | list[Any]) -> None:
+        self.affine: list[tuple[Any, int, int]] = []
+        self.kids: list[tuple[Any, _Template]] = []
+        base = dict(value) if type(value) is dict else list(value)
+        for key, v in (value.items() if type(value) is dict else enumerate(value)):
+            if type(v) is Affine:
+                self.affine.append((key, v.c1, v.c0))
+                base[key] = 0
+            elif type(v) in (dict, list):  # copied even when constant: reports own them
+                self.kids.append((key, _Template(v)))
+        self.base = base
+
+    def at(self, b: int) -> Any:
+        out = self.base.copy()
+        for key, c1, c0 in self.affine:
+            out[key] = c1 * b + c0
+        for key, kid in self.kids:
+            out[key] = kid.at(b)
+        return out
+
+
+class _Piece:
+    """A structure's report for every micro-batch size in [lo, hi] (`fields` a template of
+    what `_report_fields` returns); without `fields`, "run the engine as written"."""
+
+    __slots__ = ("lo", "hi", "fields", "strategy")
 
     def __init__(self, lo: int, hi: int, fields: dict[str, Any] | None = None,
                  strategy: dict[str, object] | None = None) -> None:
-        self.lo, self.hi, self.fields, self.strategy = lo, hi, fields, strategy
-        self.affine: list[tuple[tuple[Any, ...], int, int]] = []
-        if fields is not None:
-            self.fields = self._strip(fields, ())
-
-    def _strip(self, value: Any, path: tuple[Any, ...]) -> Any:
-        if type(value) is Affine:
-            self.affine.append((path, value.c1, value.c0))
-            return 0
-        if type(value) is dict:
-            return {k: self._strip(v, (*path, k)) for k, v in value.items()}
-        if type(value) is list and path == ("stages",):
-            return [self._strip(v, (*path, i)) for i, v in enumerate(value)]
-        return value
+        self.lo, self.hi, self.strategy = lo, hi, strategy
+        self.fields = _Template(fields) if fields is not None else None
 
     def report(self, scn: Scenario, b: int) -> MemoryReport:
         assert self.fields is not None and self.strategy is not None
-        f = dict(self.fields)
-        copied: set[tuple[Any, ...]] = set()
-        for path, c1, c0 in self.affine:
-            # copy the containers on the way down (the piece's own stay untouched)
-            node = f
-            for depth in range(len(path) - 1):
-                sub = path[: depth + 1]
-                if sub not in copied:
-                    node[path[depth]] = (dict if type(node[path[depth]]) is dict else list)(
-                        node[path[depth]])
-                    copied.add(sub)
-                node = node[path[depth]]
-            node[path[-1]] = c1 * b + c0
-        strategy = dict(self.strategy)
+        strategy = self.strategy.copy()
         strategy["micro_batch_size"] = b
-        return _assemble(scn, f, strategy)
+        return _assemble(scn, self.fields.at(b), strategy)
 
 
 def _compile(scn: Scenario, every_stage: bool, b: int) -> _Piece:
