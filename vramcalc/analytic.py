@@ -17,6 +17,7 @@ forward and backward (they are created lazily by the first optimizer step).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from vramcalc.affine import Affine, Split, whole
@@ -379,8 +380,11 @@ def _assemble(scn: Scenario, fields: dict[str, Any], strategy: dict[str, object]
     model_construct from ints this module computed (pydantic re-validation was a quarter
     of an estimate's time); tests/test_properties.py checks the terms add up."""
     fits, headroom = fit_verdict(scn, fields["device_total_bytes"])
+    terms = Terms.model_construct(**fields["terms"])
     stages = [StageReport.model_construct(
-        stage=st["stage"], num_layers=st["num_layers"], terms=Terms.model_construct(**st["terms"]),
+        stage=st["stage"], num_layers=st["num_layers"],
+        # the worst stage's terms are the report's: one (immutable) object for both
+        terms=terms if st["terms"] == fields["terms"] else Terms.model_construct(**st["terms"]),
         peak_allocated_bytes=st["peak_allocated_bytes"],
         device_total_bytes=st["device_total_bytes"]) for st in fields["stages"]]
     return MemoryReport.model_construct(
@@ -388,7 +392,7 @@ def _assemble(scn: Scenario, fields: dict[str, Any], strategy: dict[str, object]
         model=fields["model"],
         strategy=strategy,
         gpu=fields["gpu"],
-        terms=Terms.model_construct(**fields["terms"]),
+        terms=terms,
         subterms=fields["subterms"],
         phases=fields["phases"],
         peak_phase=fields["peak_phase"],
@@ -536,7 +540,9 @@ def _compile(scn: Scenario, every_stage: bool, b: int) -> _Piece:
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
-_CLUSTER_KEYS: dict[int, tuple[object, object]] = {}
+_TOKENS: dict[Any, int] = {}  # an input record's contents -> its token
+_TOKEN_OF: dict[int, tuple[Any, int]] = {}  # id(record) -> (record, token), kept alive
+_NEXT_TOKEN = itertools.count()  # never reused, so a token is never stale
 
 
 def _field_names(obj: Any) -> tuple[str, ...]:
@@ -554,18 +560,21 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-def _cluster_key(cluster: Any) -> Any:
-    """A hashable value equal for equal clusters (memoised per object: they hold lists)."""
-    if cluster is None:
-        return None
-    hit = _CLUSTER_KEYS.get(id(cluster))
-    if hit is not None and hit[0] is cluster:
+def _token(record: Any) -> int:
+    """An int equal for records of equal contents (model, layout, cluster): their dump is
+    compared once per object, later lookups go by identity (records are frozen)."""
+    hit = _TOKEN_OF.get(id(record))
+    if hit is not None and hit[0] is record:
         return hit[1]
-    if len(_CLUSTER_KEYS) >= 256:
-        _CLUSTER_KEYS.clear()
-    key = _frozen(cluster.model_dump())
-    _CLUSTER_KEYS[id(cluster)] = (cluster, key)
-    return key
+    if len(_TOKEN_OF) >= 4096:
+        _TOKEN_OF.clear()
+        _TOKENS.clear()
+    contents = (type(record), _frozen(record.model_dump()))
+    token = _TOKENS.get(contents)
+    if token is None:
+        token = _TOKENS[contents] = next(_NEXT_TOKEN)
+    _TOKEN_OF[id(record)] = (record, token)
+    return token
 
 
 def _structure_key(scn: Scenario, every_stage: bool) -> tuple | None:
@@ -576,8 +585,8 @@ def _structure_key(scn: Scenario, every_stage: bool) -> tuple | None:
         if name == "training":
             key.append(tuple([getattr(value, n) for n in _field_names(value)
                               if n != "micro_batch_size"]))
-        elif name == "cluster":
-            key.append(_cluster_key(value))
+        elif hasattr(value, "model_dump"):
+            key.append(_token(value))
         else:
             key.append(value)
     out = tuple(key)
