@@ -202,3 +202,24 @@ class Affine:
 def whole(x: Any) -> Any:
     """int(x) for a number; an `Affine` stays one (its value is an integer already)."""
     return x.whole() if type(x) is Affine else int(x)
+
+
+class Max:
+    """The largest of `values` (ints and Affines of one domain) where which one is largest
+    depends on b: kept for evaluation at a given b (no arithmetic on it)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: tuple[Any, ...]) -> None:
+        self.values = values
+
+    def at(self, b: int) -> int:
+        return max(v.at(b) if type(v) is Affine else v for v in self.values)
+
+
+def largest(*values: Any) -> Any:
+    """max(values), or a `Max` when the answer depends on b (no domain split)."""
+    try:
+        return max(values)
+    except Split:
+        return Max(values)

@@ -18,9 +18,11 @@ forward and backward (they are created lazily by the first optimizer step).
 from __future__ import annotations
 
 import itertools
+import operator
+from collections.abc import Callable
 from typing import Any
 
-from vramcalc.affine import Affine, Split, whole
+from vramcalc.affine import Affine, Max, Split, largest, whole
 from vramcalc.errors import InputError
 from vramcalc.offload import offload_footprint
 from vramcalc.report import GPUInfo, MemoryReport, ModelInfo, StageReport, Terms
@@ -326,10 +328,8 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     phases = [forward, backward, optimizer]
 
     # first step: no optimizer states during forward/backward (created by the first step)
-    first = max(
-        max(p.total for p in (forward, backward)) - opt["states"],
-        optimizer.total,
-    )
+    first = largest(forward.total - opt["states"], backward.total - opt["states"],
+                    optimizer.total)
     live = sum(t.count for t in ctx.tensors) + sum(t.count for t in ctx.train_tensors) * (
         2 + (2 if train.optimizer in ("adam", "adamw") else 1)) + int(k * nL * 12)
     return phases, first, live
@@ -473,19 +473,22 @@ _PLANS: dict[tuple, list[_Piece]] = {}
 
 class _Template:
     """A dict or list of report values whose `Affine` entries are evaluated at b: `base`
-    with those entries 0, `affine` their (key, c1, c0), `kids` the containers below.
+    with those entries 0, `affine` their (key, c1, c0), `kids` the containers below (and
+    the `Max`es, which are evaluated the same way).
     Evaluation copies every container; the template itself is never changed."""
 
     __slots__ = ("base", "affine", "kids")
 
     def __init__(self, value: dict[Any, Any] | list[Any]) -> None:
         self.affine: list[tuple[Any, int, int]] = []
-        self.kids: list[tuple[Any, _Template]] = []
+        self.kids: list[tuple[Any, _Template | Max]] = []
         base = dict(value) if type(value) is dict else list(value)
         for key, v in (value.items() if type(value) is dict else enumerate(value)):
             if type(v) is Affine:
                 self.affine.append((key, v.c1, v.c0))
                 base[key] = 0
+            elif type(v) is Max:
+                self.kids.append((key, v))
             elif type(v) in (dict, list):  # copied even when constant: reports own them
                 self.kids.append((key, _Template(v)))
         self.base = base
@@ -577,18 +580,29 @@ def _token(record: Any) -> int:
     return token
 
 
+_PLAIN = (str, int, float, bool, type(None))
+_GETTERS: dict[tuple[type, type], tuple[Callable[[Any], tuple], Callable[[Any], tuple]]] = {}
+
+
 def _structure_key(scn: Scenario, every_stage: bool) -> tuple | None:
-    """Every input of the estimate but the micro-batch size (None when not hashable)."""
+    """Every input of the estimate but the micro-batch size: plain values, the training
+    options' values, a token per other record (None when something is not hashable)."""
+    training = scn.training
+    getters = _GETTERS.get((type(scn), type(training)))
+    if getters is None:
+        getters = _GETTERS[type(scn), type(training)] = (
+            operator.attrgetter(*_field_names(scn)),
+            operator.attrgetter(*[n for n in _field_names(training) if n != "micro_batch_size"]))
     key: list[Any] = [every_stage]
-    for name in _field_names(scn):
-        value = getattr(scn, name)
-        if name == "training":
-            key.append(tuple([getattr(value, n) for n in _field_names(value)
-                              if n != "micro_batch_size"]))
+    for value in getters[0](scn):
+        if value is training:
+            key.append(getters[1](value))
+        elif type(value) in _PLAIN:
+            key.append(value)
         elif hasattr(value, "model_dump"):
             key.append(_token(value))
         else:
-            key.append(value)
+            return None
     out = tuple(key)
     try:
         hash(out)
