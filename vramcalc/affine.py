@@ -68,12 +68,14 @@ class Affine:
         if flt:
             # every float on the way must be an exact integer: narrow the domain to where
             # |c1·b + c0| <= 2**53 (an interval), or refuse
+            cuts = []
             for v in (self, Affine(c1, c0, self.lo, self.hi)):
                 if v.c1 and abs(v.at(self.lo)) > _EXACT:
                     raise NotAffine
-                if v.c1 and abs(v.at(self.hi)) > _EXACT:
-                    lim = _EXACT - v.c0 if v.c1 > 0 else -_EXACT - v.c0
-                    raise Split(lim // v.c1 if v.c1 > 0 else lim // v.c1)
+                if v.c1 and abs(v.at(self.hi)) > _EXACT:  # the last b within the bound
+                    cuts.append(((_EXACT if v.c1 > 0 else -_EXACT) - v.c0) // v.c1)
+            if cuts:
+                raise Split(min(cuts))
             if not c1:
                 return float(c0)
         return Affine(c1, c0, self.lo, self.hi, flt) if c1 else c0
@@ -91,6 +93,8 @@ class Affine:
 
     # ---- arithmetic ------------------------------------------------------------------
     def __add__(self, other: object) -> Affine | int | float:
+        if type(other) is int and not self.flt:  # the common case, fast
+            return Affine(self.c1, self.c0 + other, self.lo, self.hi)
         c1, c0, flt = self._coefs(other)
         return self._new(self.c1 + c1, self.c0 + c0, flt or self.flt)
 
@@ -105,12 +109,16 @@ class Affine:
         return self._new(c1 - self.c1, c0 - self.c0, flt or self.flt)
 
     def __neg__(self) -> Affine | int | float:
+        if not self.flt:
+            return Affine(-self.c1, -self.c0, self.lo, self.hi)
         return self._new(-self.c1, -self.c0, self.flt)
 
     def __pos__(self) -> Affine:
         return self
 
     def __mul__(self, other: object) -> Affine | int | float:
+        if type(other) is int and not self.flt:  # the common case, fast
+            return Affine(self.c1 * other, self.c0 * other, self.lo, self.hi) if other else 0
         c1, c0, flt = self._coefs(other)
         if c1:
             raise NotAffine  # quadratic in b
@@ -129,7 +137,7 @@ class Affine:
             return q
         if type(other) is not int or not other or self.c1 % other:
             raise NotAffine
-        return self._new(self.c1 // other, self.c0 // other, False)
+        return Affine(self.c1 // other, self.c0 // other, self.lo, self.hi)
 
     def __mod__(self, other: object) -> int:
         if self.flt or type(other) is not int or not other or self.c1 % other:
