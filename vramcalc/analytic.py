@@ -371,8 +371,8 @@ def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:
 
 def _estimate(scn: Scenario, every_stage: bool) -> MemoryReport:
     """The engine as written, for one scenario."""
-    fields = _report_fields(scn, every_stage)
-    return _assemble(scn, fields, strategy_dict(scn.resolved()))
+    resolved, fields = _report_fields(scn, every_stage)
+    return _assemble(scn, fields, strategy_dict(resolved))
 
 
 def _assemble(scn: Scenario, fields: dict[str, Any], strategy: dict[str, object]) -> MemoryReport:
@@ -408,9 +408,10 @@ def _assemble(scn: Scenario, fields: dict[str, Any], strategy: dict[str, object]
     )
 
 
-def _report_fields(scn: Scenario, every_stage: bool) -> dict[str, Any]:
+def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, dict[str, Any]]:
     """Everything a report holds but the strategy and the fit verdict, as plain values (ints, or `Affine`s of b
-    when `_compile` runs the engine with a symbolic micro-batch size)."""
+    when `_compile` runs the engine with a symbolic micro-batch size), and the resolved
+    scenario."""
     scn = scn.resolved()
     if scn.training.precision == "fp8" or scn.training.qat != "none":
         from vramcalc.terms.lowprec import check_lowprec
@@ -447,7 +448,7 @@ def _report_fields(scn: Scenario, every_stage: bool) -> dict[str, Any]:
     for key, val in ovh.items():
         subterms[f"overhead/{key}"] = val
     ctx0 = RankContext(scn.model, scn.training, scn.parallel, st)
-    return {
+    return scn, {
         "model": model_info(scn),
         "gpu": gpu_info(scn),
         "terms": terms,
@@ -467,7 +468,7 @@ def _report_fields(scn: Scenario, every_stage: bool) -> dict[str, Any]:
 # ---- reports compiled per structure ---------------------------------------------------------
 _B_MAX = 2**20  # the symbolic b's domain: [2, _B_MAX] (micro-batch sizes are <= 10**6)
 _MAX_SPLITS = 8  # domain splits (comparisons that flip with b) tried before giving up
-_PLANS_MAX = 4096  # structures kept (the whole table is dropped when full)
+_PLANS_MAX = 1024  # structures kept (the whole table is dropped when full)
 _PLANS: dict[tuple, list[_Piece]] = {}
 
 
@@ -530,7 +531,7 @@ def _compile(scn: Scenario, every_stage: bool, b: int) -> _Piece:
         sym = scn.model_copy(update={"training": tr.model_construct(
             **{**base, "micro_batch_size": Affine.symbol(lo, hi)})})
         try:
-            fields = _report_fields(sym, every_stage)
+            fields = _report_fields(sym, every_stage)[1]
         except Split as cut:
             lo, hi = (lo, cut.at) if b <= cut.at else (cut.at + 1, hi)
             continue
