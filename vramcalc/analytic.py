@@ -375,37 +375,48 @@ def _estimate(scn: Scenario, every_stage: bool) -> MemoryReport:
     return _assemble(scn, fields, strategy_dict(resolved))
 
 
-def _assemble(scn: Scenario, fields: dict[str, Any], strategy: dict[str, object]) -> MemoryReport:
-    """The report from `_report_fields`' numbers and the fit verdict: built with
-    model_construct from ints this module computed (pydantic re-validation was a quarter
-    of an estimate's time); tests/test_properties.py checks the terms add up."""
+def _assemble(scn: Scenario, fields: dict[str, Any], strategy: dict[str, object],
+              like: MemoryReport | None = None) -> MemoryReport:
+    """The report from `_report_fields`' numbers and the fit verdict, built without
+    re-validating the ints this module computed (pydantic re-validation was a quarter of an
+    estimate's time; tests/test_properties.py checks the terms add up): with
+    model_construct, or as a copy of `like` (an earlier report of the same structure:
+    model_copy is ~3x cheaper than pydantic's model_construct) with every field that can
+    differ replaced."""
     fits, headroom = fit_verdict(scn, fields["device_total_bytes"])
-    terms = Terms.model_construct(**fields["terms"])
-    stages = [StageReport.model_construct(
-        stage=st["stage"], num_layers=st["num_layers"],
+    terms = _record(Terms, like and like.terms, fields["terms"])
+    stages = [_record(StageReport, like and like.stages[i], {
+        "stage": st["stage"], "num_layers": st["num_layers"],
         # the worst stage's terms are the report's: one (immutable) object for both
-        terms=terms if st["terms"] == fields["terms"] else Terms.model_construct(**st["terms"]),
-        peak_allocated_bytes=st["peak_allocated_bytes"],
-        device_total_bytes=st["device_total_bytes"]) for st in fields["stages"]]
-    return MemoryReport.model_construct(
-        engine="analytic",
-        model=fields["model"],
-        strategy=strategy,
-        gpu=fields["gpu"],
-        terms=terms,
-        subterms=fields["subterms"],
-        phases=fields["phases"],
-        peak_phase=fields["peak_phase"],
-        peak_allocated_bytes=fields["peak_allocated_bytes"],
-        first_step_peak_bytes=fields["first_step_peak_bytes"],
-        device_total_bytes=fields["device_total_bytes"],
-        fits=fits,
-        headroom_bytes=headroom,
-        host_bytes_per_node=fields["host_bytes_per_node"],
-        nvme_bytes_per_node=fields["nvme_bytes_per_node"],
-        stages=stages,
-        notes=list(fields["notes"]),
-    )
+        "terms": terms if st["terms"] == fields["terms"] else _record(
+            Terms, like and like.stages[i].terms, st["terms"]),
+        "peak_allocated_bytes": st["peak_allocated_bytes"],
+        "device_total_bytes": st["device_total_bytes"]}) for i, st in enumerate(fields["stages"])]
+    return _record(MemoryReport, like, {
+        "engine": "analytic",
+        "model": fields["model"],
+        "strategy": strategy,
+        "gpu": fields["gpu"],
+        "terms": terms,
+        "subterms": fields["subterms"],
+        "phases": fields["phases"],
+        "peak_phase": fields["peak_phase"],
+        "peak_allocated_bytes": fields["peak_allocated_bytes"],
+        "first_step_peak_bytes": fields["first_step_peak_bytes"],
+        "device_total_bytes": fields["device_total_bytes"],
+        "fits": fits,
+        "headroom_bytes": headroom,
+        "host_bytes_per_node": fields["host_bytes_per_node"],
+        "nvme_bytes_per_node": fields["nvme_bytes_per_node"],
+        "stages": stages,
+        "notes": list(fields["notes"]),
+    })
+
+
+def _record(cls: Any, like: Any, values: dict[str, Any]) -> Any:
+    """cls.model_construct(**values), or `like` (same class, every field in `values`) with
+    them replaced."""
+    return like.model_copy(update=values) if like is not None else cls.model_construct(**values)
 
 
 def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, dict[str, Any]]:
@@ -507,18 +518,22 @@ class _Piece:
     """A structure's report for every micro-batch size in [lo, hi] (`fields` a template of
     what `_report_fields` returns); without `fields`, "run the engine as written"."""
 
-    __slots__ = ("lo", "hi", "fields", "strategy")
+    __slots__ = ("lo", "hi", "fields", "strategy", "like")
 
     def __init__(self, lo: int, hi: int, fields: dict[str, Any] | None = None,
                  strategy: dict[str, object] | None = None) -> None:
         self.lo, self.hi, self.strategy = lo, hi, strategy
         self.fields = _Template(fields) if fields is not None else None
+        self.like: MemoryReport | None = None  # the first report, copied for later ones
 
     def report(self, scn: Scenario, b: int) -> MemoryReport:
         assert self.fields is not None and self.strategy is not None
         strategy = self.strategy.copy()
         strategy["micro_batch_size"] = b
-        return _assemble(scn, self.fields.at(b), strategy)
+        out = _assemble(scn, self.fields.at(b), strategy, self.like)
+        if self.like is None:
+            self.like = out
+        return out
 
 
 def _compile(scn: Scenario, every_stage: bool, b: int) -> _Piece:
