@@ -414,15 +414,29 @@ def _assemble(scn: Scenario, fields: dict[str, Any], strategy: dict[str, object]
 
 
 def _record(cls: Any, like: Any, values: dict[str, Any]) -> Any:
-    """cls.model_construct(**values), or `like` (same class, every field in `values`) with
-    them replaced."""
-    return like.model_copy(update=values) if like is not None else cls.model_construct(**values)
+    """cls.model_construct(**values), or, when `values` names every field (a copy must not
+    keep any of `like`'s), `like` with them replaced."""
+    if like is not None and len(values) == len(_field_names(like)):
+        return like.model_copy(update=values)
+    return cls.model_construct(**values)
 
 
-def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, dict[str, Any]]:
-    """Everything a report holds but the strategy and the fit verdict, as plain values (ints, or `Affine`s of b
-    when `_compile` runs the engine with a symbolic micro-batch size), and the resolved
-    scenario."""
+class _StageRun:
+    """One pipeline stage's phases (steady state), first-step peak and overhead."""
+
+    __slots__ = ("stage", "num_layers", "phases", "first", "overhead")
+
+    def __init__(self, stage: int, num_layers: int, phases: list[Phase], first: int,
+                 overhead: dict[str, int]) -> None:
+        self.stage, self.num_layers, self.phases = stage, num_layers, phases
+        self.first, self.overhead = first, overhead
+
+
+def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
+    """The resolved scenario, and everything a report holds but the strategy and the fit
+    verdict, as plain values (ints, or `Affine`s of b when `_compile` runs the engine with
+    a symbolic micro-batch size; then, where which phase or stage peaks depends on b, a
+    `_Chooser` that picks at each b)."""
     scn = scn.resolved()
     if scn.training.precision == "fp8" or scn.training.qat != "none":
         from vramcalc.terms.lowprec import check_lowprec
@@ -431,49 +445,105 @@ def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, dict[str
     gpu = scn.cluster.gpu if scn.cluster else None
     gpu_id = gpu.id if gpu else None
     stages = list(range(scn.parallel.pp)) if every_stage else candidate_stages(scn)
-    stage_rows: list[dict[str, Any]] = []
-    worst: tuple[int, list[Phase], int, int, int, dict[str, int]] | None = None
+    runs = []
     for st in stages:
         phases, first, live = _stage_phases(scn, st, gpu_id)
-        peak_phase = max(phases, key=lambda p: p.total)
         ovh = overhead_split(gpu.context_overhead_bytes if gpu else 0, scn.world_size, live)
         ovh.update(_paged_overhead(scn, st))
-        total = peak_phase.total + sum(ovh.values())
-        t = peak_phase.terms()
-        t["overhead"] = sum(ovh.values())
         nl = RankContext(scn.model, scn.training, scn.parallel, st).num_layers
-        stage_rows.append({"stage": st, "num_layers": nl, "terms": t,
-                           "peak_allocated_bytes": peak_phase.total,
-                           "device_total_bytes": total})
-        if worst is None or total > worst[0]:
-            worst = (total, phases, first, st, live, ovh)
-    assert worst is not None
-    total, phases, first, st, live, ovh = worst
-    peak_phase = max(phases, key=lambda p: p.total)
+        runs.append(_StageRun(st, nl, phases, first, ovh))
+    common = {"model": model_info(scn), "gpu": gpu_info(scn), "notes": _notes(scn)}
+    try:
+        pick = _pick(runs)
+    except Split:  # only with a symbolic b: the answer is picked again at each b
+        return scn, _Chooser(scn, runs, common)
+    return scn, _fields(scn, runs, pick, common)
+
+
+def _pick(runs: list[_StageRun], b: int | None = None) -> tuple[tuple[int, ...], int]:
+    """Each stage's peak phase (the first largest) and the worst stage (the first with the
+    largest device total), with the totals evaluated at b when given."""
+    def value(x: Any) -> Any:
+        return x.at(b) if b is not None and type(x) is Affine else x
+
+    peaks: list[int] = []
+    worst, worst_total = 0, None
+    for i, run in enumerate(runs):
+        totals = [value(p.total) for p in run.phases]
+        peak = max(range(len(totals)), key=totals.__getitem__)
+        peaks.append(peak)
+        total = totals[peak] + value(sum(run.overhead.values()))
+        if worst_total is None or total > worst_total:
+            worst, worst_total = i, total
+    return tuple(peaks), worst
+
+
+def _fields(scn: Scenario, runs: list[_StageRun], pick: tuple[tuple[int, ...], int],
+            common: dict[str, Any], outside: dict[int, tuple[int, int]] | None = None
+            ) -> dict[str, Any]:
+    """The report's values for the peak phases and worst stage `pick`. `outside`: host
+    and NVMe bytes per stage, when computed beforehand."""
+    peaks, worst = pick
+    stage_rows: list[dict[str, Any]] = []
+    for run, peak in zip(runs, peaks, strict=True):
+        phase = run.phases[peak]
+        t = phase.terms()
+        t["overhead"] = sum(run.overhead.values())
+        stage_rows.append({"stage": run.stage, "num_layers": run.num_layers, "terms": t,
+                           "peak_allocated_bytes": phase.total,
+                           "device_total_bytes": phase.total + sum(run.overhead.values())})
+    run = runs[worst]
+    peak_phase = run.phases[peaks[worst]]
     terms = peak_phase.terms()
-    terms["overhead"] = sum(ovh.values())
+    terms["overhead"] = sum(run.overhead.values())
     subterms: dict[str, int] = {}
     for key, val in peak_phase.parts.items():
         if "/" in key:
             subterms[key] = val
-    for key, val in ovh.items():
+    for key, val in run.overhead.items():
         subterms[f"overhead/{key}"] = val
-    ctx0 = RankContext(scn.model, scn.training, scn.parallel, st)
-    return scn, {
-        "model": model_info(scn),
-        "gpu": gpu_info(scn),
+    host_nvme = outside[run.stage] if outside is not None else _outside(scn, run.stage)
+    return {
+        "model": common["model"],
+        "gpu": common["gpu"],
         "terms": terms,
         "subterms": subterms,
-        "phases": {p.name: p.total for p in phases},
+        "phases": {p.name: p.total for p in run.phases},
         "peak_phase": peak_phase.name,
         "peak_allocated_bytes": peak_phase.total,
-        "first_step_peak_bytes": first,
-        "device_total_bytes": total,
-        "host_bytes_per_node": host_bytes_per_node(scn, ctx0),
-        "nvme_bytes_per_node": nvme_bytes_per_node(scn, ctx0),
+        "first_step_peak_bytes": run.first,
+        "device_total_bytes": peak_phase.total + sum(run.overhead.values()),
+        "host_bytes_per_node": host_nvme[0],
+        "nvme_bytes_per_node": host_nvme[1],
         "stages": stage_rows if scn.parallel.pp > 1 else [],
-        "notes": _notes(scn),
+        "notes": common["notes"],
     }
+
+
+def _outside(scn: Scenario, stage: int) -> tuple[int, int]:
+    """Host RAM and NVMe bytes per node when `stage` is the worst rank."""
+    ctx = RankContext(scn.model, scn.training, scn.parallel, stage)
+    return host_bytes_per_node(scn, ctx), nvme_bytes_per_node(scn, ctx)
+
+
+class _Chooser:
+    """A structure's report values where which phase or stage peaks depends on b: picked
+    at each b as `_pick` picks them, each pick's values compiled once (`_Template`)."""
+
+    __slots__ = ("scn", "runs", "common", "outside", "templates")
+
+    def __init__(self, scn: Scenario, runs: list[_StageRun], common: dict[str, Any]) -> None:
+        self.scn, self.runs, self.common = scn, runs, common
+        self.outside = {run.stage: _outside(scn, run.stage) for run in runs}
+        self.templates: dict[tuple[tuple[int, ...], int], _Template] = {}
+
+    def at(self, b: int) -> dict[str, Any]:
+        pick = _pick(self.runs, b)
+        template = self.templates.get(pick)
+        if template is None:
+            template = self.templates[pick] = _Template(
+                _fields(self.scn, self.runs, pick, self.common, self.outside))
+        return template.at(b)
 
 
 # ---- reports compiled per structure ---------------------------------------------------------
@@ -520,10 +590,10 @@ class _Piece:
 
     __slots__ = ("lo", "hi", "fields", "strategy", "like")
 
-    def __init__(self, lo: int, hi: int, fields: dict[str, Any] | None = None,
+    def __init__(self, lo: int, hi: int, fields: dict[str, Any] | _Chooser | None = None,
                  strategy: dict[str, object] | None = None) -> None:
         self.lo, self.hi, self.strategy = lo, hi, strategy
-        self.fields = _Template(fields) if fields is not None else None
+        self.fields = _Template(fields) if type(fields) is dict else fields
         self.like: MemoryReport | None = None  # the first report, copied for later ones
 
     def report(self, scn: Scenario, b: int) -> MemoryReport:
