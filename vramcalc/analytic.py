@@ -655,9 +655,10 @@ def _token(record: Any) -> int:
     hit = _TOKEN_OF.get(id(record))
     if hit is not None and hit[0] is record:
         return hit[1]
-    if len(_TOKEN_OF) >= 4096:
+    if len(_TOKEN_OF) >= 4096:  # (planners copy records freely: many objects, few contents)
         _TOKEN_OF.clear()
-        _TOKENS.clear()
+        if len(_TOKENS) >= 65536:
+            _TOKENS.clear()  # equal contents then get a new token: a cache miss, never stale
     contents = (type(record), _frozen(record.model_dump()))
     token = _TOKENS.get(contents)
     if token is None:
