@@ -650,8 +650,8 @@ def _frozen(value: Any) -> Any:
 
 
 def _token(record: Any) -> int:
-    """An int equal for records of equal contents (model, layout, cluster): their dump is
-    compared once per object, later lookups go by identity (records are frozen)."""
+    """An int equal for records of equal contents (model, layout, cluster): their contents
+    are compared once per object, later lookups go by identity (records are frozen)."""
     hit = _TOKEN_OF.get(id(record))
     if hit is not None and hit[0] is record:
         return hit[1]
@@ -659,8 +659,12 @@ def _token(record: Any) -> int:
         _TOKEN_OF.clear()
         if len(_TOKENS) >= 65536:
             _TOKENS.clear()  # equal contents then get a new token: a cache miss, never stale
-    contents = (type(record), _frozen(record.model_dump()))
-    token = _TOKENS.get(contents)
+    try:  # records hash and compare by field values
+        contents = record
+        token = _TOKENS.get(contents)
+    except TypeError:  # one holds a list (a cluster's GPU profile): compare its dump
+        contents = (type(record), _frozen(record.model_dump()))
+        token = _TOKENS.get(contents)
     if token is None:
         token = _TOKENS[contents] = next(_NEXT_TOKEN)
     _TOKEN_OF[id(record)] = (record, token)
