@@ -185,7 +185,8 @@ def run(items: list[tuple[str, Any]]) -> dict[str, Any]:
 def _diff(base: dict[str, Any], new: dict[str, Any], label: str) -> int:
     bad = 0
     for key in base.keys() | new.keys():
-        if base.get(key) != new.get(key):
+        # as JSON text: 3 and 3.0 differ (the CLI's --json prints them differently)
+        if json.dumps(base.get(key), sort_keys=True) != json.dumps(new.get(key), sort_keys=True):
             bad += 1
             if bad <= 5:
                 a, b = base.get(key), new.get(key)
@@ -203,6 +204,9 @@ def main() -> None:
         print(f"{len(items)} scenarios x 2 written to {path}")
         return
     base = json.loads(path.read_text())
+    from vramcalc import analytic
+
+    analytic._PLANS_MAX = 10**6  # keep every structure: the second pass then runs compiled
     first = json.loads(json.dumps(run(items)))
     # again in another order, each scenario estimated twice (warm caches from neighbours)
     shuffled = items[::-1] + items[::2]
@@ -210,6 +214,10 @@ def main() -> None:
     second = json.loads(json.dumps(run(shuffled)))
     bad = _diff(base, first, "in order") + _diff(base, second, "shuffled")
     errors = sum(1 for v in base.values() if "error" in v)
+    kinds = [type(p.fields).__name__ for ps in analytic._PLANS.values() for p in ps]
+    print(f"compiled pieces: {kinds.count('_Template') + kinds.count('_Chooser')} "
+          f"({kinds.count('_Chooser')} picking the peak at each b), "
+          f"engine as written: {kinds.count('NoneType')}")
     print(f"{len(items)} scenarios x 2 ({errors} InputErrors): "
           f"{'IDENTICAL' if not bad else f'{bad} DIFFERENCES'}")
     sys.exit(1 if bad else 0)

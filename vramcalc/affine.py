@@ -6,8 +6,11 @@ engine can be run once with b replaced by `Affine.symbol(lo, hi)` and the report
 returns evaluated at any b in [lo, hi] with a few multiplications (vramcalc/analytic.py,
 `estimate`). That is sound because every operation is exact or refuses:
 
-- +, −, × by an int stay affine; × by another b-dependent value or by a float, /, float(),
-  int(), str() and format() raise `NotAffine`;
+- +, −, × by an int stay affine, and so do + − × by whole-number floats as long as every
+  value on the way is an integer below 2**53 (floats hold those exactly; `flt` marks a
+  value the engine holds as a float, `whole` is the exact int()); × by another
+  b-dependent value or by a fraction, /, float(), int(), str() and format() raise
+  `NotAffine`;
 - `x // n` and `x % n` are exact when n divides the slope c1 (then ⌊(c1·b + c0)/n⌋ =
   (c1/n)·b + ⌊c0/n⌋), which covers the allocator's 512-byte rounding for most shapes;
   otherwise they raise `NotAffine`;
@@ -77,6 +80,8 @@ class Affine:
             if cuts:
                 raise Split(min(cuts))
             if not c1:
+                if abs(c0) > _EXACT:
+                    raise NotAffine
                 return float(c0)
         return Affine(c1, c0, self.lo, self.hi, flt) if c1 else c0
 

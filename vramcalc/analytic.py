@@ -22,7 +22,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from vramcalc.affine import Affine, Max, Split, largest, whole
+from vramcalc.affine import Affine, Max, NotAffine, Split, largest, whole
 from vramcalc.errors import InputError
 from vramcalc.offload import offload_footprint
 from vramcalc.report import GPUInfo, MemoryReport, ModelInfo, StageReport, Terms
@@ -534,6 +534,12 @@ class _Chooser:
 
     def __init__(self, scn: Scenario, runs: list[_StageRun], common: dict[str, Any]) -> None:
         self.scn, self.runs, self.common = scn, runs, common
+        for run in runs:  # every value a pick can report (see _fields)
+            for phase in run.phases:
+                for v in (phase.total, *phase.parts.values()):
+                    _exact(v)
+            for v in (run.first, *run.overhead.values()):
+                _exact(v)
         self.outside = {run.stage: _outside(scn, run.stage) for run in runs}
         self.templates: dict[tuple[tuple[int, ...], int], _Template] = {}
 
@@ -553,6 +559,15 @@ _PLANS_MAX = 1024  # structures kept (the whole table is dropped when full)
 _PLANS: dict[tuple, list[_Piece]] = {}
 
 
+def _exact(value: Any) -> None:
+    """Refuse a value the engine would hold as a float (evaluation gives ints)."""
+    if type(value) is Max:
+        for v in value.values:
+            _exact(v)
+    elif type(value) is float or (type(value) is Affine and value.flt):
+        raise NotAffine
+
+
 class _Template:
     """A dict or list of report values whose `Affine` entries are evaluated at b: `base`
     with those entries 0, `affine` their (key, c1, c0), `kids` the containers below (and
@@ -566,6 +581,7 @@ class _Template:
         self.kids: list[tuple[Any, _Template | Max]] = []
         base = dict(value) if type(value) is dict else list(value)
         for key, v in (value.items() if type(value) is dict else enumerate(value)):
+            _exact(v)
             if type(v) is Affine:
                 self.affine.append((key, v.c1, v.c0))
                 base[key] = 0
@@ -616,15 +632,14 @@ def _compile(scn: Scenario, every_stage: bool, b: int) -> _Piece:
         sym = scn.model_copy(update={"training": tr.model_construct(
             **{**base, "micro_batch_size": Affine.symbol(lo, hi)})})
         try:
-            fields = _report_fields(sym, every_stage)[1]
+            return _Piece(lo, hi, _report_fields(sym, every_stage)[1],
+                          strategy_dict(scn.resolved()))
         except Split as cut:
             lo, hi = (lo, cut.at) if b <= cut.at else (cut.at + 1, hi)
-            continue
         except InputError:
             return _Piece(lo, hi)  # refused on this domain: the engine raises it
         except Exception:  # NotAffine, or anything else a symbol cannot pass through
             return _Piece(1, _B_MAX)
-        return _Piece(lo, hi, fields, strategy_dict(scn.resolved()))
     return _Piece(lo, hi)
 
 
