@@ -364,9 +364,8 @@ def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:
     else:
         piece = _compile(scn, every_stage, b)
         pieces.append(piece)
-    if piece.fields is None:
-        return _estimate(scn, every_stage)
-    return piece.report(scn, b)
+    report = piece.report(scn, b) if piece.fields is not None else None
+    return report if report is not None else _estimate(scn, every_stage)
 
 
 def _estimate(scn: Scenario, every_stage: bool) -> MemoryReport:
@@ -541,6 +540,9 @@ class _Chooser:
             for v in (run.first, *run.overhead.values()):
                 _exact(v)
         self.outside = {run.stage: _outside(scn, run.stage) for run in runs}
+        for host_nvme in self.outside.values():
+            for v in host_nvme:
+                _exact(v)
         self.templates: dict[tuple[tuple[int, ...], int], _Template] = {}
 
     def at(self, b: int) -> dict[str, Any]:
@@ -612,11 +614,16 @@ class _Piece:
         self.fields = _Template(fields) if type(fields) is dict else fields
         self.like: MemoryReport | None = None  # the first report, copied for later ones
 
-    def report(self, scn: Scenario, b: int) -> MemoryReport:
+    def report(self, scn: Scenario, b: int) -> MemoryReport | None:
+        """The report at b (None if a pick's values cannot be compiled after all)."""
         assert self.fields is not None and self.strategy is not None
         strategy = self.strategy.copy()
         strategy["micro_batch_size"] = b
-        out = _assemble(scn, self.fields.at(b), strategy, self.like)
+        try:
+            fields = self.fields.at(b)
+        except NotAffine:
+            return None
+        out = _assemble(scn, fields, strategy, self.like)
         if self.like is None:
             self.like = out
         return out
