@@ -636,9 +636,9 @@ def _compile(scn: Scenario, every_stage: bool, b: int) -> _Piece:
     tr = scn.training
     base = tr.model_dump()
     for _ in range(_MAX_SPLITS):
-        sym = scn.model_copy(update={"training": tr.model_construct(
-            **{**base, "micro_batch_size": Affine.symbol(lo, hi)})})
         try:
+            sym = scn.model_copy(update={"training": tr.model_construct(
+                **{**base, "micro_batch_size": Affine.symbol(lo, hi)})})
             return _Piece(lo, hi, _report_fields(sym, every_stage)[1],
                           strategy_dict(scn.resolved()))
         except Split as cut:
