@@ -124,40 +124,42 @@ def test_bound_violation_words() -> None:
 
 
 # ---- the validated-file cache --------------------------------------------------------
-def test_cache_keeps_converted_data_and_revalidates_when_the_code_changes(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def training_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """(a YAML file, its converter that validates a TrainingConfig and records its calls)."""
     monkeypatch.setenv("VRAMCALC_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(yamlio, "_CACHES", {})
-    f = tmp_path / "x.yaml"
-    f.write_text("seq_len: 128\n")
     calls: list[Path] = []
 
     def convert(data: dict, path: Path) -> dict:
         calls.append(path)
         return TrainingConfig(**data).model_dump(mode="json")
 
+    convert.calls = calls  # type: ignore[attr-defined]
+    return tmp_path / "x.yaml", convert
+
+
+def test_cache_keeps_converted_data_and_revalidates_when_the_code_changes(
+        training_file: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    f, convert = training_file
+    f.write_text("seq_len: 128\n")
     first = yamlio.load_file(f, convert, key="v1")
     monkeypatch.setattr(yamlio, "_CACHES", {})  # a new process
-    assert yamlio.load_file(f, convert, key="v1") == first and len(calls) == 1
+    assert yamlio.load_file(f, convert, key="v1") == first and len(convert.calls) == 1
     monkeypatch.setattr(yamlio, "_CACHES", {})
-    assert yamlio.load_file(f, convert, key="v2") == first and len(calls) == 2
+    assert yamlio.load_file(f, convert, key="v2") == first and len(convert.calls) == 2
     assert TrainingConfig.from_dump(first) == TrainingConfig(seq_len=128)
 
 
 def test_a_file_that_fails_validation_is_never_cached(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VRAMCALC_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(yamlio, "_CACHES", {})
-    f = tmp_path / "x.yaml"
+        training_file: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    f, convert = training_file
     f.write_text("seq_len: 0\n")
-
-    def convert(data: dict, path: Path) -> dict:
-        return TrainingConfig(**data).model_dump(mode="json")
-
     for _ in range(2):
         monkeypatch.setattr(yamlio, "_CACHES", {})
         with pytest.raises(ValidationError):
             yamlio.load_file(f, convert, key="v1")
+    assert len(convert.calls) == 2
 
 
 def test_code_key_follows_the_module_files() -> None:
