@@ -374,50 +374,38 @@ def _estimate(scn: Scenario, every_stage: bool) -> MemoryReport:
     return _assemble(scn, fields, strategy_dict(resolved))
 
 
-def _assemble(scn: Scenario, fields: dict[str, Any], strategy: dict[str, object],
-              like: MemoryReport | None = None) -> MemoryReport:
-    """The report from `_report_fields`' numbers and the fit verdict, built without
-    re-validating the ints this module computed (pydantic re-validation was a quarter of an
-    estimate's time; tests/test_properties.py checks the terms add up): with
-    model_construct, or as a copy of `like` (an earlier report of the same structure:
-    model_copy is ~3x cheaper than pydantic's model_construct) with every field that can
-    differ replaced."""
+def _assemble(scn: Scenario, fields: dict[str, Any], strategy: dict[str, object]
+              ) -> MemoryReport:
+    """The report from `_report_fields`' numbers and the fit verdict. Report records trust
+    their values (vramcalc/report.py): nothing is re-validated; tests/test_properties.py
+    checks the terms add up."""
     fits, headroom = fit_verdict(scn, fields["device_total_bytes"])
-    terms = _record(Terms, like and like.terms, fields["terms"])
-    stages = [_record(StageReport, like and like.stages[i], {
-        "stage": st["stage"], "num_layers": st["num_layers"],
+    terms = Terms.model_construct(**fields["terms"])
+    stages = [StageReport.model_construct(
+        stage=st["stage"], num_layers=st["num_layers"],
         # the worst stage's terms are the report's: one (immutable) object for both
-        "terms": terms if st["terms"] == fields["terms"] else _record(
-            Terms, like and like.stages[i].terms, st["terms"]),
-        "peak_allocated_bytes": st["peak_allocated_bytes"],
-        "device_total_bytes": st["device_total_bytes"]}) for i, st in enumerate(fields["stages"])]
-    return _record(MemoryReport, like, {
-        "engine": "analytic",
-        "model": fields["model"],
-        "strategy": strategy,
-        "gpu": fields["gpu"],
-        "terms": terms,
-        "subterms": fields["subterms"],
-        "phases": fields["phases"],
-        "peak_phase": fields["peak_phase"],
-        "peak_allocated_bytes": fields["peak_allocated_bytes"],
-        "first_step_peak_bytes": fields["first_step_peak_bytes"],
-        "device_total_bytes": fields["device_total_bytes"],
-        "fits": fits,
-        "headroom_bytes": headroom,
-        "host_bytes_per_node": fields["host_bytes_per_node"],
-        "nvme_bytes_per_node": fields["nvme_bytes_per_node"],
-        "stages": stages,
-        "notes": list(fields["notes"]),
-    })
-
-
-def _record(cls: Any, like: Any, values: dict[str, Any]) -> Any:
-    """cls.model_construct(**values), or, when `values` names every field (a copy must not
-    keep any of `like`'s), `like` with them replaced."""
-    if like is not None and len(values) == len(_field_names(like)):
-        return like.model_copy(update=values)
-    return cls.model_construct(**values)
+        terms=terms if st["terms"] == fields["terms"] else Terms.model_construct(**st["terms"]),
+        peak_allocated_bytes=st["peak_allocated_bytes"],
+        device_total_bytes=st["device_total_bytes"]) for st in fields["stages"]]
+    return MemoryReport.model_construct(
+        engine="analytic",
+        model=fields["model"],
+        strategy=strategy,
+        gpu=fields["gpu"],
+        terms=terms,
+        subterms=fields["subterms"],
+        phases=fields["phases"],
+        peak_phase=fields["peak_phase"],
+        peak_allocated_bytes=fields["peak_allocated_bytes"],
+        first_step_peak_bytes=fields["first_step_peak_bytes"],
+        device_total_bytes=fields["device_total_bytes"],
+        fits=fits,
+        headroom_bytes=headroom,
+        host_bytes_per_node=fields["host_bytes_per_node"],
+        nvme_bytes_per_node=fields["nvme_bytes_per_node"],
+        stages=stages,
+        notes=list(fields["notes"]),
+    )
 
 
 class _StageRun:
@@ -606,13 +594,12 @@ class _Piece:
     """A structure's report for every micro-batch size in [lo, hi] (`fields` a template of
     what `_report_fields` returns); without `fields`, "run the engine as written"."""
 
-    __slots__ = ("lo", "hi", "fields", "strategy", "like")
+    __slots__ = ("lo", "hi", "fields", "strategy")
 
     def __init__(self, lo: int, hi: int, fields: dict[str, Any] | _Chooser | None = None,
                  strategy: dict[str, object] | None = None) -> None:
         self.lo, self.hi, self.strategy = lo, hi, strategy
         self.fields = _Template(fields) if type(fields) is dict else fields
-        self.like: MemoryReport | None = None  # the first report, copied for later ones
 
     def report(self, scn: Scenario, b: int) -> MemoryReport | None:
         """The report at b (None if a pick's values cannot be compiled after all)."""
@@ -623,10 +610,7 @@ class _Piece:
             fields = self.fields.at(b)
         except NotAffine:
             return None
-        out = _assemble(scn, fields, strategy, self.like)
-        if self.like is None:
-            self.like = out
-        return out
+        return _assemble(scn, fields, strategy)
 
 
 def _compile(scn: Scenario, every_stage: bool, b: int) -> _Piece:
@@ -650,17 +634,9 @@ def _compile(scn: Scenario, every_stage: bool, b: int) -> _Piece:
     return _Piece(lo, hi)
 
 
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 _TOKENS: dict[Any, int] = {}  # an input record's contents -> its token
 _TOKEN_OF: dict[int, tuple[Any, int]] = {}  # id(record) -> (record, token), kept alive
 _NEXT_TOKEN = itertools.count()  # never reused, so a token is never stale
-
-
-def _field_names(obj: Any) -> tuple[str, ...]:
-    names = _FIELD_NAMES.get(type(obj))
-    if names is None:
-        names = _FIELD_NAMES[type(obj)] = tuple(obj.model_dump())
-    return names
 
 
 def _frozen(value: Any) -> Any:
@@ -704,8 +680,9 @@ def _structure_key(scn: Scenario, every_stage: bool) -> tuple | None:
     getters = _GETTERS.get((type(scn), type(training)))
     if getters is None:
         getters = _GETTERS[type(scn), type(training)] = (
-            operator.attrgetter(*_field_names(scn)),
-            operator.attrgetter(*[n for n in _field_names(training) if n != "micro_batch_size"]))
+            operator.attrgetter(*type(scn).model_fields),
+            operator.attrgetter(*[n for n in type(training).model_fields
+                                  if n != "micro_batch_size"]))
     key: list[Any] = [every_stage]
     for value in getters[0](scn):
         if value is training:
