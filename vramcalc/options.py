@@ -181,12 +181,12 @@ def _checked(cls: Any, values: dict[str, Any]) -> Any:
     """A TrainingConfig / ParallelConfig from option values normalize_values coerced and
     choice-checked: the numeric bounds the class declares are checked here, in pydantic's
     words, without importing pydantic (vramcalc/record.py)."""
-    from vramcalc.record import bound_violation
+    from vramcalc.record import first_bound_violation
 
-    for name, value in values.items():
-        problem = bound_violation(cls.model_fields[name], value)
-        if problem:
-            raise InputError(f"--{name.replace('_', '-')}: {problem} (got {value!r})")
+    bad = first_bound_violation(cls, values)
+    if bad:
+        name, problem = bad
+        raise InputError(f"--{name.replace('_', '-')}: {problem} (got {values[name]!r})")
     return cls.model_construct(**values)
 
 

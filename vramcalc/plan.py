@@ -1038,8 +1038,8 @@ def suggest_changes(base: Scenario, req: PlanRequest, profiles: Sequence[GPUProf
 
 def _retrain(base: Scenario, **update: Any) -> Scenario | None:
     """`base` with these training values; None when one is out of its declared bounds."""
-    from vramcalc.record import bound_violation
+    from vramcalc.record import first_bound_violation
 
-    if any(bound_violation(TrainingConfig.model_fields[k], v) for k, v in update.items()):
+    if first_bound_violation(TrainingConfig, update):
         return None
     return base.model_copy(update={"training": base.training.model_copy(update=update)})

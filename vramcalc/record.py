@@ -118,12 +118,16 @@ class Record:
     def model_construct(cls, **values: Any) -> Any:
         """A record from trusted values (defaults filled in, nothing checked)."""
         obj = cls.__new__(cls)
-        d = obj.__dict__
-        d.update(cls._defaults)
-        for name in cls._mutable:
+        obj._fill(values)
+        return obj
+
+    def _fill(self, values: dict[str, Any]) -> None:
+        """Set the fields: the defaults (mutable ones copied), then `values`."""
+        d = self.__dict__
+        d.update(self._defaults)
+        for name in self._mutable:
             d[name] = d[name].copy()
         d.update(values)
-        return obj
 
     @classmethod
     def from_dump(cls, data: dict[str, Any]) -> Any:
@@ -205,11 +209,7 @@ def _trusted_init(self: Record, **values: Any) -> None:
     if missing or unknown:
         raise TypeError(f"{cls.__name__}: missing {missing or 'nothing'}, unknown "
                         f"{unknown or 'nothing'}")
-    d = self.__dict__
-    d.update(cls._defaults)
-    for name in cls._mutable:
-        d[name] = d[name].copy()
-    d.update(values)
+    self._fill(values)
 
 
 def _dump(value: Any, as_json: bool) -> Any:
@@ -239,6 +239,16 @@ def bound_violation(info: FieldInfo, value: Any) -> str | None:
         return f"Input should be less than {c['lt']}"
     if "le" in c and not value <= c["le"]:
         return f"Input should be less than or equal to {c['le']}"
+    return None
+
+
+def first_bound_violation(cls: type[Record], values: dict[str, Any]
+                          ) -> tuple[str, str] | None:
+    """(field, problem) for the first of `values` out of `cls`'s declared bounds, or None."""
+    for name, value in values.items():
+        problem = bound_violation(cls.model_fields[name], value)
+        if problem:
+            return name, problem
     return None
 
 
