@@ -204,9 +204,6 @@ def main() -> None:
         print(f"{len(items)} scenarios x 2 written to {path}")
         return
     base = json.loads(path.read_text())
-    from vramcalc import analytic
-
-    analytic._PLANS_MAX = 10**6  # keep every structure: the second pass then runs compiled
     first = json.loads(json.dumps(run(items)))
     # again in another order, each scenario estimated twice (warm caches from neighbours)
     shuffled = items[::-1] + items[::2]
@@ -214,10 +211,6 @@ def main() -> None:
     second = json.loads(json.dumps(run(shuffled)))
     bad = _diff(base, first, "in order") + _diff(base, second, "shuffled")
     errors = sum(1 for v in base.values() if "error" in v)
-    kinds = [type(p.fields).__name__ for ps in analytic._PLANS.values() for p in ps]
-    print(f"compiled pieces: {kinds.count('_Template') + kinds.count('_Chooser')} "
-          f"({kinds.count('_Chooser')} picking the peak at each b), "
-          f"engine as written: {kinds.count('NoneType')}")
     print(f"{len(items)} scenarios x 2 ({errors} InputErrors): "
           f"{'IDENTICAL' if not bad else f'{bad} DIFFERENCES'}")
     sys.exit(1 if bad else 0)

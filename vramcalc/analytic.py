@@ -17,12 +17,8 @@ forward and backward (they are created lazily by the first optimizer step).
 
 from __future__ import annotations
 
-import itertools
-import operator
-from collections.abc import Callable
 from typing import Any
 
-from vramcalc.affine import Affine, Max, NotAffine, Split, largest, whole
 from vramcalc.errors import InputError
 from vramcalc.offload import offload_footprint
 from vramcalc.report import GPUInfo, MemoryReport, ModelInfo, StageReport, Terms
@@ -218,10 +214,10 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
 
     def fwd_point(activations: int, logits: int, extra: dict[str, int]) -> Phase:
         return Phase("forward", B, g_acc, {
-            "activations": whole(activations),
-            "transients/autocast_cache": whole(k * C_mb),
+            "activations": int(activations),
+            "transients/autocast_cache": int(k * C_mb),
             "transients/gather_buffers": gather,
-            "logits": whole(prev * logits_keep) + logits,
+            "logits": int(prev * logits_keep) + logits,
             **extra,
         })
 
@@ -243,12 +239,12 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
         top_bytes = A_moe if top_moe else A_dense
         qkv_share = 1 - P.grad_fraction["mlp+o"]  # casts made so far
         eager = Phase("forward", B, g_acc, {
-            "activations": whole(prev * A_mb + (A_bottom(nL - 1) if offload else A_bottom(nL)
+            "activations": int(prev * A_mb + (A_bottom(nL - 1) if offload else A_bottom(nL)
                                               - top_bytes) + eager_held + A_emb),
-            "transients/autocast_cache": whole(prev * C_mb + (nL - 1 + qkv_share) * cache_layer),
+            "transients/autocast_cache": int(prev * C_mb + (nL - 1 + qkv_share) * cache_layer),
             "transients/gather_buffers": gather,
             "transients/layer_forward": eager_work,
-            "logits": whole(prev * logits_keep),
+            "logits": int(prev * logits_keep),
         })
         if eager.total > forward.total:
             forward = eager
@@ -259,10 +255,10 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     full = train.recompute == "full"
     C_kept = cache_head + (0 if full else nL * cache_layer)
     loss_bwd = Phase("backward", B, g_acc, {
-        "activations": whole(k * A_mb),
-        "transients/autocast_cache": whole(prev * C_mb + C_kept),
+        "activations": int(k * A_mb),
+        "transients/autocast_cache": int(prev * C_mb + C_kept),
         "transients/gather_buffers": gather,
-        "logits": P.logits_backward + whole(prev * logits_keep),
+        "logits": P.logits_backward + int(prev * logits_keep),
     })
 
     G_late = late_gradient_bytes(ctx)  # the (untied) embedding's: after the bottom layer
@@ -272,17 +268,17 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     def layer_point(i: int, mom: act.Moment) -> Phase:
         """Instant `mom` of the backward of the i-th layer from the top (0-based)."""
         done = P.grad_fraction[mom.grads]
-        grads = G if keep_grads else max(G_head - G_late, 0) + whole((i + done) * g_layer)
+        grads = G if keep_grads else max(G_head - G_late, 0) + int((i + done) * g_layer)
         return Phase("backward", B, min(grads, G), {
-            "activations": whole(prev * A_mb + A_bottom(nL - i - 1) + mom.held + A_emb)
+            "activations": int(prev * A_mb + A_bottom(nL - i - 1) + mom.held + A_emb)
             - (gap if i == nL - 1 else 0),
-            "transients/autocast_cache": whole(prev * C_mb + ((1 - done) if full else (
+            "transients/autocast_cache": int(prev * C_mb + ((1 - done) if full else (
                 nL - i - done)) * cache_layer),
             "transients/layer_backward": mom.work + comm_bwd,
             "transients/gather_buffers": gather,
             "transients/reduce_buffers": tr.reduce_buffer_bytes(ctx, i, done,
                                                                 mom.work + mom.held),
-            "logits": whole(prev * logits_keep) + root,
+            "logits": int(prev * logits_keep) + root,
         })
 
     candidates = [loss_bwd]
@@ -301,11 +297,11 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     if norm_work:
         lm_in = P.head_freed_at_final_norm
         candidates.append(Phase("backward", B, G if keep_grads else max(G_head - G_late, 0), {
-            "activations": whole(k * A_mb - lm_in),
-            "transients/autocast_cache": whole(prev * C_mb + C_kept - cache_head),
+            "activations": int(k * A_mb - lm_in),
+            "transients/autocast_cache": int(prev * C_mb + C_kept - cache_head),
             "transients/layer_backward": norm_work,
             "transients/gather_buffers": gather,
-            "logits": whole(prev * logits_keep) + root,
+            "logits": int(prev * logits_keep) + root,
         }))
     if ctx.is_first_stage:
         # the embedding's backward ends the sweep: every gradient exists; with tied
@@ -314,11 +310,11 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
         tied = tied_embedding_grad_bytes(ctx)
         end_grads = G + (tied if keep_grads else 0)
         candidates.append(Phase("backward", B, end_grads, {
-            "activations": whole(prev * A_mb + A_emb),
-            "transients/autocast_cache": whole(prev * C_mb),
+            "activations": int(prev * A_mb + A_emb),
+            "transients/autocast_cache": int(prev * C_mb),
             "transients/layer_backward": 2 * tied,
             "transients/gather_buffers": gather,
-            "logits": whole(prev * logits_keep) + root,
+            "logits": int(prev * logits_keep) + root,
         }))
     backward = max(candidates, key=lambda p: p.total)
 
@@ -328,7 +324,7 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     phases = [forward, backward, optimizer]
 
     # first step: no optimizer states during forward/backward (created by the first step)
-    first = largest(forward.total - opt["states"], backward.total - opt["states"],
+    first = max(forward.total - opt["states"], backward.total - opt["states"],
                     optimizer.total)
     live = sum(t.count for t in ctx.tensors) + sum(t.count for t in ctx.train_tensors) * (
         2 + (2 if train.optimizer in ("adam", "adamw") else 1)) + int(k * nL * 12)
@@ -342,34 +338,7 @@ def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:
     numbers are the worst rank's; `every_stage=False` computes only `candidate_stages`
     (which provably contain the worst rank) and lists those: same answer, less work, for
     callers that estimate thousands of scenarios.
-
-    Reports are compiled per structure (the scenario less its micro-batch size b) the
-    second time the structure is asked for: the engine runs with b symbolic
-    (vramcalc/affine.py) and later calls only evaluate c1·b + c0 for each number; where
-    that is not exact the engine runs as written.
     """
-    key = _structure_key(scn, every_stage)
-    b = scn.training.micro_batch_size
-    if key is None or type(b) is not int or not 1 <= b <= _B_MAX:
-        return _estimate(scn, every_stage)
-    pieces = _PLANS.get(key)
-    if pieces is None:  # first sight: compiling costs ~2 estimates, so wait for a second
-        if len(_PLANS) >= _PLANS_MAX:
-            _PLANS.clear()
-        _PLANS[key] = []
-        return _estimate(scn, every_stage)
-    for piece in pieces:
-        if piece.lo <= b <= piece.hi:
-            break
-    else:
-        piece = _compile(scn, every_stage, b)
-        pieces.append(piece)
-    report = piece.report(scn, b) if piece.fields is not None else None
-    return report if report is not None else _estimate(scn, every_stage)
-
-
-def _estimate(scn: Scenario, every_stage: bool) -> MemoryReport:
-    """The engine as written, for one scenario."""
     resolved, fields = _report_fields(scn, every_stage)
     return _assemble(scn, fields, strategy_dict(resolved))
 
@@ -421,9 +390,7 @@ class _StageRun:
 
 def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
     """The resolved scenario, and everything a report holds but the strategy and the fit
-    verdict, as plain values (ints, or `Affine`s of b when `_compile` runs the engine with
-    a symbolic micro-batch size; then, where which phase or stage peaks depends on b, a
-    `_Chooser` that picks at each b)."""
+    verdict, as plain values."""
     scn = scn.resolved()
     if scn.training.precision == "fp8" or scn.training.qat != "none":
         from vramcalc.terms.lowprec import check_lowprec
@@ -440,36 +407,27 @@ def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
         nl = RankContext(scn.model, scn.training, scn.parallel, st).num_layers
         runs.append(_StageRun(st, nl, phases, first, ovh))
     common = {"model": model_info(scn), "gpu": gpu_info(scn), "notes": _notes(scn)}
-    try:
-        pick = _pick(runs)
-    except Split:  # only with a symbolic b: the answer is picked again at each b
-        return scn, _Chooser(scn, runs, common)
-    return scn, _fields(scn, runs, pick, common)
+    return scn, _fields(scn, runs, _pick(runs), common)
 
 
-def _pick(runs: list[_StageRun], b: int | None = None) -> tuple[tuple[int, ...], int]:
+def _pick(runs: list[_StageRun]) -> tuple[tuple[int, ...], int]:
     """Each stage's peak phase (the first largest) and the worst stage (the first with the
-    largest device total), with the totals evaluated at b when given."""
-    def value(x: Any) -> Any:
-        return x.at(b) if b is not None and type(x) is Affine else x
-
+    largest device total)."""
     peaks: list[int] = []
     worst, worst_total = 0, None
     for i, run in enumerate(runs):
-        totals = [value(p.total) for p in run.phases]
+        totals = [p.total for p in run.phases]
         peak = max(range(len(totals)), key=totals.__getitem__)
         peaks.append(peak)
-        total = totals[peak] + value(sum(run.overhead.values()))
+        total = totals[peak] + sum(run.overhead.values())
         if worst_total is None or total > worst_total:
             worst, worst_total = i, total
     return tuple(peaks), worst
 
 
 def _fields(scn: Scenario, runs: list[_StageRun], pick: tuple[tuple[int, ...], int],
-            common: dict[str, Any], outside: dict[int, tuple[int, int]] | None = None
-            ) -> dict[str, Any]:
-    """The report's values for the peak phases and worst stage `pick`. `outside`: host
-    and NVMe bytes per stage, when computed beforehand."""
+            common: dict[str, Any]) -> dict[str, Any]:
+    """The report's values for the peak phases and worst stage `pick`."""
     peaks, worst = pick
     stage_rows: list[dict[str, Any]] = []
     for run, peak in zip(runs, peaks, strict=True):
@@ -489,7 +447,7 @@ def _fields(scn: Scenario, runs: list[_StageRun], pick: tuple[tuple[int, ...], i
             subterms[key] = val
     for key, val in run.overhead.items():
         subterms[f"overhead/{key}"] = val
-    host_nvme = outside[run.stage] if outside is not None else _outside(scn, run.stage)
+    host_nvme = _outside(scn, run.stage)
     return {
         "model": common["model"],
         "gpu": common["gpu"],
@@ -511,194 +469,6 @@ def _outside(scn: Scenario, stage: int) -> tuple[int, int]:
     """Host RAM and NVMe bytes per node when `stage` is the worst rank."""
     ctx = RankContext(scn.model, scn.training, scn.parallel, stage)
     return host_bytes_per_node(scn, ctx), nvme_bytes_per_node(scn, ctx)
-
-
-class _Chooser:
-    """A structure's report values where which phase or stage peaks depends on b: picked
-    at each b as `_pick` picks them, each pick's values compiled once (`_Template`)."""
-
-    __slots__ = ("scn", "runs", "common", "outside", "templates")
-
-    def __init__(self, scn: Scenario, runs: list[_StageRun], common: dict[str, Any]) -> None:
-        self.scn, self.runs, self.common = scn, runs, common
-        for run in runs:  # every value a pick can report (see _fields)
-            for phase in run.phases:
-                for v in (phase.total, *phase.parts.values()):
-                    _exact(v)
-            for v in (run.first, *run.overhead.values()):
-                _exact(v)
-        self.outside = {run.stage: _outside(scn, run.stage) for run in runs}
-        for host_nvme in self.outside.values():
-            for v in host_nvme:
-                _exact(v)
-        self.templates: dict[tuple[tuple[int, ...], int], _Template] = {}
-
-    def at(self, b: int) -> dict[str, Any]:
-        pick = _pick(self.runs, b)
-        template = self.templates.get(pick)
-        if template is None:
-            template = self.templates[pick] = _Template(
-                _fields(self.scn, self.runs, pick, self.common, self.outside))
-        return template.at(b)
-
-
-# ---- reports compiled per structure ---------------------------------------------------------
-_B_MAX = 2**20  # the symbolic b's domain: [2, _B_MAX] (micro-batch sizes are <= 10**6)
-_MAX_SPLITS = 8  # domain splits (comparisons that flip with b) tried before giving up
-_PLANS_MAX = 1024  # structures kept (the whole table is dropped when full)
-_PLANS: dict[tuple, list[_Piece]] = {}
-
-
-def _exact(value: Any) -> None:
-    """Refuse a value the engine would hold as a float (evaluation gives ints)."""
-    if type(value) is Max:
-        for v in value.values:
-            _exact(v)
-    elif type(value) is float or (type(value) is Affine and value.flt):
-        raise NotAffine
-
-
-class _Template:
-    """A dict or list of report values whose `Affine` entries are evaluated at b: `base`
-    with those entries 0, `affine` their (key, c1, c0), `kids` the containers below (and
-    the `Max`es, which are evaluated the same way).
-    Evaluation copies every container; the template itself is never changed."""
-
-    __slots__ = ("base", "affine", "kids")
-
-    def __init__(self, value: dict[Any, Any] | list[Any]) -> None:
-        self.affine: list[tuple[Any, int, int]] = []
-        self.kids: list[tuple[Any, _Template | Max]] = []
-        base = dict(value) if type(value) is dict else list(value)
-        for key, v in (value.items() if type(value) is dict else enumerate(value)):
-            _exact(v)
-            if type(v) is Affine:
-                self.affine.append((key, v.c1, v.c0))
-                base[key] = 0
-            elif type(v) is Max:
-                self.kids.append((key, v))
-            elif type(v) in (dict, list):  # copied even when constant: reports own them
-                self.kids.append((key, _Template(v)))
-        self.base = base
-
-    def at(self, b: int) -> Any:
-        out = self.base.copy()
-        for key, c1, c0 in self.affine:
-            out[key] = c1 * b + c0
-        for key, kid in self.kids:
-            out[key] = kid.at(b)
-        return out
-
-
-class _Piece:
-    """A structure's report for every micro-batch size in [lo, hi] (`fields` a template of
-    what `_report_fields` returns); without `fields`, "run the engine as written"."""
-
-    __slots__ = ("lo", "hi", "fields", "strategy")
-
-    def __init__(self, lo: int, hi: int, fields: dict[str, Any] | _Chooser | None = None,
-                 strategy: dict[str, object] | None = None) -> None:
-        self.lo, self.hi, self.strategy = lo, hi, strategy
-        self.fields = _Template(fields) if type(fields) is dict else fields
-
-    def report(self, scn: Scenario, b: int) -> MemoryReport | None:
-        """The report at b (None if a pick's values cannot be compiled after all)."""
-        assert self.fields is not None and self.strategy is not None
-        strategy = self.strategy.copy()
-        strategy["micro_batch_size"] = b
-        try:
-            fields = self.fields.at(b)
-        except NotAffine:
-            return None
-        return _assemble(scn, fields, strategy)
-
-
-def _compile(scn: Scenario, every_stage: bool, b: int) -> _Piece:
-    """The piece of the structure of `scn` that holds b: the engine run with the micro-batch
-    size an `Affine` symbol, on a domain narrowed at each comparison whose answer flips."""
-    lo, hi = (1, 1) if b == 1 else (2, _B_MAX)  # b = 1 is special (logits, offload)
-    tr = scn.training
-    base = tr.model_dump()
-    for _ in range(_MAX_SPLITS):
-        try:
-            sym = scn.model_copy(update={"training": tr.model_construct(
-                **{**base, "micro_batch_size": Affine.symbol(lo, hi)})})
-            return _Piece(lo, hi, _report_fields(sym, every_stage)[1],
-                          strategy_dict(scn.resolved()))
-        except Split as cut:
-            lo, hi = (lo, cut.at) if b <= cut.at else (cut.at + 1, hi)
-        except InputError:
-            return _Piece(lo, hi)  # refused on this domain: the engine raises it
-        except Exception:  # NotAffine, or anything else a symbol cannot pass through
-            return _Piece(1, _B_MAX)
-    return _Piece(lo, hi)
-
-
-_TOKENS: dict[Any, int] = {}  # an input record's contents -> its token
-_TOKEN_OF: dict[int, tuple[Any, int]] = {}  # id(record) -> (record, token), kept alive
-_NEXT_TOKEN = itertools.count()  # never reused, so a token is never stale
-
-
-def _frozen(value: Any) -> Any:
-    if isinstance(value, dict):
-        return tuple((k, _frozen(v)) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
-    return value
-
-
-def _token(record: Any) -> int:
-    """An int equal for records of equal contents (model, layout, cluster): their contents
-    are compared once per object, later lookups go by identity (records are frozen)."""
-    hit = _TOKEN_OF.get(id(record))
-    if hit is not None and hit[0] is record:
-        return hit[1]
-    if len(_TOKEN_OF) >= 4096:  # (planners copy records freely: many objects, few contents)
-        _TOKEN_OF.clear()
-        if len(_TOKENS) >= 65536:
-            _TOKENS.clear()  # equal contents then get a new token: a cache miss, never stale
-    try:  # records hash and compare by field values
-        contents = record
-        token = _TOKENS.get(contents)
-    except TypeError:  # one holds a list (a cluster's GPU profile): compare its dump
-        contents = (type(record), _frozen(record.model_dump()))
-        token = _TOKENS.get(contents)
-    if token is None:
-        token = _TOKENS[contents] = next(_NEXT_TOKEN)
-    _TOKEN_OF[id(record)] = (record, token)
-    return token
-
-
-_PLAIN = (str, int, float, bool, type(None))
-_GETTERS: dict[tuple[type, type], tuple[Callable[[Any], tuple], Callable[[Any], tuple]]] = {}
-
-
-def _structure_key(scn: Scenario, every_stage: bool) -> tuple | None:
-    """Every input of the estimate but the micro-batch size: plain values, the training
-    options' values, a token per other record (None when something is not hashable)."""
-    training = scn.training
-    getters = _GETTERS.get((type(scn), type(training)))
-    if getters is None:
-        getters = _GETTERS[type(scn), type(training)] = (
-            operator.attrgetter(*type(scn).model_fields),
-            operator.attrgetter(*[n for n in type(training).model_fields
-                                  if n != "micro_batch_size"]))
-    key: list[Any] = [every_stage]
-    for value in getters[0](scn):
-        if value is training:
-            key.append(getters[1](value))
-        elif type(value) in _PLAIN:
-            key.append(value)
-        elif hasattr(value, "model_dump"):
-            key.append(_token(value))
-        else:
-            return None
-    out = tuple(key)
-    try:
-        hash(out)
-    except TypeError:
-        return None
-    return out
 
 
 def _gpus_per_node(scn: Scenario) -> int:

@@ -6,9 +6,6 @@ GB means 10**9 bytes and GiB means 2**30 bytes; the two are never mixed.
 
 from __future__ import annotations
 
-# int() that lets an exact Affine of the micro-batch size through (vramcalc/affine.py)
-from vramcalc.affine import whole as whole
-
 DTYPE_BITS: dict[str, int] = {
     "fp32": 32,
     "tf32": 32,

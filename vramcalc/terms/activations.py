@@ -33,7 +33,7 @@ from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
 from vramcalc.terms.context import RankContext, lazy
 from vramcalc.training import TrainingConfig
-from vramcalc.units import DTYPE_BITS, alloc, ceil_div, round_alloc, whole
+from vramcalc.units import DTYPE_BITS, alloc, ceil_div, round_alloc
 
 
 @dataclass(frozen=True)
@@ -330,7 +330,7 @@ def _moe_saved(ctx: RankContext, x: Dims) -> list[Saved]:
     shared = spec.num_shared_experts
     if ctx.training.framework == "hf":
         return _hf_moe_saved(ctx, x)
-    C = max(1, -(-whole(ctx.parallel.capacity_factor * T * k * 1_000_000) // (E * 1_000_000)))
+    C = max(1, -(-int(ctx.parallel.capacity_factor * T * k * 1_000_000) // (E * 1_000_000)))
     EC = E * C
     readers = 1 + 2 * shared + (1 if spec.shared_expert_gate else 0)
     out += _linear_inputs(x, "moe.input", T * x.h, readers, "(T, h) normed")
@@ -649,7 +649,7 @@ def layer_backward_moments(ctx: RankContext, moe: bool | None = None) -> list[Mo
             # the last expert's backward: d(outputs) (E·C, h) and the other experts' input
             # grads (E·C, h in all) wait for the split's backward, next to the expert's own
             # gated-MLP temporaries on C rows
-            C = max(1, -(-whole(ctx.parallel.capacity_factor * x.T * k * 1_000_000) // (
+            C = max(1, -(-int(ctx.parallel.capacity_factor * x.T * k * 1_000_000) // (
                 E * 1_000_000)))
             gone = sum(t.nbytes for t in mlp_saved if t.name in ("moe.weighted",
                                                                  "moe.expert_output"))

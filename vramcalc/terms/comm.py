@@ -55,7 +55,7 @@ from vramcalc.sharding import DS_PERSISTENCE_THRESHOLD, layer_param_numels
 from vramcalc.terms import activations as act
 from vramcalc.terms.context import RankContext
 from vramcalc.terms.gradients import grad_dtype, layer_gradient_bytes
-from vramcalc.units import DTYPE_BITS, alloc, ceil_div, whole
+from vramcalc.units import DTYPE_BITS, alloc, ceil_div
 
 DS_REDUCE_BUCKET_NUMEL = 500_000_000
 DS_PREFETCH_BUCKET_NUMEL = 50_000_000
@@ -302,7 +302,7 @@ def moe_routed_tokens(ctx: RankContext) -> int:
     if not ctx.spec.is_moe:
         return 0
     k = ctx.spec.num_experts_per_tok
-    return ceil_div(whole(_tokens(ctx) * k * ctx.parallel.capacity_factor * 1000), 1000)
+    return ceil_div(int(_tokens(ctx) * k * ctx.parallel.capacity_factor * 1000), 1000)
 
 
 def ep_dispatch_bytes(ctx: RankContext) -> int:

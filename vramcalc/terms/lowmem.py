@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from vramcalc.terms.activations import Saved, dims
 from vramcalc.terms.context import RankContext
-from vramcalc.units import ALLOC_ROUND_BYTES, alloc, ceil_div, whole
+from vramcalc.units import ALLOC_ROUND_BYTES, alloc, ceil_div
 
 MIN_OFFLOAD_BYTES = 1024  # torchtune OffloadActivations(min_offload_size=1024)
 
@@ -134,7 +134,7 @@ def offload_host_bytes(ctx: RankContext, in_flight: float = 1.0) -> int:
 
     saved = layer_saved(ctx)
     per_layer = sum(t.nbytes for t in saved if not stays_on_device(t))
-    return whole(in_flight * ctx.num_layers * per_layer)
+    return int(in_flight * ctx.num_layers * per_layer)
 
 
 def offload_forward_working_bytes(ctx: RankContext) -> int:
