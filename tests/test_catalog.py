@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +24,8 @@ from vramcalc.catalog import (
     get_preset,
     list_preset_entries,
     list_presets,
+    load_preset,
+    preset_index,
     resolve_model,
 )
 from vramcalc.errors import InputError
@@ -126,12 +129,29 @@ def test_required_presets_present() -> None:
 
 
 def test_preset_files_match_names_and_cite_sources() -> None:
-    files = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+    files = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml") if p.name != "_index.yaml")
     assert files == sorted(s.name for s in list_presets())
     for entry in list_preset_entries():
         assert entry.meta.sources, entry.spec.name
         assert all(src.startswith("https://") for src in entry.meta.sources)
         assert entry.spec.source == f"preset {entry.spec.name}"
+
+
+def test_index_matches_the_presets() -> None:
+    """The lookup index (presets/_index.yaml, written by scripts/catalog_index.py) says
+    what each preset file says: a name resolves without reading every file."""
+    for path in sorted(PRESETS_DIR.glob("*.yaml")):
+        if path.name == "_index.yaml":
+            continue
+        data = yaml.safe_load(path.read_text())
+        assert preset_index()[path.stem] == (tuple(data.get("aliases", ())),
+                                             data.get("hf_repo")), path.name
+
+
+def test_resolving_a_name_reads_one_preset() -> None:
+    load_preset.cache_clear()
+    resolve_model("70b")
+    assert load_preset.cache_info().currsize == 1
 
 
 def test_list_presets_is_cached_and_copied() -> None:

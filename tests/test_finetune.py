@@ -29,7 +29,6 @@ from vramcalc.errors import InputError
 from vramcalc.finetune import (
     nf4_constant_bytes,
     nf4_tensor_bytes,
-    parse_targets,
     shapes_for,
     target_param_names,
 )
@@ -42,7 +41,7 @@ from vramcalc.terms.context import RankContext
 from vramcalc.terms.gradients import gradients_bytes
 from vramcalc.terms.optimizer_states import bnb_state_split, optimizer_state_split
 from vramcalc.terms.weights import weights_by_group
-from vramcalc.training import TrainingConfig
+from vramcalc.training import TrainingConfig, parse_targets
 from vramcalc.units import GB, alloc
 
 app = full_app()  # every command registered (vramcalc.cli.load_commands)

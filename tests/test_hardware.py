@@ -13,14 +13,18 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from vramcalc.errors import InputError
 from vramcalc.hardware import (
     ENV_VAR,
+    INDEX_FILE,
     Cluster,
     GPUProfile,
     alias_note,
+    builtin_aliases,
     builtin_profiles_dir,
+    load_profile_file,
     load_profiles,
     normalize_name,
     parse_gpus,
@@ -72,12 +76,25 @@ def test_builtin_dir_is_repo_hardware_profiles() -> None:
 
 def test_every_shipped_profile_parses_and_required_ids_present() -> None:
     profiles = load_profiles()
-    stems = {p.stem for p in BUILTIN.glob("*.yaml")}
+    stems = {p.stem for p in BUILTIN.glob("*.yaml") if p.name != INDEX_FILE}
     assert set(profiles) == stems
     assert REQUIRED_IDS <= set(profiles)
 
 
-@pytest.mark.parametrize("path", sorted(BUILTIN.glob("*.yaml")), ids=lambda p: p.stem)
+def test_index_matches_the_profiles() -> None:
+    """The alias index (hardware_profiles/_index.yaml, written by scripts/catalog_index.py)
+    says what each profile says: a GPU name resolves without reading every file."""
+    assert builtin_aliases() == {pid: list(p.aliases) for pid, p in load_profiles().items()}
+
+
+def test_resolving_a_name_reads_one_profile() -> None:
+    load_profile_file.cache_clear()
+    resolve_gpu("H100")
+    assert load_profile_file.cache_info().currsize == 1
+
+
+@pytest.mark.parametrize("path", sorted(p for p in BUILTIN.glob("*.yaml") if p.name != INDEX_FILE),
+                         ids=lambda p: p.stem)
 def test_shipped_profile_file(path: Path) -> None:
     data = yaml.safe_load(path.read_text())
     profile = GPUProfile.model_validate(data)
@@ -319,7 +336,7 @@ def test_cluster_rejects_nonpositive_counts() -> None:
 
 def test_profiles_are_frozen() -> None:
     profile = resolve_gpu("H100")
-    with pytest.raises(AttributeError, match="frozen"):
+    with pytest.raises(ValidationError, match="frozen"):
         profile.gpus_per_node = 4  # type: ignore[misc]
     assert profile.gpus_per_node == 8
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from vramcalc.errors import InputError
 from vramcalc.offload import offload_footprint
 from vramcalc.report import GPUInfo, MemoryReport, ModelInfo, StageReport, Terms
 from vramcalc.scenario import Scenario

@@ -22,10 +22,11 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from vramcalc import yamlio
 from vramcalc.errors import InputError
 from vramcalc.model import ModelSpec
-from vramcalc.record import Record, field
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
@@ -37,17 +38,21 @@ _STRIP_SUFFIXES = ("-hf", "-instruct", "-chat", "-it", "-base")
 _STRIP_PREFIXES = ("meta-",)
 
 
-class PresetMeta(Record):
+class PresetMeta(BaseModel):
     """Catalog metadata of one preset (not part of the spec)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     aliases: tuple[str, ...] = ()
     sources: tuple[str, ...] = ()
     hf_repo: str | None = None  # e.g. "meta-llama/Meta-Llama-3-70B"
-    num_params_published: int | None = field(None, gt=0)
+    num_params_published: int | None = Field(None, gt=0)
 
 
-class Preset(Record):
+class Preset(BaseModel):
     """A built-in model: its spec and catalog metadata."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     spec: ModelSpec
     meta: PresetMeta
@@ -83,12 +88,8 @@ def _validation_message(err: Any, allowed: list[str]) -> str:
 
 def _build_spec(fields: dict[str, Any], where: str) -> ModelSpec:
     """ModelSpec(**fields), with every validation failure turned into a one-line InputError."""
-    from pydantic import ValidationError
-
     try:
         return ModelSpec(**fields)
-    except InputError as err:  # ModelSpec._check: shapes that do not divide
-        raise InputError(f"{where}: {err}") from None
     except ValidationError as err:
         raise InputError(
             f"{where}: {_validation_message(err, list(ModelSpec.model_fields))}"
@@ -97,8 +98,6 @@ def _build_spec(fields: dict[str, Any], where: str) -> ModelSpec:
 
 def _split_yaml_mapping(data: Any, where: str) -> tuple[dict[str, Any], PresetMeta]:
     """Split a YAML mapping into ModelSpec fields and catalog metadata, both validated."""
-    from pydantic import ValidationError
-
     if not isinstance(data, dict):
         raise InputError(
             f"{where}: expected a mapping of ModelSpec fields, got {type(data).__name__}"
@@ -143,68 +142,61 @@ def _load_json(path: Path) -> Any:
 
 
 # ---- presets --------------------------------------------------------------------------
-def _validated_preset(data: Any, path: Path) -> dict[str, Any]:
-    """A preset file's parsed data, validated, as the fields the cache keeps."""
+INDEX_FILE = "_index.yaml"  # the presets' names for lookup: {name: {aliases, hf_repo}}
+
+
+@cache
+def load_preset(name: str) -> Preset:
+    """The preset in `presets/<name>.yaml`, validated (its `name` must equal the stem)."""
+    path = PRESETS_DIR / f"{name}.yaml"
     where = f"preset {path.name}"
-    fields, meta = _split_yaml_mapping(data, where)
+    fields, meta = _split_yaml_mapping(_load_yaml(path), where)
     if fields.get("name") != path.stem:
         raise InputError(f"{where}: name must equal the file stem '{path.stem}'")
     fields.setdefault("source", f"preset {path.stem}")
-    return {"spec": _build_spec(fields, where).model_dump(mode="json"),
-            "meta": meta.model_dump(mode="json")}
+    return Preset(spec=_build_spec(fields, where), meta=meta)
 
 
 @cache
-def _presets() -> tuple[Preset, ...]:
-    presets = []
-    key = yamlio.code_key(__name__, "vramcalc.model", "vramcalc.record")
-    for path in sorted(PRESETS_DIR.glob("*.yaml")):
-        try:  # through the validated-file cache (vramcalc/yamlio.py)
-            data = yamlio.load_file(path, _validated_preset, key)
-        except yamlio.YAMLError as err:
-            raise _yaml_error(path, err) from None
-        except (OSError, UnicodeDecodeError) as err:
-            raise InputError(f"{path}: cannot read: {_one_line(str(err))}") from None
-        presets.append(Preset.model_construct(spec=ModelSpec.from_dump(data["spec"]),
-                                              meta=PresetMeta.from_dump(data["meta"])))
-    return tuple(presets)
+def preset_index() -> dict[str, tuple[tuple[str, ...], str | None]]:
+    """(aliases, HF repo) of each preset by name, from the catalog's index file: a name is
+    found without reading every preset (a test checks the index against the presets)."""
+    data = _load_yaml(PRESETS_DIR / INDEX_FILE)
+    return {str(name): (tuple(str(a) for a in entry.get("aliases", ())), entry.get("hf_repo"))
+            for name, entry in data.items()}
 
 
 @cache
-def _index() -> dict[str, Preset]:
-    """Lookup key -> preset, for canonical names, aliases and HF repo ids (org stripped)."""
-    index: dict[str, Preset] = {}
-    for preset in _presets():
-        labels = [preset.spec.name, *preset.meta.aliases]
-        if preset.meta.hf_repo:
-            labels.append(preset.meta.hf_repo.rsplit("/", 1)[-1])
-        for label in labels:
+def _index() -> dict[str, str]:
+    """Lookup key -> preset name, for canonical names, aliases and HF repo ids (org
+    stripped)."""
+    index: dict[str, str] = {}
+    for name, (aliases, repo) in preset_index().items():
+        for label in (name, *aliases, *([repo.rsplit("/", 1)[-1]] if repo else [])):
             k = _key(label)
             other = index.get(k)
-            if other is not None and other.spec.name != preset.spec.name:
-                raise InputError(
-                    f"preset {preset.spec.name}: alias '{label}' also names {other.spec.name}"
-                )
-            index[k] = preset
+            if other is not None and other != name:
+                raise InputError(f"preset {name}: alias '{label}' also names {other}")
+            index[k] = name
     return index
 
 
 def list_preset_entries() -> list[Preset]:
-    """Every built-in preset with its metadata (aliases, sources), sorted by name."""
-    return list(_presets())
+    """Every built-in preset with its metadata (aliases, sources), in file-name order."""
+    return [load_preset(name) for name in preset_index()]  # the index is in file order
 
 
 def list_presets() -> list[ModelSpec]:
-    """Every built-in model spec, sorted by name; loaded once, on first use."""
-    return [p.spec for p in _presets()]
+    """Every built-in model spec, in file-name order."""
+    return [p.spec for p in list_preset_entries()]
 
 
 def get_preset(name: str) -> Preset:
     """The preset with this canonical name or alias (exact key match, no path handling)."""
-    preset = _index().get(_key(name))
-    if preset is None:
+    found = _index().get(_key(name))
+    if found is None:
         raise InputError(_unknown_message(name))
-    return preset
+    return load_preset(found)
 
 
 def _candidates(text: str) -> list[str]:
@@ -231,17 +223,17 @@ def _candidates(text: str) -> list[str]:
 def _lookup(text: str) -> Preset | None:
     index = _index()
     for cand in _candidates(text):
-        preset = index.get(_key(cand))
-        if preset is not None:
-            return preset
+        name = index.get(_key(cand))
+        if name is not None:
+            return load_preset(name)
     return None
 
 
 def _suggestions(text: str, n: int = 3) -> list[str]:
     labels: dict[str, str] = {}
-    for preset in _presets():
-        for label in (preset.spec.name, *preset.meta.aliases):
-            labels.setdefault(label.lower(), preset.spec.name)
+    for name, (aliases, _) in sorted(preset_index().items()):
+        for label in (name, *aliases):
+            labels.setdefault(label.lower(), name)
     query = text.rsplit("/", 1)[-1].lower()
     out: list[str] = []
     for label in difflib.get_close_matches(query, list(labels), n=10, cutoff=0.5):
@@ -256,7 +248,7 @@ def _unknown_message(text: str) -> str:
     hint = (
         f"did you mean: {', '.join(close)}?"
         if close
-        else f"built-in models: {', '.join(s.name for s in list_presets())}"
+        else f"built-in models: {', '.join(preset_index())}"
     )
     return f"unknown model '{text}'; {hint} (or pass a path to a Hugging Face config.json)"
 

@@ -52,31 +52,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 from vramcalc.errors import InputError
 from vramcalc.model import ModelSpec, param_tensors
 from vramcalc.sharding import RankShapes, RankTensor, _rank_shapes
+from vramcalc.training import ADAPTER_METHODS, ALL_LINEAR, TARGETS, TrainingConfig
 from vramcalc.units import DTYPE_BITS, alloc, ceil_div
 
-if TYPE_CHECKING:
-    from vramcalc.training import TrainingConfig
-
-FINETUNES: tuple[str, ...] = ("full", "lora", "qlora", "dora")
-ADAPTER_METHODS: tuple[str, ...] = ("lora", "qlora", "dora")
-# Target names: q, k, v, o projections and the MLP's gate, up (fc) and down (proj) matrices.
-TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
-ALL_LINEAR = "all-linear"
-# PEFT's default targets for Llama, Mistral, Qwen2 (and Mixtral): q_proj and v_proj
-# (peft/utils/constants.py TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, peft 0.21.2).
-DEFAULT_TARGETS = "q,v"
 DEFAULT_RANK = 8  # peft LoraConfig.r default
-_ALIASES = {
-    "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "out_proj": "o",
-    "gate_proj": "gate", "up_proj": "up", "down_proj": "down", "fc": "up", "c_fc": "up",
-    "fc1": "up", "w1": "gate", "w3": "up", "w2": "down", "proj": "down", "fc2": "down",
-    "all_linear": ALL_LINEAR, "all": ALL_LINEAR,
-}
 
 NF4_BLOCK = 64  # bitsandbytes Params4bit blocksize default
 NF4_ABSMAX_BLOCK = 256  # double quantization of the absmax values (quantize_blockwise, 256)
@@ -84,33 +67,6 @@ NF4_STATE2_CODE_ELEMS = 256  # state2.code: the 8-bit dynamic map, copied per te
 NF4_CODE_ELEMS = 16  # the NF4 lookup table (get_4bit_type), one per tensor
 PAGED_MIN_NUMEL = 100_000  # bitsandbytes get_state_buffer: smaller tensors are not paged
 PAGED_OPTIMIZERS: tuple[str, ...] = ("paged-adamw", "paged-adamw-8bit")
-
-
-# ---- option values ---------------------------------------------------------------------
-def parse_targets(value: object) -> str:
-    """'q,v', 'Q_PROJ, v_proj', ['q', 'v'] or 'all-linear' -> canonical 'q,v' / 'all-linear'.
-
-    Unknown names raise InputError with suggestions."""
-    from vramcalc.options import suggest
-
-    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
-    names: set[str] = set()
-    for raw in items:
-        word = str(raw).strip().lower().replace(" ", "")
-        if not word:
-            continue
-        word = _ALIASES.get(word, word)
-        if word == ALL_LINEAR:
-            return ALL_LINEAR
-        if word not in TARGETS:
-            choices = list(TARGETS) + [ALL_LINEAR] + list(_ALIASES)
-            raise InputError(f"--lora-targets: unknown target {raw!r}{suggest(word, choices)} "
-                             f"(choices: {', '.join(TARGETS)} or {ALL_LINEAR})")
-        names.add(word)
-    if not names:
-        raise InputError(f"--lora-targets: give at least one of {', '.join(TARGETS)} or "
-                         f"{ALL_LINEAR}")
-    return ",".join(t for t in TARGETS if t in names)
 
 
 def is_finetune(training: object) -> bool:

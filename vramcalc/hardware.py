@@ -20,9 +20,17 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
 from vramcalc import yamlio
 from vramcalc.errors import InputError
-from vramcalc.record import Record, field
 
 ENV_VAR = "VRAMCALC_PROFILES"
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
@@ -59,47 +67,51 @@ ALIAS_NOTES: dict[str, tuple[str, str]] = {
 }
 
 
-class GPUProfile(Record):
+class GPUProfile(BaseModel):
     """One accelerator, as one torch device sees it (a rank = one device).
 
     Multi-die packages (MI250X, Ascend 910C) are profiled per die, because each die is a
-    separate torch device with its own memory.
+    separate torch device with its own memory. Equal profiles hash alike: by id and size
+    (`dense_tflops` is a dict).
     """
 
-    id: str = field(pattern=r"^[a-z0-9][a-z0-9_]*$")
-    name: str = field(min_length=1)
-    vendor: str = field(min_length=1)
-    aliases: list[str] = []  # copied per instance (vramcalc/record.py)
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str = Field(pattern=r"^[a-z0-9][a-z0-9_]*$")
+    name: str = Field(min_length=1)
+    vendor: str = Field(min_length=1)
+    aliases: tuple[str, ...] = ()
     # Capacity as labelled by the vendor (the "80" of "80GB"); HBM labels are in practice
     # binary (80 GiB of HBM, of which the runtime reports ~79.2 GiB).
-    marketed_gb: float = field(gt=0)
+    marketed_gb: float = Field(gt=0)
     # Bytes the runtime reports (torch.cuda.get_device_properties(d).total_memory).
-    memory_total_bytes: int = field(gt=0)
-    memory_total_note: str = field(min_length=1)
-    memory_bandwidth_bytes_per_s: int = field(gt=0)
+    memory_total_bytes: int = Field(gt=0)
+    memory_total_note: str = Field(min_length=1)
+    memory_bandwidth_bytes_per_s: int = Field(gt=0)
     # Dense peak TFLOP/s per dtype; a dtype is absent when unsupported or unconfirmed.
     dense_tflops: dict[str, float]
-    intra_node_bytes_per_s: int = field(gt=0)  # per direction, per device, GPU-GPU
-    inter_node_bytes_per_s: int = field(gt=0)  # per direction, per device, network
-    host_link_bytes_per_s: int = field(gt=0)  # per direction, device <-> host
-    gpus_per_node: int = field(gt=0, le=MAX_COUNT)
+    intra_node_bytes_per_s: int = Field(gt=0)  # per direction, per device, GPU-GPU
+    inter_node_bytes_per_s: int = Field(gt=0)  # per direction, per device, network
+    host_link_bytes_per_s: int = Field(gt=0)  # per direction, device <-> host
+    gpus_per_node: int = Field(gt=0, le=MAX_COUNT)
     bf16_supported: bool
     fused_attention: bool
-    context_overhead_bytes: int = field(ge=0)
+    context_overhead_bytes: int = Field(ge=0)
     memory_api: Literal["cuda", "rocm", "npu", "hpu"]
-    mfu_fraction: float = field(gt=0, le=1)
-    price_usd_per_hour: float | None = field(None, gt=0)
-    sources: list[str] = field(min_length=1)
+    mfu_fraction: float = Field(gt=0, le=1)
+    price_usd_per_hour: float | None = Field(None, gt=0)
+    sources: tuple[str, ...] = Field(min_length=1)
     notes: str = ""
 
+    @field_validator("dense_tflops", mode="before")
     @classmethod
-    def _prepare(cls, values: dict[str, Any]) -> dict[str, Any]:
-        tflops = values.get("dense_tflops")
-        if isinstance(tflops, dict):  # a null entry means "unsupported": drop it
-            values["dense_tflops"] = {k: v for k, v in tflops.items() if v is not None}
-        return values
+    def _drop_unsupported(cls, value: Any) -> Any:
+        if isinstance(value, dict):  # a null entry means "unsupported": drop it
+            return {k: v for k, v in value.items() if v is not None}
+        return value
 
-    def _check(self) -> None:
+    @model_validator(mode="after")
+    def _check(self) -> GPUProfile:
         for key, tflops in self.dense_tflops.items():
             if key not in DTYPES:
                 raise ValueError(
@@ -117,18 +129,24 @@ class GPUProfile(Record):
             raise ValueError(
                 "bf16_supported is true but dense_tflops has no bf16 entry"
             )
+        return self
+
+    def __hash__(self) -> int:
+        return hash((self.id, self.memory_total_bytes))
 
     def peak_tflops(self, dtype: str) -> float | None:
         """Dense peak TFLOP/s for `dtype` ('bf16', 'fp16', 'fp8', 'fp32'), None if unknown."""
         return self.dense_tflops.get(dtype)
 
 
-class Cluster(Record):
+class Cluster(BaseModel):
     """`num_nodes` nodes of `gpus_per_node` identical devices."""
 
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
     gpu: GPUProfile
-    num_nodes: int = field(gt=0, le=MAX_COUNT)
-    gpus_per_node: int = field(gt=0, le=MAX_COUNT)
+    num_nodes: int = Field(gt=0, le=MAX_COUNT)
+    gpus_per_node: int = Field(gt=0, le=MAX_COUNT)
 
     @property
     def num_gpus(self) -> int:
@@ -163,38 +181,47 @@ def profiles_dirs(extra: list[Path] | None = None) -> list[Path]:
     return dirs
 
 
-def _validated_profile(data: Any, path: Path) -> dict[str, Any]:
-    """A profile file's parsed data, validated (pydantic, vramcalc/record.py), as the
-    fields the cache keeps. Raises InputError naming the file."""
-    from pydantic import ValidationError
+INDEX_FILE = "_index.yaml"  # the shipped profiles' aliases: {id: [alias, ...]}
 
-    if not isinstance(data, dict):
-        raise InputError(f"malformed GPU profile {path}: expected a mapping of fields")
+
+def _profile_error(exc: ValidationError) -> str:
+    """pydantic's errors as `field: message` parts (a cross-field check: its own words)."""
+    parts = []
+    for err in exc.errors():
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, Exception) and not err["loc"]:
+            parts.append(str(cause))
+        else:
+            parts.append(f"{'.'.join(str(x) for x in err['loc']) or 'profile'}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def _read_yaml(path: Path) -> Any:
     try:
-        profile = GPUProfile(**data)
-    except ValidationError as exc:
-        parts = [f"{'.'.join(str(x) for x in err['loc']) or 'profile'}: {err['msg']}"
-                 for err in exc.errors()]
-        raise InputError(f"invalid GPU profile {path}: {'; '.join(parts)}") from None
-    except ValueError as exc:  # GPUProfile._check
-        raise InputError(f"invalid GPU profile {path}: {exc}") from None
-    if profile.id != path.stem:
-        raise InputError(
-            f"invalid GPU profile {path}: id {profile.id!r} must equal the file name {path.stem!r}"
-        )
-    return profile.model_dump(mode="json")
-
-
-def _load_file(path: Path) -> GPUProfile:
-    try:  # through the validated-file cache (vramcalc/yamlio.py)
-        data = yamlio.load_file(path, _validated_profile,
-                                yamlio.code_key(__name__, "vramcalc.record"))
+        return yamlio.safe_load(path.read_text(encoding="utf-8"))
     except yamlio.YAMLError as exc:
         reason = " ".join(str(exc).split())
         raise InputError(f"malformed GPU profile {path}: {reason}") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read GPU profile {path}: {exc}") from None
-    return GPUProfile.from_dump(data)
+
+
+@functools.lru_cache(maxsize=256)
+def load_profile_file(path: Path) -> GPUProfile:
+    """One profile file, validated (its id must equal the file stem). Raises InputError
+    naming the file."""
+    data = _read_yaml(path)
+    if not isinstance(data, dict):
+        raise InputError(f"malformed GPU profile {path}: expected a mapping of fields")
+    try:
+        profile = GPUProfile(**data)
+    except ValidationError as exc:
+        raise InputError(f"invalid GPU profile {path}: {_profile_error(exc)}") from None
+    if profile.id != path.stem:
+        raise InputError(
+            f"invalid GPU profile {path}: id {profile.id!r} must equal the file name {path.stem!r}"
+        )
+    return profile
 
 
 def _profile_files(location: Path) -> list[Path]:
@@ -203,7 +230,8 @@ def _profile_files(location: Path) -> list[Path]:
     if not location.is_dir():
         raise InputError(f"GPU profile directory {location} does not exist")
     files = sorted(
-        p for p in location.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file()
+        p for p in location.iterdir()
+        if p.suffix in (".yaml", ".yml") and p.is_file() and p.name != INDEX_FILE
     )
     stems = [p.stem for p in files]
     for stem in stems:
@@ -214,30 +242,48 @@ def _profile_files(location: Path) -> list[Path]:
     return files
 
 
+def builtin_aliases() -> dict[str, list[str]]:
+    """The shipped profiles' aliases by id, from the catalog's index file (a test checks it
+    against the profiles themselves)."""
+    data = yamlio.safe_load((builtin_profiles_dir() / INDEX_FILE).read_text(encoding="utf-8"))
+    return {str(k): [str(a) for a in v] for k, v in data.items()}
+
+
 @functools.lru_cache(maxsize=32)
-def _load_cached(
-    dirs: tuple[Path, ...],
-) -> tuple[dict[str, GPUProfile], dict[str, str]]:
-    profiles: dict[str, GPUProfile] = {}
-    origin: dict[str, Path] = {}
-    for location in dirs:
-        for path in _profile_files(location):
-            profile = _load_file(path)
-            profiles[profile.id] = profile  # later locations override earlier ones
-            origin[profile.id] = path
+def _catalog(dirs: tuple[Path, ...]) -> tuple[dict[str, Path], dict[str, str], dict[str, str]]:
+    """(file by id, id by lookup key, display name by lookup key) over `dirs`. Shipped
+    profiles are found by file stem and the index file, without reading them; files in the
+    user's folders are read (their aliases live in them)."""
+    files: dict[str, Path] = {}
     index: dict[str, str] = {}
-    for pid in sorted(profiles):
-        index[normalize_name(pid)] = pid
-    for pid in sorted(profiles):
-        for alias in profiles[pid].aliases:
-            key = normalize_name(alias)
-            other = index.get(key)
-            if other is not None and other != pid:
-                raise InputError(
-                    f"GPU name {alias!r} in {origin[pid]} is already used by {other!r} ({origin[other]})"
-                )
-            index[key] = pid
-    return profiles, index
+    names: dict[str, str] = {}
+    where: dict[str, Path] = {}
+
+    def claim(label: str, pid: str, path: Path) -> None:
+        key = normalize_name(label)
+        other = index.get(key)
+        if other is not None and other != pid:
+            raise InputError(
+                f"GPU name {label!r} in {path} is already used by {other!r} ({where[other]})"
+            )
+        index[key] = pid
+        names.setdefault(key, label)
+
+    builtin, *user = dirs
+    for path in _profile_files(builtin):
+        files[path.stem] = where[path.stem] = path
+    for pid, aliases in sorted(builtin_aliases().items()):
+        claim(pid, pid, files[pid])
+        for alias in aliases:
+            claim(alias, pid, files[pid])
+    for location in user:
+        for path in _profile_files(location):
+            profile = load_profile_file(path)
+            files[profile.id] = where[profile.id] = path  # later locations override
+            claim(profile.id, profile.id, path)
+            for alias in profile.aliases:
+                claim(alias, profile.id, path)
+    return files, index, names
 
 
 def load_profiles(extra_dirs: list[Path] | None = None) -> dict[str, GPUProfile]:
@@ -246,23 +292,20 @@ def load_profiles(extra_dirs: list[Path] | None = None) -> dict[str, GPUProfile]
     Raises InputError naming the file for malformed YAML, schema errors, a file stem that
     differs from its id, or an alias claimed by two profiles.
     """
-    profiles, _ = _load_cached(tuple(profiles_dirs(extra_dirs)))
-    return dict(profiles)
+    files, _, _ = _catalog(tuple(profiles_dirs(extra_dirs)))
+    return {pid: load_profile_file(files[pid]) for pid in sorted(files)}
 
 
 def resolve_gpu(name: str, extra_dirs: list[Path] | None = None) -> GPUProfile:
-    """The profile whose id or alias matches `name` (case-insensitive; '-', ' ', '_' equal)."""
-    profiles, index = _load_cached(tuple(profiles_dirs(extra_dirs)))
+    """The profile whose id or alias matches `name` (case-insensitive; '-', ' ', '_' equal).
+    Reads that profile's file only."""
+    files, index, names = _catalog(tuple(profiles_dirs(extra_dirs)))
     key = normalize_name(name)
     if key in index:
-        return profiles[index[key]]
-    candidates = sorted(
-        {pid for pid in profiles} | {a for p in profiles.values() for a in p.aliases}
-    )
-    by_key = {normalize_name(c): c for c in candidates}
-    close = difflib.get_close_matches(key, list(by_key), n=3, cutoff=0.5)
+        return load_profile_file(files[index[key]])
+    close = difflib.get_close_matches(key, sorted(names), n=3, cutoff=0.5)
     hint = (
-        f"; did you mean: {', '.join(by_key[c] for c in close)}?"
+        f"; did you mean: {', '.join(names[c] for c in close)}?"
         if close
         else "; run `vramcalc gpus` for the list"
     )

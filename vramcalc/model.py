@@ -11,29 +11,34 @@ E = num_local_experts, fe = moe_intermediate_size.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import Literal
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vramcalc.errors import InputError
-from vramcalc.record import Record, field
 
 MAX_DIM = 10_000_000
 MAX_LAYERS = 100_000
 
 
-class ModelSpec(Record):
+class ModelSpec(BaseModel):
     """A decoder-only transformer; see the module docstring for the letters."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = "custom"
     model_type: str = "llama"
-    hidden_size: int = field(gt=0, le=MAX_DIM)
-    num_hidden_layers: int = field(gt=0, le=MAX_LAYERS)
-    num_attention_heads: int = field(gt=0, le=MAX_DIM)
-    num_key_value_heads: int | None = field(None, gt=0, le=MAX_DIM)
-    head_dim: int | None = field(None, gt=0, le=MAX_DIM)
-    intermediate_size: int = field(gt=0, le=MAX_DIM * 10)
-    vocab_size: int = field(gt=0, le=MAX_DIM * 10)
-    max_position_embeddings: int = field(4096, gt=0, le=100_000_000)
+    hidden_size: int = Field(gt=0, le=MAX_DIM)
+    num_hidden_layers: int = Field(gt=0, le=MAX_LAYERS)
+    num_attention_heads: int = Field(gt=0, le=MAX_DIM)
+    num_key_value_heads: int | None = Field(None, gt=0, le=MAX_DIM)
+    head_dim: int | None = Field(None, gt=0, le=MAX_DIM)
+    intermediate_size: int = Field(gt=0, le=MAX_DIM * 10)
+    vocab_size: int = Field(gt=0, le=MAX_DIM * 10)
+    max_position_embeddings: int = Field(4096, gt=0, le=100_000_000)
     mlp_kind: Literal["gated", "standard"] = "gated"
     hidden_act: str = "silu"
     norm_kind: Literal["rmsnorm", "layernorm"] = "rmsnorm"
@@ -46,18 +51,19 @@ class ModelSpec(Record):
     tie_word_embeddings: bool = False
     final_norm: bool = True
     # Mixture of experts; num_local_experts == 0 means dense.
-    num_local_experts: int = field(0, ge=0, le=100_000)
-    num_experts_per_tok: int = field(0, ge=0, le=100_000)
-    moe_intermediate_size: int | None = field(None, gt=0, le=MAX_DIM * 10)
-    num_shared_experts: int = field(0, ge=0, le=1000)
-    shared_expert_intermediate_size: int | None = field(None, gt=0, le=MAX_DIM * 10)
+    num_local_experts: int = Field(0, ge=0, le=100_000)
+    num_experts_per_tok: int = Field(0, ge=0, le=100_000)
+    moe_intermediate_size: int | None = Field(None, gt=0, le=MAX_DIM * 10)
+    num_shared_experts: int = Field(0, ge=0, le=1000)
+    shared_expert_intermediate_size: int | None = Field(None, gt=0, le=MAX_DIM * 10)
     shared_expert_gate: bool = False  # Qwen2-MoE: a h->1 gate on the shared expert
-    first_k_dense_replace: int = field(0, ge=0, le=MAX_LAYERS)  # leading dense layers
+    first_k_dense_replace: int = Field(0, ge=0, le=MAX_LAYERS)  # leading dense layers
     router_bias: bool = False
-    num_layer_norms: int = field(2, ge=1, le=8)  # Gemma 2/3: 4 (pre/post attn and MLP)
+    num_layer_norms: int = Field(2, ge=1, le=8)  # Gemma 2/3: 4 (pre/post attn and MLP)
     source: str = "custom"  # where the spec came from (preset, file path)
 
-    def _check(self) -> None:
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
         g = self.kv_heads
         if self.num_attention_heads % g != 0:
             raise InputError(
@@ -77,6 +83,7 @@ class ModelSpec(Record):
                 )
             if self.first_k_dense_replace > self.num_hidden_layers:
                 raise InputError("first_k_dense_replace exceeds num_hidden_layers")
+        return self
 
     # ---- derived shapes -------------------------------------------------
     @property
@@ -160,8 +167,10 @@ class ModelSpec(Record):
         """The norms of one layer: before attention and before the MLP (Gemma 2/3: four)."""
         return self.num_layer_norms * self._norm_params(self.hidden_size)
 
-    def model_copy(self, *, update: dict | None = None) -> ModelSpec:
-        """Copy with changes, validated like a new spec (a changed shape must still divide)."""
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False
+                   ) -> ModelSpec:
+        """Copy with changes, validated like a new spec (a changed shape must still divide;
+        the cached parameter counts are computed afresh)."""
         return type(self)(**{**self.model_dump(), **(update or {})})
 
     @cached_property
@@ -232,7 +241,8 @@ class ModelSpec(Record):
         )
 
 
-class ParamTensor(Record, validate=False):
+@dataclass(frozen=True)
+class ParamTensor:
     """One parameter tensor shape, repeated `count` times in the model.
 
     `group` says where it lives: embedding, layer (per dense or moe layer), expert,

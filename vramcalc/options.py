@@ -180,14 +180,16 @@ def parse_offload(value: Any) -> tuple[str, ...]:
 def _checked(cls: Any, values: dict[str, Any]) -> Any:
     """A TrainingConfig / ParallelConfig from option values normalize_values coerced and
     choice-checked: the numeric bounds the class declares are checked here, in pydantic's
-    words, without importing pydantic (vramcalc/record.py)."""
-    from vramcalc.record import first_bound_violation
+    words."""
+    from pydantic import ValidationError
 
-    bad = first_bound_violation(cls, values)
-    if bad:
-        name, problem = bad
-        raise InputError(f"--{name.replace('_', '-')}: {problem} (got {values[name]!r})")
-    return cls.model_construct(**values)
+    try:
+        return cls(**values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = str(err["loc"][0])
+        raise InputError(f"--{name.replace('_', '-')}: {err['msg']} (got {values[name]!r})"
+                         ) from None
 
 
 def normalize_values(values: dict[str, Any]) -> dict[str, Any]:
@@ -201,7 +203,7 @@ def normalize_values(values: dict[str, Any]) -> dict[str, Any]:
             out[key] = parse_offload(raw)
             continue
         if key == "lora_targets" and raw is not None:
-            from vramcalc.finetune import parse_targets
+            from vramcalc.training import parse_targets
 
             out[key] = parse_targets(raw)
             continue

@@ -18,34 +18,37 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from vramcalc.errors import InputError
 from vramcalc.model import ModelSpec
-from vramcalc.record import Record, field
 from vramcalc.training import TrainingConfig
 
 OffloadTarget = Literal["optimizer", "gradients", "params"]
 Engine = Literal["single", "ddp", "deepspeed", "fsdp2", "megatron"]
 
 
-class ParallelConfig(Record):
+class ParallelConfig(BaseModel):
     """Parallel degrees and sharding. `dp=None` means derived: world / (tp·pp·cp)."""
 
-    dp: int | None = field(None, gt=0, le=10_000_000)
-    tp: int = field(1, gt=0, le=100_000)
-    pp: int = field(1, gt=0, le=100_000)
-    cp: int = field(1, gt=0, le=100_000)
-    ep: int = field(1, gt=0, le=100_000)
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dp: int | None = Field(None, gt=0, le=10_000_000)
+    tp: int = Field(1, gt=0, le=100_000)
+    pp: int = Field(1, gt=0, le=100_000)
+    cp: int = Field(1, gt=0, le=100_000)
+    ep: int = Field(1, gt=0, le=100_000)
     sequence_parallel: bool = False
-    zero: int = field(0, ge=0, le=3)
+    zero: int = Field(0, ge=0, le=3)
     fsdp: Literal["none", "full", "grad-op", "hybrid"] = "none"
-    shard_group: int | None = field(None, gt=0, le=10_000_000)
+    shard_group: int | None = Field(None, gt=0, le=10_000_000)
     offload: tuple[OffloadTarget, ...] = ()
     offload_device: Literal["cpu", "nvme"] = "cpu"
     pp_schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
-    virtual_stages: int = field(1, gt=0, le=1000)
-    num_microbatches: int | None = field(None, gt=0, le=10_000_000)
-    global_batch_size: int | None = field(None, gt=0, le=1_000_000_000)
-    capacity_factor: float = field(1.0, gt=0, le=100)
+    virtual_stages: int = Field(1, gt=0, le=1000)
+    num_microbatches: int | None = Field(None, gt=0, le=10_000_000)
+    global_batch_size: int | None = Field(None, gt=0, le=1_000_000_000)
+    capacity_factor: float = Field(1.0, gt=0, le=100)
 
     @property
     def dp_degree(self) -> int:

@@ -1038,8 +1038,10 @@ def suggest_changes(base: Scenario, req: PlanRequest, profiles: Sequence[GPUProf
 
 def _retrain(base: Scenario, **update: Any) -> Scenario | None:
     """`base` with these training values; None when one is out of its declared bounds."""
-    from vramcalc.record import first_bound_violation
+    from pydantic import ValidationError
 
-    if first_bound_violation(TrainingConfig, update):
+    try:
+        training = TrainingConfig(**{**base.training.model_dump(), **update})
+    except ValidationError:
         return None
-    return base.model_copy(update={"training": base.training.model_copy(update=update)})
+    return base.model_copy(update={"training": training})

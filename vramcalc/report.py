@@ -1,7 +1,7 @@
 """The report schema shared by the analytic, trace and probe engines.
 
-Reports are outputs the engines build from numbers they computed: their records trust
-their values (`validate=False`, vramcalc/record.py); their names are still checked.
+Reports are outputs the engines build from numbers they computed (pydantic models, built
+with `model_construct` by the analytic engine: its values are ints it computed).
 
 `terms` is the composition of memory at the peak moment: the six allocated terms add up
 to `peak_allocated_bytes` (comparable with torch.cuda.max_memory_allocated on the worst
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vramcalc.record import Record
+from pydantic import BaseModel
 
 TERM_NAMES: tuple[str, ...] = (
     "weights",
@@ -28,7 +28,7 @@ ALLOCATED_TERMS: tuple[str, ...] = TERM_NAMES[:-1]
 PHASE_NAMES: tuple[str, ...] = ("forward", "backward", "optimizer")
 
 
-class Terms(Record, validate=False):
+class Terms(BaseModel):
     """Bytes per memory term (ints)."""
 
     weights: int = 0
@@ -47,7 +47,7 @@ class Terms(Record, validate=False):
         return {t: getattr(self, t) for t in TERM_NAMES}
 
 
-class StageReport(Record, validate=False):
+class StageReport(BaseModel):
     """One pipeline stage's (or rank group's) peak."""
 
     stage: int
@@ -57,7 +57,7 @@ class StageReport(Record, validate=False):
     device_total_bytes: int
 
 
-class GPUInfo(Record, validate=False):
+class GPUInfo(BaseModel):
     id: str
     name: str
     memory_total_bytes: int
@@ -66,7 +66,7 @@ class GPUInfo(Record, validate=False):
     note: str | None = None
 
 
-class ModelInfo(Record, validate=False):
+class ModelInfo(BaseModel):
     name: str
     num_params: int
     num_active_params: int
@@ -74,7 +74,7 @@ class ModelInfo(Record, validate=False):
     note: str | None = None
 
 
-class MemoryReport(Record, validate=False):
+class MemoryReport(BaseModel):
     """Per-rank memory of one scenario, worst rank first."""
 
     engine: str

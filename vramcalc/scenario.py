@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+from pydantic import BaseModel, ConfigDict
+
 from vramcalc.hardware import Cluster
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig, resolve_layout
-from vramcalc.record import Record
 from vramcalc.training import TrainingConfig
 
 
-class Scenario(Record):
+class Scenario(BaseModel):
     """Everything one estimate needs. `cluster=None` estimates one rank with no fit check."""
 
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
     model: ModelSpec
-    training: TrainingConfig = TrainingConfig.model_construct()
-    parallel: ParallelConfig = ParallelConfig.model_construct()
+    training: TrainingConfig = TrainingConfig()
+    parallel: ParallelConfig = ParallelConfig()
     cluster: Cluster | None = None
     headroom_fraction: float = 0.0
     model_note: str | None = None

@@ -19,9 +19,12 @@ policies; see vramcalc/terms/lowprec.py.
 
 from __future__ import annotations
 
+import difflib
 from typing import Literal
 
-from vramcalc.record import Record, field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from vramcalc.errors import InputError
 
 Precision = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"]
 OptimizerName = Literal[
@@ -36,17 +39,65 @@ OPTIMIZERS: tuple[str, ...] = (
     "paged-adamw", "paged-adamw-8bit",
 )
 FINETUNES: tuple[str, ...] = ("full", "lora", "qlora", "dora")  # vramcalc/finetune.py
+ADAPTER_METHODS: tuple[str, ...] = ("lora", "qlora", "dora")
 ATTENTIONS: tuple[str, ...] = ("flash", "eager")
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
 FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron")
 
+# LoRA target names: q, k, v, o projections and the MLP's gate, up (fc) and down (proj)
+# matrices.
+TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+ALL_LINEAR = "all-linear"
+# PEFT's default targets for Llama, Mistral, Qwen2 (and Mixtral): q_proj and v_proj
+# (peft/utils/constants.py TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, peft 0.21.2).
+DEFAULT_TARGETS = "q,v"
+_TARGET_ALIASES = {
+    "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "out_proj": "o",
+    "gate_proj": "gate", "up_proj": "up", "down_proj": "down", "fc": "up", "c_fc": "up",
+    "fc1": "up", "w1": "gate", "w3": "up", "w2": "down", "proj": "down", "fc2": "down",
+    "all_linear": ALL_LINEAR, "all": ALL_LINEAR,
+}
 
-class TrainingConfig(Record):
+
+def suggest(word: str, names: list[str] | tuple[str, ...], n: int = 3) -> str:
+    """'; did you mean: a, b?' or '' when nothing is close."""
+    close = difflib.get_close_matches(str(word).lower(), [x.lower() for x in names], n=n,
+                                      cutoff=0.5)
+    return f"; did you mean: {', '.join(close)}?" if close else ""
+
+
+def parse_targets(value: object) -> str:
+    """'q,v', 'Q_PROJ, v_proj', ['q', 'v'] or 'all-linear' -> canonical 'q,v' / 'all-linear'.
+
+    Unknown names raise InputError with suggestions."""
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    names: set[str] = set()
+    for raw in items:
+        word = str(raw).strip().lower().replace(" ", "")
+        if not word:
+            continue
+        word = _TARGET_ALIASES.get(word, word)
+        if word == ALL_LINEAR:
+            return ALL_LINEAR
+        if word not in TARGETS:
+            choices = list(TARGETS) + [ALL_LINEAR] + list(_TARGET_ALIASES)
+            raise InputError(f"--lora-targets: unknown target {raw!r}{suggest(word, choices)} "
+                             f"(choices: {', '.join(TARGETS)} or {ALL_LINEAR})")
+        names.add(word)
+    if not names:
+        raise InputError(f"--lora-targets: give at least one of {', '.join(TARGETS)} or "
+                         f"{ALL_LINEAR}")
+    return ",".join(t for t in TARGETS if t in names)
+
+
+class TrainingConfig(BaseModel):
     """One training job's per-step settings (parallel layout lives in ParallelConfig)."""
 
-    seq_len: int = field(4096, gt=0, le=100_000_000)
-    micro_batch_size: int = field(1, gt=0, le=1_000_000)
-    grad_accum: int = field(1, gt=0, le=1_000_000)
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    seq_len: int = Field(4096, gt=0, le=100_000_000)
+    micro_batch_size: int = Field(1, gt=0, le=1_000_000)
+    grad_accum: int = Field(1, gt=0, le=1_000_000)
     precision: Precision = "bf16"
     optimizer: OptimizerName = "adamw"
     optimizer_dtype: Literal["fp32", "bf16"] | None = None
@@ -55,22 +106,19 @@ class TrainingConfig(Record):
     framework: Literal["reference", "hf", "megatron"] = "reference"
     # fine-tuning (vramcalc/finetune.py): frozen base + adapters; PEFT's defaults
     finetune: Literal["full", "lora", "qlora", "dora"] = "full"
-    lora_rank: int = field(8, gt=0, le=65_536)
-    lora_targets: str = "q,v"  # canonical, see vramcalc.finetune.parse_targets
-    lora_dropout: float = field(0.0, ge=0.0, lt=1.0)
+    lora_rank: int = Field(8, gt=0, le=65_536)
+    lora_targets: str = DEFAULT_TARGETS  # canonical, see parse_targets
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     # memory techniques torchtune documents (vramcalc/terms/lowmem.py)
-    chunked_ce: int = field(1, ge=1, le=65_536)  # cross entropy over N token chunks
+    chunked_ce: int = Field(1, ge=1, le=65_536)  # cross entropy over N token chunks
     activation_offload: bool = False  # saved activations to pinned host memory
     # quantization-aware training: fake-quantized block linears (vramcalc/terms/lowprec.py)
     qat: Literal["none", "int8", "int4"] = "none"
 
+    @field_validator("lora_targets", mode="before")
     @classmethod
-    def _prepare(cls, values: dict) -> dict:
-        if "lora_targets" in values:
-            from vramcalc.finetune import parse_targets
-
-            values["lora_targets"] = parse_targets(values["lora_targets"])
-        return values
+    def _canonical_targets(cls, value: object) -> str:
+        return parse_targets(value)
 
     # ---- precision policy ---------------------------------------------
     @property
