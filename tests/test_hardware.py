@@ -461,3 +461,23 @@ def test_hardware_module_does_not_import_torch() -> None:
         check=True,
         cwd=Path(__file__).resolve().parents[1],
     )
+
+
+@pytest.mark.parametrize(("gpu", "expected"), [
+    # PyTorch aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize: the default
+    # CUBLAS_WORKSPACE_CONFIG is ":4096:8" on sm90 and newer, ":4096:2:16:8" before
+    ("H100", 8 * 4 * 2**20),
+    ("B200", 8 * 4 * 2**20),
+    ("A100", 2 * 4 * 2**20 + 8 * 16 * 2**10),
+    ("A100-40GB", 2 * 4 * 2**20 + 8 * 16 * 2**10),
+    ("V100", 2 * 4 * 2**20 + 8 * 16 * 2**10),
+    ("RTX4090", 2 * 4 * 2**20 + 8 * 16 * 2**10),
+])
+def test_cublas_workspace_comes_from_the_profile(gpu: str, expected: int) -> None:
+    """The estimate's cuBLAS workspace is the GPU's, by compute capability (an A100 whose
+    profile id ends in 'gb' is not a Hopper)."""
+    from vramcalc.analytic import estimate
+    from vramcalc.options import build_scenario
+
+    report = estimate(build_scenario({"model": "gpt2", "gpus": f"1x{gpu}", "seq_len": 128}))
+    assert report.subterms["transients/cublas_workspace"] == expected

@@ -149,7 +149,8 @@ def late_gradient_bytes(ctx: RankContext) -> int:
                if t.name in names)
 
 
-def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[Phase], int, int]:
+def _stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
+                  ) -> tuple[list[Phase], int, int]:
     """Phases (steady state) of one stage, plus the first-step peak and live-tensor count."""
     ctx = RankContext(scn.model, scn.training, scn.parallel, stage)
     train = scn.training
@@ -193,7 +194,7 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     A_mb = A_bottom(nL) + A_edges
     C_mb = nL * cache_layer + cache_head
     logits_keep = P.logits_keep
-    cublas = tr.cublas_workspace_bytes(gpu_id)
+    cublas = tr.cublas_workspace_bytes(gpu)
     gather = tr.gather_buffer_bytes(ctx)
     fwd_work = P.forward_work + comm.layer_forward_comm_bytes(ctx)
     persistent = tr.persistent_buffer_bytes(ctx)
@@ -203,7 +204,7 @@ def _stage_phases(scn: Scenario, stage: int, gpu_id: str | None) -> tuple[list[P
     if train.precision == "fp8" or train.qat != "none":
         from vramcalc.terms.lowprec import persistent_parts
 
-        lowprec_parts = persistent_parts(ctx, gpu_id)
+        lowprec_parts = persistent_parts(ctx, gpu)
 
     B = StageBase({**w_parts, **lowprec_parts, "optimizer_states/states": opt["states"],
                    "optimizer_states/master": opt["master"]},
@@ -396,11 +397,10 @@ def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
 
         check_lowprec(scn)  # FP8 / QAT combinations not modelled: InputError
     gpu = scn.cluster.gpu if scn.cluster else None
-    gpu_id = gpu.id if gpu else None
     stages = list(range(scn.parallel.pp)) if every_stage else candidate_stages(scn)
     runs = []
     for st in stages:
-        phases, first, live = _stage_phases(scn, st, gpu_id)
+        phases, first, live = _stage_phases(scn, st, gpu)
         ovh = overhead_split(gpu.context_overhead_bytes if gpu else 0, scn.world_size, live)
         ovh.update(_paged_overhead(scn, st))
         nl = RankContext(scn.model, scn.training, scn.parallel, st).num_layers
@@ -553,5 +553,5 @@ def _notes(scn: Scenario) -> list[str]:
         from vramcalc.terms.lowprec import notes as lowprec_notes
 
         notes += lowprec_notes(RankContext(scn.model, scn.training, scn.parallel, 0),
-                               scn.cluster.gpu.id if scn.cluster else None)
+                               scn.cluster.gpu if scn.cluster else None)
     return notes

@@ -77,7 +77,7 @@ def explain(scn: Scenario) -> dict[str, Any]:
 
         sections.append({"title": "FP8" if tr.precision == "fp8" else "Quantization-aware "
                          "training", "lines": explain_lines(
-                             ctx, scn.cluster.gpu.id if scn.cluster else None)})
+                             ctx, scn.cluster.gpu if scn.cluster else None)})
 
     saved = act.layer_saved(ctx)
     per_layer = act.layer_activation_bytes(ctx)

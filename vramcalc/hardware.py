@@ -97,6 +97,13 @@ class GPUProfile(BaseModel):
     bf16_supported: bool
     fused_attention: bool
     context_overhead_bytes: int = Field(ge=0)
+    # BLAS workspace PyTorch allocates through the caching allocator (counted in
+    # max_memory_allocated). Default: the CUDA default before sm90, CUBLAS_WORKSPACE_CONFIG
+    # ":4096:2:16:8" = 2 x 4 MiB + 8 x 16 KiB (aten/src/ATen/cuda/CublasHandlePool.cpp).
+    blas_workspace_bytes: int = Field(8 * 2**20 + 8 * 16 * 2**10, ge=0)
+    # Transformer Engine keeps a separate FP8 transpose of each weight (false where the GPU
+    # runs non-TN FP8 GEMMs: sm100/sm103, TE is_non_tn_fp8_gemm_supported)
+    fp8_separate_transpose: bool = True
     memory_api: Literal["cuda", "rocm", "npu", "hpu"]
     mfu_fraction: float = Field(gt=0, le=1)
     price_usd_per_hour: float | None = Field(None, gt=0)

@@ -196,8 +196,7 @@ def analytic_points(scn: Scenario) -> dict[str, int]:
     from vramcalc.analytic import _stage_phases
 
     scn = scn.resolved()
-    gpu_id = scn.cluster.gpu.id if scn.cluster else None
-    phases, _first, _live = _stage_phases(scn, 0, gpu_id)
+    phases, _first, _live = _stage_phases(scn, 0, scn.cluster.gpu if scn.cluster else None)
     by_name = {p.name: p.terms() for p in phases}
     from vramcalc.terms import activations as act
     from vramcalc.terms import logits as lg

@@ -65,6 +65,7 @@ import dataclasses
 from typing import Any
 
 from vramcalc.errors import InputError
+from vramcalc.hardware import GPUProfile
 from vramcalc.terms.context import RankContext
 from vramcalc.units import alloc
 
@@ -76,9 +77,6 @@ FP8_FWD_TENSORS_PER_GEMM = 3
 FP8_BWD_TENSORS_PER_GEMM = 2
 # TE assert_dim_for_fp8_exec: FP8 GEMM dimensions must be multiples of 16.
 FP8_DIM_MULTIPLE = 16
-# GPUs with non-TN FP8 GEMMs (sm100/sm103: TE is_non_tn_fp8_gemm_supported); TE then
-# keeps one FP8 buffer for row- and column-wise use and never materialises a transpose.
-FP8_NON_TN_GPUS = ("b200", "b300", "gb200", "gb300")
 # torchao QAT: int4 weights per group of 32 columns (the 8da4w example config).
 QAT_INT4_GROUP = 32
 QAT_SCHEMES = {"int8": "8da8w (int8 per-token activations, int8 per-channel weights)",
@@ -90,9 +88,10 @@ def uses_lowprec(tr: Any) -> bool:
     return tr.precision == "fp8" or getattr(tr, "qat", "none") != "none"
 
 
-def fp8_transpose(gpu_id: str | None) -> bool:
-    """Whether TE keeps a separate FP8 transpose (every FP8 GPU but sm100/sm103)."""
-    return not (gpu_id and any(gpu_id.startswith(k) for k in FP8_NON_TN_GPUS))
+def fp8_transpose(gpu: GPUProfile | None) -> bool:
+    """Whether TE keeps a separate FP8 transpose (the GPU profile says; GPUs with non-TN FP8
+    GEMMs, sm100/sm103, keep one FP8 buffer for row- and column-wise use)."""
+    return gpu is None or gpu.fp8_separate_transpose
 
 
 def block_linears(ctx: RankContext) -> list[tuple[str, int, int, int]]:
@@ -151,9 +150,9 @@ def check_lowprec(scn: Any) -> None:
 
 
 # ---- persistent state -----------------------------------------------------------------
-def fp8_weight_cache_bytes(ctx: RankContext, gpu_id: str | None) -> int:
+def fp8_weight_cache_bytes(ctx: RankContext, gpu: GPUProfile | None) -> int:
     """TE's cached FP8 weights: per block linear `_data` (+ `_transpose`) + `_scale_inv`."""
-    copies = 2 if fp8_transpose(gpu_id) else 1
+    copies = 2 if fp8_transpose(gpu) else 1
     return sum(c * (copies * alloc(rows * cols, "fp8") + alloc(1, "fp32"))
                for _, rows, cols, c in block_linears(ctx))
 
@@ -179,11 +178,11 @@ def qat_qparam_bytes(ctx: RankContext) -> int:
                for _, rows, cols, c in block_linears(ctx))
 
 
-def persistent_parts(ctx: RankContext, gpu_id: str | None) -> dict[str, int]:
+def persistent_parts(ctx: RankContext, gpu: GPUProfile | None) -> dict[str, int]:
     """Report sub-terms alive for the whole step (empty unless FP8 or QAT)."""
     tr = ctx.training
     if tr.precision == "fp8":
-        return {"transients/fp8_weight_cache": fp8_weight_cache_bytes(ctx, gpu_id),
+        return {"transients/fp8_weight_cache": fp8_weight_cache_bytes(ctx, gpu),
                 "transients/fp8_meta": fp8_meta_bytes(ctx)}
     if tr.qat != "none":
         return {"transients/qat_qparams": qat_qparam_bytes(ctx)}
@@ -280,13 +279,13 @@ def forward_working_bytes(ctx: RankContext) -> int:
 
 
 # ---- words --------------------------------------------------------------------------------
-def notes(ctx: RankContext, gpu_id: str | None) -> list[str]:
+def notes(ctx: RankContext, gpu: GPUProfile | None) -> list[str]:
     """One note per mode for the report."""
     tr = ctx.training
-    parts = persistent_parts(ctx, gpu_id)
+    parts = persistent_parts(ctx, gpu)
     gb = sum(parts.values()) / 1e9
     if tr.precision == "fp8":
-        layout = "data + transpose" if fp8_transpose(gpu_id) else "data only (non-TN GPU)"
+        layout = "data + transpose" if fp8_transpose(gpu) else "data only (non-TN GPU)"
         out = [f"fp8: Transformer Engine delayed scaling on the block linears: cached FP8 "
                f"weights ({layout}) and amax histories {gb:.2f} GB; linear inputs saved in "
                "FP8 e4m3; attention, norms, embedding and lm_head in bf16"]
@@ -300,7 +299,7 @@ def notes(ctx: RankContext, gpu_id: str | None) -> list[str]:
             f"are saved per linear; qparams {gb:.3f} GB"]
 
 
-def explain_lines(ctx: RankContext, gpu_id: str | None) -> list[str]:
+def explain_lines(ctx: RankContext, gpu: GPUProfile | None) -> list[str]:
     """Plain-words formulas with this scenario's numbers (vramcalc explain)."""
     tr = ctx.training
     lins = block_linears(ctx)
@@ -308,12 +307,12 @@ def explain_lines(ctx: RankContext, gpu_id: str | None) -> list[str]:
     k = sum(c for *_, c in lins)
     gb = 1e9
     if tr.precision == "fp8":
-        copies = 2 if fp8_transpose(gpu_id) else 1
+        copies = 2 if fp8_transpose(gpu) else 1
         return [
             f"FP8 (Transformer Engine): {k} block linears hold {n:,} weight elements on this "
             "rank; weights, gradients, master and optimizer states are as 'bf16'.",
             f"Cached FP8 weights: {n:,} x {copies} B ({'data + transpose' if copies == 2 else 'data'})"
-            f" + a 4 B scale_inv each = {fp8_weight_cache_bytes(ctx, gpu_id) / gb:,.3f} GB.",
+            f" + a 4 B scale_inv each = {fp8_weight_cache_bytes(ctx, gpu) / gb:,.3f} GB.",
             f"Amax history and scales: {k} linears x (1024 x (3 + 2) + 3 + 2) fp32 = "
             f"{fp8_meta_bytes(ctx) / gb:,.4f} GB.",
             "Each distinct linear input (normed input for q/k/v, o input, MLP input, down "

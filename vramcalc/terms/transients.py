@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import lru_cache
 
+from vramcalc.hardware import GPUProfile
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
 from vramcalc.sharding import layer_param_numels, sharded_numel  # noqa: F401
@@ -16,19 +17,15 @@ from vramcalc.training import TrainingConfig
 from vramcalc.units import ALLOC_ROUND_BYTES, MiB, alloc
 
 # PyTorch allocates cuBLAS workspaces through the caching allocator, so they show in
-# max_memory_allocated: CUBLAS_WORKSPACE_CONFIG default ":4096:8" on Hopper and newer
-# (8 x 4 MiB = 32 MiB), ":4096:2:16:8" before (2 x 4 MiB + 8 x 16 KiB).
-# Source: aten/src/ATen/cuda/CublasHandlePool.cpp (getChosenWorkspaceSize).
-CUBLAS_WORKSPACE_HOPPER_BYTES = 32 * MiB
-CUBLAS_WORKSPACE_OLDER_BYTES = 8 * MiB + 8 * 16 * 1024
+# max_memory_allocated; each GPU profile gives its size (`blas_workspace_bytes`). Without a
+# GPU: the default on Hopper and newer, CUBLAS_WORKSPACE_CONFIG ":4096:8" = 8 x 4 MiB
+# (aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize).
+CUBLAS_WORKSPACE_NO_GPU_BYTES = 32 * MiB
 
 
-def cublas_workspace_bytes(gpu_id: str | None) -> int:
-    """cuBLAS workspace held once per process on the device."""
-    if gpu_id is None:
-        return CUBLAS_WORKSPACE_HOPPER_BYTES
-    hopper_plus = any(k in gpu_id for k in ("h100", "h200", "h800", "h20", "b200", "b300", "gb"))
-    return CUBLAS_WORKSPACE_HOPPER_BYTES if hopper_plus else CUBLAS_WORKSPACE_OLDER_BYTES
+def cublas_workspace_bytes(gpu: GPUProfile | None) -> int:
+    """cuBLAS workspace held once per process on the device (the GPU profile's)."""
+    return CUBLAS_WORKSPACE_NO_GPU_BYTES if gpu is None else gpu.blas_workspace_bytes
 
 
 def optimizer_step_temp_bytes(ctx: RankContext) -> int:

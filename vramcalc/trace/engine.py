@@ -296,7 +296,7 @@ def _snap(s: Any, extra: dict[str, int]) -> PhaseSnapshot:
 
 def _result(scn: Scenario, tracker: Any, param_bytes: int, iterations: int) -> TraceResult:
     gpu = scn.cluster.gpu if scn.cluster else None
-    extra = {"transients/cublas_workspace": cublas_workspace_bytes(gpu.id if gpu else None)}
+    extra = {"transients/cublas_workspace": cublas_workspace_bytes(gpu)}
     last = iterations - 1
     phases = {ph: _snap(tracker.peaks[(last, ph)], extra) for ph in PHASE_NAMES}
     marks = {name: _snap(snap, extra) for (it, name), snap in tracker.marks.items() if it == last}

@@ -200,14 +200,14 @@ def _block_linears(block: nn.Module) -> list[tuple[nn.Module, str]]:
 def apply_lowprec(model: nn.Module, scn: Any) -> nn.Module:
     """Swap the block linears for FP8Linear or QATLinear (inside the trace's FakeTensorMode)."""
     tr = scn.training
-    gpu_id = scn.cluster.gpu.id if scn.cluster is not None else None
+    gpu = scn.cluster.gpu if scn.cluster is not None else None
     cache = _InputCache()
     tokens = tr.micro_batch_size * tr.seq_len
     for block in model.layers:
         for parent, attr in _block_linears(block):
             lin = getattr(parent, attr)
             if tr.precision == "fp8":
-                new: nn.Module = FP8Linear(lin, fp8_transpose(gpu_id), cache)
+                new: nn.Module = FP8Linear(lin, fp8_transpose(gpu), cache)
             else:
                 new = QATLinear(lin, tr.qat, tokens)
             setattr(parent, attr, new)
