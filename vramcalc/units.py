@@ -6,6 +6,8 @@ GB means 10**9 bytes and GiB means 2**30 bytes; the two are never mixed.
 
 from __future__ import annotations
 
+from vramcalc.errors import InputError
+
 DTYPE_BITS: dict[str, int] = {
     "fp32": 32,
     "tf32": 32,
@@ -63,8 +65,6 @@ def fmt_gib(num_bytes: int, digits: int = 2) -> str:
 
 def parse_count(text: str) -> int:
     """Parse a count such as `2e12`, `300B`, `1.5T`, `800M`, `4096` (tokens, sizes)."""
-    from vramcalc.errors import InputError
-
     s = str(text).strip().replace("_", "").replace(",", "")
     mult = 1
     suffixes = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
