@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -143,31 +141,6 @@ def test_python_dash_m_works() -> None:
     out = subprocess.run([sys.executable, "-m", "vramcalc", "models", "--json"],
                          capture_output=True, text=True, check=True)
     assert "llama3-70b" in out.stdout
-
-
-def test_warm_estimate_imports_neither_typer_nor_pydantic(tmp_path: Path) -> None:
-    """After one run has filled the validated-file cache (vramcalc/yamlio.py), `vramcalc
-    estimate` parses its line without typer and builds its records without pydantic
-    (vramcalc/entry.py, vramcalc/record.py): the start-up budget of issue 2."""
-    code = (
-        "import sys, runpy\n"
-        "sys.argv = ['vramcalc', 'estimate', '--model', '70b', '--gpus', '8xH100', '--json']\n"
-        "try:\n"
-        "    runpy.run_module('vramcalc', run_name='__main__')\n"
-        "except SystemExit as e:\n"
-        "    rc = e.code\n"
-        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'typer', 'pydantic', 'yaml',\n"
-        "                'torch', 'click'})\n"
-        "sys.stderr.write(repr(heavy))\n"
-        "sys.exit(rc)\n"
-    )
-    env = {**os.environ, "VRAMCALC_CACHE_DIR": str(tmp_path)}
-    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert first.returncode == second.returncode == 0, first.stderr + second.stderr
-    assert "pydantic" in first.stderr  # the first run validates the catalog files
-    assert second.stderr == "[]"
-    assert json.loads(first.stdout) == json.loads(second.stdout)
 
 
 def test_estimate_path_never_imports_torch() -> None:
