@@ -9,9 +9,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from vramcalc.cli import full_app, main
-
-app = full_app()  # every command registered (vramcalc.cli.load_commands)
+from vramcalc.cli import app, main
 
 runner = CliRunner()
 
@@ -147,6 +145,7 @@ def test_estimate_path_never_imports_torch() -> None:
     code = (
         "import sys\n"
         "from vramcalc.cli import main\n"
+        "assert 'torch' not in sys.modules\n"
         "rc = main(['estimate', '--model', '70b', '--gpus', '8xH100', '--zero', '3', '--json'])\n"
         "rc2 = main(['explain', '--model', 'gpt2'])\n"
         "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]\n"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from vramcalc.cli import main
-from vramcalc.cli_probe import _free_port
+from vramcalc.cli.probe import free_port
 from vramcalc.probe.builtin import _failed_alloc_bytes
 
 pytest.importorskip("torch")
@@ -85,7 +85,7 @@ def test_run_mode_one_record_per_rank(tmp_path: Path, capsys) -> None:
                       "dist.destroy_process_group()\n")
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
     rc = main(["probe", "--json", "--out", str(tmp_path / "r"), "--run", "--", torchrun,
-               "--nproc-per-node", "2", "--master-port", str(_free_port()), str(script)])
+               "--nproc-per-node", "2", "--master-port", str(free_port()), str(script)])
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
     ranks = sorted(r["rank"] for r in doc["ranks"])
