@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import typer
 
-from vramcalc.analytic import estimate
+from vramcalc.check import check_files
 from vramcalc.cli.app import emit_json, fail, option, scenario_command, split_values
 from vramcalc.errors import InputError
 from vramcalc.options import build_scenario
@@ -98,15 +98,11 @@ def _run_mode(cmd: list[str], interval: float, compare: Path | None, out: Path |
 
 
 def _estimate_for_config(path: Path, dirs: list[Path] | None) -> dict[str, Any]:
-    try:
-        from vramcalc.check import load_config_values  # the CI guard's config reader
-    except ImportError as err:  # pragma: no cover
-        raise InputError(f"--compare needs the config reader ({err})") from None
-    values = load_config_values(path)
-    scn = build_scenario(values, dirs)
-    rep = estimate(scn)
-    return {"config": str(path), "peak_allocated_bytes": rep.peak_allocated_bytes,
-            "device_total_bytes": rep.device_total_bytes, "fits": rep.fits}
+    """`--compare CFG`: the estimate `vramcalc check CFG` makes, for the side-by-side."""
+    result, source = check_files(path, None, {}, dirs)
+    rep = result.report
+    return {"config": source, "peak_allocated_bytes": rep.peak_allocated_bytes,
+            "device_total_bytes": rep.device_total_bytes, "fits": result.fits}
 
 
 def _nproc_mode(values: dict[str, Any], nproc: int, iterations: int, out: Path | None,
