@@ -115,8 +115,8 @@ def parse_batch(size: int | None, tokens: str | None) -> tuple[int | None, int |
 
 def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
                  global_batch_tokens: str | None = None, allow: str | None = None,
-                 top: int = 5, mfu: float | None = None,
-                 profile_dirs: list[Path] | None = None) -> tuple[Scenario, PlanRequest, list[str]]:
+                 top: int = 5, mfu: float | None = None, profile_dirs: list[Path] | None = None,
+                 ) -> tuple[Scenario, PlanRequest, list[str]]:
     """Option values → (base Scenario, PlanRequest, notes). Layout options given pin it."""
     values = {k: v for k, v in values.items() if v is not None}
     for key in values:
