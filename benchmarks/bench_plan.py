@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def in_process(model: str, gpus: str, repeat: int) -> None:
-    from vramcalc.cli_plan import prepare_plan
+    from vramcalc.cli.plan import prepare_plan
     from vramcalc.plan import search
 
     base, req, _ = prepare_plan({"model": model, "gpus": gpus})

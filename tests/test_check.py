@@ -9,10 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from vramcalc.check import deepspeed_values, load_config_file, merge_values
-from vramcalc.cli import full_app, main
+from vramcalc.cli import app, main
 from vramcalc.errors import InputError
-
-app = full_app()  # every command registered (vramcalc.cli.load_commands)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train.yaml"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import ast
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from vramcalc.cli import full_app, main
-
-app = full_app()  # every command registered (vramcalc.cli.load_commands)
+from vramcalc.cli import app, main
 
 runner = CliRunner()
 
@@ -109,6 +107,21 @@ def test_bad_input_one_line_exit_2(args: list[str], fragment: str, capsys) -> No
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--seq-len", "-5"], "error: --seq-len: Input should be greater than 0 (got -5)"),
+        (["--zero", "5"], "error: --zero: Input should be less than or equal to 3 (got 5)"),
+        (["--dp", "0"], "error: --dp: Input should be greater than 0 (got 0)"),
+    ],
+)
+def test_out_of_bounds_values_name_the_flag(args: list[str], line: str, capsys) -> None:
+    """A bound the training or parallel config declares is reported in pydantic's words
+    under the option's flag, with the value given."""
+    assert main(["estimate", "--model", "8b", "--gpus", "8xH100", *args]) == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
 def test_malformed_model_files(tmp_path, capsys) -> None:
     bad_json = tmp_path / "config.json"
     bad_json.write_text("{not json")
@@ -145,35 +158,11 @@ def test_python_dash_m_works() -> None:
     assert "llama3-70b" in out.stdout
 
 
-def test_warm_estimate_imports_neither_typer_nor_pydantic(tmp_path: Path) -> None:
-    """After one run has filled the validated-file cache (vramcalc/yamlio.py), `vramcalc
-    estimate` parses its line without typer and builds its records without pydantic
-    (vramcalc/entry.py, vramcalc/record.py): the start-up budget of issue 2."""
-    code = (
-        "import sys, runpy\n"
-        "sys.argv = ['vramcalc', 'estimate', '--model', '70b', '--gpus', '8xH100', '--json']\n"
-        "try:\n"
-        "    runpy.run_module('vramcalc', run_name='__main__')\n"
-        "except SystemExit as e:\n"
-        "    rc = e.code\n"
-        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'typer', 'pydantic', 'yaml',\n"
-        "                'torch', 'click'})\n"
-        "sys.stderr.write(repr(heavy))\n"
-        "sys.exit(rc)\n"
-    )
-    env = {**os.environ, "VRAMCALC_CACHE_DIR": str(tmp_path)}
-    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert first.returncode == second.returncode == 0, first.stderr + second.stderr
-    assert "pydantic" in first.stderr  # the first run validates the catalog files
-    assert second.stderr == "[]"
-    assert json.loads(first.stdout) == json.loads(second.stdout)
-
-
 def test_estimate_path_never_imports_torch() -> None:
     code = (
         "import sys\n"
         "from vramcalc.cli import main\n"
+        "assert 'torch' not in sys.modules\n"
         "rc = main(['estimate', '--model', '70b', '--gpus', '8xH100', '--zero', '3', '--json'])\n"
         "rc2 = main(['explain', '--model', 'gpt2'])\n"
         "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]\n"
@@ -182,3 +171,24 @@ def test_estimate_path_never_imports_torch() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_cli_imports_only_the_torch_engines_inside_functions() -> None:
+    """The CLI, the rendering and the option table import at module top, except the
+    commands that drive the torch engines (trace, probe, validate)."""
+    root = Path(__file__).resolve().parents[1] / "vramcalc"
+    files = [*(root / "cli").glob("*.py"), *(root / "render").glob("*.py"),
+             root / "options.py", root / "check.py"]
+    lazy = []
+    for path in files:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for func in ast.walk(tree):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(func):
+                if isinstance(node, ast.ImportFrom):
+                    lazy.append((path.name, node.module or ""))
+                elif isinstance(node, ast.Import):
+                    lazy += [(path.name, alias.name) for alias in node.names]
+    engines = ("vramcalc.trace", "vramcalc.probe", "vramcalc.validate")
+    assert lazy and all(module.startswith(engines) for _, module in lazy), lazy

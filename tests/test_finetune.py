@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from vramcalc.analytic import estimate
 from vramcalc.catalog import resolve_model
-from vramcalc.cli import full_app, main
+from vramcalc.cli import app, main
 from vramcalc.errors import InputError
 from vramcalc.finetune import (
     nf4_constant_bytes,
@@ -43,8 +43,6 @@ from vramcalc.terms.optimizer_states import bnb_state_split, optimizer_state_spl
 from vramcalc.terms.weights import weights_by_group
 from vramcalc.training import TrainingConfig, parse_targets
 from vramcalc.units import GB, alloc
-
-app = full_app()  # every command registered (vramcalc.cli.load_commands)
 
 runner = CliRunner()
 LLAMA2_7B, _ = resolve_model("llama2-7b")
@@ -289,7 +287,7 @@ def test_explain_lists_adapter_tensors() -> None:
 
 # ---- planner ---------------------------------------------------------------------------------
 def test_planner_proposes_qlora_for_70b_on_one_gpu() -> None:
-    from vramcalc.cli_plan import prepare_plan
+    from vramcalc.cli.plan import prepare_plan
     from vramcalc.plan import search
 
     base, req, _ = prepare_plan({"model": "70b", "gpus": "1xH100", "seq_len": 2048},

@@ -32,7 +32,7 @@ from typer.testing import CliRunner
 
 from vramcalc.analytic import estimate
 from vramcalc.catalog import resolve_model
-from vramcalc.cli import full_app, main
+from vramcalc.cli import app, main
 from vramcalc.errors import InputError
 from vramcalc.model import ModelSpec
 from vramcalc.options import build_scenario
@@ -40,7 +40,6 @@ from vramcalc.parallel import ParallelConfig
 from vramcalc.scenario import Scenario
 from vramcalc.training import TrainingConfig
 
-app = full_app()
 runner = CliRunner()
 
 # a small Llama-style shape: every tensor a multiple of 512 bytes, traces in ~1 s
@@ -256,7 +255,7 @@ def test_explain_states_the_fp8_and_qat_formulas() -> None:
 
 
 def test_planner_proposes_fp8_only_on_fp8_gpus() -> None:
-    from vramcalc.cli_plan import prepare_plan
+    from vramcalc.cli.plan import prepare_plan
     from vramcalc.plan import search
 
     seen = {}
@@ -287,7 +286,7 @@ def test_planner_memory_bound_is_sound_for_fp8() -> None:
     """The planner's lower bound (1-byte activation floor for FP8) never exceeds the engine."""
     import random
 
-    from vramcalc.cli_plan import prepare_plan
+    from vramcalc.cli.plan import prepare_plan
     from vramcalc.plan import _Bound, _estimate, enumerate_candidates
 
     base, req, _ = prepare_plan({"model": "8b", "gpus": "8xH100", "precision": "fp8",

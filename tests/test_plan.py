@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from vramcalc.analytic import estimate
-from vramcalc.cli import full_app, main
-from vramcalc.cli_plan import prepare_plan
+from vramcalc.cli import app, main
+from vramcalc.cli.plan import prepare_plan
 from vramcalc.errors import InputError
 from vramcalc.hardware import load_profiles
 from vramcalc.plan import (
@@ -30,8 +30,6 @@ from vramcalc.plan import (
     suggest_changes,
 )
 from vramcalc.speed import scenario_speed
-
-app = full_app()  # every command registered (vramcalc.cli.load_commands)
 
 CANDIDATE_KEYS = {"strategy", "fits", "peak_allocated_bytes", "device_total_bytes",
                   "tokens_per_s", "step_time_s", "mfu"}
@@ -354,7 +352,7 @@ def test_request_defaults() -> None:
 
 def test_every_speed_part_has_a_label() -> None:
     """The table renderer names every part of the step time the speed model reports."""
-    from vramcalc.render_plan import SPEED_LABELS
+    from vramcalc.render.plan import SPEED_LABELS
     from vramcalc.speed import PART_NAMES
 
     assert set(PART_NAMES) == set(SPEED_LABELS)

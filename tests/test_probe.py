@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from vramcalc.cli import main
-from vramcalc.cli_probe import _free_port
+from vramcalc.cli.probe import free_port
 from vramcalc.probe.builtin import _failed_alloc_bytes
 
 pytest.importorskip("torch")
 
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.yaml"
 TRAIN_SCRIPT = """
 import torch
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
@@ -70,6 +71,37 @@ def test_run_mode_on_a_real_script(tmp_path: Path, capsys) -> None:
     assert (out / f"rank0-{rank['pid']}.json").exists()
 
 
+def test_run_mode_compares_with_the_config_estimate(tmp_path: Path, capsys) -> None:
+    """`probe --run --compare CFG -- CMD` shows the estimate `vramcalc check CFG` makes
+    beside the measured records."""
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_SCRIPT)
+    assert main(["check", str(EXAMPLE), "--json"]) == 0
+    checked = json.loads(capsys.readouterr().out)
+    rc = main(["probe", "--json", "--out", str(tmp_path / "r"), "--run", "--compare",
+               str(EXAMPLE), "--", sys.executable, str(script)])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out.split("done\n")[-1])
+    assert len(doc["ranks"]) == 1
+    assert doc["estimate"] == {
+        "config": str(EXAMPLE), "fits": checked["fits"],
+        "peak_allocated_bytes": checked["report"]["peak_allocated_bytes"],
+        "device_total_bytes": checked["device_total_bytes"]}
+    rc = main(["probe", "--out", str(tmp_path / "r2"), "--run", "--compare", str(EXAMPLE),
+               "--", sys.executable, str(script)])
+    assert rc == 0
+    assert f"estimate for {EXAMPLE}: peak allocated" in capsys.readouterr().out
+
+
+def test_run_mode_compare_with_a_bad_config(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: 8b\nseq_lenn: 4096\n")
+    assert main(["probe", "--run", "--compare", str(bad), "--", sys.executable, "-c",
+                 "pass"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown key 'seq_lenn'" in err
+
+
 def test_run_mode_propagates_exit_code(tmp_path: Path) -> None:
     assert main(["probe", "--out", str(tmp_path), "--run", "--", sys.executable, "-c",
                  "raise SystemExit(5)"]) == 5
@@ -85,7 +117,7 @@ def test_run_mode_one_record_per_rank(tmp_path: Path, capsys) -> None:
                       "dist.destroy_process_group()\n")
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
     rc = main(["probe", "--json", "--out", str(tmp_path / "r"), "--run", "--", torchrun,
-               "--nproc-per-node", "2", "--master-port", str(_free_port()), str(script)])
+               "--nproc-per-node", "2", "--master-port", str(free_port()), str(script)])
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
     ranks = sorted(r["rank"] for r in doc["ranks"])

@@ -1,5 +1,7 @@
 """`python -m vramcalc`."""
 
-from vramcalc.entry import run
+import sys
 
-run()
+from vramcalc.cli import main
+
+sys.exit(main())

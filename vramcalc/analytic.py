@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vramcalc.hardware import GPUProfile
 from vramcalc.offload import offload_footprint
 from vramcalc.report import GPUInfo, MemoryReport, ModelInfo, StageReport, Terms
 from vramcalc.scenario import Scenario

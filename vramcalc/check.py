@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from vramcalc import yamlio
-from vramcalc.errors import InputError
-from vramcalc.options import OPTIONS_BY_NAME, normalize_values, suggest
+from vramcalc.analytic import estimate
+from vramcalc.errors import InputError, suggest
+from vramcalc.options import OPTIONS_BY_NAME, build_scenario, normalize_values
 from vramcalc.report import MemoryReport
 
 DEFAULT_CHECK_HEADROOM = 0.05  # same default as `vramcalc plan`
@@ -98,6 +99,7 @@ def load_config_file(path: Path) -> dict[str, Any]:
 
 
 def load_deepspeed_file(path: Path) -> dict[str, Any]:
+    """Read a DeepSpeed JSON config: a JSON object (the keys read: deepspeed_values)."""
     text = _read(path, "DeepSpeed config")
     try:
         data = json.loads(text)
@@ -190,13 +192,13 @@ def deepspeed_values(ds: dict[str, Any]) -> tuple[dict[str, Any], int | None, li
     for name, sect in (("bf16", bf16), ("fp16", fp16)):
         if isinstance(sect, dict) and _auto(sect.get("enabled")):
             skipped.append(f"{name}.enabled")
-    opt = ds.get("optimizer")
-    if isinstance(opt, dict) and opt.get("type") is not None:
-        kind = str(opt["type"]).lower().replace("_", "")
+    ds_opt = ds.get("optimizer")
+    if isinstance(ds_opt, dict) and ds_opt.get("type") is not None:
+        kind = str(ds_opt["type"]).lower().replace("_", "")
         if kind in _DS_OPTIMIZERS:
             vals["optimizer"] = _DS_OPTIMIZERS[kind]
         else:
-            notes.append(f"DeepSpeed optimizer type {opt['type']!r} is not modelled; "
+            notes.append(f"DeepSpeed optimizer type {ds_opt['type']!r} is not modelled; "
                          "using the optimizer option")
     if skipped:
         notes.append("DeepSpeed values set to \"auto\" were skipped: " + ", ".join(skipped))
@@ -217,9 +219,6 @@ def run_check(values: dict[str, Any], train_batch_size: int | None = None,
               profile_dirs: list[Path] | None = None,
               explicit: frozenset[str] = frozenset()) -> CheckResult:
     """Build the scenario, reconcile DeepSpeed's train_batch_size, estimate."""
-    from vramcalc.analytic import estimate
-    from vramcalc.options import build_scenario
-
     values = dict(values)
     values.setdefault("headroom", DEFAULT_CHECK_HEADROOM)
     notes: list[str] = []
@@ -264,3 +263,25 @@ def normalize_cli(values: dict[str, Any]) -> dict[str, Any]:
     """Validate option names and values given on the command line (no defaults filled)."""
     norm = normalize_values(values)
     return {k: norm[k] for k in values}
+
+
+def check_files(config: Path | None, deepspeed: Path | None, cli_values: dict[str, Any],
+                profile_dirs: list[Path] | None = None) -> tuple[CheckResult, str]:
+    """`vramcalc check`: the estimate of a config file and/or a DeepSpeed JSON (`deepspeed`,
+    or the config's own `deepspeed:` key), under the option values given on the command
+    line; and the name of the source checked, for the output."""
+    cfg = load_config_file(config) if config is not None else {}
+    ds_file = deepspeed or cfg.get("deepspeed")
+    ds_vals: dict[str, Any] = {}
+    tbs: int | None = None
+    notes: list[str] = []
+    if ds_file:
+        ds_vals, tbs, notes = deepspeed_values(load_deepspeed_file(Path(ds_file)))
+    merged = merge_values(cfg, ds_vals, normalize_cli(cli_values))
+    if "model" not in merged:
+        raise InputError("check needs a model: a CONFIG.yaml with `model:` or --model "
+                         "(with --deepspeed ds_config.json)")
+    result = run_check(merged, tbs, profile_dirs, frozenset(merged))
+    result.notes[:0] = notes
+    source = str(config) if config is not None else str(ds_file or "command line")
+    return result, source

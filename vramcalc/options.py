@@ -2,17 +2,24 @@
 
 Each option has one name: `--seq-len` on the command line is `seq_len` in a config file.
 `build_scenario` turns a mapping of option values into a validated Scenario; every bad
-value raises InputError with a one-line message (unknown names get suggestions).
+value raises InputError with a one-line message (unknown names get suggestions). Names,
+types and choices are checked here; the numeric bounds are the models' own (TrainingConfig,
+ParallelConfig), reported in pydantic's words under the option's flag.
 """
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vramcalc.errors import InputError
+from pydantic import ValidationError
+
+from vramcalc.catalog import resolve_model
+from vramcalc.errors import InputError, suggest
+from vramcalc.hardware import alias_note, parse_gpus
+from vramcalc.parallel import ParallelConfig
+from vramcalc.scenario import Scenario
 from vramcalc.training import (
     ATTENTIONS,
     FINETUNES,
@@ -21,6 +28,8 @@ from vramcalc.training import (
     PRECISIONS,
     QATS,
     RECOMPUTES,
+    TrainingConfig,
+    parse_targets,
 )
 
 _FSDP = ("none", "full", "grad-op", "hybrid")
@@ -41,6 +50,7 @@ class Opt:
 
     @property
     def flag(self) -> str:
+        """The command-line flag, e.g. `--seq-len` for `seq_len`."""
         return "--" + self.name.replace("_", "-")
 
 
@@ -116,13 +126,6 @@ _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fs
                   "num_microbatches", "capacity_factor")
 
 
-def suggest(word: str, names: list[str] | tuple[str, ...], n: int = 3) -> str:
-    """'; did you mean: a, b?' or '' when nothing is close."""
-    close = difflib.get_close_matches(str(word).lower(), [x.lower() for x in names], n=n,
-                                      cutoff=0.5)
-    return f"; did you mean: {', '.join(close)}?" if close else ""
-
-
 def check_choice(opt: Opt, value: str) -> str:
     """Validate one choice value (case-insensitive), with suggestions."""
     assert opt.choices is not None
@@ -177,19 +180,20 @@ def parse_offload(value: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _checked(cls: Any, values: dict[str, Any]) -> Any:
-    """A TrainingConfig / ParallelConfig from option values normalize_values coerced and
-    choice-checked: the numeric bounds the class declares are checked here, in pydantic's
-    words."""
-    from pydantic import ValidationError
-
+def _validated(cls: Any, values: dict[str, Any]) -> Any:
+    """`cls(**values)` (TrainingConfig, ParallelConfig) from values normalize_values coerced
+    and choice-checked, so what the model rejects is a bound: raised as InputError naming
+    the option's flag, e.g. `--seq-len: Input should be greater than 0 (got -5)`."""
     try:
         return cls(**values)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        name = str(err["loc"][0])
-        raise InputError(f"--{name.replace('_', '-')}: {err['msg']} (got {values[name]!r})"
-                         ) from None
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = first.get("loc") or ()
+        name = str(loc[0]) if loc else ""
+        if name not in values:
+            raise InputError(first["msg"]) from None
+        raise InputError(f"--{name.replace('_', '-')}: {first['msg']} "
+                         f"(got {values[name]!r})") from None
 
 
 def normalize_values(values: dict[str, Any]) -> dict[str, Any]:
@@ -203,8 +207,6 @@ def normalize_values(values: dict[str, Any]) -> dict[str, Any]:
             out[key] = parse_offload(raw)
             continue
         if key == "lora_targets" and raw is not None:
-            from vramcalc.training import parse_targets
-
             out[key] = parse_targets(raw)
             continue
         v = _coerce(opt, raw)
@@ -217,14 +219,8 @@ def normalize_values(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_scenario(values: dict[str, Any], profile_dirs: list[Path] | None = None):  # noqa: ANN201
+def build_scenario(values: dict[str, Any], profile_dirs: list[Path] | None = None) -> Scenario:
     """Resolve model and GPUs and build a validated Scenario from option values."""
-    from vramcalc.catalog import resolve_model
-    from vramcalc.hardware import alias_note, parse_gpus
-    from vramcalc.parallel import ParallelConfig
-    from vramcalc.scenario import Scenario
-    from vramcalc.training import TrainingConfig
-
     v = normalize_values(values)
     if not v.get("model"):
         raise InputError("--model is required (e.g. --model 70b or --model path/to/config.json)")
@@ -235,10 +231,11 @@ def build_scenario(values: dict[str, Any], profile_dirs: list[Path] | None = Non
     headroom = v["headroom"]
     if not 0 <= headroom < 1:
         raise InputError(f"--headroom must be a fraction in [0, 1), got {headroom}")
-    training = _checked(TrainingConfig,
-                        {k: v[k] for k in _TRAINING_KEYS if v[k] is not None})
-    parallel = _checked(ParallelConfig, {"offload": v["offload"],
-                                         **{k: v[k] for k in _PARALLEL_KEYS if v[k] is not None}})
-    scn = Scenario.model_construct(model=spec, training=training, parallel=parallel, cluster=cluster,
-                   headroom_fraction=headroom, model_note=model_note, gpu_note=gpu_note)
+    training = _validated(TrainingConfig,
+                          {k: v[k] for k in _TRAINING_KEYS if v[k] is not None})
+    parallel = _validated(ParallelConfig, {
+        "offload": v["offload"], **{k: v[k] for k in _PARALLEL_KEYS if v[k] is not None}})
+    scn = Scenario.model_construct(model=spec, training=training, parallel=parallel,
+                                   cluster=cluster, headroom_fraction=headroom,
+                                   model_note=model_note, gpu_note=gpu_note)
     return scn.resolved()

@@ -19,12 +19,11 @@ policies; see vramcalc/terms/lowprec.py.
 
 from __future__ import annotations
 
-import difflib
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from vramcalc.errors import InputError
+from vramcalc.errors import InputError, suggest
 
 Precision = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"]
 OptimizerName = Literal[
@@ -57,13 +56,6 @@ _TARGET_ALIASES = {
     "fc1": "up", "w1": "gate", "w3": "up", "w2": "down", "proj": "down", "fc2": "down",
     "all_linear": ALL_LINEAR, "all": ALL_LINEAR,
 }
-
-
-def suggest(word: str, names: list[str] | tuple[str, ...], n: int = 3) -> str:
-    """'; did you mean: a, b?' or '' when nothing is close."""
-    close = difflib.get_close_matches(str(word).lower(), [x.lower() for x in names], n=n,
-                                      cutoff=0.5)
-    return f"; did you mean: {', '.join(close)}?" if close else ""
 
 
 def parse_targets(value: object) -> str:

@@ -1,4 +1,4 @@
-"""Rendering of probe records (rich)."""
+"""Rendering `vramcalc probe`: a measured record beside the estimates, and `--run` records."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ def _pct(v: float | None) -> str:
 
 
 def print_probe_record(console: Console, rec: dict[str, Any]) -> None:
+    """One probe record: the device, measured vs analytic and trace peaks, reserved peak."""
     dev = rec["device"]
     m = rec["measured"]
     console.print(f"Device: {dev['name']} ({dev['type']})"
@@ -47,6 +48,7 @@ def print_probe_record(console: Console, rec: dict[str, Any]) -> None:
 
 
 def print_run_records(console: Console, doc: dict[str, Any]) -> None:
+    """`probe --run`: one row per rank's record, and the `--compare` estimate if any."""
     table = Table(title=f"{' '.join(doc['command'])} (exit {doc['exit_code']})",
                   title_justify="left", show_edge=False, pad_edge=False)
     for col in ("rank", "device", "max allocated", "max reserved", "nvidia-smi (NVML)",

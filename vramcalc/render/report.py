@@ -1,4 +1,4 @@
-"""Rendering: reports to rich tables, markdown and plain text. The only module that imports rich."""
+"""Rendering one scenario's memory report (estimate, trace, check) and the explain sections."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from vramcalc.report import ALLOCATED_TERMS, MemoryReport
+from vramcalc.report import MemoryReport
 from vramcalc.units import GB, GiB, fmt_gb, fmt_gib
 
 TERM_LABELS = {
@@ -72,6 +72,8 @@ _SUB_ROWS = {
 
 
 def report_table(report: MemoryReport) -> Table:
+    """The term table: GB, GiB, share of the device total and a bar per term, then the
+    allocated peak and the device total."""
     total = max(report.device_total_bytes, 1)
     title = f"Per-GPU memory ({report.engine})"
     table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
@@ -98,6 +100,7 @@ def report_table(report: MemoryReport) -> Table:
 
 
 def verdict_text(report: MemoryReport) -> Text:
+    """FITS / DOES NOT FIT on the GPU, with the margin (or why there is no fit check)."""
     if report.fits is None or report.gpu is None or report.headroom_bytes is None:
         return Text("no GPU given: no fit check")
     cap = report.gpu.memory_total_bytes
@@ -144,73 +147,10 @@ def print_report(console: Console, report: MemoryReport) -> None:
         console.print(f"[dim]note: {note}[/dim]")
 
 
-def subterm_lines(report: MemoryReport) -> list[str]:
-    return [f"{k}: {v / GB:,.3f} GB" for k, v in sorted(report.subterms.items())]
-
-
-def allocated_terms(report: MemoryReport) -> dict[str, int]:
-    return {t: getattr(report.terms, t) for t in ALLOCATED_TERMS}
-
-
 def print_explain(console: Console, doc: dict[str, Any]) -> None:
+    """`vramcalc explain`: each section's title and its formula lines."""
     for sec in doc["sections"]:
         console.print(f"[bold]{sec['title']}[/bold]")
         for line in sec["lines"]:
             console.print(f"  {line}", soft_wrap=True)
         console.print()
-
-
-def gpus_table(profiles: list[Any]) -> Table:
-    table = Table(title="GPU profiles (usable memory as the runtime reports it)",
-                  title_justify="left", show_edge=False, pad_edge=False)
-    for col, just in (("id", "left"), ("name", "left"), ("GB", "right"), ("GiB", "right"),
-                      ("BF16 TFLOP/s", "right"), ("per node", "right"), ("$/GPU-h", "right"),
-                      ("aliases", "left")):
-        table.add_column(col, justify=just)  # type: ignore[arg-type]
-    for p in sorted(profiles, key=lambda p: p.id):
-        bf16 = p.dense_tflops.get("bf16")
-        table.add_row(p.id, p.name, f"{p.memory_total_bytes / GB:,.1f}",
-                      f"{p.memory_total_bytes / GiB:,.1f}", f"{bf16:,.0f}" if bf16 else "-",
-                      str(p.gpus_per_node),
-                      f"{p.price_usd_per_hour:.2f}" if p.price_usd_per_hour else "-",
-                      ", ".join(p.aliases[:4]))
-    return table
-
-
-def models_table(entries: list[Any]) -> Table:
-    table = Table(title="Built-in models (exact parameter counts)", title_justify="left",
-                  show_edge=False, pad_edge=False)
-    for col, just in (("name", "left"), ("params", "right"), ("layers", "right"),
-                      ("hidden", "right"), ("heads/kv", "right"), ("vocab", "right"),
-                      ("aliases", "left")):
-        table.add_column(col, justify=just)  # type: ignore[arg-type]
-    for e in entries:
-        s = e.spec
-        table.add_row(s.name, f"{s.num_params:,}", str(s.num_hidden_layers), str(s.hidden_size),
-                      f"{s.num_attention_heads}/{s.kv_heads}", f"{s.vocab_size:,}",
-                      ", ".join(e.meta.aliases))
-    return table
-
-
-def print_validation(console: Console, result: dict[str, Any]) -> None:
-    table = Table(title="Analytic vs trace (peak allocated)", title_justify="left",
-                  show_edge=False, pad_edge=False)
-    for col in ("scenario", "analytic GB", "trace GB", "error", "worst term"):
-        table.add_column(col, justify="left" if col == "scenario" else "right")
-    for row in result["scenarios"]:
-        worst = ""
-        terms = row.get("terms") or {}
-        if terms:
-            name, val = max(terms.items(), key=lambda kv: abs(kv[1].get("rel_error") or 0))
-            worst = f"{name} {100 * (val.get('rel_error') or 0):+.2f}%"
-        err = row.get("rel_error")
-        table.add_row(str(row.get("name")), f"{row['analytic_bytes'] / GB:,.4f}",
-                      f"{row['trace_bytes'] / GB:,.4f}",
-                      f"{100 * err:+.2f}%" if err is not None else "-", worst)
-    console.print(table)
-    s = result["summary"]
-    console.print(
-        f"{s.get('num_scenarios', len(result['scenarios']))} scenarios: median |error| "
-        f"{100 * s['median_abs_rel_error']:.2f}%, max {100 * s['max_abs_rel_error']:.2f}%, "
-        f"{s.get('num_failed', 0)} out of tolerance"
-    )

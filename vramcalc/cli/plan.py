@@ -1,28 +1,53 @@
-"""CLI commands `plan`, `size` and `check`, registered on vramcalc.cli.app.
+"""`vramcalc plan`, `size` and `check`.
 
 Thin edge: parses options, calls vramcalc.plan / vramcalc.size / vramcalc.check, renders
-with vramcalc.render_plan, sets exit codes. Bad input raises InputError (one stderr line,
-exit 2, via vramcalc.cli.main).
+with vramcalc.render, sets exit codes. Bad input raises InputError (one stderr line, exit 2,
+via vramcalc.cli.app.main).
 """
 
 from __future__ import annotations
 
 import inspect
 import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
-from vramcalc.cli import _console, _emit_json, _split, app, scenario_command
-from vramcalc.errors import InputError
-from vramcalc.options import OPTIONS_BY_NAME, SCENARIO_OPTIONS, normalize_values, suggest
+from vramcalc.check import check_files
+from vramcalc.cli.app import (
+    KW,
+    emit_json,
+    emit_text,
+    note,
+    option,
+    scenario_command,
+    split_values,
+)
+from vramcalc.errors import InputError, suggest
+from vramcalc.hardware import GPUProfile, load_profiles, resolve_gpu
+from vramcalc.options import (
+    OPTIONS_BY_NAME,
+    SCENARIO_OPTIONS,
+    build_scenario,
+    normalize_values,
+)
+from vramcalc.plan import (
+    PlanRequest,
+    PlanResult,
+    finetune_supported,
+    search,
+    suggest_changes,
+    with_every_stage,
+)
+from vramcalc.render.console import LazyProgress, make_console
+from vramcalc.render.plan import check_markdown, config_yaml, print_plan, print_size, strategy_flags
+from vramcalc.render.report import print_report
+from vramcalc.scenario import Scenario
+from vramcalc.size import size_cluster
+from vramcalc.units import parse_count
 
-# vramcalc.plan and the engine load inside the commands: `import vramcalc.cli` stays fast.
-
-KW = inspect.Parameter.KEYWORD_ONLY
 # Layout options the planner searches; a value given on the command line pins it.
 SEARCHED_OPTIONS: tuple[str, ...] = (
     "dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fsdp", "shard_group",
@@ -35,29 +60,25 @@ ALLOWABLE: tuple[str, ...] = ("precision", "optimizer", "offload", "finetune")
 DEFAULT_HEADROOM = 0.05
 
 
-def _opt(name: str, annotation: Any, default: Any, flag: str, help_text: str) -> inspect.Parameter:
-    return inspect.Parameter(name, KW, annotation=annotation,
-                             default=typer.Option(default, flag, help=help_text))
-
-
 _BATCH_PARAMS = [
-    _opt("global_batch_size", Optional[int], None, "--global-batch-size",
-         "Sequences per optimizer step (default: the power of two nearest below 4M tokens)."),
-    _opt("global_batch_tokens", Optional[str], None, "--global-batch-tokens",
-         "Tokens per optimizer step, e.g. 4M or 16777216 (instead of --global-batch-size)."),
-    _opt("allow", Optional[str], None, "--allow",
-         "Training settings the search may change, comma-separated: "
-         + ",".join(ALLOWABLE) + "."),
-    _opt("mfu", Optional[float], None, "--mfu",
-         "Achievable fraction of peak TFLOP/s (default: the GPU profile's mfu_fraction)."),
+    option("global_batch_size", Optional[int], None, "--global-batch-size",
+           help="Sequences per optimizer step (default: the power of two nearest below 4M "
+                "tokens)."),
+    option("global_batch_tokens", Optional[str], None, "--global-batch-tokens",
+           help="Tokens per optimizer step, e.g. 4M or 16777216 (instead of "
+                "--global-batch-size)."),
+    option("allow", Optional[str], None, "--allow",
+           help="Training settings the search may change, comma-separated: "
+                + ",".join(ALLOWABLE) + "."),
+    option("mfu", Optional[float], None, "--mfu",
+           help="Achievable fraction of peak TFLOP/s (default: the GPU profile's "
+                "mfu_fraction)."),
 ]
 
 
 # ---- shared helpers --------------------------------------------------------------------------
 def parse_allow(text: str | None) -> tuple[frozenset[str], list[str]]:
     """--allow words (validated) and notes for words not supported yet."""
-    from vramcalc.plan import finetune_supported
-
     if not text:
         return frozenset(), []
     words = {w.strip().lower() for w in text.split(",") if w.strip()}
@@ -74,6 +95,7 @@ def parse_allow(text: str | None) -> tuple[frozenset[str], list[str]]:
 
 
 def parse_mfu(mfu: float | None) -> float | None:
+    """--mfu, a fraction in (0, 1], or None."""
     if mfu is None:
         return None
     if not 0 < mfu <= 1:
@@ -82,8 +104,7 @@ def parse_mfu(mfu: float | None) -> float | None:
 
 
 def parse_batch(size: int | None, tokens: str | None) -> tuple[int | None, int | None]:
-    from vramcalc.units import parse_count
-
+    """(--global-batch-size, --global-batch-tokens as a count); at most one of them."""
     if size is not None and tokens is not None:
         raise InputError("give either --global-batch-size or --global-batch-tokens, not both")
     if size is not None and not 1 <= size <= 10**9:
@@ -93,12 +114,9 @@ def parse_batch(size: int | None, tokens: str | None) -> tuple[int | None, int |
 
 def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
                  global_batch_tokens: str | None = None, allow: str | None = None,
-                 top: int = 5, mfu: float | None = None,
-                 profile_dirs: list[Path] | None = None) -> tuple[Any, Any, list[str]]:
+                 top: int = 5, mfu: float | None = None, profile_dirs: list[Path] | None = None,
+                 ) -> tuple[Scenario, PlanRequest, list[str]]:
     """Option values → (base Scenario, PlanRequest, notes). Layout options given pin it."""
-    from vramcalc.options import build_scenario
-    from vramcalc.plan import PlanRequest
-
     values = {k: v for k, v in values.items() if v is not None}
     for key in values:
         if key not in OPTIONS_BY_NAME:
@@ -121,36 +139,6 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
                      f"{req.batch_for(base.training.seq_len):,} sequences of "
                      f"{base.training.seq_len}")
     return base, req, notes
-
-
-class LazyProgress:
-    """A rich progress bar on stderr that appears only when a search runs long."""
-
-    def __init__(self, enabled: bool, after_s: float = 0.3) -> None:
-        self.enabled = enabled and sys.stderr.isatty()
-        self.after_s = after_s
-        self.start = time.perf_counter()
-        self.bar: Any = None
-        self.task: Any = None
-
-    def __call__(self, message: str, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if self.bar is None:
-            if time.perf_counter() - self.start < self.after_s:
-                return
-            from rich.console import Console
-            from rich.progress import Progress
-
-            self.bar = Progress(transient=True, console=Console(stderr=True))
-            self.bar.start()
-            self.task = self.bar.add_task(message, total=max(total, 1))
-        self.bar.update(self.task, completed=done, total=max(total, 1), description=message)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-            self.bar = None
 
 
 def _command_line(command: str, values: dict[str, Any], extra: dict[str, Any]) -> str:
@@ -176,18 +164,15 @@ def _command_line(command: str, values: dict[str, Any], extra: dict[str, Any]) -
 
 # ---- plan ----------------------------------------------------------------------------------
 @scenario_command(
-    "plan",
     "Search every layout (dp/tp/pp/cp/ep, ZeRO/FSDP, recompute, micro-batch, offload when "
     "allowed) on the cluster, keep what fits, rank by estimated tokens/s. When nothing fits, "
     "show the closest strategy and the smallest changes that would fit.",
-    extra=_BATCH_PARAMS + [_opt("top", int, 5, "--top", "How many strategies to list.")],
+    extra=_BATCH_PARAMS + [option("top", int, 5, "--top", help="How many strategies to list.")],
     defaults={**{k: None for k in SEARCHED_OPTIONS}, "headroom": DEFAULT_HEADROOM},
 )
 def plan_cmd(**kwargs: Any) -> None:
-    from vramcalc.plan import search, suggest_changes
-
     t0 = time.perf_counter()
-    values, dirs, as_json = _split(kwargs)
+    values, dirs, as_json = split_values(kwargs)
     extras = {"--global-batch-size": kwargs.get("global_batch_size"),
               "--global-batch-tokens": kwargs.get("global_batch_tokens"),
               "--allow": kwargs.get("allow"), "--mfu": kwargs.get("mfu")}
@@ -200,8 +185,6 @@ def plan_cmd(**kwargs: Any) -> None:
         t_search = time.perf_counter() - t0
         suggestions = []
         if not result.entries:
-            from vramcalc.hardware import load_profiles
-
             profiles = list(load_profiles(dirs).values())
             suggestions = suggest_changes(base, req, profiles, progress)
     finally:
@@ -210,17 +193,12 @@ def plan_cmd(**kwargs: Any) -> None:
     if as_json:
         cands = result.entries if result.entries else (
             [result.closest] if result.closest is not None else [])
-        for note in notes:
-            sys.stderr.write(f"note: {note}\n")
-        _emit_json({"candidates": [e.to_json() for e in cands],
+        for text in notes:
+            note(text)
+        emit_json({"candidates": [e.to_json() for e in cands],
                     "suggestions": [s.to_json() for s in suggestions]})
         return
-    from vramcalc.plan import with_every_stage
-    from vramcalc.render_plan import config_yaml, print_plan, strategy_flags
-
-    if result.entries:  # the breakdown shown lists every pipeline stage
-        result.entries[0] = with_every_stage(result.entries[0])
-    result.closest = with_every_stage(result.closest)
+    _with_every_stage(result)
 
     tr = base.training
     B = result.global_batch_size
@@ -247,16 +225,21 @@ def plan_cmd(**kwargs: Any) -> None:
              shlex.quote(gpus_text)] + strategy_flags(s)
             + [f"--{k.replace('_', '-')} {v}" for k, v in common.items()])
         doc["config_yaml"] = config_yaml(model_text, gpus_text, s, base.headroom_fraction)
-    doc["apply"] = [_command_line("plan", {**values, **_change_values(sg.change)}, extras)
+    doc["apply"] = [_command_line("plan", {**values, **sg.change}, extras)
                     for sg in suggestions]
-    print_plan(_console(), doc)
+    print_plan(make_console(), doc)
 
 
-def _change_values(change: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in change.items()}
+def _with_every_stage(result: PlanResult) -> None:
+    """The breakdowns shown (the best entry, or the closest) list every pipeline stage."""
+    if result.entries:
+        best = with_every_stage(result.entries[0])
+        assert best is not None
+        result.entries[0] = best
+    result.closest = with_every_stage(result.closest)
 
 
-def _speed_notes(result: Any) -> list[str]:
+def _speed_notes(result: PlanResult) -> list[str]:
     entries = list(result.entries) or ([result.closest] if result.closest else [])
     out: list[str] = []
     for e in entries[:1]:
@@ -265,7 +248,6 @@ def _speed_notes(result: Any) -> list[str]:
 
 
 # ---- size ----------------------------------------------------------------------------------
-@app.command("size")
 def size_cmd(
     model: Optional[str] = typer.Option(None, "--model", help=OPTIONS_BY_NAME["model"].help),
     tokens: Optional[str] = typer.Option(None, "--tokens",
@@ -296,10 +278,6 @@ def size_cmd(
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
     """GPUs, days, GPU-hours and cost to train a model on a token budget, per GPU type."""
-    from vramcalc.hardware import resolve_gpu
-    from vramcalc.size import size_cluster
-    from vramcalc.units import parse_count
-
     if not model:
         raise InputError("--model is required (e.g. --model 70b)")
     if not tokens:
@@ -310,7 +288,7 @@ def size_cmd(
         raise InputError(f"--max-gpus must be between 1 and 1,000,000, got {max_gpus}")
     n_tokens = parse_count(tokens)
     dirs = [profiles_dir] if profiles_dir else None
-    profiles = []
+    profiles: list[GPUProfile] = []
     for name in gpu:
         p = resolve_gpu(name, dirs)
         if p.id not in [q.id for q in profiles]:
@@ -341,78 +319,49 @@ def size_cmd(
     finally:
         progress.close()
     if as_json:
-        _emit_json({"rows": [r.to_json() for r in rows]})
+        emit_json({"rows": [r.to_json() for r in rows]})
         return
-    from vramcalc.render_plan import print_size
-
     B = req.batch_for(seq_len)
     title = (f"{base.model.name}: {n_tokens:,} tokens, seq {seq_len}, global batch {B:,} "
              f"sequences, {precision}, {optimizer}"
              + (f", finish within {days:g} days" if days is not None else
                 ", on the fewest GPUs that fit"))
-    print_size(_console(), rows, title, notes + ([
+    print_size(make_console(), rows, title, notes + ([
         "prices are indicative per-GPU-hour rates from the GPU profiles; '?' = unknown "
         "(give --price GPU=USD)"] if any(r.price_usd_per_hour is None for r in rows) else []))
 
 
 # ---- check ---------------------------------------------------------------------------------
 @scenario_command(
-    "check",
     "CI guard: estimate a training config file (YAML keys = option names) and/or a DeepSpeed "
     "JSON; exit 0 when it fits, 1 when it does not, 2 on bad input.",
     extra=[
         inspect.Parameter("config", KW, annotation=Optional[Path],
                           default=typer.Argument(None, help="Training config YAML.")),
-        _opt("deepspeed", Optional[Path], None, "--deepspeed",
-             "DeepSpeed JSON config (ZeRO stage, offload, batch sizes, bf16/fp16)."),
-        _opt("markdown", bool, False, "--markdown",
-             "A markdown summary for a pull-request comment."),
+        option("deepspeed", Optional[Path], None, "--deepspeed",
+               help="DeepSpeed JSON config (ZeRO stage, offload, batch sizes, bf16/fp16)."),
+        option("markdown", bool, False, "--markdown",
+               help="A markdown summary for a pull-request comment."),
     ],
     defaults={o.name: None for o in SCENARIO_OPTIONS},
 )
 def check_cmd(**kwargs: Any) -> None:
-    from vramcalc.check import (
-        deepspeed_values,
-        load_config_file,
-        load_deepspeed_file,
-        merge_values,
-        normalize_cli,
-        run_check,
-    )
-
-    values, dirs, as_json = _split(kwargs)
+    values, dirs, as_json = split_values(kwargs)
     config: Path | None = kwargs.pop("config", None)
     ds_path: Path | None = kwargs.pop("deepspeed", None)
     markdown: bool = kwargs.pop("markdown", False)
     if as_json and markdown:
         raise InputError("choose one of --json and --markdown")
-    cfg = load_config_file(config) if config is not None else {}
-    ds_file = ds_path or cfg.get("deepspeed")
-    ds_vals: dict[str, Any] = {}
-    tbs, notes = None, []
-    if ds_file:
-        ds_vals, tbs, notes = deepspeed_values(load_deepspeed_file(Path(ds_file)))
-    cli_vals = normalize_cli(values)
-    merged = merge_values(cfg, ds_vals, cli_vals)
-    if "model" not in merged:
-        raise InputError("check needs a model: a CONFIG.yaml with `model:` or --model "
-                         "(with --deepspeed ds_config.json)")
-    result = run_check(merged, tbs, dirs, frozenset(merged))
-    result.notes[:0] = notes
-    source = str(config) if config is not None else str(ds_file or "command line")
+    result, source = check_files(config, ds_path, values, dirs)
     if as_json:
-        _emit_json({"config": source, **result.to_json()})
+        emit_json({"config": source, **result.to_json()})
     elif markdown:
-        from vramcalc.render_plan import check_markdown
-
-        sys.stdout.write(check_markdown(result.report, result.usable_bytes,
-                                        result.headroom_fraction, source, result.notes))
+        emit_text(check_markdown(result.report, result.usable_bytes, result.headroom_fraction,
+                                 source, result.notes))
     else:
-        from vramcalc.render import print_report
-
-        console = _console()
+        console = make_console()
         print_report(console, result.report)
-        for n in result.notes:
-            console.print(f"[dim]note: {n}[/dim]")
+        for text in result.notes:
+            console.print(f"[dim]note: {text}[/dim]")
     if not result.fits:
         raise typer.Exit(1)

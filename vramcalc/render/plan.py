@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.table import Table
 from rich.text import Text
 
+from vramcalc.render.report import TERM_LABELS, print_report, strategy_line
 from vramcalc.report import MemoryReport
 from vramcalc.units import GB, GiB, fmt_gb
 
@@ -19,6 +20,7 @@ SPEED_LABELS = {"compute": "compute", "bubble": "pipeline bubble", "tp_comm": "T
 
 # ---- small formatters -------------------------------------------------------------------
 def layout_text(s: dict[str, Any]) -> str:
+    """Parallel degrees above 1, e.g. 'dp2×tp4 sp'; '1 GPU' when none."""
     deg = [f"{k}{s[k]}" for k in ("dp", "tp", "pp", "cp", "ep") if s.get(k, 1) > 1]
     text = "×".join(deg) if deg else "1 GPU"
     if s.get("sequence_parallel"):
@@ -27,6 +29,7 @@ def layout_text(s: dict[str, Any]) -> str:
 
 
 def sharding_text(s: dict[str, Any]) -> str:
+    """'fsdp full (8)' or 'zero-N'."""
     if s.get("fsdp", "none") != "none":
         extra = f" ({s['shard_group']})" if s.get("shard_group") else ""
         return f"fsdp {s['fsdp']}{extra}"
@@ -34,6 +37,7 @@ def sharding_text(s: dict[str, Any]) -> str:
 
 
 def pipeline_text(s: dict[str, Any]) -> str:
+    """The pipeline schedule, '-' without pipeline parallelism."""
     if s.get("pp", 1) == 1:
         return "-"
     if s.get("pp_schedule") == "interleaved":
@@ -42,6 +46,7 @@ def pipeline_text(s: dict[str, Any]) -> str:
 
 
 def offload_text(s: dict[str, Any]) -> str:
+    """What is offloaded and where, e.g. 'opt+grads→cpu'; '-' for nothing."""
     off = s.get("offload") or []
     if not off:
         return "-"
@@ -51,6 +56,7 @@ def offload_text(s: dict[str, Any]) -> str:
 
 
 def duration_text(seconds: float) -> str:
+    """Seconds as s, min or h."""
     if seconds < 120:
         return f"{seconds:,.1f} s"
     if seconds < 7200:
@@ -85,8 +91,8 @@ def strategy_flags(s: dict[str, Any]) -> list[str]:
     flags += ["--micro-batch-size", str(s.get("micro_batch_size", 1))]
     if s.get("grad_accum", 1) > 1:
         flags += ["--grad-accum", str(s["grad_accum"])]
-    for key, default in (("seq_len", 4096), ("precision", "bf16"), ("optimizer", "adamw")):
-        if key in s and s[key] != default:
+    for key, usual in (("seq_len", 4096), ("precision", "bf16"), ("optimizer", "adamw")):
+        if key in s and s[key] != usual:
             flags += ["--" + key.replace("_", "-"), str(s[key])]
     if s.get("finetune") not in (None, "full", "none"):
         flags += ["--finetune", str(s["finetune"])]
@@ -112,11 +118,14 @@ def config_yaml(model: str, gpus: str, s: dict[str, Any], headroom: float) -> st
 
 # ---- plan -------------------------------------------------------------------------------
 def plan_table(entries: Sequence[Any], usable_bytes: int, title: str) -> Table:
+    """Ranked strategies: speed, layout, sharding, memory and what is left free."""
     table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-    for name, just in (("#", "right"), ("tokens/s", "right"), ("MFU", "right"),
-                       ("layout", "left"), ("ZeRO/FSDP", "left"), ("recompute", "left"),
-                       ("mbs×acc", "right"), ("pipeline", "left"), ("offload", "left"),
-                       ("GB", "right"), ("free", "right")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("#", "right"), ("tokens/s", "right"), ("MFU", "right"), ("layout", "left"),
+        ("ZeRO/FSDP", "left"), ("recompute", "left"), ("mbs×acc", "right"), ("pipeline", "left"),
+        ("offload", "left"), ("GB", "right"), ("free", "right"),
+    )
+    for name, just in columns:
         table.add_column(name, justify=just, no_wrap=True)
     changed = any(e.changes for e in entries)
     if changed:
@@ -134,6 +143,7 @@ def plan_table(entries: Sequence[Any], usable_bytes: int, title: str) -> Table:
 
 
 def speed_text(speed: Any) -> str:
+    """Tokens/s, step time, MFU and where the step time goes."""
     step = speed.step_time_s
     parts = ", ".join(f"{SPEED_LABELS[k]} {100 * v / step:.0f}%"
                       for k, v in speed.parts_s.items() if v > 0.0005 * step)
@@ -143,9 +153,7 @@ def speed_text(speed: Any) -> str:
 
 
 def print_plan(console: Console, doc: dict[str, Any]) -> None:
-    """The plan command's output; `doc` is assembled by vramcalc.cli_plan."""
-    from vramcalc.render import print_report
-
+    """The plan command's output; `doc` is assembled by vramcalc/cli/plan.py."""
     res = doc["result"]
     base = doc["base"]
     gpu = base.cluster.gpu
@@ -205,6 +213,7 @@ def print_plan(console: Console, doc: dict[str, Any]) -> None:
 
 
 def suggestion_line(s: Any) -> str:
+    """One change that would fit: its speed, memory and host RAM."""
     e = s.entry
     text = (f"{s.title}: {e.speed.tokens_per_s:,.0f} tokens/s, "
             f"{fmt_gb(e.report.device_total_bytes)} per GPU")
@@ -227,11 +236,14 @@ def _indent(text: str, n: int) -> str:
 
 # ---- size -------------------------------------------------------------------------------
 def size_table(rows: Sequence[Any], title: str) -> Table:
+    """`vramcalc size`: GPUs, days, GPU-hours and cost per GPU type."""
     table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-    for name, just in (("GPU", "left"), ("min GPUs", "right"), ("GPUs", "right"),
-                       ("days", "right"), ("GPU-hours", "right"), ("$/h", "right"),
-                       ("cost USD", "right"), ("tokens/s", "right"), ("MFU", "right"),
-                       ("layout", "left"), ("ZeRO/FSDP", "left"), ("recompute", "left")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("GPU", "left"), ("min GPUs", "right"), ("GPUs", "right"), ("days", "right"),
+        ("GPU-hours", "right"), ("$/h", "right"), ("cost USD", "right"), ("tokens/s", "right"),
+        ("MFU", "right"), ("layout", "left"), ("ZeRO/FSDP", "left"), ("recompute", "left"),
+    )
+    for name, just in columns:
         table.add_column(name, justify=just, no_wrap=name not in ("layout", "ZeRO/FSDP"))
     for r in rows:
         if r.entry is None:
@@ -250,6 +262,7 @@ def size_table(rows: Sequence[Any], title: str) -> Table:
 
 
 def print_size(console: Console, rows: Sequence[Any], title: str, notes: Sequence[str]) -> None:
+    """The size table, the GPU names and the notes."""
     console.print(size_table(rows, title))
     console.print("[dim]" + "; ".join(f"{r.gpu.id} = {r.gpu.name}" for r in rows) + "[/dim]")
     for r in rows:
@@ -264,8 +277,6 @@ def print_size(console: Console, rows: Sequence[Any], title: str, notes: Sequenc
 def check_markdown(report: MemoryReport, usable_bytes: int, headroom: float, source: str,
                    notes: Sequence[str] = ()) -> str:
     """A markdown summary to paste into a pull-request comment."""
-    from vramcalc.render import TERM_LABELS, strategy_line
-
     fits = bool(report.fits)
     total = max(report.device_total_bytes, 1)
     head = "✅ fits" if fits else "❌ does not fit"

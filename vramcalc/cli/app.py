@@ -1,0 +1,149 @@
+"""The typer app, the shared scenario options, output helpers and `main`: argv in, exit
+code out.
+
+Every bad input ends as one line on stderr and exit code 2 (InputError, malformed files,
+usage errors); `--json` prints exactly one JSON document on stdout. The commands live in
+the sibling modules; vramcalc/cli/__init__.py registers them on `app`, in help order.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from vramcalc.errors import InputError
+from vramcalc.options import SCENARIO_OPTIONS, Opt
+
+app = typer.Typer(
+    name="vramcalc",
+    help="Will this training job fit in GPU memory, how should it run, what should I buy?",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+EXIT_BAD_INPUT = 2
+KW = inspect.Parameter.KEYWORD_ONLY
+
+
+# ---- shared scenario options -------------------------------------------------
+def _param(opt: Opt, default_override: Any = inspect.Parameter.empty) -> inspect.Parameter:
+    default = opt.default if default_override is inspect.Parameter.empty else default_override
+    if opt.kind is bool:
+        info = typer.Option(default, f"{opt.flag}/--no-{opt.flag[2:]}", help=opt.help)
+        annotation: Any = bool
+    else:
+        info = typer.Option(default, opt.flag, help=opt.help)
+        annotation = Optional[str] if opt.kind is str or opt.choices else Optional[opt.kind]
+        if opt.kind is float:
+            annotation = Optional[float]
+    return inspect.Parameter(opt.name, KW, default=info, annotation=annotation)
+
+
+def option(name: str, annotation: Any, default: Any, *flags: str, help: str) -> inspect.Parameter:
+    """A command's own option, for `scenario_command(extra=[...])`."""
+    return inspect.Parameter(name, KW, annotation=annotation,
+                             default=typer.Option(default, *flags, help=help))
+
+
+PROFILES_DIR = option("profiles_dir", Optional[Path], None, "--profiles-dir",
+                      help="Extra folder of GPU profile YAML files (also: VRAMCALC_PROFILES).")
+AS_JSON = option("as_json", bool, False, "--json", help="One JSON document on stdout.")
+
+
+def scenario_command(help_text: str, extra: list[inspect.Parameter] | None = None,
+                     defaults: dict[str, Any] | None = None, with_context: bool = False,
+                     ) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Make `func(**kwargs)` a typer command taking every scenario option (one table:
+    vramcalc.options), to register on `app` (vramcalc/cli/__init__.py).
+
+    `extra` adds the command's own options and `defaults` overrides the table's; with
+    `with_context` the command gets typer's Context as `ctx` (for commands that take
+    trailing arguments, e.g. `probe --run -- CMD`).
+    """
+
+    def decorate(func: Callable[..., None]) -> Callable[..., None]:
+        params = []
+        if with_context:
+            params.append(inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                            annotation=typer.Context))
+        params += [_param(o, (defaults or {}).get(o.name, inspect.Parameter.empty))
+                   for o in SCENARIO_OPTIONS]
+        params += list(extra or []) + [PROFILES_DIR, AS_JSON]
+
+        def command(**kwargs: Any) -> None:
+            func(**kwargs)
+
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__name__ = func.__name__
+        command.__doc__ = help_text
+        return command
+
+    return decorate
+
+
+def split_values(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[Path] | None, bool]:
+    """Take the scenario options out of a command's `kwargs`: (the values given, the
+    profile folders, --json). What is left in `kwargs` are the command's own options."""
+    values = {o.name: kwargs.pop(o.name) for o in SCENARIO_OPTIONS}
+    values = {k: v for k, v in values.items() if v is not None}
+    pdir = kwargs.pop("profiles_dir", None)
+    as_json = kwargs.pop("as_json", False)
+    return values, [pdir] if pdir else None, as_json
+
+
+# ---- output and exit codes -----------------------------------------------------
+def emit_json(doc: Any) -> None:
+    """One JSON document on stdout."""
+    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+
+
+def emit_text(text: str) -> None:
+    """Plain text (markdown) on stdout, as it is."""
+    sys.stdout.write(text)
+
+
+def note(text: str) -> None:
+    """A `note:` line on stderr (beside JSON on stdout)."""
+    sys.stderr.write(f"note: {text}\n")
+
+
+def fail(text: str, code: int) -> typer.Exit:
+    """Write `error: text` on stderr; the Exit to raise with `code`."""
+    sys.stderr.write(f"error: {text}\n")
+    return typer.Exit(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command line (sys.argv when None); the exit code. Bad input is one line on
+    stderr and exit code 2, never a traceback."""
+    try:
+        rv = app(args=argv, standalone_mode=False, prog_name="vramcalc")
+        if isinstance(rv, int):  # click returns Exit codes instead of raising here
+            return rv
+    except InputError as err:
+        sys.stderr.write(f"error: {err}\n")
+        return EXIT_BAD_INPUT
+    except (typer.Exit, SystemExit) as err:
+        code = getattr(err, "exit_code", getattr(err, "code", 0))
+        return int(code or 0)
+    except Exception as err:  # typer vendors click in some versions: match its exceptions by shape
+        name = type(err).__name__
+        if name == "Exit":
+            return int(getattr(err, "exit_code", 0) or 0)
+        if name == "Abort":
+            sys.stderr.write("aborted\n")
+            return 130
+        if hasattr(err, "format_message") and hasattr(err, "exit_code"):  # usage errors
+            sys.stderr.write(f"error: {' '.join(err.format_message().split())}\n")
+            return EXIT_BAD_INPUT
+        raise
+    return 0
+
