@@ -27,19 +27,21 @@ may report as the worst (`analytic.candidate_stages`), on the candidate's `RankC
     bound = max(step, fwd, act)
 
 The activation floor counts, on the first stage, per layer and token, what every profile
-saves: full recompute the layer input (h); otherwise the attention and MLP inputs (2h, ÷tp
-under sequence parallelism), q, k, v and the attention output (2·a·d + 2·g·d, ÷tp) and
-the MLP down-projection input (f, ÷tp; not counted for MoE), in the compute dtype (1 byte
-under FP8), for the min(pp, m) micro-batches 1F1B keeps in flight there (Narayanan et al.
-2021) over L/pp layers — one layer fewer under LoRA/QLoRA/DoRA, whose first layer keeps
-less (vramcalc/terms/finetune_activations.py `first_layer_unsaved_bytes`); none with
-activation offload. The margin 0.95 (`LOWER_BOUND_MARGIN`) applies to the activation parts
+saves: under full recompute, or LoRA/QLoRA/DoRA (frozen weights need no saved inputs), the
+layer input (h, ÷tp under sequence parallelism); otherwise every input a weight gradient
+needs: the attention and MLP inputs (2h, ÷tp under sequence parallelism), q, k, v and the
+attention output (2·a·d + 2·g·d, ÷tp) and the MLP down-projection input (f, ÷tp; not counted
+for MoE) — in the compute dtype (1 byte under FP8), for the min(pp, m) micro-batches 1F1B
+keeps in flight there (Narayanan et al. 2021), over L/pp layers (one fewer under
+LoRA/QLoRA/DoRA, whose first layer keeps less: vramcalc/terms/finetune_activations.py
+`first_layer_unsaved_bytes`); none with activation offload. The margin 0.95 (`LOWER_BOUND_MARGIN`) applies to the activation parts
 only, the one formula here that is not the engine's.
 
 Learned values: an estimate gives the optimizer-step total of its model states (a later
-candidate with the same states has the same step) and its activations (they do not depend
-on ZeRO, offload or optimizer, never grow with more recomputation, grow with the
-micro-batch, linearly without pipelining).
+candidate with the same states has the same step) and its activations + logits (they do not
+depend on ZeRO, offload or optimizer and grow with the micro-batch, linearly without
+pipelining; reused for the same recompute mode only: under LoRA or activation offload more
+recomputation can keep more on the device).
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ class MemoryBound:
         spec = self.spec
         h = spec.hidden_size
         sp_div = tp if sp else 1
-        if rec == "full":
+        if rec == "full" or ft not in (None, "full"):
             per_token = h / sp_div
         else:
             per_token = 2 * h / sp_div + self._sharded_inputs / tp
@@ -195,7 +197,7 @@ class MemoryBound:
         if d:
             rec = REC_ORDER[c.rec]
             for (b, r), act in d.items():
-                if b <= c.b and r >= rec:
+                if b <= c.b and r == rec:
                     best = max(best, act * (c.b / b if c.pp == 1 else 1.0))
         return best
 
