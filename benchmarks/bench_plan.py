@@ -1,18 +1,19 @@
-"""Plan search speed: in-process search time and candidates/s, and the whole CLI run.
+"""Plan search speed: wall time of whole `vramcalc plan` runs and the full estimates they do.
 
-    python benchmarks/bench_plan.py            # the issue's target: 70B on 64 x H100
-    python benchmarks/bench_plan.py --repeat 9 --model 405b --gpus 2048x8xH100
+    python benchmarks/bench_plan.py [--runs 9]   # the two reference commands
 
-Prints figures; asserts nothing (tests never assert wall-clock times). Wall-clock times on
-a shared machine are noisy: the minimum over repeats is the figure to quote, and CPU time
-(user + sys of the child) is printed next to it.
+Each run is a fresh process (start-up included) of this checkout's code, timed from start
+to exit with the bytecode already compiled (one untimed warm-up run). The child counts its
+calls to `analytic.estimate` (full estimates, the search's and the display's).
+benchmarks/bench_cli.py times the same commands from a fresh venv. Prints figures; asserts nothing (tests never assert wall-clock times). On a
+shared machine the best of the runs is the figure to quote.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import resource
+import re
 import statistics
 import subprocess
 import sys
@@ -21,71 +22,58 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+
+COMMANDS = [
+    ["plan", "--model", "70b", "--gpus", "64xH100"],
+    ["plan", "--model", "70b", "--gpus", "64xH100", "--allow",
+     "precision,optimizer,offload,finetune"],
+]
+
+# the child: count full estimates, run the CLI
+CHILD = """
+import atexit, sys
+import vramcalc.analytic as an
+calls = [0]
+inner = an.estimate
+def counted(scn, every_stage=True):
+    calls[0] += 1
+    return inner(scn, every_stage)
+an.estimate = counted
+atexit.register(lambda: sys.stderr.write(f"full estimates: {calls[0]}\\n"))
+sys.argv = ["vramcalc", *sys.argv[1:]]
+from vramcalc.cli import main
+sys.exit(main())
+"""
 
 
-def in_process(model: str, gpus: str, repeat: int) -> None:
-    from vramcalc.cli.plan import prepare_plan
-    from vramcalc.plan import search
-
-    base, req, _ = prepare_plan({"model": model, "gpus": gpus})
-    times, cpu = [], []
-    res = None
-    for _ in range(repeat):
-        t0, c0 = time.perf_counter(), time.process_time()
-        res = search(base, req)
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    assert res is not None
-    best = min(times)
-    print(f"search only ({model} on {gpus}), best of {repeat}: {best * 1000:.0f} ms wall "
-          f"(median {statistics.median(times) * 1000:.0f} ms), {min(cpu) * 1000:.0f} ms CPU")
-    print(f"  {res.num_candidates:,} valid candidates -> {res.num_candidates / best:,.0f} "
-          f"candidates/s; speed computed for {res.num_expanded:,} "
-          f"({res.num_expanded / best:,.0f}/s), {res.num_bound_pruned:,} pruned by the memory "
-          f"bound, {res.num_dominated:,} dominated, {res.num_estimated:,} full estimates "
-          f"({res.num_rejected:,} refused by the engine), {len(res.entries)} returned")
-    if res.entries:
-        e = res.entries[0]
-        print(f"  best: {e.speed.tokens_per_s:,.0f} tokens/s, MFU {100 * e.speed.mfu:.1f}%, "
-              f"{e.report.device_total_bytes / 1e9:.1f} GB per GPU")
-
-
-def whole_cli(model: str, gpus: str, repeat: int, as_json: bool, pyc: str) -> None:
-    exe = Path(sys.executable).with_name("vramcalc")
-    cmd = [str(exe) if exe.exists() else sys.executable, *([] if exe.exists() else
-                                                          ["-m", "vramcalc"]),
-           "plan", "--model", model, "--gpus", gpus] + (["--json"] if as_json else [])
-    walls, cpus = [], []
-    # as after `pip install` (bytecode compiled) and one earlier run (parse cache filled):
-    # see bench_estimate.py
-    from bench_estimate import _child_env
-
-    env = {**_child_env(pyc), "COLUMNS": "120"}
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)  # warm-up
-    for _ in range(repeat):
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+def timed(argv: list[str], runs: int, env: dict[str, str]) -> tuple[list[float], int]:
+    """Wall seconds of each run (after a warm-up run) and the full estimates of one run."""
+    cmd = [sys.executable, "-c", CHILD, *argv]
+    warm = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=ROOT)
+    found = re.search(r"full estimates: (\d+)", warm.stderr)
+    estimates = int(found.group(1)) if found else -1
+    walls = []
+    for _ in range(runs):
         t0 = time.perf_counter()
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+        subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=ROOT)
         walls.append(time.perf_counter() - t0)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpus.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
-    kind = "--json" if as_json else "table"
-    print(f"whole CLI run ({kind}, start-up included), best of {repeat}: {min(walls):.2f} s "
-          f"wall (median {statistics.median(walls):.2f} s); CPU {min(cpus):.2f} s")
+    return walls, estimates
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="70b")
-    ap.add_argument("--gpus", default="8x8xH100")
-    ap.add_argument("--repeat", type=int, default=5)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
-    in_process(args.model, args.gpus, args.repeat)
-    with tempfile.TemporaryDirectory() as pyc:  # the timed children's bytecode folder
-        whole_cli(args.model, args.gpus, args.repeat, as_json=True, pyc=pyc)
-        whole_cli(args.model, args.gpus, args.repeat, as_json=False, pyc=pyc)
+    with tempfile.TemporaryDirectory() as pyc:  # the children's bytecode folder
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        env.update(PYTHONPYCACHEPREFIX=pyc, PYTHONPATH=str(ROOT), COLUMNS="120")
+        for argv in COMMANDS:
+            walls, estimates = timed(argv, args.runs, env)
+            print(f"vramcalc {' '.join(argv)}\n  best {min(walls):.2f} s, median "
+                  f"{statistics.median(walls):.2f} s over {args.runs} runs; "
+                  f"{estimates:,} full estimates")
 
 
 if __name__ == "__main__":

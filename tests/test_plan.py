@@ -19,11 +19,10 @@ from vramcalc.cli.plan import prepare_plan
 from vramcalc.errors import InputError
 from vramcalc.hardware import load_profiles
 from vramcalc.plan import (
-    LOWER_BOUND_MARGIN,
+    MemoryBound,
     PlanRequest,
-    _Bound,
-    _estimate,
     enumerate_candidates,
+    estimate_candidate,
     finetune_supported,
     gpu_counts,
     search,
@@ -101,7 +100,7 @@ def test_search_equals_brute_force(case: dict) -> None:
     base, req, res, _ = plan(**case)
     every, total, pruned = enumerate_candidates(base, req)
     assert pruned == 0 and len(every) == total
-    est = {c.idx: _estimate(c, base, req) for c in every}
+    est = {c.idx: estimate_candidate(c, base, req) for c in every}
     fitting = sorted((e for e in est.values() if e is not None and e.fits), key=_rank)
     # the best plan is the best of all candidates
     assert _rank(res.entries[0]) == _rank(fitting[0])
@@ -134,19 +133,81 @@ def test_memory_lower_bound_is_sound(case: dict) -> None:
     cands, _, _ = enumerate_candidates(base, req)
     rng = random.Random(5)
     sample = rng.sample(cands, min(150, len(cands)))
-    bound = _Bound(base)
+    bound = MemoryBound(base)
     context = base.cluster.gpu.context_overhead_bytes
     checked = 0
     for c in sample:
-        e = _estimate(c, base, req)
+        e = estimate_candidate(c, base, req)
         if e is None:
             continue
         assert bound.total(c) + context <= e.report.device_total_bytes, c
-        # the unscaled bound must hold as well: the margin is slack, not a correction
-        assert bound.total(c) / LOWER_BOUND_MARGIN <= e.report.device_total_bytes, c
         bound.learn(c, e.report)
         checked += 1
     assert checked > 20
+
+
+# the whole strategy matrix the planner proposes: fine-tuning (frozen and NF4 bases, adapter
+# weights), offload, ZeRO 0-3 and FSDP, pipelines, MoE with expert parallelism, FP8
+BOUND_CASES = [
+    {"model": "8b", "gpus": "8xH100", "allow": "precision,optimizer,offload,finetune"},
+    {"model": "70b", "gpus": "2x8xH100", "allow": "offload,finetune"},
+    {"model": "mixtral-8x7b", "gpus": "2x8xH100", "allow": "optimizer,offload,finetune"},
+    {"model": "8b", "gpus": "1xRTX4090", "finetune": "qlora", "framework": "hf",
+     "allow": "offload,optimizer"},
+    {"model": "gpt2", "gpus": "4xRTX4090", "seq_len": 1024, "framework": "hf",
+     "allow": "finetune,offload,precision"},
+    {"model": "13b", "gpus": "16x910B", "allow": "finetune,offload"},
+    {"model": "8b", "gpus": "4xH100", "activation_offload": True, "allow": "offload,finetune"},
+]
+
+
+@pytest.mark.parametrize("case", BOUND_CASES,
+                         ids=lambda c: f"{c['model']}@{c['gpus']}+{c.get('finetune', '')}")
+def test_bound_never_exceeds_the_estimate(case: dict) -> None:
+    """bound + CUDA context <= analytic.estimate(...).device_total_bytes on a random sample
+    of every candidate (before and after the bound learns from estimates), and whatever the
+    bound calls refused, the engine refuses."""
+    base, req, _ = prepare_plan({k: v for k, v in case.items() if k != "allow"},
+                                allow=case.get("allow"))
+    cands, _, _ = enumerate_candidates(base, req)
+    bound = MemoryBound(base)
+    context = base.cluster.gpu.context_overhead_bytes
+    seen: set[tuple] = set()
+    checked = 0
+    for c in random.Random(11).sample(cands, min(140, len(cands))):
+        e = estimate_candidate(c, base, req)
+        lower = bound.total(c)
+        if e is None:
+            continue
+        assert lower + context <= e.report.device_total_bytes, c
+        bound.learn(c, e.report)
+        checked += 1
+        seen.add((c.ft != "full", bool(c.off), c.stage, c.pp > 1, c.ep > 1, c.prec))
+    assert checked > 30
+    # refused by the bound's checks => refused by the engine
+    for c in cands[:: max(1, len(cands) // 60)]:
+        if bound.total(c) == float("inf"):
+            assert estimate_candidate(c, base, req) is None, c
+    # the sample covers the matrix it was built for
+    allow = case.get("allow", "")
+    if "finetune" in allow or case.get("finetune"):
+        assert any(s[0] for s in seen)
+    if "offload" in allow:
+        assert any(s[1] for s in seen)
+    assert {s[2] for s in seen} >= {0, 3} or base.cluster.num_gpus == 1
+
+
+def test_bound_covers_the_matrix() -> None:
+    """BOUND_CASES reach pipelines, expert parallelism, FSDP/ZeRO-3 and fine-tuning."""
+    kinds = set()
+    for case in BOUND_CASES:
+        base, req, _ = prepare_plan({k: v for k, v in case.items() if k != "allow"},
+                                    allow=case.get("allow"))
+        cands, _, _ = enumerate_candidates(base, req)
+        kinds |= {("pp", c.pp > 1) for c in cands} | {("ep", c.ep > 1) for c in cands}
+        kinds |= {("fsdp", c.fsdp) for c in cands} | {("ft", c.ft) for c in cands}
+    assert {("pp", True), ("ep", True), ("fsdp", "full"), ("fsdp", "hybrid"),
+            ("ft", "lora"), ("ft", "qlora"), ("ft", "dora")} <= kinds
 
 
 def test_pinned_options_are_respected() -> None:

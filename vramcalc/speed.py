@@ -83,6 +83,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from vramcalc.finetune import _finetune_shapes, adapter_dtype
 from vramcalc.units import DTYPE_BITS
 
 if TYPE_CHECKING:
@@ -233,8 +234,6 @@ def peft_counts(spec: ModelSpec, precision: str, finetune: str, lora_rank: int =
     """PeftCounts of `finetune` on the whole model (None for full training)."""
     if finetune in ("full", "none", None):
         return None
-    from vramcalc.finetune import _finetune_shapes, adapter_dtype
-
     w_dtype = _WEIGHT_DTYPE.get(precision, "bf16")
     a_dt = adapter_dtype(framework, w_dtype)
     fs = _finetune_shapes(spec, 1, 1, 1, 1, 0, finetune, lora_rank, lora_targets, framework,
@@ -406,7 +405,7 @@ class SpeedModel:
                 psi_s = self.train_params / div_d / shard
                 w_b = g_b = self.peft.adapter_bytes
             weights_s = (self.gather_b[0] / div_d + self.gather_b[1] / div_e) / shard
-            host = self.gpu.host_link_bytes_per_s
+            host: float = self.gpu.host_link_bytes_per_s
             if offload_device == "nvme":
                 host = min(host, NVME_BYTES_PER_S_PER_NODE / gpn)
             if "optimizer" in offload:

@@ -1,0 +1,49 @@
+"""The planner: enumerate layouts, estimate, keep what fits, rank by speed; suggest changes.
+
+Pure: no printing, no files, no exit codes. The CLI passes a progress callback and the list
+of GPU profiles (for "another GPU type" suggestions). Modules, each importing only those
+before it (docs/planning.md has the details):
+
+- `request`: PlanRequest, what to search;
+- `candidates`: the layouts of a cluster and their speed (vramcalc.speed);
+- `bound`: the memory lower bound that prunes candidates, from the engine's term functions;
+- `search`: best-first search, PlanEntry / PlanResult, ranking;
+- `suggest`: the smallest changes that make a job fit.
+"""
+
+from vramcalc.plan.bound import LOWER_BOUND_MARGIN, MemoryBound
+from vramcalc.plan.candidates import Candidate, enumerate_candidates, finetune_supported
+from vramcalc.plan.request import DEFAULT_BATCH_TOKENS, MAX_MICRO_BATCH, PlanRequest, ProgressFn
+from vramcalc.plan.search import (
+    PlanEntry,
+    PlanResult,
+    estimate_candidate,
+    search,
+    with_every_stage,
+)
+from vramcalc.plan.suggest import Suggestion, feasible, gpu_counts, suggest_changes
+
+# the names tests/test_lowprec.py imports
+_Bound = MemoryBound
+_estimate = estimate_candidate
+
+__all__ = [
+    "DEFAULT_BATCH_TOKENS",
+    "LOWER_BOUND_MARGIN",
+    "MAX_MICRO_BATCH",
+    "Candidate",
+    "MemoryBound",
+    "PlanEntry",
+    "PlanRequest",
+    "PlanResult",
+    "ProgressFn",
+    "Suggestion",
+    "enumerate_candidates",
+    "estimate_candidate",
+    "feasible",
+    "finetune_supported",
+    "gpu_counts",
+    "search",
+    "suggest_changes",
+    "with_every_stage",
+]

@@ -1,0 +1,240 @@
+"""The planner's memory lower bound: bytes per GPU no estimate of a candidate can go below.
+
+A candidate is pruned, without running the engine, when its bound plus the GPU's CUDA
+context exceeds the usable memory. The bound must never exceed
+`analytic.estimate(...).device_total_bytes` (tests/test_plan.py checks it over many
+candidates), so pruning never drops a plan that fits.
+
+Model states come from the engine's own term functions, per pipeline stage s the engine
+may report as the worst (`analytic.candidate_stages`), on the candidate's `RankContext`:
+
+    base_s = W_s + O_s + X_s
+        W_s  weights (terms/weights.py `weight_parts`: the frozen base and the adapters under
+             LoRA/QLoRA/DoRA, none when offloaded) + FP8/QAT persistent buffers
+             (terms/lowprec.py `persistent_parts`)
+        O_s  optimizer states + fp32 master (terms/optimizer_states.py
+             `optimizer_state_split`: trained tensors only, sharded from ZeRO-1, none when
+             offloaded)
+        X_s  cuBLAS workspace + persistent communication buffers (terms/transients.py)
+    step  = max_s (base_s + G_step,s)      the optimizer step (terms/gradients.py
+                                           `gradients_at_step_bytes`)
+    fwd   = base_0 + gather_0 + [m > 1 or persistent] · G_0 + 0.95 · A_floor
+                                           the end of forward on the first stage
+                                           (`gather_buffer_bytes`, `gradients_bytes`,
+                                           `gradients_persistent`)
+    act   = min_s base_s + 0.95 · A        A: the larger of the floor and what estimates of
+                                           candidates with the same activation shapes taught
+    bound = max(step, fwd, act)
+
+The activation floor counts, on the first stage, per layer and token, what every profile
+saves: under full recompute, or LoRA/QLoRA/DoRA (frozen weights need no saved inputs), the
+layer input (h, ÷tp under sequence parallelism); otherwise every input a weight gradient
+needs: the attention and MLP inputs (2h, ÷tp under sequence parallelism), q, k, v and the
+attention output (2·a·d + 2·g·d, ÷tp) and the MLP down-projection input (f, ÷tp; not counted
+for MoE) — in the compute dtype (1 byte under FP8), for the min(pp, m) micro-batches 1F1B
+keeps in flight there (Narayanan et al. 2021), over L/pp layers (one fewer under
+LoRA/QLoRA/DoRA, whose first layer keeps less: vramcalc/terms/finetune_activations.py
+`first_layer_unsaved_bytes`); none with activation offload. The margin 0.95 (`LOWER_BOUND_MARGIN`) applies to the activation parts
+only, the one formula here that is not the engine's.
+
+Learned values: an estimate gives the optimizer-step total of its model states (a later
+candidate with the same states has the same step) and its activations + logits (they do not
+depend on ZeRO, offload or optimizer and grow with the micro-batch, linearly without
+pipelining; reused for the same recompute mode only: under LoRA or activation offload more
+recomputation can keep more on the device).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from vramcalc.analytic import candidate_stages
+from vramcalc.errors import InputError
+from vramcalc.plan.candidates import (
+    REC_ORDER,
+    Candidate,
+    StatesKey,
+    parallel_for,
+    training_for,
+)
+from vramcalc.report import MemoryReport
+from vramcalc.scenario import Scenario
+from vramcalc.terms.context import RankContext
+from vramcalc.terms.gradients import (
+    gradients_at_step_bytes,
+    gradients_bytes,
+    gradients_persistent,
+)
+from vramcalc.terms.lowprec import check_lowprec, persistent_parts
+from vramcalc.terms.optimizer_states import optimizer_state_split
+from vramcalc.terms.transients import (
+    cublas_workspace_bytes,
+    gather_buffer_bytes,
+    persistent_buffer_bytes,
+)
+from vramcalc.terms.weights import weight_parts
+from vramcalc.training import TrainingConfig
+from vramcalc.units import DTYPE_BITS
+
+# Multiplier on the activation parts of the bound: a margin so that a small change in the
+# engine's saved tensors can never prune a candidate that fits.
+LOWER_BOUND_MARGIN = 0.95
+
+
+class ModelStates(NamedTuple):
+    """Model-state bytes of one candidate's settings (no micro-batch, no recompute)."""
+
+    step: int  # max over stages of base + gradients at the optimizer step
+    first: int  # first stage: base + gather buffers
+    first_grads: int  # first stage: all gradients
+    first_kept: bool  # first stage: the gradient buffer lives through forward
+    base_min: int  # min over stages of base
+
+    def forward(self, m: int) -> int:
+        """First stage at the end of forward, less activations (m micro-batches per step)."""
+        return self.first + (self.first_grads if m > 1 or self.first_kept else 0)
+
+
+def states_key(c: Candidate) -> StatesKey:
+    return (c.tp, c.pp, c.cp, c.ep, c.dp, c.sp, (c.zero, c.fsdp, c.group, c.stage), c.off,
+            c.sched, c.v, c.prec, c.opt, c.ft)
+
+
+class MemoryBound:
+    """Memory lower bounds of one search's candidates, in bytes per GPU (module docstring)."""
+
+    def __init__(self, base: Scenario) -> None:
+        spec = self.spec = base.model
+        self.base = base
+        self.gpu = base.cluster.gpu if base.cluster else None
+        self.seq = base.training.seq_len
+        # offloaded activations leave the device: no floor (vramcalc/terms/lowmem.py)
+        self.offload_acts = base.training.activation_offload
+        self.acts: dict[tuple, dict[tuple[int, int], float]] = {}
+        self.opt_phase: dict[StatesKey, float] = {}
+        self._states: dict[StatesKey, ModelStates | None] = {}
+        self._trainings: dict[tuple[str, str, str | None], TrainingConfig] = {}
+        d = spec.head_size
+        self._sharded_inputs = (2 * spec.num_attention_heads * d + 2 * spec.kv_heads * d
+                                + (0 if spec.is_moe else spec.intermediate_size))
+        self._compute_bytes: dict[str, float] = {}
+
+    # ---- model states, from the term functions ------------------------------------------
+    def _training(self, prec: str, opt: str, ft: str | None) -> TrainingConfig:
+        key = (prec, opt, ft)
+        tr = self._trainings.get(key)
+        if tr is None:
+            tr = self._trainings[key] = training_for(self.base, prec, opt, ft)
+        return tr
+
+    def _stage(self, ctx: RankContext) -> tuple[int, int, int, bool, int]:
+        """(base, gradients, gradients at the step, gradients persistent, gather buffers)."""
+        base = (sum(weight_parts(ctx).values()) + sum(optimizer_state_split(ctx).values())
+                + sum(persistent_parts(ctx, self.gpu).values())
+                + cublas_workspace_bytes(self.gpu) + persistent_buffer_bytes(ctx))
+        return (base, gradients_bytes(ctx), gradients_at_step_bytes(ctx),
+                gradients_persistent(ctx), gather_buffer_bytes(ctx))
+
+    def states(self, key: StatesKey) -> ModelStates | None:
+        """Model states of these settings; None when the engine refuses them (the same
+        checks and term functions raise as in `analytic.estimate`)."""
+        if key in self._states:
+            return self._states[key]
+        tp, pp, cp, ep, dp, sp, sharding, off, sched, v, prec, opt, ft = key
+        training = self._training(prec, opt, ft)
+        parallel = parallel_for(self.base, dp, tp, pp, cp, ep, sp, sharding, off, sched, v)
+        scn = self.base.model_copy(update={"training": training, "parallel": parallel})
+        out: ModelStates | None
+        try:
+            check_lowprec(scn)  # FP8 / QAT combinations the engine does not model
+            rows = [self._stage(RankContext(self.spec, training, parallel, st))
+                    for st in candidate_stages(scn)]
+        except (InputError, ValueError):
+            out = None
+        else:
+            first = rows[0]
+            out = ModelStates(step=max(r[0] + r[2] for r in rows), first=first[0] + first[4],
+                              first_grads=first[1], first_kept=first[3],
+                              base_min=min(r[0] for r in rows))
+        self._states[key] = out
+        return out
+
+    # ---- activations ------------------------------------------------------------------------
+    def floor(self, tp: int, pp: int, cp: int, sp: bool, b: int, m: int, rec: str, prec: str,
+              ft: str | None = None) -> float:
+        """Activation floor on the first pipeline stage, bytes (module docstring)."""
+        if self.offload_acts and rec != "full":
+            return 0.0
+        spec = self.spec
+        h = spec.hidden_size
+        sp_div = tp if sp else 1
+        if rec == "full" or ft not in (None, "full"):
+            per_token = h / sp_div
+        else:
+            per_token = 2 * h / sp_div + self._sharded_inputs / tp
+        layers = spec.num_hidden_layers // pp - (0 if ft in (None, "full") else 1)
+        tokens = min(pp, m) * b * (self.seq / cp)
+        return layers * tokens * per_token * self._bytes_per_value(prec)
+
+    def _bytes_per_value(self, prec: str) -> float:
+        hit = self._compute_bytes.get(prec)
+        if hit is None:
+            # FP8 linears save 1-byte inputs (terms/lowprec.py)
+            hit = 1.0 if prec == "fp8" else DTYPE_BITS[TrainingConfig.model_construct(
+                precision=prec).compute_dtype] / 8
+            self._compute_bytes[prec] = hit
+        return hit
+
+    @staticmethod
+    def act_key(c: Candidate) -> tuple:
+        return (c.tp, c.pp, c.cp, c.ep, c.sp, c.sched, c.v, c.prec, c.ft)
+
+    def activations(self, c: Candidate) -> float:
+        """The larger of the floor and what estimates with the same shapes taught."""
+        best = self.floor(c.tp, c.pp, c.cp, c.sp, c.b, c.m, c.rec, c.prec, c.ft)
+        d = self.acts.get(self.act_key(c))
+        if d:
+            rec = REC_ORDER[c.rec]
+            for (b, r), act in d.items():
+                if b <= c.b and r == rec:
+                    best = max(best, act * (c.b / b if c.pp == 1 else 1.0))
+        return best
+
+    def learn(self, c: Candidate, report: MemoryReport) -> None:
+        """Remember the optimizer-step total (it depends on the model states only) and the
+        activations of an estimated candidate."""
+        key = states_key(c)
+        opt = float(report.phases.get("optimizer", 0))
+        self.opt_phase[key] = max(self.opt_phase.get(key, 0.0), opt)
+        if report.peak_phase not in ("forward", "backward"):
+            return
+        act = float(report.terms.activations + report.terms.logits)
+        d = self.acts.setdefault(self.act_key(c), {})
+        k = (c.b, REC_ORDER[c.rec])
+        d[k] = max(d.get(k, 0.0), act)
+
+    # ---- the bound ----------------------------------------------------------------------------
+    def admits(self, key: StatesKey, b: int, m: int, rec: str, limit: float) -> bool | None:
+        """Whether a candidate with these settings may fit in `limit` bytes (model states
+        and the activation floor only); None when the engine refuses the settings."""
+        st = self.states(key)
+        if st is None:
+            return None
+        if st.step > limit:
+            return False
+        tp, pp, cp, _, _, sp, _, _, _, _, prec, _, ft = key
+        floor = self.floor(tp, pp, cp, sp, b, m, rec, prec, ft)
+        return st.forward(m) + LOWER_BOUND_MARGIN * floor <= limit
+
+    def total(self, c: Candidate) -> float:
+        """The bound of a candidate (module docstring); infinite when the engine refuses it."""
+        key = states_key(c)
+        st = self.states(key)
+        if st is None:
+            return math.inf
+        step = max(float(st.step), self.opt_phase.get(key, 0.0))
+        floor = self.floor(c.tp, c.pp, c.cp, c.sp, c.b, c.m, c.rec, c.prec, c.ft)
+        fwd = st.forward(c.m) + LOWER_BOUND_MARGIN * floor
+        act = st.base_min + LOWER_BOUND_MARGIN * self.activations(c)
+        return max(step, fwd, act)

@@ -1,0 +1,211 @@
+"""When nothing fits: the smallest changes that would, each with the best plan under it.
+
+Tried in order — more GPUs of the same type, another GPU type with more memory, offload to
+host RAM, 8-bit AdamW, LoRA/QLoRA/DoRA, a shorter sequence — each first screened by
+`feasible` (a few estimates of the most memory-frugal candidates), then searched.
+Pure: no I/O; progress goes to an optional callback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pydantic import ValidationError
+
+from vramcalc.errors import InputError
+from vramcalc.hardware import Cluster, GPUProfile
+from vramcalc.plan.bound import MemoryBound
+from vramcalc.plan.candidates import REC_ORDER, enumerate_candidates
+from vramcalc.plan.request import PlanRequest, ProgressFn
+from vramcalc.plan.search import PlanEntry, estimate_candidate, search, usable_and_context
+from vramcalc.scenario import Scenario
+from vramcalc.training import FINETUNES, TrainingConfig
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """A change that makes the job fit, with the best plan under it."""
+
+    kind: str  # more_gpus | other_gpu | offload | optimizer | seq_len | finetune
+    title: str
+    change: Mapping[str, Any]  # option values to apply (CLI option names, snake_case)
+    entry: PlanEntry
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "title": self.title, "change": dict(self.change),
+                **dict(self.details), "candidate": self.entry.to_json()}
+
+
+def feasible(base: Scenario, req: PlanRequest, probes: int = 16) -> bool:
+    """Quick check that some layout fits: estimate the most memory-frugal candidates
+    (full recompute, smallest micro-batch, smallest memory lower bound) until one fits."""
+    if base.cluster is None:
+        return False
+    usable, context = usable_and_context(base)
+    bound = MemoryBound(base)
+    try:
+        cands, _, _ = enumerate_candidates(base, req, bound, usable - context)
+    except InputError:
+        return False
+    scored = []
+    for c in cands:
+        lower = bound.total(c)
+        if lower + context <= usable:
+            scored.append((-REC_ORDER[c.rec], c.b, lower, c.tail(), c))
+    scored.sort(key=lambda t: t[:4])
+    for *_, c in scored[:probes]:
+        e = estimate_candidate(c, base, req)
+        if e is not None and e.fits:
+            return True
+    return False
+
+
+def _cluster_text(num_gpus: int, gpu: GPUProfile) -> str | None:
+    gpn = gpu.gpus_per_node
+    name = gpu.aliases[0] if gpu.aliases else gpu.id
+    if num_gpus <= gpn:
+        return f"{num_gpus}x{name}"
+    if num_gpus % gpn:
+        return None
+    return f"{num_gpus // gpn}x{gpn}x{name}"
+
+
+def _with_cluster(base: Scenario, num_gpus: int, gpu: GPUProfile) -> Scenario | None:
+    gpn = gpu.gpus_per_node
+    if num_gpus <= gpn:
+        cl = Cluster.model_construct(gpu=gpu, num_nodes=1, gpus_per_node=num_gpus)
+    elif num_gpus % gpn == 0:
+        cl = Cluster.model_construct(gpu=gpu, num_nodes=num_gpus // gpn, gpus_per_node=gpn)
+    else:
+        return None
+    return base.model_copy(update={"cluster": cl, "gpu_note": None})
+
+
+def gpu_counts(start: int, gpn: int, limit: int) -> list[int]:
+    """Counts tried when adding GPUs: doubling within a node, then doubling whole nodes."""
+    out = []
+    n = start * 2
+    while n <= limit:
+        if n <= gpn or n % gpn == 0:
+            out.append(n)
+        n *= 2
+    if start < gpn and gpn not in out and gpn <= limit:
+        out.append(gpn)
+    return sorted(set(out))
+
+
+def _best(base: Scenario, req: PlanRequest) -> PlanEntry | None:
+    try:
+        res = search(base, replace(req, top_n=1), want_closest=False)
+    except InputError:
+        return None
+    return res.entries[0] if res.entries else None
+
+
+def _retrain(base: Scenario, **update: Any) -> Scenario | None:
+    """`base` with these training values; None when one is out of its declared bounds."""
+    try:
+        training = TrainingConfig(**{**base.training.model_dump(), **update})
+    except ValidationError:
+        return None
+    return base.model_copy(update={"training": training})
+
+
+def suggest_changes(base: Scenario, req: PlanRequest, profiles: Sequence[GPUProfile] = (),
+                    progress: ProgressFn | None = None, max_gpus: int = 16384,
+                    max_other_gpus: int = 3) -> list[Suggestion]:
+    """The smallest changes that make the job fit, each with the best plan under it."""
+    assert base.cluster is not None
+    out: list[Suggestion] = []
+    cl = base.cluster
+    gpu = cl.gpu
+    steps = ["gpus", "gpu type", "offload", "optimizer", "finetune", "sequence"]
+
+    def tick(i: int) -> None:
+        if progress is not None:
+            progress(f"looking for changes that fit ({steps[i]})", i, len(steps))
+
+    # 1. more GPUs of the same type
+    tick(0)
+    for n in gpu_counts(cl.num_gpus, gpu.gpus_per_node, max_gpus):
+        scn = _with_cluster(base, n, gpu)
+        if scn is None or not feasible(scn, req):
+            continue
+        entry = _best(scn, req)
+        if entry is not None:
+            text = _cluster_text(n, gpu)
+            out.append(Suggestion("more_gpus", f"use {n} {gpu.name} GPUs instead of {cl.num_gpus}",
+                                  {"gpus": text}, entry, {"num_gpus": n}))
+            break
+    # 2. another GPU type, same count
+    tick(1)
+    others = sorted((p for p in profiles if p.memory_total_bytes > gpu.memory_total_bytes
+                     and p.id != gpu.id), key=lambda p: (p.memory_total_bytes, p.id))
+    found = 0
+    for p in others:
+        if found >= max_other_gpus:
+            break
+        scn = _with_cluster(base, cl.num_gpus, p)
+        if scn is None or not feasible(scn, req):
+            continue
+        entry = _best(scn, req)
+        if entry is not None:
+            found += 1
+            out.append(Suggestion("other_gpu", f"use {cl.num_gpus} x {p.name}",
+                                  {"gpus": _cluster_text(cl.num_gpus, p)}, entry,
+                                  {"gpu": p.id, "num_gpus": cl.num_gpus}))
+    # 3. offload to host RAM
+    tick(2)
+    if "offload" not in req.allow and "offload" not in req.pinned:
+        for off in (("optimizer",), ("optimizer", "params")):
+            r2 = replace(req, pinned={**req.pinned, "offload": off})
+            if not feasible(base, r2):
+                continue
+            entry = _best(base, r2)
+            if entry is not None:
+                host = entry.report.host_bytes_per_node
+                out.append(Suggestion(
+                    "offload", f"offload {' and '.join(off)} to CPU RAM", {"offload": ",".join(off)},
+                    entry, {"host_bytes_per_node": host}))
+                break
+    # 4. 8-bit optimizer
+    tick(3)
+    tr = base.training
+    if tr.optimizer in ("adam", "adamw") and "optimizer" not in req.allow:
+        scn = _retrain(base, optimizer="adamw-8bit")
+        if scn is not None and feasible(scn, req):
+            entry = _best(scn, req)
+            if entry is not None:
+                out.append(Suggestion("optimizer", "use 8-bit AdamW (bitsandbytes)",
+                                      {"optimizer": "adamw-8bit"}, entry))
+    # 5. LoRA / QLoRA / DoRA
+    tick(4)
+    if "finetune" not in req.allow:
+        for ft in FINETUNES:
+            if ft in (tr.finetune, "full"):
+                continue
+            scn = _retrain(base, finetune=ft)
+            if scn is not None and feasible(scn, req):
+                entry = _best(scn, req)
+                if entry is not None:
+                    out.append(Suggestion("finetune", f"fine-tune with {ft}",
+                                          {"finetune": ft}, entry))
+                    break
+    # 6. shorter sequence (largest power-of-two fraction that fits)
+    tick(5)
+    s = tr.seq_len // 2
+    while s >= 128:
+        scn = _retrain(base, seq_len=s)
+        if scn is not None and feasible(scn, req):
+            entry = _best(scn, req)
+            if entry is not None:
+                out.append(Suggestion("seq_len", f"train on sequences of {s} tokens",
+                                      {"seq_len": s}, entry, {"seq_len": s}))
+                break
+        s //= 2
+    if progress is not None:
+        progress("done", len(steps), len(steps))
+    return out
