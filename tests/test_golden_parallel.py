@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import deepspeed_formulas as dsf
 import pytest
 
-from vramcalc import deepspeed_formulas as dsf
 from vramcalc.analytic import estimate, in_flight_microbatches
 from vramcalc.catalog import resolve_model
 from vramcalc.model import ModelSpec

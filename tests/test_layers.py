@@ -26,8 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("terms", ("vramcalc.terms", "vramcalc.offload")),
     ("engine", ("vramcalc.analytic", "vramcalc.trace")),
     ("use", ("vramcalc.plan", "vramcalc.speed", "vramcalc.size", "vramcalc.explain",
-             "vramcalc.notes", "vramcalc.check", "vramcalc.validate", "vramcalc.probe",
-             "vramcalc.deepspeed_formulas")),
+             "vramcalc.notes", "vramcalc.check", "vramcalc.validate", "vramcalc.probe")),
     ("render", ("vramcalc.render",)),
     ("cli", ("vramcalc.cli", "vramcalc.__main__")),
 )

@@ -287,15 +287,15 @@ def test_planner_memory_bound_is_sound_for_fp8() -> None:
     import random
 
     from vramcalc.cli.plan import prepare_plan
-    from vramcalc.plan import _Bound, _estimate, enumerate_candidates
+    from vramcalc.plan import MemoryBound, enumerate_candidates, estimate_candidate
 
     base, req, _ = prepare_plan({"model": "8b", "gpus": "8xH100", "precision": "fp8",
                                  "seq_len": 8192})
     cands, _, _ = enumerate_candidates(base, req)
-    bound = _Bound(base)
+    bound = MemoryBound(base)
     checked = 0
     for c in random.Random(7).sample(cands, min(80, len(cands))):
-        e = _estimate(c, base, req)
+        e = estimate_candidate(c, base, req)
         if e is None:
             continue
         assert bound.total(c) <= e.report.device_total_bytes, c

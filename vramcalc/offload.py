@@ -16,7 +16,7 @@ m = micro-batches per step; all fp32 unless said):
 Host RAM per node = per rank × GPUs per node (the node's ranks, worst pipeline stage).
 DeepSpeed's own estimators multiply by `additional_buffer_factor` 1.5 on top and, without
 `zero_init`, count the whole fp32 model per process at load time; those formulas are in
-vramcalc.deepspeed_formulas for comparison.
+tests/deepspeed_formulas.py for comparison.
 """
 
 from __future__ import annotations

@@ -23,10 +23,6 @@ from vramcalc.plan.search import (
 )
 from vramcalc.plan.suggest import Suggestion, feasible, gpu_counts, suggest_changes
 
-# the names tests/test_lowprec.py imports
-_Bound = MemoryBound
-_estimate = estimate_candidate
-
 __all__ = [
     "DEFAULT_BATCH_TOKENS",
     "LOWER_BOUND_MARGIN",
