@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 from vramcalc.catalog import (
     PRESETS_DIR,
-    from_hf_config,
     get_preset,
     list_preset_entries,
     list_presets,
@@ -29,6 +28,7 @@ from vramcalc.catalog import (
     resolve_model,
 )
 from vramcalc.errors import InputError
+from vramcalc.hf_config import from_hf_config
 from vramcalc.model import ModelSpec
 
 # ---- golden parameter counts ----------------------------------------------------------

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vramcalc"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("vramcalc", "vramcalc.errors", "vramcalc.units", "vramcalc.yamlio")),
     ("types", ("vramcalc.model", "vramcalc.training", "vramcalc.hardware", "vramcalc.parallel",
-               "vramcalc.scenario", "vramcalc.report", "vramcalc.catalog",
+               "vramcalc.scenario", "vramcalc.report", "vramcalc.catalog", "vramcalc.hf_config",
                "vramcalc.options")),
     ("shapes", ("vramcalc.sharding", "vramcalc.finetune", "vramcalc.rank",
                 "vramcalc.terms.context")),

@@ -9,8 +9,9 @@ neither torch nor transformers.
 - `resolve_model(text)` turns what a user typed into a ModelSpec: a local path
   (directory with config.json, a .json HF config, a .yaml/.yml ModelSpec), else a preset
   name or alias (see `resolve_model` for the matching rules).
-- `from_hf_config(cfg, source)` maps a `config.json` dict to a ModelSpec, with the
-  defaults transformers (5.x `configuration_*.py`) uses for keys the file leaves out.
+- A `config.json` is read here and mapped by vramcalc.hf_config.
+- A name is found through `presets/_index.yaml` (aliases, HF repo of each preset), so only
+  the preset it names is read and validated.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vramcalc import yamlio
 from vramcalc.errors import InputError
-from vramcalc.model import ModelSpec
+from vramcalc.hf_config import from_hf_config
+from vramcalc.model import ModelSpec, spec_from_fields, validation_message
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 
@@ -68,34 +70,6 @@ def _key(text: str) -> str:
     return re.sub(r"[\s_.\-]+", "", text.lower())
 
 
-def _validation_message(err: Any, allowed: list[str]) -> str:
-    """First pydantic error as one line: `field: message` (+ a suggestion for typos)."""
-    # Unknown fields first: a missing field is often a typo of one.
-    errors = sorted(err.errors(), key=lambda e: e.get("type") != "extra_forbidden")
-    first = errors[0]
-    loc = ".".join(str(p) for p in first.get("loc", ()))
-    if first.get("type") == "extra_forbidden":
-        close = difflib.get_close_matches(loc, allowed, n=1)
-        msg = f"unknown field '{loc}'" + (f" (did you mean '{close[0]}'?)" if close else "")
-    else:
-        cause = (first.get("ctx") or {}).get("error")
-        text = str(cause) if isinstance(cause, Exception) else first.get("msg", "invalid")
-        msg = f"{loc}: {text}" if loc else text
-    if len(errors) > 1:
-        msg += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return _one_line(msg)
-
-
-def _build_spec(fields: dict[str, Any], where: str) -> ModelSpec:
-    """ModelSpec(**fields), with every validation failure turned into a one-line InputError."""
-    try:
-        return ModelSpec(**fields)
-    except ValidationError as err:
-        raise InputError(
-            f"{where}: {_validation_message(err, list(ModelSpec.model_fields))}"
-        ) from None
-
-
 def _split_yaml_mapping(data: Any, where: str) -> tuple[dict[str, Any], PresetMeta]:
     """Split a YAML mapping into ModelSpec fields and catalog metadata, both validated."""
     if not isinstance(data, dict):
@@ -106,7 +80,7 @@ def _split_yaml_mapping(data: Any, where: str) -> tuple[dict[str, Any], PresetMe
     try:
         meta = PresetMeta(**{k: v for k, v in data.items() if k in _META_KEYS})
     except ValidationError as err:
-        raise InputError(f"{where}: {_validation_message(err, sorted(_META_KEYS))}") from None
+        raise InputError(f"{where}: {validation_message(err, sorted(_META_KEYS))}") from None
     return fields, meta
 
 
@@ -154,7 +128,7 @@ def load_preset(name: str) -> Preset:
     if fields.get("name") != path.stem:
         raise InputError(f"{where}: name must equal the file stem '{path.stem}'")
     fields.setdefault("source", f"preset {path.stem}")
-    return Preset(spec=_build_spec(fields, where), meta=meta)
+    return Preset(spec=spec_from_fields(fields, where), meta=meta)
 
 
 @cache
@@ -259,7 +233,7 @@ def load_yaml_spec(path: Path) -> ModelSpec:
     fields, _ = _split_yaml_mapping(_load_yaml(path), str(path))
     fields.setdefault("name", path.stem)
     fields.setdefault("source", str(path))
-    return _build_spec(fields, str(path))
+    return spec_from_fields(fields, str(path))
 
 
 def load_hf_config(path: Path) -> ModelSpec:
@@ -330,271 +304,3 @@ def resolve_model(text: str) -> tuple[ModelSpec, str | None]:
     if _looks_like_path(text):
         raise InputError(f"no such file: {text}")
     raise InputError(_unknown_message(text))
-
-
-# ---- Hugging Face config.json ---------------------------------------------------------
-_MISSING = object()
-_GENERIC_KEYS = (
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "vocab_size",
-)
-_GPT2_KEYS = ("n_embd", "n_layer", "n_head", "vocab_size")
-
-# Defaults transformers 5.x gives keys a config.json leaves out (configuration_<type>.py).
-# kv: num_key_value_heads (None = as many as attention heads); head_dim None = h / a.
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"kv": None, "head_dim": None, "tie": False, "act": "silu", "pos": 2048},
-    "mistral": {"kv": 8, "head_dim": None, "tie": False, "act": "silu", "pos": 131072},
-    "mixtral": {"kv": 8, "head_dim": None, "tie": False, "act": "silu", "pos": 131072},
-    "qwen2": {"kv": 32, "head_dim": None, "tie": False, "act": "silu", "pos": 32768},
-    "qwen2_moe": {"kv": 16, "head_dim": None, "tie": False, "act": "silu", "pos": 32768},
-    "qwen3": {"kv": 32, "head_dim": 128, "tie": False, "act": "silu", "pos": 32768},
-    "qwen3_moe": {"kv": 4, "head_dim": None, "tie": False, "act": "silu", "pos": 32768},
-    "phi3": {"kv": None, "head_dim": None, "tie": False, "act": "silu", "pos": 4096},
-    "gemma": {"kv": 16, "head_dim": 256, "tie": True, "act": "gelu_pytorch_tanh", "pos": 8192},
-    "gemma2": {"kv": 4, "head_dim": 256, "tie": True, "act": "gelu_pytorch_tanh", "pos": 8192},
-    "gemma3_text": {
-        "kv": 4,
-        "head_dim": 256,
-        "tie": True,
-        "act": "gelu_pytorch_tanh",
-        "pos": 131072,
-    },
-    "gpt_neox": {"kv": None, "head_dim": None, "tie": False, "act": "gelu", "pos": 2048},
-}
-# Unknown model types: llama-like (gated MLP, RMSNorm, no biases unless the keys say so).
-_GENERIC_DEFAULTS: dict[str, Any] = {
-    "kv": None,
-    "head_dim": None,
-    "tie": False,
-    "act": "silu",
-    "pos": 4096,
-}
-SUPPORTED_MODEL_TYPES = ("gpt2", *_DEFAULTS)
-
-
-class _Cfg:
-    """Typed reads from a config dict; every bad value is a one-line InputError."""
-
-    def __init__(self, cfg: dict[str, Any], source: str) -> None:
-        self.cfg, self.source = cfg, source
-
-    def _raw(self, key: str, default: Any) -> Any:
-        value = self.cfg.get(key, _MISSING)
-        return default if value is _MISSING or value is None else value
-
-    def get_int(self, key: str, default: Any = None) -> Any:
-        value = self._raw(key, default)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise InputError(f"{self.source}: {key} must be an integer, got {value!r}")
-        return value
-
-    def get_bool(self, key: str, default: bool) -> bool:
-        value = self._raw(key, default)
-        if not isinstance(value, bool):
-            raise InputError(f"{self.source}: {key} must be true or false, got {value!r}")
-        return value
-
-    def get_str(self, key: str, default: str) -> str:
-        value = self._raw(key, default)
-        if not isinstance(value, str):
-            raise InputError(f"{self.source}: {key} must be a string, got {value!r}")
-        return value
-
-    def int_list(self, key: str) -> list[int]:
-        value = self._raw(key, [])
-        if not isinstance(value, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value
-        ):
-            raise InputError(f"{self.source}: {key} must be a list of integers, got {value!r}")
-        return value
-
-    def require(self, keys: tuple[str, ...], model_type: str) -> None:
-        missing = [k for k in keys if self.cfg.get(k) is None]
-        if missing:
-            raise InputError(
-                f"{self.source}: model_type '{model_type}' config lacks {', '.join(missing)}"
-            )
-
-
-def _name_from_source(source: str) -> str:
-    path = Path(source)
-    if path.name == "config.json" and path.parent.name:
-        return path.parent.name
-    return path.stem or "custom"
-
-
-def _decoder_fields(c: _Cfg, model_type: str, defaults: dict[str, Any]) -> dict[str, Any]:
-    """Fields shared by the rotary decoders (llama family, gemma, phi3, qwen, gpt_neox)."""
-    c.require(_GENERIC_KEYS, model_type)
-    return {
-        "hidden_size": c.get_int("hidden_size"),
-        "num_hidden_layers": c.get_int("num_hidden_layers"),
-        "num_attention_heads": c.get_int("num_attention_heads"),
-        "num_key_value_heads": c.get_int("num_key_value_heads", defaults["kv"]),
-        "head_dim": c.get_int("head_dim", defaults["head_dim"]),
-        "intermediate_size": c.get_int("intermediate_size"),
-        "vocab_size": c.get_int("vocab_size"),
-        "max_position_embeddings": c.get_int("max_position_embeddings", defaults["pos"]),
-        # Gemma configs carry both; transformers prefers hidden_activation.
-        "hidden_act": c.get_str("hidden_activation", c.get_str("hidden_act", defaults["act"])),
-        "tie_word_embeddings": c.get_bool("tie_word_embeddings", defaults["tie"]),
-        "mlp_kind": "gated",
-        "norm_kind": "rmsnorm",
-        "position_embedding": "rope",
-    }
-
-
-def _gpt2_fields(c: _Cfg) -> dict[str, Any]:
-    """GPT-2: Conv1D projections with biases, LayerNorm with bias, learned positions, tied."""
-    c.require(_GPT2_KEYS, "gpt2")
-    h = c.get_int("n_embd")
-    return {
-        "hidden_size": h,
-        "num_hidden_layers": c.get_int("n_layer"),
-        "num_attention_heads": c.get_int("n_head"),
-        "intermediate_size": c.get_int("n_inner", 4 * h),
-        "vocab_size": c.get_int("vocab_size"),
-        "max_position_embeddings": c.get_int("n_positions", 1024),
-        "hidden_act": c.get_str("activation_function", "gelu_new"),
-        "tie_word_embeddings": c.get_bool("tie_word_embeddings", True),
-        "mlp_kind": "standard",
-        "norm_kind": "layernorm",
-        "norm_bias": True,
-        "attention_bias": True,
-        "attention_out_bias": True,
-        "mlp_bias": True,
-        "position_embedding": "learned",
-    }
-
-
-def _qwen_moe_fields(c: _Cfg, model_type: str, num_layers: int, shared: bool) -> dict[str, Any]:
-    """Qwen2-MoE / Qwen3-MoE experts. Layer i is sparse when i is not in mlp_only_layers and
-    (i + 1) % decoder_sparse_step == 0 (transformers modeling_qwen2_moe.py); only "all
-    sparse" or "the first k dense" can be represented."""
-    d = {"qwen2_moe": (60, 4, 1408), "qwen3_moe": (128, 8, 768)}[model_type]
-    num_experts = c.get_int("num_experts", d[0])
-    if num_experts == 0:
-        return {}
-    step = c.get_int("decoder_sparse_step", 1)
-    if step < 1:
-        raise InputError(f"{c.source}: decoder_sparse_step must be >= 1, got {step}")
-    dense_only = set(c.int_list("mlp_only_layers"))
-    sparse = [i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0]
-    first_k = num_layers - len(sparse)
-    if sparse != list(range(first_k, num_layers)):
-        raise InputError(
-            f"{c.source}: only MoE configs whose dense layers come first are supported "
-            f"(decoder_sparse_step={step}, mlp_only_layers={sorted(dense_only)})"
-        )
-    fields: dict[str, Any] = {
-        "num_local_experts": num_experts,
-        "num_experts_per_tok": c.get_int("num_experts_per_tok", d[1]),
-        "moe_intermediate_size": c.get_int("moe_intermediate_size", d[2]),
-        "first_k_dense_replace": first_k,
-    }
-    if shared:
-        # Qwen2-MoE: one always-on shared expert plus a h->1 sigmoid gate on it.
-        shared_ffn = c.get_int("shared_expert_intermediate_size", 5632)
-        if shared_ffn:
-            fields.update(
-                num_shared_experts=1,
-                shared_expert_intermediate_size=shared_ffn,
-                shared_expert_gate=True,
-            )
-    return fields
-
-
-def _four_norms(c: _Cfg, model_type: str) -> dict[str, Any]:
-    """Gemma 2/3 have pre- and post-norms around attention and the MLP: 4 norms per layer."""
-    if "num_layer_norms" not in ModelSpec.model_fields:
-        raise InputError(
-            f"{c.source}: model_type '{model_type}' has 4 norms per layer, which vramcalc "
-            "cannot count exactly yet"
-        )
-    return {"num_layer_norms": 4}
-
-
-def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
-    """Map a Hugging Face `config.json` dict to a ModelSpec.
-
-    Supported model_type: gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
-    qwen3_moe, phi3, gemma (gemma2 / gemma3_text need 4 norms per layer, see `_four_norms`);
-    any other model_type is read as a llama-like decoder from the generic keys
-    (hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size),
-    honouring attention_bias / mlp_bias / tie_word_embeddings when present. Keys a file
-    leaves out take transformers' defaults for that type. `auto_map` (remote code),
-    rope_scaling, dropout and dtype keys are ignored. Bad input raises InputError.
-    """
-    if not isinstance(cfg, dict):
-        raise InputError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
-    c = _Cfg(cfg, source)
-    model_type = c.get_str("model_type", "")
-    name = _name_from_source(source)
-
-    fields: dict[str, Any]
-    if model_type == "gpt2":
-        fields = _gpt2_fields(c)
-    else:
-        defaults = _DEFAULTS.get(model_type, _GENERIC_DEFAULTS)
-        fields = _decoder_fields(c, model_type or "(none)", defaults)
-        if model_type in ("llama", "gemma", "qwen3", "qwen3_moe", "gemma2", "gemma3_text"):
-            # q, k, v and o all take `bias=config.attention_bias`
-            bias = c.get_bool("attention_bias", False)
-            fields.update(attention_bias=bias, attention_out_bias=bias)
-        if model_type == "llama":
-            fields["mlp_bias"] = c.get_bool("mlp_bias", False)
-        elif model_type == "qwen2":
-            fields["attention_bias"] = True  # q, k, v biases, none on o (modeling_qwen2.py)
-        elif model_type == "qwen2_moe":
-            fields["attention_bias"] = c.get_bool("qkv_bias", True)
-            fields.update(_qwen_moe_fields(c, model_type, fields["num_hidden_layers"], True))
-        elif model_type == "qwen3":
-            fields["qk_norm"] = True
-        elif model_type == "qwen3_moe":
-            fields["qk_norm"] = True
-            fields.update(_qwen_moe_fields(c, model_type, fields["num_hidden_layers"], False))
-        elif model_type == "mixtral":
-            fields.update(
-                num_local_experts=c.get_int("num_local_experts", 8),
-                num_experts_per_tok=c.get_int("num_experts_per_tok", 2),
-            )
-        elif model_type == "gpt_neox":
-            bias = c.get_bool("attention_bias", True)  # query_key_value and dense
-            fields.update(
-                mlp_kind="standard",
-                mlp_bias=True,
-                norm_kind="layernorm",
-                norm_bias=True,
-                attention_bias=bias,
-                attention_out_bias=bias,
-            )
-        elif model_type == "gemma" and fields["hidden_act"] == "gelu":
-            # configuration_gemma.py: legacy "gelu" means the tanh approximation
-            fields["hidden_act"] = "gelu_pytorch_tanh"
-        elif model_type in ("gemma2", "gemma3_text"):
-            fields.update(_four_norms(c, model_type))
-            if model_type == "gemma3_text":
-                fields["qk_norm"] = True
-        elif model_type not in _DEFAULTS:
-            experts = [
-                k
-                for k in ("num_local_experts", "num_experts", "n_routed_experts")
-                if c.get_int(k, 0)
-            ]
-            if experts:
-                raise InputError(
-                    f"{source}: mixture-of-experts config of unsupported model_type "
-                    f"'{model_type}' (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-                )
-            bias = c.get_bool("attention_bias", False)
-            fields.update(
-                attention_bias=bias,
-                attention_out_bias=bias,
-                mlp_bias=c.get_bool("mlp_bias", False),
-            )
-    fields.update(name=name, model_type=model_type or "unknown", source=source)
-    return _build_spec(fields, source)

@@ -11,12 +11,13 @@ E = num_local_experts, fe = moe_intermediate_size.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vramcalc.errors import InputError
 
@@ -239,6 +240,37 @@ class ModelSpec(BaseModel):
             f"h={self.hidden_size}, heads={self.num_attention_heads}/{self.kv_heads}, "
             f"ffn={self.intermediate_size}, vocab={self.vocab_size}"
         )
+
+
+# ---- validation at the boundary ------------------------------------------------------
+def validation_message(err: Any, allowed: list[str]) -> str:
+    """First pydantic error as one line: `field: message` (+ a suggestion for typos)."""
+    # Unknown fields first: a missing field is often a typo of one.
+    errors = sorted(err.errors(), key=lambda e: e.get("type") != "extra_forbidden")
+    first = errors[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()))
+    if first.get("type") == "extra_forbidden":
+        close = difflib.get_close_matches(loc, allowed, n=1)
+        msg = f"unknown field '{loc}'" + (f" (did you mean '{close[0]}'?)" if close else "")
+    else:
+        cause = (first.get("ctx") or {}).get("error")
+        text = str(cause) if isinstance(cause, Exception) else first.get("msg", "invalid")
+        msg = f"{loc}: {text}" if loc else text
+    if len(errors) > 1:
+        msg += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return " ".join(msg.split())
+
+
+def spec_from_fields(fields: dict[str, Any], where: str) -> ModelSpec:
+    """ModelSpec(**fields), with every validation failure turned into a one-line InputError
+    prefixed by `where` (the file or preset the fields came from)."""
+    try:
+        return ModelSpec(**fields)
+    except ValidationError as err:
+        raise InputError(
+            f"{where}: {validation_message(err, list(ModelSpec.model_fields))}"
+        ) from None
+
 
 
 @dataclass(frozen=True)
