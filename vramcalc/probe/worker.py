@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         dev.reset_peak()
         for _ in range(args.iterations):
             _one_iteration(model, opt, scn, dev)
-        measured = dev.counters()
+        # None where the device has no allocator counters (cpu: counters() is empty)
+        measured: dict[str, int | None] = dict(dev.counters())
         measured["first_step_max_memory_allocated_bytes"] = first.get(
             "max_memory_allocated_bytes")
         record["measured"] = measured

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vramcalc.errors import InputError
 from vramcalc.report import MemoryReport
@@ -52,6 +52,9 @@ from vramcalc.trace.engine import (
     tracked_optimizer,
     watch_logits,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 
 def check_distributed(scn: Scenario) -> Scenario:
@@ -112,13 +115,13 @@ def _fsdp_storage_hooks(tracker: Any) -> Iterator[None]:
     orig_alloc, orig_free = fsdp_param.alloc_storage, fsdp_param.free_storage
     orig_wait = fsdp_group.FSDPParamGroup.wait_for_unshard
 
-    def alloc_storage(t: Any) -> None:
-        orig_alloc(t)
-        tracker.track(t)
+    def alloc_storage(tensor: torch.Tensor) -> None:
+        orig_alloc(tensor)
+        tracker.track(tensor)
 
-    def free_storage(t: Any) -> None:
-        orig_free(t)
-        tracker.track(t)
+    def free_storage(tensor: torch.Tensor) -> None:
+        orig_free(tensor)
+        tracker.track(tensor)
 
     def wait_for_unshard(self: Any) -> None:
         orig_wait(self)
@@ -129,13 +132,13 @@ def _fsdp_storage_hooks(tracker: Any) -> Iterator[None]:
     fsdp_param.alloc_storage = alloc_storage
     fsdp_param.free_storage = free_storage
     fsdp_group.alloc_storage = alloc_storage
-    fsdp_group.FSDPParamGroup.wait_for_unshard = wait_for_unshard
+    fsdp_group.FSDPParamGroup.wait_for_unshard = wait_for_unshard  # type: ignore[method-assign]  # patch
     try:
         yield
     finally:
         fsdp_param.alloc_storage, fsdp_param.free_storage = orig_alloc, orig_free
         fsdp_group.alloc_storage = orig_alloc
-        fsdp_group.FSDPParamGroup.wait_for_unshard = orig_wait
+        fsdp_group.FSDPParamGroup.wait_for_unshard = orig_wait  # type: ignore[method-assign]  # unpatch
 
 
 @contextlib.contextmanager

@@ -172,7 +172,7 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
     report_progress("building model", 0.0)
     autocast = (lambda: torch.autocast("cpu", dtype=_torch_dtype(tr.compute_dtype))) if (
         tr.is_autocast) else contextlib.nullcontext
-    framework_ctx = contextlib.nullcontext()
+    framework_ctx: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if tr.framework == "hf":
         from vramcalc.trace.hf_models import real_device_behaviour
 

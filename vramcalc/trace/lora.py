@@ -104,10 +104,10 @@ def _linears(block: nn.Module) -> list[tuple[nn.Module, str, str | None]]:
     """(parent, attribute, target letter or None) of every linear in a reference block that
     QLoRA quantizes; the target letter says which --lora-targets name adapts it."""
     out: list[tuple[nn.Module, str, str | None]] = []
-    attn = block.attn
+    attn: Any = block.attn  # the reference Attention (q/k/v/o_proj)
     for t in ("q", "k", "v", "o"):
         out.append((attn, f"{t}_proj", t))
-    mlp = block.mlp
+    mlp: Any = block.mlp  # the reference MLP, or MoE (experts, shared_experts)
 
     def dense(m: nn.Module, targeted: bool) -> None:
         for attr, t in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down"),
@@ -132,7 +132,8 @@ def _reference(model: nn.Module, scn: Any) -> nn.Module:
     compute = _TORCH[tr.compute_dtype]
     for p in model.parameters():
         p.requires_grad_(False)
-    for block in model.layers:
+    layers: Any = model.layers  # the reference model's blocks (an nn.ModuleList)
+    for block in layers:
         for parent, attr, target in _linears(block):
             lin = getattr(parent, attr)
             if tr.finetune == "qlora":
@@ -176,7 +177,8 @@ def _hf(model: nn.Module, scn: Any) -> nn.Module:
     tr = scn.training
     if tr.finetune == "qlora":
         compute = _TORCH[tr.compute_dtype]
-        layers = model.get_decoder().layers
+        causal: Any = model  # a transformers causal LM: duck-typed
+        layers = causal.get_decoder().layers
         for layer in layers:
             for name, mod in list(layer.named_modules()):
                 if isinstance(mod, nn.Linear) and not isinstance(mod, NF4Linear) and (

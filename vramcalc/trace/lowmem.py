@@ -50,15 +50,19 @@ def apply_chunked_ce(model: nn.Module, scn: Any) -> nn.Module:
     """Make the model's loss the chunked cross entropy (reference: its `loss_head` hook;
     hf: the causal LM's forward returns the loss of its decoder's hidden states)."""
     n = scn.training.chunked_ce
+    # a ReferenceModel, or a transformers causal LM (or the PEFT model around one): duck-typed
+    duck: Any = model
     if scn.training.framework != "hf":
-        model.loss_head = lambda head, x, labels: chunked_cross_entropy(head, x, labels, n)
+        duck.loss_head = lambda head, x, labels: chunked_cross_entropy(head, x, labels, n)
         return model
-    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    causal = duck.get_base_model() if hasattr(duck, "get_base_model") else duck
     decoder = causal.get_decoder()
     head = causal.get_output_embeddings()
 
     def forward(self: nn.Module, input_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, **kw: Any) -> Any:
+        if labels is None:  # the trace always passes labels: the model returns its loss
+            raise ValueError("the chunked cross entropy needs labels")
         hidden = decoder(input_ids=input_ids).last_hidden_state
         return types.SimpleNamespace(loss=chunked_cross_entropy(head, hidden, labels, n))
 
@@ -107,10 +111,12 @@ class _OffloadStore:
 
 def apply_activation_offload(model: nn.Module, scn: Any) -> nn.Module:
     """Wrap each transformer layer's forward in offloading saved-tensor hooks."""
-    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    # a ReferenceModel, or a transformers causal LM (or the PEFT model around one): duck-typed
+    duck: Any = model
+    causal = duck.get_base_model() if hasattr(duck, "get_base_model") else duck
     layers = causal.get_decoder().layers if scn.training.framework == "hf" else causal.layers
     store = _OffloadStore()
-    model._vramcalc_offload = store  # type: ignore[attr-defined]
+    duck._vramcalc_offload = store
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     for i, layer in enumerate(layers):
         hooks = _LayerOffload(i, store, params)

@@ -203,7 +203,8 @@ def apply_lowprec(model: nn.Module, scn: Any) -> nn.Module:
     gpu = scn.cluster.gpu if scn.cluster is not None else None
     cache = _InputCache()
     tokens = tr.micro_batch_size * tr.seq_len
-    for block in model.layers:
+    layers: Any = model.layers  # the reference model's blocks (an nn.ModuleList)
+    for block in layers:
         for parent, attr in _block_linears(block):
             lin = getattr(parent, attr)
             if tr.precision == "fp8":

@@ -96,7 +96,9 @@ class NF4Linear(nn.Linear):
         self.offset = _frozen(torch.empty((), dtype=torch.float32, **kw))
         self.code = _frozen(torch.empty(NF4_CODE_ELEMS, dtype=torch.float32, **kw))
         self.compute_dtype = compute_dtype or dtype or torch.float32  # bnb_4bit_compute_dtype
-        self.bias = _frozen(torch.empty(out_features, dtype=dtype, **kw)) if bias else None
+        # nn.Linear's bias is None when absent; torch's annotation says Parameter
+        self.bias = (_frozen(torch.empty(out_features, dtype=dtype, **kw))  # type: ignore[assignment]
+                     if bias else None)
 
     QUANT_STATE = ("absmax", "state2_absmax", "state2_code", "offset", "code")
 

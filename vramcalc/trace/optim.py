@@ -20,7 +20,7 @@ Optimizer step counters: PyTorch keeps `state["step"]` on the host when neither
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -117,7 +117,7 @@ class MixedPrecisionOptimizer:
     """16-bit params + fp32 masters; the inner optimizer steps the masters (see module doc)."""
 
     def __init__(self, params: Iterable[torch.Tensor],
-                 make_inner: Callable[[list[torch.Tensor]], Optimizer]) -> None:
+                 make_inner: Callable[[Sequence[torch.Tensor]], Optimizer]) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.masters = [torch.nn.Parameter(p.detach().float()) for p in self.params]
         self.inner = make_inner(self.masters)
@@ -142,7 +142,7 @@ class MixedPrecisionOptimizer:
             p.grad = None
 
 
-def make_optimizer(name: str, params: list[torch.Tensor]) -> Optimizer:
+def make_optimizer(name: str, params: Sequence[torch.Tensor]) -> Optimizer:
     """A torch optimizer (or stand-in) by vramcalc's optimizer name; foreach as on CUDA."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=LR, foreach=True)

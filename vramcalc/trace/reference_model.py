@@ -25,6 +25,7 @@ C = ⌈capacity_factor · N·k / E⌉ expert capacity.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,20 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from vramcalc.model import ModelSpec
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import TypedDict
+
+    from typing_extensions import Unpack
+
+    class Factory(TypedDict):
+        """torch's factory keywords, passed down to every parameter the model builds."""
+
+        dtype: torch.dtype | None
+        device: torch.device | str | None
+
+    LossHead = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 ROPE_THETA = 10_000.0  # rotary base (Su et al. 2021); it changes values, not memory
 NORM_EPS = 1e-5
@@ -103,9 +118,9 @@ rms_norm_op.register_autograd(_rms_backward, setup_context=_rms_setup)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, width: int, eps: float = NORM_EPS, **kw: object) -> None:
+    def __init__(self, width: int, eps: float = NORM_EPS, **kw: Unpack[Factory]) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(width, **kw))  # type: ignore[arg-type]
+        self.weight = nn.Parameter(torch.ones(width, **kw))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,9 +131,9 @@ class RMSNorm(nn.Module):
         return rms_norm_op(x, self.weight, self.eps)[0]
 
 
-def make_norm(spec: ModelSpec, width: int, **kw: object) -> nn.Module:
+def make_norm(spec: ModelSpec, width: int, **kw: Unpack[Factory]) -> nn.Module:
     if spec.norm_kind == "layernorm":
-        return nn.LayerNorm(width, eps=NORM_EPS, bias=spec.norm_bias, **kw)  # type: ignore[arg-type]
+        return nn.LayerNorm(width, eps=NORM_EPS, bias=spec.norm_bias, **kw)
     return RMSNorm(width, **kw)
 
 
@@ -150,14 +165,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, attention: str, recompute: str, **kw: object) -> None:
+    def __init__(self, spec: ModelSpec, attention: str, recompute: str,
+                 **kw: Unpack[Factory]) -> None:
         super().__init__()
         h, a, g, d = spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.head_size
         self.a, self.g, self.d = a, g, d
-        self.q_proj = nn.Linear(h, a * d, bias=spec.attention_bias, **kw)  # type: ignore[arg-type]
-        self.k_proj = nn.Linear(h, g * d, bias=spec.attention_bias, **kw)  # type: ignore[arg-type]
-        self.v_proj = nn.Linear(h, g * d, bias=spec.attention_bias, **kw)  # type: ignore[arg-type]
-        self.o_proj = nn.Linear(a * d, h, bias=spec.attention_out_bias, **kw)  # type: ignore[arg-type]
+        self.q_proj = nn.Linear(h, a * d, bias=spec.attention_bias, **kw)
+        self.k_proj = nn.Linear(h, g * d, bias=spec.attention_bias, **kw)
+        self.v_proj = nn.Linear(h, g * d, bias=spec.attention_bias, **kw)
+        self.o_proj = nn.Linear(a * d, h, bias=spec.attention_out_bias, **kw)
         self.q_norm = make_norm(spec, d, **kw) if spec.qk_norm else None
         self.k_norm = make_norm(spec, d, **kw) if spec.qk_norm else None
         self.attention = attention
@@ -172,6 +188,8 @@ class Attention(nn.Module):
         if self.g != self.a:  # eager attention needs k and v for every head: (b, a, s, d)
             k = k.repeat_interleave(self.a // self.g, dim=1)
             v = v.repeat_interleave(self.a // self.g, dim=1)
+        if mask is None:  # the model builds the causal mask whenever attention is eager
+            raise ValueError("eager attention needs the causal mask")
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.d))  # (b, a, s, s)
         att = att.masked_fill(mask, float("-inf"))  # mask: (s, s) bool, True above diagonal
         att = F.softmax(att, dim=-1)  # (b, a, s, s): saved by softmax and by att @ v
@@ -200,17 +218,17 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """Gated: down(act(gate(x)) · up(x)); standard: proj(act(fc(x)))."""
 
-    def __init__(self, spec: ModelSpec, ffn: int, **kw: object) -> None:
+    def __init__(self, spec: ModelSpec, ffn: int, **kw: Unpack[Factory]) -> None:
         super().__init__()
         h, bias = spec.hidden_size, spec.mlp_bias
         self.gated = spec.mlp_kind == "gated"
         if self.gated:
-            self.gate_proj = nn.Linear(h, ffn, bias=bias, **kw)  # type: ignore[arg-type]
-            self.up_proj = nn.Linear(h, ffn, bias=bias, **kw)  # type: ignore[arg-type]
-            self.down_proj = nn.Linear(ffn, h, bias=bias, **kw)  # type: ignore[arg-type]
+            self.gate_proj = nn.Linear(h, ffn, bias=bias, **kw)
+            self.up_proj = nn.Linear(h, ffn, bias=bias, **kw)
+            self.down_proj = nn.Linear(ffn, h, bias=bias, **kw)
         else:
-            self.fc = nn.Linear(h, ffn, bias=bias, **kw)  # type: ignore[arg-type]
-            self.proj = nn.Linear(ffn, h, bias=bias, **kw)  # type: ignore[arg-type]
+            self.fc = nn.Linear(h, ffn, bias=bias, **kw)
+            self.proj = nn.Linear(ffn, h, bias=bias, **kw)
         self.act = activation(spec.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., h) -> (..., h)
@@ -242,15 +260,15 @@ def capacity_slots(expert: torch.Tensor, num_experts: int, capacity: int):  # no
 class MoE(nn.Module):
     """Router + top-k routed experts (+ shared experts, optionally sigmoid-gated)."""
 
-    def __init__(self, spec: ModelSpec, capacity_factor: float, **kw: object) -> None:
+    def __init__(self, spec: ModelSpec, capacity_factor: float, **kw: Unpack[Factory]) -> None:
         super().__init__()
         h, E = spec.hidden_size, spec.num_local_experts
         self.num_experts, self.top_k, self.capacity_factor = E, spec.num_experts_per_tok, capacity_factor
-        self.router = nn.Linear(h, E, bias=spec.router_bias, **kw)  # type: ignore[arg-type]
+        self.router = nn.Linear(h, E, bias=spec.router_bias, **kw)
         self.experts = nn.ModuleList(MLP(spec, spec.expert_ffn, **kw) for _ in range(E))
         self.shared_experts = nn.ModuleList(
             MLP(spec, spec.shared_ffn, **kw) for _ in range(spec.num_shared_experts))
-        self.shared_expert_gate = (nn.Linear(h, 1, bias=False, **kw)  # type: ignore[arg-type]
+        self.shared_expert_gate = (nn.Linear(h, 1, bias=False, **kw)
                                    if spec.shared_expert_gate else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -278,7 +296,7 @@ class MoE(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, spec: ModelSpec, moe: bool, attention: str, recompute: str,
-                 capacity_factor: float, **kw: object) -> None:
+                 capacity_factor: float, **kw: Unpack[Factory]) -> None:
         super().__init__()
         self.input_layernorm = make_norm(spec, spec.hidden_size, **kw)
         self.attn = Attention(spec, attention, recompute, **kw)
@@ -299,21 +317,21 @@ class ReferenceModel(nn.Module):
                  capacity_factor: float = 1.0, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
-        kw: dict[str, object] = {"dtype": dtype, "device": device}
+        kw: Factory = {"dtype": dtype, "device": device}
         h, V = spec.hidden_size, spec.vocab_size
         self.spec, self.attention, self.recompute = spec, attention, recompute
-        self.embed_tokens = nn.Embedding(V, h, **kw)  # type: ignore[arg-type]
-        self.embed_positions = (nn.Embedding(spec.max_position_embeddings, h, **kw)  # type: ignore[arg-type]
+        self.embed_tokens = nn.Embedding(V, h, **kw)
+        self.embed_positions = (nn.Embedding(spec.max_position_embeddings, h, **kw)
                                 if spec.position_embedding == "learned" else None)
         self.layers = nn.ModuleList(
             Block(spec, i >= spec.first_k_dense_replace and spec.is_moe, attention, recompute,
                   capacity_factor, **kw)
             for i in range(spec.num_hidden_layers))
         self.norm = make_norm(spec, h, **kw) if spec.final_norm else None
-        self.lm_head = nn.Linear(h, V, bias=False, **kw)  # type: ignore[arg-type]
+        self.lm_head = nn.Linear(h, V, bias=False, **kw)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.loss_head: object | None = None  # (lm_head, x, labels) -> loss, when set
+        self.loss_head: LossHead | None = None  # (lm_head, x, labels) -> loss, when set
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         b, s = input_ids.shape  # (b, s) int64; labels (b, s) int64 are the next tokens

@@ -134,7 +134,11 @@ class MemoryTracker(TorchDispatchMode):
         if nbytes == 0:
             return
         term = term or self.default_term()
-        ref = weakref.ref(st, lambda _r, key=key: self._free(key))
+
+        def on_free(_r: weakref.ReferenceType[torch.UntypedStorage]) -> None:
+            self._free(key)
+
+        ref = weakref.ref(st, on_free)
         origin = f"{self._origin} {tuple(t.shape)} {t.dtype}" if self.debug else ""
         self.blocks[key] = _Block(nbytes, term, ref, origin)
         self._add(term, nbytes)
@@ -170,7 +174,10 @@ class MemoryTracker(TorchDispatchMode):
             self.terms[blk.term] -= blk.nbytes
             self.total -= blk.nbytes
         if key not in self.host:
-            self.host[key] = weakref.ref(st, lambda _r, key=key: self.host.pop(key, None))
+            def forget(_r: weakref.ReferenceType[torch.UntypedStorage]) -> None:
+                self.host.pop(key, None)
+
+            self.host[key] = weakref.ref(st, forget)
 
     def register_params(self, params: list[torch.Tensor]) -> None:
         for p in params:
