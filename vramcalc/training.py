@@ -32,6 +32,13 @@ OptimizerName = Literal[
 ]
 PRECISIONS: tuple[str, ...] = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure",
                                 "fp8")
+# the precision policies of the table above: weights' and activations' dtypes
+WEIGHT_DTYPE: dict[str, str] = {"fp32": "fp32", "amp-bf16": "fp32", "amp-fp16": "fp32",
+                                "bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16",
+                                "fp8": "bf16"}
+COMPUTE_DTYPE: dict[str, str] = {"fp32": "fp32", "amp-bf16": "bf16", "amp-fp16": "fp16",
+                                 "bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16",
+                                 "fp8": "bf16"}
 QATS: tuple[str, ...] = ("none", "int8", "int4")  # vramcalc/terms/lowprec.py
 OPTIMIZERS: tuple[str, ...] = (
     "adamw", "adam", "sgd", "sgd-momentum", "lion", "adafactor", "adamw-8bit",
@@ -115,8 +122,7 @@ class TrainingConfig(BaseModel):
     # ---- precision policy ---------------------------------------------
     @property
     def weight_dtype(self) -> str:
-        return {"fp32": "fp32", "amp-bf16": "fp32", "amp-fp16": "fp32", "bf16": "bf16",
-                "fp16": "fp16", "bf16-pure": "bf16", "fp8": "bf16"}[self.precision]
+        return WEIGHT_DTYPE[self.precision]
 
     @property
     def trainable_dtype(self) -> str:
@@ -132,8 +138,7 @@ class TrainingConfig(BaseModel):
 
     @property
     def compute_dtype(self) -> str:
-        return {"fp32": "fp32", "amp-bf16": "bf16", "amp-fp16": "fp16", "bf16": "bf16",
-                "fp16": "fp16", "bf16-pure": "bf16", "fp8": "bf16"}[self.precision]
+        return COMPUTE_DTYPE[self.precision]
 
     @property
     def has_master_weights(self) -> bool:

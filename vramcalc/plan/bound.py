@@ -74,7 +74,7 @@ from vramcalc.terms.transients import (
     persistent_buffer_bytes,
 )
 from vramcalc.terms.weights import weight_parts
-from vramcalc.training import TrainingConfig
+from vramcalc.training import COMPUTE_DTYPE, TrainingConfig
 from vramcalc.units import DTYPE_BITS
 
 # Multiplier on the activation parts of the bound: a margin so that a small change in the
@@ -181,8 +181,7 @@ class MemoryBound:
         hit = self._compute_bytes.get(prec)
         if hit is None:
             # FP8 linears save 1-byte inputs (terms/lowprec.py)
-            hit = 1.0 if prec == "fp8" else DTYPE_BITS[TrainingConfig.model_construct(
-                precision=prec).compute_dtype] / 8
+            hit = 1.0 if prec == "fp8" else DTYPE_BITS[COMPUTE_DTYPE[prec]] / 8
             self._compute_bytes[prec] = hit
         return hit
 
