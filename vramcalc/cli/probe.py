@@ -108,14 +108,15 @@ def _estimate_for_config(path: Path, dirs: list[Path] | None) -> dict[str, Any]:
 def _nproc_mode(values: dict[str, Any], nproc: int, iterations: int, out: Path | None,
                 as_json: bool) -> None:
     """torchrun N workers (vramcalc.probe.worker); collect one record per rank."""
-    folder = Path(out) if out else Path(tempfile.mkdtemp(prefix="vramcalc-probe-"))
-    folder.mkdir(parents=True, exist_ok=True)
     plain = {k: (list(v) if isinstance(v, tuple) else v) for k, v in values.items()}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), "-m", "vramcalc.probe.worker", "--values",
-           json.dumps(plain), "--out", str(folder), "--iterations", str(iterations)]
-    proc = subprocess.run(cmd, check=False, capture_output=as_json, text=True)
-    records = [json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))]
+    with tempfile.TemporaryDirectory(prefix="vramcalc-probe-") as tmp:  # unless --out
+        folder = Path(out) if out else Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(free_port()), "-m", "vramcalc.probe.worker", "--values",
+               json.dumps(plain), "--out", str(folder), "--iterations", str(iterations)]
+        proc = subprocess.run(cmd, check=False, capture_output=as_json, text=True)
+        records = [json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))]
     if not records:
         tail = (proc.stderr or "").strip().splitlines()[-1:] if as_json else []
         raise InputError("torchrun wrote no probe record (exit code "

@@ -18,11 +18,18 @@ def run_command(cmd: list[str], interval: float = 0.0,
                 out_dir: Path | None = None) -> tuple[int, list[dict[str, Any]]]:
     """Run `cmd` with the hook on PYTHONPATH; return its exit code and one record per rank.
 
-    torchrun's workers inherit the environment, so every rank writes its own file.
+    torchrun's workers inherit the environment, so every rank writes its own file: into
+    `out_dir`, or a temporary folder removed once the records are read.
     """
     if not cmd:
         raise InputError("--run needs a command after '--', e.g. vramcalc probe --run -- python train.py")
-    work = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="vramcalc-probe-"))
+    if out_dir is None:
+        with tempfile.TemporaryDirectory(prefix="vramcalc-probe-") as tmp:
+            return _run(cmd, interval, Path(tmp))
+    return _run(cmd, interval, Path(out_dir))
+
+
+def _run(cmd: list[str], interval: float, work: Path) -> tuple[int, list[dict[str, Any]]]:
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(HOOK_DIR)] + (
