@@ -19,14 +19,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from vramcalc.hardware import GPUProfile
+from vramcalc.notes import scenario_notes
 from vramcalc.offload import offload_footprint
+from vramcalc.rank import RankContext
 from vramcalc.report import GPUInfo, MemoryReport, ModelInfo, StageReport, Terms
 from vramcalc.scenario import Scenario
 from vramcalc.sharding import moe_layers_on_stage
 from vramcalc.terms import activations as act
 from vramcalc.terms import comm
 from vramcalc.terms import transients as tr
-from vramcalc.terms.context import RankContext
 from vramcalc.terms.gradients import (
     grad_dtype,
     gradients_at_step_bytes,
@@ -34,7 +36,7 @@ from vramcalc.terms.gradients import (
     gradients_persistent,
     layer_gradient_bytes,
 )
-from vramcalc.terms.optimizer_states import optimizer_state_split
+from vramcalc.terms.optimizer_states import optimizer_state_split, paged_state_bytes
 from vramcalc.terms.overhead import overhead_split
 from vramcalc.terms.weights import weight_parts
 from vramcalc.units import alloc
@@ -405,7 +407,7 @@ def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
         ovh.update(_paged_overhead(scn, st))
         nl = RankContext(scn.model, scn.training, scn.parallel, st).num_layers
         runs.append(_StageRun(st, nl, phases, first, ovh))
-    common = {"model": model_info(scn), "gpu": gpu_info(scn), "notes": _notes(scn)}
+    common = {"model": model_info(scn), "gpu": gpu_info(scn), "notes": scenario_notes(scn)}
     return scn, _fields(scn, runs, _pick(runs), common)
 
 
@@ -528,30 +530,8 @@ def strategy_dict(scn: Scenario) -> dict[str, object]:
 
 def _paged_overhead(scn: Scenario, stage: int) -> dict[str, int]:
     """Paged optimizer states (bitsandbytes unified memory): device memory outside the
-    allocator, reported as overhead (vramcalc/finetune.py)."""
+    allocator, reported as overhead (vramcalc.terms.optimizer_states)."""
     if not scn.training.optimizer.startswith("paged-"):
         return {}
-    from vramcalc.finetune import paged_state_bytes
-
     return {"paged_optimizer_states": paged_state_bytes(
         RankContext(scn.model, scn.training, scn.parallel, stage))}
-
-
-def _notes(scn: Scenario) -> list[str]:
-    notes = []
-    if scn.model_note:
-        notes.append(scn.model_note)
-    if scn.gpu_note:
-        notes.append(scn.gpu_note)
-    tr = scn.training
-    if tr.finetune != "full" or tr.optimizer.startswith("paged-") or tr.activation_offload or (
-            tr.chunked_ce > 1):
-        from vramcalc.finetune import notes as ft_notes
-
-        notes += ft_notes(RankContext(scn.model, scn.training, scn.parallel, 0))
-    if tr.precision == "fp8" or tr.qat != "none":
-        from vramcalc.terms.lowprec import notes as lowprec_notes
-
-        notes += lowprec_notes(RankContext(scn.model, scn.training, scn.parallel, 0),
-                               scn.cluster.gpu if scn.cluster else None)
-    return notes

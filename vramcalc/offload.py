@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramcalc.parallel import num_microbatches
+from vramcalc.rank import RankContext
 from vramcalc.terms.comm import DS_SUB_GROUP_NUMEL
-from vramcalc.terms.context import RankContext
 from vramcalc.terms.gradients import grad_dtype
 from vramcalc.terms.optimizer_states import optimizer_state_split_on_device
 from vramcalc.units import DTYPE_BITS, alloc, ceil_div

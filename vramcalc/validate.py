@@ -198,9 +198,9 @@ def analytic_points(scn: Scenario) -> dict[str, int]:
     scn = scn.resolved()
     phases, _first, _live = _stage_phases(scn, 0, scn.cluster.gpu if scn.cluster else None)
     by_name = {p.name: p.terms() for p in phases}
+    from vramcalc.rank import RankContext
     from vramcalc.terms import activations as act
     from vramcalc.terms import logits as lg
-    from vramcalc.terms.context import RankContext
 
     ctx = RankContext(scn.model, scn.training, scn.parallel, 0)
     return {

@@ -31,7 +31,7 @@ from functools import lru_cache
 
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
-from vramcalc.terms.context import RankContext, lazy
+from vramcalc.rank import RankContext, lazy
 from vramcalc.training import TrainingConfig
 from vramcalc.units import DTYPE_BITS, alloc, ceil_div, round_alloc
 

@@ -51,9 +51,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from vramcalc.rank import RankContext
 from vramcalc.sharding import DS_PERSISTENCE_THRESHOLD, layer_param_numels
 from vramcalc.terms import activations as act
-from vramcalc.terms.context import RankContext
 from vramcalc.terms.gradients import grad_dtype, layer_gradient_bytes
 from vramcalc.units import DTYPE_BITS, alloc, ceil_div
 

@@ -42,8 +42,8 @@ from __future__ import annotations
 import dataclasses
 
 from vramcalc.finetune import adapted_linears, adapter_dtype, fused_groups, shapes_for
+from vramcalc.rank import RankContext
 from vramcalc.terms.activations import Dims, Saved, dims
-from vramcalc.terms.context import RankContext
 from vramcalc.units import alloc, ceil_div
 
 # the storage a target reads (name in the full-fine-tuning saved list) and its width; the hf

@@ -22,7 +22,7 @@ into pinned host buffers; FSDP2 CPUOffloadPolicy moves them to the host after re
 
 from __future__ import annotations
 
-from vramcalc.terms.context import RankContext
+from vramcalc.rank import RankContext
 
 
 def grad_dtype(ctx: RankContext) -> str:

@@ -22,8 +22,8 @@ against the trace engine (tests/test_trace.py).
 
 from __future__ import annotations
 
+from vramcalc.rank import RankContext
 from vramcalc.terms.activations import dims
-from vramcalc.terms.context import RankContext
 from vramcalc.units import ALLOC_ROUND_BYTES, alloc
 
 

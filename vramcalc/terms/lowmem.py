@@ -26,8 +26,8 @@ flight (`offload_host_bytes`).
 
 from __future__ import annotations
 
+from vramcalc.rank import RankContext
 from vramcalc.terms.activations import Saved, dims
-from vramcalc.terms.context import RankContext
 from vramcalc.units import ALLOC_ROUND_BYTES, alloc, ceil_div
 
 MIN_OFFLOAD_BYTES = 1024  # torchtune OffloadActivations(min_offload_size=1024)

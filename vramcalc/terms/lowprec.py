@@ -65,8 +65,9 @@ import dataclasses
 from typing import Any
 
 from vramcalc.errors import InputError
+from vramcalc.features import finetunes, low_precision
 from vramcalc.hardware import GPUProfile
-from vramcalc.terms.context import RankContext
+from vramcalc.rank import RankContext
 from vramcalc.units import alloc
 
 # TE DelayedScaling defaults (common/recipe/__init__.py): amax_history_len = 1024.
@@ -81,11 +82,6 @@ FP8_DIM_MULTIPLE = 16
 QAT_INT4_GROUP = 32
 QAT_SCHEMES = {"int8": "8da8w (int8 per-token activations, int8 per-channel weights)",
                "int4": "8da4w (int8 per-token activations, int4 weights per group of 32)"}
-
-
-def uses_lowprec(tr: Any) -> bool:
-    """FP8 or QAT is on."""
-    return tr.precision == "fp8" or getattr(tr, "qat", "none") != "none"
 
 
 def fp8_transpose(gpu: GPUProfile | None) -> bool:
@@ -112,13 +108,13 @@ def _mode(tr: Any) -> str:
 def check_lowprec(scn: Any) -> None:
     """Refuse what the FP8 / QAT model does not cover (InputError, one line each)."""
     tr = scn.training
-    if not uses_lowprec(tr):
+    if not low_precision(tr):
         return
     flag = "--precision fp8" if tr.precision == "fp8" else f"--qat {tr.qat}"
     if tr.precision == "fp8" and tr.qat != "none":
         raise InputError("--precision fp8 and --qat cannot be combined: choose FP8 training or "
                          "quantization-aware training")
-    if tr.finetune != "full":
+    if finetunes(tr):
         extra = " (QLoRA's base is already 4-bit NF4)" if tr.finetune == "qlora" else ""
         raise InputError(f"{flag} with --finetune {tr.finetune} is not modelled{extra}; "
                          "use --finetune full")
@@ -276,62 +272,6 @@ def forward_working_bytes(ctx: RankContext) -> int:
     if ctx.training.precision == "fp8":
         work += alloc(x.T * f, "fp8")
     return work
-
-
-# ---- words --------------------------------------------------------------------------------
-def notes(ctx: RankContext, gpu: GPUProfile | None) -> list[str]:
-    """One note per mode for the report."""
-    tr = ctx.training
-    parts = persistent_parts(ctx, gpu)
-    gb = sum(parts.values()) / 1e9
-    if tr.precision == "fp8":
-        layout = "data + transpose" if fp8_transpose(gpu) else "data only (non-TN GPU)"
-        out = [f"fp8: Transformer Engine delayed scaling on the block linears: cached FP8 "
-               f"weights ({layout}) and amax histories {gb:.2f} GB; linear inputs saved in "
-               "FP8 e4m3; attention, norms, embedding and lm_head in bf16"]
-        odd = [f"{n} ({r} x {c})" for n, r, c, _ in block_linears(ctx)
-               if r % FP8_DIM_MULTIPLE or c % FP8_DIM_MULTIPLE]
-        if odd:  # TE assert_dim_for_fp8_exec
-            out.append(f"fp8: TE's FP8 GEMMs need dimensions divisible by {FP8_DIM_MULTIPLE}; "
-                       f"{', '.join(odd)} would have to be padded (memory shown unpadded)")
-        return out
-    return [f"qat {tr.qat}: {QAT_SCHEMES[tr.qat]}; fake-quantized weight copies and STE masks "
-            f"are saved per linear; qparams {gb:.3f} GB"]
-
-
-def explain_lines(ctx: RankContext, gpu: GPUProfile | None) -> list[str]:
-    """Plain-words formulas with this scenario's numbers (vramcalc explain)."""
-    tr = ctx.training
-    lins = block_linears(ctx)
-    n = sum(r * cols * c for _, r, cols, c in lins)
-    k = sum(c for *_, c in lins)
-    gb = 1e9
-    if tr.precision == "fp8":
-        copies = 2 if fp8_transpose(gpu) else 1
-        return [
-            f"FP8 (Transformer Engine): {k} block linears hold {n:,} weight elements on this "
-            "rank; weights, gradients, master and optimizer states are as 'bf16'.",
-            f"Cached FP8 weights: {n:,} x {copies} B ({'data + transpose' if copies == 2 else 'data'})"
-            f" + a 4 B scale_inv each = {fp8_weight_cache_bytes(ctx, gpu) / gb:,.3f} GB.",
-            f"Amax history and scales: {k} linears x (1024 x (3 + 2) + 3 + 2) fp32 = "
-            f"{fp8_meta_bytes(ctx) / gb:,.4f} GB.",
-            "Each distinct linear input (normed input for q/k/v, o input, MLP input, down "
-            "input) is saved as a 1-byte e4m3 transpose instead of the 2-byte bf16 tensor; "
-            "grad outputs are cast to e5m2 (2 x 1 byte per element) only while each "
-            "linear's backward runs.",
-        ]
-    T = tr.micro_batch_size * tr.seq_len
-    c = 4 if tr.compute_dtype == "fp32" else 2
-    return [
-        f"QAT {tr.qat}: {QAT_SCHEMES[tr.qat]}.",
-        f"Per micro-batch, every block linear keeps its fake-quantized weight ({c} B) and "
-        f"its bool mask (1 B): {n:,} x {c + 1} B = {n * (c + 1) / gb:,.3f} GB over the "
-        f"{k} linears of this rank, freed layer by layer in backward.",
-        f"Every linear also keeps its fake-quantized input ({c} B) and mask (1 B) per element "
-        f"of (T = {T:,} tokens, in): q, k and v each keep their own.",
-        f"Scales and zero points kept by the fake quantizers: "
-        f"{qat_qparam_bytes(ctx) / gb:,.4f} GB.",
-    ]
 
 
 # ---- speed --------------------------------------------------------------------------------

@@ -10,9 +10,9 @@ from functools import lru_cache
 from vramcalc.hardware import GPUProfile
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
+from vramcalc.rank import RankContext
 from vramcalc.sharding import layer_param_numels, sharded_numel  # noqa: F401
 from vramcalc.terms import comm
-from vramcalc.terms.context import RankContext
 from vramcalc.training import TrainingConfig
 from vramcalc.units import ALLOC_ROUND_BYTES, MiB, alloc
 
