@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from vramcalc.parallel import num_microbatches
 from vramcalc.rank import RankContext
+from vramcalc.terms.activations import activation_host_bytes
 from vramcalc.terms.comm import DS_SUB_GROUP_NUMEL
 from vramcalc.terms.gradients import grad_dtype
 from vramcalc.terms.optimizer_states import optimizer_state_split_on_device
@@ -121,6 +122,24 @@ def node_footprint(ctx: RankContext, gpus_per_node: int) -> OffloadFootprint:
         nvme_read_bytes_per_step=fp.nvme_read_bytes_per_step * gpus_per_node,
         nvme_write_bytes_per_step=fp.nvme_write_bytes_per_step * gpus_per_node,
     )
+
+
+def host_bytes_per_node(ctx: RankContext, gpus_per_node: int, in_flight: float) -> int:
+    """Host RAM one node needs for offloaded state: the rank's footprint (incl. DeepSpeed's
+    pinned fp32 gradient and swap buffers) plus the pinned copies of `in_flight`
+    micro-batches' saved activations under activation offload, x GPUs per node. Without
+    offload 0."""
+    act_host = activation_host_bytes(ctx, in_flight)
+    if not ctx.parallel.offload:
+        return act_host * gpus_per_node
+    return (offload_footprint(ctx).host_bytes + act_host) * gpus_per_node
+
+
+def nvme_bytes_per_node(ctx: RankContext, gpus_per_node: int) -> int:
+    """NVMe space one node needs under DeepSpeed ZeRO-Infinity offload (0 otherwise)."""
+    if not ctx.parallel.offload or ctx.parallel.offload_device != "nvme":
+        return 0
+    return offload_footprint(ctx).nvme_bytes * gpus_per_node
 
 
 def offload_traffic(scn) -> OffloadFootprint:  # noqa: ANN001 - Scenario (avoids a cycle)

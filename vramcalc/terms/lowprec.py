@@ -68,6 +68,7 @@ from vramcalc.errors import InputError
 from vramcalc.features import finetunes, low_precision
 from vramcalc.hardware import GPUProfile
 from vramcalc.rank import RankContext
+from vramcalc.terms.saved import Modifier, Moment, Saved, dims
 from vramcalc.units import alloc
 
 # TE DelayedScaling defaults (common/recipe/__init__.py): amax_history_len = 1024.
@@ -196,10 +197,8 @@ _ATTN_IN, _O_IN = "attn.input", "attn.o_input"
 _MLP_IN = "mlp.input"
 
 
-def adjust_layer_saved(ctx: RankContext, saved: list[Any]) -> list[Any]:
+def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     """The bf16 layer's saved list turned into the FP8 / QAT one (module docstring)."""
-    from vramcalc.terms.activations import Saved, dims
-
     tr = ctx.training
     x = dims(ctx)
     T, c = x.T, x.c
@@ -243,7 +242,8 @@ _O_EXTRA = ("attn.o_input.scale_inv", "attn.o_input.mask", "attn.o_proj.wq",
             "attn.o_proj.wmask")
 
 
-def adjust_moments(ctx: RankContext, moments: list[Any], saved: list[Any]) -> list[Any]:
+def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
+                   ) -> list[Moment]:
     """Free what the down (MLP instant) and o (attention instant) projections' backward
     released besides their inputs."""
     def gone(names: tuple[str, ...]) -> int:
@@ -263,8 +263,6 @@ def forward_working_bytes(ctx: RankContext) -> int:
     """The down projection's forward (the layer's largest): its 16-bit input (act·up, no
     longer saved) and the GEMM output, plus under FP8 the input's row-wise FP8 data next to
     the saved transpose."""
-    from vramcalc.terms.activations import dims
-
     x = dims(ctx)
     f = next((cols for name, _rows, cols, _ in block_linears(ctx)
               if name.endswith(("down_proj", "mlp.proj"))), x.h)
@@ -272,6 +270,30 @@ def forward_working_bytes(ctx: RankContext) -> int:
     if ctx.training.precision == "fp8":
         work += alloc(x.T * f, "fp8")
     return work
+
+
+class LowPrecision(Modifier):
+    """FP8 linears (Transformer Engine) or quantization-aware training (the functions
+    above)."""
+
+    name = "lowprec"
+
+    def applies(self, ctx: RankContext) -> bool:
+        return low_precision(ctx.training)
+
+    def layer_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
+        return adjust_layer_saved(ctx, saved)
+
+    def backward_moments(self, ctx: RankContext, moments: list[Moment],
+                         saved: list[Saved]) -> list[Moment]:
+        return adjust_moments(ctx, moments, saved)
+
+    def forward_working_bytes(self, ctx: RankContext, saved: list[Saved],
+                              layers_on_device: bool) -> int:
+        return forward_working_bytes(ctx)
+
+    def persistent_parts(self, ctx: RankContext, gpu: GPUProfile | None) -> dict[str, int]:
+        return persistent_parts(ctx, gpu)
 
 
 # ---- speed --------------------------------------------------------------------------------
