@@ -31,11 +31,12 @@ from vramcalc.terms import activations as act
 from vramcalc.terms import comm
 from vramcalc.terms import transients as tr
 from vramcalc.terms.gradients import (
-    grad_dtype,
     gradients_at_step_bytes,
     gradients_bytes,
     gradients_persistent,
+    late_gradient_bytes,
     layer_gradient_bytes,
+    tied_embedding_grad_bytes,
 )
 from vramcalc.terms.lowprec import check_lowprec
 from vramcalc.terms.modifiers import persistent_parts
@@ -44,7 +45,6 @@ from vramcalc.terms.overhead import overhead_split
 from vramcalc.terms.profile import profile
 from vramcalc.terms.saved import Moment
 from vramcalc.terms.weights import weight_parts
-from vramcalc.units import alloc
 
 
 class StageBase:
@@ -132,28 +132,6 @@ def candidate_stages(scn: Scenario) -> list[int]:
                 out.add(st)
                 seen.add(mix)
     return sorted(out)
-
-
-def tied_embedding_grad_bytes(ctx: RankContext) -> int:
-    """One copy of the tied token embedding's gradient (0 when the head is untied)."""
-    if not ctx.spec.tie_word_embeddings:
-        return 0
-    shard = ctx.grad_shard
-    return sum(t.count * alloc(-(-t.numel // shard), grad_dtype(ctx)) for t in ctx.tensors
-               if t.name == "embed_tokens")
-
-
-def late_gradient_bytes(ctx: RankContext) -> int:
-    """Gradients that only appear after the bottom layer's backward: the token embedding's
-    (untied) and the learned position embedding's."""
-    if not ctx.is_first_stage:
-        return 0
-    names = ("embed_positions",) if ctx.spec.tie_word_embeddings else (
-        "embed_tokens", "embed_positions")
-    shard = ctx.grad_shard
-    dtype = grad_dtype(ctx)
-    return sum(t.count * alloc(-(-t.numel // shard), dtype) for t in ctx.train_tensors
-               if t.name in names)
 
 
 def _stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
