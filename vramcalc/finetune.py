@@ -130,7 +130,7 @@ FUSED_GATE_UP = ("gate", "up")
 
 def fused_family(spec: ModelSpec, framework: str) -> str | None:
     """'gpt2' or 'phi3' when the hf profile builds this model with fused projections
-    (vramcalc.terms.activations.hf_family), else None."""
+    (vramcalc.terms.saved.hf_family), else None."""
     if framework != "hf":
         return None
     if spec.norm_kind == "layernorm" or spec.mlp_kind == "standard":

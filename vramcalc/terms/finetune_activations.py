@@ -1,6 +1,6 @@
 """Activations and transients of LoRA / QLoRA / DoRA layers (frozen base, trained adapters).
 
-Legend as in vramcalc/terms/activations.py (b, s, h, a, g, d, f, T = b·s tokens, c compute
+Legend as in vramcalc/terms/saved.py (b, s, h, a, g, d, f, T = b·s tokens, c compute
 dtype, r residual dtype), plus r_a = the adapter rank, p = lora_dropout, a_dt = the
 adapters' dtype (vramcalc.finetune.adapter_dtype).
 

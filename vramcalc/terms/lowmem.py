@@ -1,6 +1,6 @@
 """Chunked cross entropy and activation offloading: what they leave on the device.
 
-Legend as in vramcalc/terms/activations.py; n = --chunked-ce, N_i = b·s_i tokens of chunk i
+Legend as in vramcalc/terms/saved.py; n = --chunked-ce, N_i = b·s_i tokens of chunk i
 (the sequence split by `tensor_split`: the first s mod n chunks have ⌈s/n⌉ positions), V the
 vocabulary on this rank, c the compute dtype.
 

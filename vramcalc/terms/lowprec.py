@@ -1,6 +1,6 @@
 """Low-precision training: FP8 linears (Transformer Engine) and quantization-aware training.
 
-Legend as in vramcalc/terms/activations.py (b, s, h, a, g, d, f, T = b·s tokens on this
+Legend as in vramcalc/terms/saved.py (b, s, h, a, g, d, f, T = b·s tokens on this
 rank, c = compute dtype); per block linear: `in` and `out` its local (÷tp) widths,
 n = in·out its local weight elements. Only the linears inside the transformer blocks
 (q, k, v, o, gate, up, down / fc, proj) change; the embedding, the norms, attention and
@@ -233,7 +233,7 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     return out
 
 
-# entries the down / o projections' backward frees beyond their input (activations.py frees
+# entries the down / o projections' backward frees beyond their input (moments.py frees
 # "mlp.down_input" / "mlp.act" and "attn.o_input" itself)
 _DOWN_EXTRA = ("mlp.down_input.scale_inv", "mlp.act.scale_inv", "mlp.down_input.mask",
                "mlp.act.mask", "mlp.down_proj.wq", "mlp.down_proj.wmask", "mlp.proj.wq",
