@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from vramcalc.parallel import num_microbatches
 from vramcalc.rank import RankContext
+from vramcalc.scenario import Scenario
 from vramcalc.terms.activations import activation_host_bytes
 from vramcalc.terms.comm import DS_SUB_GROUP_NUMEL
 from vramcalc.terms.gradients import grad_dtype
@@ -142,7 +143,7 @@ def nvme_bytes_per_node(ctx: RankContext, gpus_per_node: int) -> int:
     return offload_footprint(ctx).nvme_bytes * gpus_per_node
 
 
-def offload_traffic(scn) -> OffloadFootprint:  # noqa: ANN001 - Scenario (avoids a cycle)
+def offload_traffic(scn: Scenario) -> OffloadFootprint:
     """Per-rank offload footprint of a scenario's worst pipeline stage, for the speed model:
     PCIe bytes each way and NVMe bytes read/written per optimizer step (0 without offload)."""
     scn = scn.resolved()

@@ -68,6 +68,7 @@ from vramcalc.errors import InputError
 from vramcalc.features import finetunes, low_precision
 from vramcalc.hardware import GPUProfile
 from vramcalc.rank import RankContext
+from vramcalc.scenario import Scenario
 from vramcalc.terms.saved import Modifier, Moment, Saved, dims
 from vramcalc.units import alloc
 
@@ -102,11 +103,7 @@ def block_linears(ctx: RankContext) -> list[tuple[str, int, int, int]]:
     return out
 
 
-def _mode(tr: Any) -> str:
-    return "fp8" if tr.precision == "fp8" else f"qat-{tr.qat}"
-
-
-def check_lowprec(scn: Any) -> None:
+def check_lowprec(scn: Scenario) -> None:
     """Refuse what the FP8 / QAT model does not cover (InputError, one line each)."""
     tr = scn.training
     if not low_precision(tr):

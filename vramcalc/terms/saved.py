@@ -110,6 +110,7 @@ def _dims(ctx: RankContext) -> Dims:
 
 
 def bsh(x: Dims) -> int:
+    """Elements of a (b, s, h) tensor on this rank: T·h."""
     return x.T * x.h
 
 
@@ -126,7 +127,6 @@ def hf_family(ctx: RankContext) -> str:
     return "llama"
 
 
-
 @dataclass(frozen=True)
 class Moment:
     """One instant inside a layer's backward: what of the layer is still saved (`held`),
@@ -137,7 +137,6 @@ class Moment:
     held: int
     work: int
     grads: str
-
 
 
 def mostly_moe(ctx: RankContext) -> bool:

@@ -280,8 +280,6 @@ def _hf_moe_saved(ctx: RankContext, x: Dims) -> list[Saved]:
     return out
 
 
-
-
 # ---- per layer -------------------------------------------------------------------------
 def checkpoint_saved(ctx: RankContext) -> list[Saved]:
     """A layer under full recompute: torch.utils.checkpoint keeps only the layer input."""
@@ -346,7 +344,6 @@ def embedding_saved(ctx: RankContext) -> list[Saved]:
     if tr.attention == "eager" and not hf:
         out.append(Saved("attn.mask", x.s * x.s, "bool", "(s, s)", "causal mask, masked_fill"))
     return out
-
 
 
 def plain_head_saved(ctx: RankContext) -> list[Saved]:
