@@ -35,9 +35,9 @@ from vramcalc.finetune import (
 from vramcalc.model import ModelSpec
 from vramcalc.options import build_scenario
 from vramcalc.parallel import ParallelConfig
+from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.terms import activations as act
-from vramcalc.terms.context import RankContext
 from vramcalc.terms.gradients import gradients_bytes
 from vramcalc.terms.optimizer_states import bnb_state_split, optimizer_state_split
 from vramcalc.terms.weights import weights_by_group

@@ -22,8 +22,8 @@ import pytest
 from vramcalc.catalog import resolve_model
 from vramcalc.finetune import shapes_for
 from vramcalc.parallel import ParallelConfig
+from vramcalc.rank import RankContext
 from vramcalc.terms import activations as act
-from vramcalc.terms.context import RankContext
 from vramcalc.terms.gradients import gradients_bytes
 from vramcalc.terms.optimizer_states import optimizer_state_split
 from vramcalc.training import TrainingConfig
@@ -133,7 +133,8 @@ def test_fsdp_qlora_gathers_packed_4bit_blocks() -> None:
 def test_fsdp_qlora_shards_the_packed_storage() -> None:
     """FSDP2 shards dim 0 of the packed (n/2, 1) storage: n/(2N) bytes of each NF4 weight
     per rank (Llama-2-7B dims divide evenly); the quantization state stays whole."""
-    from vramcalc.finetune import nf4_constant_bytes, weight_parts
+    from vramcalc.finetune import nf4_constant_bytes
+    from vramcalc.terms.weights import weight_parts
 
     h, f, L = 4096, 11008, 32
     ctx = _fsdp_ctx(LLAMA2_7B, finetune="qlora", framework="hf", precision="bf16")

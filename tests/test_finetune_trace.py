@@ -24,8 +24,8 @@ from vramcalc.catalog import resolve_model  # noqa: E402
 from vramcalc.cli import app  # noqa: E402
 from vramcalc.finetune import shapes_for  # noqa: E402
 from vramcalc.parallel import ParallelConfig  # noqa: E402
+from vramcalc.rank import RankContext  # noqa: E402
 from vramcalc.scenario import Scenario  # noqa: E402
-from vramcalc.terms.context import RankContext  # noqa: E402
 from vramcalc.training import TrainingConfig  # noqa: E402
 from vramcalc.validate import SHAPES, compare  # noqa: E402
 

@@ -22,10 +22,10 @@ from vramcalc.catalog import resolve_model
 from vramcalc.model import ModelSpec
 from vramcalc.options import build_scenario
 from vramcalc.parallel import ParallelConfig
+from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.terms import transients
 from vramcalc.terms.activations import layer_activation_bytes
-from vramcalc.terms.context import RankContext
 from vramcalc.terms.gradients import gradients_at_step_bytes, gradients_bytes
 from vramcalc.terms.optimizer_states import optimizer_states_bytes
 from vramcalc.terms.weights import weights_bytes

@@ -17,11 +17,11 @@ from vramcalc.model import ModelSpec, param_tensors
 from vramcalc.offload import offload_footprint, offload_traffic
 from vramcalc.options import build_scenario
 from vramcalc.parallel import ParallelConfig, resolve_layout
+from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.sharding import rank_tensors, stage_layer_indices
 from vramcalc.terms import comm
 from vramcalc.terms.activations import layer_activation_bytes
-from vramcalc.terms.context import RankContext
 from vramcalc.terms.logits import logits_saved_bytes
 from vramcalc.terms.weights import weights_by_group, weights_bytes
 from vramcalc.training import TrainingConfig

@@ -18,10 +18,10 @@ from vramcalc.analytic import estimate
 from vramcalc.errors import InputError
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
+from vramcalc.rank import RankContext
 from vramcalc.report import ALLOCATED_TERMS
 from vramcalc.scenario import Scenario
 from vramcalc.sharding import dim0_numel, rank_shapes
-from vramcalc.terms.context import RankContext
 from vramcalc.terms.gradients import gradients_bytes
 from vramcalc.terms.optimizer_states import optimizer_states_bytes
 from vramcalc.terms.weights import weights_bytes

@@ -20,7 +20,7 @@ import pytest
 
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
-from vramcalc.terms.context import RankContext
+from vramcalc.rank import RankContext
 from vramcalc.terms.gradients import gradients_bytes
 from vramcalc.terms.optimizer_states import optimizer_state_split
 from vramcalc.terms.weights import weights_bytes

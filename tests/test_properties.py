@@ -8,11 +8,11 @@ from hypothesis import strategies as st
 from vramcalc.analytic import estimate
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
+from vramcalc.rank import RankContext
 from vramcalc.report import ALLOCATED_TERMS
 from vramcalc.scenario import Scenario
 from vramcalc.sharding import sharded_numel
 from vramcalc.terms import activations as act
-from vramcalc.terms.context import RankContext
 from vramcalc.terms.gradients import gradients_bytes
 from vramcalc.terms.optimizer_states import optimizer_states_bytes
 from vramcalc.terms.weights import weights_bytes

@@ -19,26 +19,32 @@ from __future__ import annotations
 
 from typing import Any
 
+from vramcalc.features import low_precision
 from vramcalc.hardware import GPUProfile
-from vramcalc.offload import offload_footprint
+from vramcalc.notes import scenario_notes
+from vramcalc.offload import host_bytes_per_node, nvme_bytes_per_node
+from vramcalc.rank import RankContext
 from vramcalc.report import GPUInfo, MemoryReport, ModelInfo, StageReport, Terms
 from vramcalc.scenario import Scenario
 from vramcalc.sharding import moe_layers_on_stage
 from vramcalc.terms import activations as act
 from vramcalc.terms import comm
 from vramcalc.terms import transients as tr
-from vramcalc.terms.context import RankContext
 from vramcalc.terms.gradients import (
-    grad_dtype,
     gradients_at_step_bytes,
     gradients_bytes,
     gradients_persistent,
+    late_gradient_bytes,
     layer_gradient_bytes,
+    tied_embedding_grad_bytes,
 )
-from vramcalc.terms.optimizer_states import optimizer_state_split
+from vramcalc.terms.lowprec import check_lowprec
+from vramcalc.terms.modifiers import persistent_parts
+from vramcalc.terms.optimizer_states import optimizer_state_split, paged_state_bytes
 from vramcalc.terms.overhead import overhead_split
+from vramcalc.terms.profile import profile
+from vramcalc.terms.saved import Moment
 from vramcalc.terms.weights import weight_parts
-from vramcalc.units import alloc
 
 
 class StageBase:
@@ -128,28 +134,6 @@ def candidate_stages(scn: Scenario) -> list[int]:
     return sorted(out)
 
 
-def tied_embedding_grad_bytes(ctx: RankContext) -> int:
-    """One copy of the tied token embedding's gradient (0 when the head is untied)."""
-    if not ctx.spec.tie_word_embeddings:
-        return 0
-    shard = ctx.grad_shard
-    return sum(t.count * alloc(-(-t.numel // shard), grad_dtype(ctx)) for t in ctx.tensors
-               if t.name == "embed_tokens")
-
-
-def late_gradient_bytes(ctx: RankContext) -> int:
-    """Gradients that only appear after the bottom layer's backward: the token embedding's
-    (untied) and the learned position embedding's."""
-    if not ctx.is_first_stage:
-        return 0
-    names = ("embed_positions",) if ctx.spec.tie_word_embeddings else (
-        "embed_tokens", "embed_positions")
-    shard = ctx.grad_shard
-    dtype = grad_dtype(ctx)
-    return sum(t.count * alloc(-(-t.numel // shard), dtype) for t in ctx.train_tensors
-               if t.name in names)
-
-
 def _stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
                   ) -> tuple[list[Phase], int, int]:
     """Phases (steady state) of one stage, plus the first-step peak and live-tensor count."""
@@ -166,24 +150,15 @@ def _stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     keep_grads = m > 1 or gradients_persistent(ctx)  # ZeRO-2/3, Megatron: buffers kept
     k = in_flight_microbatches(scn, stage)
 
-    P = act.profile(ctx)  # activation, logits and moment bytes (cached)
+    P = profile(ctx)  # activation, logits and moment bytes (cached)
     n_dense, A_dense, n_moe, A_moe = P.n_dense, P.dense_layer, P.n_moe, P.moe_layer
-
-    gap = 0  # what the first layer does not save when the embedding is frozen (LoRA)
-    if train.finetune != "full":
-        from vramcalc.terms.finetune_activations import first_layer_unsaved_bytes
-
-        gap = first_layer_unsaved_bytes(ctx)
-
-    offload = train.activation_offload and train.recompute != "full"
-    if offload:  # saved layer tensors live in host memory (vramcalc/terms/lowmem.py)
-        from vramcalc.terms.lowmem import device_layer_bytes
-
-        A_dev = device_layer_bytes(act.layer_saved(ctx))
+    gap = P.first_layer_gap  # what the first layer does not save when the embedding is frozen
+    A_dev = P.resident_layer  # saved layer tensors in host memory: what stays on the device
+    offload = A_dev is not None
 
     def A_bottom(n: int) -> int:
         """Activations of the bottom n layers of this stage (dense layers come first)."""
-        if offload:
+        if A_dev is not None:
             return n * A_dev
         dense = min(n, n_dense)
         return dense * A_dense + (n - dense) * A_moe - (gap if n else 0)
@@ -201,19 +176,14 @@ def _stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     persistent = tr.persistent_buffer_bytes(ctx)
     prev = k - 1  # other in-flight micro-batches (whole)
 
-    lowprec_parts: dict[str, int] = {}  # FP8 weight cache, QAT qparams (terms/lowprec.py)
-    if train.precision == "fp8" or train.qat != "none":
-        from vramcalc.terms.lowprec import persistent_parts
-
-        lowprec_parts = persistent_parts(ctx, gpu)
-
-    B = StageBase({**w_parts, **lowprec_parts, "optimizer_states/states": opt["states"],
+    held_parts = persistent_parts(ctx, gpu)  # FP8 weight cache, QAT qparams (modifiers)
+    B = StageBase({**w_parts, **held_parts, "optimizer_states/states": opt["states"],
                    "optimizer_states/master": opt["master"]},
                   {"transients/cublas_workspace": cublas, "transients/comm_buffers": persistent})
 
     g_acc = G if keep_grads else 0
 
-    def fwd_point(activations: int, logits: int, extra: dict[str, int]) -> Phase:
+    def fwd_point(activations: float, logits: int, extra: dict[str, int]) -> Phase:
         return Phase("forward", B, g_acc, {
             "activations": int(activations),
             "transients/autocast_cache": int(k * C_mb),
@@ -266,7 +236,7 @@ def _stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     comm_bwd = comm.layer_backward_comm_bytes(ctx)
     root = P.loss_root
 
-    def layer_point(i: int, mom: act.Moment) -> Phase:
+    def layer_point(i: int, mom: Moment) -> Phase:
         """Instant `mom` of the backward of the i-th layer from the top (0-based)."""
         done = P.grad_fraction[mom.grads]
         grads = G if keep_grads else max(G_head - G_late, 0) + int((i + done) * g_layer)
@@ -393,9 +363,7 @@ def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
     """The resolved scenario, and everything a report holds but the strategy and the fit
     verdict, as plain values."""
     scn = scn.resolved()
-    if scn.training.precision == "fp8" or scn.training.qat != "none":
-        from vramcalc.terms.lowprec import check_lowprec
-
+    if low_precision(scn.training):
         check_lowprec(scn)  # FP8 / QAT combinations not modelled: InputError
     gpu = scn.cluster.gpu if scn.cluster else None
     stages = list(range(scn.parallel.pp)) if every_stage else candidate_stages(scn)
@@ -406,7 +374,7 @@ def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
         ovh.update(_paged_overhead(scn, st))
         nl = RankContext(scn.model, scn.training, scn.parallel, st).num_layers
         runs.append(_StageRun(st, nl, phases, first, ovh))
-    common = {"model": model_info(scn), "gpu": gpu_info(scn), "notes": _notes(scn)}
+    common = {"model": model_info(scn), "gpu": gpu_info(scn), "notes": scenario_notes(scn)}
     return scn, _fields(scn, runs, _pick(runs), common)
 
 
@@ -466,34 +434,11 @@ def _fields(scn: Scenario, runs: list[_StageRun], pick: tuple[tuple[int, ...], i
 
 
 def _outside(scn: Scenario, stage: int) -> tuple[int, int]:
-    """Host RAM and NVMe bytes per node when `stage` is the worst rank."""
+    """Host RAM and NVMe bytes per node when `stage` is the worst rank (vramcalc.offload)."""
     ctx = RankContext(scn.model, scn.training, scn.parallel, stage)
-    return host_bytes_per_node(scn, ctx), nvme_bytes_per_node(scn, ctx)
-
-
-def _gpus_per_node(scn: Scenario) -> int:
-    return scn.cluster.gpus_per_node if scn.cluster else 1
-
-
-def host_bytes_per_node(scn: Scenario, ctx: RankContext) -> int:
-    """Host RAM one node needs for offloaded state: the rank's footprint
-    (vramcalc.offload, incl. DeepSpeed's pinned fp32 gradient and swap buffers) x GPUs per
-    node. Without offload 0."""
-    act_host = 0
-    if scn.training.activation_offload:  # pinned copies of saved activations
-        from vramcalc.terms.lowmem import offload_host_bytes
-
-        act_host = offload_host_bytes(ctx, in_flight_microbatches(scn, ctx.stage))
-    if not scn.parallel.offload:
-        return act_host * _gpus_per_node(scn)
-    return (offload_footprint(ctx).host_bytes + act_host) * _gpus_per_node(scn)
-
-
-def nvme_bytes_per_node(scn: Scenario, ctx: RankContext) -> int:
-    """NVMe space one node needs under DeepSpeed ZeRO-Infinity offload (0 otherwise)."""
-    if not scn.parallel.offload or scn.parallel.offload_device != "nvme":
-        return 0
-    return offload_footprint(ctx).nvme_bytes * _gpus_per_node(scn)
+    gpus_per_node = scn.cluster.gpus_per_node if scn.cluster else 1
+    return (host_bytes_per_node(ctx, gpus_per_node, in_flight_microbatches(scn, stage)),
+            nvme_bytes_per_node(ctx, gpus_per_node))
 
 
 def fit_verdict(scn: Scenario, device_total_bytes: int) -> tuple[bool | None, int | None]:
@@ -529,30 +474,8 @@ def strategy_dict(scn: Scenario) -> dict[str, object]:
 
 def _paged_overhead(scn: Scenario, stage: int) -> dict[str, int]:
     """Paged optimizer states (bitsandbytes unified memory): device memory outside the
-    allocator, reported as overhead (vramcalc/finetune.py)."""
+    allocator, reported as overhead (vramcalc.terms.optimizer_states)."""
     if not scn.training.optimizer.startswith("paged-"):
         return {}
-    from vramcalc.finetune import paged_state_bytes
-
     return {"paged_optimizer_states": paged_state_bytes(
         RankContext(scn.model, scn.training, scn.parallel, stage))}
-
-
-def _notes(scn: Scenario) -> list[str]:
-    notes = []
-    if scn.model_note:
-        notes.append(scn.model_note)
-    if scn.gpu_note:
-        notes.append(scn.gpu_note)
-    tr = scn.training
-    if tr.finetune != "full" or tr.optimizer.startswith("paged-") or tr.activation_offload or (
-            tr.chunked_ce > 1):
-        from vramcalc.finetune import notes as ft_notes
-
-        notes += ft_notes(RankContext(scn.model, scn.training, scn.parallel, 0))
-    if tr.precision == "fp8" or tr.qat != "none":
-        from vramcalc.terms.lowprec import notes as lowprec_notes
-
-        notes += lowprec_notes(RankContext(scn.model, scn.training, scn.parallel, 0),
-                               scn.cluster.gpu if scn.cluster else None)
-    return notes

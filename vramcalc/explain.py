@@ -8,13 +8,24 @@ from __future__ import annotations
 from typing import Any
 
 from vramcalc.analytic import estimate
+from vramcalc.features import finetunes, low_precision
+from vramcalc.finetune import adapter_dtype, shapes_for
+from vramcalc.hardware import GPUProfile
+from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.terms import activations as act
-from vramcalc.terms.context import RankContext
 from vramcalc.terms.gradients import gradients_bytes
+from vramcalc.terms.lowprec import (
+    QAT_SCHEMES,
+    block_linears,
+    fp8_meta_bytes,
+    fp8_transpose,
+    fp8_weight_cache_bytes,
+    qat_qparam_bytes,
+)
 from vramcalc.terms.optimizer_states import optimizer_state_split
-from vramcalc.terms.weights import weights_by_group
-from vramcalc.units import DTYPE_BITS, GB
+from vramcalc.terms.weights import finetune_weight_parts, weights_by_group
+from vramcalc.units import DTYPE_BITS, GB, fmt_gb
 
 
 def _gb(n: float) -> str:
@@ -48,15 +59,13 @@ def explain(scn: Scenario) -> dict[str, Any]:
         "(each tensor rounded up to the allocator's 512-byte blocks).",
         "By group: " + ", ".join(f"{k} {_gb(v)}" for k, v in groups.items()),
     ]})
-    if tr.finetune != "full":  # frozen base, NF4 and adapters (vramcalc/finetune.py)
-        from vramcalc.finetune import explain_weight_lines
-
+    if finetunes(tr):  # frozen base, NF4 and adapters (vramcalc/finetune.py)
         sections[-1]["lines"] = explain_weight_lines(ctx)
 
     gb_ = DTYPE_BITS[tr.grad_dtype] // 8
     sections.append({"title": "Gradients", "lines": [
         f"One {tr.grad_dtype} gradient ({gb_} B) per "
-        + ("trained (adapter) parameter" if tr.finetune != "full" else "parameter")
+        + ("trained (adapter) parameter" if finetunes(tr) else "parameter")
         + (f", sharded over {ctx.grad_shard} ranks (ZeRO-2+/FSDP)" if ctx.grad_shard > 1 else "")
         + f": {_gb(gradients_bytes(ctx))} once backward has finished.",
         "With zero_grad(set_to_none=True) they do not exist during forward unless gradients "
@@ -72,11 +81,9 @@ def explain(scn: Scenario) -> dict[str, Any]:
         lines.append(f"Mixed precision adds an fp32 master copy (4 B/param): "
                      f"{_gb(split['master'])} — the ZeRO paper's K = 12 with Adam (4 + 4 + 4).")
     sections.append({"title": "Optimizer states", "lines": lines})
-    if tr.precision == "fp8" or tr.qat != "none":  # vramcalc/terms/lowprec.py
-        from vramcalc.terms.lowprec import explain_lines
-
+    if low_precision(tr):  # vramcalc/terms/lowprec.py
         sections.append({"title": "FP8" if tr.precision == "fp8" else "Quantization-aware "
-                         "training", "lines": explain_lines(
+                         "training", "lines": lowprec_explain_lines(
                              ctx, scn.cluster.gpu if scn.cluster else None)})
 
     saved = act.layer_saved(ctx)
@@ -110,3 +117,57 @@ def explain(scn: Scenario) -> dict[str, Any]:
             f"Does not fit: over by {_gb(-report.headroom_bytes)}.",
         ]})
     return {"sections": sections, "report": report.to_json_dict()}
+
+
+def explain_weight_lines(ctx: RankContext) -> list[str]:
+    """`vramcalc explain`'s weights section under LoRA/QLoRA/DoRA."""
+    fs = shapes_for(ctx)
+    tr = ctx.training
+    parts = finetune_weight_parts(ctx)
+    a_dt = adapter_dtype(tr.framework, tr.weight_dtype)
+    lines = [f"{tr.finetune}: the base is frozen; {fs.frozen.numel():,} parameters stay in "
+             f"{tr.weight_dtype}: {fmt_gb(parts['weights/frozen'])}."]
+    if fs.quantized.tensors:
+        lines.append(f"{fs.quantized.numel():,} layer-linear parameters in NF4: 4 bits each "
+                     f"({fmt_gb(parts['weights/nf4'])}) + absmax per 64, double-quantized, and "
+                     f"per-tensor codes ({fmt_gb(parts['weights/nf4_constants'])}): 4.127 "
+                     "bits/param (Dettmers et al. 2023).")
+    lines.append(f"Adapters: {fs.adapters.numel():,} trained parameters (r={tr.lora_rank} on "
+                 f"{tr.lora_targets}: r·(in + out) per linear) in {a_dt}: "
+                 f"{fmt_gb(parts['weights/adapters'])}.")
+    return lines
+
+
+def lowprec_explain_lines(ctx: RankContext, gpu: GPUProfile | None) -> list[str]:
+    """Plain-words formulas with this scenario's numbers (vramcalc explain)."""
+    tr = ctx.training
+    lins = block_linears(ctx)
+    n = sum(r * cols * c for _, r, cols, c in lins)
+    k = sum(c for *_, c in lins)
+    gb = 1e9
+    if tr.precision == "fp8":
+        copies = 2 if fp8_transpose(gpu) else 1
+        return [
+            f"FP8 (Transformer Engine): {k} block linears hold {n:,} weight elements on this "
+            "rank; weights, gradients, master and optimizer states are as 'bf16'.",
+            f"Cached FP8 weights: {n:,} x {copies} B ({'data + transpose' if copies == 2 else 'data'})"
+            f" + a 4 B scale_inv each = {fp8_weight_cache_bytes(ctx, gpu) / gb:,.3f} GB.",
+            f"Amax history and scales: {k} linears x (1024 x (3 + 2) + 3 + 2) fp32 = "
+            f"{fp8_meta_bytes(ctx) / gb:,.4f} GB.",
+            "Each distinct linear input (normed input for q/k/v, o input, MLP input, down "
+            "input) is saved as a 1-byte e4m3 transpose instead of the 2-byte bf16 tensor; "
+            "grad outputs are cast to e5m2 (2 x 1 byte per element) only while each "
+            "linear's backward runs.",
+        ]
+    T = tr.micro_batch_size * tr.seq_len
+    c = 4 if tr.compute_dtype == "fp32" else 2
+    return [
+        f"QAT {tr.qat}: {QAT_SCHEMES[tr.qat]}.",
+        f"Per micro-batch, every block linear keeps its fake-quantized weight ({c} B) and "
+        f"its bool mask (1 B): {n:,} x {c + 1} B = {n * (c + 1) / gb:,.3f} GB over the "
+        f"{k} linears of this rank, freed layer by layer in backward.",
+        f"Every linear also keeps its fake-quantized input ({c} B) and mask (1 B) per element "
+        f"of (T = {T:,} tokens, in): q, k and v each keep their own.",
+        f"Scales and zero points kept by the fake quantizers: "
+        f"{qat_qparam_bytes(ctx) / gb:,.4f} GB.",
+    ]

@@ -1,5 +1,6 @@
 """Fine-tuning methods: which tensors train, the adapters LoRA/DoRA add, QLoRA's NF4 layout,
-and the paged optimizers' unified-memory states.
+the shapes of one rank under a parameter-efficient method (the per-rank shapes layer,
+below the memory terms).
 
 `--finetune` (TrainingConfig.finetune):
 
@@ -41,7 +42,7 @@ in the policy's dtype (transformers keeps the output embedding out of bitsandbyt
 `get_keys_to_not_convert`). Paged optimizers (bitsandbytes `is_paged=True`) keep the states of
 tensors with at least 1e5 elements in CUDA unified memory (`Optimizer8bit.get_state_buffer`):
 device memory the PyTorch allocator does not see (nvidia-smi does), which the driver evicts to
-host RAM under memory pressure.
+host RAM under memory pressure (vramcalc.terms.optimizer_states `paged_state_bytes`).
 
 Everything here is pure and torch-free; the tensor lists are cached per (spec, layout,
 method) because the planner estimates thousands of scenarios.
@@ -52,11 +53,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Protocol
 
 from vramcalc.errors import InputError
 from vramcalc.model import ModelSpec, param_tensors
+from vramcalc.parallel import ParallelConfig
 from vramcalc.sharding import RankShapes, RankTensor, _rank_shapes
-from vramcalc.training import ADAPTER_METHODS, ALL_LINEAR, TARGETS, TrainingConfig
+from vramcalc.training import ALL_LINEAR, TARGETS, TrainingConfig
 from vramcalc.units import DTYPE_BITS, alloc, ceil_div
 
 DEFAULT_RANK = 8  # peft LoraConfig.r default
@@ -65,13 +68,22 @@ NF4_BLOCK = 64  # bitsandbytes Params4bit blocksize default
 NF4_ABSMAX_BLOCK = 256  # double quantization of the absmax values (quantize_blockwise, 256)
 NF4_STATE2_CODE_ELEMS = 256  # state2.code: the 8-bit dynamic map, copied per tensor
 NF4_CODE_ELEMS = 16  # the NF4 lookup table (get_4bit_type), one per tensor
-PAGED_MIN_NUMEL = 100_000  # bitsandbytes get_state_buffer: smaller tensors are not paged
-PAGED_OPTIMIZERS: tuple[str, ...] = ("paged-adamw", "paged-adamw-8bit")
 
 
-def is_finetune(training: object) -> bool:
-    """A parameter-efficient method (the base is frozen)."""
-    return getattr(training, "finetune", "full") in ADAPTER_METHODS
+class Rank(Protocol):
+    """What the shape functions read of a rank (vramcalc.rank.RankContext has it)."""
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+    @property
+    def training(self) -> TrainingConfig: ...
+
+    @property
+    def parallel(self) -> ParallelConfig: ...
+
+    @property
+    def stage(self) -> int: ...
 
 
 def adapter_dtype(framework: str, weight_dtype: str) -> str:
@@ -118,7 +130,7 @@ FUSED_GATE_UP = ("gate", "up")
 
 def fused_family(spec: ModelSpec, framework: str) -> str | None:
     """'gpt2' or 'phi3' when the hf profile builds this model with fused projections
-    (vramcalc.terms.activations.hf_family), else None."""
+    (vramcalc.terms.saved.hf_family), else None."""
     if framework != "hf":
         return None
     if spec.norm_kind == "layernorm" or spec.mlp_kind == "standard":
@@ -159,14 +171,13 @@ class FinetuneShapes:
     adapters: RankShapes  # trainable adapter tensors (A, B, DoRA magnitude)
 
 
-def finetune_shapes(spec: ModelSpec, training: object, tp: int, pp: int, v: int, ep: int,
-                    stage: int) -> FinetuneShapes:
+def finetune_shapes(spec: ModelSpec, training: TrainingConfig, tp: int, pp: int, v: int,
+                    ep: int, stage: int) -> FinetuneShapes:
     """The rank's tensors for `training.finetune` (cached; see `_finetune_shapes`)."""
     tr = training
-    return _finetune_shapes(spec, tp, pp, v, ep, stage, tr.finetune,  # type: ignore[attr-defined]
-                            tr.lora_rank, tr.lora_targets,  # type: ignore[attr-defined]
-                            tr.framework,  # type: ignore[attr-defined]
-                            adapter_dtype(tr.framework, tr.weight_dtype))  # type: ignore[attr-defined]
+    return _finetune_shapes(spec, tp, pp, v, ep, stage, tr.finetune, tr.lora_rank,
+                            tr.lora_targets, tr.framework,
+                            adapter_dtype(tr.framework, tr.weight_dtype))
 
 
 @lru_cache(maxsize=2048)
@@ -249,24 +260,24 @@ def _finetune_shapes(spec: ModelSpec, tp: int, pp: int, v: int, ep: int, stage: 
                           quantized=shapes(quant), adapters=shapes(adapters))
 
 
-def check_finetune(ctx: object) -> None:
+def check_finetune(ctx: Rank) -> None:
     """Refuse what the fine-tuning model does not cover (InputError): the megatron profile
     (Korthikanti et al.'s formula has no frozen layers). The hf profile's fused projections
     (GPT-2's c_attn, Phi-3's qkv_proj and gate_up_proj) get one adapter per fused module,
     as PEFT gives them (`fused_groups`)."""
-    tr = ctx.training  # type: ignore[attr-defined]
+    tr = ctx.training
     if tr.framework == "megatron":
         raise InputError(f"--finetune {tr.finetune}: the megatron profile models full training "
                          "only; use --framework reference or hf")
 
 
-def shapes_for(ctx: object) -> FinetuneShapes:
-    """FinetuneShapes of a RankContext (vramcalc.terms.context); InputError for what
+def shapes_for(ctx: Rank) -> FinetuneShapes:
+    """FinetuneShapes of a rank (vramcalc.rank.RankContext); InputError for what
     `check_finetune` refuses."""
     check_finetune(ctx)
-    par = ctx.parallel  # type: ignore[attr-defined]
-    return finetune_shapes(ctx.spec, ctx.training, par.tp, par.pp,  # type: ignore[attr-defined]
-                           par.pp_chunks, par.ep, ctx.stage)  # type: ignore[attr-defined]
+    par = ctx.parallel
+    return finetune_shapes(ctx.spec, ctx.training, par.tp, par.pp, par.pp_chunks, par.ep,
+                           ctx.stage)
 
 
 def adapted_linears(spec: ModelSpec, targets: str, framework: str) -> tuple[str, ...]:
@@ -334,7 +345,7 @@ def _per_layer_copies(t: RankTensor, n_layers: int, n_moe: int) -> int:
     return t.count // max(n_layers, 1)
 
 
-def _layer_tensors(ctx: object, shapes: RankShapes) -> list[tuple[RankTensor, int]]:
+def _layer_tensors(shapes: RankShapes) -> list[tuple[RankTensor, int]]:
     """(tensor, copies) of one transformer layer of this rank: the MoE layer when the rank
     has any (the larger), else a dense one (as vramcalc.sharding.layer_param_numels)."""
     n_layers, n_moe = shapes.num_layers, shapes.num_moe_layers
@@ -350,7 +361,7 @@ def _layer_tensors(ctx: object, shapes: RankShapes) -> list[tuple[RankTensor, in
     return out
 
 
-def gathered_layer_bytes(ctx: object, dtype: str) -> tuple[int, ...]:
+def gathered_layer_bytes(ctx: Rank, dtype: str) -> tuple[int, ...]:
     """Bytes of each tensor copy of one layer as ZeRO-3 / FSDP all-gathers it under a PEFT
     method: the other frozen tensors and the adapters in `dtype` (the all-gather dtype) —
     except adapters kept in their own dtype when no mixed-precision cast applies — and a
@@ -368,12 +379,12 @@ def gathered_layer_bytes(ctx: object, dtype: str) -> tuple[int, ...]:
     weight is made per matmul by dequantization (a transient, vramcalc/terms/
     finetune_activations.py), never gathered."""
     fs = shapes_for(ctx)
-    tr = ctx.training  # type: ignore[attr-defined]
+    tr = ctx.training
     a_dt = dtype if tr.is_autocast else adapter_dtype(tr.framework, tr.weight_dtype)
     quant = {id(t) for t in fs.quantized.tensors}
     adapters = {id(t) for t in fs.adapters.tensors}
     out: list[int] = []
-    for t, copies in _layer_tensors(ctx, fs.all):
+    for t, copies in _layer_tensors(fs.all):
         if id(t) in quant:
             nbytes = ceil_div(t.numel * DTYPE_BITS["nf4"], 8)
         else:
@@ -383,129 +394,11 @@ def gathered_layer_bytes(ctx: object, dtype: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def trained_layer_numels(ctx: object) -> tuple[int, ...]:
+def trained_layer_numels(ctx: Rank) -> tuple[int, ...]:
     """Element counts of the trained (adapter) tensors of one layer on this rank: what
     ZeRO-2/3 and FSDP reduce per layer under a PEFT method (frozen weights get no grads)."""
     fs = shapes_for(ctx)
     out: list[int] = []
-    for t, copies in _layer_tensors(ctx, fs.adapters):
+    for t, copies in _layer_tensors(fs.adapters):
         out += [t.numel] * copies
     return tuple(out)
-
-
-# ---- weights ---------------------------------------------------------------------------
-def weight_parts(ctx: object) -> dict[str, int]:
-    """Device bytes of the rank's weights by sub-term: weights/frozen (base in the policy's
-    dtype), weights/nf4 (packed 4-bit data), weights/nf4_constants (absmax, codes),
-    weights/adapters. Sharded like any parameter under ZeRO-3/FSDP (NF4 constants are kept
-    whole on every rank, as bitsandbytes' QuantState is not a parameter)."""
-    fs = shapes_for(ctx)
-    tr = ctx.training  # type: ignore[attr-defined]
-    shard = ctx.param_shard  # type: ignore[attr-defined]
-    es = ctx.expert_shard(shard)  # type: ignore[attr-defined]
-    layout = ctx.weight_layout  # type: ignore[attr-defined]
-    out = {"weights/frozen": fs.frozen.nbytes(tr.weight_dtype, shard, es, layout)}
-    if fs.quantized.tensors:
-        out["weights/nf4"] = fs.quantized.nbytes("nf4", shard, es, layout)
-        out["weights/nf4_constants"] = sum(t.count * nf4_constant_bytes(t.numel)
-                                           for t in fs.quantized.tensors)
-    out["weights/adapters"] = fs.adapters.nbytes(
-        adapter_dtype(tr.framework, tr.weight_dtype), shard, es, layout)
-    return out
-
-
-def explain_weight_lines(ctx: object) -> list[str]:
-    """`vramcalc explain`'s weights section under LoRA/QLoRA/DoRA."""
-    from vramcalc.units import fmt_gb
-
-    fs = shapes_for(ctx)
-    tr = ctx.training  # type: ignore[attr-defined]
-    parts = weight_parts(ctx)
-    a_dt = adapter_dtype(tr.framework, tr.weight_dtype)
-    lines = [f"{tr.finetune}: the base is frozen; {fs.frozen.numel():,} parameters stay in "
-             f"{tr.weight_dtype}: {fmt_gb(parts['weights/frozen'])}."]
-    if fs.quantized.tensors:
-        lines.append(f"{fs.quantized.numel():,} layer-linear parameters in NF4: 4 bits each "
-                     f"({fmt_gb(parts['weights/nf4'])}) + absmax per 64, double-quantized, and "
-                     f"per-tensor codes ({fmt_gb(parts['weights/nf4_constants'])}): 4.127 "
-                     "bits/param (Dettmers et al. 2023).")
-    lines.append(f"Adapters: {fs.adapters.numel():,} trained parameters (r={tr.lora_rank} on "
-                 f"{tr.lora_targets}: r·(in + out) per linear) in {a_dt}: "
-                 f"{fmt_gb(parts['weights/adapters'])}.")
-    return lines
-
-
-# ---- optimizers ------------------------------------------------------------------------
-def paged_state_bytes(ctx: object) -> int:
-    """Optimizer-state bytes a paged bitsandbytes optimizer keeps in unified memory: the
-    state buffers of trainable tensors with at least 1e5 elements (absmax buffers and small
-    tensors stay in ordinary device memory)."""
-    tr = ctx.training  # type: ignore[attr-defined]
-    if tr.optimizer not in PAGED_OPTIMIZERS:
-        return 0
-    from vramcalc.terms.optimizer_states import paged_split
-
-    return paged_split(ctx)[1]
-
-
-# ---- notes -----------------------------------------------------------------------------
-_FUSED_MODULES = {("gpt2", "qkv"): "c_attn", ("phi3", "qkv"): "qkv_proj",
-                  ("phi3", "gate_up"): "gate_up_proj"}
-
-
-def _fused_target_note(spec: ModelSpec, tr: TrainingConfig) -> str | None:
-    """Which fused module carries the adapters when targets name part of it (hf profile)."""
-    fam = fused_family(spec, tr.framework)
-    if fam is None:
-        return None
-    wanted = set(tr.lora_targets.split(","))
-    parts = []
-    for group, letters in fused_groups(spec, tr.framework).items():
-        hit = list(letters) if "all-linear" in wanted else [x for x in letters if x in wanted]
-        if hit:
-            parts.append(f"{','.join(hit)} -> {_FUSED_MODULES[(fam, group)]} "
-                         f"(one adapter for {', '.join(letters)})")
-    if not parts:
-        return None
-    return (f"{spec.name} fuses projections under --framework hf: targets {'; '.join(parts)}, "
-            "as PEFT adapts the fused module")
-
-
-def notes(ctx: object) -> list[str]:
-    """Lines for the report's notes about fine-tuning and paged memory."""
-    from vramcalc.units import fmt_gb
-
-    tr = ctx.training  # type: ignore[attr-defined]
-    out: list[str] = []
-    if is_finetune(tr):
-        fs = shapes_for(ctx)
-        n_train = fs.adapters.numel()
-        n_all = n_train + fs.frozen.numel() + fs.quantized.numel()
-        out.append(f"{tr.finetune}: r={tr.lora_rank}, targets {tr.lora_targets}: "
-                   f"{n_train:,} trainable parameters ({100 * n_train / max(n_all, 1):.3f}% "
-                   f"of this rank's {n_all:,}); the frozen base has no gradients or "
-                   "optimizer states")
-        fused = _fused_target_note(ctx.spec, tr)  # type: ignore[attr-defined]
-        if fused:
-            out.append(fused)
-        if tr.finetune == "qlora":
-            out.append("qlora: layer linears stored in NF4 (4.13 bits/param with double-"
-                       "quantized absmax); each matmul dequantizes its weight into a "
-                       "transient copy")
-    if tr.activation_offload:
-        if tr.recompute == "full":
-            out.append("activation offload: nothing to offload beyond the checkpointed layer "
-                       "inputs, which this model keeps on the device")
-        else:
-            out.append("activation offload: the layers' saved tensors wait in pinned host "
-                       "memory (host RAM above); each comes back when its backward node runs")
-    if tr.chunked_ce > 1:
-        out.append(f"chunked cross entropy ({tr.chunked_ce} chunks): the fp32 logits and loss "
-                   "gradients exist one chunk at a time; the log-probabilities are all kept")
-    paged = paged_state_bytes(ctx)
-    if paged:
-        out.append(f"{tr.optimizer}: {fmt_gb(paged)} of optimizer states live in CUDA unified "
-                   "memory: invisible to torch.cuda.max_memory_allocated (not in the peak), "
-                   "visible in nvidia-smi (counted in overhead/paged_optimizer_states); the "
-                   "driver pages them to host RAM under memory pressure instead of failing")
-    return out

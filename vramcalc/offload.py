@@ -24,8 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramcalc.parallel import num_microbatches
+from vramcalc.rank import RankContext
+from vramcalc.scenario import Scenario
+from vramcalc.terms.activations import activation_host_bytes
 from vramcalc.terms.comm import DS_SUB_GROUP_NUMEL
-from vramcalc.terms.context import RankContext
 from vramcalc.terms.gradients import grad_dtype
 from vramcalc.terms.optimizer_states import optimizer_state_split_on_device
 from vramcalc.units import DTYPE_BITS, alloc, ceil_div
@@ -123,7 +125,25 @@ def node_footprint(ctx: RankContext, gpus_per_node: int) -> OffloadFootprint:
     )
 
 
-def offload_traffic(scn) -> OffloadFootprint:  # noqa: ANN001 - Scenario (avoids a cycle)
+def host_bytes_per_node(ctx: RankContext, gpus_per_node: int, in_flight: float) -> int:
+    """Host RAM one node needs for offloaded state: the rank's footprint (incl. DeepSpeed's
+    pinned fp32 gradient and swap buffers) plus the pinned copies of `in_flight`
+    micro-batches' saved activations under activation offload, x GPUs per node. Without
+    offload 0."""
+    act_host = activation_host_bytes(ctx, in_flight)
+    if not ctx.parallel.offload:
+        return act_host * gpus_per_node
+    return (offload_footprint(ctx).host_bytes + act_host) * gpus_per_node
+
+
+def nvme_bytes_per_node(ctx: RankContext, gpus_per_node: int) -> int:
+    """NVMe space one node needs under DeepSpeed ZeRO-Infinity offload (0 otherwise)."""
+    if not ctx.parallel.offload or ctx.parallel.offload_device != "nvme":
+        return 0
+    return offload_footprint(ctx).nvme_bytes * gpus_per_node
+
+
+def offload_traffic(scn: Scenario) -> OffloadFootprint:
     """Per-rank offload footprint of a scenario's worst pipeline stage, for the speed model:
     PCIe bytes each way and NVMe bytes read/written per optimizer step (0 without offload)."""
     scn = scn.resolved()

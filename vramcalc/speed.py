@@ -31,16 +31,9 @@ MFU counts F_model — the FLOPs the training method needs, without recomputatio
 definition) — so a LoRA step at the same efficiency shows the same MFU as full training
 and its tokens/s is higher by (6·N_mm + 12LsA)/(4·N_mm + 6·N_ad + 12LsA). Tools that report a
 LoRA run's MFU with 6·N print 1.5× our figure for the same step time.
-QLoRA also dequantizes every NF4 weight before each matmul, forward and backward (and again
-when recomputing): a memory-bound kernel reading n/2 packed bytes + n/64 absmax bytes and
-writing n·c bytes, timed at the profile's memory bandwidth (a floor: the kernel reaches less),
-per micro-batch, for the N_q quantized parameters of the rank (÷tp·pp):
-
-    t_dequant = m · passes · (N_q/(tp·pp)) · (1/2 + 1/64 + c) / memory_bandwidth
-
-Data-parallel traffic under PEFT: gradients are reduced for the adapters only; ZeRO-3/FSDP
-still all-gather the frozen weights (QLoRA: the packed 4-bit data, n/2 bytes); ZeRO-1/2
-all-gather only the updated adapters; optimizer offload moves the adapters' gradients.
+QLoRA also dequantizes every NF4 weight before each matmul (a memory-bound pass timed at the
+profile's bandwidth), and under PEFT data parallelism reduces the adapters' gradients only;
+docs/planning.md has both formulas.
 
 `efficiency` is the GPU profile's `mfu_fraction` (calibrated on published MFU) or `--mfu`.
 The attention term counts the full s×s products (causal kernels skip about half the work);
@@ -81,14 +74,13 @@ all-reduce 2·(n−1)/n·M/bw, reduce-scatter or all-gather (n−1)/n·M/bw.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from vramcalc.finetune import _finetune_shapes, adapter_dtype
+from vramcalc.hardware import GPUProfile
+from vramcalc.model import ModelSpec
+from vramcalc.scenario import Scenario
+from vramcalc.training import TrainingConfig
 from vramcalc.units import DTYPE_BITS
-
-if TYPE_CHECKING:
-    from vramcalc.hardware import GPUProfile
-    from vramcalc.model import ModelSpec
 
 # CPU optimizer step (DeepSpeed CPU-Adam): memory-bound; per parameter it reads and writes
 # the fp32 master weight, momentum and variance (24 B), reads the fp32 gradient (4 B) and
@@ -213,6 +205,22 @@ def peak_flops(gpu: GPUProfile, dtype: str) -> tuple[float, str | None]:
     return 1e12, f"{gpu.name} has no TFLOP/s figure; speed assumes 1 TFLOP/s"
 
 
+def fp8_peak_flops(spec: ModelSpec, gpu: GPUProfile, seq_len: int) -> tuple[float, str | None]:
+    """Effective dense FLOP/s of an FP8 step: the block linears' 6·N_layers FLOPs per token
+    at the profile's FP8 peak, the rest (lm_head, attention 12·L·s·a·d) at its BF16 peak
+    (Transformer Engine runs only the linears in FP8; vramcalc/terms/lowprec.py): F / (F_fp8/P_fp8 + F_bf16/P_bf16). Falls back to the
+    BF16 peak, with a note, when the profile has no FP8 figure."""
+    p16, note = peak_flops(gpu, "bf16")
+    fp8 = gpu.peak_tflops("fp8")
+    if fp8 is None:
+        return p16, f"{gpu.name} has no fp8 peak in its profile; speed uses its bf16 peak"
+    n_lin = (spec.num_active_params - spec.embedding_params - spec.head_params
+             - spec.final_norm_params)
+    total = model_flops_per_token(spec, seq_len)
+    f_fp8 = min(6.0 * n_lin, total)
+    return total / (f_fp8 / (fp8 * 1e12) + (total - f_fp8) / p16), note
+
+
 PART_NAMES = ("compute", "bubble", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_comm",
               "offload", "dequant")
 
@@ -271,8 +279,6 @@ class SpeedModel:
         self.g = self.w  # gradients are stored in the weight dtype (vramcalc.training)
         self.peak, note = peak_flops(gpu, c_dtype)
         if precision == "fp8":  # block linears at the FP8 peak (vramcalc/terms/lowprec.py)
-            from vramcalc.terms.lowprec import fp8_peak_flops
-
             self.peak, note = fp8_peak_flops(spec, gpu, seq_len)
         self.notes: tuple[str, ...] = (note,) if note else ()
         self.rate = self.peak * self.efficiency
@@ -468,33 +474,25 @@ def estimate_speed(
                       capacity_factor, peft).report(layout)
 
 
-def layout_of(scn) -> Layout:  # noqa: ANN001 - a Scenario (import kept light)
-    """The Layout of a resolved Scenario (dp filled in)."""
-    par, tr = scn.parallel, scn.training
-    return Layout(
-        dp=par.dp_degree, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep,
-        sequence_parallel=par.sequence_parallel, shard_stage=par.shard_stage,
-        shard_group=par.shard_group if par.fsdp == "hybrid" else None,
-        micro_batch_size=tr.micro_batch_size,
-        num_microbatches=par.num_microbatches or tr.grad_accum,
-        recompute=tr.recompute, pp_schedule=par.pp_schedule,
-        virtual_stages=par.virtual_stages, offload=tuple(par.offload),
-        offload_device=par.offload_device,
-    )
-
-
-def scenario_speed(scn, efficiency: float | None = None) -> SpeedReport:  # noqa: ANN001
+def scenario_speed(scn: Scenario, efficiency: float | None = None) -> SpeedReport:
     """Speed of a resolved Scenario with a cluster."""
     if scn.cluster is None:
         raise ValueError("speed needs a cluster (GPU type and count)")
-    return estimate_speed(scn.model, scn.cluster.gpu, scn.cluster.gpus_per_node, layout_of(scn),
-                          scn.training.seq_len, scn.training.precision, efficiency,
-                          scn.parallel.capacity_factor, training_peft(scn.model, scn.training))
+    par, tr = scn.parallel, scn.training
+    layout = Layout(
+        dp=par.dp_degree, tp=par.tp, pp=par.pp, cp=par.cp, ep=par.ep,
+        sequence_parallel=par.sequence_parallel, shard_stage=par.shard_stage,
+        shard_group=par.shard_group if par.fsdp == "hybrid" else None,
+        micro_batch_size=tr.micro_batch_size, num_microbatches=par.num_microbatches or
+        tr.grad_accum, recompute=tr.recompute, pp_schedule=par.pp_schedule,
+        virtual_stages=par.virtual_stages, offload=tuple(par.offload),
+        offload_device=par.offload_device)
+    return estimate_speed(scn.model, scn.cluster.gpu, scn.cluster.gpus_per_node, layout,
+                          tr.seq_len, tr.precision, efficiency, par.capacity_factor,
+                          training_peft(scn.model, tr))
 
 
-def training_peft(spec: ModelSpec, training) -> PeftCounts | None:  # noqa: ANN001
+def training_peft(spec: ModelSpec, tr: TrainingConfig) -> PeftCounts | None:
     """PeftCounts of a TrainingConfig's fine-tuning method (None for full training)."""
-    tr = training
-    return peft_counts(spec, tr.precision, getattr(tr, "finetune", "full"),
-                       getattr(tr, "lora_rank", 8), getattr(tr, "lora_targets", "q,v"),
-                       getattr(tr, "framework", "reference"))
+    return peft_counts(spec, tr.precision, tr.finetune, tr.lora_rank, tr.lora_targets,
+                       tr.framework)

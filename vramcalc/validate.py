@@ -25,9 +25,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from vramcalc.analytic import _stage_phases, estimate
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
+from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
+from vramcalc.terms import activations as act
+from vramcalc.terms import logits as lg
 from vramcalc.training import TrainingConfig
 
 PEAK_MEDIAN_REL_ERROR = 0.01  # median |error| of the peak over the grid
@@ -193,15 +197,9 @@ def _pair(analytic: int, trace: int) -> dict[str, Any]:
 
 def analytic_points(scn: Scenario) -> dict[str, int]:
     """The analytic engine's values at the comparison points of the module docstring."""
-    from vramcalc.analytic import _stage_phases
-
     scn = scn.resolved()
     phases, _first, _live = _stage_phases(scn, 0, scn.cluster.gpu if scn.cluster else None)
     by_name = {p.name: p.terms() for p in phases}
-    from vramcalc.terms import activations as act
-    from vramcalc.terms import logits as lg
-    from vramcalc.terms.context import RankContext
-
     ctx = RankContext(scn.model, scn.training, scn.parallel, 0)
     return {
         "weights": by_name["optimizer"].get("weights", 0),
@@ -226,7 +224,6 @@ def trace_points(result: Any) -> dict[str, int]:
 
 def compare(name: str, scn: Scenario) -> dict[str, Any]:
     """Run both engines on one scenario; the row `run_validation` reports."""
-    from vramcalc.analytic import estimate
     from vramcalc.trace.distributed import distributed_trace
     from vramcalc.trace.engine import trace
 

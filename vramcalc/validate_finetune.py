@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vramcalc.parallel import ParallelConfig
 from vramcalc.scenario import Scenario
 
 # (shape, framework, training options)
@@ -78,7 +79,6 @@ FSDP_CASES: tuple[tuple[str, str, int, dict[str, Any]], ...] = (
 
 def finetune_grid() -> list[tuple[str, Scenario]]:
     """(name, scenario) pairs of the fine-tuning cases above (FSDP2 ones included)."""
-    from vramcalc.parallel import ParallelConfig
     from vramcalc.validate import _scn
 
     cases = [(shape, fw, 1, kw) for shape, fw, kw in CASES] + list(FSDP_CASES)

@@ -58,15 +58,16 @@ from vramcalc.plan.candidates import (
     parallel_for,
     training_for,
 )
+from vramcalc.rank import RankContext
 from vramcalc.report import MemoryReport
 from vramcalc.scenario import Scenario
-from vramcalc.terms.context import RankContext
 from vramcalc.terms.gradients import (
     gradients_at_step_bytes,
     gradients_bytes,
     gradients_persistent,
 )
-from vramcalc.terms.lowprec import check_lowprec, persistent_parts
+from vramcalc.terms.lowprec import check_lowprec
+from vramcalc.terms.modifiers import persistent_parts
 from vramcalc.terms.optimizer_states import optimizer_state_split
 from vramcalc.terms.transients import (
     cublas_workspace_bytes,

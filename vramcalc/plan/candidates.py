@@ -27,9 +27,9 @@ from vramcalc.finetune import check_finetune
 from vramcalc.hardware import GPUProfile
 from vramcalc.parallel import ParallelConfig, resolve_layout
 from vramcalc.plan.request import PlanRequest
+from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.speed import Layout, SpeedModel, training_peft
-from vramcalc.terms.context import RankContext
 from vramcalc.terms.lowprec import check_lowprec
 from vramcalc.training import FINETUNES, TrainingConfig
 

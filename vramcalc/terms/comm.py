@@ -51,9 +51,12 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from vramcalc.features import finetunes
+from vramcalc.finetune import adapter_dtype, gathered_layer_bytes, trained_layer_numels
+from vramcalc.parallel import ParallelConfig
+from vramcalc.rank import RankContext
 from vramcalc.sharding import DS_PERSISTENCE_THRESHOLD, layer_param_numels
 from vramcalc.terms import activations as act
-from vramcalc.terms.context import RankContext
 from vramcalc.terms.gradients import grad_dtype, layer_gradient_bytes
 from vramcalc.units import DTYPE_BITS, alloc, ceil_div
 
@@ -113,9 +116,7 @@ def fsdp_layer_bytes(ctx: RankContext) -> int:
     """One transformer block's parameters, unsharded, in the all-gather (compute) dtype;
     under LoRA/QLoRA/DoRA the frozen base + adapters, a QLoRA weight as its packed 4-bit
     data (vramcalc.finetune.gathered_layer_bytes)."""
-    if ctx.training.finetune != "full":
-        from vramcalc.finetune import gathered_layer_bytes
-
+    if finetunes(ctx.training):
         return alloc(sum(gathered_layer_bytes(ctx, ctx.training.compute_dtype)), "uint8")
     return alloc(_layer_numel(ctx), ctx.training.compute_dtype)
 
@@ -123,11 +124,9 @@ def fsdp_layer_bytes(ctx: RankContext) -> int:
 def _ds_key(ctx: RankContext) -> tuple:
     root = tuple((t.name, t.numel) for t in ctx.tensors if t.group in ROOT_GROUPS)
     layer: tuple[int, ...] = ()
-    if ctx.training.finetune != "full":
+    if finetunes(ctx.training):
         # frozen base + adapters; a QLoRA weight is its packed data in a container of the
         # weight dtype (bnb_4bit_quant_storage): n/2 bytes = n/(2·w) elements for DeepSpeed
-        from vramcalc.finetune import gathered_layer_bytes
-
         w = ctx.training.weight_dtype
         unit = DTYPE_BITS[w] // 8 or 1
         layer = tuple(ceil_div(b, unit) for b in gathered_layer_bytes(ctx, w))
@@ -144,8 +143,6 @@ def ds_module_order(ctx: RankContext) -> tuple[int, ...]:
 def _ds_module_order(spec, tp: int, ep: int, n_layers: int, first: bool, last: bool,  # noqa: ANN001
                      root: tuple[tuple[str, int], ...],
                      layer: tuple[int, ...] = ()) -> tuple[int, ...]:
-    from vramcalc.parallel import ParallelConfig
-
     if not layer:  # full training: the model's own tensors
         layer = tuple(layer_param_numels(spec, ParallelConfig.model_construct(tp=tp, ep=ep)))
     emb = tuple(n for name, n in root if name.startswith("embed"))
@@ -222,9 +219,7 @@ def reduce_bytes(ctx: RankContext, layer: int = 0, done: float = 1.0,
       copied into (the sharded parameters' dtype) and the block's sharded gradient.
     """
     trained: tuple[int, ...] | None = None
-    if ctx.training.finetune != "full":  # only the adapters get gradients
-        from vramcalc.finetune import trained_layer_numels
-
+    if finetunes(ctx.training):  # only the adapters get gradients
         trained = trained_layer_numels(ctx)
     if ctx.engine == "deepspeed" and ctx.parallel.zero >= 2:
         largest = max(trained or (0,)) if trained is not None else max(
@@ -239,8 +234,6 @@ def reduce_bytes(ctx: RankContext, layer: int = 0, done: float = 1.0,
         rs_input = alloc(n, ctx.training.weight_dtype)
     else:  # adapters: unsharded grads in the gather dtype, reduce-scatter in their own
         tr = ctx.training
-        from vramcalc.finetune import adapter_dtype
-
         a_dt = adapter_dtype(tr.framework, tr.weight_dtype)
         n = sum(trained)
         whole = alloc(n, tr.compute_dtype if tr.is_autocast else a_dt)

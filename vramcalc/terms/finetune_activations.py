@@ -1,6 +1,6 @@
 """Activations and transients of LoRA / QLoRA / DoRA layers (frozen base, trained adapters).
 
-Legend as in vramcalc/terms/activations.py (b, s, h, a, g, d, f, T = b·s tokens, c compute
+Legend as in vramcalc/terms/saved.py (b, s, h, a, g, d, f, T = b·s tokens, c compute
 dtype, r residual dtype), plus r_a = the adapter rank, p = lora_dropout, a_dt = the
 adapters' dtype (vramcalc.finetune.adapter_dtype).
 
@@ -41,9 +41,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from vramcalc.finetune import adapted_linears, adapter_dtype, fused_groups, shapes_for
-from vramcalc.terms.activations import Dims, Saved, dims
-from vramcalc.terms.context import RankContext
+from vramcalc.features import finetunes
+from vramcalc.finetune import (
+    adapted_linears,
+    adapter_dtype,
+    dequant_transient_bytes,
+    fused_groups,
+    shapes_for,
+)
+from vramcalc.rank import RankContext
+from vramcalc.terms.saved import Dims, Modifier, Moment, Saved, dims
 from vramcalc.units import alloc, ceil_div
 
 # the storage a target reads (name in the full-fine-tuning saved list) and its width; the hf
@@ -159,7 +166,7 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
         added += [dataclasses.replace(e, count=e.count * copies) for e in extra]
         if shares:
             keep.add(t)
-    drop = set()
+    drop: set[str] = set()
     if not keep & set(_QKV):
         drop.update(_DROP_QKV)
     if not keep & set(_GU):
@@ -194,17 +201,14 @@ def adjust_head_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
             and not (hf and t.name.endswith((".xhat", ".xhat_fp32")))]
 
 
-def first_layer_unsaved_bytes(ctx: RankContext) -> int:
+def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
     """Bytes the first layer of the first stage does not keep because its input (the frozen
     embedding's output) needs no gradient: its input norm's tensors, the q/k/v adapters'
     dropout masks, eager attention's q (k) copy when k (q) has no adapter, and, when no q/k/v
-    is adapted, the attention core's (an approximation documented in docs/finetuning.md)."""
+    is adapted, the attention core's (an approximation documented in docs/finetuning.md).
+    `saved`: the first layer's saved list."""
     if not ctx.is_first_stage or ctx.training.recompute == "full" or not ctx.num_layers:
         return 0
-    from vramcalc.terms.activations import layer_saved
-
-    bottom_moe = ctx.spec.is_moe and ctx.spec.first_k_dense_replace == 0
-    saved = layer_saved(ctx, bottom_moe)
     # the input norm, and dropout masks on its output (no grad flows into the dropout)
     gone = sum(t.nbytes for t in saved if t.name.startswith("input_norm.") or t.name in (
         "lora.q.dropout_mask", "lora.k.dropout_mask", "lora.v.dropout_mask",
@@ -263,7 +267,7 @@ def _step(name: str) -> int:
     return len(_ORDER)
 
 
-def forward_working_bytes(ctx: RankContext, held: bool = True) -> int:
+def forward_working_bytes(ctx: RankContext, saved: list[Saved], held: bool = True) -> int:
     """Worst transient inside the top layer's forward, under
     LoRA/QLoRA/DoRA: at each adapted or quantized linear, the tensors of the layer saved so
     far plus what is alive and not saved —
@@ -279,15 +283,12 @@ def forward_working_bytes(ctx: RankContext, held: bool = True) -> int:
 
     Returned as bytes above every saved tensor of the micro-batch's layers (the analytic
     forward point adds them; may be negative, the caller takes a max); with `held=False`
-    (activation offloading: the saved tensors are in host memory) the temporaries alone."""
-    from vramcalc.finetune import dequant_transient_bytes
-    from vramcalc.terms.activations import layer_saved
-
+    (activation offloading: the saved tensors are in host memory) the temporaries alone.
+    `saved`: the first layer's saved list."""
     tr = ctx.training
     if tr.recompute == "full" or not ctx.num_layers:
         return 0
     x = dims(ctx)
-    saved = layer_saved(ctx, ctx.spec.is_moe and ctx.spec.first_k_dense_replace == 0)
     full_layer = sum(t.nbytes for t in saved)
     hf = tr.framework == "hf"
     a_dt = adapter_dtype(tr.framework, tr.weight_dtype)
@@ -362,7 +363,8 @@ def _dora_forward_bytes(ctx: RankContext, x: Dims, target: str) -> int:
 
 
 # ---- backward moments --------------------------------------------------------------------
-def adjust_moments(ctx: RankContext, moments: list, saved: list[Saved]) -> list:
+def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
+                   ) -> list[Moment]:
     """The full-fine-tuning backward instants of a layer (activations.layer_backward_moments)
     corrected for adapters, plus QLoRA's dequantization instant:
 
@@ -372,9 +374,6 @@ def adjust_moments(ctx: RankContext, moments: list, saved: list[Saved]) -> list:
     - QLoRA, down projection: its adapter's backward runs first (its nodes were created
       last), then bitsandbytes dequantizes the weight (c) and computes dL/dx (T·f, c)
       while dL/d residual (T·h, r) is held and nothing else of the layer is freed."""
-    from vramcalc.finetune import dequant_transient_bytes
-    from vramcalc.terms.activations import Moment
-
     x = dims(ctx)
     down = sum(t.nbytes for t in saved if t.name.startswith("lora.down."))
     qkv = sum(t.nbytes for t in saved if t.name.startswith(("lora.q.", "lora.k.", "lora.v.",
@@ -396,3 +395,37 @@ def adjust_moments(ctx: RankContext, moments: list, saved: list[Saved]) -> list:
                           g_res + max(dequant_transient_bytes(n, x.c), w + alloc(x.T * x.f, x.c)),
                           "down"))
     return out
+
+class FinetuneActivations(Modifier):
+    """LoRA / QLoRA / DoRA: frozen base, trained adapters (the functions above)."""
+
+    name = "finetune"
+
+    def applies(self, ctx: RankContext) -> bool:
+        return finetunes(ctx.training)
+
+    def layer_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
+        return adjust_layer_saved(ctx, saved)
+
+    def head_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
+        return adjust_head_saved(ctx, saved)
+
+    def backward_moments(self, ctx: RankContext, moments: list[Moment],
+                         saved: list[Saved]) -> list[Moment]:
+        return adjust_moments(ctx, moments, saved)
+
+    def forward_working_bytes(self, ctx: RankContext, saved: list[Saved],
+                              layers_on_device: bool) -> int:
+        """Adapters' sums and QLoRA's dequantized weights; with the layers' saved tensors
+        in host memory, the temporaries alone next to the residual (T·h, r)."""
+        if layers_on_device:
+            return forward_working_bytes(ctx, saved)
+        x = dims(ctx)
+        return alloc(x.T * x.h, x.r) + forward_working_bytes(ctx, saved, held=False)
+
+    def first_layer_gap(self, ctx: RankContext, saved: list[Saved]) -> int:
+        return first_layer_unsaved_bytes(ctx, saved)
+
+    def autocast_cache_layer_bytes(self, ctx: RankContext, cache: int) -> int:
+        """Frozen weights' casts replace full training's (`autocast_cache_layer_bytes`)."""
+        return autocast_cache_layer_bytes(ctx)

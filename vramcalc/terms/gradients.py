@@ -22,7 +22,8 @@ into pinned host buffers; FSDP2 CPUOffloadPolicy moves them to the host after re
 
 from __future__ import annotations
 
-from vramcalc.terms.context import RankContext
+from vramcalc.rank import RankContext
+from vramcalc.units import alloc
 
 
 def grad_dtype(ctx: RankContext) -> str:
@@ -79,3 +80,25 @@ def layer_gradient_bytes(ctx: RankContext) -> int:
     total = ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard),
                                     ctx.grad_layout, ("layer", "expert"))
     return total // n
+
+
+def tied_embedding_grad_bytes(ctx: RankContext) -> int:
+    """One copy of the tied token embedding's gradient (0 when the head is untied)."""
+    if not ctx.spec.tie_word_embeddings:
+        return 0
+    shard = ctx.grad_shard
+    return sum(t.count * alloc(-(-t.numel // shard), grad_dtype(ctx)) for t in ctx.tensors
+               if t.name == "embed_tokens")
+
+
+def late_gradient_bytes(ctx: RankContext) -> int:
+    """Gradients that only appear after the bottom layer's backward: the token embedding's
+    (untied) and the learned position embedding's."""
+    if not ctx.is_first_stage:
+        return 0
+    names = ("embed_positions",) if ctx.spec.tie_word_embeddings else (
+        "embed_tokens", "embed_positions")
+    shard = ctx.grad_shard
+    dtype = grad_dtype(ctx)
+    return sum(t.count * alloc(-(-t.numel // shard), dtype) for t in ctx.train_tensors
+               if t.name in names)

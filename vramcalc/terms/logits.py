@@ -22,8 +22,15 @@ against the trace engine (tests/test_trace.py).
 
 from __future__ import annotations
 
-from vramcalc.terms.activations import dims
-from vramcalc.terms.context import RankContext
+from vramcalc.features import chunks_loss, finetunes
+from vramcalc.rank import RankContext
+from vramcalc.terms.lowmem import (
+    chunked_backward_peak_bytes,
+    chunked_forward_peak_bytes,
+    chunked_saved_bytes,
+    head_input_split,
+)
+from vramcalc.terms.saved import dims
 from vramcalc.units import ALLOC_ROUND_BYTES, alloc
 
 
@@ -44,9 +51,7 @@ def logits_saved_bytes(ctx: RankContext) -> int:
     the loss and nll_loss's total weight (and the hf profile's shifted labels)."""
     if not ctx.is_last_stage:
         return 0
-    if ctx.training.chunked_ce > 1:  # vramcalc/terms/lowmem.py
-        from vramcalc.terms.lowmem import chunked_saved_bytes
-
+    if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_saved_bytes(ctx)
     out = alloc(_nv(ctx), "fp32") + 2 * ALLOC_ROUND_BYTES
     if ctx.training.framework == "hf":
@@ -58,9 +63,7 @@ def logits_forward_peak_bytes(ctx: RankContext) -> int:
     """Peak of the loss computation in forward (includes what it keeps for backward)."""
     if not ctx.is_last_stage:
         return 0
-    if ctx.training.chunked_ce > 1:  # vramcalc/terms/lowmem.py
-        from vramcalc.terms.lowmem import chunked_forward_peak_bytes
-
+    if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_forward_peak_bytes(ctx)
     nv, c = _nv(ctx), ctx.training.compute_dtype
     out = 2 * alloc(nv, "fp32") + 2 * ALLOC_ROUND_BYTES  # fp32 logits + log-probs + scalars
@@ -78,9 +81,7 @@ def logits_backward_peak_bytes(ctx: RankContext) -> int:
     """Peak of the loss backward: saved log-probs + two fp32 gradient buffers + 3 scalars."""
     if not ctx.is_last_stage:
         return 0
-    if ctx.training.chunked_ce > 1:  # vramcalc/terms/lowmem.py
-        from vramcalc.terms.lowmem import chunked_backward_peak_bytes
-
+    if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_backward_peak_bytes(ctx)
     return 3 * alloc(_nv(ctx), "fp32") + 3 * ALLOC_ROUND_BYTES
 
@@ -93,11 +94,9 @@ def head_forward_extra_bytes(ctx: RankContext) -> int:
     x = dims(ctx)
     if not ctx.is_last_stage:
         return 0
-    if ctx.training.finetune != "full":  # a frozen lm_head saves no input at all
+    if finetunes(ctx.training):  # a frozen lm_head saves no input at all
         return alloc(x.T * x.h, x.r)
-    if ctx.training.chunked_ce > 1:  # lm_head saves per-chunk copies, or views of the local
-        from vramcalc.terms.lowmem import head_input_split
-
+    if chunks_loss(ctx.training):  # lm_head saves per-chunk copies, or views of the local
         return alloc(x.T * x.h, x.r) if head_input_split(ctx) else 0
     if x.r == x.c:
         return 0

@@ -1,6 +1,6 @@
 """Chunked cross entropy and activation offloading: what they leave on the device.
 
-Legend as in vramcalc/terms/activations.py; n = --chunked-ce, N_i = b·s_i tokens of chunk i
+Legend as in vramcalc/terms/saved.py; n = --chunked-ce, N_i = b·s_i tokens of chunk i
 (the sequence split by `tensor_split`: the first s mod n chunks have ⌈s/n⌉ positions), V the
 vocabulary on this rank, c the compute dtype.
 
@@ -26,8 +26,11 @@ flight (`offload_host_bytes`).
 
 from __future__ import annotations
 
-from vramcalc.terms.activations import Saved, dims
-from vramcalc.terms.context import RankContext
+from vramcalc.features import chunks_loss, finetunes, offloads_activations
+from vramcalc.rank import RankContext
+from vramcalc.terms.gradients import grad_dtype
+from vramcalc.terms.saved import SAVED_BITS, Modifier, Moment, Saved, dims
+from vramcalc.terms.saved_layers import embedding_saved
 from vramcalc.units import ALLOC_ROUND_BYTES, alloc, ceil_div
 
 MIN_OFFLOAD_BYTES = 1024  # torchtune OffloadActivations(min_offload_size=1024)
@@ -47,7 +50,7 @@ def head_input_split(ctx: RankContext) -> bool:
     autocast each chunk's 16-bit cast is a new tensor. Otherwise it keeps views of the final
     norm's output, which is then one storage."""
     x = dims(ctx)
-    return ctx.training.finetune == "full" and (x.b > 1 or x.amp)
+    return not finetunes(ctx.training) and (x.b > 1 or x.amp)
 
 
 def adjust_head_saved_chunked(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
@@ -99,12 +102,10 @@ def chunked_backward_peak_bytes(ctx: RankContext) -> int:
     chunks = chunk_tokens(ctx)
     saved = chunked_saved_bytes(ctx)
     first = saved + 2 * alloc(chunks[-1] * x.V, "fp32")
-    if ctx.training.finetune != "full" or len(chunks) < 2 or x.amp:
+    if finetunes(ctx.training) or len(chunks) < 2 or x.amp:
         # under autocast the chunks' 16-bit weight gradients are upcast one at a time as
         # they arrive, which the trace shows never outgrows the first instant
         return first
-    from vramcalc.terms.gradients import grad_dtype
-
     done = sum(alloc(n * x.V, "fp32") for n in chunks[-2:])
     return max(first, saved - done + 3 * alloc(x.V * x.h, grad_dtype(ctx)))
 
@@ -112,13 +113,7 @@ def chunked_backward_peak_bytes(ctx: RankContext) -> int:
 # ---- activation offload ----------------------------------------------------------------
 def stays_on_device(t: Saved) -> bool:
     """Tensors under min_offload_size stay on the device."""
-    return ceil_div(t.numel * _bits(t.dtype), 8) < MIN_OFFLOAD_BYTES
-
-
-def _bits(dtype: str) -> int:
-    from vramcalc.units import DTYPE_BITS
-
-    return {**DTYPE_BITS, "int32": 32}[dtype]
+    return ceil_div(t.numel * SAVED_BITS[t.dtype], 8) < MIN_OFFLOAD_BYTES
 
 
 def device_layer_bytes(saved: list[Saved]) -> int:
@@ -126,13 +121,9 @@ def device_layer_bytes(saved: list[Saved]) -> int:
     return sum(t.nbytes for t in saved if stays_on_device(t))
 
 
-def offload_host_bytes(ctx: RankContext, in_flight: float = 1.0) -> int:
-    """Pinned host memory for the offloaded activations of `in_flight` micro-batches."""
-    if not ctx.training.activation_offload or ctx.training.recompute == "full":
-        return 0
-    from vramcalc.terms.activations import layer_saved
-
-    saved = layer_saved(ctx)
+def offload_host_bytes(ctx: RankContext, saved: list[Saved], in_flight: float = 1.0) -> int:
+    """Pinned host memory for the offloaded activations of `in_flight` micro-batches, each
+    layer saving `saved`."""
     per_layer = sum(t.nbytes for t in saved if not stays_on_device(t))
     return int(in_flight * ctx.num_layers * per_layer)
 
@@ -141,20 +132,15 @@ def offload_forward_working_bytes(ctx: RankContext) -> int:
     """The top layer's forward under offloading: its saved tensors are in host memory, so
     what is alive is what the code still references — the residual (T·h, r) and, inside the
     MLP, its normed input, gate, up, act and act·up (gated: T·h + 4·T·f; 2-matrix: fc and
-    act), or at the layer's end the MLP output and the new residual; adapters' and QLoRA's
-    temporaries on top (vramcalc.terms.finetune_activations, without the saved tensors)."""
+    act), or at the layer's end the MLP output and the new residual (adapters' and QLoRA's
+    temporaries: vramcalc.terms.finetune_activations, without the saved tensors)."""
     x = dims(ctx)
     f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
     n_f = 3 if ctx.spec.mlp_kind == "gated" else 2
     residual = alloc(x.T * x.h, x.r)
     mlp = residual + alloc(x.T * x.h, x.r) + n_f * alloc(x.T * f, x.c)
     end = residual + alloc(x.T * x.h, x.c) + alloc(x.T * x.h, x.r)
-    out = max(mlp, end)
-    if ctx.training.finetune != "full":
-        from vramcalc.terms.finetune_activations import forward_working_bytes
-
-        out = max(out, residual + forward_working_bytes(ctx, held=False))
-    return out
+    return max(mlp, end)
 
 
 # the saved tensors each backward instant reads (brought back from host memory for it)
@@ -165,12 +151,11 @@ _MOMENT_INPUTS = {
 }
 
 
-def offload_moments(ctx: RankContext, moments: list, saved: list[Saved]) -> list:
+def offload_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
+                    ) -> list[Moment]:
     """Backward instants under offloading: of the layer's saved tensors only those the
     running node reads are on the device (copied back for it), plus the small ones that
     never left."""
-    from vramcalc.terms.activations import Moment
-
     small = device_layer_bytes(saved)
     out = []
     for m in moments:
@@ -185,7 +170,45 @@ def offloaded_edge_bytes(ctx: RankContext) -> int:
     """Embedding-side tensors the layers save (rotary tables, the eager mask): offloading
     copies them to the host with each layer, so once the forward returns (its locals gone)
     the device no longer holds them."""
-    from vramcalc.terms.activations import embedding_saved
-
     return sum(t.nbytes for t in embedding_saved(ctx) if t.name.startswith(
         ("rope.", "attn.mask", "position_ids")) and not stays_on_device(t))
+
+
+class ActivationOffload(Modifier):
+    """The layers' saved tensors in pinned host memory between forward and backward."""
+
+    name = "activation_offload"
+    keeps_layers_on_device = False
+
+    def applies(self, ctx: RankContext) -> bool:
+        return offloads_activations(ctx.training)
+
+    def backward_moments(self, ctx: RankContext, moments: list[Moment],
+                         saved: list[Saved]) -> list[Moment]:
+        return offload_moments(ctx, moments, saved)
+
+    def forward_working_bytes(self, ctx: RankContext, saved: list[Saved],
+                              layers_on_device: bool) -> int:
+        return offload_forward_working_bytes(ctx)
+
+    def resident_layer_bytes(self, ctx: RankContext, saved: list[Saved]) -> int | None:
+        return device_layer_bytes(saved)
+
+    def offloaded_edge_bytes(self, ctx: RankContext) -> int:
+        return offloaded_edge_bytes(ctx)
+
+    def host_bytes(self, ctx: RankContext, saved: list[Saved], in_flight: float) -> int:
+        return offload_host_bytes(ctx, saved, in_flight)
+
+
+class ChunkedLoss(Modifier):
+    """Cross entropy over token chunks: the head side keeps the first chunk's lm_head input
+    (the loss-side buffers are the logits term's, vramcalc.terms.logits)."""
+
+    name = "chunked_ce"
+
+    def applies(self, ctx: RankContext) -> bool:
+        return chunks_loss(ctx.training)
+
+    def head_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
+        return adjust_head_saved_chunked(ctx, saved)

@@ -1,6 +1,6 @@
 """Low-precision training: FP8 linears (Transformer Engine) and quantization-aware training.
 
-Legend as in vramcalc/terms/activations.py (b, s, h, a, g, d, f, T = b·s tokens on this
+Legend as in vramcalc/terms/saved.py (b, s, h, a, g, d, f, T = b·s tokens on this
 rank, c = compute dtype); per block linear: `in` and `out` its local (÷tp) widths,
 n = in·out its local weight elements. Only the linears inside the transformer blocks
 (q, k, v, o, gate, up, down / fc, proj) change; the embedding, the norms, attention and
@@ -62,11 +62,13 @@ Widths TE's FP8 GEMMs cannot take (not multiples of 16) get a note, not an error
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from vramcalc.errors import InputError
+from vramcalc.features import finetunes, low_precision
 from vramcalc.hardware import GPUProfile
-from vramcalc.terms.context import RankContext
+from vramcalc.rank import RankContext
+from vramcalc.scenario import Scenario
+from vramcalc.terms.saved import Modifier, Moment, Saved, dims
 from vramcalc.units import alloc
 
 # TE DelayedScaling defaults (common/recipe/__init__.py): amax_history_len = 1024.
@@ -81,11 +83,6 @@ FP8_DIM_MULTIPLE = 16
 QAT_INT4_GROUP = 32
 QAT_SCHEMES = {"int8": "8da8w (int8 per-token activations, int8 per-channel weights)",
                "int4": "8da4w (int8 per-token activations, int4 weights per group of 32)"}
-
-
-def uses_lowprec(tr: Any) -> bool:
-    """FP8 or QAT is on."""
-    return tr.precision == "fp8" or getattr(tr, "qat", "none") != "none"
 
 
 def fp8_transpose(gpu: GPUProfile | None) -> bool:
@@ -105,20 +102,16 @@ def block_linears(ctx: RankContext) -> list[tuple[str, int, int, int]]:
     return out
 
 
-def _mode(tr: Any) -> str:
-    return "fp8" if tr.precision == "fp8" else f"qat-{tr.qat}"
-
-
-def check_lowprec(scn: Any) -> None:
+def check_lowprec(scn: Scenario) -> None:
     """Refuse what the FP8 / QAT model does not cover (InputError, one line each)."""
     tr = scn.training
-    if not uses_lowprec(tr):
+    if not low_precision(tr):
         return
     flag = "--precision fp8" if tr.precision == "fp8" else f"--qat {tr.qat}"
     if tr.precision == "fp8" and tr.qat != "none":
         raise InputError("--precision fp8 and --qat cannot be combined: choose FP8 training or "
                          "quantization-aware training")
-    if tr.finetune != "full":
+    if finetunes(tr):
         extra = " (QLoRA's base is already 4-bit NF4)" if tr.finetune == "qlora" else ""
         raise InputError(f"{flag} with --finetune {tr.finetune} is not modelled{extra}; "
                          "use --finetune full")
@@ -200,10 +193,8 @@ _ATTN_IN, _O_IN = "attn.input", "attn.o_input"
 _MLP_IN = "mlp.input"
 
 
-def adjust_layer_saved(ctx: RankContext, saved: list[Any]) -> list[Any]:
+def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     """The bf16 layer's saved list turned into the FP8 / QAT one (module docstring)."""
-    from vramcalc.terms.activations import Saved, dims
-
     tr = ctx.training
     x = dims(ctx)
     T, c = x.T, x.c
@@ -238,7 +229,7 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Any]) -> list[Any]:
     return out
 
 
-# entries the down / o projections' backward frees beyond their input (activations.py frees
+# entries the down / o projections' backward frees beyond their input (moments.py frees
 # "mlp.down_input" / "mlp.act" and "attn.o_input" itself)
 _DOWN_EXTRA = ("mlp.down_input.scale_inv", "mlp.act.scale_inv", "mlp.down_input.mask",
                "mlp.act.mask", "mlp.down_proj.wq", "mlp.down_proj.wmask", "mlp.proj.wq",
@@ -247,7 +238,8 @@ _O_EXTRA = ("attn.o_input.scale_inv", "attn.o_input.mask", "attn.o_proj.wq",
             "attn.o_proj.wmask")
 
 
-def adjust_moments(ctx: RankContext, moments: list[Any], saved: list[Any]) -> list[Any]:
+def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
+                   ) -> list[Moment]:
     """Free what the down (MLP instant) and o (attention instant) projections' backward
     released besides their inputs."""
     def gone(names: tuple[str, ...]) -> int:
@@ -267,8 +259,6 @@ def forward_working_bytes(ctx: RankContext) -> int:
     """The down projection's forward (the layer's largest): its 16-bit input (act·up, no
     longer saved) and the GEMM output, plus under FP8 the input's row-wise FP8 data next to
     the saved transpose."""
-    from vramcalc.terms.activations import dims
-
     x = dims(ctx)
     f = next((cols for name, _rows, cols, _ in block_linears(ctx)
               if name.endswith(("down_proj", "mlp.proj"))), x.h)
@@ -278,76 +268,25 @@ def forward_working_bytes(ctx: RankContext) -> int:
     return work
 
 
-# ---- words --------------------------------------------------------------------------------
-def notes(ctx: RankContext, gpu: GPUProfile | None) -> list[str]:
-    """One note per mode for the report."""
-    tr = ctx.training
-    parts = persistent_parts(ctx, gpu)
-    gb = sum(parts.values()) / 1e9
-    if tr.precision == "fp8":
-        layout = "data + transpose" if fp8_transpose(gpu) else "data only (non-TN GPU)"
-        out = [f"fp8: Transformer Engine delayed scaling on the block linears: cached FP8 "
-               f"weights ({layout}) and amax histories {gb:.2f} GB; linear inputs saved in "
-               "FP8 e4m3; attention, norms, embedding and lm_head in bf16"]
-        odd = [f"{n} ({r} x {c})" for n, r, c, _ in block_linears(ctx)
-               if r % FP8_DIM_MULTIPLE or c % FP8_DIM_MULTIPLE]
-        if odd:  # TE assert_dim_for_fp8_exec
-            out.append(f"fp8: TE's FP8 GEMMs need dimensions divisible by {FP8_DIM_MULTIPLE}; "
-                       f"{', '.join(odd)} would have to be padded (memory shown unpadded)")
-        return out
-    return [f"qat {tr.qat}: {QAT_SCHEMES[tr.qat]}; fake-quantized weight copies and STE masks "
-            f"are saved per linear; qparams {gb:.3f} GB"]
+class LowPrecision(Modifier):
+    """FP8 linears (Transformer Engine) or quantization-aware training (the functions
+    above)."""
 
+    name = "lowprec"
 
-def explain_lines(ctx: RankContext, gpu: GPUProfile | None) -> list[str]:
-    """Plain-words formulas with this scenario's numbers (vramcalc explain)."""
-    tr = ctx.training
-    lins = block_linears(ctx)
-    n = sum(r * cols * c for _, r, cols, c in lins)
-    k = sum(c for *_, c in lins)
-    gb = 1e9
-    if tr.precision == "fp8":
-        copies = 2 if fp8_transpose(gpu) else 1
-        return [
-            f"FP8 (Transformer Engine): {k} block linears hold {n:,} weight elements on this "
-            "rank; weights, gradients, master and optimizer states are as 'bf16'.",
-            f"Cached FP8 weights: {n:,} x {copies} B ({'data + transpose' if copies == 2 else 'data'})"
-            f" + a 4 B scale_inv each = {fp8_weight_cache_bytes(ctx, gpu) / gb:,.3f} GB.",
-            f"Amax history and scales: {k} linears x (1024 x (3 + 2) + 3 + 2) fp32 = "
-            f"{fp8_meta_bytes(ctx) / gb:,.4f} GB.",
-            "Each distinct linear input (normed input for q/k/v, o input, MLP input, down "
-            "input) is saved as a 1-byte e4m3 transpose instead of the 2-byte bf16 tensor; "
-            "grad outputs are cast to e5m2 (2 x 1 byte per element) only while each "
-            "linear's backward runs.",
-        ]
-    T = tr.micro_batch_size * tr.seq_len
-    c = 4 if tr.compute_dtype == "fp32" else 2
-    return [
-        f"QAT {tr.qat}: {QAT_SCHEMES[tr.qat]}.",
-        f"Per micro-batch, every block linear keeps its fake-quantized weight ({c} B) and "
-        f"its bool mask (1 B): {n:,} x {c + 1} B = {n * (c + 1) / gb:,.3f} GB over the "
-        f"{k} linears of this rank, freed layer by layer in backward.",
-        f"Every linear also keeps its fake-quantized input ({c} B) and mask (1 B) per element "
-        f"of (T = {T:,} tokens, in): q, k and v each keep their own.",
-        f"Scales and zero points kept by the fake quantizers: "
-        f"{qat_qparam_bytes(ctx) / gb:,.4f} GB.",
-    ]
+    def applies(self, ctx: RankContext) -> bool:
+        return low_precision(ctx.training)
 
+    def layer_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
+        return adjust_layer_saved(ctx, saved)
 
-# ---- speed --------------------------------------------------------------------------------
-def fp8_peak_flops(spec: Any, gpu: Any, seq_len: int) -> tuple[float, str | None]:
-    """Effective dense FLOP/s of an FP8 step: the block linears' 6·N_layers FLOPs per token
-    at the profile's FP8 peak, the rest (lm_head, attention 12·L·s·a·d) at its BF16 peak
-    (TE runs only the linears in FP8): F / (F_fp8/P_fp8 + F_bf16/P_bf16). Falls back to the
-    BF16 peak, with a note, when the profile has no FP8 figure."""
-    from vramcalc.speed import model_flops_per_token, peak_flops
+    def backward_moments(self, ctx: RankContext, moments: list[Moment],
+                         saved: list[Saved]) -> list[Moment]:
+        return adjust_moments(ctx, moments, saved)
 
-    p16, note = peak_flops(gpu, "bf16")
-    fp8 = gpu.peak_tflops("fp8")
-    if fp8 is None:
-        return p16, f"{gpu.name} has no fp8 peak in its profile; speed uses its bf16 peak"
-    n_lin = (spec.num_active_params - spec.embedding_params - spec.head_params
-             - spec.final_norm_params)
-    total = model_flops_per_token(spec, seq_len)
-    f_fp8 = min(6.0 * n_lin, total)
-    return total / (f_fp8 / (fp8 * 1e12) + (total - f_fp8) / p16), note
+    def forward_working_bytes(self, ctx: RankContext, saved: list[Saved],
+                              layers_on_device: bool) -> int:
+        return forward_working_bytes(ctx)
+
+    def persistent_parts(self, ctx: RankContext, gpu: GPUProfile | None) -> dict[str, int]:
+        return persistent_parts(ctx, gpu)

@@ -28,8 +28,8 @@ Megatron docs, fp16 row 20 = 2 + 2 + 16). Offloaded ones move to host RAM
 
 from __future__ import annotations
 
+from vramcalc.rank import RankContext
 from vramcalc.sharding import RankTensor, dim0_numel, sharded_numel
-from vramcalc.terms.context import RankContext
 from vramcalc.units import alloc, ceil_div, nbytes
 
 # bitsandbytes 8-bit optimizer states: one fp32 absmax per block of 256 elements since
@@ -40,6 +40,7 @@ BNB_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
 BNB_PAGED_MIN_NUMEL = 100_000
 BNB_OPTIMIZERS = ("adamw-8bit", "paged-adamw", "paged-adamw-8bit")
+PAGED_OPTIMIZERS = ("paged-adamw", "paged-adamw-8bit")
 # the "dynamic" and "udynamic" 8-bit quantization maps (256 fp32 each), shared by all states
 BNB_QMAP_BYTES = 2 * alloc(256, "fp32")
 
@@ -178,3 +179,12 @@ def paged_split(ctx: RankContext) -> tuple[int, int]:
         paged += count * p
     shapes._memo[key] = (device, paged)
     return device, paged
+
+
+def paged_state_bytes(ctx: RankContext) -> int:
+    """Optimizer-state bytes a paged bitsandbytes optimizer keeps in unified memory: the
+    state buffers of trainable tensors with at least 1e5 elements (absmax buffers and small
+    tensors stay in ordinary device memory); reported as overhead, not in the peak."""
+    if ctx.training.optimizer not in PAGED_OPTIMIZERS:
+        return 0
+    return paged_split(ctx)[1]

@@ -7,12 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import lru_cache
 
+from vramcalc.features import finetunes
 from vramcalc.hardware import GPUProfile
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
+from vramcalc.rank import RankContext
 from vramcalc.sharding import layer_param_numels, sharded_numel  # noqa: F401
 from vramcalc.terms import comm
-from vramcalc.terms.context import RankContext
+from vramcalc.terms.modifiers import modifiers
 from vramcalc.training import TrainingConfig
 from vramcalc.units import ALLOC_ROUND_BYTES, MiB, alloc
 
@@ -123,7 +125,7 @@ def _master_copy_peak(ctx: RankContext, shard: int) -> int:
     def delta(n: int) -> int:
         return alloc(sharded_numel(n, shard), "fp32") - alloc(sharded_numel(n, shard), g)
 
-    if ctx.training.finetune != "full":  # adapters only, in model order (vramcalc/finetune.py)
+    if finetunes(ctx.training):  # adapters only, in model order (vramcalc/finetune.py)
         best = prefix = 0
         for t in ctx.train_tensors:  # `count` identical tensors in a row; delta >= 0, so
             d = delta(t.numel)       # the last of them holds the largest prefix
@@ -153,18 +155,18 @@ def _autocast_cache_layer_bytes(ctx: RankContext) -> int:
     """torch.autocast casts each fp32 weight and bias of a linear to the compute dtype once
     per forward (the cast cache) and the matmul saves the cast for backward: one layer's
     linear parameters in 16 bits (norm weights are not cast). Average over the stage's
-    layers when dense and MoE layers mix."""
+    layers when dense and MoE layers mix. A modifier may change it (frozen weights' casts
+    under fine-tuning: vramcalc/terms/finetune_activations.py)."""
     if not ctx.training.is_autocast or ctx.engine == "fsdp2":  # FSDP2 casts via its MP policy
         return 0
-    if ctx.training.finetune != "full":  # frozen weights' casts: vramcalc/terms/finetune_activations.py
-        from vramcalc.terms.finetune_activations import autocast_cache_layer_bytes as ft_cache
-
-        return ft_cache(ctx)
     n = ctx.num_layers
     c = ctx.training.compute_dtype
     total = sum(t.count * alloc(t.numel, c) for t in ctx.tensors
                 if t.group in ("layer", "expert") and "norm" not in t.name)
-    return total // n if n else 0
+    cache = total // n if n else 0
+    for m in modifiers(ctx):
+        cache = m.autocast_cache_layer_bytes(ctx, cache)
+    return cache
 
 
 def autocast_cache_head_bytes(ctx: RankContext) -> int:

@@ -6,13 +6,15 @@ DeepSpeed ZeRO-3 keeps tensors ≤ 1e5 elements whole and partitions the rest in
 buffer, ZeRO-1/2 flatten the weights into one buffer). Parameter offload (ZeRO-3
 offload_param, FSDP2 CPUOffloadPolicy) leaves none on the device.
 Source: ZeRO paper (Rajbhandari et al. 2019) Sec. 5 for the ÷N_d of P_os+g+p.
-Under LoRA/QLoRA/DoRA the base is frozen (QLoRA: NF4) and adapters are added:
-vramcalc/finetune.py `weight_parts`.
+Under LoRA/QLoRA/DoRA the base is frozen (QLoRA: NF4) and adapters are added
+(`finetune_weight_parts`, shapes from vramcalc/finetune.py).
 """
 
 from __future__ import annotations
 
-from vramcalc.terms.context import RankContext
+from vramcalc.features import finetunes
+from vramcalc.finetune import adapter_dtype, nf4_constant_bytes, shapes_for
+from vramcalc.rank import RankContext
 
 GROUPS: tuple[str, ...] = ("embedding", "layer", "expert", "final", "head")
 
@@ -21,10 +23,8 @@ def weights_by_group(ctx: RankContext) -> dict[str, int]:
     """Device bytes of weights per group (embedding, layer, expert, final, head)."""
     if "params" in ctx.parallel.offload:
         return {}
-    if ctx.training.finetune != "full":  # frozen base, NF4 data and constants, adapters
-        from vramcalc.finetune import weight_parts as ft_parts
-
-        return {k.split("/", 1)[1]: v for k, v in ft_parts(ctx).items()}
+    if finetunes(ctx.training):  # frozen base, NF4 data and constants, adapters
+        return {k.split("/", 1)[1]: v for k, v in finetune_weight_parts(ctx).items()}
     dtype = ctx.training.weight_dtype
     shard = ctx.param_shard
     es = ctx.expert_shard(shard)
@@ -38,9 +38,30 @@ def weight_parts(ctx: RankContext) -> dict[str, int]:
     """The weights term as report keys: {"weights": bytes}, or under LoRA/QLoRA/DoRA its
     sub-terms weights/frozen, weights/nf4, weights/nf4_constants, weights/adapters."""
     groups = weights_by_group(ctx)
-    if ctx.training.finetune == "full" or not groups:
+    if not finetunes(ctx.training) or not groups:
         return {"weights": sum(groups.values())}
     return {f"weights/{k}": v for k, v in groups.items()}
+
+
+def finetune_weight_parts(ctx: RankContext) -> dict[str, int]:
+    """Device bytes of the rank's weights by sub-term under LoRA/QLoRA/DoRA: weights/frozen
+    (base in the policy's dtype), weights/nf4 (packed 4-bit data), weights/nf4_constants
+    (absmax, codes), weights/adapters. Sharded like any parameter under ZeRO-3/FSDP (NF4
+    constants are kept whole on every rank, as bitsandbytes' QuantState is not a
+    parameter)."""
+    fs = shapes_for(ctx)
+    tr = ctx.training
+    shard = ctx.param_shard
+    es = ctx.expert_shard(shard)
+    layout = ctx.weight_layout
+    out = {"weights/frozen": fs.frozen.nbytes(tr.weight_dtype, shard, es, layout)}
+    if fs.quantized.tensors:
+        out["weights/nf4"] = fs.quantized.nbytes("nf4", shard, es, layout)
+        out["weights/nf4_constants"] = sum(t.count * nf4_constant_bytes(t.numel)
+                                           for t in fs.quantized.tensors)
+    out["weights/adapters"] = fs.adapters.nbytes(
+        adapter_dtype(tr.framework, tr.weight_dtype), shard, es, layout)
+    return out
 
 
 def weights_bytes(ctx: RankContext) -> int:

@@ -1,4 +1,6 @@
-"""RankContext: everything a term function needs about one rank of one scenario."""
+"""RankContext: one rank of one scenario, with its per-rank shapes (the layer below the
+memory terms): the tensors it holds and trains (vramcalc.sharding, or under LoRA/QLoRA/DoRA
+vramcalc.finetune), its layers, its engine and its shard degrees and layouts."""
 
 from __future__ import annotations
 
@@ -6,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from vramcalc.features import finetunes
+from vramcalc.finetune import shapes_for
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import Engine, ParallelConfig, num_microbatches
 from vramcalc.sharding import Layout, RankShapes, RankTensor, rank_shapes, stage_layers
@@ -47,9 +51,7 @@ class RankContext:
     @lazy
     def shapes(self) -> RankShapes:
         """Every tensor the rank holds (under LoRA/QLoRA/DoRA: frozen base + adapters)."""
-        if self.training.finetune != "full":
-            from vramcalc.finetune import shapes_for
-
+        if finetunes(self.training):
             return shapes_for(self).all
         return rank_shapes(self.spec, self.parallel, self.stage)
 
@@ -60,9 +62,7 @@ class RankContext:
     @lazy
     def train_shapes(self) -> RankShapes:
         """The tensors that get gradients and optimizer states (all, unless fine-tuning)."""
-        if self.training.finetune != "full":
-            from vramcalc.finetune import shapes_for
-
+        if finetunes(self.training):
             return shapes_for(self).adapters
         return self.shapes
 

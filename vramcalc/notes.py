@@ -1,0 +1,118 @@
+"""The report's notes: one line per fact about a scenario a reader should know beside the
+numbers (fine-tuning, activation offload, chunked cross entropy, paged optimizer states,
+FP8 / QAT), with this scenario's figures. Text only: the numbers come from the terms."""
+
+from __future__ import annotations
+
+from vramcalc.features import chunks_loss, finetunes, low_precision
+from vramcalc.finetune import fused_family, fused_groups, shapes_for
+from vramcalc.hardware import GPUProfile
+from vramcalc.model import ModelSpec
+from vramcalc.rank import RankContext
+from vramcalc.scenario import Scenario
+from vramcalc.terms.lowprec import (
+    FP8_DIM_MULTIPLE,
+    QAT_SCHEMES,
+    block_linears,
+    fp8_transpose,
+    persistent_parts,
+)
+from vramcalc.terms.optimizer_states import paged_state_bytes
+from vramcalc.training import TrainingConfig
+from vramcalc.units import fmt_gb
+
+
+def scenario_notes(scn: Scenario) -> list[str]:
+    """Every note of a (resolved) scenario's report, in order: the model's and the GPU's
+    notes, then the first rank's feature notes."""
+    notes = []
+    if scn.model_note:
+        notes.append(scn.model_note)
+    if scn.gpu_note:
+        notes.append(scn.gpu_note)
+    ctx = RankContext(scn.model, scn.training, scn.parallel, 0)
+    notes += finetune_notes(ctx)
+    if low_precision(scn.training):
+        notes += lowprec_notes(ctx, scn.cluster.gpu if scn.cluster else None)
+    return notes
+
+
+_FUSED_MODULES = {("gpt2", "qkv"): "c_attn", ("phi3", "qkv"): "qkv_proj",
+                  ("phi3", "gate_up"): "gate_up_proj"}
+
+
+def _fused_target_note(spec: ModelSpec, tr: TrainingConfig) -> str | None:
+    """Which fused module carries the adapters when targets name part of it (hf profile)."""
+    fam = fused_family(spec, tr.framework)
+    if fam is None:
+        return None
+    wanted = set(tr.lora_targets.split(","))
+    parts = []
+    for group, letters in fused_groups(spec, tr.framework).items():
+        hit = list(letters) if "all-linear" in wanted else [x for x in letters if x in wanted]
+        if hit:
+            parts.append(f"{','.join(hit)} -> {_FUSED_MODULES[(fam, group)]} "
+                         f"(one adapter for {', '.join(letters)})")
+    if not parts:
+        return None
+    return (f"{spec.name} fuses projections under --framework hf: targets {'; '.join(parts)}, "
+            "as PEFT adapts the fused module")
+
+
+def finetune_notes(ctx: RankContext) -> list[str]:
+    """Lines for the report's notes about fine-tuning, activation offload, chunked cross
+    entropy and paged memory."""
+    tr = ctx.training
+    out: list[str] = []
+    if finetunes(tr):
+        fs = shapes_for(ctx)
+        n_train = fs.adapters.numel()
+        n_all = n_train + fs.frozen.numel() + fs.quantized.numel()
+        out.append(f"{tr.finetune}: r={tr.lora_rank}, targets {tr.lora_targets}: "
+                   f"{n_train:,} trainable parameters ({100 * n_train / max(n_all, 1):.3f}% "
+                   f"of this rank's {n_all:,}); the frozen base has no gradients or "
+                   "optimizer states")
+        fused = _fused_target_note(ctx.spec, tr)
+        if fused:
+            out.append(fused)
+        if tr.finetune == "qlora":
+            out.append("qlora: layer linears stored in NF4 (4.13 bits/param with double-"
+                       "quantized absmax); each matmul dequantizes its weight into a "
+                       "transient copy")
+    if tr.activation_offload:
+        if tr.recompute == "full":
+            out.append("activation offload: nothing to offload beyond the checkpointed layer "
+                       "inputs, which this model keeps on the device")
+        else:
+            out.append("activation offload: the layers' saved tensors wait in pinned host "
+                       "memory (host RAM above); each comes back when its backward node runs")
+    if chunks_loss(tr):
+        out.append(f"chunked cross entropy ({tr.chunked_ce} chunks): the fp32 logits and loss "
+                   "gradients exist one chunk at a time; the log-probabilities are all kept")
+    paged = paged_state_bytes(ctx)
+    if paged:
+        out.append(f"{tr.optimizer}: {fmt_gb(paged)} of optimizer states live in CUDA unified "
+                   "memory: invisible to torch.cuda.max_memory_allocated (not in the peak), "
+                   "visible in nvidia-smi (counted in overhead/paged_optimizer_states); the "
+                   "driver pages them to host RAM under memory pressure instead of failing")
+    return out
+
+
+def lowprec_notes(ctx: RankContext, gpu: GPUProfile | None) -> list[str]:
+    """One note per low-precision mode (FP8, QAT) for the report."""
+    tr = ctx.training
+    parts = persistent_parts(ctx, gpu)
+    gb = sum(parts.values()) / 1e9
+    if tr.precision == "fp8":
+        layout = "data + transpose" if fp8_transpose(gpu) else "data only (non-TN GPU)"
+        out = [f"fp8: Transformer Engine delayed scaling on the block linears: cached FP8 "
+               f"weights ({layout}) and amax histories {gb:.2f} GB; linear inputs saved in "
+               "FP8 e4m3; attention, norms, embedding and lm_head in bf16"]
+        odd = [f"{n} ({r} x {c})" for n, r, c, _ in block_linears(ctx)
+               if r % FP8_DIM_MULTIPLE or c % FP8_DIM_MULTIPLE]
+        if odd:  # TE assert_dim_for_fp8_exec
+            out.append(f"fp8: TE's FP8 GEMMs need dimensions divisible by {FP8_DIM_MULTIPLE}; "
+                       f"{', '.join(odd)} would have to be padded (memory shown unpadded)")
+        return out
+    return [f"qat {tr.qat}: {QAT_SCHEMES[tr.qat]}; fake-quantized weight copies and STE masks "
+            f"are saved per linear; qparams {gb:.3f} GB"]

@@ -1,0 +1,204 @@
+"""Instants inside one layer (and around the head) where a rank's memory can peak: the
+backward moments of a layer, eager attention's softmax in forward, the final norm, and the
+share of a layer's gradients that exists at each. Legend: vramcalc/terms/saved.py. These
+functions take the layer's saved lists as arguments; vramcalc.terms.activations composes
+them with the rank's modifiers.
+"""
+
+from __future__ import annotations
+
+from vramcalc.rank import RankContext
+from vramcalc.terms.saved import Moment, Saved, bsh, dims, hf_family
+from vramcalc.units import alloc, ceil_div
+
+
+def plain_forward_working_bytes(ctx: RankContext) -> int:
+    """Temporaries at the end of one layer's forward beyond what it saves: the MLP output
+    (T·h in c) next to the new residual (T·h in r). Under full recompute nothing inside the
+    layer is kept, and its MLP runs with every intermediate alive at once: the normed input,
+    gate, up, act and act·up (T·h + 4·T·f), or fc and act (T·h + 2·T·f)."""
+    x = dims(ctx)
+    out = alloc(bsh(x), x.c) + alloc(bsh(x), x.r)
+    if ctx.training.recompute == "full":
+        f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
+        n = 4 if ctx.spec.mlp_kind == "gated" else 2
+        out = max(out, alloc(bsh(x), x.c) + n * alloc(x.T * f, x.c))
+    return out
+
+
+def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
+                           mlp_saved: list[Saved]) -> list[Moment]:
+    """The instants where one layer's backward can peak (top-down inside the layer).
+
+    Autograd runs the nodes in reverse forward order, frees each node's saved tensors after
+    it runs and its incoming gradient once consumed. g = dL/d residual (T·h in r) is held
+    through the whole branch. Two instants bound a layer:
+    - MLP: gated, the act · up backward: dL/d(act·up), d act, d up (3·T·f in c) with only
+      down_proj's input freed; 2-matrix, the activation backward: d act, d fc (2·T·f) with
+      the activation output freed;
+    - attention core: everything from the post-attention norm up is freed; flash keeps
+      dL/d out and allocates dq, dk, dv plus FlashAttention-2's scratch (softmax_d,
+      dq_accum in fp32, expanded dk/dv for GQA); eager holds dv while the softmax backward
+      turns d probs into d scores (2 (b, a, s, s) buffers in the softmax dtype).
+    Under recompute the layer's forward is re-run first, so the layer holds its full
+    (non-recomputed) saved set again at these instants: `saved` is the layer's saved list
+    without recompute, `mlp_saved` what it holds before the attention core (under selective
+    recompute its own saved list, else `saved`).
+    """
+    x = dims(ctx)
+    tr = ctx.training
+    total = sum(t.nbytes for t in mlp_saved)
+    extra = 0
+    if tr.recompute == "full" and tr.framework == "hf" and x.r != "fp32" and (
+            ctx.spec.norm_kind == "rmsnorm"):
+        extra = alloc(bsh(x), x.r)  # the checkpoint keeps the input next to hf's fp32 copy
+    c, r = x.c, x.r
+    g_res = alloc(bsh(x), r)
+    out: list[Moment] = []
+    # MLP instant
+    if moe:
+        spec = ctx.spec
+        E, k = spec.num_local_experts, spec.num_experts_per_tok
+        fe = ceil_div(spec.expert_ffn, ctx.parallel.tp)
+        if tr.framework == "hf":
+            # the combine's backward: d out (fp32 for Mixtral's fp32 routing weights) is
+            # expanded to the T·k rows (a copy), scattered back through the inverse
+            # permutation (zeros + index_put), next to d final in fp32 and c
+            S = x.T * k
+            w = "fp32" if hf_family(ctx) == "mixtral" else c
+            work = g_res + 3 * alloc(S * x.h, w) + 2 * alloc(bsh(x), c)
+            out.append(Moment("moe", total + extra, work, "shared"))
+        else:
+            # the last expert's backward: d(outputs) (E·C, h) and the other experts' input
+            # grads (E·C, h in all) wait for the split's backward, next to the expert's own
+            # gated-MLP temporaries on C rows
+            C = max(1, -(-int(ctx.parallel.capacity_factor * x.T * k * 1_000_000) // (
+                E * 1_000_000)))
+            combined = sum(t.nbytes for t in mlp_saved if t.name in ("moe.weighted",
+                                                                     "moe.expert_output"))
+            n_f = 3 if spec.mlp_kind == "gated" else 2
+            work = g_res + 2 * alloc(E * C * x.h, c) + n_f * alloc(C * fe, c) + alloc(
+                C * x.h, c)
+            out.append(Moment("moe", total + extra - combined, work, "shared"))
+    else:
+        f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
+        bsf = alloc(x.T * f, c)
+        kind = ctx.spec.mlp_kind
+        gone: tuple[str, ...]
+        if kind == "gated":  # act · up backward: d(act·up), d act, d up
+            gone, n_f = ("mlp.down_input",), 3
+        elif any(t.name == "mlp.gelu.half_x" for t in saved):
+            # hf's Python GELU: the 0.5x · (1 + tanh) product's backward: d out, d 0.5x,
+            # d (1 + tanh), with only the product (c_proj's input) freed
+            gone, n_f = ("mlp.act",), 3
+        else:  # the activation's backward: d act, d fc
+            gone, n_f = ("mlp.act",), 2
+        freed = sum(t.nbytes for t in mlp_saved if t.name in gone)
+        work = g_res + n_f * bsf
+        out.append(Moment("mlp", total + extra - freed, work, "down"))
+    # attention-core instant
+    # eager: probs @ v's backward has run (its probs copy and v are freed)
+    core_gone = ("attn.o_input", "attn.probs_c", "attn.v") if tr.attention == "eager" else (
+        "attn.o_input",)
+    held = extra + sum(t.nbytes for t in saved if t.name.startswith(("input_norm.", "attn."))
+                       and t.name not in core_gone)
+    if tr.recompute == "selective" and tr.attention == "eager" and x.g < x.a and not (
+            tr.framework == "hf" and x.g == 1 and x.b == 1):
+        held += 2 * alloc(x.b * x.s * x.g * x.d, c)  # the checkpoint's k, v before repeat
+    bsad = alloc(x.b * x.s * x.a * x.d, c)
+    if tr.attention == "flash":
+        bsgd = alloc(x.b * x.s * x.g * x.d, c)
+        s128, d32 = -(-x.s // 128) * 128, -(-x.d // (32 if x.d <= 128 else 64)) * (
+            32 if x.d <= 128 else 64)
+        scratch = alloc(x.b * x.a * s128, "fp32") + alloc(x.b * s128 * x.a * d32, "fp32")
+        if x.g < x.a:
+            scratch += 2 * bsad
+        work = g_res + 2 * bsad + 2 * bsgd + scratch
+    else:
+        p_dtype = next((t.dtype for t in saved if t.name == "attn.probs"), c)
+        work = g_res + bsad + 2 * alloc(x.b * x.a * x.s * x.s, p_dtype)
+    out.append(Moment("attention", held, work, "mlp+o"))
+    return out
+
+
+def final_norm_backward_work_bytes(ctx: RankContext) -> int:
+    """transformers' Python RMSNorm backward through the final norm (the first one, with
+    every layer's activations still held): d x̂, the rsqrt/pow/mean chain and d x, five
+    fp32 (b, s, h) temporaries at once (its x̂ copy and lm_head's input are freed)."""
+    if (ctx.training.framework != "hf" or ctx.spec.norm_kind != "rmsnorm"
+            or not ctx.is_last_stage or not ctx.spec.final_norm):
+        return 0
+    x = dims(ctx)
+    return 5 * alloc(bsh(x), "fp32")
+
+
+def layer_grad_fraction(ctx: RankContext, part: str) -> float:
+    """Share of one layer's gradient bytes in the parameter groups `part` names: "down"
+    (the MLP's output projection), "shared" (shared experts), "mlp+o" (the MLP or MoE,
+    the post-attention norm and the attention output projection)."""
+    prefixes: tuple[str, ...] = {
+        "down": ("mlp.down_proj.", "mlp.proj."),
+        "shared": ("shared_expert",),
+        "mlp+o": ("mlp.", "experts.", "router.", "shared_expert", "post_attention_layernorm.",
+                  "attn.o_proj."),
+    }[part]
+    done = every = 0
+    for t in ctx.tensors:
+        if t.group not in ("layer", "expert"):
+            continue
+        n = t.count * t.numel
+        every += n
+        if t.name.startswith(prefixes):
+            done += n
+    return done / every if every else 0.0
+
+
+def eager_forward_moment(ctx: RankContext, saved: list[Saved]) -> tuple[int, int]:
+    """Eager attention's forward peak inside one layer, at the softmax: (bytes of the layer's
+    saved tensors that exist by then, temporaries). The softmax input (scores, c) and output
+    (probs, in the softmax dtype) coexist; under autocast CUDA's fp32 rule adds the fp32
+    copy of the input. `saved`: a dense layer's saved list without recompute."""
+    x = dims(ctx)
+    tr = ctx.training
+    pre: tuple[str, ...] = ("attn.input", "attn.input.cast", "attn.q", "attn.k",
+                            "attn.repeat_index", "attn.qkv")
+    if x.g < x.a or tr.framework == "hf":
+        pre += ("attn.v",)  # repeated (or hf's repeat_kv) v exists before the scores
+    held = sum(t.nbytes for t in saved if t.name.startswith(("input_norm.", "attn.q_norm",
+                                                                  "attn.k_norm")) or t.name in pre)
+    bas = x.b * x.a * x.s * x.s
+    p_dtype = next((t.dtype for t in saved if t.name == "attn.probs"), x.c)
+    # softmax input (scores, c) and output; softmax(x16, dtype=fp32) converts its input
+    # first (a CUDA half_to_float kernel skips that copy for fp16; the trace makes it)
+    work = alloc(bas, x.c) + alloc(bas, p_dtype)
+    if p_dtype != x.c:
+        work += alloc(bas, p_dtype)
+    if tr.recompute == "full":
+        held = sum(t.nbytes for t in saved if t.name in pre)  # the layer keeps nothing
+    if x.g < x.a and not (tr.framework == "hf" and x.g == 1 and x.b == 1):
+        held += 2 * alloc(x.b * x.s * x.g * x.d, x.c)  # k, v before the repeat (locals)
+    if tr.framework == "hf" and tr.recompute == "none":
+        held += alloc(x.b * x.s * x.s, x.r)  # the model's additive mask, alive in forward
+    return held, work
+
+
+def forward_end_extra_bytes(ctx: RankContext) -> int:
+    """Beyond the saved tensors, while the final norm runs (last stage): transformers keeps
+    the embedding output (and GPT-2's position embeddings) and the last residual in locals
+    of the model's forward, its RMSNorm makes an fp32 x̂ before the cast (both only when the
+    residual is 16-bit), and eager attention's additive mask lives until the model returns."""
+    if not ctx.is_last_stage or ctx.training.framework != "hf":
+        return 0
+    x = dims(ctx)
+    extra = 0
+    if ctx.spec.norm_kind == "layernorm":
+        extra += alloc(bsh(x), x.r)  # inputs_embeds next to inputs_embeds + positions
+        if ctx.is_first_stage and ctx.spec.position_embedding == "learned":
+            extra += alloc(x.s * x.h, x.r)
+    elif x.r != "fp32":
+        extra += 2 * alloc(bsh(x), x.r) + alloc(bsh(x), "fp32")
+        if hf_family(ctx) == "gemma":
+            extra += alloc(bsh(x), "fp32")  # its fp32 x̂ is saved; the product is fp32 too
+    if ctx.training.attention == "eager" and ctx.training.recompute == "none":
+        extra += alloc(x.b * x.s * x.s, x.r)
+    return extra

@@ -1,0 +1,97 @@
+"""Everything the analytic engine needs of one rank's activations, logits and per-layer
+transients, computed once per (model, training, layout, stage): the planner asks for the
+same rank often."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from vramcalc.model import ModelSpec
+from vramcalc.parallel import ParallelConfig
+from vramcalc.rank import RankContext
+from vramcalc.terms import activations as act
+from vramcalc.terms import logits as lg
+from vramcalc.terms import moments as mo
+from vramcalc.terms import transients as tr
+from vramcalc.terms.saved import Moment
+from vramcalc.training import TrainingConfig
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-micro-batch activation quantities of one rank (bytes); see vramcalc.terms.activations,
+    .moments, .logits and .transients."""
+
+    n_dense: int
+    dense_layer: int
+    n_moe: int
+    moe_layer: int
+    embedding_side: int  # ids, labels, rope tables, masks (embedding_saved)
+    head_side: int  # final norm and lm_head input (head_saved)
+    top_moments: tuple[Moment, ...]
+    bottom_moments: tuple[Moment, ...]
+    eager_forward: tuple[int, int]
+    forward_work: int
+    forward_end_extra: int
+    final_norm_work: int
+    head_freed_at_final_norm: int  # lm_head input and the norm's x̂ copy (hf)
+    grad_fraction: dict[str, float]
+    logits_keep: int
+    logits_forward: int
+    logits_backward: int
+    head_forward_extra: int
+    loss_root: int
+    autocast_cache_layer: int  # vramcalc.terms.transients, cached here with the rest
+    autocast_cache_head: int
+    optimizer_step: int
+    first_layer_gap: int  # what the model's first layer does not save (frozen embedding)
+    resident_layer: int | None  # per layer on the device when saved tensors are offloaded
+
+    @property
+    def layers(self) -> int:
+        return self.n_dense * self.dense_layer + self.n_moe * self.moe_layer
+
+    def bottom_layers(self, n: int) -> int:
+        """Activations of the bottom n layers (dense layers come first)."""
+        dense = min(n, self.n_dense)
+        return dense * self.dense_layer + (n - dense) * self.moe_layer
+
+
+def profile(ctx: RankContext) -> Profile:
+    """The activation profile of a rank (cached: the planner asks for the same one often)."""
+    return _profile(ctx.spec, ctx.training, ctx.parallel, ctx.stage)
+
+
+@lru_cache(maxsize=8192)
+def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig,
+             stage: int) -> Profile:
+    ctx = RankContext(spec, training, parallel, stage)
+    n_dense, dense, n_moe, moe = act.stage_layer_bytes(ctx)
+    top_moe, bottom_moe = n_moe > 0, n_dense == 0
+    return Profile(
+        n_dense=n_dense, dense_layer=dense, n_moe=n_moe, moe_layer=moe,
+        embedding_side=sum(t.nbytes for t in act.embedding_saved(ctx)),
+        head_side=sum(t.nbytes for t in act.head_saved(ctx)),
+        top_moments=tuple(act.layer_backward_moments(ctx, top_moe)) if ctx.num_layers else (),
+        bottom_moments=tuple(act.layer_backward_moments(ctx, bottom_moe)) if ctx.num_layers
+        else (),
+        eager_forward=act.eager_forward_moment(ctx),
+        forward_work=act.layer_forward_working_bytes(ctx),
+        forward_end_extra=mo.forward_end_extra_bytes(ctx),
+        final_norm_work=mo.final_norm_backward_work_bytes(ctx),
+        head_freed_at_final_norm=sum(t.nbytes for t in act.head_saved(ctx) if t.name.startswith(
+            ("lm_head.", "final_norm.xhat"))),
+        grad_fraction={part: mo.layer_grad_fraction(ctx, part)
+                       for part in ("down", "shared", "mlp+o")},
+        logits_keep=lg.logits_saved_bytes(ctx),
+        logits_forward=lg.logits_forward_peak_bytes(ctx),
+        logits_backward=lg.logits_backward_peak_bytes(ctx),
+        head_forward_extra=lg.head_forward_extra_bytes(ctx),
+        loss_root=lg.loss_root_bytes(ctx),
+        autocast_cache_layer=tr._autocast_cache_layer_bytes(ctx),
+        autocast_cache_head=tr.autocast_cache_head_bytes(ctx),
+        optimizer_step=tr._optimizer_step_temp_bytes(ctx),
+        first_layer_gap=act.first_layer_gap(ctx),
+        resident_layer=act.resident_layer_bytes(ctx),
+    )

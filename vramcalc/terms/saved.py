@@ -1,0 +1,215 @@
+"""The saved-tensor vocabulary of the activation terms: one saved storage (`Saved`), a
+rank's tensor dimensions (`Dims`), one instant of a layer's backward (`Moment`), and the
+hooks a training feature implements to change them (`Modifier`).
+
+Legend (per rank): b = micro-batch, s = sequence length on this rank (÷cp), h = hidden,
+a = attention heads ÷tp, g = kv heads ÷tp (at least 1), d = head dim, f = FFN size ÷tp,
+V = vocab ÷tp, T = b·s tokens of a (b, s, h) tensor on this rank (÷tp under sequence
+parallelism), E = experts, k = experts per token, fe / fs = expert / shared-expert FFN,
+C = ⌈capacity_factor·b·s·k/E⌉ expert capacity. Dtypes: c = compute dtype, r = the
+residual stream's dtype (the weights' dtype: fp32 under autocast, else c). Every saved
+tensor is one storage, rounded to the allocator's 512 B; a storage saved by several ops
+(a norm's output read by q, k and v) is listed once.
+
+Profiles (the per-layer tables are in docs/saved-tensors.md; the trace engine checks them):
+- `reference`: vramcalc's own model (vramcalc/trace/reference_model.py): fused RMSNorm
+  (input + fp32 rstd), RoPE before the head transpose, FlashAttention-2 keeping q, k, v,
+  output and fp32 logsumexp, eager attention keeping the (b, a, s, s) probabilities.
+- `hf`: Hugging Face transformers 5.x: RMSNorm upcasts to fp32 in Python (fp32 input copy,
+  normalised copy), RoPE tables in the residual dtype, eager softmax in fp32 kept next to
+  its 16-bit copy, fused projections for Phi-3 and GPT-2, grouped_mm experts.
+- `megatron`: Korthikanti et al. 2022 (arXiv:2205.05198) Table 2, 16-bit activations and
+  1-byte dropout masks, FFN 4h generalised to f.
+
+Under autocast (r = fp32, c = 16-bit) every linear casts its fp32 input itself, so a norm
+output read by n linears is kept as n 16-bit copies (autocast caches casts of parameters
+only; aten/src/ATen/autocast_mode.cpp `cached_cast`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vramcalc.hardware import GPUProfile
+from vramcalc.rank import RankContext, lazy
+from vramcalc.units import DTYPE_BITS, ceil_div, round_alloc
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One storage kept for backward: element count, dtype, shape and reason (for the docs)."""
+
+    name: str
+    numel: int
+    dtype: str
+    shape: str
+    why: str = ""
+    count: int = 1  # identical storages (one per expert, say)
+
+    @lazy  # summed many times per profile
+    def nbytes(self) -> int:
+        bits = SAVED_BITS[self.dtype]
+        return self.count * round_alloc(ceil_div(self.numel * bits, 8))
+
+
+SAVED_BITS = {**DTYPE_BITS, "int32": 32}
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Per-rank tensor dimensions (see the legend)."""
+
+    b: int
+    s: int
+    h: int
+    a: int
+    g: int
+    d: int
+    f: int
+    V: int
+    sp_div: int  # ÷ for (b, s, h) tensors: tp under sequence parallelism, else 1
+    c: str  # compute dtype
+    r: str = "bf16"  # residual stream / weight dtype
+
+    @property
+    def T(self) -> int:
+        """Tokens of a (b, s, h) tensor on this rank."""
+        return self.b * ceil_div(self.s, self.sp_div)
+
+    @property
+    def amp(self) -> bool:
+        return self.r != self.c
+
+
+def dims(ctx: RankContext) -> Dims:
+    """The rank's tensor dimensions (memoised on the context: a profile asks a dozen times)."""
+    cached = ctx.__dict__.get("_dims")
+    if cached is None:
+        cached = ctx.__dict__["_dims"] = _dims(ctx)
+    return cached
+
+
+def _dims(ctx: RankContext) -> Dims:
+    spec, tr, par = ctx.spec, ctx.training, ctx.parallel
+    tp = par.tp
+    ffn = spec.expert_ffn if spec.is_moe and spec.num_dense_layers == 0 else spec.intermediate_size
+    return Dims(
+        b=tr.micro_batch_size,
+        s=ceil_div(tr.seq_len, par.cp),
+        h=spec.hidden_size,
+        a=ceil_div(spec.num_attention_heads, tp),
+        g=max(spec.kv_heads // tp, 1),
+        d=spec.head_size,
+        f=ceil_div(ffn, tp),
+        V=ceil_div(spec.vocab_size, tp),
+        sp_div=tp if par.sequence_parallel else 1,
+        c=tr.compute_dtype,
+        # FSDP2's MixedPrecisionPolicy all-gathers parameters in c: no autocast, r = c
+        r=tr.compute_dtype if ctx.engine == "fsdp2" else tr.weight_dtype,
+    )
+
+
+def bsh(x: Dims) -> int:
+    """Elements of a (b, s, h) tensor on this rank: T·h."""
+    return x.T * x.h
+
+
+def hf_family(ctx: RankContext) -> str:
+    """The transformers architecture the hf profile follows (vramcalc/trace/hf_models.py)."""
+    spec = ctx.spec
+    if spec.norm_kind == "layernorm" or spec.mlp_kind == "standard":
+        return "gpt2"
+    if spec.is_moe:
+        return "mixtral" if not (spec.num_shared_experts or spec.qk_norm) else (
+            "qwen2_moe" if spec.num_shared_experts else "qwen3_moe")
+    if spec.model_type in ("phi3", "gemma") and not (spec.attention_bias or spec.qk_norm):
+        return spec.model_type
+    return "llama"
+
+
+@dataclass(frozen=True)
+class Moment:
+    """One instant inside a layer's backward: what of the layer is still saved (`held`),
+    which of its parameter groups already have gradients (`grads`: "mlp" or "mlp+o") and
+    the gradient temporaries alive (`work`)."""
+
+    name: str
+    held: int
+    work: int
+    grads: str
+
+
+def mostly_moe(ctx: RankContext) -> bool:
+    """Whether most of this rank's layers are mixture-of-experts layers (the layer kind the
+    per-layer functions describe by default)."""
+    return ctx.spec.is_moe and ctx.shapes.num_moe_layers * 2 >= max(ctx.num_layers, 1)
+
+
+def first_layer_moe(ctx: RankContext) -> bool:
+    """Whether the first layer of the model is a mixture-of-experts layer."""
+    return ctx.spec.is_moe and ctx.spec.first_k_dense_replace == 0
+
+
+class Modifier:
+    """A training feature that changes what a rank's layers save and hold (fine-tuning, low
+    precision, activation offload, chunked cross entropy: one subclass each, in the module
+    named after the feature). vramcalc.terms.modifiers picks the ones that apply to a rank;
+    the activation and transient terms call every hook of those, in order. Each hook gets
+    the value composed so far (and what it needs of the layer) and returns it; the defaults
+    change nothing."""
+
+    name = ""
+    # False when the layers' saved tensors leave the device between forward and backward
+    keeps_layers_on_device = True
+
+    def applies(self, ctx: RankContext) -> bool:
+        """Whether the feature is on for this rank."""
+        raise NotImplementedError
+
+    def layer_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
+        """One layer's saved tensors (not called under full recompute, whose checkpoint
+        keeps the layer input only)."""
+        return saved
+
+    def head_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
+        """The last stage's final-norm and lm_head saved tensors."""
+        return saved
+
+    def backward_moments(self, ctx: RankContext, moments: list[Moment],
+                         saved: list[Saved]) -> list[Moment]:
+        """The instants of one layer's backward; `saved` is the layer's saved list without
+        recompute (what a recomputed layer holds again while its backward runs)."""
+        return moments
+
+    def forward_working_bytes(self, ctx: RankContext, saved: list[Saved],
+                              layers_on_device: bool) -> int:
+        """A candidate for the worst temporaries of one layer's forward, bytes above the
+        micro-batch's saved tensors (the largest candidate counts); `saved` is the first
+        layer's saved list, `layers_on_device` False under activation offload."""
+        return 0
+
+    def first_layer_gap(self, ctx: RankContext, saved: list[Saved]) -> int:
+        """Bytes of `saved` (the first layer's saved list) the first layer of the model does
+        not keep."""
+        return 0
+
+    def resident_layer_bytes(self, ctx: RankContext, saved: list[Saved]) -> int | None:
+        """Bytes of one layer's saved tensors left on the device, when they move off it."""
+        return None
+
+    def offloaded_edge_bytes(self, ctx: RankContext) -> int:
+        """Embedding-side saved bytes that leave the device with the layers."""
+        return 0
+
+    def host_bytes(self, ctx: RankContext, saved: list[Saved], in_flight: float) -> int:
+        """Host memory for `in_flight` micro-batches of layers saving `saved` each."""
+        return 0
+
+    def autocast_cache_layer_bytes(self, ctx: RankContext, cache: int) -> int:
+        """Per-layer bytes of the autocast weight casts alive in forward (given the full
+        training's)."""
+        return cache
+
+    def persistent_parts(self, ctx: RankContext, gpu: GPUProfile | None) -> dict[str, int]:
+        """Report sub-terms held for the whole step."""
+        return {}

@@ -1,0 +1,356 @@
+"""The saved-tensor tables of full training, per profile: what one transformer layer, the
+embedding side and the head side keep for backward, before any modifier (fine-tuning, low
+precision, ...) changes them. Legend and profiles: vramcalc/terms/saved.py; the tables with
+their sources: docs/saved-tensors.md.
+"""
+
+from __future__ import annotations
+
+from vramcalc.rank import RankContext
+from vramcalc.terms.saved import Dims, Saved, bsh, dims, hf_family
+from vramcalc.units import ceil_div
+
+
+# ---- building blocks ------------------------------------------------------------------
+def _linear_inputs(x: Dims, name: str, numel: int, readers: int, shape: str) -> list[Saved]:
+    """Input of `readers` linears: kept once in r, or one c-typed cast each under autocast."""
+    if x.amp:
+        return [Saved(f"{name}.cast", numel, x.c, shape,
+                      "autocast's c copy of the input, one per linear", readers)]
+    return [Saved(name, numel, x.c, shape, "input of the projection(s), for the weight grad")]
+
+
+def _norm_saved(ctx: RankContext, x: Dims, name: str, tokens: int, width: int,
+                shape: str) -> list[Saved]:
+    """A norm over `width` of `tokens` rows, as the profile implements it (output excluded)."""
+    numel = tokens * width
+    stats = shape.replace(", h)", ")") if shape.endswith(", h)") else "(rows)"
+    if ctx.spec.norm_kind == "layernorm":  # nn.LayerNorm (both profiles): native_layer_norm
+        return [Saved(f"{name}.input", numel, x.r, shape, "LayerNorm input"),
+                Saved(f"{name}.mean", tokens, "fp32", stats, "fp32 mean (CUDA acc type)"),
+                Saved(f"{name}.rstd", tokens, "fp32", stats, "fp32 1/std")]
+    if ctx.training.framework != "hf":  # fused RMSNorm: input + fp32 rstd
+        return [Saved(f"{name}.input", numel, x.r, shape, "RMSNorm input (fused kernel)"),
+                Saved(f"{name}.rstd", tokens, "fp32", stats, "fp32 1/rms (fused kernel)")]
+    # transformers RMSNorm: x32 = x.float(); x32 * rsqrt(mean(x32²) + eps) -> weight * (·).to(r)
+    out = [Saved(f"{name}.x_fp32", numel, "fp32", shape,
+                 "x.to(float32), kept by pow and mul (the residual itself when r = fp32)"),
+           Saved(f"{name}.rstd", tokens, "fp32", stats, "rsqrt output, kept by mul")]
+    if hf_family(ctx) == "gemma":  # output = x̂32 · (1 + w.float()), then .type_as(x)
+        out += [Saved(f"{name}.xhat_fp32", numel, "fp32", shape, "x̂ in fp32, kept by · (1 + w)"),
+                Saved(f"{name}.one_plus_w", width, "fp32", "(width)", "1 + w in fp32")]
+    else:
+        out.append(Saved(f"{name}.xhat", numel, x.r, shape, "x̂.to(input dtype), kept by w · x̂"))
+    return out
+
+
+def _qk_norm_saved(ctx: RankContext, x: Dims) -> list[Saved]:
+    """Per-head q/k RMSNorm (Qwen3): each keeps its input (and the hf profile's fp32 copies)."""
+    out: list[Saved] = []
+    for n, heads in (("q", x.a), ("k", x.g)):
+        tokens, numel = x.b * x.s * heads, x.b * x.s * heads * x.d
+        if ctx.training.framework == "hf":
+            out += [Saved(f"attn.{n}_norm.x_fp32", numel, "fp32", f"(b, s, {n}heads, d)",
+                          "q/k.to(float32)"),
+                    Saved(f"attn.{n}_norm.rstd", tokens, "fp32", "(b, s, heads)", "rsqrt"),
+                    Saved(f"attn.{n}_norm.xhat", numel, x.c, "(b, s, heads, d)",
+                          "x̂.to(c), kept by w · x̂")]
+        else:  # autocast casts the 16-bit q/k to the fp32 weight's dtype first
+            out += [Saved(f"attn.{n}_norm.input", numel, x.r, "(b, s, heads, d)",
+                          "RMSNorm input"),
+                    Saved(f"attn.{n}_norm.rstd", tokens, "fp32", "(b, s, heads)", "fp32 1/rms")]
+    return out
+
+
+def attention_core_saved(ctx: RankContext, x: Dims) -> list[Saved]:
+    """What the attention core saves beyond its q, k, v inputs (recomputed under selective)."""
+    c = x.c
+    bsad = x.b * x.s * x.a * x.d
+    if ctx.training.attention == "flash":
+        # FlashAttention-2 / memory-efficient SDPA: output (b, s, a, d) and logsumexp
+        return [Saved("attn.out", bsad, c, "(b, s, a, d)", "SDPA output, kept by SDPA"),
+                Saved("attn.lse", x.b * x.a * x.s, "fp32", "(b, a, s)", "logsumexp, fp32")]
+    probs = x.b * x.a * x.s * x.s
+    hf = ctx.training.framework == "hf"
+    # softmax output: fp32 when autocast upcasts softmax (CUDA list) or hf asks dtype=fp32
+    # (every hf family but GPT-2, whose softmax runs in the input dtype)
+    p_dtype = "fp32" if (x.amp or (hf and hf_family(ctx) != "gpt2")) else c
+    out = [Saved("attn.probs", probs, p_dtype, "(b, a, s, s)", "softmax output")]
+    if p_dtype != c:
+        out.append(Saved("attn.probs_c", probs, c, "(b, a, s, s)",
+                         "probs in c, kept by probs @ v"))
+    return out
+
+
+def _attention_saved(ctx: RankContext, x: Dims) -> list[Saved]:
+    """q/k/v projections to o_proj input (attention core included unless selective)."""
+    spec, tr = ctx.spec, ctx.training
+    hf = tr.framework == "hf"
+    fam = hf_family(ctx) if hf else "reference"
+    c = x.c
+    bsad, bsgd = x.b * x.s * x.a * x.d, x.b * x.s * x.g * x.d
+    eager = tr.attention == "eager"
+    selective = tr.recompute == "selective"
+    fused_qkv = fam in ("gpt2", "phi3")
+    out = _linear_inputs(x, "attn.input", bsh(x), 1 if fused_qkv else 3, "(b, s, h) normed")
+    if spec.qk_norm:
+        out += _qk_norm_saved(ctx, x)
+    rope = spec.position_embedding == "rope"
+    if eager and not selective:
+        # matmul needs contiguous (b·a, s, d) operands: q, k, v copies (or the repeated
+        # k, v, which are contiguous), scores -> softmax -> probs @ v -> (b, s, a·d) copy
+        if hf:
+            out += _hf_eager_qkv(ctx, x, fam)
+        else:
+            out += [Saved("attn.q", bsad, c, "(b, a, s, d)", "contiguous q for q @ kᵀ"),
+                    Saved("attn.k", bsad, c, "(b, a, s, d)", "contiguous/repeated k"),
+                    Saved("attn.v", bsad, c, "(b, a, s, d)", "contiguous/repeated v")]
+            if x.g < x.a:
+                out.append(Saved("attn.repeat_index", x.a, "int64", "(a)",
+                                 "repeat_interleave index, kept by index_select", 2))
+        out += attention_core_saved(ctx, x)
+        out.append(Saved("attn.o_input", bsad, c, "(b, s, a·d)", "contiguous copy for o_proj"))
+        return out
+    # flash (and selective): the core's inputs q, k, v in c
+    if fused_qkv and fam == "gpt2":
+        qkv = [Saved("attn.qkv", x.b * x.s * (x.a + 2 * x.g) * x.d, c, "(b, s, 3·h)",
+                     "fused c_attn output; q, k, v are views of it")]
+    elif fused_qkv:  # phi3: q and k rotated copies, v a view of the fused qkv output
+        qk = x.r if (x.amp and selective) else c  # see below
+        qkv = [Saved("attn.qkv", x.b * x.s * (x.a + 2 * x.g) * x.d, c, "(b, s, (a+2g)·d)",
+                     "fused qkv_proj output, alive through the v view"),
+               Saved("attn.q", bsad, qk, "(b, a, s, d)", "rotated q"),
+               Saved("attn.k", bsgd, qk, "(b, g, s, d)", "rotated k")]
+    else:
+        # hf RoPE runs in r under autocast (its tables are in the residual dtype): SDPA keeps
+        # 16-bit casts of q, k, but a checkpoint around the core keeps its fp32 inputs
+        qk = x.r if (hf and x.amp and rope and selective) else c
+        qkv = [Saved("attn.q", bsad, qk, "(b, a, s, d)", "rotated q, SDPA input"),
+               Saved("attn.k", bsgd, qk, "(b, g, s, d)", "rotated k, SDPA input"),
+               Saved("attn.v", bsgd, c, "(b, g, s, d)", "v, SDPA input")]
+    out += qkv
+    if selective:
+        if eager:
+            out.append(Saved("attn.o_input", bsad, c, "(b, s, a·d)",
+                             "contiguous copy of the core output for o_proj"))
+        else:
+            out.append(Saved("attn.out", bsad, c, "(b, s, a, d)",
+                             "core output, kept by o_proj (the core is recomputed)"))
+    else:
+        out += attention_core_saved(ctx, x)
+    return out
+
+
+def _hf_eager_qkv(ctx: RankContext, x: Dims, fam: str) -> list[Saved]:
+    """hf eager attention's q, k, v as kept by the two matmuls (repeat_kv copies for GQA)."""
+    c, bsad = x.c, x.b * x.s * x.a * x.d
+    bsgd = x.b * x.s * x.g * x.d
+    if fam == "gpt2":
+        return [Saved("attn.qkv", x.b * x.s * 3 * x.a * x.d, c, "(b, s, 3·h)",
+                      "fused c_attn output; q, k, v views")]
+    # repeat_kv copies k and v unless g == 1 (then expand + reshape stays a view, and
+    # matmul folds (b, a) into one batch dimension without a copy only when b == 1)
+    k_keep = bsgd if (x.g == x.a or (x.g == 1 and x.b == 1)) else bsad
+    out = [Saved("attn.q", bsad, c, "(b, a, s, d)", "rotated q"),
+           Saved("attn.k", k_keep, c, "(b, a, s, d)", "rotated k (repeat_kv copy for GQA)")]
+    # Phi-3's v is a view of the fused qkv output, kept as such unless repeat_kv copies it
+    # or matmul cannot fold (b, a) into one batch dimension (b > 1) and copies it
+    v_view = fam == "phi3" and x.b == 1 and (x.g == x.a or x.g == 1)
+    if v_view:
+        out.append(Saved("attn.qkv", x.b * x.s * (x.a + 2 * x.g) * x.d, c, "(b, s, (a+2g)·d)",
+                         "fused qkv_proj output, kept through the v view"))
+    else:
+        out.append(Saved("attn.v", k_keep, c, "(b, a, s, d)", "v (repeat_kv copy for GQA)"))
+    return out
+
+
+def _mlp_saved(ctx: RankContext, x: Dims, tokens: int, ffn: int, name: str = "mlp",
+               readers_input: bool = True) -> list[Saved]:
+    """A dense MLP on `tokens` rows (input included when `readers_input`)."""
+    c, bsf = x.c, tokens * ffn
+    hf = ctx.training.framework == "hf"
+    fam = hf_family(ctx) if hf else "reference"
+    out: list[Saved] = []
+    if ctx.spec.mlp_kind == "gated":
+        if readers_input:
+            out += _linear_inputs(x, f"{name}.input", tokens * x.h, 1 if fam == "phi3" else 2,
+                                  "(T, h) normed")
+        if fam == "phi3":
+            out.append(Saved(f"{name}.gate_up", 2 * bsf, c, "(T, 2f)",
+                             "fused gate_up output; gate and up are views"))
+        else:
+            out += [Saved(f"{name}.gate", bsf, c, "(T, f)", "activation input"),
+                    Saved(f"{name}.up", bsf, c, "(T, f)", "kept by act · up")]
+        out += [Saved(f"{name}.act", bsf, c, "(T, f)", "activation output, kept by act · up"),
+                Saved(f"{name}.down_input", bsf, c, "(T, f)", "act · up, down_proj input")]
+        return out
+    if readers_input:
+        out += _linear_inputs(x, f"{name}.input", tokens * x.h, 1, "(T, h) normed")
+    out.append(Saved(f"{name}.fc_out", bsf, c, "(T, f)", "activation input"))
+    if hf and ctx.spec.hidden_act == "gelu_new":
+        out += _new_gelu_saved(x, bsf, name)
+    else:
+        out.append(Saved(f"{name}.act", bsf, c, "(T, f)", "activation output, proj input"))
+    return out
+
+
+def _new_gelu_saved(x: Dims, bsf: int, name: str) -> list[Saved]:
+    """transformers NewGELUActivation in Python: 0.5·x·(1 + tanh(√(2/π)(x + 0.044715·x³)))."""
+    c = x.c
+    p_dtype = "fp32" if x.amp else c  # pow is on CUDA's autocast fp32 list
+    return [Saved(f"{name}.gelu.half_x", bsf, c, "(T, f)", "0.5·x, kept by the product"),
+            Saved(f"{name}.gelu.tanh", bsf, p_dtype, "(T, f)", "tanh output"),
+            Saved(f"{name}.gelu.one_plus", bsf, p_dtype, "(T, f)", "1 + tanh, kept by product"),
+            Saved(f"{name}.act", bsf, p_dtype, "(T, f)", "activation output, c_proj input")]
+
+
+def _moe_saved(ctx: RankContext, x: Dims) -> list[Saved]:
+    """A mixture-of-experts MLP (router, top-k dispatch, experts, combine, shared experts)."""
+    spec = ctx.spec
+    c, T = x.c, x.T
+    E, k = spec.num_local_experts, spec.num_experts_per_tok
+    fe = ceil_div(spec.expert_ffn, ctx.parallel.tp)
+    out: list[Saved] = []
+    shared = spec.num_shared_experts
+    if ctx.training.framework == "hf":
+        return _hf_moe_saved(ctx, x)
+    C = max(1, -(-int(ctx.parallel.capacity_factor * T * k * 1_000_000) // (E * 1_000_000)))
+    EC = E * C
+    readers = 1 + 2 * shared + (1 if spec.shared_expert_gate else 0)
+    out += _linear_inputs(x, "moe.input", T * x.h, readers, "(T, h) normed")
+    out += [Saved("moe.router_probs", T * E, "fp32", "(T, E)", "softmax output"),
+            Saved("moe.topk_index", T * k, "int64", "(T, k)", "kept by topk backward"),
+            Saved("moe.topk_weight", T * k, "fp32", "(T, k)", "kept by / sum"),
+            Saved("moe.topk_sum", T, "fp32", "(T, 1)", "kept by / sum"),
+            Saved("moe.slot", EC, "int64", "(E·C)", "slot -> assignment index"),
+            Saved("moe.filled", EC, "bool", "(E·C)", "slot filled mask"),
+            Saved("moe.token", EC, "int64", "(E·C)", "slot -> token index"),
+            Saved("moe.gate", EC, x.r, "(E·C)", "routing weight per slot, in r")]
+    if x.amp:
+        per_expert = 2 if spec.mlp_kind == "gated" else 1
+        out.append(Saved("moe.expert_input.cast", C * x.h, c, "(C, h)",
+                         "autocast copy of an expert's tokens, one per projection",
+                         E * per_expert))
+    else:
+        out.append(Saved("moe.expert_input", EC * x.h, c, "(E·C, h)", "gathered tokens"))
+    out += [Saved(t.name.replace("mlp.", "moe.expert."), t.numel, t.dtype, t.shape, t.why, E)
+            for t in _mlp_saved(ctx, x, C, fe, readers_input=False)]
+    out += [Saved("moe.expert_output", EC * x.h, c, "(E·C, h)", "cat of expert outputs"),
+            Saved("moe.weighted", EC * x.h, x.r, "(E·C, h)",
+                  "outputs · gate; index_add's backward formula keeps its source")]
+    fs = ceil_div(spec.shared_ffn, ctx.parallel.tp)
+    for i in range(shared):
+        out += _mlp_saved(ctx, x, T, fs, name=f"shared_expert{i}", readers_input=False)
+        if spec.shared_expert_gate:
+            out += [Saved(f"shared_expert{i}.output", T * x.h, c, "(T, h)", "kept by gate ·"),
+                    Saved(f"shared_expert{i}.gate", T, c, "(T, 1)", "sigmoid output")]
+    return out
+
+
+def _hf_moe_saved(ctx: RankContext, x: Dims) -> list[Saved]:
+    """transformers MoE blocks (router softmax in fp32, grouped_mm experts on T·k rows)."""
+    spec = ctx.spec
+    c, T = x.c, x.T
+    E, k = spec.num_local_experts, spec.num_experts_per_tok
+    S = T * k
+    fe = ceil_div(spec.expert_ffn, ctx.parallel.tp)
+    shared = spec.num_shared_experts
+    readers = 2 + (3 if shared else 0)  # router, experts' gather (+ shared gate, up, gate)
+    out = _linear_inputs(x, "moe.input", T * x.h, readers, "(T, h) normed")
+    out += [Saved("moe.router_probs", T * E, "fp32", "(T, E)", "softmax output"),
+            Saved("moe.topk_index", T * k, "int64", "(T, k)", "kept by topk backward"),
+            Saved("moe.topk_weight", T * k, "fp32", "(T, k)", "renormalised top-k weights"),
+            Saved("moe.topk_sum", T, "fp32", "(T, 1)", "kept by /="),
+            Saved("moe.perm", S, "int64", "(T·k)", "sort permutation"),
+            Saved("moe.token_index", S, "int64", "(T·k)", "perm // k, kept by the gather"),
+            Saved("moe.offsets", E, "int32", "(E)", "cumsum of tokens per expert, grouped_mm"),
+            Saved("moe.inv_perm", S, "int64", "(T·k)", "inverse permutation"),
+            Saved("moe.sample_weight", S, "fp32" if hf_family(ctx) == "mixtral" else c, "(T·k)",
+                  "routing weight per row (Qwen MoE casts it to c)"),
+            Saved("moe.rows", S * x.h, c, "(T·k, h)", "tokens sorted by expert"),
+            Saved("moe.gate_up", S * 2 * fe, c, "(T·k, 2fe)", "grouped_mm output"),
+            Saved("moe.act", S * fe, c, "(T·k, fe)", "act(gate)"),
+            Saved("moe.down_input", S * fe, c, "(T·k, fe)", "act · up"),
+            Saved("moe.down_out", S * x.h, c, "(T·k, h)", "kept by · routing weight")]
+    if shared:
+        fs = ceil_div(spec.shared_ffn, ctx.parallel.tp)
+        out += _mlp_saved(ctx, x, T, fs, name="shared_expert", readers_input=False)
+        out += [Saved("shared_expert.output", T * x.h, c, "(T, h)", "kept by gate ·"),
+                Saved("shared_expert.gate", T, c, "(T, 1)", "sigmoid output")]
+    return out
+
+
+# ---- per layer -------------------------------------------------------------------------
+def checkpoint_saved(ctx: RankContext) -> list[Saved]:
+    """A layer under full recompute: torch.utils.checkpoint keeps only the layer input."""
+    x = dims(ctx)
+    return [Saved("layer.input", bsh(x), x.r, "(b, s, h)", "checkpoint input")]
+
+
+def plain_layer_saved(ctx: RankContext, moe: bool) -> list[Saved]:
+    """Saved tensors of one transformer layer for one micro-batch, full training without
+    full recompute (reference/hf profiles; no modifier applied): input norm, attention,
+    post-attention norm, then the dense MLP or the mixture of experts (`moe`)."""
+    x = dims(ctx)
+    out = _norm_saved(ctx, x, "input_norm", x.T, x.h, "(b, s, h)")
+    out += _attention_saved(ctx, x)
+    out += _norm_saved(ctx, x, "post_norm", x.T, x.h, "(b, s, h)")
+    if moe:
+        out += _moe_saved(ctx, x)
+    else:
+        out += _mlp_saved(ctx, x, x.T, ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp))
+    return out
+
+
+def megatron_layer_bytes(ctx: RankContext) -> int:
+    """Korthikanti et al. 2022 Table 2 bytes per layer (t = tp, SP and selective recompute)."""
+    x = dims(ctx)
+    s, b, h, t = x.s, x.b, x.h, ctx.parallel.tp
+    a = ctx.spec.num_attention_heads
+    ffn_ratio = ctx.spec.intermediate_size / h
+    mlp = 19 if ffn_ratio == 4 else 3 + 4 * ffn_ratio  # 19 sbh for f = 4h (2 + 8 + 8 + 1)
+    base = 34 - 19 + mlp  # 10 replicated + 24/t sharded in the paper's split
+    rec = ctx.training.recompute
+    if rec == "full":
+        return 2 * s * b * h // (t if ctx.parallel.sequence_parallel else 1)
+    core = 0 if rec == "selective" else 5 * a * s / h
+    if ctx.parallel.sequence_parallel:
+        return int(s * b * h / t * (base + core))
+    return int(s * b * h * (10 + (base - 10) / t + core / t))
+
+
+# ---- per micro-batch, outside the layers -----------------------------------------------
+def embedding_saved(ctx: RankContext) -> list[Saved]:
+    """Per micro-batch: token ids and labels (int64), RoPE tables, the eager causal mask."""
+    if not (ctx.is_first_stage or ctx.is_last_stage):
+        return []
+    x = dims(ctx)
+    spec, tr = ctx.spec, ctx.training
+    hf = tr.framework == "hf"
+    out = [Saved("input_ids", x.b * x.s, "int64", "(b, s)", "kept by the embedding"),
+           Saved("labels", x.b * x.s, "int64", "(b, s)", "the loader's batch")]
+    if hf and tr.recompute != "none":
+        # the checkpointed calls keep the model's position ids (and eager's float mask)
+        out.append(Saved("position_ids", x.s, "int64", "(s)", "checkpoint input"))
+        if tr.attention == "eager":
+            out.append(Saved("attn.mask", x.b * x.s * x.s, x.r, "(b, 1, s, s)",
+                             "additive causal mask, checkpoint input"))
+    if spec.position_embedding == "rope":
+        # cos, sin (s, d): reference in c, hf in the residual dtype
+        out.append(Saved("rope.cos_sin", x.s * x.d, x.r if hf else x.c, "(s, d)",
+                         "rotary tables, kept by q·cos, q·sin of every layer", 2))
+    elif ctx.is_first_stage:
+        out.append(Saved("positions", x.s, "int64", "(s)", "position ids, kept by embedding"))
+    if tr.attention == "eager" and not hf:
+        out.append(Saved("attn.mask", x.s * x.s, "bool", "(s, s)", "causal mask, masked_fill"))
+    return out
+
+
+def plain_head_saved(ctx: RankContext) -> list[Saved]:
+    """Last stage, full training: final norm input/statistics and the lm_head input."""
+    x = dims(ctx)
+    out: list[Saved] = []
+    if ctx.spec.final_norm:
+        out += _norm_saved(ctx, x, "final_norm", x.T, x.h, "(b, s, h)")
+    out += _linear_inputs(x, "lm_head.input", bsh(x), 1, "(b, s, h) normed")
+    return out
