@@ -319,9 +319,9 @@ def test_peft_trace_of_fused_models(shape: str, kw: dict) -> None:
     pytest.importorskip("peft")
     from vramcalc.analytic import estimate
     from vramcalc.trace.engine import trace
-    from vramcalc.validate import _scn, analytic_points, trace_points
+    from vramcalc.validate import analytic_points, scenario_for, trace_points
 
-    _, scn = _scn(shape, framework="hf", **kw)
+    _, scn = scenario_for(shape, framework="hf", **kw)
     res = trace(scn)
     ana = estimate(scn)
     assert abs(ana.peak_allocated_bytes / res.report.peak_allocated_bytes - 1) <= 0.03

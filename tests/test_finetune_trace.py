@@ -1,6 +1,6 @@
 """Fine-tuning under the trace engine: PEFT's own parameter counts, the NF4 stand-in's
 storage layout, and the analytic engine against traces of LoRA/QLoRA/DoRA steps (the
-agreement over vramcalc/validate_finetune.py's grid runs in tests/test_trace.py).
+agreement over vramcalc/validate/grid.py's grid runs in tests/test_trace.py).
 
 Expected values: PEFT (`get_peft_model`) counts its adapters itself; the NF4 layout is
 bitsandbytes' (functional.quantize_4bit with compress_statistics=True, 0.50.1): uint8

@@ -134,7 +134,7 @@ def candidate_stages(scn: Scenario) -> list[int]:
     return sorted(out)
 
 
-def _stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
+def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
                   ) -> tuple[list[Phase], int, int]:
     """Phases (steady state) of one stage, plus the first-step peak and live-tensor count."""
     ctx = RankContext(scn.model, scn.training, scn.parallel, stage)
@@ -369,7 +369,7 @@ def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
     stages = list(range(scn.parallel.pp)) if every_stage else candidate_stages(scn)
     runs = []
     for st in stages:
-        phases, first, live = _stage_phases(scn, st, gpu)
+        phases, first, live = stage_phases(scn, st, gpu)
         ovh = overhead_split(gpu.context_overhead_bytes if gpu else 0, scn.world_size, live)
         ovh.update(_paged_overhead(scn, st))
         nl = RankContext(scn.model, scn.training, scn.parallel, st).num_layers

@@ -1,0 +1,221 @@
+"""The scenarios `vramcalc validate` runs through both engines (`default_grid`).
+
+Full training on every shape, precision policy, optimizer, attention kernel and recompute
+mode for both profiles; FSDP2 at world sizes 2-8 (vramcalc.trace.distributed).
+
+Fine-tuning and low-memory cases (LoRA, QLoRA, DoRA, 8-bit and paged optimizers, chunked
+cross entropy, activation offload), both profiles: `reference` traces vramcalc's LoRALinear /
+NF4Linear (vramcalc/trace/lora.py, nf4.py); `hf` traces transformers + PEFT's get_peft_model
+(with NF4Linear bases for QLoRA).
+
+FP8 and QAT cases, the reference profile only (vramcalc/terms/lowprec.py says why): FP8
+traces the Transformer Engine stand-in `FP8Linear`, QAT real torch fake-quant ops
+(`QATLinear`), both in vramcalc/trace/lowprec.py.
+
+Names extend the shape's name with the mode so they stay unique.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vramcalc.parallel import ParallelConfig
+from vramcalc.scenario import Scenario
+from vramcalc.validate.shapes import scenario_for
+
+
+def default_grid() -> list[tuple[str, Scenario]]:
+    """The validation grid: (name, scenario) pairs, both profiles, every policy and kernel."""
+    grid: list[tuple[str, Scenario]] = []
+    for profile in ("reference", "hf"):
+        fw = {"framework": profile}
+        # every precision policy, on the GQA shape
+        for prec in ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure"):
+            grid.append(scenario_for("llama-gqa", **fw, precision=prec))
+        # optimizers
+        for opt in ("adam", "sgd", "sgd-momentum", "lion", "adafactor", "adamw-8bit"):
+            grid.append(scenario_for("llama-gqa", **fw, optimizer=opt))
+        # attention kernels x recompute modes
+        for att in ("flash", "eager"):
+            for rec in ("none", "selective", "full"):
+                grid.append(scenario_for("llama-mha", **fw, attention=att, recompute=rec,
+                                 seq_len=2048, micro_batch_size=1))
+        # micro-batch, sequence and gradient accumulation
+        grid.append(scenario_for("llama-gqa", **fw, micro_batch_size=4, seq_len=512))
+        grid.append(scenario_for("llama-gqa", **fw, micro_batch_size=1, seq_len=4096))
+        grid.append(scenario_for("llama-gqa", **fw, grad_accum=4, micro_batch_size=1))
+        grid.append(scenario_for("llama-gqa", **fw, precision="amp-bf16", attention="eager",
+                         seq_len=512))
+        # other families
+        grid.append(scenario_for("gpt2", **fw))
+        grid.append(scenario_for("gpt2", **fw, precision="amp-bf16", attention="eager", seq_len=512))
+        grid.append(scenario_for("gpt2", **fw, recompute="selective", optimizer="sgd-momentum"))
+        grid.append(scenario_for("qwen2-bias", **fw, seq_len=2048))
+        grid.append(scenario_for("qwen3-qknorm", **fw, precision="bf16-pure", optimizer="lion"))
+        grid.append(scenario_for("moe", **fw))
+        grid.append(scenario_for("moe", **fw, recompute="full", micro_batch_size=4))
+        grid.append(scenario_for("moe-shared", **fw, precision="bf16-pure", attention="eager",
+                         seq_len=512))
+        # a small vocabulary: the peak moves into the layers' backward
+        grid.append(scenario_for("llama-deep", **fw, seq_len=2048))
+        grid.append(scenario_for("llama-deep", **fw, precision="amp-bf16", attention="eager",
+                         recompute="selective", micro_batch_size=1))
+    for shape in ("gpt2", "phi3-fused", "gemma-mqa"):
+        grid.append(scenario_for(shape, framework="hf", attention="eager", seq_len=1024))
+    grid.append(scenario_for("phi3-fused", framework="hf", precision="amp-bf16", recompute="selective"))
+    grid.append(scenario_for("moe", precision="amp-bf16", recompute="selective"))
+    grid.append(scenario_for("llama-gqa", optimizer="paged-adamw-8bit"))
+    grid.append(scenario_for("gpt2", precision="fp32", optimizer="adafactor", seq_len=1024))
+    grid += finetune_grid()  # LoRA / QLoRA / DoRA, 8-bit and paged optimizers
+    grid += lowprec_grid()  # FP8 (Transformer Engine stand-in) and QAT
+    grid += fsdp_grid()
+    return grid
+
+
+def fsdp_grid() -> list[tuple[str, Scenario]]:
+    """FSDP2 data parallelism at world sizes 2, 4, 8 (vramcalc.trace.distributed)."""
+    cases: list[tuple[str, int, Any, dict[str, Any]]] = [
+        ("llama-gqa", 2, "full", {"precision": "amp-bf16"}),
+        ("llama-gqa", 4, "full", {"precision": "amp-bf16", "grad_accum": 2}),
+        ("llama-gqa", 8, "full", {"precision": "bf16"}),
+        ("gpt2", 2, "full", {"precision": "amp-bf16", "framework": "hf"}),
+        ("qwen2-bias", 4, "grad-op", {"precision": "amp-bf16"}),
+        ("llama-mha", 8, "hybrid", {"precision": "amp-bf16", "recompute": "selective"}),
+        ("moe", 8, "full", {"precision": "bf16-pure"}),
+    ]
+    out = []
+    for shape, world, fsdp, kw in cases:
+        name, scn = scenario_for(shape, **kw)
+        par = ParallelConfig(dp=world, fsdp=fsdp,
+                             shard_group=world // 2 if fsdp == "hybrid" else None)
+        out.append((f"{name}/fsdp-{fsdp}{world}", scn.model_copy(update={"parallel": par})))
+    return out
+
+
+
+# (shape, framework, training options)
+FINETUNE_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("llama-gqa", "reference", {"finetune": "lora"}),
+    ("llama-gqa", "reference", {"finetune": "qlora", "lora_targets": "all-linear"}),
+    ("llama-gqa", "reference", {"finetune": "lora", "lora_targets": "all-linear",
+                                "lora_dropout": 0.1, "precision": "amp-bf16"}),
+    ("llama-gqa", "reference", {"finetune": "qlora", "precision": "amp-bf16"}),
+    ("llama-deep", "reference", {"finetune": "qlora", "lora_targets": "all-linear",
+                                 "lora_dropout": 0.05, "seq_len": 2048}),
+    ("llama-mha", "reference", {"finetune": "lora", "attention": "eager",
+                                "recompute": "selective", "lora_targets": "q,k,v,o"}),
+    ("llama-gqa", "reference", {"finetune": "qlora", "recompute": "full", "lora_rank": 64,
+                                "optimizer": "paged-adamw-8bit", "lora_targets": "all-linear"}),
+    ("llama-gqa", "reference", {"finetune": "dora"}),
+    ("gpt2", "reference", {"finetune": "lora", "lora_targets": "all-linear"}),
+    ("moe-shared", "reference", {"finetune": "qlora", "lora_targets": "all-linear"}),
+    ("llama-gqa", "hf", {"finetune": "lora"}),
+    ("llama-gqa", "hf", {"finetune": "qlora", "lora_targets": "all-linear",
+                         "optimizer": "adamw-8bit"}),
+    ("llama-deep", "hf", {"finetune": "lora", "lora_targets": "all-linear",
+                          "lora_dropout": 0.05}),
+    ("llama-gqa", "hf", {"finetune": "dora", "lora_targets": "all-linear"}),
+    ("llama-gqa", "hf", {"finetune": "lora", "precision": "amp-bf16", "recompute": "full"}),
+    ("llama-gqa", "hf", {"finetune": "qlora", "attention": "eager", "optimizer": "paged-adamw"}),
+    ("moe", "hf", {"finetune": "qlora"}),
+    # fused projections under PEFT: GPT-2's c_attn (Conv1D), Phi-3's qkv_proj / gate_up_proj
+    ("gpt2", "hf", {"finetune": "lora"}),
+    ("gpt2", "hf", {"finetune": "lora", "lora_targets": "all-linear", "lora_dropout": 0.1,
+                    "attention": "eager"}),
+    ("phi3-fused", "hf", {"finetune": "lora"}),
+    ("phi3-fused", "hf", {"finetune": "qlora", "lora_targets": "all-linear"}),
+    ("phi3-fused", "hf", {"finetune": "lora", "lora_targets": "q,k,v,o,gate,up",
+                          "precision": "amp-bf16", "recompute": "selective"}),
+    ("phi3-fused", "hf", {"finetune": "dora", "lora_targets": "k,up"}),
+    # chunked cross entropy and activation offload (vramcalc/terms/lowmem.py)
+    ("llama-deep", "reference", {"chunked_ce": 16, "seq_len": 2048}),
+    ("llama-gqa", "reference", {"chunked_ce": 4, "precision": "amp-bf16"}),
+    ("llama-gqa", "hf", {"finetune": "lora", "chunked_ce": 8, "lora_targets": "all-linear"}),
+    ("llama-deep", "reference", {"activation_offload": True, "seq_len": 2048}),
+    ("llama-deep", "reference", {"finetune": "qlora", "activation_offload": True,
+                                 "lora_targets": "all-linear", "seq_len": 2048}),
+    ("llama-gqa", "hf", {"finetune": "lora", "activation_offload": True, "lora_dropout": 0.1}),
+    ("llama-mha", "reference", {"finetune": "lora", "activation_offload": True,
+                                "attention": "eager", "chunked_ce": 4}),
+)
+
+
+# FSDP2 (vramcalc/trace/distributed.py): (shape, framework, world, training options). The
+# small-vocabulary shape puts the peak in the layers' backward, where the gathered block,
+# the prefetched next block and the adapters' reduce-scatter count; QLoRA gathers packed
+# 4-bit weights (vramcalc.finetune.gathered_layer_bytes).
+FINETUNE_FSDP_CASES: tuple[tuple[str, str, int, dict[str, Any]], ...] = (
+    ("llama-deep", "reference", 4, {"finetune": "qlora", "precision": "bf16",
+                                    "lora_targets": "all-linear"}),
+    ("llama-deep", "hf", 2, {"finetune": "qlora", "precision": "bf16"}),
+    ("llama-deep", "reference", 2, {"finetune": "qlora", "precision": "amp-bf16"}),
+    ("llama-deep", "reference", 4, {"finetune": "lora", "precision": "amp-bf16",
+                                    "lora_targets": "all-linear"}),
+    ("llama-gqa", "hf", 2, {"finetune": "lora"}),
+)
+
+
+def finetune_grid() -> list[tuple[str, Scenario]]:
+    """(name, scenario) pairs of the fine-tuning cases above (FSDP2 ones included)."""
+    cases = [(shape, fw, 1, kw) for shape, fw, kw in FINETUNE_CASES] + list(FINETUNE_FSDP_CASES)
+    out = []
+    for shape, framework, world, kw in cases:
+        name, scn = scenario_for(shape, framework=framework, **kw)
+        if world > 1:
+            scn = scn.model_copy(update={"parallel": ParallelConfig(dp=world, fsdp="full")})
+            name += f"/fsdp-full{world}"
+        tr = scn.training
+        tag: str = tr.finetune
+        if tr.finetune != "full":
+            tag += f"-r{tr.lora_rank}-{tr.lora_targets.replace(',', '')}"
+        if tr.lora_dropout:
+            tag += f"-p{tr.lora_dropout:g}"
+        if tr.chunked_ce > 1:
+            tag += f"-ce{tr.chunked_ce}"
+        if tr.activation_offload:
+            tag += "-offload"
+        out.append((f"{name}/{tag}", scn))
+    return out
+
+
+# (shape, training options)
+LOWPREC_CASES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("llama-gqa", {"precision": "fp8"}),
+    ("llama-gqa", {"precision": "fp8", "attention": "eager", "seq_len": 512}),
+    ("llama-mha", {"precision": "fp8", "recompute": "selective", "seq_len": 2048,
+                   "micro_batch_size": 1}),
+    ("llama-mha", {"precision": "fp8", "attention": "eager", "recompute": "selective",
+                   "seq_len": 2048, "micro_batch_size": 1}),
+    ("llama-mha", {"precision": "fp8", "recompute": "full", "seq_len": 2048,
+                   "micro_batch_size": 1}),
+    ("llama-deep", {"precision": "fp8", "seq_len": 2048}),
+    ("llama-deep", {"precision": "fp8", "attention": "eager", "micro_batch_size": 1}),
+    ("qwen2-bias", {"precision": "fp8", "grad_accum": 2}),
+    ("qwen3-qknorm", {"precision": "fp8", "optimizer": "lion"}),
+    ("gpt2", {"precision": "fp8"}),
+    ("llama-gqa", {"qat": "int8"}),
+    ("llama-gqa", {"qat": "int4"}),
+    ("llama-gqa", {"qat": "int4", "precision": "bf16-pure", "attention": "eager",
+                   "seq_len": 512}),
+    ("llama-mha", {"qat": "int8", "recompute": "selective", "seq_len": 2048,
+                   "micro_batch_size": 1}),
+    ("llama-mha", {"qat": "int4", "attention": "eager", "recompute": "selective",
+                   "seq_len": 2048, "micro_batch_size": 1}),
+    ("llama-mha", {"qat": "int4", "recompute": "full", "seq_len": 2048,
+                   "micro_batch_size": 1}),
+    ("llama-deep", {"qat": "int4", "seq_len": 2048}),
+    ("llama-deep", {"qat": "int8", "attention": "eager", "micro_batch_size": 1}),
+    ("qwen2-bias", {"qat": "int8", "precision": "fp32", "seq_len": 512}),
+    ("gpt2", {"qat": "int4", "grad_accum": 2}),
+)
+
+
+def lowprec_grid() -> list[tuple[str, Scenario]]:
+    """(name, scenario) pairs of the FP8 / QAT cases above."""
+    out = []
+    for shape, kw in LOWPREC_CASES:
+        name, scn = scenario_for(shape, **kw)
+        tr = scn.training
+        tag = "fp8" if tr.precision == "fp8" else f"qat-{tr.qat}"
+        out.append((f"{name}/{tag}", scn))
+    return out

@@ -1,0 +1,75 @@
+"""The model shapes of the validation grid, and one scenario of a shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vramcalc.model import ModelSpec
+from vramcalc.parallel import ParallelConfig
+from vramcalc.scenario import Scenario
+from vramcalc.training import TrainingConfig
+
+# Shapes keep real widths (fake tensors cost nothing per element) and few layers (the
+# trace's cost is per op). Each is a family the analytic model must cover.
+SHAPES: dict[str, ModelSpec] = {
+    # Llama-3-style grouped-query attention (8:2 heads), SwiGLU, untied
+    "llama-gqa": ModelSpec(name="llama-gqa", hidden_size=1024, num_hidden_layers=2,
+                           num_attention_heads=16, num_key_value_heads=4,
+                           intermediate_size=2816, vocab_size=32000),
+    # Llama-2-style multi-head attention, head_dim 128
+    "llama-mha": ModelSpec(name="llama-mha", hidden_size=1024, num_hidden_layers=2,
+                           num_attention_heads=8, intermediate_size=2752, vocab_size=32000),
+    # Qwen2-style: q/k/v biases, tied embeddings; Qwen3-style qk_norm with head_dim 128
+    "qwen2-bias": ModelSpec(name="qwen2-bias", hidden_size=896, num_hidden_layers=2,
+                            num_attention_heads=14, num_key_value_heads=2,
+                            intermediate_size=4864, vocab_size=32768, attention_bias=True,
+                            tie_word_embeddings=True),
+    "qwen3-qknorm": ModelSpec(name="qwen3-qknorm", hidden_size=1024, num_hidden_layers=2,
+                              num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                              intermediate_size=3072, vocab_size=32768, qk_norm=True,
+                              tie_word_embeddings=True),
+    # GPT-2 small widths: LayerNorm with bias, learned positions, GELU, tied, odd vocab
+    "gpt2": ModelSpec(name="gpt2", model_type="gpt2", hidden_size=768, num_hidden_layers=2,
+                      num_attention_heads=12, intermediate_size=3072, vocab_size=50257,
+                      max_position_embeddings=1024, mlp_kind="standard",
+                      hidden_act="gelu_new", norm_kind="layernorm", norm_bias=True,
+                      attention_bias=True, attention_out_bias=True, mlp_bias=True,
+                      position_embedding="learned", tie_word_embeddings=True),
+    # deeper, with a small vocabulary: the peak moves from the loss into the layers
+    "llama-deep": ModelSpec(name="llama-deep", hidden_size=1024, num_hidden_layers=4,
+                            num_attention_heads=16, num_key_value_heads=4,
+                            intermediate_size=2816, vocab_size=1024),
+    # Phi-3-style fused qkv and gate_up projections; Gemma-style MQA, head_dim 256, GeGLU,
+    # (1 + w) RMSNorm and scaled embeddings (the hf profile follows each family's code)
+    "phi3-fused": ModelSpec(name="phi3-fused", model_type="phi3", hidden_size=1024,
+                            num_hidden_layers=2, num_attention_heads=16,
+                            intermediate_size=2816, vocab_size=32064),
+    "gemma-mqa": ModelSpec(name="gemma-mqa", model_type="gemma", hidden_size=1024,
+                           num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=1,
+                           head_dim=256, intermediate_size=4096, vocab_size=32000,
+                           hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True),
+    # Mixtral-style MoE: 8 experts, top-2
+    "moe": ModelSpec(name="moe", hidden_size=1024, num_hidden_layers=2, num_attention_heads=16,
+                     num_key_value_heads=4, intermediate_size=1408, vocab_size=32000,
+                     num_local_experts=8, num_experts_per_tok=2),
+    # Qwen2-MoE-style: a dense first layer, 4 experts top-2, a gated shared expert
+    "moe-shared": ModelSpec(name="moe-shared", hidden_size=1024, num_hidden_layers=2,
+                            num_attention_heads=16, num_key_value_heads=4,
+                            intermediate_size=2816, vocab_size=32000, num_local_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=704,
+                            num_shared_experts=1, shared_expert_intermediate_size=1408,
+                            shared_expert_gate=True, first_k_dense_replace=1,
+                            attention_bias=True),
+}
+
+
+
+def scenario_for(shape: str, framework: str = "reference", **kw: Any) -> tuple[str, Scenario]:
+    """(name, scenario) of one validation shape with these training options (one rank)."""
+    tr = TrainingConfig(framework=framework, **{
+        "seq_len": 1024, "micro_batch_size": 2, "precision": "bf16", "optimizer": "adamw",
+        **kw})
+    name = (f"{framework}/{shape}/{tr.precision}/{tr.optimizer}/{tr.attention}/{tr.recompute}"
+            f"/b{tr.micro_batch_size}s{tr.seq_len}" + (f"ga{tr.grad_accum}" if tr.grad_accum > 1
+                                                       else ""))
+    return name, Scenario(model=SHAPES[shape], training=tr, parallel=ParallelConfig())
