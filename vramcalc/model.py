@@ -224,15 +224,6 @@ class ModelSpec(BaseModel):
         inactive = (self.num_local_experts - self.num_experts_per_tok) * self.expert_params
         return self.num_params - self.num_moe_layers * inactive
 
-    @cached_property
-    def largest_matrix_params(self) -> int:
-        """Largest single parameter tensor (embedding or head usually)."""
-        h = self.hidden_size
-        cands = [self.vocab_size * h, self.num_attention_heads * self.head_size * h]
-        cands.append(h * (self.intermediate_size if not self.is_moe else max(
-            self.intermediate_size, self.expert_ffn)))
-        return max(cands)
-
     def summary(self) -> str:
         kind = "MoE" if self.is_moe else "dense"
         return (

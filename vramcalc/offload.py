@@ -112,19 +112,6 @@ def offload_footprint(ctx: RankContext) -> OffloadFootprint:
     return OffloadFootprint(host, nvme, h2d, d2h, nvme_r, nvme_w)
 
 
-def node_footprint(ctx: RankContext, gpus_per_node: int) -> OffloadFootprint:
-    """The footprint of one node: `gpus_per_node` ranks like `ctx` (traffic stays per rank)."""
-    fp = offload_footprint(ctx)
-    return OffloadFootprint(
-        host_bytes=fp.host_bytes * gpus_per_node,
-        nvme_bytes=fp.nvme_bytes * gpus_per_node,
-        pcie_h2d_bytes_per_step=fp.pcie_h2d_bytes_per_step,
-        pcie_d2h_bytes_per_step=fp.pcie_d2h_bytes_per_step,
-        nvme_read_bytes_per_step=fp.nvme_read_bytes_per_step * gpus_per_node,
-        nvme_write_bytes_per_step=fp.nvme_write_bytes_per_step * gpus_per_node,
-    )
-
-
 def host_bytes_per_node(ctx: RankContext, gpus_per_node: int, in_flight: float) -> int:
     """Host RAM one node needs for offloaded state: the rank's footprint (incl. DeepSpeed's
     pinned fp32 gradient and swap buffers) plus the pinned copies of `in_flight`

@@ -156,7 +156,3 @@ class TrainingConfig(BaseModel):
             return self.optimizer_dtype
         return "bf16" if self.precision == "bf16-pure" and self.trainable_dtype == "bf16" else (
             "fp32")
-
-    @property
-    def tokens_per_micro_batch(self) -> int:
-        return self.seq_len * self.micro_batch_size

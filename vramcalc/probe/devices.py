@@ -118,17 +118,3 @@ def nvml_driver_version() -> str | None:
     except Exception:  # noqa: BLE001 - NVML absent or no driver
         return None
 
-
-def nvml_process_used_bytes(pid: int, index: int = 0) -> int | None:
-    """Device memory NVML attributes to a process (what nvidia-smi shows), if available."""
-    try:
-        import pynvml  # type: ignore[import-not-found]
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if proc.pid == pid and proc.usedGpuMemory is not None:
-                return int(proc.usedGpuMemory)
-    except Exception:  # noqa: BLE001
-        return None
-    return None

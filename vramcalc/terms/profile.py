@@ -52,11 +52,6 @@ class Profile:
     def layers(self) -> int:
         return self.n_dense * self.dense_layer + self.n_moe * self.moe_layer
 
-    def bottom_layers(self, n: int) -> int:
-        """Activations of the bottom n layers (dense layers come first)."""
-        dense = min(n, self.n_dense)
-        return dense * self.dense_layer + (n - dense) * self.moe_layer
-
 
 def profile(ctx: RankContext) -> Profile:
     """The activation profile of a rank (cached: the planner asks for the same one often)."""
