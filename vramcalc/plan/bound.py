@@ -102,6 +102,9 @@ def states_key(c: Candidate) -> StatesKey:
             c.sched, c.v, c.prec, c.opt, c.ft)
 
 
+_UNSEEN = object()  # states not computed yet (None means refused)
+
+
 class MemoryBound:
     """Memory lower bounds of one search's candidates, in bytes per GPU (module docstring)."""
 
@@ -140,8 +143,9 @@ class MemoryBound:
     def states(self, key: StatesKey) -> ModelStates | None:
         """Model states of these settings; None when the engine refuses them (the same
         checks and term functions raise as in `analytic.estimate`)."""
-        if key in self._states:
-            return self._states[key]
+        hit = self._states.get(key, _UNSEEN)
+        if hit is not _UNSEEN:
+            return hit  # type: ignore[return-value]
         tp, pp, cp, ep, dp, sp, sharding, off, sched, v, prec, opt, ft = key
         training = self._training(prec, opt, ft)
         parallel = parallel_for(self.base, dp, tp, pp, cp, ep, sp, sharding, off, sched, v)
@@ -215,17 +219,30 @@ class MemoryBound:
         d[k] = max(d.get(k, 0.0), act)
 
     # ---- the bound ----------------------------------------------------------------------------
-    def admits(self, key: StatesKey, b: int, m: int, rec: str, limit: float) -> bool | None:
-        """Whether a candidate with these settings may fit in `limit` bytes (model states
-        and the activation floor only); None when the engine refuses the settings."""
-        st = self.states(key)
-        if st is None:
-            return None
-        if st.step > limit:
-            return False
-        tp, pp, cp, _, _, sp, _, _, _, _, prec, _, ft = key
-        floor = self.floor(tp, pp, cp, sp, b, m, rec, prec, ft)
-        return st.forward(m) + LOWER_BOUND_MARGIN * floor <= limit
+    def admitted(self, key: tuple, b: int, m: int, rec: str, limit: float,
+                 variants: list) -> tuple[list, int, int]:
+        """(the variants (optimizer, fine-tuning, …) of the settings `key` whose model states
+        and activation floor may fit in `limit` bytes, how many the engine refuses, how many
+        the bound prunes)."""
+        tp, pp, cp, _, _, sp, _, _, _, _, prec = key
+        keep, refused, pruned = [], 0, 0
+        floors: dict[str | None, float] = {}
+        for var in variants:
+            st = self.states((*key, var[0], var[1]))
+            if st is None:
+                refused += 1
+                continue
+            if st.step <= limit:
+                ft = var[1]
+                floor = floors.get(ft)
+                if floor is None:
+                    floor = floors[ft] = LOWER_BOUND_MARGIN * self.floor(
+                        tp, pp, cp, sp, b, m, rec, prec, ft)
+                if st.forward(m) + floor <= limit:
+                    keep.append(var)
+                    continue
+            pruned += 1
+        return keep, refused, pruned
 
     def total(self, c: Candidate) -> float:
         """The bound of a candidate (module docstring); infinite when the engine refuses it."""

@@ -300,9 +300,11 @@ def _layouts(base: Scenario, req: PlanRequest) -> Iterator[Group]:
 # ---- enumeration -------------------------------------------------------------------------------
 class Pruner(Protocol):
     """What the enumerator asks of a memory bound (vramcalc/plan/bound.py `MemoryBound`):
-    False when the bound exceeds `limit` bytes, None when the engine refuses the settings."""
+    which variants of some settings may fit in `limit` bytes, and how many the engine
+    refuses and the bound prunes."""
 
-    def admits(self, key: StatesKey, b: int, m: int, rec: str, limit: float) -> bool | None:
+    def admitted(self, key: tuple, b: int, m: int, rec: str, limit: float,
+                 variants: list) -> tuple[list, int, int]:
         ...
 
 
@@ -422,15 +424,9 @@ class Enumerator:
     def _admitted(self, key: tuple, b: int, m: int, rec: str, vlist: list) -> list:
         """The variants of `vlist` the pruner admits at this key (counting the others)."""
         assert self.pruner is not None
-        keep = []
-        for var in vlist:
-            ok = self.pruner.admits((*key, var[0], var[1]), b, m, rec, self.limit)
-            if ok:
-                keep.append(var)
-            elif ok is None:
-                self.refused += 1
-            else:
-                self.pruned += 1
+        keep, refused, pruned = self.pruner.admitted(key, b, m, rec, self.limit, vlist)
+        self.refused += refused
+        self.pruned += pruned
         return keep
 
     def expand(self, g: Group) -> list[Candidate]:
