@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -192,3 +193,22 @@ def test_cli_imports_only_the_torch_engines_inside_functions() -> None:
                     lazy += [(path.name, alias.name) for alias in node.names]
     engines = ("vramcalc.trace", "vramcalc.probe", "vramcalc.validate")
     assert lazy and all(module.startswith(engines) for _, module in lazy), lazy
+
+
+def test_commands_write_no_files(tmp_path: Path) -> None:
+    """estimate, plan, size, gpus and models leave the home directory and the working
+    directory as they found them: no cache, no record, unless a flag asks for one."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME",)}
+    env.update(HOME=str(home), PYTHONDONTWRITEBYTECODE="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    for argv in (["estimate", "--model", "8b", "--gpus", "8xH100", "--json"],
+                 ["plan", "--model", "8b", "--gpus", "8xH100", "--json"],
+                 ["size", "--model", "8b", "--tokens", "1e9", "--gpu", "H100", "--json"],
+                 ["gpus", "--json"], ["models", "--json"]):
+        run = subprocess.run([sys.executable, "-m", "vramcalc", *argv], cwd=work, env=env,
+                             capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+    assert list(home.rglob("*")) == [] and list(work.rglob("*")) == []
