@@ -4,9 +4,8 @@ vramcalc.finetune), its layers, its engine and its shard degrees and layouts."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from functools import cached_property
 
 from vramcalc.features import finetunes
 from vramcalc.finetune import shapes_for
@@ -14,29 +13,6 @@ from vramcalc.model import ModelSpec
 from vramcalc.parallel import Engine, ParallelConfig, num_microbatches
 from vramcalc.sharding import Layout, RankShapes, RankTensor, rank_shapes, stage_layers
 from vramcalc.training import TrainingConfig
-
-_T = TypeVar("_T")
-
-
-class lazy(Generic[_T]):  # noqa: N801 (a decorator, like cached_property)
-    """functools.cached_property without its lock: computed on first access and stored in
-    the instance's __dict__ (which then shadows this non-data descriptor). Python 3.11's
-    cached_property takes an RLock on every first access, a tenth of a fresh estimate's
-    time; these values are pure, so two threads racing would store equal values."""
-
-    def __init__(self, fn: Callable[[Any], _T]) -> None:
-        self.fn = fn
-        self.name = fn.__name__
-        self.__doc__ = fn.__doc__
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj: Any, owner: type | None = None) -> _T:
-        if obj is None:
-            return self  # type: ignore[return-value]
-        value = obj.__dict__[self.name] = self.fn(obj)
-        return value
 
 
 @dataclass(frozen=True)
@@ -48,7 +24,7 @@ class RankContext:
     parallel: ParallelConfig
     stage: int = 0
 
-    @lazy
+    @cached_property
     def shapes(self) -> RankShapes:
         """Every tensor the rank holds (under LoRA/QLoRA/DoRA: frozen base + adapters)."""
         if finetunes(self.training):
@@ -59,7 +35,7 @@ class RankContext:
     def tensors(self) -> tuple[RankTensor, ...]:
         return self.shapes.tensors
 
-    @lazy
+    @cached_property
     def train_shapes(self) -> RankShapes:
         """The tensors that get gradients and optimizer states (all, unless fine-tuning)."""
         if finetunes(self.training):
@@ -82,7 +58,7 @@ class RankContext:
     def is_last_stage(self) -> bool:
         return self.stage == self.parallel.pp - 1
 
-    @lazy
+    @cached_property
     def engine(self) -> Engine:
         """Whose sharding semantics apply: single, ddp, deepspeed, fsdp2 or megatron."""
         return self.parallel.engine(self.training.framework)
@@ -140,6 +116,3 @@ class RankContext:
         if self.engine == "deepspeed" or (self.engine == "megatron" and self.parallel.zero):
             return "flat"
         return "tensor"
-
-    def __hash__(self) -> int:  # frozen dataclass with lazy attributes needs an explicit hash
-        return id(self)

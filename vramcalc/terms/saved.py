@@ -29,9 +29,10 @@ only; aten/src/ATen/autocast_mode.cpp `cached_cast`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from vramcalc.hardware import GPUProfile
-from vramcalc.rank import RankContext, lazy
+from vramcalc.rank import RankContext
 from vramcalc.units import DTYPE_BITS, ceil_div, round_alloc
 
 
@@ -46,7 +47,7 @@ class Saved:
     why: str = ""
     count: int = 1  # identical storages (one per expert, say)
 
-    @lazy  # summed many times per profile
+    @cached_property  # summed many times per profile
     def nbytes(self) -> int:
         bits = SAVED_BITS[self.dtype]
         return self.count * round_alloc(ceil_div(self.numel * bits, 8))
