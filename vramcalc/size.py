@@ -17,15 +17,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vramcalc.errors import InputError
-from vramcalc.hardware import Cluster
+from vramcalc.hardware import Cluster, GPUProfile
 from vramcalc.plan import PlanEntry, PlanRequest, ProgressFn, search
-
-if TYPE_CHECKING:
-    from vramcalc.hardware import GPUProfile
-    from vramcalc.scenario import Scenario
+from vramcalc.scenario import Scenario
 
 SECONDS_PER_DAY = 86_400
 DEFAULT_MAX_GPUS = 131_072
