@@ -151,6 +151,26 @@ def fused_groups(spec: ModelSpec, framework: str) -> dict[str, tuple[str, ...]]:
     return {}
 
 
+def module_param_count(spec: ModelSpec, framework: str, shapes: RankShapes) -> int:
+    """Parameter tensors of these shapes as the framework's modules register them, i.e.
+    what a per-parameter optimizer state (a fused optimizer's step count) is kept for.
+    vramcalc lists every projection on its own; under the hf profile GPT-2's `c_attn` and
+    Phi-3's `qkv_proj` hold q, k and v in one weight (and one bias), Phi-3's `gate_up_proj`
+    gate and up, and transformers 5 keeps each MoE layer's routed experts as two 3-D
+    parameters, `gate_up_proj` and `down_proj` (modeling_mixtral.py / modeling_qwen2_moe.py
+    `*Experts`)."""
+    n = sum(t.count for t in shapes.tensors)
+    dense = shapes.num_layers - shapes.num_moe_layers
+    for name, letters in fused_groups(spec, framework).items():
+        bias = spec.attention_bias if name == "qkv" else spec.mlp_bias
+        layers = shapes.num_layers if name == "qkv" else dense
+        n -= (len(letters) - 1) * (2 if bias else 1) * layers
+    if framework == "hf" and shapes.num_moe_layers:
+        experts = sum(t.count for t in shapes.tensors if t.is_expert)
+        n -= experts - 2 * shapes.num_moe_layers
+    return n
+
+
 def _is_quantized(t: RankTensor, framework: str) -> bool:
     """QLoRA quantizes every linear weight inside the layers (not norms, biases, router).
     transformers 5 keeps routed experts as fused 3-D parameters, which bitsandbytes' Linear4bit

@@ -24,6 +24,7 @@ from vramcalc.training import (
     ATTENTIONS,
     FINETUNES,
     FRAMEWORKS,
+    OPTIMIZER_IMPLS,
     OPTIMIZERS,
     PRECISIONS,
     QATS,
@@ -70,6 +71,10 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "unified memory, reported as overhead).", OPTIMIZERS),
     Opt("optimizer_dtype", str, None, "Optimizer state dtype: fp32 (default) or bf16.",
         ("fp32", "bf16")),
+    Opt("optimizer_impl", str, None, "How a torch optimizer steps: foreach (one temporary "
+        "per state tensor at once) | fused (one kernel, no temporaries) | loop (one "
+        "parameter at a time). Default: the stack's (hf: fused AdamW, as HF Trainer; else "
+        "foreach, PyTorch's default on CUDA).", OPTIMIZER_IMPLS),
     Opt("attention", str, "flash", "flash (SDPA/FlashAttention) | eager (s x s scores).",
         ATTENTIONS),
     Opt("recompute", str, "none", "Activation recomputation: none | selective | full.",
@@ -118,8 +123,8 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
 )
 OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
-                  "optimizer_dtype", "attention", "recompute", "framework", "finetune",
-                  "lora_rank", "lora_targets", "lora_dropout", "chunked_ce",
+                  "optimizer_dtype", "optimizer_impl", "attention", "recompute", "framework",
+                  "finetune", "lora_rank", "lora_targets", "lora_dropout", "chunked_ce",
                   "activation_offload", "qat")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fsdp",
                   "shard_group", "offload_device", "pp_schedule", "virtual_stages",
@@ -190,8 +195,9 @@ def _validated(cls: Any, values: dict[str, Any]) -> Any:
         first = err.errors()[0]
         loc = first.get("loc") or ()
         name = str(loc[0]) if loc else ""
-        if name not in values:
-            raise InputError(first["msg"]) from None
+        cause = (first.get("ctx") or {}).get("error")
+        if name not in values:  # a check across fields: its own words
+            raise InputError(str(cause) if cause else first["msg"]) from None
         raise InputError(f"--{name.replace('_', '-')}: {first['msg']} "
                          f"(got {values[name]!r})") from None
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vramcalc.errors import InputError, suggest
 
@@ -46,6 +46,16 @@ OPTIMIZERS: tuple[str, ...] = (
 )
 FINETUNES: tuple[str, ...] = ("full", "lora", "qlora", "dora")  # vramcalc/finetune.py
 ADAPTER_METHODS: tuple[str, ...] = ("lora", "qlora", "dora")
+# How a torch optimizer runs its step (torch/optim/adam.py, sgd.py): `foreach` kernels over
+# lists (PyTorch's default on CUDA, torch/optim/optimizer.py `_default_to_fused_or_foreach`
+# with use_fused=False), one `fused` kernel (`fused=True`), or a Python `loop` over the
+# parameters (`foreach=False`).
+OPTIMIZER_IMPLS: tuple[str, ...] = ("foreach", "fused", "loop")
+# torch ships fused and per-parameter implementations of these; vramcalc's Lion and
+# Adafactor step are foreach only, bitsandbytes' optimizers their own fused kernels
+_IMPLS_OF: dict[str, tuple[str, ...]] = {
+    "adam": OPTIMIZER_IMPLS, "adamw": OPTIMIZER_IMPLS, "sgd": OPTIMIZER_IMPLS,
+    "sgd-momentum": OPTIMIZER_IMPLS}
 ATTENTIONS: tuple[str, ...] = ("flash", "eager")
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
 FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron")
@@ -100,6 +110,8 @@ class TrainingConfig(BaseModel):
     precision: Precision = "bf16"
     optimizer: OptimizerName = "adamw"
     optimizer_dtype: Literal["fp32", "bf16"] | None = None
+    # None: the stack's default (see `step_impl`)
+    optimizer_impl: Literal["foreach", "fused", "loop"] | None = None
     attention: Literal["flash", "eager"] = "flash"
     recompute: Literal["none", "selective", "full"] = "none"
     framework: Literal["reference", "hf", "megatron"] = "reference"
@@ -114,12 +126,32 @@ class TrainingConfig(BaseModel):
     # quantization-aware training: fake-quantized block linears (vramcalc/terms/lowprec.py)
     qat: Literal["none", "int8", "int4"] = "none"
 
+    @model_validator(mode="after")
+    def _impl_exists(self) -> TrainingConfig:
+        if self.optimizer_impl not in (None, *_IMPLS_OF.get(self.optimizer, ("foreach",))):
+            raise ValueError(f"--optimizer-impl {self.optimizer_impl}: {self.optimizer} has no "
+                             f"{self.optimizer_impl} implementation (only "
+                             f"{', '.join(_IMPLS_OF.get(self.optimizer, ('foreach',)))})")
+        return self
+
     @field_validator("lora_targets", mode="before")
     @classmethod
     def _canonical_targets(cls, value: object) -> str:
         return parse_targets(value)
 
     # ---- precision policy ---------------------------------------------
+    @property
+    def step_impl(self) -> str:
+        """The optimizer step's implementation: as given, else the stack's default. The hf
+        profile (HF Trainer) steps AdamW with one fused kernel: transformers 5.x
+        `TrainingArguments.optim` defaults to "adamw_torch_fused" with torch >= 2.8
+        (src/transformers/training_args.py, `default_optim`); everything else runs
+        PyTorch's default on CUDA, foreach (torch/optim/optimizer.py
+        `_default_to_fused_or_foreach(..., use_fused=False)`)."""
+        if self.optimizer_impl is not None:
+            return self.optimizer_impl
+        return "fused" if self.framework == "hf" and self.optimizer == "adamw" else "foreach"
+
     @property
     def weight_dtype(self) -> str:
         return WEIGHT_DTYPE[self.precision]

@@ -83,7 +83,8 @@ def measure(scn: Scenario, device: Device, iterations: int = 2) -> dict[str, Any
             model = build_model(scn)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = build_optimizer(scn.training.optimizer, params, scn.training.has_master_weights)
+        opt = build_optimizer(scn.training.optimizer, params, scn.training.has_master_weights,
+                              scn.training.step_impl)
         _one_iteration(model, opt, scn, device)
         first = device.counters()
         out["first_step_max_memory_allocated_bytes"] = first["max_memory_allocated_bytes"]

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         model.train()
         opt = build_optimizer(scn.training.optimizer,
                               [p for p in model.parameters() if p.requires_grad],
-                              scn.training.has_master_weights)
+                              scn.training.has_master_weights, scn.training.step_impl)
         _one_iteration(model, opt, scn, dev)
         first = dev.counters()
         dev.reset_peak()

@@ -28,6 +28,8 @@ Megatron docs, fp16 row 20 = 2 + 2 + 16). Offloaded ones move to host RAM
 
 from __future__ import annotations
 
+from vramcalc.features import finetunes
+from vramcalc.finetune import module_param_count
 from vramcalc.rank import RankContext
 from vramcalc.sharding import RankTensor, dim0_numel, sharded_numel
 from vramcalc.units import alloc, ceil_div, nbytes
@@ -111,8 +113,13 @@ def optimizer_state_split_on_device(ctx: RankContext) -> dict[str, int]:
     es = ctx.expert_shard(shard)
     layout = ctx.state_layout
     shapes = ctx.train_shapes
+    # fused torch Adam/AdamW keeps each parameter's step count on the device, a 0-dim fp32
+    # tensor (torch/optim/adam.py `_init_group`: `device=p.device` when `group["fused"]`);
+    # otherwise it is a host scalar. DeepSpeed and Megatron step their own fused optimizers.
+    steps = (tr.optimizer in ("adam", "adamw") and tr.step_impl == "fused"
+             and ctx.engine in ("single", "ddp", "fsdp2"))
     key = ("opt", tr.optimizer, tr.state_dtype, shard, es, layout, has_master(ctx),
-           ctx.engine == "megatron" and ctx.training.weight_dtype == "fp16")
+           ctx.engine == "megatron" and ctx.training.weight_dtype == "fp16", steps)
     hit = shapes._memo.get(key)
     if hit is not None:
         return dict(hit)
@@ -132,10 +139,14 @@ def optimizer_state_split_on_device(ctx: RankContext) -> dict[str, int]:
     if tr.optimizer.endswith("8bit") and any(
             t.numel >= BNB_MIN_8BIT_SIZE for t in shapes.tensors):
         states += BNB_QMAP_BYTES  # the two quantization maps, moved to the device once
+    if steps:
+        count = (sum(t.count for t in shapes.tensors) if finetunes(tr) else
+                 module_param_count(ctx.spec, tr.framework, shapes))
+        states += count * alloc(1, "fp32")
     master = 0
     if has_master(ctx):
         master = shapes.nbytes("fp32", shard, es, layout)
-        if key[-1]:  # Megatron fp16: fp32 main gradients live in the optimizer too
+        if key[-2]:  # Megatron fp16: fp32 main gradients live in the optimizer too
             master *= 2
     shapes._memo[key] = (("states", states), ("master", master))
     return {"states": states, "master": master}

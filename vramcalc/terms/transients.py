@@ -53,7 +53,8 @@ def _optimizer_step_temp_bytes(ctx: RankContext) -> int:
       while the last one is copied its 16-bit grad still exists;
     - then the inner step, on the fp32 masters, adds its own temporaries:
       adam/adamw foreach (PyTorch's default on CUDA): `_foreach_sqrt(exp_avg_sq)` copies the
-      second moments (one state-sized tensor per param, all at once); lion: the update
+      second moments (one state-sized tensor per param, all at once); fused
+      (`torch._fused_adamw_`): none; the per-parameter loop: see `_loop_step_peak`; lion: the update
       direction, one state-sized tensor per param; adafactor foreach: `row_var @ col_var`
       for every matrix at once (one state-sized tensor per matrix, plus a 512 B row mean
       each; vectors are a second, smaller group); sgd, sgd-momentum and bitsandbytes'
@@ -73,7 +74,11 @@ def _optimizer_step_temp_bytes(ctx: RankContext) -> int:
         copy_peak = _master_copy_peak(ctx, shard) - temp
     inner = 0
     sd = tr.state_dtype
-    if tr.optimizer in ("adam", "adamw", "lion"):
+    if tr.optimizer in ("adam", "adamw") and tr.step_impl == "loop":
+        inner = _loop_step_peak(ctx, shard)
+    elif tr.optimizer in ("adam", "adamw") and tr.step_impl == "fused":
+        inner = 0  # torch._fused_adam(w)_: one kernel updates params and states in place
+    elif tr.optimizer in ("adam", "adamw", "lion"):
         inner = sum(c * alloc(n, sd) for n, c, _ in tensors)
     elif tr.optimizer == "adafactor":
         matrices = sum(c * (alloc(n, sd) + ALLOC_ROUND_BYTES) for n, c, rows in tensors
@@ -81,6 +86,31 @@ def _optimizer_step_temp_bytes(ctx: RankContext) -> int:
         vectors = sum(c * alloc(n, sd) for n, c, rows in tensors if not (rows and shard == 1))
         inner = max(matrices, vectors)
     return temp + max(inner, copy_peak)
+
+
+def _loop_step_peak(ctx: RankContext, shard: int) -> int:
+    """Temporaries of torch's per-parameter Adam/AdamW step (`foreach=False`;
+    torch/optim/adam.py `_single_tensor_adam`): for parameter i,
+    `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` holds the square root
+    and the quotient at once while the previous parameter's `denom` is still bound, so the
+    peak is max_i (n_{i−1} + 2·n_i) in the state dtype, parameters in model order (two
+    consecutive layers cover the step from one layer to the next)."""
+    sd = ctx.training.state_dtype
+
+    def a(n: int) -> int:
+        return alloc(sharded_numel(n, shard), sd)
+
+    if finetunes(ctx.training):  # adapters, `count` identical tensors in a row
+        seq = [(t.numel, t.count) for t in ctx.train_tensors]
+    else:
+        emb, layer, tail = _module_order(ctx)
+        seq = [(n, 1) for n in emb + layer * min(ctx.num_layers, 2) + tail]
+    best = prev = 0
+    for n, count in seq:
+        cur = a(n)
+        best = max(best, prev + 2 * cur, 3 * cur if count > 1 else 0)
+        prev = cur
+    return best
 
 
 def _module_order(ctx: RankContext) -> tuple[list[int], list[int], list[int]]:

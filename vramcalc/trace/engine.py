@@ -228,7 +228,7 @@ def tracked_optimizer(tracker: Any, tr: Any, params: list[Any]) -> Any:
     from vramcalc.trace.optim import MixedPrecisionOptimizer, build_optimizer
 
     tracker.phase = "build_optimizer"
-    opt = build_optimizer(tr.optimizer, params, tr.has_master_weights)
+    opt = build_optimizer(tr.optimizer, params, tr.has_master_weights, tr.step_impl)
     if isinstance(opt, MixedPrecisionOptimizer):
         for m in opt.masters:
             tracker.label(m, "optimizer_states/master")

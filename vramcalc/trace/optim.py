@@ -1,8 +1,8 @@
 """Optimizers the trace engine runs, and the mixed-precision wrapper.
 
-- torch.optim SGD (with and without momentum), Adam, AdamW, Adafactor: all with
-  `foreach=True`, PyTorch's default on CUDA (`_default_to_fused_or_foreach`); the CPU default
-  would be the per-tensor loop, which allocates different temporaries.
+- torch.optim SGD (with and without momentum), Adam, AdamW, Adafactor: `foreach=True`,
+  PyTorch's default on CUDA (`_default_to_fused_or_foreach`), or the scenario's
+  `step_impl`: `fused=True` or the per-parameter loop (`foreach=False`).
 - `Lion` (Chen et al. 2023, Alg. 2): a small foreach implementation; its step allocates one
   state-sized update direction per parameter, all at once.
 - `AdamW8bitStandIn`: bitsandbytes' AdamW8bit / PagedAdamW / PagedAdamW8bit storage layout
@@ -15,7 +15,8 @@
   parameters in place (no allocation).
 
 Optimizer step counters: PyTorch keeps `state["step"]` on the host when neither
-`capturable` nor `fused` is set (torch/optim/adam.py), so the tracker does not count them.
+`capturable` nor `fused` is set (torch/optim/adam.py), so the tracker does not count them;
+fused ones are 0-dim fp32 device tensors and are counted.
 """
 
 from __future__ import annotations
@@ -142,16 +143,20 @@ class MixedPrecisionOptimizer:
             p.grad = None
 
 
-def make_optimizer(name: str, params: Sequence[torch.Tensor]) -> Optimizer:
-    """A torch optimizer (or stand-in) by vramcalc's optimizer name; foreach as on CUDA."""
+def make_optimizer(name: str, params: Sequence[torch.Tensor], impl: str = "foreach"
+                   ) -> Optimizer:
+    """A torch optimizer (or stand-in) by vramcalc's optimizer name, stepping with `impl`:
+    foreach (PyTorch's default on CUDA), fused or the per-parameter loop."""
+    foreach, fused = impl == "foreach", impl == "fused"
     if name == "sgd":
-        return torch.optim.SGD(params, lr=LR, foreach=True)
+        return torch.optim.SGD(params, lr=LR, foreach=foreach, fused=fused)
     if name == "sgd-momentum":
-        return torch.optim.SGD(params, lr=LR, momentum=0.9, foreach=True)
+        return torch.optim.SGD(params, lr=LR, momentum=0.9, foreach=foreach, fused=fused)
     if name == "adam":
-        return torch.optim.Adam(params, lr=LR, foreach=True)
+        return torch.optim.Adam(params, lr=LR, foreach=foreach, fused=fused)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=LR, weight_decay=0.01, foreach=True)
+        return torch.optim.AdamW(params, lr=LR, weight_decay=0.01, foreach=foreach,
+                                 fused=fused)
     if name == "adafactor":
         return torch.optim.Adafactor(params, lr=1e-2, foreach=True)
     if name == "lion":
@@ -162,11 +167,12 @@ def make_optimizer(name: str, params: Sequence[torch.Tensor]) -> Optimizer:
     raise ValueError(f"unknown optimizer {name!r}")
 
 
-def build_optimizer(name: str, params: list[torch.Tensor], master_weights: bool):  # noqa: ANN201
+def build_optimizer(name: str, params: list[torch.Tensor], master_weights: bool,  # noqa: ANN201
+                    impl: str = "foreach"):
     """The optimizer the engine steps: wrapped with fp32 masters for bf16/fp16 policies."""
     if master_weights:
-        return MixedPrecisionOptimizer(params, lambda ms: make_optimizer(name, ms))
-    return make_optimizer(name, params)
+        return MixedPrecisionOptimizer(params, lambda ms: make_optimizer(name, ms, impl))
+    return make_optimizer(name, params, impl)
 
 
 def optimizer_state_tensors(opt) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # noqa: ANN001
@@ -179,10 +185,13 @@ def optimizer_state_tensors(opt) -> tuple[list[torch.Tensor], list[torch.Tensor]
     else:
         inner = opt
     paged = {id(t) for t in getattr(inner, "paged_states", [])}
+    # step counts stay on the host unless the optimizer is fused (or capturable)
+    on_device = any(g.get("fused") or g.get("capturable") for g in inner.param_groups)
     for st in inner.state.values():
         for key, val in st.items():
             if isinstance(val, torch.Tensor):
-                (host if key == "step" or id(val) in paged else device).append(val)
+                host_side = (key == "step" and not on_device) or id(val) in paged
+                (host if host_side else device).append(val)
     if isinstance(inner, AdamW8bitStandIn):
         device += inner.qmaps
     return device, host

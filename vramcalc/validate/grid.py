@@ -65,6 +65,12 @@ def default_grid() -> list[tuple[str, Scenario]]:
     grid.append(scenario_for("phi3-fused", framework="hf", precision="amp-bf16", recompute="selective"))
     grid.append(scenario_for("moe", precision="amp-bf16", recompute="selective"))
     grid.append(scenario_for("llama-gqa", optimizer="paged-adamw-8bit"))
+    # the optimizer step's implementation (the hf profile's AdamW is fused by default)
+    for impl, prec in (("fused", "bf16"), ("loop", "bf16"), ("loop", "fp32"),
+                       ("fused", "amp-bf16")):
+        grid.append(scenario_for("llama-gqa", precision=prec, optimizer_impl=impl))
+    grid.append(scenario_for("gpt2", framework="hf", optimizer_impl="foreach"))
+    grid.append(scenario_for("llama-deep", framework="hf", optimizer_impl="loop"))
     grid.append(scenario_for("gpt2", precision="fp32", optimizer="adafactor", seq_len=1024))
     grid += finetune_grid()  # LoRA / QLoRA / DoRA, 8-bit and paged optimizers
     grid += lowprec_grid()  # FP8 (Transformer Engine stand-in) and QAT
