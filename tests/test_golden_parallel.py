@@ -136,9 +136,49 @@ def test_korthikanti_table_2(setting: str, s: int, b: int, t: int) -> None:
     par = ParallelConfig(tp=tp, sequence_parallel="sp" in setting)
     rec = {"tp+selective": "selective", "tp+sp+selective": "selective", "full": "full"}.get(
         setting, "none")
-    tr = TrainingConfig(seq_len=s, micro_batch_size=b, framework="megatron", recompute=rec)
+    # Table 2 is Megatron's unfused attention core (the s×s softmax, mask, dropout output)
+    tr = TrainingConfig(seq_len=s, micro_batch_size=b, framework="megatron", recompute=rec,
+                        attention="eager")
     got = layer_activation_bytes(RankContext(GPT3, tr, par))
     assert got == _table2(setting, s, b, GPT3.hidden_size, GPT3.num_attention_heads, tp)
+
+
+@pytest.mark.parametrize("setting", ["none", "tp", "tp+sp", "tp+selective", "full"])
+@pytest.mark.parametrize(("s", "b", "t"), [(2048, 1, 8), (2048, 4, 4), (4096, 1, 2)])
+def test_korthikanti_table_2_with_flash_attention(setting: str, s: int, b: int, t: int) -> None:
+    """Fused/flash attention (TE DotProductAttention, FlashAttention-2's saved set: q, k, v,
+    out, softmax_lse) keeps no (b, a, s, s) tensor: Table 2 loses Korthikanti's attention
+    core (softmax output 2·a·s²·b + dropout mask a·s²·b + dropout output 2·a·s²·b bytes)
+    and gains the fp32 logsumexp, (b, a/t, s) · 4 B; q, k, v and the output are the
+    Table's Q, K, V and output-projection input already."""
+    tp = 1 if setting in ("none", "full") else t
+    h, a = GPT3.hidden_size, GPT3.num_attention_heads
+    par = ParallelConfig(tp=tp, sequence_parallel="sp" in setting)
+    rec = {"tp+selective": "selective", "full": "full"}.get(setting, "none")
+    tr = TrainingConfig(seq_len=s, micro_batch_size=b, framework="megatron", recompute=rec,
+                        attention="flash")
+    got = layer_activation_bytes(RankContext(GPT3, tr, par))
+    if setting in ("tp+selective", "full"):  # no core is kept either way
+        expected = _table2(setting, s, b, h, a, tp)
+    else:
+        unfused_core = Fraction((2 + 1 + 2) * a * s * s * b, tp)
+        logsumexp = Fraction(4 * b * a * s, tp)
+        expected = _table2(setting, s, b, h, a, tp) - unfused_core + logsumexp
+    assert got == expected
+
+
+def test_flash_core_is_a_fraction_of_the_unfused_one_at_long_sequences() -> None:
+    """Llama-2-7B shapes (h 4096, a 32, FFN 4h here) at s = 8192: Table 2 gives
+    34 + 5·a·s/h = 354 sbh with the unfused core, 34 + 4·a/h ≈ 34 sbh with flash."""
+    spec = GPT3.model_copy(update={"hidden_size": 4096, "num_attention_heads": 32,
+                                   "intermediate_size": 4 * 4096, "num_hidden_layers": 32})
+    meg = TrainingConfig(seq_len=8192, framework="megatron")
+    eager = layer_activation_bytes(RankContext(
+        spec, meg.model_copy(update={"attention": "eager"}), ParallelConfig()))
+    flash = layer_activation_bytes(RankContext(spec, meg, ParallelConfig()))
+    sbh = 8192 * 4096
+    assert eager == 354 * sbh
+    assert flash == 34 * sbh + 4 * 32 * 8192
 
 
 # ---- Pipeline schedules -------------------------------------------------------------------------

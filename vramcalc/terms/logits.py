@@ -18,6 +18,12 @@ Source: PyTorch's log_softmax/nll_loss autograd formulas (tools/autograd/derivat
 log_softmax saves `result`, its backward returns a new tensor; nll_loss backward allocates
 a zero grad of the input's shape); transformers loss/loss_utils.py ForCausalLMLoss. Checked
 against the trace engine (tests/test_trace.py).
+
+The `megatron` profile runs Megatron-LM's vocab-parallel cross entropy instead (NVIDIA/
+Megatron-LM d98e8a64, megatron/core/tensor_parallel/cross_entropy.py
+`_VocabParallelCrossEntropy`, the default: `cross_entropy_loss_fusion = False` in
+megatron/core/model_parallel_config.py): see `_megatron_*` below. 4 + c bytes per logit at
+both peaks instead of 8 (forward) and 12 (backward).
 """
 
 from __future__ import annotations
@@ -46,6 +52,66 @@ def _hf_labels_kept(ctx: RankContext) -> int:
     return alloc(x.b * (x.s + 1), "int64") if x.b == 1 else alloc(x.b * x.s, "int64")
 
 
+# ---- Megatron-LM's vocab-parallel cross entropy -----------------------------------------
+# What exists, per micro-batch on the last stage (N = b·s tokens, V' = V/t, c = compute dtype):
+# - gpt_model.py GPTModel._postprocess: `logits, _ = self.output_layer(...)` in c (output_dtype
+#   = logit_dtype, None by default: the input's dtype); the local `logits` lives until
+#   `compute_language_model_loss(labels, logits)` returns, and nothing saves it.
+# - cross_entropy.py VocabParallelCrossEntropy.calculate_logits_max: `logits.float()`, one
+#   fp32 copy (N·V'·4; the same tensor when c is fp32); calculate_predicted_logits subtracts
+#   the max in place and `torch.exp(..., out=exp_logits)` in place; calculate_cross_entropy_
+#   loss divides in place: that fp32 buffer becomes the softmax, and
+#   `ctx.save_for_backward(exp_logits, target_mask, masked_target_1d)` keeps it with a bool
+#   and an int64 (N) vector.
+# - backward: prepare_gradient_calculation_operands takes `grad_input = softmax`,
+#   calculate_gradients subtracts 1 at the targets and `grad_input.mul_(grad_output)`: the
+#   gradient is written into the saved buffer. The Function returns it in fp32 for a c-typed
+#   input, so autograd's validate_outputs (torch/csrc/autograd/engine.cpp) casts it to c
+#   while the fp32 buffer is still held: 4 + c bytes per logit. The fused native variant
+#   (megatron/core/fusions/fused_cross_entropy.py, --cross-entropy-loss-fusion) does the same
+#   work and casts `grad_input.to(torch.bfloat16)` inside its backward: the same pair.
+# - pretrain_gpt.py loss_func: `torch.sum(losses * loss_mask)` keeps the fp32 loss_mask (N)
+#   for backward; the loss and the token count are 0-dim.
+def _megatron_small_bytes(ctx: RankContext) -> int:
+    """The (N) vectors the vocab-parallel cross entropy keeps for backward: target_mask
+    (bool), masked_target_1d (int64), and loss_func's fp32 loss_mask."""
+    x = dims(ctx)
+    n = x.b * x.s
+    return alloc(n, "bool") + alloc(n, "int64") + alloc(n, "fp32")
+
+
+def _megatron_c_logits_bytes(ctx: RankContext) -> int:
+    """The c-typed logits (forward) or their c-typed gradient (backward) next to the fp32
+    buffer; none when c is fp32 (`.float()` returns the logits themselves)."""
+    c = ctx.training.compute_dtype
+    return 0 if c == "fp32" else alloc(_nv(ctx), c)
+
+
+def _megatron_saved_bytes(ctx: RankContext) -> int:
+    """fp32 softmax (N·V'·4) + the small (N) vectors + loss and token count (0-dim)."""
+    return alloc(_nv(ctx), "fp32") + _megatron_small_bytes(ctx) + 2 * ALLOC_ROUND_BYTES
+
+
+def _megatron_forward_peak_bytes(ctx: RankContext) -> int:
+    """End of the loss forward: the c logits still alive in `_postprocess` + what is saved +
+    the forward's fp32 (N) vectors (logits_max, predicted_logits, sum_exp_logits, its log,
+    the per-token loss)."""
+    x = dims(ctx)
+    return (_megatron_c_logits_bytes(ctx) + _megatron_saved_bytes(ctx)
+            + 5 * alloc(x.b * x.s, "fp32"))
+
+
+def _megatron_backward_peak_bytes(ctx: RankContext) -> int:
+    """Loss backward: the saved fp32 buffer holding the gradient in place + its c-typed cast
+    + the saved (N) vectors + the gradient step's (N) operands (grad_output, arange_1d,
+    softmax_update) + the three 0-dim tensors of the backward root."""
+    x = dims(ctx)
+    n = x.b * x.s
+    return (alloc(_nv(ctx), "fp32") + _megatron_c_logits_bytes(ctx)
+            + _megatron_small_bytes(ctx) + 2 * alloc(n, "fp32") + alloc(n, "int64")
+            + 3 * ALLOC_ROUND_BYTES)
+
+
 def logits_saved_bytes(ctx: RankContext) -> int:
     """Held from the end of forward into backward, per micro-batch: fp32 log-probabilities,
     the loss and nll_loss's total weight (and the hf profile's shifted labels)."""
@@ -53,6 +119,8 @@ def logits_saved_bytes(ctx: RankContext) -> int:
         return 0
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_saved_bytes(ctx)
+    if ctx.training.framework == "megatron":
+        return _megatron_saved_bytes(ctx)
     out = alloc(_nv(ctx), "fp32") + 2 * ALLOC_ROUND_BYTES
     if ctx.training.framework == "hf":
         out += _hf_labels_kept(ctx)
@@ -65,6 +133,8 @@ def logits_forward_peak_bytes(ctx: RankContext) -> int:
         return 0
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_forward_peak_bytes(ctx)
+    if ctx.training.framework == "megatron":
+        return _megatron_forward_peak_bytes(ctx)
     nv, c = _nv(ctx), ctx.training.compute_dtype
     out = 2 * alloc(nv, "fp32") + 2 * ALLOC_ROUND_BYTES  # fp32 logits + log-probs + scalars
     if ctx.training.framework == "hf":
@@ -83,6 +153,8 @@ def logits_backward_peak_bytes(ctx: RankContext) -> int:
         return 0
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_backward_peak_bytes(ctx)
+    if ctx.training.framework == "megatron":
+        return _megatron_backward_peak_bytes(ctx)
     return 3 * alloc(_nv(ctx), "fp32") + 3 * ALLOC_ROUND_BYTES
 
 

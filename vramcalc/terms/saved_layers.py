@@ -303,7 +303,25 @@ def plain_layer_saved(ctx: RankContext, moe: bool) -> list[Saved]:
 
 
 def megatron_layer_bytes(ctx: RankContext) -> int:
-    """Korthikanti et al. 2022 Table 2 bytes per layer (t = tp, SP and selective recompute)."""
+    """Bytes one Megatron-LM layer keeps for backward, one micro-batch (t = tp, SP and
+    selective recompute): Korthikanti et al. 2022 (arXiv:2205.05198) Table 2,
+
+        sbh·(34 + core)           (÷t for the 24 sharded sbh of the 34 without SP, all ÷t
+                                   with SP), FFN 4h generalised to f (19 sbh -> 3 + 4f/h)
+
+    with the attention core as `--attention` picks it:
+
+    - eager = Megatron's unfused core (megatron/core/transformer/dot_product_attention.py
+      DotProductAttention.forward; TE's UnfusedDotProductAttention is the same): the
+      (b, a, s, s) softmax output 2 B, its dropout mask 1 B and the dropout output 2 B that
+      `bmm(attention_probs, value)` keeps: core = 5·a·s/h (the raw scores are not saved);
+    - flash = Transformer Engine's fused/flash attention (megatron/core/extensions/
+      transformer_engine.py TEDotProductAttention -> te DotProductAttention): the kernel
+      saves q, k, v and its output (already among the 34: Q, K 4 sbh, V 2 sbh, the output
+      projection's input 2 sbh), the fp32 softmax statistics (logsumexp, (b, a, s)) and an
+      RNG state for dropout (a few bytes; no mask, no s×s): core = 4·a/h;
+    - selective recompute (Megatron's `core_attn`) recomputes the core: core = 0.
+    """
     x = dims(ctx)
     s, b, h, t = x.s, x.b, x.h, ctx.parallel.tp
     a = ctx.spec.num_attention_heads
@@ -313,7 +331,12 @@ def megatron_layer_bytes(ctx: RankContext) -> int:
     rec = ctx.training.recompute
     if rec == "full":
         return 2 * s * b * h // (t if ctx.parallel.sequence_parallel else 1)
-    core = 0 if rec == "selective" else 5 * a * s / h
+    if rec == "selective":
+        core = 0.0
+    elif ctx.training.attention == "eager":
+        core = 5 * a * s / h  # (b, a, s, s): softmax 2 + dropout mask 1 + dropout output 2
+    else:
+        core = 4 * a / h  # (b, a, s) fp32 logsumexp
     if ctx.parallel.sequence_parallel:
         return int(s * b * h / t * (base + core))
     return int(s * b * h * (10 + (base - 10) / t + core / t))

@@ -1,0 +1,80 @@
+"""The megatron profile's loss: Megatron-LM's vocab-parallel cross entropy.
+
+Expected bytes are derived by hand from Megatron-LM d98e8a64 (never from the code's output):
+- megatron/core/models/gpt/gpt_model.py `GPTModel._postprocess`: the output layer's logits,
+  (s, b, V/t) in the compute dtype, alive while `compute_language_model_loss` runs;
+- megatron/core/tensor_parallel/cross_entropy.py `VocabParallelCrossEntropy`:
+  `calculate_logits_max` makes one fp32 copy (`.float()`); the max subtraction, `exp` and
+  the division run in place on it, and `_VocabParallelCrossEntropy.forward` saves it (the
+  softmax) with `target_mask` (bool) and `masked_target_1d` (int64); `backward` writes the
+  gradient into that same buffer (`grad_input = softmax`, `mul_`), which autograd casts to
+  the compute dtype of the logits on the way out;
+- pretrain_gpt.py `loss_func`: `losses * loss_mask` keeps the fp32 loss mask.
+Case: the calibration's test model (b 4, s 1024, V 50304 padded), bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vramcalc.model import ModelSpec
+from vramcalc.parallel import ParallelConfig
+from vramcalc.rank import RankContext
+from vramcalc.terms.logits import (
+    logits_backward_peak_bytes,
+    logits_forward_peak_bytes,
+    logits_saved_bytes,
+)
+from vramcalc.training import TrainingConfig
+
+GPT_SMALL = ModelSpec(hidden_size=512, num_hidden_layers=12, num_attention_heads=8,
+                      intermediate_size=2048, vocab_size=50304, mlp_kind="standard",
+                      hidden_act="gelu", norm_kind="layernorm", norm_bias=True,
+                      attention_bias=True, attention_out_bias=True, mlp_bias=True,
+                      position_embedding="learned", tie_word_embeddings=True,
+                      max_position_embeddings=1024)
+B, S, V = 4, 1024, 50304
+N = B * S  # 4096 tokens: every (N) vector below is a multiple of 512 B
+
+
+def _ctx(precision: str = "bf16", tp: int = 1, framework: str = "megatron") -> RankContext:
+    tr = TrainingConfig(seq_len=S, micro_batch_size=B, precision=precision, framework=framework)
+    return RankContext(GPT_SMALL, tr, ParallelConfig(dp=1, tp=tp))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_saved_softmax_is_one_fp32_buffer_of_the_rank_vocab(tp: int) -> None:
+    softmax = N * (V // tp) * 4  # exp_logits, fp32, saved by save_for_backward
+    small = N * 1 + N * 8 + N * 4  # target_mask bool, masked_target_1d int64, loss_mask fp32
+    scalars = 2 * 512  # the micro-batch loss and token count, 0-dim
+    assert logits_saved_bytes(_ctx(tp=tp)) == softmax + small + scalars
+    assert softmax == {1: 824_180_736, 2: 412_090_368, 8: 103_022_592}[tp]
+
+
+@pytest.mark.parametrize(("precision", "c_bytes"), [("bf16", 2), ("fp16", 2), ("fp32", 0)])
+def test_forward_peak_holds_the_c_logits_and_their_fp32_copy(precision: str,
+                                                             c_bytes: int) -> None:
+    # the c logits + the fp32 copy (when c is fp32 `.float()` returns the logits themselves)
+    big = N * V * (c_bytes + 4)
+    saved_small = N * 1 + N * 8 + N * 4 + 2 * 512
+    vectors = 5 * N * 4  # logits_max, predicted_logits, sum_exp_logits, its log, the loss
+    assert logits_forward_peak_bytes(_ctx(precision)) == big + saved_small + vectors
+
+
+@pytest.mark.parametrize(("precision", "c_bytes"), [("bf16", 2), ("fp32", 0)])
+def test_backward_peak_is_the_in_place_gradient_and_its_cast(precision: str,
+                                                             c_bytes: int) -> None:
+    big = N * V * (4 + c_bytes)  # fp32 softmax turned gradient in place + its c-typed cast
+    saved_small = N * 1 + N * 8 + N * 4  # target_mask, masked_target_1d, loss_mask
+    operands = N * 4 + N * 8 + N * 4  # grad_output, arange_1d, softmax_update
+    scalars = 3 * 512  # loss, its scaled copy, the root gradient
+    assert logits_backward_peak_bytes(_ctx(precision)) == big + saved_small + operands + scalars
+
+
+def test_megatron_loss_holds_half_the_reference_backward_per_logit() -> None:
+    """Reference profile (F.cross_entropy on fp32 logits): 12 B per logit at the backward
+    peak (log-probs + two gradient buffers); Megatron's in-place gradient: 4 + 2."""
+    ref = logits_backward_peak_bytes(_ctx(framework="reference"))
+    meg = logits_backward_peak_bytes(_ctx())
+    assert ref // (N * V) == 12
+    assert meg // (N * V) == 6
