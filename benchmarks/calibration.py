@@ -240,8 +240,8 @@ def megatron_mapping(case: dict[str, Any]) -> Mapping:
     flags["model"] = f"{m.model_fields['name']}.yaml"
     m.flags = {k: v for k, v in flags.items()
                if k in ALWAYS_SHOWN or v != OPTIONS_BY_NAME[k].default}
-    m.notes.append(f"transformer-impl {d.get('transformer_impl')}: the megatron profile's "
-                   "layer (Korthikanti et al. 2022) stands for both TE and local layers")
+    m.notes.append("Megatron's Transformer Engine and local layers are both estimated with "
+                   "the megatron profile (the layer of Korthikanti et al. 2022)")
     return m
 
 
@@ -292,7 +292,8 @@ _LITGPT = {"gpus": "1xA100-40GB", "precision": "bf16-pure", "optimizer": "adamw"
            "finetune": "lora", "lora_rank": 8, "lora_targets": "q,v", "lora_dropout": 0.05}
 _LITGPT_NOTES = [
     "LitGPT's lm_head_chunk_size=128 and chunked_cross_entropy -> --chunked-ce ceil(s/128)",
-    "'Memory used' is max_memory_allocated never reset: it includes checkpoint loading",
+    "LitGPT's 'Memory used' is max_memory_allocated never reset: it includes checkpoint "
+    "loading",
     "LitGPT's LoRA on the fused qkv projection is modelled as PEFT-style q and v adapters",
 ]
 
@@ -329,8 +330,8 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
     "litgpt-llama2-7b-qlora-nf4-mb1-a100": {
         "flags": {"model": "llama2-7b", **_LITGPT, "finetune": "qlora",
                   "optimizer": "paged-adamw", "chunked_ce": _litgpt_chunks},
-        "notes": [*_LITGPT_NOTES, "whether bnb quantized lm_head is not recorded; vramcalc "
-                  "keeps the head in bf16"]},
+        "notes": [*_LITGPT_NOTES, "whether bitsandbytes also quantized lm_head is not "
+                  "recorded; vramcalc keeps the head in bf16"]},
     "litgpt-llama2-7b-lora-fsdp2-mb1-2xa100": {
         "missing": ["FSDP1 flat parameters (Lightning FSDPStrategy; vramcalc models FSDP2)",
                     "gradient accumulation not stated"]},
@@ -504,6 +505,17 @@ def render_markdown(rows: list[Row]) -> str:
             if note not in seen:
                 seen.add(note)
                 lines.append(f"- {note}")
+        lines.append("")
+    missing: dict[str, list[str]] = {}
+    for r in rows:
+        if r.error is None:
+            for feature in r.mapping.missing:
+                missing.setdefault(feature, []).append(short_id(r.mapping.record_id))
+    if missing:
+        lines.append("Missing features, by record:")
+        lines.append("")
+        for feature, ids in sorted(missing.items(), key=lambda kv: -len(kv[1])):
+            lines.append(f"- {feature}: {', '.join(ids)}")
         lines.append("")
     return "\n".join(lines)
 
