@@ -1,0 +1,537 @@
+"""Calibration table: published measurements of real runs against vramcalc's estimate.
+
+    python benchmarks/calibration.py [--calibration-dir ../shared/calibration] [--markdown]
+
+Reads `megatron.yaml` (Megatron-LM functional-test golden values) and `measured.yaml`
+(published figures of HF/PEFT, torchtune, torchtitan, LitGPT, ... runs) from the calibration
+folder, expresses each record with vramcalc's own options (the CLI flags, in snake_case) and
+compares the figure the record measured:
+
+- megatron.yaml: `allocated_bytes.all.peak` of the last rank (last pipeline stage), steady
+  state (`max_allocated_all_iters`) -> the last stage's allocated peak;
+- measured.yaml: `max_memory_allocated` -> allocated peak; NVML / nvidia-smi -> device total
+  (`device_total_bytes`, CUDA context included); `max_memory_reserved` -> not expressible
+  (vramcalc has no reserved-memory estimate).
+
+A record that needs a mechanism vramcalc lacks is printed as "not expressible" with the
+missing feature; no flag or constant is ever adjusted to move a number. The mapping is the
+two reviewed pieces below: `megatron_mapping` (Megatron arguments -> flags) and
+`MEASURED_TABLE` (one entry per measured.yaml record).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import statistics
+import sys
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vramcalc.analytic import estimate
+from vramcalc.errors import InputError
+from vramcalc.options import OPTIONS_BY_NAME, build_scenario
+from vramcalc.yamlio import safe_load
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DIR = REPO_ROOT.parent / "shared" / "calibration"
+GIB = 2**30
+
+# What the record measured -> what of the estimate it is compared with.
+ALLOCATED, RESERVED, DEVICE, ACTIVE, UNKNOWN, CAPACITY = (
+    "allocated", "reserved", "device", "active", "unknown", "capacity")
+METRIC_MISSING = {
+    RESERVED: "no reserved-memory estimate",
+    UNKNOWN: "metric not stated by the source (allocated, reserved or device?)",
+    CAPACITY: "capacity boundary (largest fitting sequence), not a memory reading",
+}
+
+
+@dataclass
+class Mapping:
+    """One record expressed with vramcalc's options, or the features that are missing."""
+
+    record_id: str
+    family: str  # megatron | torchtitan | others
+    metric: str  # ALLOCATED, RESERVED, DEVICE, ...
+    measured_bytes: int | None
+    flags: dict[str, Any] | None = None  # option values (keys of vramcalc.options)
+    model_fields: dict[str, Any] | None = None  # ModelSpec fields for `--model <name>.yaml`
+    missing: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def expressible(self) -> bool:
+        return not self.missing and self.flags is not None
+
+
+@dataclass
+class Row:
+    mapping: Mapping
+    estimate_bytes: int | None = None
+
+    @property
+    def error(self) -> float | None:
+        m = self.mapping.measured_bytes
+        if self.estimate_bytes is None or not m:
+            return None
+        return self.estimate_bytes / m - 1
+
+
+# ---- loading ------------------------------------------------------------------------
+def load_records(calib_dir: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(file stem, record) for every case of megatron.yaml and measured.yaml present."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for stem in ("megatron", "measured"):
+        path = calib_dir / f"{stem}.yaml"
+        if path.is_file():
+            data = safe_load(path.read_text(encoding="utf-8")) or {}
+            out.extend((stem, case) for case in data.get("cases") or [])
+    return out
+
+
+def map_record(source: str, case: dict[str, Any]) -> Mapping:
+    return megatron_mapping(case) if source == "megatron" else measured_mapping(case)
+
+
+# ---- megatron.yaml --------------------------------------------------------------------
+PLATFORM_GPU = {"dgx_a100": "A100-80GB", "dgx_h100": "H100"}
+# Megatron arguments the mapping below has reviewed: those that change what is allocated
+# are turned into flags (or a missing feature), the rest only touch numerics, data loading
+# or logging. Any other argument makes the record "not expressible" until it is reviewed.
+MEGATRON_REVIEWED_ARGS = frozenset({
+    "num-layers", "hidden-size", "num-attention-heads", "micro-batch-size",
+    "global-batch-size", "seq-length", "max-position-embeddings", "train-iters",
+    "transformer-impl", "tensor-model-parallel-size", "pipeline-model-parallel-size",
+    "context-parallel-size", "expert-model-parallel-size", "sequence-parallel",
+    "use-distributed-optimizer", "num-layers-per-virtual-pipeline-stage",
+    "recompute-granularity", "recompute-method", "recompute-num-layers", "num-experts",
+    "moe-router-topk", "disable-bias-linear", "hidden-dropout", "attention-dropout",
+    "attention-backend", "bf16",
+    # numerics / determinism / kernel choice only
+    "deterministic-mode", "no-gradient-accumulation-fusion", "attention-softmax-in-fp32",
+    "use-mcore-models", "apply-query-key-layer-scaling", "no-bias-gelu-fusion",
+})
+
+
+def megatron_model_fields(d: dict[str, Any], a: dict[str, Any]) -> dict[str, Any]:
+    """ModelSpec fields of a Megatron GPT from its arguments and derived defaults."""
+    L, h, heads = a["num-layers"], a["hidden-size"], a["num-attention-heads"]
+    V = d["padded_vocab_size"]  # the embedding's real shape (make-vocab-size-divisible-by)
+    bias = bool(d.get("add_bias_linear", True))
+    fields: dict[str, Any] = {
+        "name": f"megatron-gpt-{L}l-h{h}-v{V}" + (f"-e{d['num_experts']}" if
+                                                  d.get("num_experts") else ""),
+        "model_type": "gpt",
+        "hidden_size": h,
+        "num_hidden_layers": L,
+        "num_attention_heads": heads,
+        "num_key_value_heads": d.get("num_query_groups_effective", heads),
+        "intermediate_size": d["ffn_hidden_size_effective"],
+        "vocab_size": V,
+        "max_position_embeddings": a.get("max-position-embeddings", a["seq-length"]),
+        "mlp_kind": "gated" if d.get("activation") == "swiglu" else "standard",
+        "hidden_act": "silu" if d.get("activation") == "swiglu" else "gelu",
+        "norm_kind": "layernorm" if d.get("normalization") == "LayerNorm" else "rmsnorm",
+        "norm_bias": d.get("normalization") == "LayerNorm",
+        "attention_bias": bias,
+        "attention_out_bias": bias,
+        "mlp_bias": bias,
+        "position_embedding": ("learned" if d.get("position_embedding_type")
+                               == "learned_absolute" else "rope"),
+        "tie_word_embeddings": bool(d.get("tied_embeddings", True)),
+    }
+    if d.get("kv_channels_effective", h // heads) != h // heads:
+        fields["head_dim"] = d["kv_channels_effective"]
+    if d.get("num_experts"):
+        fields.update(num_local_experts=d["num_experts"],
+                      num_experts_per_tok=d["moe_router_topk"],
+                      moe_intermediate_size=d["moe_ffn_hidden_size_effective"])
+    return fields
+
+
+def megatron_recompute(d: dict[str, Any], a: dict[str, Any], missing: list[str]) -> str:
+    gran = a.get("recompute-granularity")
+    if gran is None:
+        return "none"
+    if gran == "selective":
+        return "selective"
+    # full: vramcalc's `full` keeps every layer's input (uniform, one layer per group)
+    if a.get("recompute-method") == "uniform" and a.get("recompute-num-layers", 1) == 1:
+        return "full"
+    missing.append(f"full recompute {a.get('recompute-method')} with "
+                   f"recompute-num-layers {a.get('recompute-num-layers')}")
+    return "full"
+
+
+def megatron_attention(d: dict[str, Any], missing: list[str]) -> str:
+    if d.get("transformer_impl") == "local":
+        return "eager"  # Megatron's local DotProductAttention materialises the scores
+    backend = d.get("attention_backend", "auto")
+    if backend == "unfused":
+        return "eager"
+    if backend in ("flash", "fused"):
+        return "flash"  # both keep q, k, v, output and the softmax statistics
+    missing.append(f"attention backend '{backend}' chosen by Transformer Engine at run time")
+    return "flash"
+
+
+# shown even at their default value: what a reader checks first
+ALWAYS_SHOWN = frozenset({"model", "gpus", "framework", "precision", "optimizer", "attention",
+                          "recompute", "seq_len", "micro_batch_size"})
+
+
+def megatron_mapping(case: dict[str, Any]) -> Mapping:
+    """Flags for one Megatron-LM functional-test record (see megatron.yaml's header)."""
+    a, d, meas = case["args"], case["derived"], case["measured"]
+    m = Mapping(record_id=case["id"], family="megatron", metric=ALLOCATED,
+                measured_bytes=meas.get("max_allocated_all_iters"))
+    missing = m.missing
+    for key in sorted(set(a) - MEGATRON_REVIEWED_ARGS):
+        missing.append(f"unreviewed Megatron argument --{key}")
+    tp = a.get("tensor-model-parallel-size", 1)
+    pp = a.get("pipeline-model-parallel-size", 1)
+    cp = a.get("context-parallel-size", 1)
+    ep = a.get("expert-model-parallel-size", 1)
+    if d.get("hidden_dropout", 0.1) == 0 or d.get("attention_dropout", 0.1) == 0:
+        missing.append("dropout off (the megatron profile always keeps dropout masks)")
+    if d.get("fp8"):
+        missing.append(f"Megatron fp8 recipe {d['fp8']!r}")
+    if d.get("num_experts"):
+        if d.get("expert_tensor_parallel_size_effective", tp) != tp:
+            missing.append("expert-tensor-parallel size different from tp")
+        if d.get("moe_token_dispatcher_type_effective", "allgather") != "alltoall":
+            missing.append(f"MoE {d.get('moe_token_dispatcher_type_effective', 'allgather')}"
+                           " token dispatcher (vramcalc models the all-to-all dispatcher)")
+    if d.get("params_dtype") not in ("bf16", "fp16", "fp32"):
+        missing.append(f"params dtype {d.get('params_dtype')!r}")
+    if d.get("optimizer", "adam") not in ("adam", "sgd"):
+        missing.append(f"Megatron optimizer {d.get('optimizer')!r}")
+    microbatches = d["num_microbatches_per_iter"]
+    flags: dict[str, Any] = {
+        "model": None,  # the model file, set below
+        "gpus": f"{case.get('world_size', 8)}x{PLATFORM_GPU.get(case.get('platform'), '?')}",
+        "framework": "megatron",
+        "precision": d.get("params_dtype", "fp32"),  # 16-bit weights, fp32 grads and master
+        "optimizer": d.get("optimizer", "adam"),
+        "attention": megatron_attention(d, missing),
+        "recompute": megatron_recompute(d, a, missing),
+        "seq_len": a["seq-length"],
+        "micro_batch_size": a["micro-batch-size"],
+        "tp": tp, "pp": pp, "cp": cp, "ep": ep,
+        "sequence_parallel": bool(d.get("sequence_parallel")),
+        "zero": 1 if d.get("distributed_optimizer") else 0,
+    }
+    if case.get("platform") not in PLATFORM_GPU:
+        missing.append(f"GPU of platform {case.get('platform')!r}")
+    if pp > 1:
+        flags["num_microbatches"] = microbatches
+    else:
+        flags["grad_accum"] = microbatches
+    per_chunk = a.get("num-layers-per-virtual-pipeline-stage")
+    if per_chunk:
+        flags["pp_schedule"] = "interleaved"
+        flags["virtual_stages"] = a["num-layers"] // (pp * per_chunk)
+    m.model_fields = megatron_model_fields(d, a)
+    flags["model"] = f"{m.model_fields['name']}.yaml"
+    m.flags = {k: v for k, v in flags.items()
+               if k in ALWAYS_SHOWN or v != OPTIONS_BY_NAME[k].default}
+    m.notes.append("Megatron's Transformer Engine and local layers are both estimated with "
+                   "the megatron profile (the layer of Korthikanti et al. 2022)")
+    return m
+
+
+# ---- measured.yaml ------------------------------------------------------------------
+def metric_kind(text: str) -> str:
+    """What a measured.yaml record read, from its `metric` sentence."""
+    t = text.lower()
+    if "not stated" in t:
+        return UNKNOWN
+    if "oom boundary" in t or "max context length" in t:
+        return CAPACITY
+    if "nvml" in t or "nvidia-smi" in t:  # whole device: context + the reserved pool
+        return DEVICE
+    if "reserved" in t:
+        return RESERVED
+    if "active_bytes" in t:
+        return ACTIVE
+    if "max_memory_allocated" in t or "allocated_bytes" in t:
+        return ALLOCATED
+    return UNKNOWN
+
+
+_UNIT = {"gb": 1e9, "gib": GIB, "mb": 2**20, "mib": 2**20}  # measured.yaml: 'MB' is MiB
+
+
+def value_bytes(case: dict[str, Any]) -> int | None:
+    for key in ("value_bytes", "value_bytes_approx"):
+        if isinstance(case.get(key), int):
+            return case[key]
+    match = re.fullmatch(r"\s*([\d.]+)\s*(GB|GiB|MB|MiB)\s*", str(case.get("value", "")))
+    if not match:
+        return None
+    return round(float(match.group(1)) * _UNIT[match.group(2).lower()])
+
+
+def _litgpt_chunks(seq_len: int) -> int:
+    """LitGPT finetune/lora.py (8641822): lm_head_chunk_size=128 -> ceil(s/128) chunks."""
+    return math.ceil(seq_len / 128)
+
+
+_BERT = "BERT encoder (bidirectional, sequence-classification head; vramcalc models decoders)"
+_DYNAMIC = "sequence length not fixed (batches padded to their longest sample)"
+_COMPILE = "torch.compile (the compiled graph's saved tensors are not modelled)"
+_OPT_IN_BWD = "optimizer step fused into backward (optimizer_in_bwd)"
+_TITAN_FLOAT8 = "torchao float8 linears (vramcalc's fp8 is Transformer Engine's)"
+_LITGPT = {"gpus": "1xA100-40GB", "precision": "bf16-pure", "optimizer": "adamw",
+           "framework": "reference", "attention": "flash", "recompute": "none",
+           "finetune": "lora", "lora_rank": 8, "lora_targets": "q,v", "lora_dropout": 0.05}
+_LITGPT_NOTES = [
+    "LitGPT's lm_head_chunk_size=128 and chunked_cross_entropy -> --chunked-ce ceil(s/128)",
+    "LitGPT's 'Memory used' is max_memory_allocated never reset: it includes checkpoint "
+    "loading",
+    "LitGPT's LoRA on the fused qkv projection is modelled as PEFT-style q and v adapters",
+]
+
+# One reviewed entry per measured.yaml record: the flags that express it (seq_len,
+# micro_batch_size and grad_accum come from the record itself; "chunked_ce" may be a
+# function of seq_len), or the features vramcalc lacks to express it. The metric is read
+# from the record (`metric_kind`); a reserved or unstated metric is missing on its own.
+MEASURED_TABLE: dict[str, dict[str, Any]] = {
+    "hf-bertlarge-weights-only-v100": {"missing": [_BERT, "model load only, no training step"]},
+    "hf-bertlarge-bs4-fp32-adamw-v100": {"missing": [_BERT]},
+    "hf-bertlarge-bs1-ga4-gc-fp32-adamw-v100": {"missing": [_BERT]},
+    "hf-bertlarge-bs4-fp16amp-adamw-v100": {"missing": [_BERT]},
+    "torchtune-llama2-7b-lora-r8-qv-1gpu": {"missing": [_DYNAMIC]},
+    "torchtune-llama2-7b-qlora-r8-1gpu": {"missing": [_DYNAMIC, "torchao NF4 tensors"]},
+    "torchtune-readme-apr24-llama2-7b-lora-fsdp-2x4090": {"missing": [_DYNAMIC]},
+    "torchtune-readme-apr24-llama2-7b-full-lowmem-1x4090": {"missing": [_DYNAMIC, _OPT_IN_BWD]},
+    "torchtune-readme-sep24-llama31-8b-qlora-1x4090": {"missing": [_COMPILE,
+                                                                   "torchao NF4 tensors"]},
+    "torchtune-llama32-3b-full-baseline-a100": {"missing": [_DYNAMIC]},
+    "torchtune-llama32-3b-full-optinbwd-a100": {"missing": [_OPT_IN_BWD, _COMPILE]},
+    "torchtune-llama32-3b-lora-r64-a100": {"missing": [_COMPILE]},
+    "torchtitan-llama31-8b-fsdp8-sac-h100": {
+        "missing": ["torchtitan per-op selective activation checkpointing (selective_ac_option"
+                    "='op')"]},
+    "torchtitan-llama31-8b-fsdp8-cp1-seq32k-fullac-h100": {"missing": [_TITAN_FLOAT8,
+                                                                       _COMPILE]},
+    "torchtitan-llama31-70b-fsdp32-tp8-fullac-h100": {"missing": [_TITAN_FLOAT8, _COMPILE]},
+    "litgpt-phi15-lora-mb1-a100": {
+        "missing": ["parallel attention + MLP block (phi-1.5; vramcalc's blocks are "
+                    "sequential)"]},
+    "litgpt-llama2-7b-lora-mb1-a100": {
+        "flags": {"model": "llama2-7b", **_LITGPT, "chunked_ce": _litgpt_chunks},
+        "notes": _LITGPT_NOTES},
+    "litgpt-llama2-7b-qlora-nf4-mb1-a100": {
+        "flags": {"model": "llama2-7b", **_LITGPT, "finetune": "qlora",
+                  "optimizer": "paged-adamw", "chunked_ce": _litgpt_chunks},
+        "notes": [*_LITGPT_NOTES, "whether bitsandbytes also quantized lm_head is not "
+                  "recorded; vramcalc keeps the head in bf16"]},
+    "litgpt-llama2-7b-lora-fsdp2-mb1-2xa100": {
+        "missing": ["FSDP1 flat parameters (Lightning FSDPStrategy; vramcalc models FSDP2)",
+                    "gradient accumulation not stated"]},
+    "peft-mc-llama32-3b-full-ft-l40s": {"missing": [_DYNAMIC]},
+    "peft-mc-llama32-3b-lora-r32-qv-l40s": {"missing": [_DYNAMIC]},
+    "gcp-openllama7b-lora-r16-seq256-a100": {
+        "missing": ["LoRA targets, optimizer and checkpointing not stated"]},
+    "unsloth-hf-fa2-llama31-8b-qlora-r32-maxctx-24gb": {
+        "missing": ["optimizer, checkpointing and GPU not stated"]},
+}
+
+
+def measured_mapping(case: dict[str, Any]) -> Mapping:
+    """Flags for one measured.yaml record, from MEASURED_TABLE."""
+    rid = case["id"]
+    kind = metric_kind(str(case.get("metric", "")))
+    m = Mapping(record_id=rid, family="torchtitan" if rid.startswith("torchtitan") else
+                "others", metric=kind, measured_bytes=value_bytes(case))
+    entry = MEASURED_TABLE.get(rid)
+    if kind in METRIC_MISSING:
+        m.missing.append(METRIC_MISSING[kind])
+    if kind == ACTIVE:
+        m.notes.append("active_bytes peak compared with the allocated peak")
+    if entry is None:
+        m.missing.append("no reviewed mapping for this record")
+        return m
+    m.missing.extend(entry.get("missing", []))
+    m.notes.extend(entry.get("notes", []))
+    if "flags" not in entry:
+        return m
+    flags = dict(entry["flags"])
+    for key, rec_key in (("seq_len", "seq_len"), ("micro_batch_size", "micro_batch"),
+                         ("grad_accum", "grad_accum")):
+        value = case.get(rec_key)
+        if isinstance(value, int):
+            flags[key] = value
+        elif key == "seq_len":
+            m.missing.append(_DYNAMIC)
+            return m
+    for key, value in flags.items():
+        if callable(value):
+            flags[key] = value(flags["seq_len"])
+    m.flags = flags
+    if m.measured_bytes is None:
+        m.missing.append(f"value {case.get('value')!r} has no byte count")
+    return m
+
+
+# ---- estimating ---------------------------------------------------------------------
+def model_yaml(fields: dict[str, Any]) -> str:
+    """A ModelSpec YAML file's text (`--model <name>.yaml`)."""
+    def fmt(v: Any) -> str:
+        return str(v).lower() if isinstance(v, bool) else str(v)
+    return "".join(f"{k}: {fmt(v)}\n" for k, v in fields.items())
+
+
+def estimate_row(m: Mapping, model_dir: Path) -> Row:
+    """The estimate of the figure the record measured (None when not expressible)."""
+    row = Row(m)
+    if not m.expressible:
+        return row
+    assert m.flags is not None
+    values = dict(m.flags)
+    if m.model_fields is not None:
+        path = model_dir / values["model"]
+        path.write_text(model_yaml(m.model_fields), encoding="utf-8")
+        values["model"] = str(path)
+    try:
+        report = estimate(build_scenario(values))
+    except InputError as err:
+        m.missing.append(f"vramcalc rejects the flags: {err}")
+        return row
+    if m.metric == DEVICE:
+        row.estimate_bytes = report.device_total_bytes
+    elif values.get("pp", 1) > 1:
+        row.estimate_bytes = report.stages[-1].peak_allocated_bytes
+    else:
+        row.estimate_bytes = report.peak_allocated_bytes
+    return row
+
+
+def run(calib_dir: Path) -> list[Row]:
+    mappings = [map_record(src, case) for src, case in load_records(calib_dir)]
+    with tempfile.TemporaryDirectory() as tmp:
+        return [estimate_row(m, Path(tmp)) for m in mappings]
+
+
+# ---- printing -----------------------------------------------------------------------
+def cli_flags(flags: dict[str, Any]) -> str:
+    parts = []
+    for key, value in flags.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            parts.append(flag if value else f"--no-{key.replace('_', '-')}")
+        else:
+            parts.append(f"{flag} {value}")
+    return " ".join(parts)
+
+
+def short_id(record_id: str) -> str:
+    s = record_id.removeprefix("megatron-gpt3_mcore_")
+    s = s.replace("_dist_optimizer_no_mmap_bin_files", "_distopt")
+    s = s.replace("_dist_optimizer", "_distopt").replace("_nondeterministic", "")
+    return s.replace("__", " ").replace("dgx_", "")
+
+
+def gib(n: int | None) -> str:
+    return "—" if n is None else f"{n / GIB:.2f}"
+
+
+def _median_abs(rows: Iterable[Row]) -> str:
+    errs = [abs(r.error) for r in rows if r.error is not None]
+    return f"{statistics.median(errs):.1%} (n={len(errs)})" if errs else "— (n=0)"
+
+
+def summary(rows: list[Row]) -> str:
+    done = [r for r in rows if r.error is not None]
+    worst = max(done, key=lambda r: abs(r.error or 0), default=None)
+    fams = "; ".join(f"{fam} {_median_abs(r for r in rows if r.mapping.family == fam)}"
+                     for fam in ("megatron", "torchtitan", "others"))
+    worst_s = (f"{short_id(worst.mapping.record_id)} {worst.error:+.1%}"
+               if worst and worst.error is not None else "—")
+    return (f"expressed {len(done)}/{len(rows)}; median |error| {_median_abs(rows)}; "
+            f"worst {worst_s}; per family median |error|: {fams}")
+
+
+def table_rows(rows: list[Row]) -> list[list[str]]:
+    out = []
+    for r in rows:
+        m = r.mapping
+        if r.error is None:
+            what = "not expressible: " + "; ".join(m.missing or ["no estimate"])
+            out.append([short_id(m.record_id), what, "—", gib(m.measured_bytes), "—"])
+        else:
+            assert m.flags is not None
+            out.append([short_id(m.record_id), cli_flags(m.flags), gib(r.estimate_bytes),
+                        gib(m.measured_bytes), f"{r.error:+.1%}"])
+    return out
+
+
+HEADER = ["record", "flags", "estimate GiB", "measured GiB", "error"]
+
+
+def render_text(rows: list[Row]) -> str:
+    lines = []
+    for cells in table_rows(rows):
+        lines.append(f"{cells[0]}\n    {cells[1]}\n    estimate {cells[2]}  measured "
+                     f"{cells[3]}  error {cells[4]}")
+    return "\n".join(lines) + "\n" + summary(rows) + "\n"
+
+
+def render_markdown(rows: list[Row]) -> str:
+    esc = [[c.replace("|", "\\|") for c in cells] for cells in table_rows(rows)]
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in esc]
+    lines += ["", summary(rows), ""]
+    models = {r.mapping.flags["model"]: r.mapping.model_fields for r in rows
+              if r.mapping.model_fields and r.mapping.flags and r.error is not None}
+    if models:
+        lines.append("Model files passed as `--model <name>.yaml`:")
+        lines.append("")
+        for name, fields in models.items():
+            lines += [f"`{name}`:", "", "```yaml", model_yaml(fields).rstrip(), "```", ""]
+    notes = [(r.mapping.record_id, n) for r in rows if r.error is not None
+             for n in r.mapping.notes]
+    if notes:
+        lines.append("Assumptions of the expressed rows:")
+        lines.append("")
+        seen: set[str] = set()
+        for _rid, note in notes:
+            if note not in seen:
+                seen.add(note)
+                lines.append(f"- {note}")
+        lines.append("")
+    missing: dict[str, list[str]] = {}
+    for r in rows:
+        if r.error is None:
+            for feature in r.mapping.missing:
+                missing.setdefault(feature, []).append(short_id(r.mapping.record_id))
+    if missing:
+        lines.append("Missing features, by record:")
+        lines.append("")
+        for feature, ids in sorted(missing.items(), key=lambda kv: -len(kv[1])):
+            lines.append(f"- {feature}: {', '.join(ids)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calibration-dir", type=Path, default=DEFAULT_DIR)
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    args = parser.parse_args(argv)
+    if not args.calibration_dir.is_dir():
+        print(f"no calibration folder at {args.calibration_dir}; nothing to compare")
+        return 0
+    rows = run(args.calibration_dir)
+    sys.stdout.write(render_markdown(rows) if args.markdown else render_text(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

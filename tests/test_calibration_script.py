@@ -1,0 +1,162 @@
+"""benchmarks/calibration.py: record -> flags mapping on a small in-test sample.
+
+Structure only: which flags a record becomes and that an inexpressible record says so. The
+real calibration files live outside the repository and are never a target here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from vramcalc.yamlio import safe_load
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "calibration.py"
+
+
+@pytest.fixture(scope="module")
+def calib():
+    spec = importlib.util.spec_from_file_location("calibration_script", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+MEGATRON_YAML = """\
+meta: {schema_version: 1, count: 1}
+cases:
+- id: megatron-gpt3_mcore_te_tp2_pp2_fake__dev_dgx_h100
+  platform: dgx_h100
+  world_size: 8
+  args:
+    num-layers: 4
+    hidden-size: 256
+    num-attention-heads: 4
+    micro-batch-size: 2
+    global-batch-size: 16
+    seq-length: 512
+    max-position-embeddings: 512
+    transformer-impl: transformer_engine
+    tensor-model-parallel-size: 2
+    pipeline-model-parallel-size: 2
+    sequence-parallel: true
+    use-distributed-optimizer: true
+    bf16: true
+    attention-backend: unfused
+  derived:
+    data_parallel_size: 2
+    num_microbatches_per_iter: 4
+    padded_vocab_size: 1024
+    ffn_hidden_size_effective: 1024
+    kv_channels_effective: 64
+    num_query_groups_effective: 4
+    sequence_parallel: true
+    distributed_optimizer: true
+    tied_embeddings: true
+    position_embedding_type: learned_absolute
+    normalization: LayerNorm
+    activation: gelu
+    add_bias_linear: true
+    hidden_dropout: 0.1
+    attention_dropout: 0.1
+    optimizer: adam
+    params_dtype: bf16
+    fp8: null
+    transformer_impl: transformer_engine
+    attention_backend: unfused
+  measured:
+    max_allocated_all_iters: 1000000000
+"""
+
+MEASURED_YAML = """\
+meta: {schema_version: 1, count: 1}
+cases:
+- id: fake-llama-lora-reserved
+  kind: measured
+  model: {name: fake, layers: 2, hidden: 256, heads: 4, kv_heads: 4, ffn: 512, vocab: 1000}
+  seq_len: 256
+  micro_batch: 1
+  grad_accum: 1
+  metric: peak memory reserved during training (torch.cuda.max_memory_reserved()/1e9)
+  value: 1.50 GB
+"""
+
+
+@pytest.fixture()
+def sample(tmp_path: Path) -> Path:
+    (tmp_path / "megatron.yaml").write_text(MEGATRON_YAML)
+    (tmp_path / "measured.yaml").write_text(MEASURED_YAML)
+    return tmp_path
+
+
+def test_megatron_record_becomes_flags(calib, sample: Path) -> None:
+    records = calib.load_records(sample)
+    assert [src for src, _ in records] == ["megatron", "measured"]
+    m = calib.map_record(*records[0])
+    assert m.expressible and m.family == "megatron" and m.metric == calib.ALLOCATED
+    assert m.measured_bytes == 1_000_000_000
+    assert m.flags == {
+        "model": "megatron-gpt-4l-h256-v1024.yaml", "gpus": "8xH100",
+        "framework": "megatron", "precision": "bf16", "optimizer": "adam",
+        "attention": "eager", "recompute": "none", "seq_len": 512, "micro_batch_size": 2,
+        "tp": 2, "pp": 2, "sequence_parallel": True, "zero": 1, "num_microbatches": 4,
+    }
+    fields = m.model_fields
+    assert fields["vocab_size"] == 1024 and fields["mlp_kind"] == "standard"
+    assert fields["position_embedding"] == "learned" and fields["tie_word_embeddings"]
+    assert "--tp 2 --pp 2 --sequence-parallel" in calib.cli_flags(m.flags)
+
+
+def test_reserved_record_is_not_expressible(calib, sample: Path) -> None:
+    m = calib.map_record(*calib.load_records(sample)[1])
+    assert not m.expressible and m.metric == calib.RESERVED
+    assert "no reserved-memory estimate" in m.missing
+    assert "no reviewed mapping for this record" in m.missing
+
+
+def test_table_and_summary_structure(calib, sample: Path) -> None:
+    rows = calib.run(sample)
+    assert [r.mapping.expressible for r in rows] == [True, False]
+    assert rows[0].estimate_bytes is not None and rows[1].estimate_bytes is None
+    md = calib.render_markdown(rows).splitlines()
+    assert md[0] == "| record | flags | estimate GiB | measured GiB | error |"
+    assert "not expressible: no reserved-memory estimate" in md[3]
+    assert any(line.startswith("expressed 1/2;") for line in md)
+    assert "torchtitan — (n=0)" in calib.summary(rows)
+
+
+def test_missing_mechanisms_are_named(calib) -> None:
+    case = safe_load(MEGATRON_YAML)["cases"][0]
+    case["derived"].update(hidden_dropout=0.0, num_experts=4, moe_router_topk=1,
+                           moe_ffn_hidden_size_effective=1024,
+                           expert_tensor_parallel_size_effective=1,
+                           moe_token_dispatcher_type_effective="allgather")
+    case["args"]["multi-latent-attention"] = True
+    missing = calib.megatron_mapping(case).missing
+    assert any(s.startswith("dropout off") for s in missing)
+    assert "expert-tensor-parallel size different from tp" in missing
+    assert any("allgather token dispatcher" in s for s in missing)
+    assert "unreviewed Megatron argument --multi-latent-attention" in missing
+
+
+def test_measured_table_entry_takes_shape_from_the_record(calib) -> None:
+    case = {"id": "litgpt-llama2-7b-lora-mb1-a100", "seq_len": 300, "micro_batch": 2,
+            "grad_accum": 4, "value": "10.0 GB",
+            "metric": "torch.cuda.max_memory_allocated() / 1e9"}
+    m = calib.measured_mapping(case)
+    assert m.expressible and m.metric == calib.ALLOCATED and m.family == "others"
+    assert m.measured_bytes == 10_000_000_000
+    assert m.flags["seq_len"] == 300 and m.flags["micro_batch_size"] == 2
+    assert m.flags["grad_accum"] == 4 and m.flags["chunked_ce"] == 3  # ceil(300 / 128)
+    assert m.flags["finetune"] == "lora" and m.flags["model"] == "llama2-7b"
+
+
+def test_absent_folder_is_one_line(calib, tmp_path: Path, capsys) -> None:
+    assert calib.main(["--calibration-dir", str(tmp_path / "nope")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "no calibration folder" in out
