@@ -78,3 +78,24 @@ def test_megatron_loss_holds_half_the_reference_backward_per_logit() -> None:
     meg = logits_backward_peak_bytes(_ctx())
     assert ref // (N * V) == 12
     assert meg // (N * V) == 6
+
+
+def test_interleaved_last_rank_holds_one_loss_at_a_time() -> None:
+    """Megatron-LM core/pipeline_parallel/schedules.py: the interleaved schedule forwards a
+    micro-batch's last model chunk right before that chunk's backward (`get_schedule_table`,
+    backward chunk order reversed; the last rank's warm-up is (v − 1)·group forwards of the
+    earlier chunks), so the last rank keeps one micro-batch's loss buffers, as under 1F1B,
+    while it holds more micro-batches' activations."""
+    from vramcalc.analytic import estimate
+    from vramcalc.options import build_scenario
+
+    def last_stage(schedule: str, v: int) -> tuple[int, int]:
+        scn = build_scenario({"model": "gpt2", "gpus": "4xH100", "pp": 4, "pp_schedule": schedule,
+                              "virtual_stages": v, "num_microbatches": 8, "seq_len": 1024,
+                              "micro_batch_size": 4, "framework": "megatron", "zero": 1})
+        terms = estimate(scn).stages[-1].terms
+        return terms.logits, terms.activations
+
+    one_f_one_b, interleaved = last_stage("1f1b", 1), last_stage("interleaved", 3)
+    assert interleaved[0] == one_f_one_b[0]
+    assert interleaved[1] > one_f_one_b[1]

@@ -175,6 +175,13 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     fwd_work = P.forward_work + comm.layer_forward_comm_bytes(ctx)
     persistent = tr.persistent_buffer_bytes(ctx)
     prev = k - 1  # other in-flight micro-batches (whole)
+    # loss buffers of other micro-batches: only micro-batches whose last model chunk ran
+    # forward keep one. The interleaved schedule runs each micro-batch's last chunk right
+    # before that chunk's backward (Megatron-LM core/pipeline_parallel/schedules.py:
+    # `get_schedule_table` orders forwards chunk by chunk, backwards in reverse chunk
+    # order, and the last rank's warm-up, (v − 1)·group, ends just before them), so the
+    # last rank holds one loss at a time; 1F1B's last rank holds one micro-batch, GPipe all.
+    prev_logits = 0 if scn.parallel.pp_schedule == "interleaved" else int(prev * logits_keep)
 
     held_parts = persistent_parts(ctx, gpu)  # FP8 weight cache, QAT qparams (modifiers)
     B = StageBase({**w_parts, **held_parts, "optimizer_states/states": opt["states"],
@@ -188,7 +195,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
             "activations": int(activations),
             "transients/autocast_cache": int(k * C_mb),
             "transients/gather_buffers": gather,
-            "logits": int(prev * logits_keep) + logits,
+            "logits": prev_logits + logits,
             **extra,
         })
 
@@ -215,7 +222,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
             "transients/autocast_cache": int(prev * C_mb + (nL - 1 + qkv_share) * cache_layer),
             "transients/gather_buffers": gather,
             "transients/layer_forward": eager_work,
-            "logits": int(prev * logits_keep),
+            "logits": prev_logits,
         })
         if eager.total > forward.total:
             forward = eager
@@ -229,7 +236,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
         "activations": int(k * A_mb),
         "transients/autocast_cache": int(prev * C_mb + C_kept),
         "transients/gather_buffers": gather,
-        "logits": P.logits_backward + int(prev * logits_keep),
+        "logits": P.logits_backward + prev_logits,
     })
 
     G_late = late_gradient_bytes(ctx)  # the (untied) embedding's: after the bottom layer
@@ -249,7 +256,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
             "transients/gather_buffers": gather,
             "transients/reduce_buffers": tr.reduce_buffer_bytes(ctx, i, done,
                                                                 mom.work + mom.held),
-            "logits": int(prev * logits_keep) + root,
+            "logits": prev_logits + root,
         })
 
     candidates = [loss_bwd]
@@ -272,7 +279,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
             "transients/autocast_cache": int(prev * C_mb + C_kept - cache_head),
             "transients/layer_backward": norm_work,
             "transients/gather_buffers": gather,
-            "logits": int(prev * logits_keep) + root,
+            "logits": prev_logits + root,
         }))
     if ctx.is_first_stage:
         # the embedding's backward ends the sweep: every gradient exists; with tied
@@ -285,7 +292,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
             "transients/autocast_cache": int(prev * C_mb),
             "transients/layer_backward": 2 * tied,
             "transients/gather_buffers": gather,
-            "logits": int(prev * logits_keep) + root,
+            "logits": prev_logits + root,
         }))
     backward = max(candidates, key=lambda p: p.total)
 
