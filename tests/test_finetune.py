@@ -90,12 +90,13 @@ def test_frozen_base_has_no_gradients_or_states() -> None:
 
 
 def test_peft_adapters_are_fp32_without_a_master_copy() -> None:
-    # PEFT get_peft_model(autocast_adapter_dtype=True) upcasts bf16 adapters to fp32
+    # PEFT get_peft_model(autocast_adapter_dtype=True) upcasts bf16 adapters to fp32; HF
+    # Trainer's fused AdamW keeps a 512 B step tensor per adapter tensor (32 · 2 · 2)
     ctx = ctx_for(LLAMA2_7B, finetune="lora", precision="bf16", framework="hf")
     assert ctx.training.grad_dtype == "fp32" and not ctx.training.has_master_weights
     opt = optimizer_state_split(ctx)
-    assert (gradients_bytes(ctx), opt["states"], opt["master"]) == (4 * 4_194_304,
-                                                                    8 * 4_194_304, 0)
+    assert (gradients_bytes(ctx), opt["states"], opt["master"]) == (
+        4 * 4_194_304, 8 * 4_194_304 + 128 * 512, 0)
     ref = ctx_for(LLAMA2_7B, finetune="lora", precision="bf16")  # reference: bf16 + master
     assert optimizer_state_split(ref)["master"] == 4 * 4_194_304
 
