@@ -197,8 +197,11 @@ def megatron_mapping(case: dict[str, Any]) -> Mapping:
     pp = a.get("pipeline-model-parallel-size", 1)
     cp = a.get("context-parallel-size", 1)
     ep = a.get("expert-model-parallel-size", 1)
-    if d.get("hidden_dropout", 0.1) == 0 or d.get("attention_dropout", 0.1) == 0:
-        missing.append("dropout off (the megatron profile always keeps dropout masks)")
+    # --dropout sets both of Megatron's probabilities; what it changes is whether each is 0
+    hidden, attn = d.get("hidden_dropout", 0.1), d.get("attention_dropout", 0.1)
+    if (hidden == 0) != (attn == 0):
+        missing.append(f"hidden dropout {hidden} with attention dropout {attn} (--dropout "
+                       "sets both)")
     if d.get("fp8"):
         missing.append(f"Megatron fp8 recipe {d['fp8']!r}")
     if d.get("num_experts"):
@@ -225,6 +228,8 @@ def megatron_mapping(case: dict[str, Any]) -> Mapping:
         "tp": tp, "pp": pp, "cp": cp, "ep": ep,
         "sequence_parallel": bool(d.get("sequence_parallel")),
         "zero": 1 if d.get("distributed_optimizer") else 0,
+        # Megatron's default 0.1 is the profile's default (None): shown only when it differs
+        "dropout": None if hidden == attn == 0.1 else (hidden or attn),
     }
     if case.get("platform") not in PLATFORM_GPU:
         missing.append(f"GPU of platform {case.get('platform')!r}")

@@ -138,10 +138,19 @@ def test_missing_mechanisms_are_named(calib) -> None:
                            moe_token_dispatcher_type_effective="allgather")
     case["args"]["multi-latent-attention"] = True
     missing = calib.megatron_mapping(case).missing
-    assert any(s.startswith("dropout off") for s in missing)
+    assert "hidden dropout 0.0 with attention dropout 0.1 (--dropout sets both)" in missing
     assert "expert-tensor-parallel size different from tp" in missing
     assert any("allgather token dispatcher" in s for s in missing)
     assert "unreviewed Megatron argument --multi-latent-attention" in missing
+
+
+def test_dropout_off_is_expressed_with_dropout_0(calib) -> None:
+    case = safe_load(MEGATRON_YAML)["cases"][0]
+    assert "dropout" not in calib.megatron_mapping(case).flags  # Megatron's 0.1: the default
+    case["derived"].update(hidden_dropout=0.0, attention_dropout=0.0)
+    m = calib.megatron_mapping(case)
+    assert m.flags["dropout"] == 0.0
+    assert not any("dropout" in s for s in m.missing)
 
 
 def test_measured_table_entry_takes_shape_from_the_record(calib) -> None:

@@ -88,6 +88,10 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "or all-linear (default q,v: PEFT's default for Llama)."),
     Opt("lora_dropout", float, 0.0, "LoRA dropout probability (PEFT default 0: no mask "
         "kept)."),
+    Opt("dropout", float, None, "Hidden and attention dropout probability, 0 <= P < 1 "
+        "(megatron profile only; default: Megatron's 0.1, which keeps 1-byte masks). 0 keeps "
+        "no dropout masks. The reference and hf profiles model dropout off and accept only "
+        "0."),
     Opt("chunked_ce", int, 1, "Cross entropy over N token chunks (torchtune's "
         "LinearCrossEntropyLoss): the fp32 logits and their gradients exist one chunk at a "
         "time; 1 = off."),
@@ -124,7 +128,8 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
 OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
                   "optimizer_dtype", "optimizer_impl", "attention", "recompute", "framework",
-                  "finetune", "lora_rank", "lora_targets", "lora_dropout", "chunked_ce",
+                  "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
+                  "chunked_ce",
                   "activation_offload", "qat")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fsdp",
                   "shard_group", "offload_device", "pp_schedule", "virtual_stages",

@@ -120,6 +120,9 @@ class TrainingConfig(BaseModel):
     lora_rank: int = Field(8, gt=0, le=65_536)
     lora_targets: str = DEFAULT_TARGETS  # canonical, see parse_targets
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # the megatron profile's hidden and attention dropout probability; None: the stack's
+    # default (Megatron's 0.1; the reference and hf profiles model no dropout: 0 only)
+    dropout: float | None = Field(None, ge=0.0, lt=1.0)
     # memory techniques torchtune documents (vramcalc/terms/lowmem.py)
     chunked_ce: int = Field(1, ge=1, le=65_536)  # cross entropy over N token chunks
     activation_offload: bool = False  # saved activations to pinned host memory
@@ -132,6 +135,14 @@ class TrainingConfig(BaseModel):
             raise ValueError(f"--optimizer-impl {self.optimizer_impl}: {self.optimizer} has no "
                              f"{self.optimizer_impl} implementation (only "
                              f"{', '.join(_IMPLS_OF.get(self.optimizer, ('foreach',)))})")
+        return self
+
+    @model_validator(mode="after")
+    def _dropout_modelled(self) -> TrainingConfig:
+        if self.dropout and self.framework != "megatron":
+            raise ValueError(f"--dropout {self.dropout}: only the megatron profile models "
+                             f"dropout masks; the {self.framework} profile models dropout off "
+                             "(give --dropout 0 or leave it out, or use --framework megatron)")
         return self
 
     @field_validator("lora_targets", mode="before")

@@ -51,6 +51,8 @@ def strategy_line(strategy: dict[str, Any]) -> str:
         parts.append(s["pp_schedule"])
     if s.get("framework", "reference") != "reference":
         parts.append(f"profile {s['framework']}")
+    if s.get("dropout") is not None:
+        parts.append(f"dropout {s['dropout']}")
     if s.get("finetune", "full") != "full":
         ft = f"{s['finetune']} r{s.get('lora_rank')} on {s.get('lora_targets')}"
         if s.get("lora_dropout"):

@@ -19,7 +19,7 @@ Profiles (the per-layer tables are in docs/saved-tensors.md; the trace engine ch
   normalised copy), RoPE tables in the residual dtype, eager softmax in fp32 kept next to
   its 16-bit copy, fused projections for Phi-3 and GPT-2, grouped_mm experts.
 - `megatron`: Korthikanti et al. 2022 (arXiv:2205.05198) Table 2, 16-bit activations and
-  1-byte dropout masks, FFN 4h generalised to f.
+  1-byte dropout masks (none with `--dropout 0`), FFN 4h generalised to f.
 
 Under autocast (r = fp32, c = 16-bit) every linear casts its fp32 input itself, so a norm
 output read by n linears is kept as n 16-bit copies (autocast caches casts of parameters

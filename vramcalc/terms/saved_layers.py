@@ -302,6 +302,19 @@ def plain_layer_saved(ctx: RankContext, moe: bool) -> list[Saved]:
     return out
 
 
+# Megatron-LM's hidden and attention dropout when --dropout is not given: TransformerConfig
+# hidden_dropout = attention_dropout = 0.1 (NVIDIA/Megatron-LM d98e8a64, megatron/core/
+# transformer/transformer_config.py), the defaults of --hidden-dropout / --attention-dropout
+# (megatron/training/arguments.py `_add_network_size_args` builds them from TransformerConfig)
+MEGATRON_DEFAULT_DROPOUT = 0.1
+
+
+def megatron_dropout(ctx: RankContext) -> float:
+    """The megatron profile's hidden and attention dropout probability (--dropout)."""
+    p = ctx.training.dropout
+    return MEGATRON_DEFAULT_DROPOUT if p is None else p
+
+
 def megatron_layer_bytes(ctx: RankContext) -> int:
     """Bytes one Megatron-LM layer keeps for backward, one micro-batch (t = tp, SP and
     selective recompute): Korthikanti et al. 2022 (arXiv:2205.05198) Table 2,
@@ -321,25 +334,42 @@ def megatron_layer_bytes(ctx: RankContext) -> int:
       projection's input 2 sbh), the fp32 softmax statistics (logsumexp, (b, a, s)) and an
       RNG state for dropout (a few bytes; no mask, no s×s): core = 4·a/h;
     - selective recompute (Megatron's `core_attn`) recomputes the core: core = 0.
+
+    Dropout (`--dropout`, default Megatron's 0.1): with p > 0 the layer keeps the two 1-byte
+    masks of its bias-dropout-adds (attention output, MLP output; 2 sbh of the paper's 10
+    replicated sbh) and, unfused, the (b, a, s, s) mask and dropout output. With p = 0
+    Megatron still calls the dropouts, but they keep nothing: `_bias_dropout_add_func`
+    (megatron/core/fusions/fused_bias_dropout.py) computes `residual + dropout(x + bias,
+    p)` and DotProductAttention.forward `bmm(attention_dropout(probs), v)`, and
+    torch.nn.functional.dropout with p = 0 in training returns its input itself (ATen
+    Dropout.cpp: the fused CUDA kernel needs p > 0, `_dropout_impl` returns the input when
+    p == 0), so no mask is drawn and no node is recorded; the adds save nothing. Then
+    34 -> 32 (10 -> 8 replicated), and the unfused core keeps only the softmax output,
+    which `bmm` reads directly: core = 2·a·s/h. Flash attention keeps no mask either way.
     """
     x = dims(ctx)
     s, b, h, t = x.s, x.b, x.h, ctx.parallel.tp
     a = ctx.spec.num_attention_heads
     ffn_ratio = ctx.spec.intermediate_size / h
     mlp = 19 if ffn_ratio == 4 else 3 + 4 * ffn_ratio  # 19 sbh for f = 4h (2 + 8 + 8 + 1)
-    base = 34 - 19 + mlp  # 10 replicated + 24/t sharded in the paper's split
+    # the two bias-dropout-add masks (1 B each, replicated without SP), only when p > 0
+    masks = 2 if megatron_dropout(ctx) > 0 else 0
+    base = 34 - 19 + mlp - (2 - masks)  # 10 (8 without masks) replicated + 24/t sharded
+    replicated = 10 - (2 - masks)
     rec = ctx.training.recompute
     if rec == "full":
         return 2 * s * b * h // (t if ctx.parallel.sequence_parallel else 1)
     if rec == "selective":
         core = 0.0
-    elif ctx.training.attention == "eager":
+    elif ctx.training.attention == "eager" and megatron_dropout(ctx) > 0:
         core = 5 * a * s / h  # (b, a, s, s): softmax 2 + dropout mask 1 + dropout output 2
+    elif ctx.training.attention == "eager":
+        core = 2 * a * s / h  # (b, a, s, s): the softmax output, bmm's input itself
     else:
         core = 4 * a / h  # (b, a, s) fp32 logsumexp
     if ctx.parallel.sequence_parallel:
         return int(s * b * h / t * (base + core))
-    return int(s * b * h * (10 + (base - 10) / t + core / t))
+    return int(s * b * h * (replicated + (base - replicated) / t + core / t))
 
 
 # ---- per micro-batch, outside the layers -----------------------------------------------
