@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         del model, opt
         write_record(record, args.out / f"rank{rank}.json")
+        # every rank reaches the end before rank 0, which hosts the rendezvous store, leaves
+        # (a rank still tearing down would lose the store and exit non-zero)
+        dist.barrier()
         dist.destroy_process_group()
     return 0 if record["status"] != "error" else 2
 
