@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict
 from vramcalc.hardware import Cluster
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig, resolve_layout
-from vramcalc.training import TrainingConfig
+from vramcalc.training import TORCH_STEPPED, TrainingConfig
 
 
 class Scenario(BaseModel):
@@ -39,6 +39,12 @@ class Scenario(BaseModel):
         return int(self.cluster.gpu.memory_total_bytes * (1 - self.headroom_fraction))
 
     def resolved(self) -> Scenario:
-        """Validate the layout against model and world size; fill in dp."""
+        """Validate the layout against model and world size; fill in dp, and the optimizer
+        step's implementation where a torch optimizer steps (DeepSpeed and Megatron-LM step
+        their own fused optimizers)."""
         par = resolve_layout(self.model, self.training, self.parallel, self.world_size)
-        return self.model_copy(update={"parallel": par})
+        tr = self.training
+        if (tr.optimizer_impl is None and tr.optimizer in TORCH_STEPPED
+                and par.engine(tr.framework) in ("single", "ddp", "fsdp2")):
+            tr = tr.model_copy(update={"optimizer_impl": tr.step_impl})
+        return self.model_copy(update={"parallel": par, "training": tr})

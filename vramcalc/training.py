@@ -56,6 +56,7 @@ OPTIMIZER_IMPLS: tuple[str, ...] = ("foreach", "fused", "loop")
 _IMPLS_OF: dict[str, tuple[str, ...]] = {
     "adam": OPTIMIZER_IMPLS, "adamw": OPTIMIZER_IMPLS, "sgd": OPTIMIZER_IMPLS,
     "sgd-momentum": OPTIMIZER_IMPLS}
+TORCH_STEPPED: tuple[str, ...] = tuple(_IMPLS_OF)
 ATTENTIONS: tuple[str, ...] = ("flash", "eager")
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
 FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron")

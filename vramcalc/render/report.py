@@ -34,7 +34,9 @@ def strategy_line(strategy: dict[str, Any]) -> str:
     parts = [f"seq {s['seq_len']}", f"mbs {s['micro_batch_size']}"]
     if s.get("grad_accum", 1) > 1:
         parts.append(f"accum {s['grad_accum']}")
-    parts += [s["precision"], s["optimizer"], f"attn {s['attention']}",
+    impl = s.get("optimizer_impl")
+    optimizer = s["optimizer"] + (f" {impl}" if impl and impl != "foreach" else "")
+    parts += [s["precision"], optimizer, f"attn {s['attention']}",
               f"recompute {s['recompute']}"]
     deg = [f"{k}{s[k]}" for k in ("dp", "tp", "pp", "cp", "ep") if s.get(k) and s[k] > 1]
     if deg:
