@@ -155,11 +155,14 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     gap = P.first_layer_gap  # what the first layer does not save when the embedding is frozen
     A_dev = P.resident_layer  # saved layer tensors in host memory: what stays on the device
     offload = A_dev is not None
+    plan = P.recompute_plan  # Megatron's --recompute-method: layers keep different bytes
 
     def A_bottom(n: int) -> int:
         """Activations of the bottom n layers of this stage (dense layers come first)."""
         if A_dev is not None:
             return n * A_dev
+        if plan is not None:
+            return plan.bottom(n) - (gap if n else 0)
         dense = min(n, n_dense)
         return dense * A_dense + (n - dense) * A_moe - (gap if n else 0)
 
@@ -214,7 +217,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     if eager_work and nL:
         # the top layer's softmax: its later saved tensors do not exist yet
         top_moe = n_moe > 0
-        top_bytes = A_moe if top_moe else A_dense
+        top_bytes = plan.kept[-1] if plan else A_moe if top_moe else A_dense
         qkv_share = 1 - P.grad_fraction["mlp+o"]  # casts made so far
         eager = Phase("forward", B, g_acc, {
             "activations": int(prev * A_mb + (A_bottom(nL - 1) if offload else A_bottom(nL)
@@ -231,7 +234,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     # saved them; under full recompute the checkpointed layers saved none (their casts are
     # made again when each layer is recomputed in backward)
     full = train.recompute == "full"
-    C_kept = cache_head + (0 if full else nL * cache_layer)
+    C_kept = cache_head + (plan.num_plain if plan else 0 if full else nL) * cache_layer
     loss_bwd = Phase("backward", B, g_acc, {
         "activations": int(k * A_mb),
         "transients/autocast_cache": int(prev * C_mb + C_kept),
@@ -243,15 +246,26 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     comm_bwd = comm.layer_backward_comm_bytes(ctx)
     root = P.loss_root
 
+    def A_below(j: int) -> int:
+        """Activations of the layers below the j-th from the bottom during its backward: a
+        recomputed unit's lower layers hold their full sets (vramcalc.terms.megatron_recompute)."""
+        return A_bottom(j) if plan is None else plan.below(j) - (gap if j else 0)
+
+    def casts_held(j: int, done: float) -> float:
+        """Layers' autocast casts alive during the backward of the j-th from the bottom."""
+        if plan is not None:
+            return plan.casts_below(j) + 1 - done
+        return (1 - done) if full else (j + 1 - done)
+
     def layer_point(i: int, mom: Moment) -> Phase:
         """Instant `mom` of the backward of the i-th layer from the top (0-based)."""
         done = P.grad_fraction[mom.grads]
         grads = G if keep_grads else max(G_head - G_late, 0) + int((i + done) * g_layer)
         return Phase("backward", B, min(grads, G), {
-            "activations": int(prev * A_mb + A_bottom(nL - i - 1) + mom.held + A_emb)
+            "activations": int(prev * A_mb + A_below(nL - i - 1) + mom.held + A_emb)
             - (gap if i == nL - 1 else 0),
-            "transients/autocast_cache": int(prev * C_mb + ((1 - done) if full else (
-                nL - i - done)) * cache_layer),
+            "transients/autocast_cache": int(prev * C_mb + casts_held(nL - i - 1, done)
+                                             * cache_layer),
             "transients/layer_backward": mom.work + comm_bwd,
             "transients/gather_buffers": gather,
             "transients/reduce_buffers": tr.reduce_buffer_bytes(ctx, i, done,
@@ -265,6 +279,12 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
         # layer's gradients (dense layers sit at the bottom, MoE ones at the top)
         candidates += [layer_point(0, mom) for mom in P.top_moments]
         candidates += [layer_point(nL - 1, mom) for mom in P.bottom_moments]
+        if plan is not None:
+            # the sweep is linear only between a recompute unit's ends (megatron_recompute)
+            for i in plan.sweep_points():
+                if 0 < i < nL - 1:
+                    candidates += [layer_point(i, mom) for mom in (
+                        P.top_moments if i < n_moe else P.bottom_moments)]
         if ctx.engine == "fsdp2" and nL > 2:
             # FSDP2: only layers between the top and the bottom hold both the previous
             # layer's reduce-scatter input and the next one's prefetch (comm.reduce_bytes)

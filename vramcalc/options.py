@@ -28,6 +28,7 @@ from vramcalc.training import (
     OPTIMIZERS,
     PRECISIONS,
     QATS,
+    RECOMPUTE_METHODS,
     RECOMPUTES,
     TrainingConfig,
     parse_targets,
@@ -79,6 +80,14 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         ATTENTIONS),
     Opt("recompute", str, "none", "Activation recomputation: none | selective | full.",
         RECOMPUTES),
+    Opt("recompute_method", str, None, "Megatron-LM's --recompute-method with --recompute full "
+        "(megatron profile): block = only the first --recompute-num-layers layers of each "
+        "pipeline chunk are checkpointed, the rest keep all activations; uniform = "
+        "checkpoint groups of --recompute-num-layers layers. Default: every layer, one per "
+        "checkpoint.", RECOMPUTE_METHODS),
+    Opt("recompute_num_layers", int, None, "Megatron-LM's --recompute-num-layers N (with "
+        "--recompute-method): layers checkpointed per pipeline chunk (block) or per "
+        "checkpoint (uniform)."),
     Opt("framework", str, "reference", "Saved-tensor profile: reference | hf | megatron.",
         FRAMEWORKS),
     Opt("finetune", str, "full", "full | lora | qlora (NF4 base) | dora: frozen base weights "
@@ -127,8 +136,8 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
 )
 OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
-                  "optimizer_dtype", "optimizer_impl", "attention", "recompute", "framework",
-                  "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
+                  "optimizer_dtype", "optimizer_impl", "attention", "recompute", "recompute_method",
+                  "recompute_num_layers", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
                   "chunked_ce",
                   "activation_offload", "qat")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fsdp",

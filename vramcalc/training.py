@@ -59,6 +59,9 @@ _IMPLS_OF: dict[str, tuple[str, ...]] = {
 TORCH_STEPPED: tuple[str, ...] = tuple(_IMPLS_OF)
 ATTENTIONS: tuple[str, ...] = ("flash", "eager")
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
+# Megatron-LM's --recompute-method (megatron/core/transformer/transformer_config.py
+# `recompute_method`; the megatron profile only, with --recompute full)
+RECOMPUTE_METHODS: tuple[str, ...] = ("uniform", "block")
 FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron")
 
 # LoRA target names: q, k, v, o projections and the MLP's gate, up (fc) and down (proj)
@@ -115,6 +118,11 @@ class TrainingConfig(BaseModel):
     optimizer_impl: Literal["foreach", "fused", "loop"] | None = None
     attention: Literal["flash", "eager"] = "flash"
     recompute: Literal["none", "selective", "full"] = "none"
+    # Megatron-LM's --recompute-method / --recompute-num-layers (megatron profile, full
+    # recompute): which layers of each pipeline chunk are checkpointed, and how many per
+    # checkpoint (vramcalc/terms/megatron_recompute.py). None: every layer, one per checkpoint
+    recompute_method: Literal["uniform", "block"] | None = None
+    recompute_num_layers: int | None = Field(None, gt=0, le=100_000)
     framework: Literal["reference", "hf", "megatron"] = "reference"
     # fine-tuning (vramcalc/finetune.py): frozen base + adapters; PEFT's defaults
     finetune: Literal["full", "lora", "qlora", "dora"] = "full"
@@ -144,6 +152,26 @@ class TrainingConfig(BaseModel):
             raise ValueError(f"--dropout {self.dropout}: only the megatron profile models "
                              f"dropout masks; the {self.framework} profile models dropout off "
                              "(give --dropout 0 or leave it out, or use --framework megatron)")
+        return self
+
+    @model_validator(mode="after")
+    def _recompute_method_modelled(self) -> TrainingConfig:
+        method, n = self.recompute_method, self.recompute_num_layers
+        if method is None and n is None:
+            return self
+        given = (f"--recompute-method {method}" if method is not None
+                 else f"--recompute-num-layers {n}")
+        if self.framework != "megatron":
+            raise ValueError(f"{given}: only the megatron profile models Megatron-LM's "
+                             f"recompute method; the {self.framework} profile checkpoints every "
+                             "layer (use --framework megatron, or leave it out)")
+        if self.recompute != "full":
+            raise ValueError(f"{given}: needs --recompute full (Megatron-LM allows a recompute "
+                             "method only with --recompute-granularity full)")
+        if method is None or n is None:
+            raise ValueError(f"{given}: give --recompute-method uniform|block and "
+                             "--recompute-num-layers N together (Megatron-LM requires both "
+                             "with full recompute)")
         return self
 
     @field_validator("lora_targets", mode="before")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from vramcalc.rank import RankContext
 from vramcalc.terms import moments as mo
+from vramcalc.terms.megatron_recompute import LayerPlan, layer_plan
 from vramcalc.terms.modifiers import modifiers
 from vramcalc.terms.saved import Moment, Saved, first_layer_moe, mostly_moe
 from vramcalc.terms.saved_layers import (
@@ -68,6 +69,16 @@ def layer_activation_bytes(ctx: RankContext, moe: bool | None = None) -> int:
     if ctx.training.framework == "megatron":
         return megatron_layer_bytes(ctx)
     return sum(t.nbytes for t in layer_saved(ctx, moe))
+
+
+def recompute_plan(ctx: RankContext) -> LayerPlan | None:
+    """The megatron profile's layers under Megatron-LM's --recompute-method: checkpointed
+    ones keep their (b, s, h) input, the others Table 2's full set
+    (vramcalc/terms/megatron_recompute.py); None otherwise (every layer alike)."""
+    if ctx.training.framework != "megatron" or ctx.training.recompute_method is None:
+        return None
+    return layer_plan(ctx, megatron_layer_bytes(ctx),
+                      megatron_layer_bytes(without_recompute(ctx)))
 
 
 def stage_layer_bytes(ctx: RankContext) -> tuple[int, int, int, int]:
@@ -175,5 +186,8 @@ def microbatch_activation_bytes(ctx: RankContext) -> int:
         # the rest is in host memory, the rotary tables and mask the layers saved included
         off_edges = sum(m.offloaded_edge_bytes(ctx) for m in modifiers(ctx))
         return ctx.num_layers * resident + edges - off_edges
+    plan = recompute_plan(ctx)
+    if plan is not None:
+        return plan.bottom(ctx.num_layers) + edges
     n_dense, a_dense, n_moe, a_moe = stage_layer_bytes(ctx)
     return n_dense * a_dense + n_moe * a_moe + edges - first_layer_gap(ctx)

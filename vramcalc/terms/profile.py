@@ -14,6 +14,7 @@ from vramcalc.terms import activations as act
 from vramcalc.terms import logits as lg
 from vramcalc.terms import moments as mo
 from vramcalc.terms import transients as tr
+from vramcalc.terms.megatron_recompute import LayerPlan
 from vramcalc.terms.saved import Moment
 from vramcalc.training import TrainingConfig
 
@@ -47,9 +48,13 @@ class Profile:
     optimizer_step: int
     first_layer_gap: int  # what the model's first layer does not save (frozen embedding)
     resident_layer: int | None  # per layer on the device when saved tensors are offloaded
+    # Megatron-LM's --recompute-method: layers keep different bytes (None: all alike)
+    recompute_plan: LayerPlan | None = None
 
     @property
     def layers(self) -> int:
+        if self.recompute_plan is not None:
+            return self.recompute_plan.bottom(self.n_dense + self.n_moe)
         return self.n_dense * self.dense_layer + self.n_moe * self.moe_layer
 
 
@@ -89,4 +94,5 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
         optimizer_step=tr._optimizer_step_temp_bytes(ctx),
         first_layer_gap=act.first_layer_gap(ctx),
         resident_layer=act.resident_layer_bytes(ctx),
+        recompute_plan=act.recompute_plan(ctx),
     )
