@@ -19,7 +19,7 @@ from vramcalc.options import build_scenario
 from vramcalc.parallel import ParallelConfig, resolve_layout
 from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
-from vramcalc.sharding import rank_tensors, stage_layer_indices
+from vramcalc.sharding import chunk_layers, rank_tensors, stage_layer_indices
 from vramcalc.terms import comm
 from vramcalc.terms.activations import layer_activation_bytes
 from vramcalc.terms.logits import logits_saved_bytes
@@ -115,8 +115,8 @@ def test_tied_embeddings_are_held_by_both_ends() -> None:
 
 def test_interleaved_chunks_are_round_robin() -> None:
     """Megatron-LM virtual pipeline: rank r holds chunks r, r + p, ... of L/(p·v) layers."""
-    assert stage_layer_indices(16, 4, 2, 1) == (2, 3, 10, 11)
-    assert stage_layer_indices(8, 2, 1, 1) == (4, 5, 6, 7)
+    assert stage_layer_indices(chunk_layers(16, 4, 2), 1) == (2, 3, 10, 11)
+    assert stage_layer_indices(chunk_layers(8, 2, 1), 1) == (4, 5, 6, 7)
 
 
 def test_moe_layers_per_stage_with_leading_dense_layers() -> None:

@@ -26,7 +26,7 @@ from vramcalc.offload import host_bytes_per_node, nvme_bytes_per_node
 from vramcalc.rank import RankContext
 from vramcalc.report import GPUInfo, MemoryReport, ModelInfo, StageReport, Terms
 from vramcalc.scenario import Scenario
-from vramcalc.sharding import moe_layers_on_stage
+from vramcalc.sharding import moe_layers_on_stage, pipeline_chunks
 from vramcalc.terms import activations as act
 from vramcalc.terms import comm
 from vramcalc.terms import transients as tr
@@ -116,18 +116,26 @@ def in_flight_microbatches(scn: Scenario, stage: int) -> float:
 
 
 def candidate_stages(scn: Scenario) -> list[int]:
-    """Pipeline ranks that can be the worst: the first, the last, and each rank whose mix of
-    dense and MoE layers no earlier rank has. Any other rank r has the layer mix of an
-    earlier rank i < r and is dominated by it term by term: the same weights, gradients,
-    optimizer states and buffers per layer, no more micro-batches in flight
+    """Pipeline ranks that can be the worst: the first, the last, and each rank whose number
+    of layers and mix of dense and MoE layers no earlier rank has. Any other rank r has the
+    layers of an earlier rank i < r and is dominated by it term by term: the same weights,
+    gradients, optimizer states and buffers per layer, no more micro-batches in flight
     (`in_flight_microbatches` falls with the rank), and neither the embedding (rank 0 only)
-    nor the head and loss (the last rank only). For dense models that leaves {0, p − 1}."""
+    nor the head and loss (the last rank only). For dense models split evenly that leaves
+    {0, p − 1}; an uneven split (`sharding.chunk_layers`) adds rank 1, the first middle
+    rank. Every rank's chunks hold layers in the same proportions (1/v of its layers each),
+    so the schedule's per-chunk counting in `in_flight_microbatches` does not separate two
+    ranks with the same layers either."""
     p = scn.parallel.pp
     out = {0, p - 1}
-    if scn.model.is_moe and p > 2:
-        seen: set[int] = set()
+    par = scn.parallel
+    uneven = (par.first_stage_layers is not None or par.last_stage_layers is not None
+              or par.embedding_in_split or par.loss_in_split)
+    if (scn.model.is_moe or uneven) and p > 2:
+        chunks = pipeline_chunks(scn.model, par)
+        seen: set[tuple[int, int]] = set()
         for st in range(p - 1):
-            mix = moe_layers_on_stage(scn.model, p, scn.parallel.pp_chunks, st)
+            mix = (sum(row[st] for row in chunks), moe_layers_on_stage(scn.model, chunks, st))
             if mix not in seen:
                 out.add(st)
                 seen.add(mix)

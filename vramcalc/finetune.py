@@ -58,7 +58,7 @@ from typing import Protocol
 from vramcalc.errors import InputError
 from vramcalc.model import ModelSpec, param_tensors
 from vramcalc.parallel import ParallelConfig
-from vramcalc.sharding import RankShapes, RankTensor, _rank_shapes
+from vramcalc.sharding import RankShapes, RankTensor, _rank_shapes, pipeline_chunks
 from vramcalc.training import ALL_LINEAR, TARGETS, TrainingConfig
 from vramcalc.units import DTYPE_BITS, alloc, ceil_div
 
@@ -191,20 +191,20 @@ class FinetuneShapes:
     adapters: RankShapes  # trainable adapter tensors (A, B, DoRA magnitude)
 
 
-def finetune_shapes(spec: ModelSpec, training: TrainingConfig, tp: int, pp: int, v: int,
-                    ep: int, stage: int) -> FinetuneShapes:
+def finetune_shapes(spec: ModelSpec, training: TrainingConfig, tp: int,
+                    chunks: tuple[tuple[int, ...], ...], ep: int, stage: int) -> FinetuneShapes:
     """The rank's tensors for `training.finetune` (cached; see `_finetune_shapes`)."""
     tr = training
-    return _finetune_shapes(spec, tp, pp, v, ep, stage, tr.finetune, tr.lora_rank,
+    return _finetune_shapes(spec, tp, chunks, ep, stage, tr.finetune, tr.lora_rank,
                             tr.lora_targets, tr.framework,
                             adapter_dtype(tr.framework, tr.weight_dtype))
 
 
 @lru_cache(maxsize=2048)
-def _finetune_shapes(spec: ModelSpec, tp: int, pp: int, v: int, ep: int, stage: int,
-                     method: str, rank: int, targets: str, framework: str,
+def _finetune_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ...], ep: int,
+                     stage: int, method: str, rank: int, targets: str, framework: str,
                      a_dtype: str) -> FinetuneShapes:
-    base = _rank_shapes(spec, tp, pp, v, ep, stage)
+    base = _rank_shapes(spec, tp, chunks, ep, stage)
     wanted = target_param_names(spec, targets)
     # fused modules (hf GPT-2 / Phi-3): the member matrices' names → the fused module's stem
     fused_of: dict[str, str] = {}
@@ -296,8 +296,8 @@ def shapes_for(ctx: Rank) -> FinetuneShapes:
     `check_finetune` refuses."""
     check_finetune(ctx)
     par = ctx.parallel
-    return finetune_shapes(ctx.spec, ctx.training, par.tp, par.pp, par.pp_chunks, par.ep,
-                           ctx.stage)
+    return finetune_shapes(ctx.spec, ctx.training, par.tp, pipeline_chunks(ctx.spec, par),
+                           par.ep, ctx.stage)
 
 
 def adapted_linears(spec: ModelSpec, targets: str, framework: str) -> tuple[str, ...]:

@@ -135,7 +135,11 @@ def offload_traffic(scn: Scenario) -> OffloadFootprint:
     PCIe bytes each way and NVMe bytes read/written per optimizer step (0 without offload)."""
     scn = scn.resolved()
     best = OffloadFootprint()
-    for stage in sorted({0, scn.parallel.pp - 1}):
+    par = scn.parallel
+    uneven = (par.first_stage_layers is not None or par.last_stage_layers is not None
+              or par.embedding_in_split or par.loss_in_split)
+    # an uneven split's middle ranks may hold more layers than either end
+    for stage in range(par.pp) if uneven else sorted({0, par.pp - 1}):
         fp = offload_footprint(RankContext(scn.model, scn.training, scn.parallel, stage))
         if fp.host_bytes + fp.nvme_bytes > best.host_bytes + best.nvme_bytes:
             best = fp

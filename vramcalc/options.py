@@ -128,6 +128,15 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         group="parallel"),
     Opt("virtual_stages", int, 1, "Virtual stages per rank (interleaved schedule).",
         group="parallel"),
+    Opt("first_stage_layers", int, None, "Layers on the first pipeline stage (Megatron-LM "
+        "--decoder-first-pipeline-num-layers); the rest split evenly.", group="parallel"),
+    Opt("last_stage_layers", int, None, "Layers on the last pipeline stage (Megatron-LM "
+        "--decoder-last-pipeline-num-layers); the rest split evenly.", group="parallel"),
+    Opt("embedding_in_split", bool, False, "Count the embedding as one layer of the first "
+        "pipeline stage (Megatron-LM --account-for-embedding-in-pipeline-split).",
+        group="parallel"),
+    Opt("loss_in_split", bool, False, "Count the loss as one layer of the last pipeline "
+        "stage (Megatron-LM --account-for-loss-in-pipeline-split).", group="parallel"),
     Opt("num_microbatches", int, None, "Micro-batches per step for pipeline parallelism "
         "(default: --grad-accum).", group="parallel"),
     Opt("capacity_factor", float, 1.0, "MoE token capacity factor.", group="parallel"),
@@ -142,7 +151,8 @@ _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "opt
                   "activation_offload", "qat")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fsdp",
                   "shard_group", "offload_device", "pp_schedule", "virtual_stages",
-                  "num_microbatches", "capacity_factor")
+                  "first_stage_layers", "last_stage_layers", "embedding_in_split",
+                  "loss_in_split", "num_microbatches", "capacity_factor")
 
 
 def check_choice(opt: Opt, value: str) -> str:

@@ -46,6 +46,12 @@ class ParallelConfig(BaseModel):
     offload_device: Literal["cpu", "nvme"] = "cpu"
     pp_schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
     virtual_stages: int = Field(1, gt=0, le=1000)
+    # uneven pipeline splits (Megatron-LM --decoder-first/last-pipeline-num-layers,
+    # --account-for-embedding/loss-in-pipeline-split); vramcalc.sharding.chunk_layers
+    first_stage_layers: int | None = Field(None, gt=0, le=1_000_000)
+    last_stage_layers: int | None = Field(None, gt=0, le=1_000_000)
+    embedding_in_split: bool = False
+    loss_in_split: bool = False
     num_microbatches: int | None = Field(None, gt=0, le=10_000_000)
     global_batch_size: int | None = Field(None, gt=0, le=1_000_000_000)
     capacity_factor: float = Field(1.0, gt=0, le=100)
@@ -176,11 +182,69 @@ def _check_pipeline(spec: ModelSpec, training: TrainingConfig, parallel: Paralle
     if parallel.pp_schedule == "interleaved" and pp == 1:
         raise InputError("--pp-schedule interleaved needs --pp > 1")
     v = parallel.pp_chunks
+    first, last = parallel.first_stage_layers, parallel.last_stage_layers
+    if first is not None or last is not None:
+        _check_uneven(spec.num_hidden_layers, parallel)
+        return
+    if parallel.embedding_in_split or parallel.loss_in_split:
+        _check_edges_in_split(spec.num_hidden_layers, parallel)
+        return
     if spec.num_hidden_layers % (pp * v):
         raise InputError(
             f"num_hidden_layers={spec.num_hidden_layers} is not divisible by pp x virtual "
             f"stages = {pp * v}"
         )
+
+
+def _check_uneven(num_layers: int, parallel: ParallelConfig) -> None:
+    """Megatron-LM's rules for --decoder-first/last-pipeline-num-layers (d98e8a64,
+    megatron/core/transformer/transformer_config.py: `TransformerConfig.__post_init__`,
+    "Uneven PP"): not with the embedding/loss in the split; each given count > 0 (Field)
+    and divisible by v; the layers left over split evenly over the ranks left, v | that
+    count; middle ranks exist exactly when layers are left for them."""
+    pp, v = parallel.pp, parallel.pp_chunks
+    if parallel.embedding_in_split or parallel.loss_in_split:
+        raise InputError("--first-stage-layers/--last-stage-layers cannot be combined with "
+                         "--embedding-in-split/--loss-in-split (Megatron-LM refuses it)")
+    if pp == 1:
+        raise InputError("--first-stage-layers/--last-stage-layers need --pp > 1")
+    rest, left = num_layers, pp
+    for flag, n in (("--first-stage-layers", parallel.first_stage_layers),
+                    ("--last-stage-layers", parallel.last_stage_layers)):
+        if n is None:
+            continue
+        if n % v:
+            raise InputError(f"{flag} {n} is not divisible by --virtual-stages {v}")
+        rest, left = rest - n, left - 1
+    if rest < 0 or bool(rest) != bool(left):
+        raise InputError(
+            f"num_hidden_layers={num_layers} leaves {rest} layers for the {left} middle "
+            f"pipeline stages; choose first/last stage layers that leave "
+            f"{'none' if not left else 'at least one per middle stage'}")
+    if left and rest % left:
+        raise InputError(
+            f"the {rest} layers left for the {left} middle pipeline stages do not split "
+            f"evenly; change --first-stage-layers/--last-stage-layers")
+    if left and (rest // left) % v:
+        raise InputError(
+            f"the middle pipeline stages hold {rest // left} layers each, not divisible by "
+            f"--virtual-stages {v}")
+
+
+def _check_edges_in_split(num_layers: int, parallel: ParallelConfig) -> None:
+    """Megatron-LM's rule for --account-for-embedding/loss-in-pipeline-split (d98e8a64,
+    transformer_config.py `__post_init__`): L plus the embedding and/or the loss, counted as
+    one layer each, divisible by p, and the per-rank count by v."""
+    pp, v = parallel.pp, parallel.pp_chunks
+    n = num_layers + parallel.embedding_in_split + parallel.loss_in_split
+    if n % pp:
+        raise InputError(
+            f"num_hidden_layers={num_layers} plus the embedding/loss counted as layers "
+            f"(= {n}) is not divisible by pp={pp}")
+    if (n // pp) % v:
+        raise InputError(
+            f"{n // pp} layers per pipeline stage (embedding/loss counted) is not divisible "
+            f"by --virtual-stages {v}")
 
 
 def _check_engine(training: TrainingConfig, par: ParallelConfig) -> None:

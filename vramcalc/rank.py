@@ -48,7 +48,7 @@ class RankContext:
 
     @property
     def num_layers(self) -> int:
-        return stage_layers(self.spec, self.parallel)
+        return stage_layers(self.spec, self.parallel, self.stage)
 
     @property
     def is_first_stage(self) -> bool:

@@ -2,7 +2,8 @@
 
 Per rank: tensor-parallel matrices split ÷tp (norms replicated, vocab-parallel embedding
 and head split), pipeline rank r holds the layers of its model chunks (chunk c = r + k·p,
-k < v, layers [c·L/(p·v), (c+1)·L/(p·v)); v = 1 outside the interleaved schedule), the
+k < v, layers [c·L/(p·v), (c+1)·L/(p·v)); v = 1 outside the interleaved schedule; uneven
+splits as Megatron-LM builds them, `chunk_layers`), the
 first rank the embedding, the last rank the final norm and head (tied embeddings are held
 by both), experts ÷ep. Sharding (ZeRO/FSDP/distributed optimizer) then divides what is
 held over the shard group, in one of four layouts (`Layout`):
@@ -154,39 +155,88 @@ def _group_bytes(shapes: RankShapes, dtype: str, shard: int, expert_shard: int,
     return total
 
 
-def stage_layers(spec: ModelSpec, parallel: ParallelConfig) -> int:
-    """Transformer layers held by one pipeline rank (all its virtual chunks together)."""
-    return spec.num_hidden_layers // parallel.pp
+@lru_cache(maxsize=1024)
+def chunk_layers(num_layers: int, pp: int, v: int = 1, first: int | None = None,
+                 last: int | None = None, embedding: bool = False,
+                 loss: bool = False) -> tuple[tuple[int, ...], ...]:
+    """Transformer layers of virtual chunk j on pipeline rank r, `out[j][r]`, as Megatron-LM
+    builds them (d98e8a64, megatron/core/transformer/transformer_block.py:
+    `get_num_layers_to_build`); the layout must have passed `resolve_layout`.
+
+    - even: L/(p·v) per chunk.
+    - `first`/`last` (--decoder-first/last-pipeline-num-layers): rank 0 holds `first`, rank
+      p−1 `last`, the other ranks (L − first − last)/(ranks left) each; a rank's v chunks
+      hold 1/v of its layers each.
+    - `embedding`/`loss` (--account-for-embedding/loss-in-pipeline-split): the embedding
+      (loss) counts as one layer, (L + e + l)/(p·v) per chunk, and the first chunk of rank 0
+      (the last chunk of rank p−1) builds one transformer layer less.
+
+    Layers are numbered chunk by chunk in the order (j, r) (transformer_layer.py:
+    `get_transformer_layer_offset`), which `stage_layer_indices` follows.
+    """
+    if first is not None or last is not None:
+        rest, left = num_layers, pp
+        for n in (first, last):
+            if n is not None:
+                rest, left = rest - n, left - 1
+        middle = rest // left if left > 0 else 0
+        per_rank = [middle] * pp
+        if first is not None:
+            per_rank[0] = first
+        if last is not None:
+            per_rank[-1] = last
+        return tuple(tuple(n // v for n in per_rank) for _ in range(v))
+    per_chunk = (num_layers + embedding + loss) // (pp * v)
+    out = [[per_chunk] * pp for _ in range(v)]
+    out[0][0] -= embedding
+    out[-1][-1] -= loss
+    return tuple(tuple(row) for row in out)
 
 
-def stage_layer_indices(num_layers: int, pp: int, v: int, stage: int) -> tuple[int, ...]:
-    """Global indices of the layers pipeline rank `stage` holds (v chunks, round robin)."""
-    per_chunk = num_layers // (pp * v)
+def pipeline_chunks(spec: ModelSpec, parallel: ParallelConfig) -> tuple[tuple[int, ...], ...]:
+    """`chunk_layers` of a model under a layout (`out[j][r]`: chunk j of rank r)."""
+    p = parallel
+    return chunk_layers(spec.num_hidden_layers, p.pp, p.pp_chunks, p.first_stage_layers,
+                        p.last_stage_layers, p.embedding_in_split, p.loss_in_split)
+
+
+def stage_layers(spec: ModelSpec, parallel: ParallelConfig, stage: int) -> int:
+    """Transformer layers held by pipeline rank `stage` (all its virtual chunks together)."""
+    return sum(row[stage] for row in pipeline_chunks(spec, parallel))
+
+
+def stage_layer_indices(chunks: tuple[tuple[int, ...], ...], stage: int) -> tuple[int, ...]:
+    """Global indices of the layers pipeline rank `stage` holds: chunks[j][r] layers per
+    chunk, numbered chunk by chunk in the order (j, r) (so v > 1 is round robin)."""
     out: list[int] = []
-    for k in range(v):
-        c = stage + k * pp
-        out.extend(range(c * per_chunk, (c + 1) * per_chunk))
+    start = 0
+    for row in chunks:
+        for r, n in enumerate(row):
+            if r == stage:
+                out.extend(range(start, start + n))
+            start += n
     return tuple(out)
 
 
-def moe_layers_on_stage(spec: ModelSpec, pp: int, v: int, stage: int) -> int:
+def moe_layers_on_stage(spec: ModelSpec, chunks: tuple[tuple[int, ...], ...], stage: int) -> int:
     """MoE layers on pipeline rank `stage` (layers from first_k_dense_replace on are MoE)."""
     if not spec.is_moe:
         return 0
     k = spec.first_k_dense_replace
-    return sum(1 for i in stage_layer_indices(spec.num_hidden_layers, pp, v, stage) if i >= k)
+    return sum(1 for i in stage_layer_indices(chunks, stage) if i >= k)
 
 
 def rank_shapes(spec: ModelSpec, parallel: ParallelConfig, stage: int = 0) -> RankShapes:
     """The tensors pipeline rank `stage` holds (cached on the degrees that matter)."""
-    return _rank_shapes(spec, parallel.tp, parallel.pp, parallel.pp_chunks, parallel.ep, stage)
+    return _rank_shapes(spec, parallel.tp, pipeline_chunks(spec, parallel), parallel.ep, stage)
 
 
 @lru_cache(maxsize=4096)
-def _rank_shapes(spec: ModelSpec, tp: int, pp: int, v: int, ep: int, stage: int) -> RankShapes:
-    first, last = stage == 0, stage == pp - 1
-    n_layers = spec.num_hidden_layers // pp
-    n_moe = moe_layers_on_stage(spec, pp, v, stage)
+def _rank_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ...], ep: int,
+                 stage: int) -> RankShapes:
+    first, last = stage == 0, stage == len(chunks[0]) - 1
+    n_layers = sum(row[stage] for row in chunks)
+    n_moe = moe_layers_on_stage(spec, chunks, stage)
     out: list[RankTensor] = []
     for t in param_tensors(spec):
         count = _stage_count(t, spec, n_layers, n_moe, first, last)

@@ -244,8 +244,8 @@ def peft_counts(spec: ModelSpec, precision: str, finetune: str, lora_rank: int =
         return None
     w_dtype = _WEIGHT_DTYPE.get(precision, "bf16")
     a_dt = adapter_dtype(framework, w_dtype)
-    fs = _finetune_shapes(spec, 1, 1, 1, 1, 0, finetune, lora_rank, lora_targets, framework,
-                          a_dt)
+    fs = _finetune_shapes(spec, 1, ((spec.num_hidden_layers,),), 1, 0, finetune, lora_rank,
+                          lora_targets, framework, a_dt)
     w = _bytes(w_dtype)
     dense = exp = 0.0
     for t in fs.frozen.tensors:

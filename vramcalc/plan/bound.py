@@ -178,6 +178,7 @@ class MemoryBound:
             per_token = h / sp_div
         else:
             per_token = 2 * h / sp_div + self._sharded_inputs / tp
+        # the planner proposes even splits only (candidates need L % pp == 0)
         layers = spec.num_hidden_layers // pp - (0 if ft in (None, "full") else 1)
         tokens = min(pp, m) * b * (self.seq / cp)
         return layers * tokens * per_token * self._bytes_per_value(prec)
