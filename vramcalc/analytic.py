@@ -24,7 +24,15 @@ from vramcalc.hardware import GPUProfile
 from vramcalc.notes import scenario_notes
 from vramcalc.offload import host_bytes_per_node, nvme_bytes_per_node
 from vramcalc.rank import RankContext
-from vramcalc.report import GPUInfo, MemoryReport, ModelInfo, StageReport, Terms
+from vramcalc.report import (
+    MemoryReport,
+    StageReport,
+    Terms,
+    fit_verdict,
+    gpu_info,
+    model_info,
+    strategy_dict,
+)
 from vramcalc.scenario import Scenario
 from vramcalc.sharding import moe_layers_on_stage, pipeline_chunks
 from vramcalc.terms import activations as act
@@ -474,37 +482,6 @@ def _outside(scn: Scenario, stage: int) -> tuple[int, int]:
     gpus_per_node = scn.cluster.gpus_per_node if scn.cluster else 1
     return (host_bytes_per_node(ctx, gpus_per_node, in_flight_microbatches(scn, stage)),
             nvme_bytes_per_node(ctx, gpus_per_node))
-
-
-def fit_verdict(scn: Scenario, device_total_bytes: int) -> tuple[bool | None, int | None]:
-    """(fits, headroom bytes) against the cluster's GPU; (None, None) without a GPU."""
-    if scn.cluster is None:
-        return None, None
-    cap = scn.cluster.gpu.memory_total_bytes
-    return device_total_bytes <= (scn.usable_bytes or 0), cap - device_total_bytes
-
-
-def model_info(scn: Scenario) -> ModelInfo:
-    m = scn.model
-    return ModelInfo(name=m.name, num_params=m.num_params, num_active_params=m.num_active_params,
-                     source=m.source, note=scn.model_note)
-
-
-def gpu_info(scn: Scenario) -> GPUInfo | None:
-    if scn.cluster is None:
-        return None
-    g, c = scn.cluster.gpu, scn.cluster
-    return GPUInfo(id=g.id, name=g.name, memory_total_bytes=g.memory_total_bytes,
-                   num_gpus=c.num_gpus, num_nodes=c.num_nodes, note=scn.gpu_note)
-
-
-def strategy_dict(scn: Scenario) -> dict[str, object]:
-    """The resolved strategy as plain JSON values."""
-    out: dict[str, object] = {}
-    out.update(scn.training.model_dump(mode="json"))
-    out.update(scn.parallel.model_dump(mode="json"))
-    out["world_size"] = scn.world_size
-    return out
 
 
 def _paged_overhead(scn: Scenario, stage: int) -> dict[str, int]:

@@ -15,6 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from vramcalc.scenario import Scenario
+
 TERM_NAMES: tuple[str, ...] = (
     "weights",
     "gradients",
@@ -97,3 +99,35 @@ class MemoryReport(BaseModel):
 
     def to_json_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+# ---- the parts every engine's report shares --------------------------------------------
+def fit_verdict(scn: Scenario, device_total_bytes: int) -> tuple[bool | None, int | None]:
+    """(fits, headroom bytes) against the cluster's GPU; (None, None) without a GPU."""
+    if scn.cluster is None:
+        return None, None
+    cap = scn.cluster.gpu.memory_total_bytes
+    return device_total_bytes <= (scn.usable_bytes or 0), cap - device_total_bytes
+
+
+def model_info(scn: Scenario) -> ModelInfo:
+    m = scn.model
+    return ModelInfo(name=m.name, num_params=m.num_params, num_active_params=m.num_active_params,
+                     source=m.source, note=scn.model_note)
+
+
+def gpu_info(scn: Scenario) -> GPUInfo | None:
+    if scn.cluster is None:
+        return None
+    g, c = scn.cluster.gpu, scn.cluster
+    return GPUInfo(id=g.id, name=g.name, memory_total_bytes=g.memory_total_bytes,
+                   num_gpus=c.num_gpus, num_nodes=c.num_nodes, note=scn.gpu_note)
+
+
+def strategy_dict(scn: Scenario) -> dict[str, object]:
+    """The resolved strategy as plain JSON values."""
+    out: dict[str, object] = {}
+    out.update(scn.training.model_dump(mode="json"))
+    out.update(scn.parallel.model_dump(mode="json"))
+    out["world_size"] = scn.world_size
+    return out

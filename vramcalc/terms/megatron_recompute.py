@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramcalc.rank import RankContext
+from vramcalc.sharding import pipeline_chunks
 
 
 @dataclass(frozen=True)
@@ -86,12 +87,6 @@ class LayerPlan:
         return tuple(sorted(n - 1 - j for j in out))
 
 
-def chunk_sizes(num_layers: int, chunks: int) -> list[int]:
-    """Layers in each of the rank's virtual chunks (equal; any remainder to the first)."""
-    per, extra = divmod(num_layers, chunks)
-    return [per + (1 if i < extra else 0) for i in range(chunks)]
-
-
 def layer_plan(ctx: RankContext, input_bytes: int, layer_bytes: int) -> LayerPlan | None:
     """The rank's layers under Megatron-LM's --recompute-method (module docstring); None
     without one (every layer its own checkpoint, or no full recompute)."""
@@ -103,7 +98,9 @@ def layer_plan(ctx: RankContext, input_bytes: int, layer_bytes: int) -> LayerPla
     start: list[int] = []
     plain: list[bool] = []
     base = 0
-    for c in chunk_sizes(ctx.num_layers, ctx.parallel.pp_chunks):
+    # the layers of each of the rank's virtual chunks, as Megatron builds them (even or
+    # uneven splits: vramcalc.sharding.pipeline_chunks)
+    for c in (row[ctx.stage] for row in pipeline_chunks(ctx.spec, ctx.parallel)):
         for i in range(c):
             if method == "block":
                 ckpt = i < n

@@ -23,9 +23,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vramcalc.analytic import fit_verdict, gpu_info, model_info, strategy_dict
 from vramcalc.errors import InputError
-from vramcalc.report import PHASE_NAMES, MemoryReport, Terms
+from vramcalc.report import (
+    PHASE_NAMES,
+    MemoryReport,
+    Terms,
+    fit_verdict,
+    gpu_info,
+    model_info,
+    strategy_dict,
+)
 from vramcalc.scenario import Scenario
 from vramcalc.terms.overhead import overhead_split
 from vramcalc.terms.transients import cublas_workspace_bytes
