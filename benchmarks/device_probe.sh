@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One prepared device run: the probe suite on a single GPU machine, records in one folder.
 #   bash benchmarks/device_probe.sh [OUT_DIR]
-# Wheels the device image lacks (pydantic, typer, rich, pyyaml ...) may be carried in .whl/
-# (see the device tool's README); they are installed into /tmp/site first when present.
+# Wheels a GPU machine without package access lacks (pydantic, typer, rich, pyyaml ...) may be
+# carried in .whl/; they are installed into /tmp/site first when present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:-${OUT:-docs/validation/records}}"

@@ -20,21 +20,15 @@ Case: the calibration's test model (12L, h 512, 8 heads, f 4h, b 4, s 1024), bf1
 from __future__ import annotations
 
 import pytest
+from megatron_models import GPT_SMALL
 
 from vramcalc.errors import InputError
-from vramcalc.model import ModelSpec
 from vramcalc.options import build_scenario
 from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
 from vramcalc.terms.saved_layers import megatron_layer_bytes
 from vramcalc.training import TrainingConfig
 
-GPT_SMALL = ModelSpec(hidden_size=512, num_hidden_layers=12, num_attention_heads=8,
-                      intermediate_size=2048, vocab_size=50304, mlp_kind="standard",
-                      hidden_act="gelu", norm_kind="layernorm", norm_bias=True,
-                      attention_bias=True, attention_out_bias=True, mlp_bias=True,
-                      position_embedding="learned", tie_word_embeddings=True,
-                      max_position_embeddings=1024)
 B, S, H, A = 4, 1024, 512, 8
 SBH = S * B * H  # 2_097_152
 AS2B = A * S * S * B  # 33_554_432

@@ -16,8 +16,8 @@ Case: the calibration's test model (b 4, s 1024, V 50304 padded), bf16.
 from __future__ import annotations
 
 import pytest
+from megatron_models import GPT_SMALL
 
-from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
 from vramcalc.terms.logits import (
@@ -27,12 +27,6 @@ from vramcalc.terms.logits import (
 )
 from vramcalc.training import TrainingConfig
 
-GPT_SMALL = ModelSpec(hidden_size=512, num_hidden_layers=12, num_attention_heads=8,
-                      intermediate_size=2048, vocab_size=50304, mlp_kind="standard",
-                      hidden_act="gelu", norm_kind="layernorm", norm_bias=True,
-                      attention_bias=True, attention_out_bias=True, mlp_bias=True,
-                      position_embedding="learned", tie_word_embeddings=True,
-                      max_position_embeddings=1024)
 B, S, V = 4, 1024, 50304
 N = B * S  # 4096 tokens: every (N) vector below is a multiple of 512 B
 

@@ -18,10 +18,10 @@ micro-batch (pp 1: k = 1).
 from __future__ import annotations
 
 import pytest
+from megatron_models import GPT_SMALL
 
 from vramcalc.analytic import estimate, stage_phases
 from vramcalc.errors import InputError
-from vramcalc.model import ModelSpec
 from vramcalc.options import SCENARIO_OPTIONS, build_scenario
 from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
@@ -30,12 +30,6 @@ from vramcalc.terms.activations import microbatch_activation_bytes
 from vramcalc.terms.megatron_recompute import layer_plan
 from vramcalc.training import TrainingConfig
 
-GPT_SMALL = ModelSpec(hidden_size=512, num_hidden_layers=12, num_attention_heads=8,
-                      intermediate_size=2048, vocab_size=50304, mlp_kind="standard",
-                      hidden_act="gelu", norm_kind="layernorm", norm_bias=True,
-                      attention_bias=True, attention_out_bias=True, mlp_bias=True,
-                      position_embedding="learned", tie_word_embeddings=True,
-                      max_position_embeddings=1024)
 B, S, H, A, L = 4, 1024, 512, 8, 12
 SBH = S * B * H
 TABLE2 = 34 * SBH + 4 * A * S * B  # flash core, dropout 0.1: 71_434_240
