@@ -425,3 +425,22 @@ def test_plan_table_with_a_qlora_best_renders() -> None:
                                  "finetune", "--seq-len", "1024"], env={"COLUMNS": "120"})
     assert r.exit_code == 0, r.output
     assert "qlora" in r.output and "NF4 dequant" in r.output
+
+
+def test_the_hf_stack_is_never_offered_pipeline_or_expert_parallelism() -> None:
+    """HF Trainer lays out ranks with accelerate's ParallelismConfig (dp_replicate, dp_shard,
+    tp, cp, sp: accelerate src/accelerate/parallelism_config.py): no pp, no ep. The same
+    search under the reference profile does enumerate them."""
+    from vramcalc.plan import enumerate_candidates
+
+    def layouts(framework: str) -> set[tuple[int, int]]:
+        base, req, _ = prepare_plan({"model": "mixtral-8x7b", "gpus": "32xH100",
+                                     "framework": framework})
+        cands, _, _ = enumerate_candidates(base, req)
+        return {(c.pp, c.ep) for c in cands}
+
+    assert layouts("hf") == {(1, 1)}
+    assert any(pp > 1 for pp, _ in layouts("reference"))
+    assert any(ep > 1 for _, ep in layouts("reference"))
+    code = main(["plan", "--model", "8b", "--gpus", "16xH100", "--framework", "hf", "--json"])
+    assert code == 0

@@ -38,6 +38,7 @@ from vramcalc.plan import (
     PlanResult,
     finetune_supported,
     search,
+    stack_note,
     suggest_changes,
     with_every_stage,
 )
@@ -179,6 +180,8 @@ def plan_cmd(**kwargs: Any) -> None:
     base, req, notes = prepare_plan(values, kwargs.get("global_batch_size"),
                                     kwargs.get("global_batch_tokens"), kwargs.get("allow"),
                                     kwargs.get("top", 5), kwargs.get("mfu"), dirs)
+    if (limits := stack_note(base.training.framework)) is not None:
+        notes = [limits, *notes]
     progress = LazyProgress(enabled=not as_json)
     try:
         result = search(base, req, progress)

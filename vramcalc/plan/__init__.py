@@ -12,7 +12,12 @@ before it (docs/planning.md has the details):
 """
 
 from vramcalc.plan.bound import LOWER_BOUND_MARGIN, MemoryBound
-from vramcalc.plan.candidates import Candidate, enumerate_candidates, finetune_supported
+from vramcalc.plan.candidates import (
+    Candidate,
+    enumerate_candidates,
+    finetune_supported,
+    stack_note,
+)
 from vramcalc.plan.request import DEFAULT_BATCH_TOKENS, MAX_MICRO_BATCH, PlanRequest, ProgressFn
 from vramcalc.plan.search import (
     PlanEntry,
@@ -40,6 +45,7 @@ __all__ = [
     "finetune_supported",
     "gpu_counts",
     "search",
+    "stack_note",
     "suggest_changes",
     "with_every_stage",
 ]

@@ -230,6 +230,22 @@ def variants(base: Scenario, req: PlanRequest, gpu: GPUProfile
     return out
 
 
+# The parallelisms a stack cannot run, which the planner never proposes, and why. HF
+# Trainer lays out its ranks with accelerate's ParallelismConfig (dp_replicate, dp_shard,
+# tp, cp, sp; accelerate src/accelerate/parallelism_config.py, 1.15): no pipeline or
+# expert parallelism.
+UNSUPPORTED: dict[str, tuple[frozenset[str], str]] = {
+    "hf": (frozenset({"pp", "ep"}), "HF Trainer (accelerate's ParallelismConfig) runs no "
+           "pipeline or expert parallelism: layouts with pp or ep > 1 are not proposed"),
+}
+
+
+def stack_note(framework: str) -> str | None:
+    """Why the planner leaves some layouts out for this stack (None: it proposes all)."""
+    entry = UNSUPPORTED.get(framework)
+    return entry[1] if entry else None
+
+
 def _layouts(base: Scenario, req: PlanRequest) -> Iterator[Group]:
     """(tp, pp, cp, dp, sp, ep, [(b, m, [(sched, v), ...]), ...]) of every valid layout,
     micro-batches ascending."""
@@ -242,11 +258,12 @@ def _layouts(base: Scenario, req: PlanRequest) -> Iterator[Group]:
     L = spec.num_hidden_layers
     heads, kv = spec.num_attention_heads, spec.kv_heads
     accum_pin = pinned.get("grad_accum") or pinned.get("num_microbatches")
+    off_limits = UNSUPPORTED.get(tr.framework, (frozenset(), ""))[0]
     for tp in _pick(pinned, "tp", _divisors(min(gpn, W))):
         if W % tp or heads % tp or (kv % tp and tp % kv):
             continue
         for pp in _pick(pinned, "pp", _divisors(W // tp)):
-            if L % pp:
+            if L % pp or (pp > 1 and "pp" in off_limits):
                 continue
             for cp in _pick(pinned, "cp", _divisors(W // (tp * pp))):
                 if seq % cp or (cp > 1 and (seq // cp) % 2):
@@ -263,7 +280,7 @@ def _layouts(base: Scenario, req: PlanRequest) -> Iterator[Group]:
                 eps = [1]
                 if spec.is_moe:
                     eps = [e for e in _divisors(spec.num_local_experts) if (dp * cp) % e == 0]
-                eps = _pick(pinned, "ep", eps)
+                eps = [e for e in _pick(pinned, "ep", eps) if e == 1 or "ep" not in off_limits]
                 per_rank = B // dp
                 if given(pinned, "micro_batch_size"):
                     b0 = pinned["micro_batch_size"]
