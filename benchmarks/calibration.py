@@ -207,9 +207,18 @@ def megatron_mapping(case: dict[str, Any]) -> Mapping:
     if d.get("num_experts"):
         if d.get("expert_tensor_parallel_size_effective", tp) != tp:
             missing.append("expert-tensor-parallel size different from tp")
-        if d.get("moe_token_dispatcher_type_effective", "allgather") != "alltoall":
-            missing.append(f"MoE {d.get('moe_token_dispatcher_type_effective', 'allgather')}"
-                           " token dispatcher (vramcalc models the all-to-all dispatcher)")
+        dispatcher = d.get("moe_token_dispatcher_type_effective", "allgather")
+        if dispatcher not in ("allgather", "alltoall"):
+            missing.append(f"MoE {dispatcher} token dispatcher (vramcalc models allgather "
+                           "and alltoall)")
+        if d.get("moe_grouped_gemm"):
+            missing.append("MoE grouped GEMM (vramcalc models SequentialMLP experts)")
+        if a.get("deterministic-mode"):
+            # torch.use_deterministic_algorithms(True): moe_utils.py `unpermute` takes
+            # index_add_ (keeps its source, the expert output) instead of scatter_add_, and
+            # `topk_routing_with_score_function` index_put_ (keeps a row index)
+            missing.append("deterministic mode with MoE (unpermute's index_add_ keeps the "
+                           "expert output; vramcalc models the scatter_add_ path)")
     if d.get("params_dtype") not in ("bf16", "fp16", "fp32"):
         missing.append(f"params dtype {d.get('params_dtype')!r}")
     if d.get("optimizer", "adam") not in ("adam", "sgd"):
@@ -230,6 +239,9 @@ def megatron_mapping(case: dict[str, Any]) -> Mapping:
         "zero": 1 if d.get("distributed_optimizer") else 0,
         # Megatron's default 0.1 is the profile's default (None): shown only when it differs
         "dropout": None if hidden == attn == 0.1 else (hidden or attn),
+        # Megatron's default (allgather) is the profile's default (None): shown when it differs
+        "moe_dispatcher": ("alltoall" if d.get("num_experts") and
+                           d.get("moe_token_dispatcher_type_effective") == "alltoall" else None),
     }
     if case.get("platform") not in PLATFORM_GPU:
         missing.append(f"GPU of platform {case.get('platform')!r}")

@@ -13,3 +13,10 @@ GPT_SMALL = ModelSpec(hidden_size=512, num_hidden_layers=12, num_attention_heads
                       attention_bias=True, attention_out_bias=True, mlp_bias=True,
                       position_embedding="learned", tie_word_embeddings=True,
                       max_position_embeddings=1024)
+
+# The MoE GPT of Megatron-LM's functional test gpt3_mcore_te_tp2_pp1_te_8experts2parallel_
+# dist_optimizer (tests/functional_tests/test_cases/moe): GPT_SMALL with 8 experts of FFN
+# 2048, top-1 routing, --disable-bias-linear.
+GPT_MOE = GPT_SMALL.model_copy(update={
+    "num_local_experts": 8, "num_experts_per_tok": 1, "moe_intermediate_size": 2048,
+    "attention_bias": False, "attention_out_bias": False, "mlp_bias": False})

@@ -140,8 +140,26 @@ def test_missing_mechanisms_are_named(calib) -> None:
     missing = calib.megatron_mapping(case).missing
     assert "hidden dropout 0.0 with attention dropout 0.1 (--dropout sets both)" in missing
     assert "expert-tensor-parallel size different from tp" in missing
-    assert any("allgather token dispatcher" in s for s in missing)
+    assert not any("token dispatcher" in s for s in missing)  # allgather is modelled
     assert "unreviewed Megatron argument --multi-latent-attention" in missing
+
+
+def test_moe_dispatcher_is_expressed(calib) -> None:
+    case = safe_load(MEGATRON_YAML)["cases"][0]
+    case["derived"].update(num_experts=4, moe_router_topk=1, moe_ffn_hidden_size_effective=1024,
+                           moe_token_dispatcher_type_effective="allgather")
+    m = calib.megatron_mapping(case)
+    assert "moe_dispatcher" not in m.flags  # Megatron's allgather: the profile's default
+    assert not any("dispatcher" in s for s in m.missing)
+    case["derived"]["moe_token_dispatcher_type_effective"] = "alltoall"
+    assert calib.megatron_mapping(case).flags["moe_dispatcher"] == "alltoall"
+    case["derived"]["moe_token_dispatcher_type_effective"] = "flex"
+    assert any("flex token dispatcher" in s for s in calib.megatron_mapping(case).missing)
+    case["derived"]["moe_grouped_gemm"] = True
+    case["args"]["deterministic-mode"] = True
+    missing = calib.megatron_mapping(case).missing
+    assert any("grouped GEMM" in s for s in missing)
+    assert any("deterministic mode with MoE" in s for s in missing)
 
 
 def test_dropout_off_is_expressed_with_dropout_0(calib) -> None:

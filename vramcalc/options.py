@@ -24,6 +24,7 @@ from vramcalc.training import (
     ATTENTIONS,
     FINETUNES,
     FRAMEWORKS,
+    MOE_DISPATCHERS,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
     PRECISIONS,
@@ -101,6 +102,11 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "(megatron profile only; default: Megatron's 0.1, which keeps 1-byte masks). 0 keeps "
         "no dropout masks. The reference and hf profiles model dropout off and accept only "
         "0."),
+    Opt("moe_dispatcher", str, None, "Megatron-LM's MoE token dispatcher (megatron "
+        "profile, MoE models): allgather (gathers every token of the TP x EP group, "
+        "Megatron's default) | alltoall (sends each token to its experts' ranks). Default: "
+        "allgather. The reference and hf profiles route tokens their own way and accept "
+        "none.", MOE_DISPATCHERS),
     Opt("chunked_ce", int, 1, "Cross entropy over N token chunks (torchtune's "
         "LinearCrossEntropyLoss): the fp32 logits and their gradients exist one chunk at a "
         "time; 1 = off."),
@@ -147,7 +153,7 @@ OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
                   "optimizer_dtype", "optimizer_impl", "attention", "recompute", "recompute_method",
                   "recompute_num_layers", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
-                  "chunked_ce",
+                  "moe_dispatcher", "chunked_ce",
                   "activation_offload", "qat")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fsdp",
                   "shard_group", "offload_device", "pp_schedule", "virtual_stages",

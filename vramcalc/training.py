@@ -62,6 +62,13 @@ RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
 # Megatron-LM's --recompute-method (megatron/core/transformer/transformer_config.py
 # `recompute_method`; the megatron profile only, with --recompute full)
 RECOMPUTE_METHODS: tuple[str, ...] = ("uniform", "block")
+# Megatron-LM's --moe-token-dispatcher-type for training (megatron profile, MoE models):
+# megatron/core/transformer/moe/token_dispatcher.py MoEAllGatherTokenDispatcher /
+# MoEAlltoAllTokenDispatcher (vramcalc/terms/saved_layers.py `megatron_moe_bytes`)
+MOE_DISPATCHERS: tuple[str, ...] = ("allgather", "alltoall")
+# Megatron-LM's default: TransformerConfig.moe_token_dispatcher_type = "allgather"
+# (NVIDIA/Megatron-LM d98e8a64, megatron/core/transformer/transformer_config.py)
+MEGATRON_DEFAULT_DISPATCHER = "allgather"
 FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron")
 
 # LoRA target names: q, k, v, o projections and the MLP's gate, up (fc) and down (proj)
@@ -132,6 +139,9 @@ class TrainingConfig(BaseModel):
     # the megatron profile's hidden and attention dropout probability; None: the stack's
     # default (Megatron's 0.1; the reference and hf profiles model no dropout: 0 only)
     dropout: float | None = Field(None, ge=0.0, lt=1.0)
+    # the megatron profile's MoE token dispatcher; None: the stack's default (Megatron's
+    # allgather). The reference and hf profiles route tokens their own way: None only
+    moe_dispatcher: Literal["allgather", "alltoall"] | None = None
     # memory techniques torchtune documents (vramcalc/terms/lowmem.py)
     chunked_ce: int = Field(1, ge=1, le=65_536)  # cross entropy over N token chunks
     activation_offload: bool = False  # saved activations to pinned host memory
@@ -153,6 +163,20 @@ class TrainingConfig(BaseModel):
                              f"dropout masks; the {self.framework} profile models dropout off "
                              "(give --dropout 0 or leave it out, or use --framework megatron)")
         return self
+
+    @model_validator(mode="after")
+    def _dispatcher_modelled(self) -> TrainingConfig:
+        if self.moe_dispatcher is not None and self.framework != "megatron":
+            raise ValueError(f"--moe-dispatcher {self.moe_dispatcher}: only the megatron "
+                             "profile models Megatron-LM's token dispatchers; the "
+                             f"{self.framework} profile routes tokens its own way (leave it "
+                             "out, or use --framework megatron)")
+        return self
+
+    @property
+    def dispatcher(self) -> str:
+        """The megatron profile's MoE token dispatcher: as given, else Megatron's default."""
+        return self.moe_dispatcher or MEGATRON_DEFAULT_DISPATCHER
 
     @model_validator(mode="after")
     def _recompute_method_modelled(self) -> TrainingConfig:

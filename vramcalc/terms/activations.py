@@ -67,7 +67,7 @@ def _layer_saved(ctx: RankContext, moe: bool) -> list[Saved]:
 def layer_activation_bytes(ctx: RankContext, moe: bool | None = None) -> int:
     """Bytes one layer keeps for backward, one micro-batch, on this rank."""
     if ctx.training.framework == "megatron":
-        return megatron_layer_bytes(ctx)
+        return megatron_layer_bytes(ctx, mostly_moe(ctx) if moe is None else moe)
     return sum(t.nbytes for t in layer_saved(ctx, moe))
 
 
@@ -77,8 +77,9 @@ def recompute_plan(ctx: RankContext) -> LayerPlan | None:
     (vramcalc/terms/megatron_recompute.py); None otherwise (every layer alike)."""
     if ctx.training.framework != "megatron" or ctx.training.recompute_method is None:
         return None
-    return layer_plan(ctx, megatron_layer_bytes(ctx),
-                      megatron_layer_bytes(without_recompute(ctx)))
+    moe = mostly_moe(ctx)
+    return layer_plan(ctx, megatron_layer_bytes(ctx, moe),
+                      megatron_layer_bytes(without_recompute(ctx), moe))
 
 
 def stage_layer_bytes(ctx: RankContext) -> tuple[int, int, int, int]:

@@ -315,7 +315,7 @@ def megatron_dropout(ctx: RankContext) -> float:
     return MEGATRON_DEFAULT_DROPOUT if p is None else p
 
 
-def megatron_layer_bytes(ctx: RankContext) -> int:
+def megatron_layer_bytes(ctx: RankContext, moe: bool = False) -> int:
     """Bytes one Megatron-LM layer keeps for backward, one micro-batch (t = tp, SP and
     selective recompute): Korthikanti et al. 2022 (arXiv:2205.05198) Table 2,
 
@@ -346,11 +346,15 @@ def megatron_layer_bytes(ctx: RankContext) -> int:
     p == 0), so no mask is drawn and no node is recorded; the adds save nothing. Then
     34 -> 32 (10 -> 8 replicated), and the unfused core keeps only the softmax output,
     which `bmm` reads directly: core = 2·a·s/h. Flash attention keeps no mask either way.
+
+    An MoE layer (`moe`) keeps the same attention, norms and bias-dropout-add masks; of the
+    MLP's 19 sbh only the norm output (2 sbh, now the router's input, 3 + 4f/h with f = 0)
+    and the dropout mask stay, and the experts' side is `megatron_moe_bytes`.
     """
     x = dims(ctx)
     s, b, h, t = x.s, x.b, x.h, ctx.parallel.tp
     a = ctx.spec.num_attention_heads
-    ffn_ratio = ctx.spec.intermediate_size / h
+    ffn_ratio = 0 if moe else ctx.spec.intermediate_size / h
     mlp = 19 if ffn_ratio == 4 else 3 + 4 * ffn_ratio  # 19 sbh for f = 4h (2 + 8 + 8 + 1)
     # the two bias-dropout-add masks (1 B each, replicated without SP), only when p > 0
     masks = 2 if megatron_dropout(ctx) > 0 else 0
@@ -367,9 +371,67 @@ def megatron_layer_bytes(ctx: RankContext) -> int:
         core = 2 * a * s / h  # (b, a, s, s): the softmax output, bmm's input itself
     else:
         core = 4 * a / h  # (b, a, s) fp32 logsumexp
+    experts = megatron_moe_bytes(ctx) if moe else 0
     if ctx.parallel.sequence_parallel:
-        return int(s * b * h / t * (base + core))
-    return int(s * b * h * (replicated + (base - replicated) / t + core / t))
+        return int(s * b * h / t * (base + core)) + experts
+    return int(s * b * h * (replicated + (base - replicated) / t + core / t)) + experts
+
+
+def megatron_moe_bytes(ctx: RankContext) -> int:
+    """Bytes one Megatron-LM MoE layer keeps for backward beyond the norm output and the
+    dropout mask (`megatron_layer_bytes`), one micro-batch, NVIDIA/Megatron-LM d98e8a64,
+    dropless (no capacity factor), SequentialMLP experts, no fused permute, balanced
+    routing. T = s·b/t tokens on the rank (sequence parallel; Megatron refuses TP > 1
+    without it in training), k = top-k, E experts, E/ep local, expert TP = t, f the
+    expert's FFN width; n = T·t·k tokens reach this rank's experts with either dispatcher
+    (allgather: the T·t·ep tokens of the TP x EP group, k/ep of them local; alltoall: T·k
+    sent, T·k received per EP rank, gathered over the t expert-TP ranks).
+
+    - router (moe/router.py TopKRouter.routing -> moe_utils.py
+      `topk_routing_with_score_function`, softmax after top-k, no aux loss: Megatron's
+      default `moe_aux_loss_coeff` 0): torch.topk keeps its int64 indices (T·k·8) and the
+      fp32 softmax its output (T·k·4); the scatter into (T, E) keeps the same indices;
+      `RouterGatingLinearFunction` keeps its input, the norm output (counted in the layer);
+    - allgather (token_dispatcher.py MoEAllGatherTokenDispatcher): the all-gathers of the
+      tokens (into the global buffer) and the probabilities keep nothing;
+      `dispatch_postprocess` masked_selects the local probabilities, and masked_select
+      keeps its input and mask, (E/ep, T·t·ep) bf16 + bool = 3·T·t·E; `permute`
+      (moe_utils.py) index_selects the tokens and keeps the int64 indices (n·8);
+    - alltoall (MoEAlltoAllTokenDispatcher.dispatch_preprocess -> `permute` with probs):
+      argsort's first T·k positions (int64, kept by the probabilities' indexing) and the
+      token indices they give (int64, kept by index_select): 2·T·k·8; all-to-all,
+      gather and `sort_chunks_by_idxs` (split + cat) keep nothing;
+    - experts (experts.py SequentialMLP.forward -> mlp.py MLP.forward with the token's
+      probability as `per_token_scale`), on the n tokens: the fc1 input (n·h·2), the
+      probabilities (n·2), and 3·n·f/t·2: gelu's input, gelu's output (kept by the
+      multiply by the probabilities) and fc2's input (unfused: the fused bias-gelu
+      refuses `per_token_scale`); gated, the fused weighted SwiGLU
+      (fusions/fused_bias_swiglu.py WeightedSwiGLUFunction) keeps its (n, 2f/t) input and
+      the weights, and fc2 its input: the same 6·n·f/t + 2·n bytes;
+    - combine (`unpermute` without probabilities, scatter_add_) keeps only the index
+      already counted; the reduce-scatter / all-to-all keep nothing;
+    - shared experts (SharedExpertMLP): Table 2's gelu and fc2 inputs, 4·s·b·f_s/t each
+      (their input is the norm output; a shared-expert gate is not modelled).
+
+    Not modelled: --deterministic-mode (torch.use_deterministic_algorithms: `unpermute`'s
+    index_add_ keeps its source, the expert output, and the router's index_put_ an int64
+    row index), grouped GEMM, fused permute, token drop, MoE-layer recompute.
+    """
+    spec, par = ctx.spec, ctx.parallel
+    x = dims(ctx)
+    t = par.tp
+    E, k = spec.num_local_experts, spec.num_experts_per_tok
+    T = x.b * x.s // t if par.sequence_parallel else x.b * x.s
+    n = T * (t if par.sequence_parallel else 1) * k
+    fe = ceil_div(spec.expert_ffn, t)
+    router = T * k * (8 + 4)
+    if ctx.training.dispatcher == "allgather":
+        dispatch = 3 * T * (t if par.sequence_parallel else 1) * E + 8 * n
+    else:
+        dispatch = 2 * 8 * T * k
+    experts = 2 * n * x.h + 2 * n + 6 * n * fe
+    shared = spec.num_shared_experts * 4 * x.b * x.s * ceil_div(spec.shared_ffn, t)
+    return router + dispatch + experts + shared
 
 
 # ---- per micro-batch, outside the layers -----------------------------------------------
