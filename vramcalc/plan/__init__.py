@@ -12,13 +12,14 @@ before it (docs/planning.md has the details):
 """
 
 from vramcalc.plan.bound import LOWER_BOUND_MARGIN, MemoryBound
-from vramcalc.plan.candidates import (
-    Candidate,
-    enumerate_candidates,
-    finetune_supported,
+from vramcalc.plan.candidates import Candidate, enumerate_candidates, finetune_supported
+from vramcalc.plan.request import (
+    DEFAULT_BATCH_TOKENS,
+    MAX_MICRO_BATCH,
+    PlanRequest,
+    ProgressFn,
     stack_note,
 )
-from vramcalc.plan.request import DEFAULT_BATCH_TOKENS, MAX_MICRO_BATCH, PlanRequest, ProgressFn
 from vramcalc.plan.search import (
     PlanEntry,
     PlanResult,

@@ -26,7 +26,7 @@ from vramcalc.errors import InputError
 from vramcalc.finetune import check_finetune
 from vramcalc.hardware import GPUProfile
 from vramcalc.parallel import ParallelConfig, resolve_layout
-from vramcalc.plan.request import PlanRequest
+from vramcalc.plan.request import UNSUPPORTED, PlanRequest
 from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.speed import Layout, SpeedModel, training_peft
@@ -228,22 +228,6 @@ def variants(base: Scenario, req: PlanRequest, gpu: GPUProfile
                                                      ("finetune", f, tr.finetune)) if new != old)
                 out.append((p, o, f, changed))
     return out
-
-
-# The parallelisms a stack cannot run, which the planner never proposes, and why. HF
-# Trainer lays out its ranks with accelerate's ParallelismConfig (dp_replicate, dp_shard,
-# tp, cp, sp; accelerate src/accelerate/parallelism_config.py, 1.15): no pipeline or
-# expert parallelism.
-UNSUPPORTED: dict[str, tuple[frozenset[str], str]] = {
-    "hf": (frozenset({"pp", "ep"}), "HF Trainer (accelerate's ParallelismConfig) runs no "
-           "pipeline or expert parallelism: layouts with pp or ep > 1 are not proposed"),
-}
-
-
-def stack_note(framework: str) -> str | None:
-    """Why the planner leaves some layouts out for this stack (None: it proposes all)."""
-    entry = UNSUPPORTED.get(framework)
-    return entry[1] if entry else None
 
 
 def _layouts(base: Scenario, req: PlanRequest) -> Iterator[Group]:

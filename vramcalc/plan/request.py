@@ -34,3 +34,19 @@ class PlanRequest:
             return max(1, round(self.global_batch_tokens / seq_len))
         per = max(1, DEFAULT_BATCH_TOKENS // seq_len)
         return 1 << (per.bit_length() - 1)
+
+
+# The parallelisms a stack cannot run, which the planner never proposes, and why. HF
+# Trainer lays out its ranks with accelerate's ParallelismConfig (dp_replicate, dp_shard,
+# tp, cp, sp; accelerate src/accelerate/parallelism_config.py, 1.15): no pipeline or
+# expert parallelism.
+UNSUPPORTED: dict[str, tuple[frozenset[str], str]] = {
+    "hf": (frozenset({"pp", "ep"}), "HF Trainer (accelerate's ParallelismConfig) runs no "
+           "pipeline or expert parallelism: layouts with pp or ep > 1 are not proposed"),
+}
+
+
+def stack_note(framework: str) -> str | None:
+    """Why the planner leaves some layouts out for this stack (None: it proposes all)."""
+    entry = UNSUPPORTED.get(framework)
+    return entry[1] if entry else None
