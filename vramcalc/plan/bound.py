@@ -51,6 +51,7 @@ from typing import NamedTuple
 
 from vramcalc.analytic import candidate_stages
 from vramcalc.errors import InputError
+from vramcalc.parallel import ParallelConfig
 from vramcalc.plan.candidates import (
     REC_ORDER,
     Candidate,
@@ -119,6 +120,7 @@ class MemoryBound:
         self.opt_phase: dict[StatesKey, float] = {}
         self._states: dict[StatesKey, ModelStates | None] = {}
         self._trainings: dict[tuple[str, str, str | None], TrainingConfig] = {}
+        self._parallels: dict[tuple, ParallelConfig] = {}
         d = spec.head_size
         self._sharded_inputs = (2 * spec.num_attention_heads * d + 2 * spec.kv_heads * d
                                 + (0 if spec.is_moe else spec.intermediate_size))
@@ -148,7 +150,11 @@ class MemoryBound:
             return hit  # type: ignore[return-value]
         tp, pp, cp, ep, dp, sp, sharding, off, sched, v, prec, opt, ft = key
         training = self._training(prec, opt, ft)
-        parallel = parallel_for(self.base, dp, tp, pp, cp, ep, sp, sharding, off, sched, v)
+        layout = key[:10]  # the same layout under every training variant: built once
+        parallel = self._parallels.get(layout)
+        if parallel is None:
+            parallel = self._parallels[layout] = parallel_for(
+                self.base, dp, tp, pp, cp, ep, sp, sharding, off, sched, v)
         scn = self.base.model_copy(update={"training": training, "parallel": parallel})
         out: ModelStates | None
         try:
