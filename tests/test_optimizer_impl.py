@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from vramcalc.analytic import estimate
 from vramcalc.cli import main
+from vramcalc.model import param_tensors
 from vramcalc.training import TrainingConfig
 from vramcalc.validate import SHAPES, scenario_for
 
@@ -42,8 +43,7 @@ def test_hf_trainer_steps_adamw_fused_by_default() -> None:
 
 
 def test_foreach_holds_one_sqrt_per_state_tensor() -> None:
-    n_params = sum(t.numel * t.count for t in __import__("vramcalc.model", fromlist=["x"])
-                   .param_tensors(SPEC))
+    n_params = sum(t.numel * t.count for t in param_tensors(SPEC))
     assert n_params == SPEC.num_params
     # fused adds 21 step tensors and has no temporaries; foreach: every state's sqrt at once
     assert _optimizer_phase("foreach") - _optimizer_phase("fused") == 4 * n_params - 21 * 512

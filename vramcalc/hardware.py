@@ -264,21 +264,20 @@ def _catalog(dirs: tuple[Path, ...]) -> tuple[dict[str, Path], dict[str, str], d
     files: dict[str, Path] = {}
     index: dict[str, str] = {}
     names: dict[str, str] = {}
-    where: dict[str, Path] = {}
 
     def claim(label: str, pid: str, path: Path) -> None:
         key = normalize_name(label)
         other = index.get(key)
         if other is not None and other != pid:
             raise InputError(
-                f"GPU name {label!r} in {path} is already used by {other!r} ({where[other]})"
+                f"GPU name {label!r} in {path} is already used by {other!r} ({files[other]})"
             )
         index[key] = pid
         names.setdefault(key, label)
 
     builtin, *user = dirs
     for path in _profile_files(builtin):
-        files[path.stem] = where[path.stem] = path
+        files[path.stem] = path
     for pid, aliases in sorted(builtin_aliases().items()):
         claim(pid, pid, files[pid])
         for alias in aliases:
@@ -286,7 +285,7 @@ def _catalog(dirs: tuple[Path, ...]) -> tuple[dict[str, Path], dict[str, str], d
     for location in user:
         for path in _profile_files(location):
             profile = load_profile_file(path)
-            files[profile.id] = where[profile.id] = path  # later locations override
+            files[profile.id] = path  # later locations override
             claim(profile.id, profile.id, path)
             for alias in profile.aliases:
                 claim(alias, profile.id, path)
