@@ -89,7 +89,12 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("recompute_num_layers", int, None, "Megatron-LM's --recompute-num-layers N (with "
         "--recompute-method): layers checkpointed per pipeline chunk (block) or per "
         "checkpoint (uniform)."),
-    Opt("framework", str, "reference", "Saved-tensor profile: reference | hf | megatron.",
+    Opt("recompute_every", int, None, "torchtitan profile, with --recompute selective: "
+        "checkpoint every N-th transformer block whole and keep everything in the others "
+        "(torchtitan's selective_ac_option=N). Without it, --recompute selective is "
+        "torchtitan's per-op SAC (selective_ac_option='op')."),
+    Opt("framework", str, "reference", "Stack profile: reference | hf | megatron | "
+        "torchtitan (torchtitan 9dec370's Llama: per-op SAC for --recompute selective).",
         FRAMEWORKS),
     Opt("finetune", str, "full", "full | lora | qlora (NF4 base) | dora: frozen base weights "
         "plus trained adapters.", FINETUNES),
@@ -152,7 +157,7 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
 OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
                   "optimizer_dtype", "optimizer_impl", "attention", "recompute", "recompute_method",
-                  "recompute_num_layers", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
+                  "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
                   "moe_dispatcher", "chunked_ce",
                   "activation_offload", "qat")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fsdp",

@@ -169,6 +169,8 @@ def resolve_layout(
         raise InputError("--shard-group only applies to --fsdp hybrid")
     resolved = parallel.model_copy(update={"dp": dp})
     _check_engine(training, resolved)
+    if training.framework == "torchtitan":
+        _check_torchtitan(spec, training, resolved)
     m = _microbatches(training, resolved)
     if m is not None:
         resolved = resolved.model_copy(update={"num_microbatches": m})
@@ -291,6 +293,44 @@ def _check_engine(training: TrainingConfig, par: ParallelConfig) -> None:
                 "Megatron-LM offloads the optimizer only, with the distributed optimizer: "
                 "use --zero 1 --offload optimizer"
             )
+
+
+def _check_torchtitan(spec: ModelSpec, training: TrainingConfig, par: ParallelConfig) -> None:
+    """What torchtitan 9dec370 cannot run (torchtitan/parallelisms/parallelize_llama.py
+    `parallelize_llama`, models/llama/model.py): its Llama only; FSDP2 whenever dp_shard or
+    cp > 1 (`apply_fsdp`), DDP only as the sole parallelism ("DDP has not supported > 1D
+    parallelism"), no DeepSpeed ZeRO; TP always with sequence-parallel norms (`apply_tp`);
+    FSDP2 blocks keep their parameters unsharded after forward only under PP
+    (`reshard_after_forward = False` when pp_enabled, grad-op); bf16 compute only through
+    FSDP2's MixedPrecisionPolicy; no expert parallelism (no MoE model)."""
+    llama = (not spec.is_moe and spec.norm_kind == "rmsnorm" and spec.mlp_kind == "gated"
+             and spec.position_embedding == "rope" and spec.hidden_act in ("silu", "swish")
+             and not (spec.attention_bias or spec.attention_out_bias or spec.mlp_bias
+                      or spec.qk_norm or spec.tie_word_embeddings) and spec.final_norm)
+    problem = None
+    if not llama:
+        problem = (f"{spec.name} is not a Llama-architecture model (torchtitan's "
+                   "models/llama: RMSNorm, RoPE, SwiGLU, no biases, untied embeddings, dense)")
+    elif par.zero:
+        problem = "--zero is DeepSpeed's: torchtitan shards with FSDP2 (use --fsdp full)"
+    elif par.fsdp == "none" and par.cp > 1:
+        problem = "torchtitan runs context parallelism inside FSDP2 (add --fsdp full)"
+    elif par.fsdp == "none" and par.dp_degree > 1 and (par.tp > 1 or par.pp > 1):
+        problem = ("torchtitan's DDP runs alone (\"DDP has not supported > 1D parallelism\"): "
+                   "add --fsdp full")
+    elif par.fsdp == "none" and training.precision != "fp32":
+        problem = (f"--precision {training.precision}: torchtitan computes in bf16 only "
+                   "through FSDP2's MixedPrecisionPolicy (add --fsdp full, or use fp32)")
+    elif par.tp > 1 and not par.sequence_parallel:
+        problem = "torchtitan's tensor parallelism always shards the norms over the sequence "\
+            "(add --sequence-parallel)"
+    elif par.fsdp == "grad-op" and par.pp == 1:
+        problem = "torchtitan keeps blocks unsharded after forward only under PP: use --fsdp full"
+    elif par.fsdp in ("full", "hybrid") and par.pp > 1:
+        problem = ("torchtitan's FSDP2 does not reshard after forward under PP: use --fsdp "
+                   "grad-op with --pp")
+    if problem:
+        raise InputError(problem + " (torchtitan profile)")
 
 
 def _microbatches(training: TrainingConfig, par: ParallelConfig) -> int | None:

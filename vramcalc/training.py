@@ -69,7 +69,7 @@ MOE_DISPATCHERS: tuple[str, ...] = ("allgather", "alltoall")
 # Megatron-LM's default: TransformerConfig.moe_token_dispatcher_type = "allgather"
 # (NVIDIA/Megatron-LM d98e8a64, megatron/core/transformer/transformer_config.py)
 MEGATRON_DEFAULT_DISPATCHER = "allgather"
-FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron")
+FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron", "torchtitan")
 
 # LoRA target names: q, k, v, o projections and the MLP's gate, up (fc) and down (proj)
 # matrices.
@@ -130,7 +130,12 @@ class TrainingConfig(BaseModel):
     # checkpoint (vramcalc/terms/megatron_recompute.py). None: every layer, one per checkpoint
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = Field(None, gt=0, le=100_000)
-    framework: Literal["reference", "hf", "megatron"] = "reference"
+    # torchtitan's selective_ac_option = N (torchtitan profile, --recompute selective): every
+    # N-th transformer block is checkpointed whole, the others keep everything
+    # (vramcalc/terms/torchtitan.py). None: torchtitan's per-op SAC ('op')
+    # (left out of dumps when None, so reports of the other profiles keep their keys)
+    recompute_every: int | None = Field(None, gt=0, le=100_000, exclude_if=lambda v: v is None)
+    framework: Literal["reference", "hf", "megatron", "torchtitan"] = "reference"
     # fine-tuning (vramcalc/finetune.py): frozen base + adapters; PEFT's defaults
     finetune: Literal["full", "lora", "qlora", "dora"] = "full"
     lora_rank: int = Field(8, gt=0, le=65_536)
@@ -198,6 +203,29 @@ class TrainingConfig(BaseModel):
                              "with full recompute)")
         return self
 
+    @model_validator(mode="after")
+    def _recompute_every_modelled(self) -> TrainingConfig:
+        if self.recompute_every is None:
+            return self
+        given = f"--recompute-every {self.recompute_every}"
+        if self.framework != "torchtitan":
+            raise ValueError(f"{given}: only the torchtitan profile models torchtitan's "
+                             "per-layer selective checkpointing (use --framework torchtitan, "
+                             "or leave it out)")
+        if self.recompute != "selective":
+            raise ValueError(f"{given}: needs --recompute selective (torchtitan's "
+                             "activation_checkpoint.mode = 'selective' with "
+                             "selective_ac_option = N)")
+        return self
+
+    @model_validator(mode="after")
+    def _torchtitan_modelled(self) -> TrainingConfig:
+        if self.framework == "torchtitan":
+            problem = torchtitan_training_problem(self)
+            if problem:
+                raise ValueError(problem)
+        return self
+
     @field_validator("lora_targets", mode="before")
     @classmethod
     def _canonical_targets(cls, value: object) -> str:
@@ -214,6 +242,8 @@ class TrainingConfig(BaseModel):
         `_default_to_fused_or_foreach(..., use_fused=False)`)."""
         if self.optimizer_impl is not None:
             return self.optimizer_impl
+        # torchtitan (9dec370, torchtitan/optimizer.py `build_optimizers`): fused =
+        # --optimizer.fused (default False, config_manager.py), foreach = not fused
         return "fused" if self.framework == "hf" and self.optimizer == "adamw" else "foreach"
 
     @property
@@ -252,3 +282,31 @@ class TrainingConfig(BaseModel):
             return self.optimizer_dtype
         return "bf16" if self.precision == "bf16-pure" and self.trainable_dtype == "bf16" else (
             "fp32")
+
+
+def torchtitan_training_problem(tr: TrainingConfig) -> str | None:
+    """Why the torchtitan profile cannot express these training settings (None: it can).
+    What torchtitan 9dec370 runs: torch.optim Adam / AdamW only (torchtitan/optimizer.py
+    OptimizersContainer), foreach or fused (`"foreach": not fused`); fp32 parameters, in
+    bf16 only through FSDP2's MixedPrecisionPolicy (config_manager.py
+    --training.mixed_precision_param: bfloat16 | float32), no autocast; SDPA attention
+    (models/llama/model.py Attention.forward); full training (no adapters, no QAT); float8
+    is torchao's (not modelled); no chunked loss or activation offload."""
+    flag = None
+    if tr.precision not in ("fp32", "amp-bf16"):
+        flag = (f"--precision {tr.precision}: torchtitan keeps fp32 parameters and computes "
+                "in bf16 only through FSDP2's mixed precision (use --precision amp-bf16 with "
+                "--fsdp full, or fp32)")
+    elif tr.optimizer not in ("adamw", "adam"):
+        flag = (f"--optimizer {tr.optimizer}: torchtitan builds torch.optim Adam or AdamW "
+                "only")
+    elif tr.optimizer_impl == "loop" or tr.optimizer_dtype not in (None, "fp32"):
+        flag = ("--optimizer-impl loop / --optimizer-dtype bf16: torchtitan steps with "
+                "foreach (default) or fused kernels, fp32 states")
+    elif tr.attention != "flash":
+        flag = "--attention eager: torchtitan's Llama always calls SDPA (use flash)"
+    elif tr.finetune != "full" or tr.qat != "none":
+        flag = "torchtitan trains every weight: no LoRA/QLoRA/DoRA or QAT"
+    elif tr.chunked_ce > 1 or tr.activation_offload:
+        flag = "torchtitan has no chunked cross entropy or activation offload"
+    return None if flag is None else flag + " (torchtitan profile)"

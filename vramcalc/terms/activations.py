@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from vramcalc.rank import RankContext
 from vramcalc.terms import moments as mo
+from vramcalc.terms import torchtitan as tt
 from vramcalc.terms.megatron_recompute import LayerPlan, layer_plan
 from vramcalc.terms.modifiers import modifiers
 from vramcalc.terms.saved import Moment, Saved, first_layer_moe, mostly_moe
@@ -56,6 +57,8 @@ def layer_saved(ctx: RankContext, moe: bool | None = None) -> list[Saved]:
 
 
 def _layer_saved(ctx: RankContext, moe: bool) -> list[Saved]:
+    if ctx.training.framework == "torchtitan":  # vramcalc/terms/torchtitan.py
+        return tt.layer_saved(ctx)
     if ctx.training.recompute == "full":
         return checkpoint_saved(ctx)
     out = plain_layer_saved(ctx, moe)
@@ -75,6 +78,9 @@ def recompute_plan(ctx: RankContext) -> LayerPlan | None:
     """The megatron profile's layers under Megatron-LM's --recompute-method: checkpointed
     ones keep their (b, s, h) input, the others Table 2's full set
     (vramcalc/terms/megatron_recompute.py); None otherwise (every layer alike)."""
+    if ctx.training.framework == "torchtitan":  # per-layer SAC (--recompute-every)
+        return tt.layer_plan(ctx, sum(t.nbytes for t in checkpoint_saved(ctx)),
+                             sum(t.nbytes for t in layer_saved(without_recompute(ctx))))
     if ctx.training.framework != "megatron" or ctx.training.recompute_method is None:
         return None
     moe = mostly_moe(ctx)
@@ -101,7 +107,9 @@ def layer_backward_moments(ctx: RankContext, moe: bool | None = None) -> list[Mo
     saved = layer_saved(plain, moe)
     # before the attention core the layer holds its own saved set (selective: the core is
     # only recomputed when its backward comes; full: the whole layer is recomputed first)
-    mlp_saved = saved if ctx.training.recompute == "full" else layer_saved(ctx, moe)
+    # (torchtitan: a checkpointed block is re-run whole before its backward starts)
+    mlp_saved = saved if ctx.training.recompute == "full" or (
+        ctx.training.framework == "torchtitan") else layer_saved(ctx, moe)
     out = mo.plain_backward_moments(ctx, moe, saved, mlp_saved)
     for m in modifiers(ctx):
         out = m.backward_moments(ctx, out, saved)

@@ -137,6 +137,8 @@ def logits_forward_peak_bytes(ctx: RankContext) -> int:
         return _megatron_forward_peak_bytes(ctx)
     nv, c = _nv(ctx), ctx.training.compute_dtype
     out = 2 * alloc(nv, "fp32") + 2 * ALLOC_ROUND_BYTES  # fp32 logits + log-probs + scalars
+    if ctx.training.framework == "torchtitan" and c != "fp32":
+        out += alloc(nv, c)  # train.py keeps `pred` until `del pred`, after the loss
     if ctx.training.framework == "hf":
         x = dims(ctx)
         if c != "fp32":  # the c-typed logits live on in the model output

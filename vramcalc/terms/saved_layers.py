@@ -20,7 +20,7 @@ def _linear_inputs(x: Dims, name: str, numel: int, readers: int, shape: str) -> 
     return [Saved(name, numel, x.c, shape, "input of the projection(s), for the weight grad")]
 
 
-def _norm_saved(ctx: RankContext, x: Dims, name: str, tokens: int, width: int,
+def norm_saved(ctx: RankContext, x: Dims, name: str, tokens: int, width: int,
                 shape: str) -> list[Saved]:
     """A norm over `width` of `tokens` rows, as the profile implements it (output excluded)."""
     numel = tokens * width
@@ -29,14 +29,15 @@ def _norm_saved(ctx: RankContext, x: Dims, name: str, tokens: int, width: int,
         return [Saved(f"{name}.input", numel, x.r, shape, "LayerNorm input"),
                 Saved(f"{name}.mean", tokens, "fp32", stats, "fp32 mean (CUDA acc type)"),
                 Saved(f"{name}.rstd", tokens, "fp32", stats, "fp32 1/std")]
-    if ctx.training.framework != "hf":  # fused RMSNorm: input + fp32 rstd
+    if ctx.training.framework not in ("hf", "torchtitan"):  # fused RMSNorm: input + fp32 rstd
         return [Saved(f"{name}.input", numel, x.r, shape, "RMSNorm input (fused kernel)"),
                 Saved(f"{name}.rstd", tokens, "fp32", stats, "fp32 1/rms (fused kernel)")]
-    # transformers RMSNorm: x32 = x.float(); x32 * rsqrt(mean(x32²) + eps) -> weight * (·).to(r)
+    # transformers RMSNorm: x32 = x.float(); x32 * rsqrt(mean(x32²) + eps) -> weight * (·).to(r);
+    # torchtitan's (models/norms.py RMSNorm) is the same: (x32 · rsqrt(·)).type_as(x) * weight
     out = [Saved(f"{name}.x_fp32", numel, "fp32", shape,
                  "x.to(float32), kept by pow and mul (the residual itself when r = fp32)"),
            Saved(f"{name}.rstd", tokens, "fp32", stats, "rsqrt output, kept by mul")]
-    if hf_family(ctx) == "gemma":  # output = x̂32 · (1 + w.float()), then .type_as(x)
+    if ctx.training.framework == "hf" and hf_family(ctx) == "gemma":  # x̂32·(1 + w), type_as
         out += [Saved(f"{name}.xhat_fp32", numel, "fp32", shape, "x̂ in fp32, kept by · (1 + w)"),
                 Saved(f"{name}.one_plus_w", width, "fp32", "(width)", "1 + w in fp32")]
     else:
@@ -164,7 +165,7 @@ def _hf_eager_qkv(ctx: RankContext, x: Dims, fam: str) -> list[Saved]:
     return out
 
 
-def _mlp_saved(ctx: RankContext, x: Dims, tokens: int, ffn: int, name: str = "mlp",
+def mlp_saved(ctx: RankContext, x: Dims, tokens: int, ffn: int, name: str = "mlp",
                readers_input: bool = True) -> list[Saved]:
     """A dense MLP on `tokens` rows (input included when `readers_input`)."""
     c, bsf = x.c, tokens * ffn
@@ -234,13 +235,13 @@ def _moe_saved(ctx: RankContext, x: Dims) -> list[Saved]:
     else:
         out.append(Saved("moe.expert_input", EC * x.h, c, "(E·C, h)", "gathered tokens"))
     out += [Saved(t.name.replace("mlp.", "moe.expert."), t.numel, t.dtype, t.shape, t.why, E)
-            for t in _mlp_saved(ctx, x, C, fe, readers_input=False)]
+            for t in mlp_saved(ctx, x, C, fe, readers_input=False)]
     out += [Saved("moe.expert_output", EC * x.h, c, "(E·C, h)", "cat of expert outputs"),
             Saved("moe.weighted", EC * x.h, x.r, "(E·C, h)",
                   "outputs · gate; index_add's backward formula keeps its source")]
     fs = ceil_div(spec.shared_ffn, ctx.parallel.tp)
     for i in range(shared):
-        out += _mlp_saved(ctx, x, T, fs, name=f"shared_expert{i}", readers_input=False)
+        out += mlp_saved(ctx, x, T, fs, name=f"shared_expert{i}", readers_input=False)
         if spec.shared_expert_gate:
             out += [Saved(f"shared_expert{i}.output", T * x.h, c, "(T, h)", "kept by gate ·"),
                     Saved(f"shared_expert{i}.gate", T, c, "(T, 1)", "sigmoid output")]
@@ -274,7 +275,7 @@ def _hf_moe_saved(ctx: RankContext, x: Dims) -> list[Saved]:
             Saved("moe.down_out", S * x.h, c, "(T·k, h)", "kept by · routing weight")]
     if shared:
         fs = ceil_div(spec.shared_ffn, ctx.parallel.tp)
-        out += _mlp_saved(ctx, x, T, fs, name="shared_expert", readers_input=False)
+        out += mlp_saved(ctx, x, T, fs, name="shared_expert", readers_input=False)
         out += [Saved("shared_expert.output", T * x.h, c, "(T, h)", "kept by gate ·"),
                 Saved("shared_expert.gate", T, c, "(T, 1)", "sigmoid output")]
     return out
@@ -292,13 +293,13 @@ def plain_layer_saved(ctx: RankContext, moe: bool) -> list[Saved]:
     full recompute (reference/hf profiles; no modifier applied): input norm, attention,
     post-attention norm, then the dense MLP or the mixture of experts (`moe`)."""
     x = dims(ctx)
-    out = _norm_saved(ctx, x, "input_norm", x.T, x.h, "(b, s, h)")
+    out = norm_saved(ctx, x, "input_norm", x.T, x.h, "(b, s, h)")
     out += _attention_saved(ctx, x)
-    out += _norm_saved(ctx, x, "post_norm", x.T, x.h, "(b, s, h)")
+    out += norm_saved(ctx, x, "post_norm", x.T, x.h, "(b, s, h)")
     if moe:
         out += _moe_saved(ctx, x)
     else:
-        out += _mlp_saved(ctx, x, x.T, ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp))
+        out += mlp_saved(ctx, x, x.T, ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp))
     return out
 
 
@@ -450,7 +451,9 @@ def embedding_saved(ctx: RankContext) -> list[Saved]:
         if tr.attention == "eager":
             out.append(Saved("attn.mask", x.b * x.s * x.s, x.r, "(b, 1, s, s)",
                              "additive causal mask, checkpoint input"))
-    if spec.position_embedding == "rope":
+    if tr.framework == "torchtitan":
+        pass  # RoPE reads the freqs_cis buffer (vramcalc/terms/torchtitan.py): nothing saved
+    elif spec.position_embedding == "rope":
         # cos, sin (s, d): reference in c, hf in the residual dtype
         out.append(Saved("rope.cos_sin", x.s * x.d, x.r if hf else x.c, "(s, d)",
                          "rotary tables, kept by q·cos, q·sin of every layer", 2))
@@ -466,6 +469,6 @@ def plain_head_saved(ctx: RankContext) -> list[Saved]:
     x = dims(ctx)
     out: list[Saved] = []
     if ctx.spec.final_norm:
-        out += _norm_saved(ctx, x, "final_norm", x.T, x.h, "(b, s, h)")
+        out += norm_saved(ctx, x, "final_norm", x.T, x.h, "(b, s, h)")
     out += _linear_inputs(x, "lm_head.input", bsh(x), 1, "(b, s, h) normed")
     return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 from vramcalc.features import finetunes
 from vramcalc.finetune import adapter_dtype, nf4_constant_bytes, shapes_for
 from vramcalc.rank import RankContext
+from vramcalc.terms.torchtitan import freqs_cis_bytes
 
 GROUPS: tuple[str, ...] = ("embedding", "layer", "expert", "final", "head")
 
@@ -38,6 +39,8 @@ def weight_parts(ctx: RankContext) -> dict[str, int]:
     """The weights term as report keys: {"weights": bytes}, or under LoRA/QLoRA/DoRA its
     sub-terms weights/frozen, weights/nf4, weights/nf4_constants, weights/adapters."""
     groups = weights_by_group(ctx)
+    if ctx.training.framework == "torchtitan":  # + the freqs_cis buffer, on every rank
+        return {"weights": sum(groups.values()), "weights/buffers": freqs_cis_bytes(ctx)}
     if not finetunes(ctx.training) or not groups:
         return {"weights": sum(groups.values())}
     return {f"weights/{k}": v for k, v in groups.items()}

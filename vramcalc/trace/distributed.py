@@ -71,7 +71,7 @@ def check_distributed(scn: Scenario) -> Scenario:
                          + ", ".join(other + [f"offload={','.join(par.offload)}"] * bool(
                              par.offload)))
     if tr.framework == "megatron":
-        raise InputError("trace runs the reference and hf profiles, not megatron")
+        raise InputError("trace runs the reference, hf and torchtitan profiles, not megatron")
     if par.dp_degree < 2:
         raise InputError("the distributed trace needs dp >= 2")
     return scn
@@ -176,8 +176,12 @@ def _shard(model: Any, scn: Scenario, mesh: Any) -> None:
         mp = MixedPrecisionPolicy(param_dtype=_torch_dtype(tr.compute_dtype),
                                   reduce_dtype=torch.float32)
     reshard = par.fsdp != "grad-op"
-    for block in _blocks(model, scn.model.num_hidden_layers):
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    blocks = _blocks(model, scn.model.num_hidden_layers)
+    for i, block in enumerate(blocks):
+        # torchtitan (parallelize_llama.py `apply_fsdp`): the last block is not resharded
+        # after forward ("FSDP would prefetch it immediately")
+        last = tr.framework == "torchtitan" and i == len(blocks) - 1
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and not last)
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
 

@@ -86,8 +86,8 @@ def check_traceable(scn: Scenario) -> Scenario:
             "trace supports single-rank layouts; got " + ", ".join(multi)
             + " (trace one GPU, e.g. --gpus 1xH100, without parallel options)")
     if tr.framework == "megatron":
-        raise InputError("trace runs the reference and hf profiles; megatron has no traceable "
-                         "model (use --framework reference or hf)")
+        raise InputError("trace runs the reference, hf and torchtitan profiles; megatron has no "
+                         "traceable model (use --framework reference or hf)")
     spec = scn.model
     if spec.position_embedding == "learned" and tr.seq_len > spec.max_position_embeddings:
         raise InputError(f"seq_len={tr.seq_len} exceeds {spec.name}'s learned positions "
@@ -122,6 +122,11 @@ def build_model(scn: Scenario) -> Any:
         from vramcalc.trace.hf_models import build_hf_model
 
         model = build_hf_model(scn.model, tr, dtype)
+    elif tr.framework == "torchtitan":  # torchtitan's Llama and AC (trace/titan_model.py)
+        from vramcalc.trace.titan_model import TitanLlama
+
+        model = TitanLlama(scn.model, tr.seq_len, recompute=tr.recompute,
+                           every=tr.recompute_every, dtype=dtype)
     else:
         from vramcalc.trace.reference_model import ReferenceModel
 

@@ -1,0 +1,144 @@
+"""The torchtitan profile: what torchtitan's Llama keeps for backward under its activation
+checkpointing modes (legend: vramcalc/terms/saved.py; c = r = the compute dtype, bf16 under
+FSDP2's MixedPrecisionPolicy, else fp32: torchtitan runs no autocast).
+
+Source: pytorch/torchtitan 9dec370ad26b5f8e9a7333a0e36165018262644b (Dec 2024).
+
+A block without AC (torchtitan/models/llama/model.py `TransformerBlock.forward`,
+norms.py `RMSNorm`), one micro-batch, N = b·s tokens, T = N ÷ t under TP (SP norms):
+
+| tensor | shape | kept by |
+|---|---|---|
+| norm x.float() | (T, h) fp32 | pow, mul (the input itself when it is fp32) |
+| norm rstd | (T, 1) fp32 | mul, rsqrt |
+| norm x̂.type_as(x) | (T, h) r | `* self.weight` |
+| wq/wk/wv input | (N, h) c | mm (the all-gathered input under TP) |
+| rotated q | (N, a, d) c | SDPA (`type_as` copy of the complex product) |
+| k, v | (N, a, d) c | SDPA: `repeat_kv` copies when a > g, else rotated k and wv's output (N, g, d) |
+| SDPA output | (N, a, d) c | SDPA and wo (flash writes (b, s, a, d): `.contiguous()` is free) |
+| logsumexp | (b, a, s) fp32 | SDPA |
+| ffn_norm (3 tensors) | as above | |
+| w1/w3 input | (N, h) c | mm |
+| w1 out, w3 out, silu out, product | (N, f) c each | silu, mul, mul, w2 |
+
+RoPE keeps nothing of its own: `xq_ * freqs_cis` needs only the (buffer's) freqs_cis for
+xq_'s gradient, and the fp32 / complex copies are temporaries.
+
+AC (parallelize_llama.py `_apply_ac_to_transformer_block`, `_save_list`, `apply_ac`):
+- full: every block is checkpointed (non-reentrant); it keeps its input (T, h) r;
+- selective, option 'op' (per-op SAC): each block keeps its input and the outputs of the
+  ops in `_save_list` the policy saves: mm outputs except every second mm of the block,
+  counted in call order wq 1, wk 2, wv 3, wo 4, w1 5, w3 6, w2 7 -> wq (N, a·d), wv (N, g·d),
+  w1 (N, f), w2 (N, h); the SDPA (flash / efficient) output and logsumexp; under TP the
+  two `reduce_scatter_tensor` outputs of wo and w2 (T, h) each (RowwiseParallel with
+  Shard(1) outputs); `aten.abs` / `aten.max` do not occur without float8;
+- selective, option N (per-layer): block i (0-based, in build order) is checkpointed whole
+  when (i + 1) % N == 0 (the wrapper's `_count` is incremented before the test); the
+  other blocks keep everything.
+
+In backward a checkpointed block is re-run whole before its first backward node (the last
+tensor it saved is w2's input), so while its backward runs it holds its full set again
+(SAC's cached outputs are handed over, not copied) next to its checkpoint input.
+"""
+
+from __future__ import annotations
+
+from vramcalc.rank import RankContext
+from vramcalc.sharding import pipeline_chunks
+from vramcalc.terms.megatron_recompute import LayerPlan
+from vramcalc.terms.saved import Dims, Saved, bsh, dims
+from vramcalc.terms.saved_layers import checkpoint_saved, mlp_saved, norm_saved
+from vramcalc.units import alloc, ceil_div, round_alloc
+
+
+def _attention_saved(x: Dims) -> list[Saved]:
+    """Attention without AC: the projections' input, SDPA's q, k, v, output, logsumexp."""
+    c, n = x.c, x.b * x.s
+    nad, ngd = n * x.a * x.d, n * x.g * x.d
+    out = [Saved("attn.input", n * x.h, c, "(b, s, h) normed", "input of wq, wk, wv"),
+           Saved("attn.q", nad, c, "(b, s, a, d)", "rotated q (type_as copy), SDPA input")]
+    if x.g < x.a:
+        out += [Saved("attn.k", nad, c, "(b, s, a, d)", "repeat_kv copy of rotated k"),
+                Saved("attn.v", nad, c, "(b, s, a, d)", "repeat_kv copy of v")]
+    else:
+        out += [Saved("attn.k", ngd, c, "(b, s, g, d)", "rotated k, SDPA input"),
+                Saved("attn.v", ngd, c, "(b, s, g, d)", "wv output, SDPA input")]
+    out += [Saved("attn.out", nad, c, "(b, s, a, d)", "SDPA output, kept by SDPA and wo"),
+            Saved("attn.lse", x.b * x.a * x.s, "fp32", "(b, a, s)", "logsumexp, fp32")]
+    return out
+
+
+def plain_layer_saved(ctx: RankContext) -> list[Saved]:
+    """One torchtitan block without AC (table in the module docstring)."""
+    x = dims(ctx)
+    f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
+    out = norm_saved(ctx, x, "input_norm", x.T, x.h, "(b, s, h)")
+    out += _attention_saved(x)
+    out += norm_saved(ctx, x, "post_norm", x.T, x.h, "(b, s, h)")
+    out += mlp_saved(ctx, x, x.b * x.s, f)
+    return out
+
+
+def op_sac_saved(ctx: RankContext) -> list[Saved]:
+    """One block under per-op SAC: its checkpoint input and the outputs the policy saves."""
+    x = dims(ctx)
+    c, n = x.c, x.b * x.s
+    f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
+    out = [Saved("layer.input", bsh(x), x.r, "(b, s, h)", "checkpoint input"),
+           Saved("sac.wq", n * x.a * x.d, c, "(b, s, a·d)", "mm 1 output (saved)"),
+           Saved("sac.wv", n * x.g * x.d, c, "(b, s, g·d)", "mm 3 output (saved)"),
+           Saved("attn.out", n * x.a * x.d, c, "(b, s, a, d)", "SDPA output (saved)"),
+           Saved("attn.lse", x.b * x.a * x.s, "fp32", "(b, a, s)", "SDPA logsumexp (saved)"),
+           Saved("sac.w1", n * f, c, "(b, s, f)", "mm 5 output (saved)"),
+           Saved("sac.w2", n * x.h, c, "(b, s, h)", "mm 7 output (saved; partial sums "
+                 "under TP)")]
+    if ctx.parallel.tp > 1:
+        out.append(Saved("sac.reduce_scatter", bsh(x), c, "(b, s/t, h)",
+                         "wo and w2 reduce-scatter outputs (saved)", 2))
+    return out
+
+
+def layer_saved(ctx: RankContext) -> list[Saved]:
+    """One block's saved tensors under the rank's AC mode (per-layer SAC: a block that is
+    not checkpointed, the common kind; `layer_plan` has each block's bytes)."""
+    rec = ctx.training.recompute
+    if rec == "full":
+        return checkpoint_saved(ctx)
+    if rec == "selective" and ctx.training.recompute_every is None:
+        return op_sac_saved(ctx)
+    return plain_layer_saved(ctx)
+
+
+def checkpointed(ctx: RankContext) -> tuple[bool, ...]:
+    """Per-layer SAC: whether each of the rank's blocks (bottom first) is checkpointed,
+    counting them as torchtitan builds this rank's model chunks, one after another."""
+    n = ctx.training.recompute_every or 1
+    layers = sum(row[ctx.stage] for row in pipeline_chunks(ctx.spec, ctx.parallel))
+    return tuple((i + 1) % n == 0 for i in range(layers))
+
+
+def layer_plan(ctx: RankContext, input_bytes: int, layer_bytes: int) -> LayerPlan | None:
+    """Per-layer SAC (--recompute-every N): checkpointed blocks keep their input, the others
+    their full set; each block is its own unit (vramcalc.terms.megatron_recompute.LayerPlan).
+    None for the other modes (all blocks alike)."""
+    tr = ctx.training
+    if tr.framework != "torchtitan" or tr.recompute != "selective" or (
+            tr.recompute_every is None):
+        return None
+    marks = checkpointed(ctx)
+    kept = tuple(input_bytes if m else layer_bytes for m in marks)
+    return LayerPlan(kept, tuple(range(len(marks))), tuple(not m for m in marks), layer_bytes)
+
+
+def checkpoint_input_extra(ctx: RankContext) -> int:
+    """While a checkpointed block's backward runs, its checkpoint input (T, h) next to the
+    recomputed full set, when RMSNorm's x.float() is a copy (r = bf16); fp32 inputs are
+    x.float() itself (already in the set)."""
+    x = dims(ctx)
+    return 0 if x.r == "fp32" else alloc(bsh(x), x.r)
+
+
+def freqs_cis_bytes(ctx: RankContext) -> int:
+    """The `freqs_cis` buffer every rank keeps: precompute_freqs_cis(head_dim, max_seq_len)
+    complex64 (max_seq_len, d/2), 8 B each, max_seq_len = --training.seq_len (train.py)."""
+    return round_alloc(ctx.training.seq_len * (ctx.spec.head_size // 2) * 8)
