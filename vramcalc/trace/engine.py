@@ -151,6 +151,10 @@ def _loss(model: Any, framework: str, ids: Any, labels: Any) -> Any:
     if framework == "hf":
         # the output object (and its logits) is dropped at once, as Trainer.compute_loss does
         return model(input_ids=ids, labels=labels).loss
+    if framework == "torchtitan":  # the loss runs outside the model (train.py)
+        from vramcalc.trace.titan_model import titan_loss
+
+        return titan_loss(model, ids, labels)
     return model(ids, labels)
 
 

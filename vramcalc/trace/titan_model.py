@@ -185,7 +185,7 @@ class TransformerBlock(nn.Module):
 
 
 class TitanLlama(nn.Module):
-    """torchtitan's Transformer; `forward(ids, labels)` runs train.py's loss on its logits."""
+    """torchtitan's Transformer: `forward(ids)` returns the logits (`titan_loss` below)."""
 
     def __init__(self, spec: ModelSpec, seq_len: int, recompute: str = "none",
                  every: int | None = None, dtype: torch.dtype | None = None,
@@ -209,10 +209,18 @@ class TitanLlama(nn.Module):
         """The output projection (the trace engine labels its output as logits)."""
         return self.output
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)  # (b, s, h)
         for layer in self.layers:
             h = layer(h, self.freqs_cis)
         h = self.norm(h)  # the last block's output is dropped here, as torchtitan rebinds h
-        pred = self.output(h)  # (b, s, V): alive until the loss is computed
-        return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+        return self.output(h)  # (b, s, V) logits
+
+
+def titan_loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """train.py's step: `pred = model(input_ids)`, then `loss_fn(pred, labels)` outside the
+    model (after FSDP2's root post-forward), `pred` alive until `del pred`."""
+    pred = model(tokens)  # (b, s, V)
+    loss = F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+    del pred
+    return loss
