@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from vramcalc.rank import RankContext
 from vramcalc.terms.saved import Moment, Saved, bsh, dims, hf_family
-from vramcalc.terms.torchtitan import checkpoint_input_extra as tt_checkpoint_input
+from vramcalc.terms.torchtitan import recompute_extra as tt_recompute_extra
 from vramcalc.units import alloc, ceil_div
 
 
@@ -54,7 +54,7 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
             ctx.spec.norm_kind == "rmsnorm"):
         extra = alloc(bsh(x), x.r)  # the checkpoint keeps the input next to hf's fp32 copy
     if tr.framework == "torchtitan" and tr.recompute != "none":
-        extra = tt_checkpoint_input(ctx)  # the same beside torchtitan's norm copy
+        extra = tt_recompute_extra(ctx)  # the same beside torchtitan's norm copy
     c, r = x.c, x.r
     g_res = alloc(bsh(x), r)
     out: list[Moment] = []

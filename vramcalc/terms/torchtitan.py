@@ -130,12 +130,19 @@ def layer_plan(ctx: RankContext, input_bytes: int, layer_bytes: int) -> LayerPla
     return LayerPlan(kept, tuple(range(len(marks))), tuple(not m for m in marks), layer_bytes)
 
 
-def checkpoint_input_extra(ctx: RankContext) -> int:
-    """While a checkpointed block's backward runs, its checkpoint input (T, h) next to the
-    recomputed full set, when RMSNorm's x.float() is a copy (r = bf16); fp32 inputs are
-    x.float() itself (already in the set)."""
+def recompute_extra(ctx: RankContext) -> int:
+    """Bytes a checkpointed block holds beside its recomputed full set while its backward
+    runs: its checkpoint input (T, h) when RMSNorm's x.float() is a copy (r = bf16; an fp32
+    input is x.float() itself, already in the set); under per-op SAC also w2's saved
+    output (N, h): non-reentrant checkpoint stops the recompute once the last saved tensor
+    is repacked (torch/utils/checkpoint.py, early stop), and w2's mm saves its input
+    before it runs, so w2's cached output is never handed back and stays in the SAC
+    cache until the block's backward is over."""
     x = dims(ctx)
-    return 0 if x.r == "fp32" else alloc(bsh(x), x.r)
+    out = 0 if x.r == "fp32" else alloc(bsh(x), x.r)
+    if ctx.training.recompute == "selective" and ctx.training.recompute_every is None:
+        out += alloc(x.b * x.s * x.h, x.c)
+    return out
 
 
 def freqs_cis_bytes(ctx: RankContext) -> int:
