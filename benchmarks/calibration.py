@@ -73,6 +73,9 @@ class Mapping:
 class Row:
     mapping: Mapping
     estimate_bytes: int | None = None
+    # the allocated peak of a record vramcalc can express but whose metric it does not
+    # model (max_memory_reserved): printed for information, never compared
+    allocated_bytes: int | None = None
 
     @property
     def error(self) -> float | None:
@@ -332,9 +335,16 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
     "torchtune-llama32-3b-full-baseline-a100": {"missing": [_DYNAMIC]},
     "torchtune-llama32-3b-full-optinbwd-a100": {"missing": [_OPT_IN_BWD, _COMPILE]},
     "torchtune-llama32-3b-lora-r64-a100": {"missing": [_COMPILE]},
+    # torchtitan 9dec370 train_configs/llama3_8b.toml (selective_ac_option 'op', rmsnorm,
+    # AdamW) with FSDP2 dp_shard=8, MixedPrecisionPolicy(bf16, fp32) and default
+    # --optimizer.fused False (foreach); the metric is max_memory_reserved, so only the
+    # allocated peak is printed (`allocated_bytes`) until reserved memory is modelled
     "torchtitan-llama31-8b-fsdp8-sac-h100": {
-        "missing": ["torchtitan per-op selective activation checkpointing (selective_ac_option"
-                    "='op')"]},
+        "flags": {"model": "llama3.1-8b", "gpus": "8xH100", "framework": "torchtitan",
+                  "precision": "amp-bf16", "fsdp": "full", "recompute": "selective",
+                  "optimizer": "adamw", "attention": "flash"},
+        "notes": ["torchtitan's per-op SAC (--recompute selective), FSDP2 bf16 all-gathers "
+                  "with fp32 reduction (--precision amp-bf16 --fsdp full)"]},
     "torchtitan-llama31-8b-fsdp8-cp1-seq32k-fullac-h100": {"missing": [_TITAN_FLOAT8,
                                                                        _COMPILE]},
     "torchtitan-llama31-70b-fsdp32-tp8-fullac-h100": {"missing": [_TITAN_FLOAT8, _COMPILE]},
@@ -408,7 +418,8 @@ def model_yaml(fields: dict[str, Any]) -> str:
 def estimate_row(m: Mapping, model_dir: Path) -> Row:
     """The estimate of the figure the record measured (None when not expressible)."""
     row = Row(m)
-    if not m.expressible:
+    metric_only = m.flags is not None and m.missing == [METRIC_MISSING.get(m.metric)]
+    if not m.expressible and not metric_only:
         return row
     assert m.flags is not None
     values = dict(m.flags)
@@ -421,7 +432,9 @@ def estimate_row(m: Mapping, model_dir: Path) -> Row:
     except InputError as err:
         m.missing.append(f"vramcalc rejects the flags: {err}")
         return row
-    if m.metric == DEVICE:
+    if metric_only:
+        row.allocated_bytes = report.peak_allocated_bytes
+    elif m.metric == DEVICE:
         row.estimate_bytes = report.device_total_bytes
     elif values.get("pp", 1) > 1:
         row.estimate_bytes = report.stages[-1].peak_allocated_bytes
@@ -481,6 +494,9 @@ def table_rows(rows: list[Row]) -> list[list[str]]:
         m = r.mapping
         if r.error is None:
             what = "not expressible: " + "; ".join(m.missing or ["no estimate"])
+            if r.allocated_bytes is not None and m.flags is not None:
+                what += f" (flags: {cli_flags(m.flags)}; allocated peak " \
+                    f"{gib(r.allocated_bytes)} GiB)"
             out.append([short_id(m.record_id), what, "—", gib(m.measured_bytes), "—"])
         else:
             assert m.flags is not None
