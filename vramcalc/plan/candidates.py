@@ -31,7 +31,7 @@ from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.speed import Layout, SpeedModel, training_peft
 from vramcalc.terms.lowprec import check_lowprec
-from vramcalc.training import FINETUNES, TrainingConfig
+from vramcalc.training import FINETUNES, TrainingConfig, torchtitan_training_problem
 
 REC_ORDER = {"none": 0, "selective": 1, "full": 2}
 
@@ -109,8 +109,10 @@ def parallel_for(base: Scenario, dp: int, tp: int, pp: int, cp: int, ep: int, sp
 
 def scenario_for(c: Candidate, base: Scenario) -> Scenario:
     """The Scenario of a candidate (validated by the engine's resolve_layout)."""
-    training = training_for(base, c.prec, c.opt, c.ft, {
-        "recompute": c.rec, "micro_batch_size": c.b, "grad_accum": c.m})
+    update: dict[str, Any] = {"recompute": c.rec, "micro_batch_size": c.b, "grad_accum": c.m}
+    if c.rec != "selective" and base.training.recompute_every is not None:
+        update["recompute_every"] = None  # torchtitan's per-layer SAC is a selective mode
+    training = training_for(base, c.prec, c.opt, c.ft, update)
     parallel = parallel_for(base, c.dp, c.tp, c.pp, c.cp, c.ep, c.sp,
                             (c.zero, c.fsdp, c.group, c.stage), c.off, c.sched, c.v)
     return base.model_copy(update={"training": training, "parallel": parallel}).resolved()
@@ -356,6 +358,8 @@ class Enumerator:
         """Whether the engine accepts this training setup on `tp` unsharded ranks."""
         training = training_for(self.base, prec, opt, ft)
         parallel = ParallelConfig.model_construct(tp=tp)
+        if training.framework == "torchtitan" and torchtitan_training_problem(training):
+            return False  # a precision / optimizer / method torchtitan does not run
         try:
             check_lowprec(self.base.model_copy(update={"training": training,
                                                        "parallel": parallel}))
