@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from vramcalc.rank import RankContext
 from vramcalc.terms.saved import Moment, Saved, bsh, dims, hf_family
+from vramcalc.terms.torchtitan import checkpointed_forward_work as tt_checkpointed_forward_work
 from vramcalc.terms.torchtitan import recompute_extra as tt_recompute_extra
 from vramcalc.units import alloc, ceil_div
 
@@ -20,6 +21,8 @@ def plain_forward_working_bytes(ctx: RankContext) -> int:
     gate, up, act and act·up (T·h + 4·T·f), or fc and act (T·h + 2·T·f)."""
     x = dims(ctx)
     out = alloc(bsh(x), x.c) + alloc(bsh(x), x.r)
+    if ctx.training.framework == "torchtitan":
+        return max(out, tt_checkpointed_forward_work(ctx))
     if ctx.training.recompute == "full":
         f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
         n = 4 if ctx.spec.mlp_kind == "gated" else 2

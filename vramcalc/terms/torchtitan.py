@@ -145,6 +145,21 @@ def recompute_extra(ctx: RankContext) -> int:
     return out
 
 
+def checkpointed_forward_work(ctx: RankContext) -> int:
+    """The top block's forward, when it is checkpointed (full AC, or per-layer SAC wrapping
+    it): nothing is saved, so at `silu(w1 x) * w3 x` the block holds h (T, h) r, the MLP
+    input (N, h) c, silu's and w3's outputs and the product (N, f) c each (w1's output is
+    gone once silu ran); 0 when the top block is not checkpointed whole."""
+    tr = ctx.training
+    marks = checkpointed(ctx) if tr.recompute == "selective" and tr.recompute_every else ()
+    if not (tr.recompute == "full" or (marks and marks[-1])):
+        return 0
+    x = dims(ctx)
+    n = x.b * x.s
+    f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
+    return alloc(bsh(x), x.r) + alloc(n * x.h, x.c) + 3 * alloc(n * f, x.c)
+
+
 def freqs_cis_bytes(ctx: RankContext) -> int:
     """The `freqs_cis` buffer every rank keeps: precompute_freqs_cis(head_dim, max_seq_len)
     complex64 (max_seq_len, d/2), 8 B each, max_seq_len = --training.seq_len (train.py)."""
