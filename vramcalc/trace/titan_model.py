@@ -191,7 +191,7 @@ class TitanLlama(nn.Module):
                  every: int | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
-        kw = {"dtype": dtype, "device": device}
+        kw: dict[str, Any] = {"dtype": dtype, "device": device}
         h, V, d = spec.hidden_size, spec.vocab_size, spec.head_size
         self.tok_embeddings = nn.Embedding(V, h, **kw)
         modes = checkpoint_modes(spec.num_hidden_layers, recompute, every)
