@@ -99,6 +99,24 @@ def test_op_sac_saved_set_by_hand() -> None:
                    "attn.lse": b * a * s * 4, "sac.w1": b * s * f * 2, "sac.w2": b * s * h * 2}
 
 
+def test_op_sac_under_tensor_parallelism_by_hand() -> None:
+    """TP 2 with sequence parallelism (torchtitan's apply_tp): the mm outputs are the
+    local column shards (wq a/t·d, wv g/t·d, w1 f/t) or, for w2, the (b, s, h) partial sums;
+    the block input is sequence-sharded (b, s/t, h); the two RowwiseParallel
+    reduce_scatter_tensor outputs (b, s/t, h) are in the save list."""
+    scn = build_scenario({"model": "llama3-8b", "gpus": "4xH100", "framework": "torchtitan",
+                          "precision": "amp-bf16", "fsdp": "full", "tp": 2,
+                          "sequence_parallel": True, "recompute": "selective",
+                          "seq_len": 1024, "micro_batch_size": 1})
+    ctx = RankContext(scn.model, scn.training, scn.parallel)
+    b, s, h, a, g, d, f, t = 1, 1024, 4096, 32, 8, 128, 14336, 2
+    got = {t_.name: t_.nbytes for t_ in tt.layer_saved(ctx)}
+    assert got == {"layer.input": b * s // t * h * 2, "sac.wq": b * s * a // t * d * 2,
+                   "sac.wv": b * s * g // t * d * 2, "attn.out": b * s * a // t * d * 2,
+                   "attn.lse": b * a // t * s * 4, "sac.w1": b * s * f // t * 2,
+                   "sac.w2": b * s * h * 2, "sac.reduce_scatter": 2 * (b * s // t * h * 2)}
+
+
 def test_no_ac_block_by_hand() -> None:
     """fp32 (no FSDP: torchtitan computes in fp32): RMSNorm's x.float() is the input itself,
     type_as returns the normalised tensor: x, rstd, x̂ per norm; the projections' input;

@@ -111,7 +111,9 @@ def layer_saved(ctx: RankContext) -> list[Saved]:
 
 def checkpointed(ctx: RankContext) -> tuple[bool, ...]:
     """Per-layer SAC: whether each of the rank's blocks (bottom first) is checkpointed,
-    counting them as torchtitan builds this rank's model chunks, one after another."""
+    counting them as torchtitan builds this rank's model chunks, one after another
+    (train.py applies `parallelize_llama`, hence `apply_ac`, to each of the rank's model
+    parts in turn, and `ptd_checkpoint_wrapper._count` is one counter per process)."""
     n = ctx.training.recompute_every or 1
     layers = sum(row[ctx.stage] for row in pipeline_chunks(ctx.spec, ctx.parallel))
     return tuple((i + 1) % n == 0 for i in range(layers))
