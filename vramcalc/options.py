@@ -107,6 +107,9 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "Megatron's default) | alltoall (sends each token to its experts' ranks). Default: "
         "allgather. The reference and hf profiles route tokens their own way and accept "
         "none.", MOE_DISPATCHERS),
+    Opt("deterministic", bool, False, "Megatron-LM's --deterministic-mode (megatron profile): "
+        "torch.use_deterministic_algorithms(True); MoE layers then keep the expert output "
+        "(unpermute's index_add_) and the router's row index."),
     Opt("chunked_ce", int, 1, "Cross entropy over N token chunks (torchtune's "
         "LinearCrossEntropyLoss): the fp32 logits and their gradients exist one chunk at a "
         "time; 1 = off."),
@@ -153,7 +156,7 @@ OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
                   "optimizer_dtype", "optimizer_impl", "attention", "recompute", "recompute_method",
                   "recompute_num_layers", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
-                  "moe_dispatcher", "chunked_ce",
+                  "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fsdp",
                   "shard_group", "offload_device", "pp_schedule", "virtual_stages",

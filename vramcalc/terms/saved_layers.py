@@ -413,9 +413,17 @@ def megatron_moe_bytes(ctx: RankContext) -> int:
     - shared experts (SharedExpertMLP): Table 2's gelu and fc2 inputs, 4·s·b·f_s/t each
       (their input is the norm output; a shared-expert gate is not modelled).
 
-    Not modelled: --deterministic-mode (torch.use_deterministic_algorithms: `unpermute`'s
-    index_add_ keeps its source, the expert output, and the router's index_put_ an int64
-    row index), grouped GEMM, fused permute, token drop, MoE-layer recompute.
+    - --deterministic-mode (`--deterministic`; torch.use_deterministic_algorithms(True)):
+      `unpermute` adds with index_add_ instead of scatter_add_ (moe_utils.py, "if
+      torch.are_deterministic_algorithms_enabled()"), and index_add_'s backward keeps its
+      source (derivatives.yaml index_add: `source: ... expand_as(source)`; IndexAddBackward0
+      `_saved_source`): the expert output unpermute receives, bf16 — allgather
+      (`combine_preprocess`, before the reduce-scatter) the n local rows, 2·n·h; alltoall
+      (`combine_postprocess`, after the all-to-all) the T·k rows, 2·T·k·h. The router
+      (`topk_routing_with_score_function`) builds its (T, E) probabilities with index_put_
+      at (rows, top_indices), which keeps `rows = arange(T).unsqueeze(1)`, int64, 8·T.
+
+    Not modelled: grouped GEMM, fused permute, token drop, MoE-layer recompute.
     """
     spec, par = ctx.spec, ctx.parallel
     x = dims(ctx)
@@ -431,6 +439,9 @@ def megatron_moe_bytes(ctx: RankContext) -> int:
         dispatch = 2 * 8 * T * k
     experts = 2 * n * x.h + 2 * n + 6 * n * fe
     shared = spec.num_shared_experts * 4 * x.b * x.s * ceil_div(spec.shared_ffn, t)
+    if ctx.training.deterministic:
+        combined = n if ctx.training.dispatcher == "allgather" else T * k
+        router += 8 * T + 2 * combined * x.h
     return router + dispatch + experts + shared
 
 
