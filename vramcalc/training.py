@@ -64,7 +64,7 @@ RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
 RECOMPUTE_METHODS: tuple[str, ...] = ("uniform", "block")
 # Megatron-LM's --moe-token-dispatcher-type for training (megatron profile, MoE models):
 # megatron/core/transformer/moe/token_dispatcher.py MoEAllGatherTokenDispatcher /
-# MoEAlltoAllTokenDispatcher (vramcalc/terms/saved_layers.py `megatron_moe_bytes`)
+# MoEAlltoAllTokenDispatcher (vramcalc/terms/megatron_layer.py `megatron_moe_bytes`)
 MOE_DISPATCHERS: tuple[str, ...] = ("allgather", "alltoall")
 # Megatron-LM's default: TransformerConfig.moe_token_dispatcher_type = "allgather"
 # (NVIDIA/Megatron-LM d98e8a64, megatron/core/transformer/transformer_config.py)

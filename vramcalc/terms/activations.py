@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from vramcalc.rank import RankContext
 from vramcalc.terms import moments as mo
+from vramcalc.terms.megatron_layer import megatron_layer_bytes
 from vramcalc.terms.megatron_recompute import LayerPlan, layer_plan
 from vramcalc.terms.modifiers import modifiers
 from vramcalc.terms.saved import Moment, Saved, first_layer_moe, mostly_moe
 from vramcalc.terms.saved_layers import (
     checkpoint_saved,
     embedding_saved,
-    megatron_layer_bytes,
     plain_head_saved,
     plain_layer_saved,
 )
