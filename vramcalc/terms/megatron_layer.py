@@ -72,6 +72,10 @@ def megatron_layer_bytes(ctx: RankContext, moe: bool = False) -> int:
     fc1 inputs (replicated without SP) 2 -> 1 sbh each, the output projection's input
     2 -> 1 and fc2's input 2f/h -> f/h (sharded), each with a (1,) fp32 scale_inverse.
     The norms' inputs, Q, K, V, the core and the activation's input stay bf16.
+
+    Not modelled: grouped-query attention and RoPE keep Table 2's 6 sbh for Q, K and V
+    (Megatron splits one fused (s, b, (a + 2g)·d) QKV output into views and rotates q and k
+    into new tensors; which of those storages stay alive with fewer KV heads is not derived).
     """
     x = dims(ctx)
     s, b, h, t = x.s, x.b, x.h, ctx.parallel.tp
