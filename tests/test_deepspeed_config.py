@@ -337,3 +337,19 @@ def test_check_notes_unused_checkpoint_keys(tmp_path: Path,
     rc, doc, _ = run(["check", "--deepspeed", str(ds), "--model", "8b", "--gpus", "8xH100"],
                      capsys)
     assert rc in (0, 1) and any("--recompute full" in n for n in doc["notes"])
+
+
+def test_example_deepspeed_files(capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/: the Hugging Face ZeRO-3 template ("auto" filled from h = 4096) and a
+    Megatron-DeepSpeed-style file partitioning the checkpoints over tp = 2."""
+    root = Path(__file__).resolve().parents[1] / "examples"
+    rc, doc, err = run(["estimate", "--model", "8b", "--gpus", "8xH100", "--recompute", "full",
+                        "--deepspeed", str(root / "ds_zero3_hf.json")], capsys)
+    assert rc == 0 and doc["strategy"]["zero"] == 3
+    ds = doc["strategy"]["deepspeed"]
+    assert (ds["reduce_bucket_size"], ds["prefetch_bucket_size"],
+            ds["param_persistence_threshold"]) == (16_777_216, 15_099_494, 40_960)
+    rc, doc, err = run(["estimate", "--model", "8b", "--gpus", "8xH100", "--recompute", "full",
+                        "--tp", "2", "--deepspeed", str(root / "ds_checkpointing.json")], capsys)
+    assert rc == 0 and doc["strategy"]["deepspeed"]["partition_activations"] is True
+    assert "activation_checkpointing" not in err  # it applies: no note
