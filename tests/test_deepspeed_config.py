@@ -353,3 +353,14 @@ def test_example_deepspeed_files(capsys: pytest.CaptureFixture[str]) -> None:
                         "--tp", "2", "--deepspeed", str(root / "ds_checkpointing.json")], capsys)
     assert rc == 0 and doc["strategy"]["deepspeed"]["partition_activations"] is True
     assert "activation_checkpointing" not in err  # it applies: no note
+
+
+def test_stage_0_is_estimated_as_ddp_with_a_note(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    ds = write(tmp_path, {"zero_optimization": {"stage": 0, "reduce_bucket_size": 1000}})
+    rc, doc, err = run(["estimate", "--model", "gpt2", "--gpus", "2xH100", "--deepspeed",
+                        str(ds)], capsys)
+    assert rc == 0 and doc["engine"] == "analytic" and "estimated as PyTorch DDP" in err
+    _, _, err = run(["estimate", "--model", "gpt2", "--gpus", "2xH100", "--deepspeed", str(ds),
+                     "--zero", "1"], capsys)
+    assert "PyTorch DDP" not in err

@@ -318,6 +318,10 @@ def read_inputs(config: Path | None, deepspeed: Path | None, cli_values: dict[st
         spec, _ = resolve_model(str(merged["model"]))
         ds_cfg, ds_notes = deepspeed_settings(ds_doc, spec.hidden_size)
         notes += ds_notes
+        no_zero = str(merged.get("zero", 0)).strip() in ("0", "None")
+        if no_zero and str(merged.get("fsdp") or "none").lower() == "none":
+            notes.append("DeepSpeed ZeRO stage 0 is estimated as PyTorch DDP (DeepSpeed's own "
+                         "gradient all-reduce buffers are not modelled)")
     source = str(config) if config is not None else str(ds_file or "command line")
     return FileInputs(merged, tbs, ds_cfg, notes, source)
 
