@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vramcalc.analytic import estimate
 from vramcalc.catalog import resolve_model
@@ -364,3 +366,44 @@ def test_stage_0_is_estimated_as_ddp_with_a_note(tmp_path: Path,
     _, _, err = run(["estimate", "--model", "gpt2", "--gpus", "2xH100", "--deepspeed", str(ds),
                      "--zero", "1"], capsys)
     assert "PyTorch DDP" not in err
+
+
+# ---- properties ---------------------------------------------------------------------------------
+GPT2, _ = resolve_model("gpt2")
+SIZES = st.sampled_from([0, 1_000, 1_000_000, 50_000_000, 500_000_000])
+
+
+@settings(max_examples=40, deadline=None)
+@given(zero=st.sampled_from([1, 2, 3]), a=SIZES, b=SIZES, overlap=st.booleans(),
+       contiguous=st.booleans(), keep=st.sampled_from([0, 1_000, 100_000, 10_000_000]))
+def test_larger_buckets_never_lower_the_peak(zero: int, a: int, b: int, overlap: bool,
+                                             contiguous: bool, keep: int) -> None:
+    """Every DeepSpeed size is an upper bound on a buffer: raising reduce_bucket_size,
+    stage3_prefetch_bucket_size or stage3_max_live_parameters never lowers the peak, and the
+    terms stay non-negative ints."""
+    lo, hi = sorted((a, b))
+
+    def peak(size: int) -> int:
+        ds = DeepSpeedConfig(reduce_bucket_size=size, prefetch_bucket_size=size,
+                             max_live_parameters=size, overlap_comm=overlap,
+                             contiguous_gradients=contiguous, param_persistence_threshold=keep)
+        scn = Scenario(model=GPT2, training=TrainingConfig(seq_len=256),
+                       parallel=ParallelConfig(zero=zero, deepspeed=ds),
+                       cluster=parse_gpus("4xH100")).resolved()
+        rep = estimate(scn)
+        assert all(isinstance(v, int) and v >= 0 for v in rep.phases.values())
+        return rep.peak_allocated_bytes
+
+    assert peak(hi) >= peak(lo)
+
+
+@settings(max_examples=30, deadline=None)
+@given(tp=st.sampled_from([1, 2, 4]), part=st.booleans(), cpu=st.booleans(),
+       b=st.sampled_from([1, 2, 3]))
+def test_deepspeed_checkpointing_never_adds_device_activations(tp: int, part: bool, cpu: bool,
+                                                               b: int) -> None:
+    tr = TrainingConfig(recompute="full", micro_batch_size=b, seq_len=512)
+    plain = RankContext(GPT2, tr, ParallelConfig(dp=1, tp=tp))
+    ds = RankContext(GPT2, tr, ParallelConfig(dp=1, tp=tp, deepspeed=DeepSpeedConfig(
+        partition_activations=part, cpu_checkpointing=cpu)))
+    assert act.microbatch_activation_bytes(ds) <= act.microbatch_activation_bytes(plain)
