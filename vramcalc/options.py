@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from vramcalc.catalog import resolve_model
+from vramcalc.ds_config import DeepSpeedConfig
 from vramcalc.errors import InputError, suggest
 from vramcalc.hardware import alias_note, parse_gpus
 from vramcalc.parallel import ParallelConfig
@@ -258,8 +259,10 @@ def normalize_values(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_scenario(values: dict[str, Any], profile_dirs: list[Path] | None = None) -> Scenario:
-    """Resolve model and GPUs and build a validated Scenario from option values."""
+def build_scenario(values: dict[str, Any], profile_dirs: list[Path] | None = None,
+                   deepspeed: DeepSpeedConfig | None = None) -> Scenario:
+    """Resolve model and GPUs and build a validated Scenario from option values (and the
+    DeepSpeed keys of a DeepSpeed JSON, vramcalc.ds_json)."""
     v = normalize_values(values)
     if not v.get("model"):
         raise InputError("--model is required (e.g. --model 70b or --model path/to/config.json)")
@@ -273,7 +276,8 @@ def build_scenario(values: dict[str, Any], profile_dirs: list[Path] | None = Non
     training = _validated(TrainingConfig,
                           {k: v[k] for k in _TRAINING_KEYS if v[k] is not None})
     parallel = _validated(ParallelConfig, {
-        "offload": v["offload"], **{k: v[k] for k in _PARALLEL_KEYS if v[k] is not None}})
+        "offload": v["offload"], **{k: v[k] for k in _PARALLEL_KEYS if v[k] is not None},
+        **({"deepspeed": deepspeed} if deepspeed is not None else {})})
     scn = Scenario.model_construct(model=spec, training=training, parallel=parallel,
                                    cluster=cluster, headroom_fraction=headroom,
                                    model_note=model_note, gpu_note=gpu_note)

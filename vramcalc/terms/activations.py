@@ -41,7 +41,7 @@ def without_recompute(ctx: RankContext) -> RankContext:
 def layer_saved(ctx: RankContext, moe: bool | None = None) -> list[Saved]:
     """Saved tensors of one transformer layer for one micro-batch (reference/hf profiles):
     the full-training table, changed by each modifier's `layer_saved` hook; under full
-    recompute the checkpoint's layer input alone.
+    recompute the checkpoint's layer input alone (each modifier's `checkpoint_saved` hook).
 
     `moe` picks a dense or MoE layer; by default the kind most of this rank's layers are.
     Memoised per context (a profile asks for the same layer several times); callers get
@@ -57,7 +57,10 @@ def layer_saved(ctx: RankContext, moe: bool | None = None) -> list[Saved]:
 
 def _layer_saved(ctx: RankContext, moe: bool) -> list[Saved]:
     if ctx.training.recompute == "full":
-        return checkpoint_saved(ctx)
+        kept = checkpoint_saved(ctx)
+        for m in modifiers(ctx):  # DeepSpeed's partitioned / CPU checkpoints
+            kept = m.checkpoint_saved(ctx, kept)
+        return kept
     out = plain_layer_saved(ctx, moe)
     for m in modifiers(ctx):
         out = m.layer_saved(ctx, out)
