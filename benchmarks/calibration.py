@@ -114,9 +114,9 @@ MEGATRON_REVIEWED_ARGS = frozenset({
     "use-distributed-optimizer", "num-layers-per-virtual-pipeline-stage",
     "recompute-granularity", "recompute-method", "recompute-num-layers", "num-experts",
     "moe-router-topk", "disable-bias-linear", "hidden-dropout", "attention-dropout",
-    "attention-backend", "bf16",
-    # numerics / determinism / kernel choice only
-    "deterministic-mode", "no-gradient-accumulation-fusion", "attention-softmax-in-fp32",
+    "attention-backend", "bf16", "deterministic-mode",
+    # numerics / kernel choice only
+    "no-gradient-accumulation-fusion", "attention-softmax-in-fp32",
     "use-mcore-models", "apply-query-key-layer-scaling", "no-bias-gelu-fusion",
 })
 
@@ -216,12 +216,6 @@ def megatron_mapping(case: dict[str, Any]) -> Mapping:
                            "and alltoall)")
         if d.get("moe_grouped_gemm"):
             missing.append("MoE grouped GEMM (vramcalc models SequentialMLP experts)")
-        if a.get("deterministic-mode"):
-            # torch.use_deterministic_algorithms(True): moe_utils.py `unpermute` takes
-            # index_add_ (keeps its source, the expert output) instead of scatter_add_, and
-            # `topk_routing_with_score_function` index_put_ (keeps a row index)
-            missing.append("deterministic mode with MoE (unpermute's index_add_ keeps the "
-                           "expert output; vramcalc models the scatter_add_ path)")
     if d.get("params_dtype") not in ("bf16", "fp16", "fp32"):
         missing.append(f"params dtype {d.get('params_dtype')!r}")
     if d.get("optimizer", "adam") not in ("adam", "sgd"):
@@ -243,6 +237,8 @@ def megatron_mapping(case: dict[str, Any]) -> Mapping:
         # Megatron's default 0.1 is the profile's default (None): shown only when it differs
         "dropout": None if hidden == attn == 0.1 else (hidden or attn),
         # Megatron's default (allgather) is the profile's default (None): shown when it differs
+        # torch.use_deterministic_algorithms: MoE layers take index_add_/index_put_
+        "deterministic": bool(a.get("deterministic-mode")),
         "moe_dispatcher": ("alltoall" if d.get("num_experts") and
                            d.get("moe_token_dispatcher_type_effective") == "alltoall" else None),
     }

@@ -43,6 +43,10 @@ COMMANDS: list[tuple[str, str, list[str]]] = [
       "--gpu", "910B", "--days", "30"]),
     ("Guard a config in CI", "",
      ["check", "examples/train.yaml"]),
+    ("Estimate from a DeepSpeed config", "The Hugging Face Trainer's ZeRO-3 template: "
+     "\"auto\" buckets filled from the hidden size, notes on stderr.",
+     ["estimate", "--model", "8b", "--gpus", "8xH100", "--deepspeed",
+      "examples/ds_zero3_hf.json", "--recompute", "full"]),
     ("Measure on a real GPU", "Without a GPU or NPU the probe says so and exits 3.",
      ["probe", "--model", "gpt2", "--gpus", "H100", "--seq-len", "512"]),
     ("GPU catalog", "", ["gpus"]),

@@ -26,7 +26,7 @@ from vramcalc.errors import InputError
 from vramcalc.options import build_scenario
 from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
-from vramcalc.terms.saved_layers import megatron_layer_bytes
+from vramcalc.terms.megatron_layer import megatron_layer_bytes
 from vramcalc.training import TrainingConfig
 
 B, S, H, A = 4, 1024, 512, 8

@@ -33,7 +33,7 @@ from vramcalc.options import build_scenario
 from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
 from vramcalc.terms.activations import layer_activation_bytes
-from vramcalc.terms.saved_layers import megatron_layer_bytes
+from vramcalc.terms.megatron_layer import megatron_layer_bytes
 from vramcalc.training import TrainingConfig
 
 B, S, H, A = 4, 1024, 512, 8
@@ -42,9 +42,10 @@ CORE = 5 * A * S * S * B  # unfused core: softmax 2 + mask 1 + dropout output 2,
 
 
 def _ctx(dispatcher: str | None = None, attention: str = "eager", recompute: str = "none",
-         spec: object = GPT_MOE, **par: object) -> RankContext:
+         spec: object = GPT_MOE, deterministic: bool = False, **par: object) -> RankContext:
     tr = TrainingConfig(seq_len=S, micro_batch_size=B, precision="bf16", framework="megatron",
-                        attention=attention, recompute=recompute, moe_dispatcher=dispatcher)
+                        attention=attention, recompute=recompute, moe_dispatcher=dispatcher,
+                        deterministic=deterministic)
     return RankContext(spec, tr, ParallelConfig(**{"dp": 4, "tp": 2, "ep": 2,
                                                    "sequence_parallel": True, **par}))
 
@@ -116,3 +117,27 @@ def test_other_profiles_refuse_the_option() -> None:
     _scenario(framework="megatron", moe_dispatcher="alltoall")
     with pytest.raises(InputError, match="--moe-dispatcher"):
         _scenario(framework="megatron", moe_dispatcher="flex")
+
+
+def test_deterministic_mode() -> None:
+    # torch.use_deterministic_algorithms(True) (moe_utils.py d98e8a64): unpermute's index_add_
+    # keeps its source, the bf16 expert output it receives — allgather: the n = 4096 local
+    # rows before the reduce-scatter; alltoall: the T·k = 2048 rows after the all-to-all —
+    # and the router's index_put_ keeps rows = arange(T)[:, None], int64 (8·T)
+    for dispatcher, rows in (("allgather", N), ("alltoall", T * 1)):
+        plain = megatron_layer_bytes(_ctx(dispatcher), moe=True)
+        det = megatron_layer_bytes(_ctx(dispatcher, deterministic=True), moe=True)
+        assert det - plain == 2 * rows * H + 8 * T
+    # allgather: 2·4096·512 + 8·2048 = 4_210_688
+    assert megatron_layer_bytes(_ctx(deterministic=True), moe=True) == 132_284_416 + 4_210_688
+    # dense layers and full recompute keep nothing more
+    assert megatron_layer_bytes(_ctx(deterministic=True), moe=False) == megatron_layer_bytes(
+        _ctx(), moe=False)
+    assert megatron_layer_bytes(_ctx(recompute="full", deterministic=True), moe=True) == (
+        2 * SBH // 2)
+
+
+def test_deterministic_needs_the_megatron_profile() -> None:
+    _scenario(framework="megatron", deterministic=True)
+    with pytest.raises(InputError, match="--deterministic: only the megatron profile"):
+        _scenario(framework="hf", deterministic=True)

@@ -5,7 +5,9 @@ in vramcalc.options: `model`, `gpus`, `seq_len`, `micro_batch_size`, `precision`
 `optimizer`, `zero`, `tp`, …, `headroom`) plus `deepspeed` (a DeepSpeed JSON path,
 relative to the config file). Unknown keys are errors, with a suggestion.
 
-DeepSpeed JSON: the ZeRO, offload, batch and precision settings are read:
+DeepSpeed JSON: the ZeRO, offload, batch and precision settings are read as options
+(`deepspeed_values`), and the keys that change memory (buckets, ZeRO-3 fetching,
+activation checkpointing) as the scenario's DeepSpeedConfig (vramcalc.ds_json):
 
 | DeepSpeed key | option |
 |---|---|
@@ -19,7 +21,8 @@ DeepSpeed JSON: the ZeRO, offload, batch and precision settings are read:
 | bf16.enabled / fp16.enabled | precision bf16 / fp16 |
 | optimizer.type (Adam, AdamW, Lion, SGD) | optimizer |
 
-Values "auto" (the Hugging Face Trainer integration fills them in) are skipped with a note.
+Values "auto" (the Hugging Face Trainer integration fills them in) are skipped with a note
+(the hidden-size ones of vramcalc.ds_json are filled as transformers does).
 Precedence: command-line flags, then the YAML config, then the DeepSpeed file.
 """
 
@@ -32,9 +35,13 @@ from typing import Any
 
 from vramcalc import yamlio
 from vramcalc.analytic import estimate
+from vramcalc.catalog import resolve_model
+from vramcalc.ds_config import DeepSpeedConfig
+from vramcalc.ds_json import deepspeed_settings, scenario_notes
 from vramcalc.errors import InputError, suggest
 from vramcalc.options import OPTIONS_BY_NAME, build_scenario, normalize_values
 from vramcalc.report import MemoryReport
+from vramcalc.scenario import Scenario
 
 DEFAULT_CHECK_HEADROOM = 0.05  # same default as `vramcalc plan`
 CONFIG_EXTRA_KEYS = ("deepspeed",)
@@ -217,12 +224,29 @@ def merge_values(config: dict[str, Any] | None, deepspeed: dict[str, Any] | None
 
 def run_check(values: dict[str, Any], train_batch_size: int | None = None,
               profile_dirs: list[Path] | None = None,
-              explicit: frozenset[str] = frozenset()) -> CheckResult:
+              explicit: frozenset[str] = frozenset(),
+              deepspeed: DeepSpeedConfig | None = None) -> CheckResult:
     """Build the scenario, reconcile DeepSpeed's train_batch_size, estimate."""
     values = dict(values)
     values.setdefault("headroom", DEFAULT_CHECK_HEADROOM)
+    scn, notes = checked_scenario(values, train_batch_size, profile_dirs, explicit, deepspeed)
+    report = estimate(scn)
+    usable = scn.usable_bytes
+    if usable is None:
+        raise InputError("check needs gpus (e.g. gpus: 8xH100)")
+    return CheckResult(report=report, usable_bytes=usable,
+                       headroom_fraction=scn.headroom_fraction, notes=notes)
+
+
+def checked_scenario(values: dict[str, Any], train_batch_size: int | None = None,
+                     profile_dirs: list[Path] | None = None,
+                     explicit: frozenset[str] = frozenset(),
+                     deepspeed: DeepSpeedConfig | None = None) -> tuple[Scenario, list[str]]:
+    """The scenario of option values and DeepSpeed keys, with DeepSpeed's train_batch_size
+    reconciled (deriving the accumulation or micro-batch not given); and notes."""
+    values = dict(values)
     notes: list[str] = []
-    scn = build_scenario(values, profile_dirs)
+    scn = build_scenario(values, profile_dirs, deepspeed)
     if train_batch_size is not None:
         dp = scn.parallel.dp_degree
         mbs_given = "micro_batch_size" in explicit
@@ -241,7 +265,7 @@ def run_check(values: dict[str, Any], train_batch_size: int | None = None,
             values["grad_accum"] = train_batch_size // (mbs * dp)
             notes.append(f"gradient accumulation {values['grad_accum']} derived from "
                          f"train_batch_size {train_batch_size}")
-            scn = build_scenario(values, profile_dirs)
+            scn = build_scenario(values, profile_dirs, deepspeed)
         else:
             if train_batch_size % (acc * dp):
                 raise InputError(
@@ -250,13 +274,8 @@ def run_check(values: dict[str, Any], train_batch_size: int | None = None,
             values["micro_batch_size"] = train_batch_size // (acc * dp)
             notes.append(f"micro-batch {values['micro_batch_size']} derived from "
                          f"train_batch_size {train_batch_size}")
-            scn = build_scenario(values, profile_dirs)
-    report = estimate(scn)
-    usable = scn.usable_bytes
-    if usable is None:
-        raise InputError("check needs gpus (e.g. gpus: 8xH100)")
-    return CheckResult(report=report, usable_bytes=usable,
-                       headroom_fraction=scn.headroom_fraction, notes=notes)
+            scn = build_scenario(values, profile_dirs, deepspeed)
+    return scn, notes + scenario_notes(scn)
 
 
 def normalize_cli(values: dict[str, Any]) -> dict[str, Any]:
@@ -265,23 +284,55 @@ def normalize_cli(values: dict[str, Any]) -> dict[str, Any]:
     return {k: norm[k] for k in values}
 
 
-def check_files(config: Path | None, deepspeed: Path | None, cli_values: dict[str, Any],
-                profile_dirs: list[Path] | None = None) -> tuple[CheckResult, str]:
-    """`vramcalc check`: the estimate of a config file and/or a DeepSpeed JSON (`deepspeed`,
-    or the config's own `deepspeed:` key), under the option values given on the command
-    line; and the name of the source checked, for the output."""
+@dataclass
+class FileInputs:
+    """Option values merged from a config file, a DeepSpeed JSON and the command line."""
+
+    values: dict[str, Any]
+    train_batch_size: int | None
+    deepspeed: DeepSpeedConfig | None
+    notes: list[str]
+    source: str
+
+
+def read_inputs(config: Path | None, deepspeed: Path | None, cli_values: dict[str, Any],
+                command: str = "check") -> FileInputs:
+    """Read a config file and/or a DeepSpeed JSON (`deepspeed`, or the config's own
+    `deepspeed:` key) under the option values given on the command line (flags over the
+    YAML over the DeepSpeed file); DeepSpeed's memory keys resolved for the model."""
     cfg = load_config_file(config) if config is not None else {}
     ds_file = deepspeed or cfg.get("deepspeed")
     ds_vals: dict[str, Any] = {}
     tbs: int | None = None
     notes: list[str] = []
+    ds_doc: dict[str, Any] | None = None
     if ds_file:
-        ds_vals, tbs, notes = deepspeed_values(load_deepspeed_file(Path(ds_file)))
+        ds_doc = load_deepspeed_file(Path(ds_file))
+        ds_vals, tbs, notes = deepspeed_values(ds_doc)
     merged = merge_values(cfg, ds_vals, normalize_cli(cli_values))
     if "model" not in merged:
-        raise InputError("check needs a model: a CONFIG.yaml with `model:` or --model "
+        raise InputError(f"{command} needs a model: a CONFIG.yaml with `model:` or --model "
                          "(with --deepspeed ds_config.json)")
-    result = run_check(merged, tbs, profile_dirs, frozenset(merged))
-    result.notes[:0] = notes
+    ds_cfg = None
+    if ds_doc is not None:  # "auto" values follow the model's hidden size
+        spec, _ = resolve_model(str(merged["model"]))
+        ds_cfg, ds_notes = deepspeed_settings(ds_doc, spec.hidden_size)
+        notes += ds_notes
+        no_zero = str(merged.get("zero", 0)).strip() in ("0", "None")
+        if no_zero and str(merged.get("fsdp") or "none").lower() == "none":
+            notes.append("DeepSpeed ZeRO stage 0 is estimated as PyTorch DDP (DeepSpeed's own "
+                         "gradient all-reduce buffers are not modelled)")
     source = str(config) if config is not None else str(ds_file or "command line")
-    return result, source
+    return FileInputs(merged, tbs, ds_cfg, notes, source)
+
+
+def check_files(config: Path | None, deepspeed: Path | None, cli_values: dict[str, Any],
+                profile_dirs: list[Path] | None = None) -> tuple[CheckResult, str]:
+    """`vramcalc check`: the estimate of a config file and/or a DeepSpeed JSON, under the
+    option values given on the command line (`read_inputs`); and the name of the source
+    checked, for the output."""
+    inp = read_inputs(config, deepspeed, cli_values)
+    result = run_check(inp.values, inp.train_batch_size, profile_dirs, frozenset(inp.values),
+                       inp.deepspeed)
+    result.notes[:0] = inp.notes
+    return result, inp.source

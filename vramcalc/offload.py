@@ -27,7 +27,6 @@ from vramcalc.parallel import num_microbatches
 from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.terms.activations import activation_host_bytes
-from vramcalc.terms.comm import DS_SUB_GROUP_NUMEL
 from vramcalc.terms.gradients import grad_dtype
 from vramcalc.terms.optimizer_states import optimizer_state_split_on_device
 from vramcalc.units import DTYPE_BITS, alloc, ceil_div
@@ -93,7 +92,8 @@ def offload_footprint(ctx: RankContext) -> OffloadFootprint:
             h2d += _bytes(part, "fp32" if par.zero < 3 else w16)
         if par.offload_device == "nvme":
             nvme += state_total
-            host += DS_OPTIMIZER_SWAP_BUFFERS * alloc(min(part, DS_SUB_GROUP_NUMEL), "fp32")
+            sub_group = min(part, par.deepspeed.sub_group_size)
+            host += DS_OPTIMIZER_SWAP_BUFFERS * alloc(sub_group, "fp32")
             nvme_r += opt_bytes + grads32
             nvme_w += opt_bytes + grads32
         else:

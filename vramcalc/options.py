@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from vramcalc.catalog import resolve_model
+from vramcalc.ds_config import DeepSpeedConfig
 from vramcalc.errors import InputError, suggest
 from vramcalc.hardware import alias_note, parse_gpus
 from vramcalc.parallel import ParallelConfig
@@ -112,6 +113,9 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "Megatron's default) | alltoall (sends each token to its experts' ranks). Default: "
         "allgather. The reference and hf profiles route tokens their own way and accept "
         "none.", MOE_DISPATCHERS),
+    Opt("deterministic", bool, False, "Megatron-LM's --deterministic-mode (megatron profile): "
+        "torch.use_deterministic_algorithms(True); MoE layers then keep the expert output "
+        "(unpermute's index_add_) and the router's row index."),
     Opt("chunked_ce", int, 1, "Cross entropy over N token chunks (torchtune's "
         "LinearCrossEntropyLoss): the fp32 logits and their gradients exist one chunk at a "
         "time; 1 = off."),
@@ -158,7 +162,7 @@ OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
                   "optimizer_dtype", "optimizer_impl", "attention", "recompute", "recompute_method",
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
-                  "moe_dispatcher", "chunked_ce",
+                  "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fsdp",
                   "shard_group", "offload_device", "pp_schedule", "virtual_stages",
@@ -260,8 +264,10 @@ def normalize_values(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_scenario(values: dict[str, Any], profile_dirs: list[Path] | None = None) -> Scenario:
-    """Resolve model and GPUs and build a validated Scenario from option values."""
+def build_scenario(values: dict[str, Any], profile_dirs: list[Path] | None = None,
+                   deepspeed: DeepSpeedConfig | None = None) -> Scenario:
+    """Resolve model and GPUs and build a validated Scenario from option values (and the
+    DeepSpeed keys of a DeepSpeed JSON, vramcalc.ds_json)."""
     v = normalize_values(values)
     if not v.get("model"):
         raise InputError("--model is required (e.g. --model 70b or --model path/to/config.json)")
@@ -275,7 +281,8 @@ def build_scenario(values: dict[str, Any], profile_dirs: list[Path] | None = Non
     training = _validated(TrainingConfig,
                           {k: v[k] for k in _TRAINING_KEYS if v[k] is not None})
     parallel = _validated(ParallelConfig, {
-        "offload": v["offload"], **{k: v[k] for k in _PARALLEL_KEYS if v[k] is not None}})
+        "offload": v["offload"], **{k: v[k] for k in _PARALLEL_KEYS if v[k] is not None},
+        **({"deepspeed": deepspeed} if deepspeed is not None else {})})
     scn = Scenario.model_construct(model=spec, training=training, parallel=parallel,
                                    cluster=cluster, headroom_fraction=headroom,
                                    model_note=model_note, gpu_note=gpu_note)

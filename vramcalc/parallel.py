@@ -9,7 +9,7 @@ Which implementation's semantics apply (docs/parallelism.md, "Sharding engines")
 |-------------------------------|------------|------------------|
 | --fsdp full/grad-op/hybrid    | fsdp2      | PyTorch FSDP2 `fully_shard` per transformer block + root |
 | --framework megatron          | megatron   | Megatron-LM: fp32 main-grad buffer; --zero 1 = distributed optimizer |
-| --zero 1/2/3                  | deepspeed  | DeepSpeed ZeRO stage 1/2/3 at its default buckets |
+| --zero 1/2/3                  | deepspeed  | DeepSpeed ZeRO stage 1/2/3; its memory-changing keys in `deepspeed` (vramcalc.ds_config) |
 | dp > 1, none of the above     | ddp        | torch DistributedDataParallel (bucketed all-reduce) |
 | one rank                      | single     | nothing to shard |
 """
@@ -20,6 +20,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from vramcalc.ds_config import DEFAULT_DEEPSPEED, DeepSpeedConfig
 from vramcalc.errors import InputError
 from vramcalc.model import ModelSpec
 from vramcalc.training import TrainingConfig
@@ -55,6 +56,9 @@ class ParallelConfig(BaseModel):
     num_microbatches: int | None = Field(None, gt=0, le=10_000_000)
     global_batch_size: int | None = Field(None, gt=0, le=1_000_000_000)
     capacity_factor: float = Field(1.0, gt=0, le=100)
+    # DeepSpeed's buckets, ZeRO-3 fetching and activation-checkpointing keys (a --deepspeed
+    # JSON); DeepSpeed's defaults otherwise
+    deepspeed: DeepSpeedConfig = DEFAULT_DEEPSPEED
 
     @property
     def dp_degree(self) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from vramcalc.parallel import ParallelConfig
 from vramcalc.scenario import Scenario
 
 TERM_NAMES: tuple[str, ...] = (
@@ -128,6 +129,8 @@ def strategy_dict(scn: Scenario) -> dict[str, object]:
     """The resolved strategy as plain JSON values."""
     out: dict[str, object] = {}
     out.update(scn.training.model_dump(mode="json"))
-    out.update(scn.parallel.model_dump(mode="json"))
+    # DeepSpeed's keys (vramcalc.ds_config) only when a DeepSpeed config changed a default
+    ds_default = scn.parallel.deepspeed == ParallelConfig().deepspeed
+    out.update(scn.parallel.model_dump(mode="json", exclude={"deepspeed"} if ds_default else None))
     out["world_size"] = scn.world_size
     return out

@@ -13,7 +13,7 @@ held over the shard group, in one of four layouts (`Layout`):
 | tensor  | replicated (DDP, no sharding)      | Σ round512(numel·bits/8) per tensor |
 | dim0    | FSDP2 (`fully_shard`, Shard(0))    | Σ round512(⌈rows/N⌉·cols·bits/8): dim 0 padded to a multiple of N |
 | flat    | DeepSpeed ZeRO-1/2, Megatron distributed optimizer | round512(⌈Σ numel / N⌉·bits/8): one flat buffer, partitioned |
-| persist | DeepSpeed ZeRO-3 parameters        | tensors ≤ 1e5 elements whole (stage3_param_persistence_threshold), the rest ⌈numel/N⌉ in one flat buffer |
+| persist | DeepSpeed ZeRO-3 parameters        | tensors ≤ stage3_param_persistence_threshold (1e5) elements whole, the rest ⌈numel/N⌉ in one flat buffer |
 | group   | FSDP2 gradients                    | dim-0 shards, one buffer per `fully_shard` group (each block, the root): the reduce-scatter output the sharded gradients are views of |
 
 Everything here is cached on hashable inputs: `estimate` is called thousands of times
@@ -36,8 +36,10 @@ from vramcalc.units import alloc, ceil_div
 ROW_PARALLEL = ("o_proj.weight", "down_proj.weight", ".proj.weight")
 
 # DeepSpeed ZeRO-3 keeps parameters of at most this many elements unpartitioned on every
-# rank (stage3_param_persistence_threshold = 1e5; deepspeed/runtime/zero/config.py,
-# DeepSpeed 0.16.5 @ 38327e07).
+# rank (stage3_param_persistence_threshold, default 1e5; deepspeed/runtime/zero/config.py,
+# DeepSpeed 0.16.5 @ 38327e07; parameter_offload.py `mark_persistent_parameters`:
+# `param.ds_numel <= param_threshold`). A DeepSpeed config sets it per scenario
+# (ParallelConfig.deepspeed.param_persistence_threshold).
 DS_PERSISTENCE_THRESHOLD = 100_000
 
 Layout = Literal["tensor", "dim0", "flat", "persist", "group"]
@@ -70,16 +72,19 @@ class RankShapes:
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def nbytes(self, dtype: str, shard: int = 1, expert_shard: int = 1,
-               layout: Layout = "tensor", groups: tuple[str, ...] | None = None) -> int:
+               layout: Layout = "tensor", groups: tuple[str, ...] | None = None,
+               persist_threshold: int = DS_PERSISTENCE_THRESHOLD) -> int:
         """Bytes one rank keeps of these tensors in `dtype`, sharded over `shard` ranks
-        (experts over `expert_shard`) in `layout`; `groups` limits the tensor groups."""
-        key = (dtype, shard, expert_shard, layout, groups)
+        (experts over `expert_shard`) in `layout`; `groups` limits the tensor groups;
+        `persist_threshold`: the `persist` layout's largest whole tensor."""
+        key = (dtype, shard, expert_shard, layout, groups, persist_threshold)
         hit = self._memo.get(key)
         if hit is None:
             if layout == "group":
                 hit = _group_bytes(self, dtype, shard, expert_shard, groups)
             else:
-                hit = _sharded_bytes(self.tensors, dtype, shard, expert_shard, layout, groups)
+                hit = _sharded_bytes(self.tensors, dtype, shard, expert_shard, layout, groups,
+                                     persist_threshold)
             self._memo[key] = hit
         return hit
 
@@ -103,7 +108,8 @@ def dim0_numel(t: RankTensor, shard: int) -> int:
 
 
 def _sharded_bytes(tensors: tuple[RankTensor, ...], dtype: str, shard: int, expert_shard: int,
-                   layout: Layout, groups: tuple[str, ...] | None) -> int:
+                   layout: Layout, groups: tuple[str, ...] | None,
+                   persist_threshold: int = DS_PERSISTENCE_THRESHOLD) -> int:
     sel = [t for t in tensors if groups is None or t.group in groups]
     if layout == "tensor" or (shard <= 1 and expert_shard <= 1 and layout != "flat"):
         return sum(t.count * alloc(t.numel, dtype) for t in sel)
@@ -120,9 +126,9 @@ def _sharded_bytes(tensors: tuple[RankTensor, ...], dtype: str, shard: int, expe
             total += alloc(ceil_div(sum(t.numel * t.count for t in part), n), dtype)
             continue
         # persist: small tensors whole, the rest partitioned into one flat buffer
-        kept = [t for t in part if t.numel <= DS_PERSISTENCE_THRESHOLD]
+        kept = [t for t in part if t.numel <= persist_threshold]
         flat = sum(t.count * ceil_div(t.numel, n) for t in part
-                   if t.numel > DS_PERSISTENCE_THRESHOLD)
+                   if t.numel > persist_threshold)
         total += sum(t.count * alloc(t.numel, dtype) for t in kept) + alloc(flat, dtype)
     return total
 

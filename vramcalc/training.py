@@ -64,7 +64,7 @@ RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
 RECOMPUTE_METHODS: tuple[str, ...] = ("uniform", "block")
 # Megatron-LM's --moe-token-dispatcher-type for training (megatron profile, MoE models):
 # megatron/core/transformer/moe/token_dispatcher.py MoEAllGatherTokenDispatcher /
-# MoEAlltoAllTokenDispatcher (vramcalc/terms/saved_layers.py `megatron_moe_bytes`)
+# MoEAlltoAllTokenDispatcher (vramcalc/terms/megatron_layer.py `megatron_moe_bytes`)
 MOE_DISPATCHERS: tuple[str, ...] = ("allgather", "alltoall")
 # Megatron-LM's default: TransformerConfig.moe_token_dispatcher_type = "allgather"
 # (NVIDIA/Megatron-LM d98e8a64, megatron/core/transformer/transformer_config.py)
@@ -147,6 +147,9 @@ class TrainingConfig(BaseModel):
     # the megatron profile's MoE token dispatcher; None: the stack's default (Megatron's
     # allgather). The reference and hf profiles route tokens their own way: None only
     moe_dispatcher: Literal["allgather", "alltoall"] | None = None
+    # Megatron-LM's --deterministic-mode (megatron profile): torch.use_deterministic_algorithms,
+    # which switches MoE routing and unpermute to index_put_/index_add_ (terms/saved_layers.py)
+    deterministic: bool = False
     # memory techniques torchtune documents (vramcalc/terms/lowmem.py)
     chunked_ce: int = Field(1, ge=1, le=65_536)  # cross entropy over N token chunks
     activation_offload: bool = False  # saved activations to pinned host memory
@@ -176,6 +179,15 @@ class TrainingConfig(BaseModel):
                              "profile models Megatron-LM's token dispatchers; the "
                              f"{self.framework} profile routes tokens its own way (leave it "
                              "out, or use --framework megatron)")
+        return self
+
+    @model_validator(mode="after")
+    def _deterministic_modelled(self) -> TrainingConfig:
+        if self.deterministic and self.framework != "megatron":
+            raise ValueError("--deterministic: only the megatron profile models what "
+                             "deterministic algorithms keep (Megatron-LM's MoE index_add_ "
+                             f"path); the {self.framework} profile does not (leave it out, or "
+                             "use --framework megatron)")
         return self
 
     @property

@@ -3,10 +3,14 @@ fake-tensor dry run of the same scenario."""
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
 
 from vramcalc.analytic import estimate
-from vramcalc.cli.app import emit_json, scenario_command, split_values
+from vramcalc.check import checked_scenario, read_inputs
+from vramcalc.cli.app import emit_json, note, option, scenario_command, split_values
 from vramcalc.errors import InputError
 from vramcalc.explain import explain
 from vramcalc.options import build_scenario
@@ -23,10 +27,30 @@ def show_report(report: MemoryReport, as_json: bool) -> None:
         print_report(make_console(), report)
 
 
-@scenario_command("One scenario's per-GPU memory breakdown and fit check.")
-def estimate_cmd(**kwargs: Any) -> None:
+DEEPSPEED = option("deepspeed", Optional[Path], None, "--deepspeed",
+                   help="DeepSpeed JSON config: ZeRO stage, offload, batch sizes, bf16/fp16, "
+                   "optimizer, and the keys that change memory (reduce/prefetch buckets, "
+                   "stage3_max_live_parameters, contiguous_gradients, activation "
+                   "checkpointing). Flags given on the command line override it.")
+
+
+@scenario_command("One scenario's per-GPU memory breakdown and fit check.", extra=[DEEPSPEED],
+                  with_context=True)
+def estimate_cmd(ctx: typer.Context, **kwargs: Any) -> None:
+    ds_path: Path | None = kwargs.pop("deepspeed", None)
     values, dirs, as_json = split_values(kwargs)
-    show_report(estimate(build_scenario(values, dirs)), as_json)
+    if ds_path is None:
+        show_report(estimate(build_scenario(values, dirs)), as_json)
+        return
+    # the DeepSpeed file fills what the command line leaves at its defaults
+    given = {k: v for k, v in values.items()
+             if getattr(ctx.get_parameter_source(k), "name", "") != "DEFAULT"}
+    inp = read_inputs(None, ds_path, given, command="estimate")
+    scn, notes = checked_scenario(inp.values, inp.train_batch_size, dirs,
+                                  frozenset(inp.values), inp.deepspeed)
+    show_report(estimate(scn), as_json)
+    for text in inp.notes + notes:
+        note(text)
 
 
 @scenario_command("Every formula with this scenario's numbers substituted.")

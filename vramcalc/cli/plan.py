@@ -346,7 +346,9 @@ def size_cmd(
         inspect.Parameter("config", KW, annotation=Optional[Path],
                           default=typer.Argument(None, help="Training config YAML.")),
         option("deepspeed", Optional[Path], None, "--deepspeed",
-               help="DeepSpeed JSON config (ZeRO stage, offload, batch sizes, bf16/fp16)."),
+               help="DeepSpeed JSON config (ZeRO stage, offload, batch sizes, bf16/fp16, "
+               "and the keys that change memory: buckets, ZeRO-3 prefetch/live parameters, "
+               "activation checkpointing)."),
         option("markdown", bool, False, "--markdown",
                help="A markdown summary for a pull-request comment."),
     ],

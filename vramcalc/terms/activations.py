@@ -13,13 +13,13 @@ from __future__ import annotations
 from vramcalc.rank import RankContext
 from vramcalc.terms import moments as mo
 from vramcalc.terms import torchtitan as tt
+from vramcalc.terms.megatron_layer import megatron_layer_bytes
 from vramcalc.terms.megatron_recompute import LayerPlan, layer_plan
 from vramcalc.terms.modifiers import modifiers
 from vramcalc.terms.saved import Moment, Saved, first_layer_moe, mostly_moe
 from vramcalc.terms.saved_layers import (
     checkpoint_saved,
     embedding_saved,
-    megatron_layer_bytes,
     plain_head_saved,
     plain_layer_saved,
 )
@@ -42,7 +42,7 @@ def without_recompute(ctx: RankContext) -> RankContext:
 def layer_saved(ctx: RankContext, moe: bool | None = None) -> list[Saved]:
     """Saved tensors of one transformer layer for one micro-batch (reference/hf profiles):
     the full-training table, changed by each modifier's `layer_saved` hook; under full
-    recompute the checkpoint's layer input alone.
+    recompute the checkpoint's layer input alone (each modifier's `checkpoint_saved` hook).
 
     `moe` picks a dense or MoE layer; by default the kind most of this rank's layers are.
     Memoised per context (a profile asks for the same layer several times); callers get
@@ -60,7 +60,10 @@ def _layer_saved(ctx: RankContext, moe: bool) -> list[Saved]:
     if ctx.training.framework == "torchtitan":  # vramcalc/terms/torchtitan.py
         return tt.layer_saved(ctx)
     if ctx.training.recompute == "full":
-        return checkpoint_saved(ctx)
+        kept = checkpoint_saved(ctx)
+        for m in modifiers(ctx):  # DeepSpeed's partitioned / CPU checkpoints
+            kept = m.checkpoint_saved(ctx, kept)
+        return kept
     out = plain_layer_saved(ctx, moe)
     for m in modifiers(ctx):
         out = m.layer_saved(ctx, out)

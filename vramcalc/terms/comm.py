@@ -16,10 +16,17 @@ Defaults and sources (docs/parallelism.md has the derivations and pinning tests)
   5e8 elements, contiguous_gradients True, overlap_comm False for stages 1-2 and True for
   stage 3 (`overlap_comm_valid`), stage3_prefetch_bucket_size 5e7,
   stage3_max_live_parameters 1e9, stage3_max_reuse_distance 1e9,
-  stage3_param_persistence_threshold 1e5, sub_group_size 1e9. ZeRO-1/2 allocate the
+  stage3_param_persistence_threshold 1e5, sub_group_size 1e9 — per scenario in
+  `ctx.parallel.deepspeed` (vramcalc.ds_config; docs/methodology.md, "DeepSpeed
+  configuration keys"). With contiguous_gradients (forced on by optimizer offload in ZeRO-1/2,
+  stage_1_and_2.py `contiguous_gradients or self.cpu_offload`) ZeRO-1/2 allocate the
   reduce bucket (two with overlap_comm) at the start of every backward
   (stage_1_and_2.py `backward`) and release it after the reduction epilogue; ZeRO-3
   allocates one at initialisation (stage3.py `__ipg_bucket_flat_buffer`) and keeps it.
+  Without contiguous_gradients there is no bucket buffer: up to reduce_bucket_size elements
+  of gradients wait as separate tensors and are flattened into a new tensor to be reduced
+  (stage_1_and_2.py `allreduce_bucket`: `self.flatten(bucket)`; stage3.py
+  `__avg_scatter_grads` → `reduce_scatter_coalesced`).
 - DeepSpeed ZeRO-3 parameter fetching (partitioned_param_coordinator.py): parameters are
   gathered per module; after a module's forward they are released unless the module is
   used again within max_reuse_distance elements of fetches, which keeps the tail of the
@@ -51,21 +58,15 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from vramcalc.ds_config import DeepSpeedConfig
 from vramcalc.features import finetunes
 from vramcalc.finetune import adapter_dtype, gathered_layer_bytes, trained_layer_numels
 from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
-from vramcalc.sharding import DS_PERSISTENCE_THRESHOLD, layer_param_numels
+from vramcalc.sharding import layer_param_numels
 from vramcalc.terms import activations as act
 from vramcalc.terms.gradients import grad_dtype, layer_gradient_bytes
 from vramcalc.units import DTYPE_BITS, alloc, ceil_div
-
-DS_REDUCE_BUCKET_NUMEL = 500_000_000
-DS_PREFETCH_BUCKET_NUMEL = 50_000_000
-DS_MAX_LIVE_PARAMETERS = 1_000_000_000
-DS_MAX_REUSE_DISTANCE = 1_000_000_000
-DS_SUB_GROUP_NUMEL = 1_000_000_000
-DS_OVERLAP_COMM = {1: False, 2: False, 3: True}
 
 ROOT_GROUPS: tuple[str, ...] = ("embedding", "final", "head")
 
@@ -81,23 +82,49 @@ def ddp_bucket_bytes(ctx: RankContext) -> int:
 
 
 def ds_reduce_bucket_bytes(ctx: RankContext) -> int:
-    """One DeepSpeed reduce (ipg) bucket: reduce_bucket_size elements in the weight dtype."""
-    return alloc(DS_REDUCE_BUCKET_NUMEL, ctx.training.weight_dtype)
+    """One DeepSpeed reduce (ipg) bucket: reduce_bucket_size elements in the weight dtype
+    (stage_1_and_2.py `backward`: `torch.empty(int(self.reduce_bucket_size),
+    dtype=self.dtype)`; stage3.py `__ipg_bucket_flat_buffer`)."""
+    return alloc(ctx.parallel.deepspeed.reduce_bucket_size, ctx.training.weight_dtype)
+
+
+def ds_contiguous(ctx: RankContext) -> bool:
+    """Whether DeepSpeed copies gradients into the contiguous reduce bucket: the config's
+    contiguous_gradients, forced on in ZeRO-1/2 by optimizer offload (stage_1_and_2.py:
+    `self.contiguous_gradients = contiguous_gradients or self.cpu_offload`)."""
+    par = ctx.parallel
+    forced = par.zero in (1, 2) and "optimizer" in par.offload
+    return par.deepspeed.contiguous_gradients or forced
+
+
+def ds_unbucketed_bytes(ctx: RankContext) -> int:
+    """Without contiguous_gradients, the bucket's gradients as separate tensors (up to
+    reduce_bucket_size elements, at most this rank's trained elements) — beyond what the
+    gradients term holds from ZeRO-2 on — and their flattened copy while reduced."""
+    n = min(ctx.parallel.deepspeed.reduce_bucket_size, ctx.train_shapes.numel())
+    copies = 1 if ctx.parallel.zero == 1 else 2  # ZeRO-1's full gradients are counted already
+    return copies * alloc(n, grad_dtype(ctx))
 
 
 def persistent_buffer_bytes(ctx: RankContext) -> int:
     """Communication buffers held for the whole step (optimizer phase included)."""
     if ctx.engine == "ddp":
         return ddp_bucket_bytes(ctx)
-    if ctx.engine == "deepspeed" and ctx.parallel.zero >= 3:
+    if ctx.engine == "deepspeed" and ctx.parallel.zero >= 3 and ds_contiguous(ctx):
         return ds_reduce_bucket_bytes(ctx)
     return 0
 
 
 def backward_buffer_bytes(ctx: RankContext) -> int:
-    """Buffers alive through the whole backward: DeepSpeed ZeRO-1/2 reduce buckets."""
-    if ctx.engine == "deepspeed" and ctx.parallel.zero in (1, 2):
-        n = 2 if DS_OVERLAP_COMM[ctx.parallel.zero] else 1
+    """Buffers alive through the whole backward: DeepSpeed ZeRO-1/2 reduce buckets (two
+    with overlap_comm: stage_1_and_2.py `backward`, "double buffers"), or without
+    contiguous_gradients the waiting gradients and their flattened copy (ZeRO-1/2/3)."""
+    if ctx.engine != "deepspeed" or not ctx.parallel.zero:
+        return 0
+    if not ds_contiguous(ctx):
+        return ds_unbucketed_bytes(ctx)
+    if ctx.parallel.zero in (1, 2):
+        n = 2 if ctx.parallel.deepspeed.overlap(ctx.parallel.zero) else 1
         return n * ds_reduce_bucket_bytes(ctx)
     return 0
 
@@ -134,6 +161,11 @@ def _ds_key(ctx: RankContext) -> tuple:
             ctx.is_last_stage, root, layer)
 
 
+def _ds_knobs(ds: DeepSpeedConfig) -> tuple[int, int, int, int]:
+    return (ds.max_reuse_distance, ds.prefetch_bucket_size, ds.max_live_parameters,
+            ds.param_persistence_threshold)
+
+
 def ds_module_order(ctx: RankContext) -> tuple[int, ...]:
     """Forward-order numels of the modules DeepSpeed ZeRO-3 fetches on this rank."""
     return _ds_module_order(*_ds_key(ctx))
@@ -151,35 +183,38 @@ def _ds_module_order(spec, tp: int, ep: int, n_layers: int, first: bool, last: b
 
 
 def ds_gathered_numel(ctx: RankContext) -> int:
-    """Elements DeepSpeed ZeRO-3 holds gathered at the forward/backward turn, at defaults.
+    """Elements DeepSpeed ZeRO-3 holds gathered at the forward/backward turn.
 
     Module i (forward order, numel n_i, S_i = Σ_{j>i} n_j) stays gathered from its forward to
     its backward when 2·S_i < max_reuse_distance (the fetches between its two uses), so the
     tail of the model (always the head) is kept; the prefetcher then queues the next modules
     until prefetch_bucket_size elements (it stops after the one that crosses the limit),
-    capped by max_live_parameters. Persistent parameters (≤ 1e5 elements) are never
-    gathered (they are counted as weights).
+    capped by max_live_parameters (partitioned_param_coordinator.py `fetch_sub_module`:
+    `min(max_n_available_params - n_available_params, prefetch_bucket_sz)`). Persistent
+    parameters (≤ stage3_param_persistence_threshold elements) are never gathered (they are
+    counted as weights). The four values are the scenario's (`ctx.parallel.deepspeed`).
     """
-    return _ds_gathered_numel(*_ds_key(ctx))
+    return _ds_gathered_numel(_ds_key(ctx), _ds_knobs(ctx.parallel.deepspeed))
 
 
 @lru_cache(maxsize=1024)
-def _ds_gathered_numel(*key: object) -> int:
-    order = _ds_module_order(*key)  # type: ignore[arg-type]
+def _ds_gathered_numel(key: tuple, knobs: tuple[int, int, int, int]) -> int:
+    reuse, prefetch_size, max_live, keep = knobs
+    order = _ds_module_order(*key)
     retained, suffix, i = 0, 0, len(order) - 1
-    while i >= 0 and 2 * suffix < DS_MAX_REUSE_DISTANCE:
+    while i >= 0 and 2 * suffix < reuse:
         n = order[i]
-        if n > DS_PERSISTENCE_THRESHOLD:
+        if n > keep:
             retained += n
         suffix += n
         i -= 1
     prefetch = 0
-    budget = min(DS_PREFETCH_BUCKET_NUMEL, max(DS_MAX_LIVE_PARAMETERS - retained, 0))
+    budget = min(prefetch_size, max(max_live - retained, 0))
     while i >= 0 and prefetch < budget:
-        if order[i] > DS_PERSISTENCE_THRESHOLD:
+        if order[i] > keep:
             prefetch += order[i]
         i -= 1
-    largest = max((n for n in order if n > DS_PERSISTENCE_THRESHOLD), default=0)
+    largest = max((n for n in order if n > keep), default=0)
     return max(retained, largest) + prefetch
 
 

@@ -73,6 +73,10 @@ from vramcalc.units import alloc
 
 # TE DelayedScaling defaults (common/recipe/__init__.py): amax_history_len = 1024.
 FP8_AMAX_HISTORY_LEN = 1024
+# Megatron-LM builds its own DelayedScaling recipe from TransformerConfig
+# fp8_amax_history_len = 1 (NVIDIA/Megatron-LM d98e8a64, megatron/core/transformer/
+# transformer_config.py; fp8_recipe "delayed" is its default)
+MEGATRON_FP8_AMAX_HISTORY_LEN = 1
 # module/base.py set_meta_tensor: "Max. number of fp8 tensors per GEMM = 3 (input, weight,
 # output) for fwd and 2 (grad_output and grad_input) for bwd".
 FP8_FWD_TENSORS_PER_GEMM = 3
@@ -115,9 +119,11 @@ def check_lowprec(scn: Scenario) -> None:
         extra = " (QLoRA's base is already 4-bit NF4)" if tr.finetune == "qlora" else ""
         raise InputError(f"{flag} with --finetune {tr.finetune} is not modelled{extra}; "
                          "use --finetune full")
-    if tr.framework != "reference":
-        raise InputError(f"{flag} is modelled on the reference profile only; use "
-                         "--framework reference")
+    if tr.framework != "reference" and not (tr.precision == "fp8" and
+                                            tr.framework == "megatron"):
+        where = "the reference and megatron profiles" if tr.precision == "fp8" else (
+            "the reference profile")
+        raise InputError(f"{flag} is modelled on {where} only; use --framework reference")
     if scn.model.is_moe:
         raise InputError(f"{flag}: mixture-of-experts models are not modelled yet "
                          f"({scn.model.name} is MoE)")
@@ -143,19 +149,44 @@ def check_lowprec(scn: Scenario) -> None:
 
 
 # ---- persistent state -----------------------------------------------------------------
+# Megatron-LM's GEMM modules fuse q, k, v into `linear_qkv` and gate, up into `linear_fc1`
+# (megatron/core/models/gpt/gpt_layer_specs.py: TELayerNormColumnParallelLinear; fc1 writes
+# (s, b, 2f) with gated_linear_unit)
+_MEGATRON_FUSED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
+                   "gate_proj": "fc1", "up_proj": "fc1"}
+
+
+def fp8_gemms(ctx: RankContext) -> list[tuple[str, int, int, int]]:
+    """(name, out, in, count) per FP8 GEMM module: the block linears, fused as the stack
+    builds them (the megatron profile fuses qkv and gate/up; else one module each)."""
+    lins = block_linears(ctx)
+    if ctx.training.framework != "megatron":
+        return lins
+    merged: dict[str, list[int]] = {}
+    for name, rows, cols, count in lins:
+        key = _MEGATRON_FUSED.get(name.split(".")[-1], name)
+        if key in merged:
+            merged[key][0] += rows
+        else:
+            merged[key] = [rows, cols, count]
+    return [(k, r, c, n) for k, (r, c, n) in merged.items()]
+
+
 def fp8_weight_cache_bytes(ctx: RankContext, gpu: GPUProfile | None) -> int:
-    """TE's cached FP8 weights: per block linear `_data` (+ `_transpose`) + `_scale_inv`."""
+    """TE's cached FP8 weights: per GEMM module `_data` (+ `_transpose`) + `_scale_inv`."""
     copies = 2 if fp8_transpose(gpu) else 1
     return sum(c * (copies * alloc(rows * cols, "fp8") + alloc(1, "fp32"))
-               for _, rows, cols, c in block_linears(ctx))
+               for _, rows, cols, c in fp8_gemms(ctx))
 
 
 def fp8_meta_bytes(ctx: RankContext) -> int:
-    """DelayedScalingRecipeState per block linear: forward and backward scale + amax history."""
+    """DelayedScalingRecipeState per GEMM module: forward and backward scale + amax history."""
+    history = (MEGATRON_FP8_AMAX_HISTORY_LEN if ctx.training.framework == "megatron"
+               else FP8_AMAX_HISTORY_LEN)
     per = 0
     for k in (FP8_FWD_TENSORS_PER_GEMM, FP8_BWD_TENSORS_PER_GEMM):
-        per += alloc(k, "fp32") + alloc(FP8_AMAX_HISTORY_LEN * k, "fp32")
-    return per * sum(c for *_, c in block_linears(ctx))
+        per += alloc(k, "fp32") + alloc(history * k, "fp32")
+    return per * sum(c for *_, c in fp8_gemms(ctx))
 
 
 def qat_group_count(scheme: str, rows: int, cols: int) -> int:

@@ -7,6 +7,7 @@ hold, as explicit objects (vramcalc.terms.saved.Modifier), in the order their ho
 | `LowPrecision`        | FP8 linears or QAT                        | vramcalc/terms/lowprec.py |
 | `ActivationOffload`   | activation offload without full recompute | vramcalc/terms/lowmem.py |
 | `ChunkedLoss`         | chunked cross entropy                     | vramcalc/terms/lowmem.py |
+| `DeepSpeedCheckpointing` | DeepSpeed partition_activations / cpu_checkpointing with full recompute | vramcalc/terms/ds_checkpointing.py |
 
 (vramcalc.features has the predicates.) Fine-tuning adjusts a layer's saved list before low
 precision does, and activation offload sees the backward moments both have adjusted.
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 from vramcalc.hardware import GPUProfile
 from vramcalc.rank import RankContext
+from vramcalc.terms.ds_checkpointing import DeepSpeedCheckpointing
 from vramcalc.terms.finetune_activations import FinetuneActivations
 from vramcalc.terms.lowmem import ActivationOffload, ChunkedLoss
 from vramcalc.terms.lowprec import LowPrecision
 from vramcalc.terms.saved import Modifier
 
 MODIFIERS: tuple[Modifier, ...] = (FinetuneActivations(), LowPrecision(), ActivationOffload(),
-                                   ChunkedLoss())
+                                   ChunkedLoss(), DeepSpeedCheckpointing())
 
 
 def modifiers(ctx: RankContext) -> tuple[Modifier, ...]:

@@ -172,6 +172,10 @@ class Modifier:
         keeps the layer input only)."""
         return saved
 
+    def checkpoint_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
+        """One layer's saved tensors under full recompute (the checkpoint's layer input)."""
+        return saved
+
     def head_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
         """The last stage's final-norm and lm_head saved tensors."""
         return saved

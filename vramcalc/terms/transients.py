@@ -238,8 +238,10 @@ def fused_step_temp_bytes(ctx: RankContext) -> int:
     DeepSpeed ZeRO-1/2 convert this rank's flat 16-bit gradient partition to fp32 for the
     step (stage_1_and_2.py step(): `single_grad_partition = flatten(...).to(fp32)`), 4Ψ/N on
     top of the 16-bit partition (the estimator's 18Ψ/N = 2 + 4 + 4 + 8); ZeRO-3 does the same
-    one sub-group (sub_group_size = 1e9 elements) at a time (stage3.py
-    `_prepare_fp32_grad_for_sub_group`). Megatron-LM points the fp32 master's .grad at its
+    one sub-group (sub_group_size, default 1e9 elements) at a time (stage3.py
+    `_prepare_fp32_grad_for_sub_group`; `_create_fp16_sub_groups` closes a sub-group at the
+    parameter that reaches sub_group_size, so one can exceed it by less than a parameter:
+    counted as sub_group_size). Megatron-LM points the fp32 master's .grad at its
     fp32 main-grad buffer (no copy).
     """
     if ctx.engine != "deepspeed" or not ctx.training.has_master_weights:
@@ -247,5 +249,5 @@ def fused_step_temp_bytes(ctx: RankContext) -> int:
     shard = ctx.parallel.shard_degree
     numel = -(-ctx.train_shapes.numel() // shard)  # the optimizer's parameters only
     if ctx.parallel.zero >= 3:
-        numel = min(numel, comm.DS_SUB_GROUP_NUMEL)
+        numel = min(numel, ctx.parallel.deepspeed.sub_group_size)
     return alloc(numel, "fp32")

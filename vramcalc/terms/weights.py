@@ -2,7 +2,7 @@
 
 bytes = Σ_tensors count · round512(⌈numel/tp⌉ / shard · bits/8), shard = the ZeRO-3/FSDP
 group (1 otherwise), in the engine's layout (vramcalc.sharding: FSDP2 pads dim 0,
-DeepSpeed ZeRO-3 keeps tensors ≤ 1e5 elements whole and partitions the rest into one flat
+DeepSpeed ZeRO-3 keeps tensors ≤ stage3_param_persistence_threshold (1e5) elements whole and partitions the rest into one flat
 buffer, ZeRO-1/2 flatten the weights into one buffer). Parameter offload (ZeRO-3
 offload_param, FSDP2 CPUOffloadPolicy) leaves none on the device.
 Source: ZeRO paper (Rajbhandari et al. 2019) Sec. 5 for the ÷N_d of P_os+g+p.
@@ -32,7 +32,8 @@ def weights_by_group(ctx: RankContext) -> dict[str, int]:
     layout = ctx.weight_layout
     shapes = ctx.shapes
     present = {t.group for t in shapes.tensors}
-    return {g: shapes.nbytes(dtype, shard, es, layout, (g,)) for g in GROUPS if g in present}
+    keep = ctx.parallel.deepspeed.param_persistence_threshold
+    return {g: shapes.nbytes(dtype, shard, es, layout, (g,), keep) for g in GROUPS if g in present}
 
 
 def weight_parts(ctx: RankContext) -> dict[str, int]:
@@ -57,13 +58,14 @@ def finetune_weight_parts(ctx: RankContext) -> dict[str, int]:
     shard = ctx.param_shard
     es = ctx.expert_shard(shard)
     layout = ctx.weight_layout
-    out = {"weights/frozen": fs.frozen.nbytes(tr.weight_dtype, shard, es, layout)}
+    keep = ctx.parallel.deepspeed.param_persistence_threshold
+    out = {"weights/frozen": fs.frozen.nbytes(tr.weight_dtype, shard, es, layout, None, keep)}
     if fs.quantized.tensors:
-        out["weights/nf4"] = fs.quantized.nbytes("nf4", shard, es, layout)
+        out["weights/nf4"] = fs.quantized.nbytes("nf4", shard, es, layout, None, keep)
         out["weights/nf4_constants"] = sum(t.count * nf4_constant_bytes(t.numel)
                                            for t in fs.quantized.tensors)
     out["weights/adapters"] = fs.adapters.nbytes(
-        adapter_dtype(tr.framework, tr.weight_dtype), shard, es, layout)
+        adapter_dtype(tr.framework, tr.weight_dtype), shard, es, layout, None, keep)
     return out
 
 

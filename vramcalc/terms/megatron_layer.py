@@ -1,0 +1,178 @@
+"""The megatron profile's layer: what one Megatron-LM transformer layer keeps for backward
+(Korthikanti et al. 2022 Table 2 with Megatron-LM d98e8a64's attention cores, dropout, gated
+MLPs, FP8 GEMM inputs and MoE layers), as bytes per micro-batch; see `megatron_layer_bytes`.
+The per-layer recompute plan is vramcalc/terms/megatron_recompute.py."""
+
+from __future__ import annotations
+
+from vramcalc.rank import RankContext
+from vramcalc.terms.saved import dims
+from vramcalc.units import alloc, ceil_div
+
+# Megatron-LM's hidden and attention dropout when --dropout is not given: TransformerConfig
+# hidden_dropout = attention_dropout = 0.1 (NVIDIA/Megatron-LM d98e8a64, megatron/core/
+# transformer/transformer_config.py), the defaults of --hidden-dropout / --attention-dropout
+# (megatron/training/arguments.py `_add_network_size_args` builds them from TransformerConfig)
+MEGATRON_DEFAULT_DROPOUT = 0.1
+
+
+def megatron_dropout(ctx: RankContext) -> float:
+    """The megatron profile's hidden and attention dropout probability (--dropout)."""
+    p = ctx.training.dropout
+    return MEGATRON_DEFAULT_DROPOUT if p is None else p
+
+
+def megatron_layer_bytes(ctx: RankContext, moe: bool = False) -> int:
+    """Bytes one Megatron-LM layer keeps for backward, one micro-batch (t = tp, SP and
+    selective recompute): Korthikanti et al. 2022 (arXiv:2205.05198) Table 2,
+
+        sbh·(34 + core)           (÷t for the 24 sharded sbh of the 34 without SP, all ÷t
+                                   with SP), FFN 4h generalised to f (19 sbh -> 3 + 4f/h)
+
+    and a gated MLP (SwiGLU, `--swiglu`: fc1 writes (s, b, 2f)) keeps fc1's input 2 sbh,
+    the fused SwiGLU's input 4f/h sbh (megatron/core/transformer/mlp.py MLP.forward ->
+    `bias_swiglu_impl`, fusions/fused_bias_swiglu.py SwiGLUFunction saves its input;
+    --bias-swiglu-fusion is on by default, megatron/training/arguments.py
+    `--no-bias-swiglu-fusion` store_false), fc2's input 2f/h sbh and the dropout mask:
+    3 + 6f/h,
+
+    with the attention core as `--attention` picks it:
+
+    - eager = Megatron's unfused core (megatron/core/transformer/dot_product_attention.py
+      DotProductAttention.forward; TE's UnfusedDotProductAttention is the same): the
+      (b, a, s, s) softmax output 2 B, its dropout mask 1 B and the dropout output 2 B that
+      `bmm(attention_probs, value)` keeps: core = 5·a·s/h (the raw scores are not saved);
+    - flash = Transformer Engine's fused/flash attention (megatron/core/extensions/
+      transformer_engine.py TEDotProductAttention -> te DotProductAttention): the kernel
+      saves q, k, v and its output (already among the 34: Q, K 4 sbh, V 2 sbh, the output
+      projection's input 2 sbh), the fp32 softmax statistics (logsumexp, (b, a, s)) and an
+      RNG state for dropout (a few bytes; no mask, no s×s): core = 4·a/h;
+    - selective recompute (Megatron's `core_attn`) recomputes the core: core = 0.
+
+    Dropout (`--dropout`, default Megatron's 0.1): with p > 0 the layer keeps the two 1-byte
+    masks of its bias-dropout-adds (attention output, MLP output; 2 sbh of the paper's 10
+    replicated sbh) and, unfused, the (b, a, s, s) mask and dropout output. With p = 0
+    Megatron still calls the dropouts, but they keep nothing: `_bias_dropout_add_func`
+    (megatron/core/fusions/fused_bias_dropout.py) computes `residual + dropout(x + bias,
+    p)` and DotProductAttention.forward `bmm(attention_dropout(probs), v)`, and
+    torch.nn.functional.dropout with p = 0 in training returns its input itself (ATen
+    Dropout.cpp: the fused CUDA kernel needs p > 0, `_dropout_impl` returns the input when
+    p == 0), so no mask is drawn and no node is recorded; the adds save nothing. Then
+    34 -> 32 (10 -> 8 replicated), and the unfused core keeps only the softmax output,
+    which `bmm` reads directly: core = 2·a·s/h. Flash attention keeps no mask either way.
+
+    An MoE layer (`moe`) keeps the same attention, norms and bias-dropout-add masks; of the
+    MLP's 19 sbh only the norm output (2 sbh, now the router's input, 3 + 4f/h with f = 0)
+    and the dropout mask stay, and the experts' side is `megatron_moe_bytes`.
+
+    FP8 (`--precision fp8`, Megatron's `--fp8-format` with Transformer Engine): the four
+    GEMM inputs Table 2 counts in bf16 are kept as TE's 1-byte FP8 copies instead
+    (vramcalc/terms/lowprec.py gives TE's rule; `LayerNormLinear` keeps its FP8 `ln_out`,
+    the local sequence shard under SP, and gathers it again in backward): the QKV and
+    fc1 inputs (replicated without SP) 2 -> 1 sbh each, the output projection's input
+    2 -> 1 and fc2's input 2f/h -> f/h (sharded), each with a (1,) fp32 scale_inverse.
+    The norms' inputs, Q, K, V, the core and the activation's input stay bf16.
+
+    Not modelled: grouped-query attention and RoPE keep Table 2's 6 sbh for Q, K and V
+    (Megatron splits one fused (s, b, (a + 2g)·d) QKV output into views and rotates q and k
+    into new tensors; which of those storages stay alive with fewer KV heads is not derived).
+    """
+    x = dims(ctx)
+    s, b, h, t = x.s, x.b, x.h, ctx.parallel.tp
+    a = ctx.spec.num_attention_heads
+    ffn_ratio = 0 if moe else ctx.spec.intermediate_size / h
+    # 19 sbh for f = 4h (2 + 8 + 8 + 1); gated, the fused SwiGLU keeps its (s, b, 2f) input
+    gated = ctx.spec.mlp_kind == "gated" and not moe
+    mlp = 19 if ffn_ratio == 4 and not gated else 3 + (6 if gated else 4) * ffn_ratio
+    # the two bias-dropout-add masks (1 B each, replicated without SP), only when p > 0
+    masks = 2 if megatron_dropout(ctx) > 0 else 0
+    base = 34 - 19 + mlp - (2 - masks)  # 10 (8 without masks) replicated + 24/t sharded
+    replicated = 10 - (2 - masks)
+    rec = ctx.training.recompute
+    if rec == "full":
+        return 2 * s * b * h // (t if ctx.parallel.sequence_parallel else 1)
+    if rec == "selective":
+        core = 0.0
+    elif ctx.training.attention == "eager" and megatron_dropout(ctx) > 0:
+        core = 5 * a * s / h  # (b, a, s, s): softmax 2 + dropout mask 1 + dropout output 2
+    elif ctx.training.attention == "eager":
+        core = 2 * a * s / h  # (b, a, s, s): the softmax output, bmm's input itself
+    else:
+        core = 4 * a / h  # (b, a, s) fp32 logsumexp
+    experts = megatron_moe_bytes(ctx) if moe else 0
+    scales = 0
+    if ctx.training.precision == "fp8":  # FP8 GEMM inputs (MoE layers are refused)
+        replicated -= 2
+        base -= 2 + 1 + ffn_ratio
+        scales = 4 * alloc(1, "fp32")
+    if ctx.parallel.sequence_parallel:
+        return int(s * b * h / t * (base + core)) + experts + scales
+    return int(s * b * h * (replicated + (base - replicated) / t + core / t)) + experts + scales
+
+
+def megatron_moe_bytes(ctx: RankContext) -> int:
+    """Bytes one Megatron-LM MoE layer keeps for backward beyond the norm output and the
+    dropout mask (`megatron_layer_bytes`), one micro-batch, NVIDIA/Megatron-LM d98e8a64,
+    dropless (no capacity factor), SequentialMLP experts, no fused permute, balanced
+    routing. T = s·b/t tokens on the rank (sequence parallel; Megatron refuses TP > 1
+    without it in training), k = top-k, E experts, E/ep local, expert TP = t, f the
+    expert's FFN width; n = T·t·k tokens reach this rank's experts with either dispatcher
+    (allgather: the T·t·ep tokens of the TP x EP group, k/ep of them local; alltoall: T·k
+    sent, T·k received per EP rank, gathered over the t expert-TP ranks).
+
+    - router (moe/router.py TopKRouter.routing -> moe_utils.py
+      `topk_routing_with_score_function`, softmax after top-k, no aux loss: Megatron's
+      default `moe_aux_loss_coeff` 0): torch.topk keeps its int64 indices (T·k·8) and the
+      fp32 softmax its output (T·k·4); the scatter into (T, E) keeps the same indices;
+      `RouterGatingLinearFunction` keeps its input, the norm output (counted in the layer);
+    - allgather (token_dispatcher.py MoEAllGatherTokenDispatcher): the all-gathers of the
+      tokens (into the global buffer) and the probabilities keep nothing;
+      `dispatch_postprocess` masked_selects the local probabilities, and masked_select
+      keeps its input and mask, (E/ep, T·t·ep) bf16 + bool = 3·T·t·E; `permute`
+      (moe_utils.py) index_selects the tokens and keeps the int64 indices (n·8);
+    - alltoall (MoEAlltoAllTokenDispatcher.dispatch_preprocess -> `permute` with probs):
+      argsort's first T·k positions (int64, kept by the probabilities' indexing) and the
+      token indices they give (int64, kept by index_select): 2·T·k·8; all-to-all,
+      gather and `sort_chunks_by_idxs` (split + cat) keep nothing;
+    - experts (experts.py SequentialMLP.forward -> mlp.py MLP.forward with the token's
+      probability as `per_token_scale`), on the n tokens: the fc1 input (n·h·2), the
+      probabilities (n·2), and 3·n·f/t·2: gelu's input, gelu's output (kept by the
+      multiply by the probabilities) and fc2's input (unfused: the fused bias-gelu
+      refuses `per_token_scale`); gated, the fused weighted SwiGLU
+      (fusions/fused_bias_swiglu.py WeightedSwiGLUFunction) keeps its (n, 2f/t) input and
+      the weights, and fc2 its input: the same 6·n·f/t + 2·n bytes;
+    - combine (`unpermute` without probabilities, scatter_add_) keeps only the index
+      already counted; the reduce-scatter / all-to-all keep nothing;
+    - shared experts (SharedExpertMLP): Table 2's gelu and fc2 inputs, 4·s·b·f_s/t each
+      (their input is the norm output; a shared-expert gate is not modelled).
+
+    - --deterministic-mode (`--deterministic`; torch.use_deterministic_algorithms(True)):
+      `unpermute` adds with index_add_ instead of scatter_add_ (moe_utils.py, "if
+      torch.are_deterministic_algorithms_enabled()"), and index_add_'s backward keeps its
+      source (derivatives.yaml index_add: `source: ... expand_as(source)`; IndexAddBackward0
+      `_saved_source`): the expert output unpermute receives, bf16 — allgather
+      (`combine_preprocess`, before the reduce-scatter) the n local rows, 2·n·h; alltoall
+      (`combine_postprocess`, after the all-to-all) the T·k rows, 2·T·k·h. The router
+      (`topk_routing_with_score_function`) builds its (T, E) probabilities with index_put_
+      at (rows, top_indices), which keeps `rows = arange(T).unsqueeze(1)`, int64, 8·T.
+
+    Not modelled: grouped GEMM, fused permute, token drop, MoE-layer recompute.
+    """
+    spec, par = ctx.spec, ctx.parallel
+    x = dims(ctx)
+    t = par.tp
+    E, k = spec.num_local_experts, spec.num_experts_per_tok
+    T = x.b * x.s // t if par.sequence_parallel else x.b * x.s
+    n = T * (t if par.sequence_parallel else 1) * k
+    fe = ceil_div(spec.expert_ffn, t)
+    router = T * k * (8 + 4)
+    if ctx.training.dispatcher == "allgather":
+        dispatch = 3 * T * (t if par.sequence_parallel else 1) * E + 8 * n
+    else:
+        dispatch = 2 * 8 * T * k
+    experts = 2 * n * x.h + 2 * n + 6 * n * fe
+    shared = spec.num_shared_experts * 4 * x.b * x.s * ceil_div(spec.shared_ffn, t)
+    if ctx.training.deterministic:
+        combined = n if ctx.training.dispatcher == "allgather" else T * k
+        router += 8 * T + 2 * combined * x.h
+    return router + dispatch + experts + shared
