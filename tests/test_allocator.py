@@ -194,3 +194,20 @@ def test_100k_events_in_well_under_a_second(expandable: bool) -> None:
     assert time.perf_counter() - t0 < 1.0
     assert a.allocated == 0
     assert a.reserved >= a.peak_allocated
+
+
+@pytest.mark.parametrize("size,count,expected", [
+    (11 * MiB, 3, 36 * MiB),  # each in its own segment, rounded up to kRoundLarge
+    (1000, 2049, 4 * MiB),  # 2048 blocks of 1024 B per kSmallBuffer segment
+    (3 * MiB, 7, 40 * MiB),  # 6 whole 3 MiB blocks per 20 MiB segment (remainder 2 MiB)
+    (MiB, 3, 4 * MiB),  # kSmallSize blocks: two per 2 MiB segment
+])
+def test_packed_reserved_matches_the_replay_for_one_size(size: int, count: int,
+                                                         expected: int) -> None:
+    from vramcalc.allocator import packed_reserved
+
+    assert packed_reserved([(size, count)]) == expected
+    a = CachingAllocator()
+    for _ in range(count):
+        a.malloc(size)
+    assert a.reserved == expected  # the replay of the same requests agrees

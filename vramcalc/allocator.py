@@ -41,6 +41,7 @@ limit may reserve less by releasing cached segments (and runs slower for it).
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections.abc import Iterable
 
 K_MIN_BLOCK_SIZE = 512  # kMinBlockSize
 K_SMALL_SIZE = 1 << 20  # kSmallSize: largest "small" request, 1 MiB
@@ -63,6 +64,33 @@ def allocation_size(size: int) -> int:
     if size < K_MIN_LARGE_ALLOC:
         return K_LARGE_BUFFER
     return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
+
+
+def packed_reserved(blocks: Iterable[tuple[int, int]]) -> int:
+    """Segment bytes holding live blocks given as (bytes, count), packed as tightly as the
+    rules allow: requests >= kMinLargeAlloc each in a fresh segment of `allocation_size`;
+    1 MiB - 10 MiB ones side by side in kLargeBuffer segments, <= kSmallSize ones in
+    kSmallBuffer segments (a size class packs whole blocks into each segment; distinct sizes
+    share space). A lower bound for those two pools, exact for the large one: the analytic
+    engine's reserved estimate (vramcalc/terms/reserved.py)."""
+    per_size: dict[int, int] = {}
+    large = 0
+    for nbytes, count in blocks:
+        if count <= 0 or nbytes <= 0:
+            continue
+        size = round_size(nbytes)
+        if size >= K_MIN_LARGE_ALLOC:
+            large += count * allocation_size(size)
+        else:
+            per_size[size] = per_size.get(size, 0) + count
+    out = large
+    for seg in (K_SMALL_BUFFER, K_LARGE_BUFFER):
+        pool = [(size, n) for size, n in per_size.items()
+                if (size <= K_SMALL_SIZE) == (seg == K_SMALL_BUFFER)]
+        whole = sum(n // (seg // size) for size, n in pool)  # segments filled by one size
+        rest = sum((n % (seg // size)) * size for size, n in pool)  # partly filled: shared
+        out += (whole + -(-rest // seg)) * seg
+    return out
 
 
 class _Block:
