@@ -26,7 +26,8 @@ Every allocation and free is also replayed, in order, through the caching-alloca
 (vramcalc/allocator.py): `allocator.peak_reserved` is the trace's estimate of
 `torch.cuda.max_memory_reserved`. A storage resized in place is a new block then the old
 one freed (`resize_` copies into a new allocation); the cuBLAS workspace, which torch takes
-from the caching allocator at the first matmul, is requested when the first forward starts.
+from the caching allocator at the first matmul (aten/src/ATen/cuda/CublasHandlePool.cpp keeps
+it as a DataPtr of CUDACachingAllocator), is requested when the first forward starts.
 """
 
 from __future__ import annotations
