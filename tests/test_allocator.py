@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from vramcalc.allocator import CachingAllocator, allocation_size, round_size
+from vramcalc.allocator import CachingAllocator, allocation_size, packed_reserved, round_size
 
 MiB = 2**20
 
@@ -199,15 +199,32 @@ def test_100k_events_in_well_under_a_second(expandable: bool) -> None:
 @pytest.mark.parametrize("size,count,expected", [
     (11 * MiB, 3, 36 * MiB),  # each in its own segment, rounded up to kRoundLarge
     (1000, 2049, 4 * MiB),  # 2048 blocks of 1024 B per kSmallBuffer segment
-    (3 * MiB, 7, 40 * MiB),  # 6 whole 3 MiB blocks per 20 MiB segment (remainder 2 MiB)
+    (3 * MiB, 7, 40 * MiB),  # 21 MiB -> two 20 MiB segments (the replay: 6 + 1 blocks)
     (MiB, 3, 4 * MiB),  # kSmallSize blocks: two per 2 MiB segment
 ])
-def test_packed_reserved_matches_the_replay_for_one_size(size: int, count: int,
-                                                         expected: int) -> None:
-    from vramcalc.allocator import packed_reserved
-
+def test_packed_reserved_matches_the_replay_where_blocks_tile(size: int, count: int,
+                                                              expected: int) -> None:
     assert packed_reserved([(size, count)]) == expected
     a = CachingAllocator()
     for _ in range(count):
         a.malloc(size)
     assert a.reserved == expected  # the replay of the same requests agrees
+
+
+def test_packed_reserved_is_a_floor_when_blocks_leave_gaps() -> None:
+    # 8 MiB blocks: two per 20 MiB segment in a replay (the 4 MiB rest fits no third), so
+    # five take three segments (60 MiB); packed by bytes, 40 MiB fill two
+    assert packed_reserved([(8 * MiB, 5)]) == 40 * MiB
+    a = CachingAllocator()
+    for _ in range(5):
+        a.malloc(8 * MiB)
+    assert a.reserved == 60 * MiB
+    # mixed sizes share a pool: 8 + 8 + 2.5 + 1.5 MiB fill one 20 MiB segment in both
+    # (each rest > kSmallSize is split off and the next request fits it)
+    mixed = [(8 * MiB, 2), (5 * MiB // 2, 1), (3 * MiB // 2, 1)]
+    assert packed_reserved(mixed) == 20 * MiB
+    a = CachingAllocator()
+    for size, n in mixed:
+        for _ in range(n):
+            a.malloc(size)
+    assert a.reserved == 20 * MiB

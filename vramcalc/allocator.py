@@ -68,29 +68,24 @@ def allocation_size(size: int) -> int:
 
 def packed_reserved(blocks: Iterable[tuple[int, int]]) -> int:
     """Segment bytes holding live blocks given as (bytes, count), packed as tightly as the
-    rules allow: requests >= kMinLargeAlloc each in a fresh segment of `allocation_size`;
-    1 MiB - 10 MiB ones side by side in kLargeBuffer segments, <= kSmallSize ones in
-    kSmallBuffer segments (a size class packs whole blocks into each segment; distinct sizes
-    share space). A lower bound for those two pools, exact for the large one: the analytic
-    engine's reserved estimate (vramcalc/terms/reserved.py)."""
-    per_size: dict[int, int] = {}
-    large = 0
+    rules allow: each request >= kMinLargeAlloc in a fresh segment of `allocation_size`; the
+    1 MiB - 10 MiB ones side by side in kLargeBuffer segments and the <= kSmallSize ones in
+    kSmallBuffer segments, each pool's bytes rounded up to whole segments. A lower bound for
+    those two pools (a real sequence leaves gaps a later request does not fit), exact for
+    the large one: the analytic engine's reserved estimate (vramcalc/terms/reserved.py)."""
+    small = mid = large = 0
     for nbytes, count in blocks:
         if count <= 0 or nbytes <= 0:
             continue
         size = round_size(nbytes)
-        if size >= K_MIN_LARGE_ALLOC:
-            large += count * allocation_size(size)
+        if size <= K_SMALL_SIZE:
+            small += count * size
+        elif size < K_MIN_LARGE_ALLOC:
+            mid += count * size
         else:
-            per_size[size] = per_size.get(size, 0) + count
-    out = large
-    for seg in (K_SMALL_BUFFER, K_LARGE_BUFFER):
-        pool = [(size, n) for size, n in per_size.items()
-                if (size <= K_SMALL_SIZE) == (seg == K_SMALL_BUFFER)]
-        whole = sum(n // (seg // size) for size, n in pool)  # segments filled by one size
-        rest = sum((n % (seg // size)) * size for size, n in pool)  # partly filled: shared
-        out += (whole + -(-rest // seg)) * seg
-    return out
+            large += count * allocation_size(size)
+    return (large + -(-small // K_SMALL_BUFFER) * K_SMALL_BUFFER
+            + -(-mid // K_LARGE_BUFFER) * K_LARGE_BUFFER)
 
 
 class _Block:

@@ -5,8 +5,9 @@ segments that are not handed out (vramcalc/allocator.py has the rules, from
 c10/cuda/CUDACachingAllocator.cpp at pytorch/pytorch 001074d25084fdb87a799823e395a50f5ec044d3).
 The analytic engine takes the tensors live at the peak moment, one block each, and packs
 them as tightly as the rules allow (`allocator.packed_reserved`): each request of at least
-kMinLargeAlloc (10 MiB) in a segment rounded up to kRoundLarge (2 MiB), 1-10 MiB requests in
-20 MiB (kLargeBuffer) segments, requests up to 1 MiB in 2 MiB (kSmallBuffer) segments:
+kMinLargeAlloc (10 MiB) in a segment rounded up to kRoundLarge (2 MiB), the bytes of the
+1-10 MiB requests rounded up to whole 20 MiB (kLargeBuffer) segments, those of requests up
+to 1 MiB to 2 MiB (kSmallBuffer) segments:
 
     reserved = peak allocated + packed_reserved(live blocks) − Σ live blocks
 
