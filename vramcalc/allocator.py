@@ -97,6 +97,10 @@ class _Block:
         self.prev, self.next = prev, nxt
 
 
+_ADDR_BITS = 60  # free-list keys: size << _ADDR_BITS | address (addresses stay below 2**60)
+_ADDR_MASK = (1 << _ADDR_BITS) - 1
+
+
 class _Pool:
     """One pool's cached free blocks, sorted by (size, address), and its expandable segment."""
 
@@ -104,18 +108,18 @@ class _Pool:
 
     def __init__(self, small: bool, base: int) -> None:
         self.small = small
-        self.free: list[tuple[int, int]] = []
+        self.free: list[int] = []  # size << _ADDR_BITS | address, ascending
         self.blocks: dict[int, _Block] = {}  # free blocks by address
         self.page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
         self.base, self.mapped = base, 0  # expandable segment: start, mapped bytes
         self.tail: _Block | None = None  # expandable segment: its last block
 
     def add(self, b: _Block) -> None:
-        insort(self.free, (b.size, b.addr))
+        insort(self.free, b.size << _ADDR_BITS | b.addr)
         self.blocks[b.addr] = b
 
     def remove(self, b: _Block) -> None:
-        del self.free[bisect_left(self.free, (b.size, b.addr))]
+        del self.free[bisect_left(self.free, b.size << _ADDR_BITS | b.addr)]
         del self.blocks[b.addr]
 
 
@@ -131,7 +135,7 @@ class CachingAllocator:
         self.expandable = expandable
         self.max_split = max_split_size or _NO_LIMIT
         # segments get disjoint virtual addresses; expandable pools reserve a huge range
-        self._pools = (_Pool(True, 1 << 56), _Pool(False, 2 << 56))
+        self._pools = (_Pool(True, 1 << 57), _Pool(False, 2 << 57))
         self._next_addr = 1 << 20
         self._live: dict[int, tuple[_Block, _Pool]] = {}
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
@@ -139,7 +143,7 @@ class CachingAllocator:
 
     # ---- requests ------------------------------------------------------------------
     def malloc(self, nbytes: int) -> int:
-        size = round_size(nbytes)
+        size = -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE or K_MIN_BLOCK_SIZE  # round_size
         pool = self._pools[0] if size <= K_SMALL_SIZE else self._pools[1]
         block = self._find_free(pool, size)
         if block is None:
@@ -162,7 +166,8 @@ class CachingAllocator:
         block.used = True
         self._live[block.addr] = (block, pool)
         self.allocated += block.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
         return block.addr
 
     def free(self, handle: int) -> None:
@@ -178,12 +183,13 @@ class CachingAllocator:
     # ---- rules ---------------------------------------------------------------------
     def _find_free(self, pool: _Pool, size: int) -> _Block | None:
         """Best fit (`get_free_block`); an expandable pool's end block ranks last."""
-        i = bisect_left(pool.free, (size, 0))
-        if i == len(pool.free):
+        free = pool.free
+        i = bisect_left(free, size << _ADDR_BITS)
+        if i == len(free):
             return None
-        block = pool.blocks[pool.free[i][1]]
-        if block is pool.tail and i + 1 < len(pool.free):
-            block = pool.blocks[pool.free[i + 1][1]]
+        block = pool.blocks[free[i] & _ADDR_MASK]
+        if block is pool.tail and i + 1 < len(free):
+            block = pool.blocks[free[i + 1] & _ADDR_MASK]
         if size < self.max_split <= block.size:
             return None
         if size >= self.max_split and block.size >= size + K_LARGE_BUFFER:
@@ -220,7 +226,8 @@ class CachingAllocator:
 
     def _reserve(self, nbytes: int) -> None:
         self.reserved += nbytes
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        if self.reserved > self.peak_reserved:
+            self.peak_reserved = self.reserved
 
     @staticmethod
     def _absorb(pool: _Pool, dst: _Block, src: _Block) -> None:
