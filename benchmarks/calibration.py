@@ -10,8 +10,8 @@ compares the figure the record measured:
 - megatron.yaml: `allocated_bytes.all.peak` of the last rank (last pipeline stage), steady
   state (`max_allocated_all_iters`) -> the last stage's allocated peak;
 - measured.yaml: `max_memory_allocated` -> allocated peak; NVML / nvidia-smi -> device total
-  (`device_total_bytes`, CUDA context included); `max_memory_reserved` -> not expressible
-  (vramcalc has no reserved-memory estimate).
+  (`device_total_bytes`, CUDA context included); `max_memory_reserved` -> the reserved
+  peak (`peak_reserved_bytes`, the caching allocator's segments; vramcalc/terms/reserved.py).
 
 A record that needs a mechanism vramcalc lacks is printed as "not expressible" with the
 missing feature; no flag or constant is ever adjusted to move a number. The mapping is the
@@ -45,7 +45,6 @@ GIB = 2**30
 ALLOCATED, RESERVED, DEVICE, ACTIVE, UNKNOWN, CAPACITY = (
     "allocated", "reserved", "device", "active", "unknown", "capacity")
 METRIC_MISSING = {
-    RESERVED: "no reserved-memory estimate",
     UNKNOWN: "metric not stated by the source (allocated, reserved or device?)",
     CAPACITY: "capacity boundary (largest fitting sequence), not a memory reading",
 }
@@ -316,7 +315,7 @@ _LITGPT_NOTES = [
 # One reviewed entry per measured.yaml record: the flags that express it (seq_len,
 # micro_batch_size and grad_accum come from the record itself; "chunked_ce" may be a
 # function of seq_len), or the features vramcalc lacks to express it. The metric is read
-# from the record (`metric_kind`); a reserved or unstated metric is missing on its own.
+# from the record (`metric_kind`); an unstated metric is missing on its own.
 MEASURED_TABLE: dict[str, dict[str, Any]] = {
     "hf-bertlarge-weights-only-v100": {"missing": [_BERT, "model load only, no training step"]},
     "hf-bertlarge-bs4-fp32-adamw-v100": {"missing": [_BERT]},
@@ -432,6 +431,9 @@ def estimate_row(m: Mapping, model_dir: Path) -> Row:
         row.allocated_bytes = report.peak_allocated_bytes
     elif m.metric == DEVICE:
         row.estimate_bytes = report.device_total_bytes
+    elif m.metric == RESERVED:
+        row.estimate_bytes = (report.stages[-1].peak_reserved_bytes if values.get("pp", 1) > 1
+                              else report.peak_reserved_bytes)
     elif values.get("pp", 1) > 1:
         row.estimate_bytes = report.stages[-1].peak_allocated_bytes
     else:

@@ -112,11 +112,25 @@ def test_megatron_record_becomes_flags(calib, sample: Path) -> None:
     assert "--tp 2 --pp 2 --sequence-parallel" in calib.cli_flags(m.flags)
 
 
-def test_reserved_record_is_not_expressible(calib, sample: Path) -> None:
+def test_reserved_record_needs_only_a_mapping(calib, sample: Path) -> None:
     m = calib.map_record(*calib.load_records(sample)[1])
     assert not m.expressible and m.metric == calib.RESERVED
-    assert "no reserved-memory estimate" in m.missing
-    assert "no reviewed mapping for this record" in m.missing
+    assert m.missing == ["no reviewed mapping for this record"]
+
+
+def test_reserved_record_is_compared_with_peak_reserved(calib, sample: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vramcalc.analytic import estimate
+    from vramcalc.options import build_scenario
+
+    flags = {"model": "gpt2", "gpus": "1xH100", "finetune": "lora"}
+    monkeypatch.setitem(calib.MEASURED_TABLE, "fake-llama-lora-reserved", {"flags": flags})
+    row = calib.run(sample)[1]
+    assert row.mapping.expressible and row.mapping.metric == calib.RESERVED
+    report = estimate(build_scenario({**flags, "seq_len": 256, "micro_batch_size": 1,
+                                      "grad_accum": 1}))
+    assert row.estimate_bytes == report.peak_reserved_bytes
+    assert report.peak_reserved_bytes > report.peak_allocated_bytes
 
 
 def test_table_and_summary_structure(calib, sample: Path) -> None:
@@ -125,7 +139,7 @@ def test_table_and_summary_structure(calib, sample: Path) -> None:
     assert rows[0].estimate_bytes is not None and rows[1].estimate_bytes is None
     md = calib.render_markdown(rows).splitlines()
     assert md[0] == "| record | flags | estimate GiB | measured GiB | error |"
-    assert "not expressible: no reserved-memory estimate" in md[3]
+    assert "not expressible: no reviewed mapping for this record" in md[3]
     assert any(line.startswith("expressed 1/2;") for line in md)
     assert "torchtitan — (n=0)" in calib.summary(rows)
 

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vramcalc.analytic import estimate
+from vramcalc.hardware import parse_gpus
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
@@ -105,6 +106,24 @@ def test_terms_are_non_negative_ints_and_add_up(spec: ModelSpec, tr: TrainingCon
     assert rep.peak_allocated_bytes + terms["overhead"] == rep.device_total_bytes
     assert rep.peak_allocated_bytes == max(rep.phases.values())
     assert rep.first_step_peak_bytes <= rep.peak_allocated_bytes
+
+
+@settings(max_examples=40, deadline=None)
+@given(specs(), trainings, st.sampled_from([1, 2, 8]), st.sampled_from([1, 2]))
+def test_reserved_covers_allocated_and_makes_the_device_total(
+        spec: ModelSpec, tr: TrainingConfig, gpus: int, pp: int) -> None:
+    """reserved >= allocated (per stage too); device total = reserved + context + NCCL."""
+    if spec.num_hidden_layers % pp:
+        pp = 1
+    scn = Scenario(model=spec, training=tr, parallel=ParallelConfig(pp=pp),
+                   cluster=parse_gpus(f"{gpus * pp}xH100"))
+    rep = estimate(scn)
+    ovh = {k.split("/", 1)[1]: v for k, v in rep.subterms.items() if k.startswith("overhead/")}
+    assert rep.peak_reserved_bytes - rep.peak_allocated_bytes == ovh["fragmentation"] >= 0
+    assert rep.device_total_bytes == (rep.peak_reserved_bytes + ovh["context"] + ovh["nccl"]
+                                      + ovh.get("paged_optimizer_states", 0))
+    for st_ in rep.stages:
+        assert st_.peak_reserved_bytes >= st_.peak_allocated_bytes
 
 
 @given(st.integers(1, 10**12), st.integers(1, 4096))

@@ -129,6 +129,49 @@ def test_tracker_counts_each_storage_once_rounded_to_512() -> None:
     assert tracker.peaks[(0, "forward")].total == 2 * 4096
 
 
+def test_trace_reserved_replays_the_allocator() -> None:
+    """The tracker's allocations and frees go, in order, through the caching-allocator
+    model; expectations from CUDACachingAllocator.cpp's rules (docs/methodology.md §7a)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramcalc.trace.tracker import MemoryTracker
+
+    MiB = 2**20
+    tracker = MemoryTracker(workspace_bytes=4 * MiB)
+    with FakeTensorMode(), tracker:
+        a = torch.empty(100 * MiB, dtype=torch.uint8)  # >= 10 MiB: its own 100 MiB segment
+        assert tracker.allocator.reserved == 100 * MiB
+        del a  # the segment stays cached
+        b = torch.empty(60 * MiB, dtype=torch.uint8)  # best fit: reuses and splits it
+        c = torch.empty(40 * MiB, dtype=torch.uint8)  # the 40 MiB remainder
+        assert tracker.allocator.reserved == 100 * MiB
+        d = torch.empty(11 * MiB, dtype=torch.uint8)  # a new segment rounded up to 12 MiB
+        assert tracker.allocator.reserved == 112 * MiB
+        tracker.set_phase("forward")  # the cuBLAS workspace: 4 MiB -> a 20 MiB segment
+        assert tracker.allocator.reserved == 132 * MiB
+        assert tracker.allocator.allocated == 116 * MiB  # d's whole 12 MiB block (unsplit)
+        d.untyped_storage().resize_(0)  # FSDP2's free_storage; its hook re-reads the size
+        tracker.track(d)
+        assert tracker.allocator.allocated == 104 * MiB  # 60 + 40 + the 4 MiB workspace
+        del b, c, d
+    assert tracker.allocator.peak_reserved == 132 * MiB
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_trace_report_reserved_and_device_total(expandable: bool) -> None:
+    from vramcalc.trace.engine import trace
+
+    scn = scenario(precision="bf16", optimizer="adamw")
+    scn = scn.model_copy(update={"training": scn.training.model_copy(
+        update={"expandable_segments": expandable})})
+    rep = trace(scn).report
+    assert rep.peak_reserved_bytes >= rep.peak_allocated_bytes
+    ovh = {k.split("/", 1)[1]: v for k, v in rep.subterms.items() if k.startswith("overhead/")}
+    assert ovh["fragmentation"] == rep.peak_reserved_bytes - rep.peak_allocated_bytes
+    assert rep.device_total_bytes == rep.peak_reserved_bytes + ovh["context"] + ovh["nccl"]
+    assert rep.terms.overhead == rep.device_total_bytes - rep.peak_allocated_bytes
+
+
 # ---- the engine ------------------------------------------------------------------------
 def test_trace_report_schema_and_exact_model_states() -> None:
     from vramcalc.trace.engine import trace

@@ -51,6 +51,7 @@ from vramcalc.terms.modifiers import persistent_parts
 from vramcalc.terms.optimizer_states import optimizer_state_split, paged_state_bytes
 from vramcalc.terms.overhead import overhead_split
 from vramcalc.terms.profile import profile
+from vramcalc.terms.reserved import reserved_pad_bytes
 from vramcalc.terms.saved import Moment
 from vramcalc.terms.weights import weight_parts
 
@@ -152,7 +153,8 @@ def candidate_stages(scn: Scenario) -> list[int]:
 
 def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
                   ) -> tuple[list[Phase], int, int]:
-    """Phases (steady state) of one stage, plus the first-step peak and live-tensor count."""
+    """Phases (steady state) of one stage, plus the first-step peak and the reserved-minus-
+    allocated estimate at the peak (vramcalc/terms/reserved.py)."""
     ctx = RankContext(scn.model, scn.training, scn.parallel, stage)
     train = scn.training
     w_parts = weight_parts(ctx)  # {"weights": W}, or fine-tuning's sub-terms
@@ -340,9 +342,9 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     # first step: no optimizer states during forward/backward (created by the first step)
     first = max(forward.total - opt["states"], backward.total - opt["states"],
                     optimizer.total)
-    live = sum(t.count for t in ctx.tensors) + sum(t.count for t in ctx.train_tensors) * (
-        2 + (2 if train.optimizer in ("adam", "adamw") else 1)) + int(k * nL * 12)
-    return phases, first, live
+    peak = max(phases, key=lambda p: p.total)
+    pad = reserved_pad_bytes(ctx, peak.name, peak.grads, opt["states"], opt["master"], k)
+    return phases, first, pad
 
 
 def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:
@@ -369,6 +371,7 @@ def _assemble(scn: Scenario, fields: dict[str, Any], strategy: dict[str, object]
         # the worst stage's terms are the report's: one (immutable) object for both
         terms=terms if st["terms"] == fields["terms"] else Terms.model_construct(**st["terms"]),
         peak_allocated_bytes=st["peak_allocated_bytes"],
+        peak_reserved_bytes=st["peak_reserved_bytes"],
         device_total_bytes=st["device_total_bytes"]) for st in fields["stages"]]
     return MemoryReport.model_construct(
         engine="analytic",
@@ -380,6 +383,7 @@ def _assemble(scn: Scenario, fields: dict[str, Any], strategy: dict[str, object]
         phases=fields["phases"],
         peak_phase=fields["peak_phase"],
         peak_allocated_bytes=fields["peak_allocated_bytes"],
+        peak_reserved_bytes=fields["peak_reserved_bytes"],
         first_step_peak_bytes=fields["first_step_peak_bytes"],
         device_total_bytes=fields["device_total_bytes"],
         fits=fits,
@@ -412,8 +416,8 @@ def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
     stages = list(range(scn.parallel.pp)) if every_stage else candidate_stages(scn)
     runs = []
     for st in stages:
-        phases, first, live = stage_phases(scn, st, gpu)
-        ovh = overhead_split(gpu.context_overhead_bytes if gpu else 0, scn.world_size, live)
+        phases, first, pad = stage_phases(scn, st, gpu)
+        ovh = overhead_split(gpu.context_overhead_bytes if gpu else 0, scn.world_size, pad)
         ovh.update(_paged_overhead(scn, st))
         nl = RankContext(scn.model, scn.training, scn.parallel, st).num_layers
         runs.append(_StageRun(st, nl, phases, first, ovh))
@@ -447,6 +451,7 @@ def _fields(scn: Scenario, runs: list[_StageRun], pick: tuple[tuple[int, ...], i
         t["overhead"] = sum(run.overhead.values())
         stage_rows.append({"stage": run.stage, "num_layers": run.num_layers, "terms": t,
                            "peak_allocated_bytes": phase.total,
+                           "peak_reserved_bytes": phase.total + run.overhead["fragmentation"],
                            "device_total_bytes": phase.total + sum(run.overhead.values())})
     run = runs[worst]
     peak_phase = run.phases[peaks[worst]]
@@ -467,6 +472,7 @@ def _fields(scn: Scenario, runs: list[_StageRun], pick: tuple[tuple[int, ...], i
         "phases": {p.name: p.total for p in run.phases},
         "peak_phase": peak_phase.name,
         "peak_allocated_bytes": peak_phase.total,
+        "peak_reserved_bytes": peak_phase.total + run.overhead["fragmentation"],
         "first_step_peak_bytes": run.first,
         "device_total_bytes": peak_phase.total + sum(run.overhead.values()),
         "host_bytes_per_node": host_nvme[0],

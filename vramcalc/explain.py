@@ -105,8 +105,11 @@ def explain(scn: Scenario) -> dict[str, Any]:
         "At that moment: " + ", ".join(f"{k} {_gb(v)}" for k, v in
                                        report.terms.as_dict().items() if k != "overhead"),
         "Sub-terms: " + ", ".join(f"{k} {_gb(v)}" for k, v in sorted(report.subterms.items())),
-        f"Device total = peak + overhead ({_gb(report.terms.overhead)}: CUDA context, NCCL "
-        f"buffers, allocator rounding) = {_gb(report.device_total_bytes)}.",
+        f"Peak reserved = peak + the caching allocator's segment packing of the tensors live "
+        f"at the peak = {_gb(report.peak_reserved_bytes)} (vramcalc/terms/reserved.py) — "
+        "comparable with torch.cuda.max_memory_reserved().",
+        f"Device total = reserved + CUDA context + NCCL buffers (overhead "
+        f"{_gb(report.terms.overhead)}) = {_gb(report.device_total_bytes)}.",
     ]})
     if report.gpu is not None and report.headroom_bytes is not None:
         sections.append({"title": "Fit", "lines": [

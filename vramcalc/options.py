@@ -124,6 +124,10 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("qat", str, "none", "Quantization-aware training of the block linears: none | int8 "
         "(8da8w: int8 per-token activations, per-channel weights) | int4 (8da4w: int4 weights "
         "per group of 32).", QATS),
+    Opt("expandable_segments", bool, False, "The CUDA caching allocator's "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: one growing segment per pool "
+        "instead of one cudaMalloc per large request. Changes the reserved estimate only "
+        "(default off, torch's default)."),
     Opt("dp", int, None, "Data-parallel degree (default: GPUs / (tp x pp x cp)).", group="parallel"),
     Opt("tp", int, 1, "Tensor-parallel degree.", group="parallel"),
     Opt("pp", int, 1, "Pipeline-parallel degree.", group="parallel"),
@@ -163,7 +167,7 @@ _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "opt
                   "optimizer_dtype", "optimizer_impl", "attention", "recompute", "recompute_method",
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
-                  "activation_offload", "qat")
+                  "activation_offload", "qat", "expandable_segments")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fsdp",
                   "shard_group", "offload_device", "pp_schedule", "virtual_stages",
                   "first_stage_layers", "last_stage_layers", "embedding_in_split",

@@ -5,8 +5,11 @@ with `model_construct` by the analytic engine: its values are ints it computed).
 
 `terms` is the composition of memory at the peak moment: the six allocated terms add up
 to `peak_allocated_bytes` (comparable with torch.cuda.max_memory_allocated on the worst
-rank) and `overhead` (CUDA context, NCCL buffers, allocator fragmentation) is added on
-top to give `device_total_bytes`, which the fit check compares with the GPU's memory.
+rank). `peak_reserved_bytes` estimates torch.cuda.max_memory_reserved: the caching
+allocator's segments (vramcalc/allocator.py). `overhead` (CUDA context, NCCL buffers, and
+the allocator's reserved-but-unallocated bytes, reserved − allocated) is added on top to
+give `device_total_bytes` = reserved + context + NCCL, which the fit check compares with
+the GPU's memory.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class StageReport(BaseModel):
     num_layers: int
     terms: Terms
     peak_allocated_bytes: int
+    peak_reserved_bytes: int
     device_total_bytes: int
 
 
@@ -89,6 +93,7 @@ class MemoryReport(BaseModel):
     phases: dict[str, int]
     peak_phase: str
     peak_allocated_bytes: int
+    peak_reserved_bytes: int
     first_step_peak_bytes: int
     device_total_bytes: int
     fits: bool | None

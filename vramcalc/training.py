@@ -155,6 +155,9 @@ class TrainingConfig(BaseModel):
     activation_offload: bool = False  # saved activations to pinned host memory
     # quantization-aware training: fake-quantized block linears (vramcalc/terms/lowprec.py)
     qat: Literal["none", "int8", "int4"] = "none"
+    # the CUDA caching allocator's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    # (vramcalc/allocator.py); off is torch's default. Changes reserved memory only
+    expandable_segments: bool = False
 
     @model_validator(mode="after")
     def _impl_exists(self) -> TrainingConfig:

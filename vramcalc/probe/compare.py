@@ -45,6 +45,11 @@ def compare_records(folder: Path, with_trace: bool = False) -> dict[str, Any]:
         }
         reserved = measured.get("max_memory_reserved_bytes")
         context = measured.get("context_bytes")
+        if reserved:
+            # the reserved estimate beside measured max_memory_reserved (reported, no tolerance)
+            row["analytic_reserved_bytes"] = rep.peak_reserved_bytes
+            row["measured_reserved_bytes"] = reserved
+            row["reserved_rel_error"] = rel_error(rep.peak_reserved_bytes, reserved)
         if reserved is not None and context is not None:
             row["measured_device_bytes"] = reserved + context
             row["analytic_device_bytes"] = rep.device_total_bytes

@@ -294,6 +294,8 @@ def check_markdown(report: MemoryReport, usable_bytes: int, headroom: float, sou
                      f"{100 * val / total:.1f}% |")
     lines.append(f"| peak allocated ({report.peak_phase}) | {report.peak_allocated_bytes / GB:,.2f}"
                  f" | {report.peak_allocated_bytes / GiB:,.2f} | |")
+    lines.append(f"| peak reserved | {report.peak_reserved_bytes / GB:,.2f} | "
+                 f"{report.peak_reserved_bytes / GiB:,.2f} | |")
     lines.append(f"| **device total** | **{report.device_total_bytes / GB:,.2f}** | "
                  f"**{report.device_total_bytes / GiB:,.2f}** | |")
     lines.append("")

@@ -98,6 +98,10 @@ def report_table(report: MemoryReport) -> Table:
     table.add_section()
     table.add_row("peak allocated", f"{report.peak_allocated_bytes / GB:,.2f}",
                   f"{report.peak_allocated_bytes / GiB:,.2f}", "", f"({report.peak_phase} phase)")
+    expandable = report.strategy.get("expandable_segments")
+    table.add_row("peak reserved", f"{report.peak_reserved_bytes / GB:,.2f}",
+                  f"{report.peak_reserved_bytes / GiB:,.2f}", "",
+                  "(caching allocator" + (", expandable segments)" if expandable else ")"))
     table.add_row(Text("device total", style="bold"), f"{report.device_total_bytes / GB:,.2f}",
                   f"{report.device_total_bytes / GiB:,.2f}", "", "")
     return table

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from vramcalc.errors import InputError
 from vramcalc.report import MemoryReport
 from vramcalc.scenario import Scenario
+from vramcalc.terms.transients import cublas_workspace_bytes
 from vramcalc.trace.engine import (
     ITERATIONS,
     Progress,
@@ -207,7 +208,9 @@ def distributed_trace(scn: Scenario, progress: Progress | None = None,
         report_progress(label, done / steps)
         done += 1
 
-    tracker = _tracker_class()()
+    gpu = scn.cluster.gpu if scn.cluster else None
+    tracker = _tracker_class()(expandable_segments=tr.expandable_segments,
+                               workspace_bytes=cublas_workspace_bytes(gpu))
     report_progress("building and sharding the model", 0.0)
     framework_ctx: Any = contextlib.nullcontext()
     if tr.framework == "hf":

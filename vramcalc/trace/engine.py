@@ -184,7 +184,10 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
         report_progress(label, done / steps)
         done += 1
 
-    tracker = MemoryTracker(debug=debug is not None)
+    gpu = scn.cluster.gpu if scn.cluster else None
+    tracker = MemoryTracker(debug=debug is not None,
+                            expandable_segments=tr.expandable_segments,
+                            workspace_bytes=cublas_workspace_bytes(gpu))
     report_progress("building model", 0.0)
     autocast = (lambda: torch.autocast("cpu", dtype=_torch_dtype(tr.compute_dtype))) if (
         tr.is_autocast) else contextlib.nullcontext
@@ -319,7 +322,10 @@ def _result(scn: Scenario, tracker: Any, param_bytes: int, iterations: int) -> T
     first = max(_snap(tracker.peaks[(0, ph)], extra).total for ph in PHASE_NAMES)
     peak_name = max(PHASE_NAMES, key=lambda ph: phases[ph].total)
     peak = phases[peak_name]
-    ovh = overhead_split(gpu.context_overhead_bytes if gpu else 0, scn.world_size, peak.num_live)
+    # the allocator replay's high-water mark (vramcalc/allocator.py; the workspace included)
+    reserved = max(tracker.allocator.peak_reserved, peak.total)
+    ovh = overhead_split(gpu.context_overhead_bytes if gpu else 0, scn.world_size,
+                         reserved - peak.total)
     terms = peak.terms()
     terms["overhead"] = sum(ovh.values())
     subterms = {k: v for k, v in peak.parts.items() if "/" in k}
@@ -337,6 +343,7 @@ def _result(scn: Scenario, tracker: Any, param_bytes: int, iterations: int) -> T
         phases={ph: phases[ph].total for ph in PHASE_NAMES},
         peak_phase=peak_name,
         peak_allocated_bytes=peak.total,
+        peak_reserved_bytes=reserved,
         first_step_peak_bytes=first,
         device_total_bytes=total,
         fits=fits,

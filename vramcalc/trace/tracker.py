@@ -21,6 +21,13 @@ of fp32 parameters `transients` (sub-term `autocast_cache`). The tracker keeps, 
 (iteration, phase), the largest total seen and the composition at that moment, and named
 marks (end of forward, end of backward, end of step). CUDA-specific allocation behaviour
 is delegated to `cuda_rules.rewrite_op`.
+
+Every allocation and free is also replayed, in order, through the caching-allocator model
+(vramcalc/allocator.py): `allocator.peak_reserved` is the trace's estimate of
+`torch.cuda.max_memory_reserved`. A storage resized in place is a new block then the old
+one freed (`resize_` copies into a new allocation); the cuBLAS workspace, which torch takes
+from the caching allocator at the first matmul (aten/src/ATen/cuda/CublasHandlePool.cpp keeps
+it as a DataPtr of CUDACachingAllocator), is requested when the first forward starts.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from vramcalc.allocator import CachingAllocator
 from vramcalc.trace import cuda_rules
 from vramcalc.units import round_alloc
 
@@ -55,14 +63,18 @@ class _Block:
     nbytes: int
     term: str
     ref: Any
+    handle: int  # the block in the allocator model (0: none, a storage resized to 0)
     origin: str = ""  # op and shape that allocated it (debug mode only)
 
 
 class MemoryTracker(TorchDispatchMode):
     """Counts live storages by term; see the module docstring."""
 
-    def __init__(self, debug: bool = False) -> None:
+    def __init__(self, debug: bool = False, expandable_segments: bool = False,
+                 workspace_bytes: int = 0) -> None:
         super().__init__()
+        self.allocator = CachingAllocator(expandable=expandable_segments)
+        self._workspace = workspace_bytes
         self.debug = debug
         self._origin = ""
         self.timeline: list[tuple[int, str, str, int, dict[str, int]]] | None = (
@@ -85,6 +97,9 @@ class MemoryTracker(TorchDispatchMode):
     def set_phase(self, phase: str, region: str | None = None) -> None:
         """Start (or continue) a phase of the current iteration; its peak starts from now."""
         self.phase, self.region = phase, region
+        if phase == "forward" and self._workspace:
+            self.allocator.malloc(self._workspace)  # held for the process's lifetime
+            self._workspace = 0
         key = (self.iteration, phase)
         self._peak_key = key
         self._peak = self.peaks.get(key)
@@ -128,8 +143,10 @@ class MemoryTracker(TorchDispatchMode):
         blk = self.blocks.get(key)
         if blk is not None:
             if blk.nbytes != nbytes:  # resized in place
+                handle = self.allocator.malloc(nbytes) if nbytes else 0
+                self._release(blk)
                 self._add(blk.term, nbytes - blk.nbytes)
-                blk.nbytes = nbytes
+                blk.nbytes, blk.handle = nbytes, handle
             return
         if nbytes == 0:
             return
@@ -140,7 +157,7 @@ class MemoryTracker(TorchDispatchMode):
 
         ref = weakref.ref(st, on_free)
         origin = f"{self._origin} {tuple(t.shape)} {t.dtype}" if self.debug else ""
-        self.blocks[key] = _Block(nbytes, term, ref, origin)
+        self.blocks[key] = _Block(nbytes, term, ref, self.allocator.malloc(nbytes), origin)
         self._add(term, nbytes)
 
     def _add(self, term: str, nbytes: int) -> None:
@@ -154,7 +171,13 @@ class MemoryTracker(TorchDispatchMode):
         if blk is not None:
             self.terms[blk.term] -= blk.nbytes
             self.total -= blk.nbytes
+            self._release(blk)
         self.host.pop(key, None)
+
+    def _release(self, blk: _Block) -> None:
+        if blk.handle:
+            self.allocator.free(blk.handle)
+            blk.handle = 0
 
     def label(self, t: torch.Tensor, term: str) -> None:
         """Move t's storage to `term` (counting it first if it is new)."""
@@ -173,6 +196,7 @@ class MemoryTracker(TorchDispatchMode):
         if blk is not None:
             self.terms[blk.term] -= blk.nbytes
             self.total -= blk.nbytes
+            self._release(blk)
         if key not in self.host:
             def forget(_r: weakref.ReferenceType[torch.UntypedStorage]) -> None:
                 self.host.pop(key, None)

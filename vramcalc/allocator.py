@@ -1,0 +1,245 @@
+"""A model of PyTorch's CUDA caching allocator: what `torch.cuda.max_memory_reserved` reads.
+
+Written from the rules of `c10/cuda/CUDACachingAllocator.cpp` (pytorch/pytorch at commit
+001074d25084fdb87a799823e395a50f5ec044d3, `DeviceCachingAllocator`), not from its code:
+
+- `round_size`: every request is rounded up to a multiple of kMinBlockSize = 512 B
+  (roundup_power2_divisions is off by default and not modelled).
+- `get_pool`: a rounded size <= kSmallSize (1 MiB) goes to the small pool, larger to the
+  large pool; blocks never move between pools.
+- `get_free_block`: best fit, the smallest cached free block of the pool whose size is >=
+  the request (ties: the lowest address; `BlockComparatorSize`). With max_split_size set
+  (default: unlimited) a request below it never takes a block of at least that size, and a
+  request at or above it only takes a block smaller than request + kLargeBuffer.
+- `get_allocation_size`: with no fitting block, a new segment (cudaMalloc) of kSmallBuffer =
+  2 MiB for small requests, kLargeBuffer = 20 MiB for requests below kMinLargeAlloc =
+  10 MiB, else the request rounded up to kRoundLarge = 2 MiB.
+- `should_split` / `alloc_found_block`: the request takes the start of the block; the rest
+  becomes a free block when it is >= kMinBlockSize in the small pool (or under expandable
+  segments), and when it is > kSmallSize in the large pool (and the request is below
+  max_split_size). Otherwise the whole block is handed out and counted as allocated
+  (`allocated_bytes` adds `block->size`, not the request).
+- `free_block` / `try_merge_blocks`: a freed block merges with its free neighbours in the
+  same segment; segments are never returned to CUDA here (see below).
+- `expandable_segments:True` (Note [Expandable Segments], `find_expandable_block`,
+  `map_block`, `try_allocate_expandable_block`): one segment per pool and stream whose
+  mapped size grows in pages of 2 MiB (small pool) or 20 MiB (large pool); with no fitting
+  free block the free block at the mapped end (if any) is extended by the missing bytes
+  rounded up to whole pages. Best fit treats that end block as the size it could grow to,
+  so any other fitting block is preferred. Splitting keeps any remainder >= 512 B; every
+  freed block merges with its neighbours across the whole mapped range.
+
+Not modelled, as they do not change the peaks of one training process on one stream: CUDA
+events and cross-stream uses (`recordStream`, `process_events`), CUDA graph private pools,
+IPC sharing, garbage_collection_threshold and per-process memory fractions. The OOM path
+(`release_available_cached_blocks`, `release_cached_blocks`: free unsplit cached segments
+and retry) and `empty_cache` are not modelled either: there is no device capacity here, so
+the peak reserved is the allocator's unconstrained high-water mark; a job near its GPU's
+limit may reserve less by releasing cached segments (and runs slower for it).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Iterable
+
+K_MIN_BLOCK_SIZE = 512  # kMinBlockSize
+K_SMALL_SIZE = 1 << 20  # kSmallSize: largest "small" request, 1 MiB
+K_SMALL_BUFFER = 2 << 20  # kSmallBuffer: small-pool segment, 2 MiB
+K_LARGE_BUFFER = 20 << 20  # kLargeBuffer: segment for 1-10 MiB requests, 20 MiB
+K_MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc: 10 MiB
+K_ROUND_LARGE = 2 << 20  # kRoundLarge: larger requests rounded up to 2 MiB
+_NO_LIMIT = 1 << 62  # max_split_size unset (SIZE_MAX in torch)
+
+
+def round_size(nbytes: int) -> int:
+    """The allocator's block size for a request (`round_size`, 512-byte multiples)."""
+    return max(-(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE, K_MIN_BLOCK_SIZE)
+
+
+def allocation_size(size: int) -> int:
+    """Bytes of the segment cudaMalloc'ed for a rounded request (`get_allocation_size`)."""
+    if size <= K_SMALL_SIZE:
+        return K_SMALL_BUFFER
+    if size < K_MIN_LARGE_ALLOC:
+        return K_LARGE_BUFFER
+    return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
+
+
+def packed_reserved(blocks: Iterable[tuple[int, int]]) -> int:
+    """Segment bytes holding live blocks given as (bytes, count), packed as tightly as the
+    rules allow: each request >= kMinLargeAlloc in a fresh segment of `allocation_size`; the
+    1 MiB - 10 MiB ones side by side in kLargeBuffer segments and the <= kSmallSize ones in
+    kSmallBuffer segments, each pool's bytes rounded up to whole segments. A lower bound for
+    those two pools (a real sequence leaves gaps a later request does not fit), exact for
+    the large one: the analytic engine's reserved estimate (vramcalc/terms/reserved.py)."""
+    small = mid = large = 0
+    for nbytes, count in blocks:
+        if count <= 0 or nbytes <= 0:
+            continue
+        size = round_size(nbytes)
+        if size <= K_SMALL_SIZE:
+            small += count * size
+        elif size < K_MIN_LARGE_ALLOC:
+            mid += count * size
+        else:
+            large += count * allocation_size(size)
+    return (large + -(-small // K_SMALL_BUFFER) * K_SMALL_BUFFER
+            + -(-mid // K_LARGE_BUFFER) * K_LARGE_BUFFER)
+
+
+class _Block:
+    __slots__ = ("addr", "size", "used", "prev", "next")
+
+    def __init__(self, addr: int, size: int, prev: _Block | None = None,
+                 nxt: _Block | None = None) -> None:
+        self.addr, self.size, self.used = addr, size, False
+        self.prev, self.next = prev, nxt
+
+
+_ADDR_BITS = 60  # free-list keys: size << _ADDR_BITS | address (addresses stay below 2**60)
+_ADDR_MASK = (1 << _ADDR_BITS) - 1
+
+
+class _Pool:
+    """One pool's cached free blocks, sorted by (size, address), and its expandable segment."""
+
+    __slots__ = ("small", "free", "blocks", "page", "base", "mapped", "tail")
+
+    def __init__(self, small: bool, base: int) -> None:
+        self.small = small
+        self.free: list[int] = []  # size << _ADDR_BITS | address, ascending
+        self.blocks: dict[int, _Block] = {}  # free blocks by address
+        self.page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
+        self.base, self.mapped = base, 0  # expandable segment: start, mapped bytes
+        self.tail: _Block | None = None  # expandable segment: its last block
+
+    def add(self, b: _Block) -> None:
+        insort(self.free, b.size << _ADDR_BITS | b.addr)
+        self.blocks[b.addr] = b
+
+    def remove(self, b: _Block) -> None:
+        del self.free[bisect_left(self.free, b.size << _ADDR_BITS | b.addr)]
+        del self.blocks[b.addr]
+
+
+class CachingAllocator:
+    """Replays malloc/free requests through the rules of the module docstring.
+
+    `malloc(nbytes)` returns a handle for `free(handle)`; `allocated` / `reserved` are the
+    current `allocated_bytes` / `reserved_bytes` stats and `peak_allocated` /
+    `peak_reserved` what `torch.cuda.max_memory_allocated` / `max_memory_reserved` read.
+    """
+
+    def __init__(self, expandable: bool = False, max_split_size: int | None = None) -> None:
+        self.expandable = expandable
+        self.max_split = max_split_size or _NO_LIMIT
+        # segments get disjoint virtual addresses; expandable pools reserve a huge range
+        self._pools = (_Pool(True, 1 << 57), _Pool(False, 2 << 57))
+        self._next_addr = 1 << 20
+        self._live: dict[int, tuple[_Block, _Pool]] = {}
+        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+        self.num_segments = 0
+
+    # ---- requests ------------------------------------------------------------------
+    def malloc(self, nbytes: int) -> int:
+        size = -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE or K_MIN_BLOCK_SIZE  # round_size
+        pool = self._pools[0] if size <= K_SMALL_SIZE else self._pools[1]
+        block = self._find_free(pool, size)
+        if block is None:
+            block = self._grow(pool, size) if self.expandable else self._segment(pool, size)
+        else:
+            pool.remove(block)
+        remaining = block.size - size
+        if pool.small or self.expandable:
+            split = remaining >= K_MIN_BLOCK_SIZE
+        else:
+            split = size < self.max_split and remaining > K_SMALL_SIZE
+        if split:
+            rest = _Block(block.addr + size, remaining, block, block.next)
+            if block.next is not None:
+                block.next.prev = rest
+            block.next, block.size = rest, size
+            if pool.tail is block:
+                pool.tail = rest
+            pool.add(rest)
+        block.used = True
+        self._live[block.addr] = (block, pool)
+        self.allocated += block.size
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
+        return block.addr
+
+    def free(self, handle: int) -> None:
+        block, pool = self._live.pop(handle)
+        block.used = False
+        self.allocated -= block.size
+        for nb in (block.prev, block.next):
+            if nb is not None and not nb.used:
+                pool.remove(nb)
+                self._absorb(pool, block, nb)
+        pool.add(block)
+
+    # ---- rules ---------------------------------------------------------------------
+    def _find_free(self, pool: _Pool, size: int) -> _Block | None:
+        """Best fit (`get_free_block`); an expandable pool's end block ranks last."""
+        free = pool.free
+        i = bisect_left(free, size << _ADDR_BITS)
+        if i == len(free):
+            return None
+        block = pool.blocks[free[i] & _ADDR_MASK]
+        if block is pool.tail and i + 1 < len(free):
+            block = pool.blocks[free[i + 1] & _ADDR_MASK]
+        if size < self.max_split <= block.size:
+            return None
+        if size >= self.max_split and block.size >= size + K_LARGE_BUFFER:
+            return None
+        return block
+
+    def _segment(self, pool: _Pool, size: int) -> _Block:
+        """A new cudaMalloc'ed segment (`alloc_block`)."""
+        seg = allocation_size(size)
+        block = _Block(self._next_addr, seg)
+        self._next_addr += seg + K_ROUND_LARGE  # a gap: segments never merge
+        self._reserve(seg)
+        self.num_segments += 1
+        return block
+
+    def _grow(self, pool: _Pool, size: int) -> _Block:
+        """Map pages at the end of the pool's expandable segment (`map_block`)."""
+        end = pool.tail if pool.tail is not None and not pool.tail.used else None
+        have = end.size if end is not None else 0
+        grow = -(-(size - have) // pool.page) * pool.page
+        pool.mapped += grow
+        self._reserve(grow)
+        if end is not None:
+            pool.remove(end)
+            end.size += grow
+            return end
+        block = _Block(pool.base + pool.mapped - grow, grow, pool.tail)
+        if pool.tail is not None:
+            pool.tail.next = block
+        else:
+            self.num_segments += 1
+        pool.tail = block
+        return block
+
+    def _reserve(self, nbytes: int) -> None:
+        self.reserved += nbytes
+        if self.reserved > self.peak_reserved:
+            self.peak_reserved = self.reserved
+
+    @staticmethod
+    def _absorb(pool: _Pool, dst: _Block, src: _Block) -> None:
+        """Merge the free neighbour `src` into `dst` (`try_merge_blocks`)."""
+        if src is dst.prev:
+            dst.addr, dst.prev = src.addr, src.prev
+            if src.prev is not None:
+                src.prev.next = dst
+        else:
+            dst.next = src.next
+            if src.next is not None:
+                src.next.prev = dst
+        dst.size += src.size
+        if pool.tail is src:
+            pool.tail = dst

@@ -1,0 +1,92 @@
+"""The analytic engine's reserved-memory estimate: peak allocated + segment rounding.
+
+`torch.cuda.max_memory_reserved` exceeds `max_memory_allocated` by the caching allocator's
+segments that are not handed out (vramcalc/allocator.py has the rules, from
+c10/cuda/CUDACachingAllocator.cpp at pytorch/pytorch 001074d25084fdb87a799823e395a50f5ec044d3).
+The analytic engine takes the tensors live at the peak moment, one block each, and packs
+them as tightly as the rules allow (`allocator.packed_reserved`): each request of at least
+kMinLargeAlloc (10 MiB) in a segment rounded up to kRoundLarge (2 MiB), the bytes of the
+1-10 MiB requests rounded up to whole 20 MiB (kLargeBuffer) segments, those of requests up
+to 1 MiB to 2 MiB (kSmallBuffer) segments:
+
+    reserved = peak allocated + packed_reserved(live blocks) − Σ live blocks
+
+The live blocks: every model-state tensor on the device at its per-rank (sharded) size —
+weights, gradients when the peak phase holds them, each optimizer-state tensor and the fp32
+master — and every saved activation of the rank's layers (the profile's per-layer table,
+`activations.layer_saved`, × layers × micro-batches in flight) when the peak is in forward
+or backward (reference and hf profiles: the megatron profile's layer bytes come from a
+formula, not a table of tensors, and are not counted). Flat ZeRO / Megatron buffers are counted per tensor (their rounding differs
+by less than one 2 MiB unit per buffer); the few logits and loss buffers and the layer
+temporaries are not counted (a few 2 MiB units at most).
+
+Not modelled: blocks cached from other phases that the peak cannot reuse. The trace engine
+replays every allocation through the allocator model and sees it: in a steady-state step
+the optimizer states created lazily by the first step sit in segments the first step's
+logits and activations left, so the second step's large buffers need new segments. The
+gap is measured in docs/validation.md; this estimate is the packing floor. (A replay of
+these tables through the allocator model closes most of the gap but is not monotone in the
+micro-batch size, which the planner's dominance assumes, and costs ~50× an estimate: see
+docs/validation.md.)
+`expandable_segments` packs the same blocks into pages of the same sizes, so the floor is
+the same.
+"""
+
+from __future__ import annotations
+
+from vramcalc.allocator import packed_reserved
+from vramcalc.rank import RankContext
+from vramcalc.sharding import dim0_numel, sharded_numel
+from vramcalc.terms.activations import layer_saved
+from vramcalc.terms.gradients import grad_dtype
+from vramcalc.terms.saved import mostly_moe
+from vramcalc.units import alloc
+
+# optimizer-state tensors per parameter tensor (torch.optim: exp_avg and exp_avg_sq; one
+# momentum buffer; bitsandbytes' two 8-bit states; Adafactor's factored rows/columns are
+# small and counted as one)
+_STATE_TENSORS = {"adam": 2, "adamw": 2, "sgd-momentum": 1, "lion": 1, "adafactor": 1}
+
+
+def _numel(t_numel: int, rows: int, shard: int, dim0: bool) -> int:
+    if dim0 and rows and shard > 1:
+        return -(-rows // shard) * (t_numel // rows)
+    return sharded_numel(t_numel, shard)
+
+
+def live_blocks(ctx: RankContext, phase: str, grads: int, states: int, master: int,
+                in_flight: float) -> list[tuple[int, int]]:
+    """(bytes, count) of the blocks live at the peak of `phase` (see the module docstring);
+    `grads`, `states`, `master`: the peak's bytes of each (0: none on the device)."""
+    tr = ctx.training
+    out: list[tuple[int, int]] = []
+    dim0 = ctx.engine == "fsdp2"
+    for t in ctx.tensors:
+        shard = ctx.expert_shard(ctx.param_shard) if t.is_expert else ctx.param_shard
+        n = dim0_numel(t, shard) if dim0 else sharded_numel(t.numel, shard)
+        out.append((alloc(n, t.dtype or tr.weight_dtype), t.count))
+    n_states = _STATE_TENSORS.get(tr.optimizer, 2 if tr.optimizer.endswith("8bit") else 0)
+    for t in ctx.train_tensors:
+        gshard = ctx.expert_shard(ctx.grad_shard) if t.is_expert else ctx.grad_shard
+        sshard = ctx.expert_shard(ctx.state_shard) if t.is_expert else ctx.state_shard
+        if grads:
+            out.append((alloc(_numel(t.numel, t.rows, gshard, dim0), grad_dtype(ctx)), t.count))
+        n = _numel(t.numel, t.rows, sshard, dim0)
+        if states and n_states:
+            dtype = "int8" if tr.optimizer.endswith("8bit") else tr.state_dtype
+            out.append((alloc(n, dtype), t.count * n_states))
+        if master:
+            out.append((alloc(n, "fp32"), t.count))
+    if phase != "optimizer" and tr.framework != "megatron" and ctx.num_layers:
+        layers = int(ctx.num_layers * in_flight)
+        moe = mostly_moe(ctx)
+        for s in layer_saved(ctx, moe):
+            out.append((s.nbytes // s.count, s.count * layers))
+    return out
+
+
+def reserved_pad_bytes(ctx: RankContext, phase: str, grads: int, states: int, master: int,
+                       in_flight: float) -> int:
+    """Reserved minus allocated at the peak: the packing of its live blocks into segments."""
+    blocks = live_blocks(ctx, phase, grads, states, master, in_flight)
+    return packed_reserved(blocks) - sum(b * n for b, n in blocks)
