@@ -75,6 +75,7 @@ class Row:
     # the allocated peak of a record vramcalc can express but whose metric it does not
     # model (max_memory_reserved): printed for information, never compared
     allocated_bytes: int | None = None
+    engine: str = "analytic"  # which engine gave estimate_bytes
 
     @property
     def error(self) -> float | None:
@@ -432,13 +433,31 @@ def estimate_row(m: Mapping, model_dir: Path) -> Row:
     elif m.metric == DEVICE:
         row.estimate_bytes = report.device_total_bytes
     elif m.metric == RESERVED:
-        row.estimate_bytes = (report.stages[-1].peak_reserved_bytes if values.get("pp", 1) > 1
-                              else report.peak_reserved_bytes)
+        # the reserved high-water mark depends on the order of allocations and frees: the
+        # trace engine replays its own through the caching-allocator model; the analytic
+        # figure is the floor the live tensors need (vramcalc/terms/reserved.py)
+        traced = trace_reserved(build_scenario(values))
+        if traced is not None:
+            row.estimate_bytes, row.engine = traced, "trace"
+        else:
+            row.estimate_bytes = (report.stages[-1].peak_reserved_bytes
+                                  if values.get("pp", 1) > 1 else report.peak_reserved_bytes)
     elif values.get("pp", 1) > 1:
         row.estimate_bytes = report.stages[-1].peak_allocated_bytes
     else:
         row.estimate_bytes = report.peak_allocated_bytes
     return row
+
+
+def trace_reserved(scn: Any) -> int | None:
+    """The trace engine's reserved peak of the worst rank, or None where it cannot run."""
+    from vramcalc.trace.distributed import check_any_traceable, trace_any
+
+    try:
+        check_any_traceable(scn)
+    except InputError:
+        return None
+    return trace_any(scn).peak_reserved_bytes
 
 
 def run(calib_dir: Path) -> list[Row]:
@@ -495,22 +514,22 @@ def table_rows(rows: list[Row]) -> list[list[str]]:
             if r.allocated_bytes is not None and m.flags is not None:
                 what += f" (flags: {cli_flags(m.flags)}; allocated peak " \
                     f"{gib(r.allocated_bytes)} GiB)"
-            out.append([short_id(m.record_id), what, "—", gib(m.measured_bytes), "—"])
+            out.append([short_id(m.record_id), what, "—", "—", gib(m.measured_bytes), "—"])
         else:
             assert m.flags is not None
-            out.append([short_id(m.record_id), cli_flags(m.flags), gib(r.estimate_bytes),
-                        gib(m.measured_bytes), f"{r.error:+.1%}"])
+            out.append([short_id(m.record_id), cli_flags(m.flags), r.engine,
+                        gib(r.estimate_bytes), gib(m.measured_bytes), f"{r.error:+.1%}"])
     return out
 
 
-HEADER = ["record", "flags", "estimate GiB", "measured GiB", "error"]
+HEADER = ["record", "flags", "engine", "estimate GiB", "measured GiB", "error"]
 
 
 def render_text(rows: list[Row]) -> str:
     lines = []
     for cells in table_rows(rows):
-        lines.append(f"{cells[0]}\n    {cells[1]}\n    estimate {cells[2]}  measured "
-                     f"{cells[3]}  error {cells[4]}")
+        lines.append(f"{cells[0]}\n    {cells[1]}\n    estimate {cells[3]} ({cells[2]})  "
+                     f"measured {cells[4]}  error {cells[5]}")
     return "\n".join(lines) + "\n" + summary(rows) + "\n"
 
 

@@ -124,10 +124,10 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("qat", str, "none", "Quantization-aware training of the block linears: none | int8 "
         "(8da8w: int8 per-token activations, per-channel weights) | int4 (8da4w: int4 weights "
         "per group of 32).", QATS),
-    Opt("expandable_segments", bool, False, "The CUDA caching allocator's "
+    Opt("expandable_segments", bool, None, "The CUDA caching allocator's "
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: one growing segment per pool "
-        "instead of one cudaMalloc per large request. Changes the reserved estimate only "
-        "(default off, torch's default)."),
+        "instead of one cudaMalloc per large request. Changes the reserved estimate only. "
+        "Default: the stack's launcher (torchtitan sets it; torch's default, off, else)."),
     Opt("dp", int, None, "Data-parallel degree (default: GPUs / (tp x pp x cp)).", group="parallel"),
     Opt("tp", int, 1, "Tensor-parallel degree.", group="parallel"),
     Opt("pp", int, 1, "Pipeline-parallel degree.", group="parallel"),

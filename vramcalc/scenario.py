@@ -39,12 +39,14 @@ class Scenario(BaseModel):
         return int(self.cluster.gpu.memory_total_bytes * (1 - self.headroom_fraction))
 
     def resolved(self) -> Scenario:
-        """Validate the layout against model and world size; fill in dp, and the optimizer
+        """Validate the layout against model and world size; fill in dp, the optimizer
         step's implementation where a torch optimizer steps (DeepSpeed and Megatron-LM step
-        their own fused optimizers)."""
+        their own fused optimizers) and the allocator's expandable segments (the stack's)."""
         par = resolve_layout(self.model, self.training, self.parallel, self.world_size)
         tr = self.training
         if (tr.optimizer_impl is None and tr.optimizer in TORCH_STEPPED
                 and par.engine(tr.framework) in ("single", "ddp", "fsdp2")):
             tr = tr.model_copy(update={"optimizer_impl": tr.step_impl})
+        if tr.expandable_segments is None:
+            tr = tr.model_copy(update={"expandable_segments": tr.expandable})
         return self.model_copy(update={"parallel": par, "training": tr})

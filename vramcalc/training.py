@@ -156,8 +156,9 @@ class TrainingConfig(BaseModel):
     # quantization-aware training: fake-quantized block linears (vramcalc/terms/lowprec.py)
     qat: Literal["none", "int8", "int4"] = "none"
     # the CUDA caching allocator's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    # (vramcalc/allocator.py); off is torch's default. Changes reserved memory only
-    expandable_segments: bool = False
+    # (vramcalc/allocator.py); None: the stack's launcher (see `expandable`). Changes
+    # reserved memory only
+    expandable_segments: bool | None = None
 
     @model_validator(mode="after")
     def _impl_exists(self) -> TrainingConfig:
@@ -192,6 +193,16 @@ class TrainingConfig(BaseModel):
                              f"path); the {self.framework} profile does not (leave it out, or "
                              "use --framework megatron)")
         return self
+
+    @property
+    def expandable(self) -> bool:
+        """Whether the caching allocator runs with expandable segments: as given, else the
+        stack's launcher — torchtitan's run_llama_train.sh sets
+        PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True" (pytorch/torchtitan 9dec370);
+        the others leave torch's default, off."""
+        if self.expandable_segments is not None:
+            return self.expandable_segments
+        return self.framework == "torchtitan"
 
     @property
     def dispatcher(self) -> str:

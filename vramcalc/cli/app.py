@@ -38,7 +38,7 @@ def _param(opt: Opt, default_override: Any = inspect.Parameter.empty) -> inspect
     default = opt.default if default_override is inspect.Parameter.empty else default_override
     if opt.kind is bool:
         info = typer.Option(default, f"{opt.flag}/--no-{opt.flag[2:]}", help=opt.help)
-        annotation: Any = bool
+        annotation: Any = bool if default is not None else Optional[bool]
     else:
         info = typer.Option(default, opt.flag, help=opt.help)
         annotation = Optional[str] if opt.kind is str or opt.choices else Optional[opt.kind]

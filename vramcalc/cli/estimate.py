@@ -68,12 +68,10 @@ def trace_cmd(**kwargs: Any) -> None:
     values, dirs, as_json = split_values(kwargs)
     scn = build_scenario(values, dirs)
     try:  # the torch engine loads for this command only (torch is an optional extra)
-        from vramcalc.trace import distributed, engine
+        from vramcalc.trace.distributed import trace_any
     except ImportError as err:
         raise InputError(f"trace needs PyTorch: pip install 'vramcalc[torch]' ({err})") from None
     # FSDP2 data parallelism runs on a fake process group
-    run_trace = engine.run_trace if scn.parallel.fsdp == "none" else (
-        distributed.run_distributed_trace)
-    report = with_progress("tracing", lambda progress: run_trace(scn, progress=progress),
+    report = with_progress("tracing", lambda progress: trace_any(scn, progress=progress),
                            as_json)
     show_report(report, as_json)

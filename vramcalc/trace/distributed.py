@@ -49,7 +49,9 @@ from vramcalc.trace.engine import (
     _result,
     _torch_dtype,
     build_model,
+    check_traceable,
     run_steps,
+    run_trace,
     tracked_optimizer,
     watch_logits,
 )
@@ -209,7 +211,7 @@ def distributed_trace(scn: Scenario, progress: Progress | None = None,
         done += 1
 
     gpu = scn.cluster.gpu if scn.cluster else None
-    tracker = _tracker_class()(expandable_segments=tr.expandable_segments,
+    tracker = _tracker_class()(expandable_segments=tr.expandable,
                                workspace_bytes=cublas_workspace_bytes(gpu))
     report_progress("building and sharding the model", 0.0)
     framework_ctx: Any = contextlib.nullcontext()
@@ -274,3 +276,16 @@ def run_distributed_trace(scn: Scenario, progress: Progress | None = None) -> Me
     step (engine "trace"; same schema as `vramcalc.analytic.estimate`). Raises InputError for
     layouts it cannot run (TP/PP/CP/EP, offload, megatron profile, dp < 2)."""
     return distributed_trace(scn, progress).report
+
+
+def check_any_traceable(scn: Scenario) -> Scenario:
+    """What `trace_any` would run, resolved (InputError where neither trace can run it)."""
+    return check_traceable(scn) if scn.parallel.fsdp == "none" else check_distributed(scn)
+
+
+def trace_any(scn: Scenario, progress: Progress | None = None) -> MemoryReport:
+    """The trace engine's report: one rank, or FSDP2 data parallelism on a fake process
+    group."""
+    if scn.parallel.fsdp == "none":
+        return run_trace(scn, progress)
+    return run_distributed_trace(scn, progress)

@@ -186,7 +186,7 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
 
     gpu = scn.cluster.gpu if scn.cluster else None
     tracker = MemoryTracker(debug=debug is not None,
-                            expandable_segments=tr.expandable_segments,
+                            expandable_segments=tr.expandable,
                             workspace_bytes=cublas_workspace_bytes(gpu))
     report_progress("building model", 0.0)
     autocast = (lambda: torch.autocast("cpu", dtype=_torch_dtype(tr.compute_dtype))) if (
