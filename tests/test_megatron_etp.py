@@ -32,6 +32,7 @@ from vramcalc.cli import app, main
 from vramcalc.errors import InputError
 from vramcalc.parallel import ParallelConfig, resolve_layout
 from vramcalc.rank import RankContext
+from vramcalc.terms import comm
 from vramcalc.terms.gradients import gradients_bytes
 from vramcalc.terms.megatron_layer import megatron_layer_bytes
 from vramcalc.terms.optimizer_states import optimizer_states_bytes
@@ -209,3 +210,12 @@ def test_cli_strategy_shows_etp_only_when_given() -> None:
     plain = json.loads(runner.invoke(app, base).stdout)
     given = json.loads(runner.invoke(app, [*base, "--etp", "1"]).stdout)
     assert "etp" not in plain["strategy"] and given["strategy"]["etp"] == 1
+
+
+def test_dispatch_buffer_receives_the_expert_tp_gathered_rows() -> None:
+    # comm.ep_dispatch_bytes: the b·s·k = 4096 permuted rows sent (bf16, h = 512), and the
+    # rows the rank's experts receive, T·etp·k: A 2048·1, B 4096·2, the default 2048·2
+    sent = 4096 * H * 2
+    assert comm.ep_dispatch_bytes(_ctx(**A)) == sent + 2048 * H * 2 == 6_291_456
+    assert comm.ep_dispatch_bytes(_ctx(**B_)) == sent + 8192 * H * 2 == 12_582_912
+    assert comm.ep_dispatch_bytes(_ctx(**DEFAULT)) == sent + 4096 * H * 2 == 8_388_608
