@@ -29,9 +29,12 @@ from megatron_models import GPT_MOE, GPT_SMALL
 from typer.testing import CliRunner
 
 from vramcalc.cli import app, main
+from vramcalc.cli.plan import prepare_plan
 from vramcalc.errors import InputError
 from vramcalc.parallel import ParallelConfig, resolve_layout
+from vramcalc.plan.search import search
 from vramcalc.rank import RankContext
+from vramcalc.render.plan import strategy_flags
 from vramcalc.terms import comm
 from vramcalc.terms.gradients import gradients_bytes
 from vramcalc.terms.megatron_layer import megatron_layer_bytes
@@ -219,3 +222,16 @@ def test_dispatch_buffer_receives_the_expert_tp_gathered_rows() -> None:
     assert comm.ep_dispatch_bytes(_ctx(**A)) == sent + 2048 * H * 2 == 6_291_456
     assert comm.ep_dispatch_bytes(_ctx(**B_)) == sent + 8192 * H * 2 == 12_582_912
     assert comm.ep_dispatch_bytes(_ctx(**DEFAULT)) == sent + 4096 * H * 2 == 8_388_608
+
+
+def test_plan_keeps_a_given_etp() -> None:
+    # --etp is pinned, not searched: every ranked strategy carries it, and the estimate
+    # command printed for it repeats it
+    base, req, _ = prepare_plan({"model": "mixtral-8x7b", "gpus": "8xH200",
+                                 "framework": "megatron", "etp": 1, "seq_len": 4096})
+    result = search(base, req)
+    assert result.entries
+    for e in result.entries:
+        assert e.report.strategy["etp"] == 1
+        flags = strategy_flags(e.report.strategy)
+        assert flags[flags.index("--etp") + 1] == "1"
