@@ -110,7 +110,8 @@ MEGATRON_REVIEWED_ARGS = frozenset({
     "num-layers", "hidden-size", "num-attention-heads", "micro-batch-size",
     "global-batch-size", "seq-length", "max-position-embeddings", "train-iters",
     "transformer-impl", "tensor-model-parallel-size", "pipeline-model-parallel-size",
-    "context-parallel-size", "expert-model-parallel-size", "sequence-parallel",
+    "context-parallel-size", "expert-model-parallel-size", "expert-tensor-parallel-size",
+    "sequence-parallel",
     "use-distributed-optimizer", "num-layers-per-virtual-pipeline-stage",
     "recompute-granularity", "recompute-method", "recompute-num-layers", "num-experts",
     "moe-router-topk", "disable-bias-linear", "hidden-dropout", "attention-dropout",
@@ -207,9 +208,9 @@ def megatron_mapping(case: dict[str, Any]) -> Mapping:
                        "sets both)")
     if d.get("fp8"):
         missing.append(f"Megatron fp8 recipe {d['fp8']!r}")
+    # --expert-tensor-parallel-size (default tp): --etp, shown only when it differs
+    etp = d.get("expert_tensor_parallel_size_effective", tp) if d.get("num_experts") else tp
     if d.get("num_experts"):
-        if d.get("expert_tensor_parallel_size_effective", tp) != tp:
-            missing.append("expert-tensor-parallel size different from tp")
         dispatcher = d.get("moe_token_dispatcher_type_effective", "allgather")
         if dispatcher not in ("allgather", "alltoall"):
             missing.append(f"MoE {dispatcher} token dispatcher (vramcalc models allgather "
@@ -231,7 +232,7 @@ def megatron_mapping(case: dict[str, Any]) -> Mapping:
         "recompute": megatron_recompute(d, a, missing),
         "seq_len": a["seq-length"],
         "micro_batch_size": a["micro-batch-size"],
-        "tp": tp, "pp": pp, "cp": cp, "ep": ep,
+        "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp if etp != tp else None,
         "sequence_parallel": bool(d.get("sequence_parallel")),
         "zero": 1 if d.get("distributed_optimizer") else 0,
         # Megatron's default 0.1 is the profile's default (None): shown only when it differs

@@ -158,9 +158,24 @@ def test_missing_mechanisms_are_named(calib) -> None:
     case["args"]["multi-latent-attention"] = True
     missing = calib.megatron_mapping(case).missing
     assert "hidden dropout 0.0 with attention dropout 0.1 (--dropout sets both)" in missing
-    assert "expert-tensor-parallel size different from tp" in missing
     assert not any("token dispatcher" in s for s in missing)  # allgather is modelled
     assert "unreviewed Megatron argument --multi-latent-attention" in missing
+
+
+def test_expert_tensor_parallel_is_expressed(calib) -> None:
+    # Megatron's --expert-tensor-parallel-size (derived: expert_tensor_parallel_size_effective)
+    # becomes --etp when it differs from tp; equal to tp it is the profile's default
+    case = safe_load(MEGATRON_YAML)["cases"][0]
+    tp = case["args"].get("tensor-model-parallel-size", 1)
+    case["derived"].update(num_experts=4, moe_router_topk=1, moe_ffn_hidden_size_effective=1024,
+                           expert_tensor_parallel_size_effective=tp)
+    assert "etp" not in calib.megatron_mapping(case).flags
+    other = 1 if tp > 1 else 2
+    case["derived"]["expert_tensor_parallel_size_effective"] = other
+    case["args"]["expert-tensor-parallel-size"] = other
+    m = calib.megatron_mapping(case)
+    assert m.flags["etp"] == other
+    assert not any("expert-tensor" in s for s in m.missing)
 
 
 def test_moe_dispatcher_is_expressed(calib) -> None:

@@ -32,6 +32,10 @@ def _gb(n: float) -> str:
     return f"{n / GB:,.3f} GB"
 
 
+def _etp_text(etp: int | None) -> str:
+    return "" if etp is None else f", routed experts split over expert TP etp={etp}"
+
+
 def explain(scn: Scenario) -> dict[str, Any]:
     """Sections {title, lines} explaining where each number of the estimate comes from."""
     scn = scn.resolved()
@@ -46,7 +50,7 @@ def explain(scn: Scenario) -> dict[str, Any]:
         spec.summary(),
         f"This rank (pipeline stage {stage}) holds {n_local:,} parameters after tensor "
         f"parallelism (tp={par.tp}), pipeline stages (pp={par.pp}) and expert parallelism "
-        f"(ep={par.ep}).",
+        f"(ep={par.ep}{_etp_text(par.etp)}).",
     ]})
 
     wb = DTYPE_BITS[tr.weight_dtype] // 8

@@ -133,6 +133,8 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("pp", int, 1, "Pipeline-parallel degree.", group="parallel"),
     Opt("cp", int, 1, "Context-parallel degree.", group="parallel"),
     Opt("ep", int, 1, "Expert-parallel degree (MoE).", group="parallel"),
+    Opt("etp", int, None, "Expert tensor-parallel degree (MoE, megatron profile: Megatron-LM "
+        "--expert-tensor-parallel-size; default: tp).", group="parallel"),
     Opt("sequence_parallel", bool, False, "Megatron sequence parallelism (needs tp > 1).",
         group="parallel"),
     Opt("zero", int, 0, "ZeRO stage 0-3 (DeepSpeed).", group="parallel"),
@@ -168,7 +170,7 @@ _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "opt
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments")
-_PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fsdp",
+_PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",
                   "shard_group", "offload_device", "pp_schedule", "virtual_stages",
                   "first_stage_layers", "last_stage_layers", "embedding_in_split",
                   "loss_in_split", "num_microbatches", "capacity_factor")

@@ -39,6 +39,9 @@ class ParallelConfig(BaseModel):
     pp: int = Field(1, gt=0, le=100_000)
     cp: int = Field(1, gt=0, le=100_000)
     ep: int = Field(1, gt=0, le=100_000)
+    # Megatron-LM's --expert-tensor-parallel-size; None: the same as tp (Megatron's default,
+    # megatron/training/arguments.py "if args.expert_tensor_parallel_size is None")
+    etp: int | None = Field(None, gt=0, le=100_000)
     sequence_parallel: bool = False
     zero: int = Field(0, ge=0, le=3)
     fsdp: Literal["none", "full", "grad-op", "hybrid"] = "none"
@@ -86,11 +89,19 @@ class ParallelConfig(BaseModel):
         return self.dp_degree * self.cp
 
     @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel degree: --etp, else tp."""
+        return self.etp or self.tp
+
+    @property
     def expert_shard_degree(self) -> int:
-        """Ranks one expert shard is spread over: the expert-data-parallel group dp·cp/ep."""
+        """Ranks one expert shard is spread over: the expert-data-parallel group,
+        world/(etp·ep·pp) = dp·cp·tp/(etp·ep) (Megatron-LM d98e8a64 parallel_state.py
+        `initialize_model_parallel`: expert_data_parallel_size = world_size //
+        expert_tensor_model_pipeline_parallel_size); dp·cp/ep when etp = tp."""
         if self.fsdp == "hybrid" and self.shard_group:
             return max(self.shard_group // self.ep, 1) if self.shard_group % self.ep == 0 else 1
-        return max(self.dp_degree * self.cp // self.ep, 1)
+        return max(self.dp_degree * self.cp * self.tp // (self.expert_tp * self.ep), 1)
 
     @property
     def pp_chunks(self) -> int:
@@ -145,8 +156,10 @@ def resolve_layout(
             raise InputError(
                 f"ep={ep} does not divide num_local_experts={spec.num_local_experts}"
             )
-        if (dp * cp) % ep:
+        if parallel.etp is None and (dp * cp) % ep:
             raise InputError(f"ep={ep} must divide dp x cp = {dp * cp} (experts are sharded over DP)")
+    if parallel.etp is not None:
+        _check_expert_tp(spec, training, parallel, dp * cp * tp)
     if training.seq_len % cp:
         raise InputError(f"cp={cp} does not divide seq_len={training.seq_len}")
     if cp > 1 and (training.seq_len // cp) % 2:
@@ -179,6 +192,36 @@ def resolve_layout(
     if m is not None:
         resolved = resolved.model_copy(update={"num_microbatches": m})
     return resolved
+
+
+def _check_expert_tp(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig,
+                     ranks_per_stage: int) -> None:
+    """--etp, Megatron-LM d98e8a64's --expert-tensor-parallel-size: the expert grid is
+    etp x ep x expert-dp x pp over the same world (parallel_state.py
+    `initialize_model_parallel`: "world_size ... is not divisible by
+    expert_tensor_model_pipeline_parallel size"), so etp·ep divides tp·cp·dp; the expert
+    FFN splits evenly over etp (core/utils.py `divide`); MoELayer.forward refuses tensor
+    parallelism without sequence parallelism in training (moe/moe_layer.py). Modelled for
+    the megatron profile's own sharding (DDP / distributed optimizer) only."""
+    etp, ep, tp = parallel.expert_tp, parallel.ep, parallel.tp
+    if not spec.is_moe:
+        raise InputError(f"--etp needs a mixture-of-experts model; {spec.name} is dense")
+    if training.framework != "megatron":
+        raise InputError("--etp is Megatron-LM's --expert-tensor-parallel-size: use it with "
+                         "--framework megatron")
+    if parallel.fsdp != "none":
+        raise InputError("--etp is modelled with Megatron-LM's DDP and distributed optimizer, "
+                         "not with --fsdp")
+    if ranks_per_stage % (etp * ep):
+        raise InputError(
+            f"etp={etp} x ep={ep} must divide tp x cp x dp = {ranks_per_stage} (the expert "
+            f"grid etp x ep x expert-dp x pp covers the same {ranks_per_stage * parallel.pp} "
+            "GPUs)")
+    if spec.expert_ffn % etp:
+        raise InputError(f"etp={etp} does not divide the expert FFN width {spec.expert_ffn}")
+    if etp != tp and tp > 1 and not parallel.sequence_parallel:
+        raise InputError("Megatron-LM's MoE layer needs --sequence-parallel with --tp > 1 "
+                         "in training")
 
 
 def _check_pipeline(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig) -> None:

@@ -135,7 +135,11 @@ def strategy_dict(scn: Scenario) -> dict[str, object]:
     out: dict[str, object] = {}
     out.update(scn.training.model_dump(mode="json"))
     # DeepSpeed's keys (vramcalc.ds_config) only when a DeepSpeed config changed a default
+    # and the expert TP degree (--etp) only when given
     ds_default = scn.parallel.deepspeed == ParallelConfig().deepspeed
-    out.update(scn.parallel.model_dump(mode="json", exclude={"deepspeed"} if ds_default else None))
+    exclude = {"deepspeed"} if ds_default else set()
+    if scn.parallel.etp is None:
+        exclude.add("etp")
+    out.update(scn.parallel.model_dump(mode="json", exclude=exclude or None))
     out["world_size"] = scn.world_size
     return out

@@ -5,7 +5,7 @@ and head split), pipeline rank r holds the layers of its model chunks (chunk c =
 k < v, layers [c·L/(p·v), (c+1)·L/(p·v)); v = 1 outside the interleaved schedule; uneven
 splits as Megatron-LM builds them, `chunk_layers`), the
 first rank the embedding, the last rank the final norm and head (tied embeddings are held
-by both), experts ÷ep. Sharding (ZeRO/FSDP/distributed optimizer) then divides what is
+by both), experts ÷ep (and split ÷etp, the expert tensor-parallel degree, instead of ÷tp). Sharding (ZeRO/FSDP/distributed optimizer) then divides what is
 held over the shard group, in one of four layouts (`Layout`):
 
 | layout  | who                                | bytes per rank |
@@ -234,12 +234,16 @@ def moe_layers_on_stage(spec: ModelSpec, chunks: tuple[tuple[int, ...], ...], st
 
 def rank_shapes(spec: ModelSpec, parallel: ParallelConfig, stage: int = 0) -> RankShapes:
     """The tensors pipeline rank `stage` holds (cached on the degrees that matter)."""
-    return _rank_shapes(spec, parallel.tp, pipeline_chunks(spec, parallel), parallel.ep, stage)
+    return _rank_shapes(spec, parallel.tp, pipeline_chunks(spec, parallel), parallel.ep, stage,
+                        parallel.expert_tp)
 
 
 @lru_cache(maxsize=4096)
 def _rank_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ...], ep: int,
-                 stage: int) -> RankShapes:
+                 stage: int, etp: int | None = None) -> RankShapes:
+    """Routed experts split over the expert-TP group (`etp`, Megatron-LM's
+    --expert-tensor-parallel-size: moe/experts.py builds them on `pg_collection.expt_tp`),
+    everything else (shared experts included) over `tp`."""
     first, last = stage == 0, stage == len(chunks[0]) - 1
     n_layers = sum(row[stage] for row in chunks)
     n_moe = moe_layers_on_stage(spec, chunks, stage)
@@ -249,13 +253,14 @@ def _rank_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ...], 
         if t.group == "expert" and count:
             count = ceil_div(count, ep)
         numel, rows = t.numel, t.rows
-        if t.tp_split and tp > 1:
+        deg = (etp or tp) if t.group == "expert" else tp
+        if t.tp_split and deg > 1:
             if not rows:
-                numel = ceil_div(numel, tp)
+                numel = ceil_div(numel, deg)
             elif t.name.endswith(ROW_PARALLEL):  # input dimension split (padded)
-                numel = rows * ceil_div(numel // rows, tp)
+                numel = rows * ceil_div(numel // rows, deg)
             else:  # output dimension split, padded like Megatron's vocab padding
-                rows = ceil_div(rows, tp)
+                rows = ceil_div(rows, deg)
                 numel = rows * (t.numel // t.rows)
         if count:
             out.append(RankTensor(name=t.name, numel=numel, count=count, group=t.group,
@@ -297,11 +302,12 @@ def layer_param_numels(spec: ModelSpec, parallel: ParallelConfig) -> list[int]:
 
     For a model with both dense and MoE layers this is the larger (MoE) layer.
     """
-    return list(_layer_param_numels(spec, parallel.tp, parallel.ep))
+    return list(_layer_param_numels(spec, parallel.tp, parallel.ep, parallel.expert_tp))
 
 
 @lru_cache(maxsize=1024)
-def _layer_param_numels(spec: ModelSpec, tp: int, ep: int) -> tuple[int, ...]:
+def _layer_param_numels(spec: ModelSpec, tp: int, ep: int, etp: int | None = None
+                        ) -> tuple[int, ...]:
     moe = spec.is_moe and spec.num_moe_layers > 0
     out: list[int] = []
     for t in param_tensors(spec):
@@ -309,7 +315,8 @@ def _layer_param_numels(spec: ModelSpec, tp: int, ep: int) -> tuple[int, ...]:
             continue
         if moe and t.name.startswith("mlp."):
             continue  # dense MLP of the leading dense layers: the MoE layer is larger
-        n = ceil_div(t.numel, tp) if (t.tp_split and tp > 1) else t.numel
+        deg = (etp or tp) if t.group == "expert" else tp
+        n = ceil_div(t.numel, deg) if (t.tp_split and deg > 1) else t.numel
         if t.name.startswith(("experts.", "router", "shared_expert")):
             per_layer = t.count // max(spec.num_moe_layers, 1)
         elif t.name.startswith("mlp."):

@@ -67,7 +67,8 @@ def duration_text(seconds: float) -> str:
 def strategy_flags(s: dict[str, Any]) -> list[str]:
     """CLI flags that reproduce a strategy with `vramcalc estimate` (non-default values)."""
     flags = []
-    for key, default in (("dp", None), ("tp", 1), ("pp", 1), ("cp", 1), ("ep", 1)):
+    for key, default in (("dp", None), ("tp", 1), ("pp", 1), ("cp", 1), ("ep", 1),
+                         ("etp", None)):
         if s.get(key) is not None and s[key] != default and (key != "dp" or s[key] > 1):
             flags += [f"--{key}", str(s[key])]
     if s.get("sequence_parallel"):

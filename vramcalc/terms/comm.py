@@ -51,7 +51,8 @@ Defaults and sources (docs/parallelism.md has the derivations and pinning tests)
   correction; the backward double-buffers K/V with their gradients (two chunks each).
 - Megatron-LM MoE all-to-all token dispatcher (moe/token_dispatcher.py): tokens are
   permuted into expert order (b·s·k rows of h) and exchanged with the EP group; each rank
-  receives b·s·k·capacity_factor rows in the balanced case.
+  receives b·s·k·capacity_factor rows in the balanced case (·etp/tp with an expert TP
+  degree etp != tp: the rows are gathered over the etp expert-TP ranks).
 """
 
 from __future__ import annotations
@@ -326,11 +327,17 @@ def sp_gather_bytes(ctx: RankContext) -> int:
 
 def moe_routed_tokens(ctx: RankContext) -> int:
     """Token rows one rank's experts process per MoE layer: b·s·k·capacity_factor (balanced
-    routing; dropless routers process b·s·k on average, capacity caps each expert)."""
+    routing; dropless routers process b·s·k on average, capacity caps each expert). With
+    Megatron-LM's expert TP e != t (--etp) the rank's experts see the tokens of e
+    sequence shards, not t (n = T·e·k, vramcalc/terms/megatron_layer.py
+    `megatron_moe_bytes`): b·s·k·e/t."""
     if not ctx.spec.is_moe:
         return 0
     k = ctx.spec.num_experts_per_tok
-    return ceil_div(int(_tokens(ctx) * k * ctx.parallel.capacity_factor * 1000), 1000)
+    tokens, par = _tokens(ctx), ctx.parallel
+    if par.etp is not None and (par.sequence_parallel or par.tp == 1):
+        tokens = tokens * par.expert_tp // par.tp
+    return ceil_div(int(tokens * k * par.capacity_factor * 1000), 1000)
 
 
 def ep_dispatch_bytes(ctx: RankContext) -> int:

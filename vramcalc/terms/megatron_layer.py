@@ -115,10 +115,21 @@ def megatron_moe_bytes(ctx: RankContext) -> int:
     dropout mask (`megatron_layer_bytes`), one micro-batch, NVIDIA/Megatron-LM d98e8a64,
     dropless (no capacity factor), SequentialMLP experts, no fused permute, balanced
     routing. T = s·b/t tokens on the rank (sequence parallel; Megatron refuses TP > 1
-    without it in training), k = top-k, E experts, E/ep local, expert TP = t, f the
-    expert's FFN width; n = T·t·k tokens reach this rank's experts with either dispatcher
-    (allgather: the T·t·ep tokens of the TP x EP group, k/ep of them local; alltoall: T·k
-    sent, T·k received per EP rank, gathered over the t expert-TP ranks).
+    without it in training), k = top-k, E experts, E/ep local, f the expert's FFN width,
+    e = the expert TP degree (--etp, Megatron's --expert-tensor-parallel-size; default t).
+    The dispatchers' `tp_size`/`tp_group` are the expert TP group and `tp_ep_group` the
+    e x ep group (token_dispatcher.py MoETokenDispatcher.__init__: `self.tp_group =
+    pg_collection.expt_tp`, `self.tp_ep_group = pg_collection.tp_ep`; parallel_state.py
+    builds both from the expert RankGenerator, tp = expert_tensor_parallel_size), whose
+    e·ep ranks hold distinct T-token sequence shards. So n = T·e·k tokens reach this
+    rank's experts with either dispatcher (allgather, `token_dispatch`: the T·e·ep tokens
+    of the e x ep group, k/ep of them local; alltoall: T·k sent and T·k received per EP
+    rank by `all_to_all(self.ep_group, ...)`, then `dispatch_postprocess` gathers them
+    over the e expert-TP ranks, `gather_from_sequence_parallel_region(..., group=
+    self.tp_group)`), and each expert holds an f/e shard (moe/experts.py SequentialMLP
+    builds its MLPs on `pg_collection.expt_tp`). With e = t this is Megatron's default;
+    without sequence parallelism (t > 1, e = t only) the T = s·b replicated tokens are
+    counted once (n = T·k).
 
     - router (moe/router.py TopKRouter.routing -> moe_utils.py
       `topk_routing_with_score_function`, softmax after top-k, no aux loss: Megatron's
@@ -128,7 +139,7 @@ def megatron_moe_bytes(ctx: RankContext) -> int:
     - allgather (token_dispatcher.py MoEAllGatherTokenDispatcher): the all-gathers of the
       tokens (into the global buffer) and the probabilities keep nothing;
       `dispatch_postprocess` masked_selects the local probabilities, and masked_select
-      keeps its input and mask, (E/ep, T·t·ep) bf16 + bool = 3·T·t·E; `permute`
+      keeps its input and mask, (E/ep, T·e·ep) bf16 + bool = 3·T·e·E; `permute`
       (moe_utils.py) index_selects the tokens and keeps the int64 indices (n·8);
     - alltoall (MoEAlltoAllTokenDispatcher.dispatch_preprocess -> `permute` with probs):
       argsort's first T·k positions (int64, kept by the probabilities' indexing) and the
@@ -136,15 +147,16 @@ def megatron_moe_bytes(ctx: RankContext) -> int:
       gather and `sort_chunks_by_idxs` (split + cat) keep nothing;
     - experts (experts.py SequentialMLP.forward -> mlp.py MLP.forward with the token's
       probability as `per_token_scale`), on the n tokens: the fc1 input (n·h·2), the
-      probabilities (n·2), and 3·n·f/t·2: gelu's input, gelu's output (kept by the
+      probabilities (n·2), and 3·n·f/e·2: gelu's input, gelu's output (kept by the
       multiply by the probabilities) and fc2's input (unfused: the fused bias-gelu
       refuses `per_token_scale`); gated, the fused weighted SwiGLU
-      (fusions/fused_bias_swiglu.py WeightedSwiGLUFunction) keeps its (n, 2f/t) input and
-      the weights, and fc2 its input: the same 6·n·f/t + 2·n bytes;
+      (fusions/fused_bias_swiglu.py WeightedSwiGLUFunction) keeps its (n, 2f/e) input and
+      the weights, and fc2 its input: the same 6·n·f/e + 2·n bytes;
     - combine (`unpermute` without probabilities, scatter_add_) keeps only the index
       already counted; the reduce-scatter / all-to-all keep nothing;
-    - shared experts (SharedExpertMLP): Table 2's gelu and fc2 inputs, 4·s·b·f_s/t each
-      (their input is the norm output; a shared-expert gate is not modelled).
+    - shared experts (SharedExpertMLP, built on the dense `pg_collection.tp`, so ÷t even
+      when e != t): Table 2's gelu and fc2 inputs, 4·s·b·f_s/t each (their input is the
+      norm output; a shared-expert gate is not modelled).
 
     - --deterministic-mode (`--deterministic`; torch.use_deterministic_algorithms(True)):
       `unpermute` adds with index_add_ instead of scatter_add_ (moe_utils.py, "if
@@ -160,14 +172,17 @@ def megatron_moe_bytes(ctx: RankContext) -> int:
     """
     spec, par = ctx.spec, ctx.parallel
     x = dims(ctx)
-    t = par.tp
+    t, e = par.tp, par.expert_tp
     E, k = spec.num_local_experts, spec.num_experts_per_tok
     T = x.b * x.s // t if par.sequence_parallel else x.b * x.s
-    n = T * (t if par.sequence_parallel else 1) * k
-    fe = ceil_div(spec.expert_ffn, t)
+    # ranks of the e x ep group holding distinct tokens, per EP rank: e (1 when t > 1
+    # without SP, where the TP ranks hold the same tokens; resolve_layout refuses e != t then)
+    g = e if par.sequence_parallel or t == 1 else 1
+    n = T * g * k
+    fe = ceil_div(spec.expert_ffn, e)
     router = T * k * (8 + 4)
     if ctx.training.dispatcher == "allgather":
-        dispatch = 3 * T * (t if par.sequence_parallel else 1) * E + 8 * n
+        dispatch = 3 * T * g * E + 8 * n
     else:
         dispatch = 2 * 8 * T * k
     experts = 2 * n * x.h + 2 * n + 6 * n * fe

@@ -65,7 +65,7 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
     if moe:
         spec = ctx.spec
         E, k = spec.num_local_experts, spec.num_experts_per_tok
-        fe = ceil_div(spec.expert_ffn, ctx.parallel.tp)
+        fe = ceil_div(spec.expert_ffn, ctx.parallel.expert_tp)
         if tr.framework == "hf":
             # the combine's backward: d out (fp32 for Mixtral's fp32 routing weights) is
             # expanded to the T·k rows (a copy), scattered back through the inverse

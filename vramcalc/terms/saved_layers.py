@@ -210,7 +210,7 @@ def _moe_saved(ctx: RankContext, x: Dims) -> list[Saved]:
     spec = ctx.spec
     c, T = x.c, x.T
     E, k = spec.num_local_experts, spec.num_experts_per_tok
-    fe = ceil_div(spec.expert_ffn, ctx.parallel.tp)
+    fe = ceil_div(spec.expert_ffn, ctx.parallel.expert_tp)  # experts split over expert TP
     out: list[Saved] = []
     shared = spec.num_shared_experts
     if ctx.training.framework == "hf":
