@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from vramcalc.errors import InputError
 from vramcalc.hardware import Cluster
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig, resolve_layout
@@ -44,6 +45,12 @@ class Scenario(BaseModel):
         their own fused optimizers) and the allocator's expandable segments (the stack's)."""
         par = resolve_layout(self.model, self.training, self.parallel, self.world_size)
         tr = self.training
+        if tr.optimizer_in_backward and par.engine(tr.framework) != "single" or (
+                tr.optimizer_in_backward and par.tp * par.pp * par.cp > 1):
+            raise InputError("--optimizer-in-backward is modelled on one GPU without "
+                             "parallelism (torchtune's full_finetune_single_device); got "
+                             f"dp={par.dp_degree}, tp={par.tp}, pp={par.pp}, cp={par.cp}, "
+                             f"zero={par.zero}, fsdp={par.fsdp} (use --gpus 1x...)")
         if (tr.optimizer_impl is None and tr.optimizer in TORCH_STEPPED
                 and par.engine(tr.framework) in ("single", "ddp", "fsdp2")):
             tr = tr.model_copy(update={"optimizer_impl": tr.step_impl})
