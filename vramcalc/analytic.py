@@ -278,9 +278,17 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
 
     candidates = [loss_bwd]
     if ib:  # the step of each parameter inside backward, at its largest instants
-        candidates += [layer_point(i, Moment("hook", m.held, ib.layer_work, m.grads), ib.layer)
+        g, t = ib.layer  # inside the matrix's backward node, then at its hook
+        candidates += [layer_point(i, Moment("hook", m.held, work, m.grads), hook)
                        for i in {0, nL - 1} for m in P.top_moments + P.bottom_moments
-                       if m.name == "mlp" and ib.layer[0]]
+                       for work, hook in ((ib.layer_work + ib.layer_in + g, (0, 0)),
+                                          (ib.layer_work, (g, t)))
+                       if m.name == "mlp" and g]
+        candidates += [Phase("backward", B, 0, {
+            "activations": int(k * A_mb), "logits": prev_logits + root + ib.head_dlogits,
+            "transients/autocast_cache": int(prev * C_mb + C_kept),
+            "transients/layer_backward": ib.head_dx + ib.head[0],
+            "transients/gather_buffers": gather}, 0)] if ib.head[0] and ib.head_dlogits else []
         candidates += [Phase("backward", B, ib.head[0], {
             "activations": int(k * A_mb - ib.head_freed), "logits": prev_logits + root,
             "transients/autocast_cache": int(prev * C_mb + C_kept - cache_head),

@@ -16,11 +16,15 @@ or fused kernel over a single tensor); no gradients survive backward and the opt
 phase holds weights and states only. The bytes at a hook, with g(p) = round512(n_p · grad
 dtype) and t(p) the one-tensor step temporaries (`param_step_temp_bytes`):
 
-- lm_head (untied, last stage): k·A_mb − the head's saved input + dX (T·h in c) + g + t;
+- lm_head (untied, last stage): inside its node, k·A_mb + d logits (T·V in c) + dX (T·h
+  in c) + g (not yet a gradient); at its hook, k·A_mb − the head's saved input + dX + g + t
+  (under chunked cross entropy only the hook: the head runs per chunk);
 - the top and bottom layers' MLP output matrix (down_proj / c_proj: the first parameter a
   layer's backward finishes, while everything the layer saved is still held — its saved
   input is freed and dX of the same size takes its place): the layer's MLP instant with
-  only g_res + dX (T·h in r + T·f in c) as work + g + t;
+  only g_res + dX (T·h in r + T·f in c) as work + g + t; and, just before, inside that
+  matrix's own backward node, the same with its saved input still held and g not yet a
+  gradient (the larger one when t is small: fused Adam, SGD, bitsandbytes);
 - the token embedding (first stage, the last hook): its gradient, which with tied
   embeddings is the sum of the head's share (waiting in autograd's input buffer through the
   whole sweep) and the embedding's, + t.
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vramcalc.features import chunks_loss
 from vramcalc.rank import RankContext
 from vramcalc.sharding import RankTensor
 from vramcalc.terms.activations import head_saved
@@ -73,12 +78,14 @@ class InBackward:
     head: tuple[int, int]  # untied lm_head; (0, 0) when tied, frozen or not on this rank
     head_freed: int  # the head's saved input (released before its hook)
     head_dx: int  # d(head input), T·h in c
+    head_dlogits: int  # d logits (T·V in c), the head node's incoming gradient
     layer: tuple[int, int]  # the MLP output matrix; (0, 0) when not trained (adapters)
     layer_work: int  # g_res + its dX
+    layer_in: int  # its saved input, held until its node returns
     embed: tuple[int, int]  # the token embedding (first stage)
     waiting: int  # the tied head's gradient share held by autograd through the sweep
     states_head: int  # states of the embedding, final norm and head (first step)
-    states_late: int  # states of the embedding (untied): created at the very end
+    states_late: int  # states of the embeddings: created at the very end
     states_layer: int  # states of one layer
 
 
@@ -101,16 +108,19 @@ def in_backward(ctx: RankContext) -> InBackward:
     states = [(t, state_bytes_for_tensor(t, tr.optimizer, tr.state_dtype, 1) * t.count)
               for t in ctx.train_tensors]
     layer_states = sum(s for t, s in states if t.group in ("layer", "expert"))
-    late = sum(s for t, s in states if t.name in (
-        ("embed_positions",) if tied else ("embed_tokens", "embed_positions")))
+    # the embeddings are hooked last, tied or not (a tied one's AccumulateGrad waits for
+    # the embedding's share)
+    late = sum(s for t, s in states if t.name in ("embed_tokens", "embed_positions"))
     waiting = alloc(emb.numel, grad_dtype(ctx)) if tied and emb and ctx.is_last_stage else 0
     nL = max(ctx.num_layers, 1)
     return InBackward(
         head=_one(ctx, head) if ctx.is_last_stage else (0, 0),
         head_freed=sum(s.nbytes for s in head_saved(ctx) if s.name.startswith("lm_head.")),
         head_dx=alloc(bsh(x), x.c),
+        head_dlogits=0 if chunks_loss(tr) else alloc(x.T * x.V, x.c),
         layer=_one(ctx, mlp_out) if ctx.num_layers and not ctx.spec.is_moe else (0, 0),
         layer_work=alloc(bsh(x), x.r) + alloc(x.T * f, x.c),
+        layer_in=alloc(x.T * f, x.c),
         embed=_one(ctx, emb) if ctx.is_first_stage else (0, 0),
         waiting=waiting,
         states_head=sum(s for _, s in states) - layer_states,
