@@ -328,7 +328,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
         # the embedding's out of place (3 copies of the V·h gradient at once)
         tied = tied_embedding_grad_bytes(ctx)
         end_grads = ib.embed[0] if ib else G + (tied if keep_grads else 0)
-        for work, step in ((2 * tied, {}), (0, {"transients/optimizer_step": ib.embed[1]})
+        for work, step in ((2 * ib.waiting, {}), (0, {"transients/optimizer_step": ib.embed[1]})
                            ) if ib else ((2 * tied, {}),):
             candidates.append(Phase("backward", B, end_grads, {
                 "activations": int(prev * A_mb + A_emb),
