@@ -2,10 +2,10 @@
 
 Expected values come from outside the analytic code:
 - pytorch/torchtune bd2a0fc `torchtune/modules/optim.py` `OptimizerInBackward` (lines
-  45-59): one optimizer per trained parameter, `p.register_post_accumulate_grad_hook`
+  44-60): one optimizer per trained parameter, `p.register_post_accumulate_grad_hook`
   running that optimizer's `step()` and `zero_grad()`; `torchtune/training/memory.py`
   `register_optim_in_bwd_hooks` (lines 222-245); `recipes/full_finetune_single_device.py`
-  lines 157-160 (gradient accumulation refused) and 624-634 (`optimizer.step()` a no-op):
+  lines 157-160 (gradient accumulation refused) and 621-635 (`optimizer.step()` a no-op):
   so no gradient survives backward and at most one parameter's gradient exists at a time;
 - parameter shapes × dtype sizes (vramcalc.model.param_tensors, pinned to published counts
   in test_catalog.py), 512-byte allocator blocks;

@@ -1,12 +1,12 @@
 """The optimizer step inside backward (`--optimizer-in-backward`, torchtune's optimizer_in_bwd).
 
 Written from pytorch/torchtune bd2a0fc: `torchtune/modules/optim.py` `OptimizerInBackward`
-(lines 45-59: one `optimizer_cls([p], ...)` per trained parameter and a
+(lines 44-60: one `optimizer_cls([p], ...)` per trained parameter and a
 `p.register_post_accumulate_grad_hook` that runs `_step_and_clear`: that optimizer's
 `step()` then `zero_grad()`, set_to_none by default), `torchtune/training/memory.py`
 `register_optim_in_bwd_hooks` (lines 222-245, the same hooks), and
 `recipes/full_finetune_single_device.py` (lines 157-160: gradient accumulation refused;
-lines 624-634: no scaling or clipping of gradients, `optimizer.step()` a no-op).
+lines 621-635: no scaling or clipping of gradients, `optimizer.step()` a no-op).
 
 Autograd runs a parameter's AccumulateGrad node right after the node that produced its
 gradient (the saved tensors of that node are already released), and the hook frees the
