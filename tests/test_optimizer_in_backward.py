@@ -191,3 +191,32 @@ def test_analytic_agrees_with_the_trace(shape: str, kw: dict) -> None:
         assert abs(getattr(a.terms, term) - getattr(t.terms, term)) <= 1024, term
     assert t.terms.gradients in grad_blocks(shape, TrainingConfig(**{
         "precision": "bf16-pure", **kw}).grad_dtype) | {0}
+
+
+def test_in_backward_steps_each_parameter_and_leaves_no_gradient() -> None:
+    """The trace's InBackward on real tensors: after backward every parameter has moved, has
+    its own optimizer's states and no gradient (torchtune's `_step_and_clear`), and the
+    hooks ran while backward was still running (the first layer's gradient did not exist
+    when the second layer's step ran)."""
+    import torch
+
+    from vramcalc.trace.optim import InBackward, make_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    before = [p.detach().clone() for p in model.parameters()]
+    params = list(model.parameters())
+    seen: list[int] = []
+
+    def on_step(p: torch.Tensor, _opt: object) -> None:
+        assert p.grad is None
+        seen.append(sum(q.grad is not None for q in params))
+
+    opt = InBackward(params, lambda ps: make_optimizer("adamw", ps, "foreach"), on_step)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()  # a no-op, as in torchtune's recipe
+    assert all(p.grad is None for p in params)
+    assert all(not torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert all(set(o.state[p]) >= {"exp_avg", "exp_avg_sq"}
+               for o, p in zip(opt.optimizers, params, strict=True))
+    assert len(seen) == len(params) and max(seen) == 0  # never two gradients at once
