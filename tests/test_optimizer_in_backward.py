@@ -163,6 +163,8 @@ AGREE = [
     ("llama-gqa", {"precision": "fp32", "optimizer_impl": "loop"}),
     ("llama-gqa", {"finetune": "lora"}),
     ("llama-gqa", {"framework": "hf"}),
+    ("llama-gqa", {"framework": "hf", "precision": "amp-bf16"}),
+    ("llama-gqa", {"chunked_ce": 4}),
     ("llama-gqa", {"optimizer": "adamw-8bit", "precision": "fp32"}),
     ("llama-gqa", {"optimizer": "lion"}),
     ("gpt2", {}),

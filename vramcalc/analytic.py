@@ -278,22 +278,23 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
 
     candidates = [loss_bwd]
     if ib:  # the step of each parameter inside backward, at its largest instants
-        g, t = ib.layer  # inside the matrix's backward node, then at its hook
+        g, t = ib.layer  # inside the matrix's backward node, its cast (autocast), its hook
+        lw, dw = ib.layer_work, ib.layer_dw
         candidates += [layer_point(i, Moment("hook", m.held, work, m.grads), hook)
-                       for i in {0, nL - 1} for m in P.top_moments + P.bottom_moments
-                       for work, hook in ((ib.layer_work + ib.layer_in + g, (0, 0)),
-                                          (ib.layer_work, (g, t)))
+                       for i, moms in ((0, P.top_moments), (nL - 1, P.bottom_moments)) for m in moms
+                       for work, hook in ((lw + ib.layer_in + dw, (0, 0)),
+                                          (lw + dw * ib.cast, (g, 0)), (lw, (g, t)))
                        if m.name == "mlp" and g]
-        candidates += [Phase("backward", B, 0, {
-            "activations": int(k * A_mb), "logits": prev_logits + root + ib.head_dlogits,
-            "transients/autocast_cache": int(prev * C_mb + C_kept),
-            "transients/layer_backward": ib.head_dx + ib.head[0],
-            "transients/gather_buffers": gather}, 0)] if ib.head[0] and ib.head_dlogits else []
-        candidates += [Phase("backward", B, ib.head[0], {
-            "activations": int(k * A_mb - ib.head_freed), "logits": prev_logits + root,
-            "transients/autocast_cache": int(prev * C_mb + C_kept - cache_head),
-            "transients/layer_backward": ib.head_dx, "transients/gather_buffers": gather,
-            "transients/optimizer_step": ib.head[1]}, states_made(ib, 0))] if ib.head[0] else []
+        g, t = ib.head  # the same for the untied head: node, cast, hook (and its states)
+        for held, dx, step, made in (
+                ((0, C_kept, ib.head_dlogits), ib.head_dw, (0, 0), 0),
+                ((ib.head_freed, C_kept - cache_head, 0), ib.head_dw * ib.cast, (g, 0), 0),
+                ((ib.head_freed, C_kept - cache_head, 0), 0, (g, t), states_made(ib, 0))):
+            candidates += [Phase("backward", B, step[0], {
+                "activations": int(k * A_mb - held[0]), "logits": prev_logits + root + held[2],
+                "transients/autocast_cache": int(prev * C_mb + held[1]),
+                "transients/layer_backward": ib.head_dx + dx, "transients/gather_buffers": gather,
+                "transients/optimizer_step": step[1]}, made)] if g and (held[2] or step[0]) else []
     if nL:
         # the top layer holds every other layer's activations; the bottom one every other
         # layer's gradients (dense layers sit at the bottom, MoE ones at the top)

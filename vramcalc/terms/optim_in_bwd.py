@@ -17,14 +17,17 @@ phase holds weights and states only. The bytes at a hook, with g(p) = round512(n
 dtype) and t(p) the one-tensor step temporaries (`param_step_temp_bytes`):
 
 - lm_head (untied, last stage): inside its node, k·A_mb + d logits (T·V in c) + dX (T·h
-  in c) + g (not yet a gradient); at its hook, k·A_mb − the head's saved input + dX + g + t
-  (under chunked cross entropy only the hook: the head runs per chunk);
+  in c) + its weight gradient in c; under autocast the cast's backward then holds that and
+  g at once (the node's saved input and weight cast released); at its hook, k·A_mb − the
+  head's saved input + dX + g + t (under chunked cross entropy no node instant: the head
+  runs per chunk);
 - the top and bottom layers' MLP output matrix (down_proj / c_proj: the first parameter a
   layer's backward finishes, while everything the layer saved is still held — its saved
   input is freed and dX of the same size takes its place): the layer's MLP instant with
   only g_res + dX (T·h in r + T·f in c) as work + g + t; and, just before, inside that
-  matrix's own backward node, the same with its saved input still held and g not yet a
-  gradient (the larger one when t is small: fused Adam, SGD, bitsandbytes);
+  matrix's own backward node, the same with its saved input still held and its weight
+  gradient in c (the larger one when t is small: fused Adam, SGD, bitsandbytes), and under
+  autocast the cast of that gradient to fp32 (both alive);
 - the token embedding (first stage, the last hook): its gradient, which with tied
   embeddings is the sum of the head's share (waiting in autograd's input buffer through the
   whole sweep) and the embedding's, + t.
@@ -79,9 +82,12 @@ class InBackward:
     head_freed: int  # the head's saved input (released before its hook)
     head_dx: int  # d(head input), T·h in c
     head_dlogits: int  # d logits (T·V in c), the head node's incoming gradient
+    head_dw: int  # the head node's weight gradient (in c: under autocast cast to fp32 next)
     layer: tuple[int, int]  # the MLP output matrix; (0, 0) when not trained (adapters)
     layer_work: int  # g_res + its dX
     layer_in: int  # its saved input, held until its node returns
+    layer_dw: int  # its node's weight gradient, in c
+    cast: bool  # autocast: a node's c weight gradient is cast to the fp32 parameter's dtype
     embed: tuple[int, int]  # the token embedding (first stage)
     waiting: int  # the tied head's gradient share held by autograd through the sweep
     states_head: int  # states of the embedding, final norm and head (first step)
@@ -118,9 +124,12 @@ def in_backward(ctx: RankContext) -> InBackward:
         head_freed=sum(s.nbytes for s in head_saved(ctx) if s.name.startswith("lm_head.")),
         head_dx=alloc(bsh(x), x.c),
         head_dlogits=0 if chunks_loss(tr) else alloc(x.T * x.V, x.c),
+        head_dw=alloc(head.numel, x.c) if head else 0,
         layer=_one(ctx, mlp_out) if ctx.num_layers and not ctx.spec.is_moe else (0, 0),
         layer_work=alloc(bsh(x), x.r) + alloc(x.T * f, x.c),
         layer_in=alloc(x.T * f, x.c),
+        layer_dw=alloc(mlp_out.numel, x.c) if mlp_out else 0,
+        cast=tr.is_autocast,
         embed=_one(ctx, emb) if ctx.is_first_stage else (0, 0),
         waiting=waiting,
         states_head=sum(s for _, s in states) - layer_states,
