@@ -25,7 +25,7 @@ import pytest
 from vramcalc.analytic import estimate
 from vramcalc.cli import main
 from vramcalc.cli.plan import prepare_plan
-from vramcalc.model import param_tensors
+from vramcalc.model import ModelSpec, param_tensors
 from vramcalc.plan import MemoryBound, enumerate_candidates, estimate_candidate, search
 from vramcalc.scenario import Scenario
 from vramcalc.training import TrainingConfig
@@ -33,16 +33,31 @@ from vramcalc.units import MiB, alloc
 from vramcalc.validate import SHAPES
 
 WORKSPACE = 32 * MiB  # cuBLAS workspace without a GPU (terms/transients.py)
+# tied embeddings, a small vocabulary and eager attention: the top layer's attention core,
+# not the loss, is the backward's peak, while the head's share of the tied gradient waits
+TIED = ModelSpec(name="tied", hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=2, intermediate_size=1024, vocab_size=4096,
+                 tie_word_embeddings=True)
+SPECS = {**SHAPES, "tied": TIED}
 
 
 def scn(shape: str = "llama-gqa", **kw: object) -> Scenario:
     args = {"seq_len": 64, "micro_batch_size": 1, "precision": "bf16-pure",
             "optimizer_in_backward": True, **kw}
-    return Scenario(model=SHAPES[shape], training=TrainingConfig(**args))  # type: ignore[arg-type]
+    return Scenario(model=SPECS[shape], training=TrainingConfig(**args))  # type: ignore[arg-type]
 
 
 def grad_blocks(shape: str, dtype: str) -> set[int]:
-    return {alloc(t.numel, dtype) for t in param_tensors(SHAPES[shape])}
+    return {alloc(t.numel, dtype) for t in param_tensors(SPECS[shape])}
+
+
+def test_a_tied_heads_gradient_share_waits_through_the_sweep() -> None:
+    # the head's d W (V x h) reaches the tied parameter's AccumulateGrad only with the
+    # embedding's share, at the end of backward: until then autograd's input buffer holds
+    # it (no hook has run for it), and no parameter gradient is alive at the peak instant
+    rep = estimate(scn("tied", seq_len=1024, attention="eager", chunked_ce=8))
+    assert rep.subterms["transients/tied_grad"] == alloc(4096 * 256, "bf16")
+    assert rep.terms.gradients == 0
 
 
 # ---- hand-derived ---------------------------------------------------------------------------
@@ -171,6 +186,7 @@ AGREE = [
     ("gpt2", {"finetune": "lora", "recompute": "full"}),
     ("llama-deep", {"precision": "fp32", "optimizer": "sgd-momentum"}),
     ("moe", {}),
+    ("tied", {"seq_len": 1024, "attention": "eager", "chunked_ce": 8}),
 ]
 
 
