@@ -315,9 +315,9 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     norm_work = P.final_norm_work
     if norm_work:
         lm_in = P.head_freed_at_final_norm
-        held = {"transients/tied_grad": ib.waiting} if ib else {}
+        wait = {"transients/tied_grad": ib.waiting} if ib else {}
         candidates.append(Phase("backward", B, 0 if ib else G if keep_grads else max(
-            G_head - G_late, 0), {**held, "activations": int(k * A_mb - lm_in),
+            G_head - G_late, 0), {**wait, "activations": int(k * A_mb - lm_in),
             "transients/autocast_cache": int(prev * C_mb + C_kept - cache_head),
             "transients/layer_backward": norm_work,
             "transients/gather_buffers": gather,
@@ -329,15 +329,15 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
         # the embedding's out of place (3 copies of the V·h gradient at once)
         tied = tied_embedding_grad_bytes(ctx)
         end_grads = ib.embed[0] if ib else G + (tied if keep_grads else 0)
-        for work, step in ((2 * ib.waiting, {}), (0, {"transients/optimizer_step": ib.embed[1]})
-                           ) if ib else ((2 * tied, {}),):
+        for work, hooked in ((2 * ib.waiting, {}), (0, {"transients/optimizer_step": ib.embed[1]})
+                             ) if ib else ((2 * tied, {}),):
             candidates.append(Phase("backward", B, end_grads, {
                 "activations": int(prev * A_mb + A_emb),
                 "transients/autocast_cache": int(prev * C_mb),
-                "transients/layer_backward": work, **step,
+                "transients/layer_backward": work, **hooked,
                 "transients/gather_buffers": gather,
                 "logits": prev_logits + root,
-            }, states_made(ib, nL) if ib and not step else None))
+            }, states_made(ib, nL) if ib and not hooked else None))
     backward = max(candidates, key=lambda p: p.total)
 
     optimizer = Phase("optimizer", B, gradients_at_step_bytes(ctx), {
