@@ -302,7 +302,6 @@ def _litgpt_chunks(seq_len: int) -> int:
 _BERT = "BERT encoder (bidirectional, sequence-classification head; vramcalc models decoders)"
 _DYNAMIC = "sequence length not fixed (batches padded to their longest sample)"
 _COMPILE = "torch.compile (the compiled graph's saved tensors are not modelled)"
-_OPT_IN_BWD = "optimizer step fused into backward (optimizer_in_bwd)"
 _TITAN_FLOAT8 = "torchao float8 linears (vramcalc's fp8 is Transformer Engine's)"
 _LITGPT = {"gpus": "1xA100-40GB", "precision": "bf16-pure", "optimizer": "adamw",
            "framework": "reference", "attention": "flash", "recompute": "none",
@@ -326,11 +325,12 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
     "torchtune-llama2-7b-lora-r8-qv-1gpu": {"missing": [_DYNAMIC]},
     "torchtune-llama2-7b-qlora-r8-1gpu": {"missing": [_DYNAMIC, "torchao NF4 tensors"]},
     "torchtune-readme-apr24-llama2-7b-lora-fsdp-2x4090": {"missing": [_DYNAMIC]},
-    "torchtune-readme-apr24-llama2-7b-full-lowmem-1x4090": {"missing": [_DYNAMIC, _OPT_IN_BWD]},
+    # optimizer_in_bwd is modelled (--optimizer-in-backward); its paged AdamW too
+    "torchtune-readme-apr24-llama2-7b-full-lowmem-1x4090": {"missing": [_DYNAMIC]},
     "torchtune-readme-sep24-llama31-8b-qlora-1x4090": {"missing": [_COMPILE,
                                                                    "torchao NF4 tensors"]},
     "torchtune-llama32-3b-full-baseline-a100": {"missing": [_DYNAMIC]},
-    "torchtune-llama32-3b-full-optinbwd-a100": {"missing": [_OPT_IN_BWD, _COMPILE]},
+    "torchtune-llama32-3b-full-optinbwd-a100": {"missing": [_COMPILE]},  # in-bwd modelled
     "torchtune-llama32-3b-lora-r64-a100": {"missing": [_COMPILE]},
     # torchtitan 9dec370 train_configs/llama3_8b.toml (selective_ac_option 'op', rmsnorm,
     # AdamW) with FSDP2 dp_shard=8, MixedPrecisionPolicy(bf16, fp32) and default

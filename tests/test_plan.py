@@ -93,7 +93,9 @@ def _rank(e) -> tuple:  # noqa: ANN001
 @pytest.mark.parametrize("case", [
     {"model": "gpt2", "gpus": "4xRTX4090", "seq_len": 1024},
     {"model": "7b", "gpus": "4xA100-40GB", "seq_len": 2048, "global_batch_size": 64},
-], ids=["gpt2", "llama2-7b"])
+    {"model": "gpt2", "gpus": "1xRTX4090", "seq_len": 1024, "precision": "bf16-pure",
+     "optimizer_in_backward": True, "global_batch_size": 8},
+], ids=["gpt2", "llama2-7b", "gpt2-optimizer-in-backward"])
 def test_search_equals_brute_force(case: dict) -> None:
     """Bounds and best-first stopping never hide a better plan, and dominance only drops
     candidates that rank below a valid one that dominates them: estimate every candidate."""

@@ -7,7 +7,8 @@ backward = max over the backward sweep, evaluated where it is extreme (the sweep
            in the layer index): at the loss backward (all activations + CE gradient
            buffers), at the top layer and at the bottom layer (grads grown, activations
            freed)
-optimizer = W + O + G + optimizer-step temporaries
+optimizer = W + O + G + optimizer-step temporaries (inside backward with
+            --optimizer-in-backward: vramcalc/terms/optim_in_bwd.py)
 
 W weights, O optimizer states (+ master), G gradients, G_acc gradients kept across
 micro-batches (gradient accumulation or pipeline), A_mb activations of one micro-batch,
@@ -48,11 +49,13 @@ from vramcalc.terms.gradients import (
 )
 from vramcalc.terms.lowprec import check_lowprec
 from vramcalc.terms.modifiers import persistent_parts
-from vramcalc.terms.optimizer_states import optimizer_state_split, paged_state_bytes
+from vramcalc.terms.optim_in_bwd import in_backward, states_made
+from vramcalc.terms.optimizer_states import optimizer_state_split, paged_overhead
 from vramcalc.terms.overhead import overhead_split
 from vramcalc.terms.profile import profile
 from vramcalc.terms.reserved import reserved_pad_bytes
 from vramcalc.terms.saved import Moment
+from vramcalc.terms.schedule import in_flight_microbatches
 from vramcalc.terms.weights import weight_parts
 
 
@@ -83,10 +86,12 @@ class Phase:
     (`parts`) is only assembled for the moments a report shows (the planner evaluates
     thousands of moments per second)."""
 
-    __slots__ = ("name", "base", "grads", "own", "total")
+    __slots__ = ("name", "base", "grads", "own", "total", "made")
 
-    def __init__(self, name: str, base: StageBase, grads: int, own: dict[str, int]) -> None:
+    def __init__(self, name: str, base: StageBase, grads: int, own: dict[str, int],
+                 made: int | None = None) -> None:
         self.name, self.base, self.grads, self.own = name, base, grads, own
+        self.made = made  # first step, optimizer in backward: states created (None: all)
         self.total = base.total + grads + sum(own.values())
 
     @property
@@ -97,31 +102,6 @@ class Phase:
         out = dict(self.base.terms)
         out["gradients"] = out.get("gradients", 0) + self.grads
         return _add_terms(out, self.own)
-
-
-def in_flight_microbatches(scn: Scenario, stage: int) -> float:
-    """Micro-batches whose activations pipeline rank `stage` holds at once, in units of one
-    micro-batch through all of the rank's layers (m = micro-batches per step, p = pp).
-
-    - 1F1B (PipeDream-flush, Narayanan et al. 2021): rank r runs p − r − 1 warm-up forwards
-      then one more before its first backward: min(p − r, m).
-    - interleaved with v chunks (Megatron-LM schedules.py): (p − r − 1)·2 + (v − 1)·p warm-up
-      chunk forwards plus one, at most m·v, each holding 1/v of the rank's layers; rank 0
-      holds p·(1 + (p − 1)/(p·v)) (Korthikanti et al. 2022 Sec. 4.2.3).
-    - GPipe: all m forwards before any backward.
-    """
-    par = scn.parallel
-    p = par.pp
-    m = par.num_microbatches or scn.training.grad_accum
-    if p == 1:
-        return 1
-    if par.pp_schedule == "gpipe":
-        return m
-    if par.pp_schedule == "interleaved" and par.virtual_stages > 1:
-        v = par.virtual_stages
-        chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
-        return chunks / v
-    return min(p - stage, m)
 
 
 def candidate_stages(scn: Scenario) -> list[int]:
@@ -167,6 +147,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     m = scn.parallel.num_microbatches or train.grad_accum
     keep_grads = m > 1 or gradients_persistent(ctx)  # ZeRO-2/3, Megatron: buffers kept
     k = in_flight_microbatches(scn, stage)
+    ib = in_backward(ctx) if train.optimizer_in_backward else None  # terms/optim_in_bwd.py
 
     P = profile(ctx)  # activation, logits and moment bytes (cached)
     n_dense, A_dense, n_moe, A_moe = P.n_dense, P.dense_layer, P.n_moe, P.moe_layer
@@ -258,7 +239,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
         "transients/autocast_cache": int(prev * C_mb + C_kept),
         "transients/gather_buffers": gather,
         "logits": P.logits_backward + prev_logits,
-    })
+    }, 0)
 
     G_late = late_gradient_bytes(ctx)  # the (untied) embedding's: after the bottom layer
     comm_bwd = comm.layer_backward_comm_bytes(ctx)
@@ -275,11 +256,15 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
             return plan.casts_below(j) + 1 - done
         return (1 - done) if full else (j + 1 - done)
 
-    def layer_point(i: int, mom: Moment) -> Phase:
-        """Instant `mom` of the backward of the i-th layer from the top (0-based)."""
+    def layer_point(i: int, mom: Moment, hook: tuple[int, int] = (0, 0)) -> Phase:
+        """Instant `mom` of the backward of the i-th layer from the top (0-based); `hook`:
+        a parameter's (gradient, step temporaries) inside backward (optim_in_bwd.py)."""
         done = P.grad_fraction[mom.grads]
         grads = G if keep_grads else max(G_head - G_late, 0) + int((i + done) * g_layer)
-        return Phase("backward", B, min(grads, G), {
+        step = {"transients/optimizer_step": hook[1], "transients/tied_grad": ib.waiting
+                } if ib else {}
+        return Phase("backward", B, hook[0] if ib else min(grads, G), {
+            **step,
             "activations": int(prev * A_mb + A_below(nL - i - 1) + mom.held + A_emb)
             - (gap if i == nL - 1 else 0),
             "transients/autocast_cache": int(prev * C_mb + casts_held(nL - i - 1, done)
@@ -289,9 +274,27 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
             "transients/reduce_buffers": tr.reduce_buffer_bytes(ctx, i, done,
                                                                 mom.work + mom.held),
             "logits": prev_logits + root,
-        })
+        }, states_made(ib, i + done) if ib else None)
 
     candidates = [loss_bwd]
+    if ib:  # the step of each parameter inside backward, at its largest instants
+        g, t = ib.layer  # inside the matrix's backward node, its cast (autocast), its hook
+        lw, dw = ib.layer_work, ib.layer_dw
+        candidates += [layer_point(i, Moment("hook", m.held, work, m.grads), hook)
+                       for i, moms in ((0, P.top_moments), (nL - 1, P.bottom_moments)) for m in moms
+                       for work, hook in ((lw + ib.layer_in + dw, (0, 0)),
+                                          (lw + dw * ib.cast, (g, 0)), (lw, (g, t)))
+                       if m.name == "mlp" and g]
+        g, t = ib.head  # the same for the untied head: node, cast, hook (and its states)
+        for held, dx, step, made in (
+                ((0, C_kept, ib.head_dlogits), ib.head_dw, (0, 0), 0),
+                ((ib.head_freed, C_kept - cache_head, 0), ib.head_dw * ib.cast, (g, 0), 0),
+                ((ib.head_freed, C_kept - cache_head, 0), 0, (g, t), states_made(ib, 0))):
+            candidates += [Phase("backward", B, step[0], {
+                "activations": int(k * A_mb - held[0]), "logits": prev_logits + root + held[2],
+                "transients/autocast_cache": int(prev * C_mb + held[1]),
+                "transients/layer_backward": ib.head_dx + dx, "transients/gather_buffers": gather,
+                "transients/optimizer_step": step[1]}, made)] if g and (held[2] or step[0]) else []
     if nL:
         # the top layer holds every other layer's activations; the bottom one every other
         # layer's gradients (dense layers sit at the bottom, MoE ones at the top)
@@ -312,36 +315,41 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     norm_work = P.final_norm_work
     if norm_work:
         lm_in = P.head_freed_at_final_norm
-        candidates.append(Phase("backward", B, G if keep_grads else max(G_head - G_late, 0), {
-            "activations": int(k * A_mb - lm_in),
+        wait = {"transients/tied_grad": ib.waiting} if ib else {}
+        candidates.append(Phase("backward", B, 0 if ib else G if keep_grads else max(
+            G_head - G_late, 0), {**wait, "activations": int(k * A_mb - lm_in),
             "transients/autocast_cache": int(prev * C_mb + C_kept - cache_head),
             "transients/layer_backward": norm_work,
             "transients/gather_buffers": gather,
             "logits": prev_logits + root,
-        }))
+        }, states_made(ib, 0) if ib else None))
     if ctx.is_first_stage:
         # the embedding's backward ends the sweep: every gradient exists; with tied
         # embeddings the head's share waits in autograd's input buffer and is summed with
         # the embedding's out of place (3 copies of the V·h gradient at once)
         tied = tied_embedding_grad_bytes(ctx)
-        end_grads = G + (tied if keep_grads else 0)
-        candidates.append(Phase("backward", B, end_grads, {
-            "activations": int(prev * A_mb + A_emb),
-            "transients/autocast_cache": int(prev * C_mb),
-            "transients/layer_backward": 2 * tied,
-            "transients/gather_buffers": gather,
-            "logits": prev_logits + root,
-        }))
+        end_grads = ib.embed[0] if ib else G + (tied if keep_grads else 0)
+        for work, hooked in ((2 * ib.waiting, {}), (0, {"transients/optimizer_step": ib.embed[1]})
+                             ) if ib else ((2 * tied, {}),):
+            candidates.append(Phase("backward", B, end_grads, {
+                "activations": int(prev * A_mb + A_emb),
+                "transients/autocast_cache": int(prev * C_mb),
+                "transients/layer_backward": work, **hooked,
+                "transients/gather_buffers": gather,
+                "logits": prev_logits + root,
+            }, states_made(ib, nL) if ib and not hooked else None))
     backward = max(candidates, key=lambda p: p.total)
 
     optimizer = Phase("optimizer", B, gradients_at_step_bytes(ctx), {
-        "transients/optimizer_step": P.optimizer_step,
+        "transients/optimizer_step": 0 if ib else P.optimizer_step,
     })
     phases = [forward, backward, optimizer]
 
-    # first step: no optimizer states during forward/backward (created by the first step)
-    first = max(forward.total - opt["states"], backward.total - opt["states"],
-                    optimizer.total)
+    # first step: no optimizer states during forward/backward (created by the first step;
+    # inside backward with the optimizer there: those of the parameters hooked so far)
+    S = opt["states"]
+    first = max(forward.total - S, optimizer.total, backward.total - S if not ib else max(
+        c.total - S + (S if c.made is None else c.made) for c in candidates))
     peak = max(phases, key=lambda p: p.total)
     pad = reserved_pad_bytes(ctx, peak.name, peak.grads, opt["states"], opt["master"], k)
     return phases, first, pad
@@ -418,8 +426,9 @@ def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
     for st in stages:
         phases, first, pad = stage_phases(scn, st, gpu)
         ovh = overhead_split(gpu.context_overhead_bytes if gpu else 0, scn.world_size, pad)
-        ovh.update(_paged_overhead(scn, st))
-        nl = RankContext(scn.model, scn.training, scn.parallel, st).num_layers
+        ctx = RankContext(scn.model, scn.training, scn.parallel, st)
+        ovh.update(paged_overhead(ctx))
+        nl = ctx.num_layers
         runs.append(_StageRun(st, nl, phases, first, ovh))
     common = {"model": model_info(scn), "gpu": gpu_info(scn), "notes": scenario_notes(scn)}
     return scn, _fields(scn, runs, _pick(runs), common)
@@ -489,11 +498,3 @@ def _outside(scn: Scenario, stage: int) -> tuple[int, int]:
     return (host_bytes_per_node(ctx, gpus_per_node, in_flight_microbatches(scn, stage)),
             nvme_bytes_per_node(ctx, gpus_per_node))
 
-
-def _paged_overhead(scn: Scenario, stage: int) -> dict[str, int]:
-    """Paged optimizer states (bitsandbytes unified memory): device memory outside the
-    allocator, reported as overhead (vramcalc.terms.optimizer_states)."""
-    if not scn.training.optimizer.startswith("paged-"):
-        return {}
-    return {"paged_optimizer_states": paged_state_bytes(
-        RankContext(scn.model, scn.training, scn.parallel, stage))}

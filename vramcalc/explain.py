@@ -74,6 +74,11 @@ def explain(scn: Scenario) -> dict[str, Any]:
         + f": {_gb(gradients_bytes(ctx))} once backward has finished.",
         "With zero_grad(set_to_none=True) they do not exist during forward unless gradients "
         "are accumulated over micro-batches.",
+    ] if not tr.optimizer_in_backward else [
+        f"One {tr.grad_dtype} gradient ({gb_} B) per trained parameter, but with the optimizer "
+        "inside backward each parameter's optimizer steps as soon as its gradient exists and "
+        "sets it to None (torchtune OptimizerInBackward): one parameter's gradient at a time, "
+        f"none left for the optimizer phase ({_gb(gradients_bytes(ctx))} if all were kept).",
     ]})
 
     split = optimizer_state_split(ctx)

@@ -128,6 +128,10 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: one growing segment per pool "
         "instead of one cudaMalloc per large request. Changes the reserved estimate only. "
         "Default: the stack's launcher (torchtitan sets it; torch's default, off, else)."),
+    Opt("optimizer_in_backward", bool, False, "Step the optimizer inside backward "
+        "(torchtune's optimizer_in_bwd): one optimizer per parameter, run by its "
+        "post-accumulate-grad hook, which then frees the gradient. One GPU, --grad-accum 1, "
+        "no fp32 master copy; reference and hf profiles."),
     Opt("dp", int, None, "Data-parallel degree (default: GPUs / (tp x pp x cp)).", group="parallel"),
     Opt("tp", int, 1, "Tensor-parallel degree.", group="parallel"),
     Opt("pp", int, 1, "Pipeline-parallel degree.", group="parallel"),
@@ -169,7 +173,8 @@ _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "opt
                   "optimizer_dtype", "optimizer_impl", "attention", "recompute", "recompute_method",
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
-                  "activation_offload", "qat", "expandable_segments")
+                  "activation_offload", "qat", "expandable_segments",
+                  "optimizer_in_backward")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",
                   "shard_group", "offload_device", "pp_schedule", "virtual_stages",
                   "first_stage_layers", "last_stage_layers", "embedding_in_split",

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from vramcalc.errors import InputError
 from vramcalc.hardware import Cluster
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig, resolve_layout
-from vramcalc.training import TORCH_STEPPED, TrainingConfig
+from vramcalc.training import TORCH_STEPPED, TrainingConfig, optimizer_in_backward_problem
 
 
 class Scenario(BaseModel):
@@ -44,9 +45,25 @@ class Scenario(BaseModel):
         their own fused optimizers) and the allocator's expandable segments (the stack's)."""
         par = resolve_layout(self.model, self.training, self.parallel, self.world_size)
         tr = self.training
+        if tr.optimizer_in_backward:
+            _check_optimizer_in_backward(tr, par)
         if (tr.optimizer_impl is None and tr.optimizer in TORCH_STEPPED
                 and par.engine(tr.framework) in ("single", "ddp", "fsdp2")):
             tr = tr.model_copy(update={"optimizer_impl": tr.step_impl})
         if tr.expandable_segments is None:
             tr = tr.model_copy(update={"expandable_segments": tr.expandable})
         return self.model_copy(update={"parallel": par, "training": tr})
+
+
+def _check_optimizer_in_backward(tr: TrainingConfig, par: ParallelConfig) -> None:
+    """--optimizer-in-backward is modelled on one GPU (torchtune's
+    full_finetune_single_device), with the training settings `optimizer_in_backward_problem`
+    allows (checked again here: the planner varies settings with `model_copy`)."""
+    problem = optimizer_in_backward_problem(tr)
+    if problem:
+        raise InputError(problem)
+    if par.engine(tr.framework) != "single" or par.tp * par.pp * par.cp > 1:
+        raise InputError("--optimizer-in-backward is modelled on one GPU without "
+                         "parallelism (torchtune's full_finetune_single_device); got "
+                         f"dp={par.dp_degree}, tp={par.tp}, pp={par.pp}, cp={par.cp}, "
+                         f"zero={par.zero}, fsdp={par.fsdp} (use --gpus 1x...)")

@@ -159,6 +159,10 @@ class TrainingConfig(BaseModel):
     # (vramcalc/allocator.py); None: the stack's launcher (see `expandable`). Changes
     # reserved memory only
     expandable_segments: bool | None = None
+    # torchtune's optimizer_in_bwd: one optimizer per parameter, stepped by its
+    # post-accumulate-grad hook inside backward (vramcalc/terms/optim_in_bwd.py); left out
+    # of dumps when off, so other reports keep their keys
+    optimizer_in_backward: bool = Field(False, exclude_if=lambda v: not v)
 
     @model_validator(mode="after")
     def _impl_exists(self) -> TrainingConfig:
@@ -192,6 +196,14 @@ class TrainingConfig(BaseModel):
                              "deterministic algorithms keep (Megatron-LM's MoE index_add_ "
                              f"path); the {self.framework} profile does not (leave it out, or "
                              "use --framework megatron)")
+        return self
+
+    @model_validator(mode="after")
+    def _optimizer_in_backward_modelled(self) -> TrainingConfig:
+        if self.optimizer_in_backward:
+            problem = optimizer_in_backward_problem(self)
+            if problem:
+                raise ValueError(problem)
         return self
 
     @property
@@ -336,3 +348,26 @@ def torchtitan_training_problem(tr: TrainingConfig) -> str | None:
     elif tr.chunked_ce > 1 or tr.activation_offload:
         flag = "torchtitan has no chunked cross entropy or activation offload"
     return None if flag is None else flag + " (torchtitan profile)"
+
+
+def optimizer_in_backward_problem(tr: TrainingConfig) -> str | None:
+    """Why --optimizer-in-backward cannot be modelled with these training settings (None: it
+    can). torchtune (pytorch/torchtune bd2a0fc) refuses gradient accumulation with it
+    (recipes/full_finetune_single_device.py: "Gradient accumulation is not supported with
+    optimizer_in_bwd: True"); its recipes train in bf16 or fp32 parameters with no fp32
+    master copy (`training.get_dtype`), so the mixed-precision wrapper's master step is not
+    modelled; the megatron and torchtitan profiles step their own optimizers after
+    backward."""
+    flag = None
+    if tr.grad_accum > 1:
+        flag = (f"--grad-accum {tr.grad_accum}: gradients are stepped and freed inside each "
+                "backward, so they cannot accumulate (torchtune refuses gradient "
+                "accumulation with optimizer_in_bwd); use --grad-accum 1")
+    elif tr.framework not in ("reference", "hf"):
+        flag = (f"--framework {tr.framework}: only the reference and hf profiles model it "
+                "(torchtune's per-parameter optimizers)")
+    elif tr.has_master_weights:
+        flag = (f"--precision {tr.precision}: the fp32 master copy's step is not modelled "
+                "inside backward (torchtune trains bf16 or fp32 parameters: use --precision "
+                "bf16-pure, fp32 or amp-bf16)")
+    return None if flag is None else "--optimizer-in-backward with " + flag

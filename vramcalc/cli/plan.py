@@ -135,6 +135,9 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
     base = build_scenario(values, profile_dirs)
     allowed, notes = parse_allow(allow)
     size, tokens = parse_batch(global_batch_size, global_batch_tokens)
+    if base.training.optimizer_in_backward and size is None and tokens is None:
+        raise InputError("--optimizer-in-backward: give --global-batch-size (one GPU and no "
+                         "gradient accumulation: the global batch is the micro-batch)")
     if not 1 <= top <= 1000:
         raise InputError(f"--top must be between 1 and 1000, got {top}")
     req = PlanRequest(global_batch_size=size, global_batch_tokens=tokens, top_n=top,

@@ -83,8 +83,14 @@ def measure(scn: Scenario, device: Device, iterations: int = 2) -> dict[str, Any
             model = build_model(scn)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = build_optimizer(scn.training.optimizer, params, scn.training.has_master_weights,
-                              scn.training.step_impl)
+        tr = scn.training
+        if tr.optimizer_in_backward:  # per-parameter optimizers stepped by hooks
+            from vramcalc.trace.optim import InBackward, make_optimizer
+
+            opt = InBackward(params, lambda ps: make_optimizer(tr.optimizer, ps, tr.step_impl),
+                             lambda _p, _opt: None)
+        else:
+            opt = build_optimizer(tr.optimizer, params, tr.has_master_weights, tr.step_impl)
         _one_iteration(model, opt, scn, device)
         first = device.counters()
         out["first_step_max_memory_allocated_bytes"] = first["max_memory_allocated_bytes"]

@@ -97,6 +97,8 @@ def strategy_flags(s: dict[str, Any]) -> list[str]:
             flags += ["--" + key.replace("_", "-"), str(s[key])]
     if s.get("finetune") not in (None, "full", "none"):
         flags += ["--finetune", str(s["finetune"])]
+    if s.get("optimizer_in_backward"):
+        flags.append("--optimizer-in-backward")
     return flags
 
 

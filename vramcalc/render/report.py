@@ -35,7 +35,8 @@ def strategy_line(strategy: dict[str, Any]) -> str:
     if s.get("grad_accum", 1) > 1:
         parts.append(f"accum {s['grad_accum']}")
     impl = s.get("optimizer_impl")
-    optimizer = s["optimizer"] + (f" {impl}" if impl and impl != "foreach" else "")
+    optimizer = s["optimizer"] + (f" {impl}" if impl and impl != "foreach" else "") + (
+        " in backward" if s.get("optimizer_in_backward") else "")
     parts += [s["precision"], optimizer, f"attn {s['attention']}",
               f"recompute {s['recompute']}"]
     deg = [f"{k}{s[k]}" for k in ("dp", "tp", "pp", "cp", "ep") if s.get(k) and s[k] > 1]

@@ -62,7 +62,10 @@ def gradients_bytes(ctx: RankContext) -> int:
 def gradients_at_step_bytes(ctx: RankContext) -> int:
     """Gradients held during the optimizer step. DeepSpeed ZeRO-1 frees the full 16-bit
     gradients outside this rank's partition before the step (stage_1_and_2.py step():
-    free_grad_in_param_list(params_not_in_partition)) and keeps a flat partition."""
+    free_grad_in_param_list(params_not_in_partition)) and keeps a flat partition. With the
+    optimizer inside backward none are left (vramcalc/terms/optim_in_bwd.py)."""
+    if ctx.training.optimizer_in_backward:
+        return 0
     if ctx.engine == "deepspeed" and ctx.parallel.zero == 1:
         shard = ctx.parallel.shard_degree
         return ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard), "flat")

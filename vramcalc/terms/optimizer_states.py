@@ -119,6 +119,7 @@ def optimizer_state_split_on_device(ctx: RankContext) -> dict[str, int]:
     steps = (tr.optimizer in ("adam", "adamw") and tr.step_impl == "fused"
              and ctx.engine in ("single", "ddp", "fsdp2"))
     key = ("opt", tr.optimizer, tr.state_dtype, shard, es, layout, has_master(ctx),
+           tr.optimizer_in_backward,
            ctx.engine == "megatron" and ctx.training.weight_dtype == "fp16", steps)
     hit = shapes._memo.get(key)
     if hit is not None:
@@ -136,9 +137,12 @@ def optimizer_state_split_on_device(ctx: RankContext) -> dict[str, int]:
                                              es if t.is_expert else shard, dim0)
             for t in shapes.tensors
         )
-    if tr.optimizer.endswith("8bit") and any(
-            t.numel >= BNB_MIN_8BIT_SIZE for t in shapes.tensors):
-        states += BNB_QMAP_BYTES  # the two quantization maps, moved to the device once
+    if tr.optimizer.endswith("8bit"):
+        # the two quantization maps, moved to the device once per optimizer
+        # (`Optimizer2State.init_state`: `self.name2qmap[...].to(p.device)`): once, or per
+        # 8-bit tensor with one optimizer per parameter (vramcalc/terms/optim_in_bwd.py)
+        eight = sum(t.count for t in shapes.tensors if t.numel >= BNB_MIN_8BIT_SIZE)
+        states += BNB_QMAP_BYTES * (eight if tr.optimizer_in_backward else min(eight, 1))
     if steps:
         count = (sum(t.count for t in shapes.tensors) if finetunes(tr) else
                  module_param_count(ctx.spec, tr.framework, shapes))
@@ -190,6 +194,14 @@ def paged_split(ctx: RankContext) -> tuple[int, int]:
         paged += count * p
     shapes._memo[key] = (device, paged)
     return device, paged
+
+
+def paged_overhead(ctx: RankContext) -> dict[str, int]:
+    """Paged optimizer states (bitsandbytes unified memory): device memory outside the
+    allocator, reported as overhead (none for the other optimizers)."""
+    if not ctx.training.optimizer.startswith("paged-"):
+        return {}
+    return {"paged_optimizer_states": paged_state_bytes(ctx)}
 
 
 def paged_state_bytes(ctx: RankContext) -> int:

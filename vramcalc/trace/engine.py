@@ -216,7 +216,8 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
         for p in params:
             p.register_post_accumulate_grad_hook(on_grad)
         watch_logits(tracker, model, tr.framework)
-        opt = tracked_optimizer(tracker, tr, params)
+        opt = (in_backward_optimizer(tracker, tr, params) if tr.optimizer_in_backward
+               else tracked_optimizer(tracker, tr, params))
         run_steps(scn, tracker, model, params, opt, iterations, tick, autocast=autocast,
                   debug=debug)
         report_progress("done", 1.0)
@@ -252,6 +253,23 @@ def tracked_optimizer(tracker: Any, tr: Any, params: list[Any]) -> Any:
         for m in opt.masters:
             tracker.label(m, "optimizer_states/master")
     return opt
+
+
+def in_backward_optimizer(tracker: Any, tr: Any, params: list[Any]) -> Any:
+    """Per-parameter optimizers stepped by post-accumulate-grad hooks (registered after the
+    hook that labels gradients, so the gradient is labelled before its step); each step's
+    new states are labelled at once, its temporaries stay `transients` (the phase's)."""
+    from vramcalc.trace.optim import InBackward, make_optimizer, optimizer_state_tensors
+
+    def label_states(_p: Any, one: Any) -> None:
+        states, host = optimizer_state_tensors(one)
+        for t in host:
+            tracker.set_host(t)
+        for t in states:
+            tracker.label(t, "optimizer_states/states")
+
+    return InBackward(params, lambda ps: make_optimizer(tr.optimizer, ps, tr.step_impl),
+                      label_states)
 
 
 def run_steps(scn: Scenario, tracker: Any, model: Any, params: list[Any], opt: Any,

@@ -175,10 +175,43 @@ def build_optimizer(name: str, params: list[torch.Tensor], master_weights: bool,
     return make_optimizer(name, params, impl)
 
 
+class InBackward:
+    """torchtune's optimizer in backward (written from pytorch/torchtune bd2a0fc
+    torchtune/modules/optim.py `OptimizerInBackward`, torchtune/training/memory.py
+    `register_optim_in_bwd_hooks`): one optimizer per trained parameter, and a
+    post-accumulate-grad hook on each that steps it and sets the gradient to None as soon
+    as autograd has accumulated it. `step` is then a no-op (the recipe still calls it);
+    `on_step(p, opt)` runs after each parameter's step (the engine labels its states)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], make: Callable[[list[torch.Tensor]], Optimizer],
+                 on_step: Callable[[torch.Tensor, Optimizer], None]) -> None:
+        self.optimizers = [make([p]) for p in params]
+        for p, opt in zip(params, self.optimizers, strict=True):
+            def hook(param: torch.Tensor, opt: Optimizer = opt) -> None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                on_step(param, opt)
+
+            p.register_post_accumulate_grad_hook(hook)
+
+    def step(self) -> None:
+        """Every parameter was stepped inside backward."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
 def optimizer_state_tensors(opt) -> tuple[list[torch.Tensor], list[torch.Tensor]]:  # noqa: ANN001
     """(device state tensors incl. fp32 masters, host step counters) of an optimizer."""
     device: list[torch.Tensor] = []
     host: list[torch.Tensor] = []
+    if isinstance(opt, InBackward):
+        for one in opt.optimizers:
+            d, h = optimizer_state_tensors(one)
+            device += d
+            host += h
+        return device, host
     if isinstance(opt, MixedPrecisionOptimizer):
         device += opt.masters
         inner = opt.inner
