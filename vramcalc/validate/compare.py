@@ -60,9 +60,12 @@ def analytic_points(scn: Scenario) -> dict[str, int]:
     scn = scn.resolved()
     phases, _first, _live = stage_phases(scn, 0, scn.cluster.gpu if scn.cluster else None)
     by_name = {p.name: p.terms() for p in phases}
+    # parameters only: the trace's point counts parameter storages, not buffers (torchtitan's
+    # freqs_cis is a weights sub-term of the analytic report)
+    buffers = next(p.parts for p in phases if p.name == "optimizer").get("weights/buffers", 0)
     ctx = RankContext(scn.model, scn.training, scn.parallel, 0)
     return {
-        "weights": by_name["optimizer"].get("weights", 0),
+        "weights": by_name["optimizer"].get("weights", 0) - buffers,
         "gradients": by_name["optimizer"].get("gradients", 0),
         "optimizer_states": by_name["optimizer"].get("optimizer_states", 0),
         "activations": act.microbatch_activation_bytes(ctx),

@@ -8,6 +8,9 @@ cross entropy, activation offload), both profiles: `reference` traces vramcalc's
 NF4Linear (vramcalc/trace/lora.py, nf4.py); `hf` traces transformers + PEFT's get_peft_model
 (with NF4Linear bases for QLoRA).
 
+The torchtitan profile: every activation checkpointing mode on one rank, per-op SAC and
+full AC under FSDP2 (`titan_grid`).
+
 FP8 and QAT cases, the reference profile only (vramcalc/terms/lowprec.py says why): FP8
 traces the Transformer Engine stand-in `FP8Linear`, QAT real torch fake-quant ops
 (`QATLinear`), both in vramcalc/trace/lowprec.py.
@@ -75,7 +78,28 @@ def default_grid() -> list[tuple[str, Scenario]]:
     grid += finetune_grid()  # LoRA / QLoRA / DoRA, 8-bit and paged optimizers
     grid += lowprec_grid()  # FP8 (Transformer Engine stand-in) and QAT
     grid += fsdp_grid()
+    grid += titan_grid()
     return grid
+
+
+def titan_grid() -> list[tuple[str, Scenario]]:
+    """The torchtitan profile (vramcalc/terms/torchtitan.py; the trace runs its SAC policy
+    through torch's selective-checkpoint contexts): one rank in fp32 with every activation
+    checkpointing mode, and FSDP2 with bf16 mixed precision."""
+    out: list[tuple[str, Scenario]] = []
+    modes: tuple[tuple[str, int | None], ...] = (
+        ("none", None), ("full", None), ("selective", None), ("selective", 2))
+    for shape in ("llama-gqa", "llama-mha"):
+        for rec, every in modes:
+            name, scn = scenario_for(shape, framework="torchtitan", precision="fp32",
+                                     recompute=rec, recompute_every=every)
+            out.append((name + (f"/every{every}" if every else ""), scn))
+    for rec in ("selective", "full"):
+        name, scn = scenario_for("llama-gqa", framework="torchtitan", precision="amp-bf16",
+                                 recompute=rec)
+        par = ParallelConfig(dp=4, fsdp="full")
+        out.append((f"{name}/fsdp-full4", scn.model_copy(update={"parallel": par})))
+    return out
 
 
 def fsdp_grid() -> list[tuple[str, Scenario]]:
