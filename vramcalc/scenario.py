@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from vramcalc.errors import InputError
 from vramcalc.hardware import Cluster
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig, resolve_layout
@@ -42,6 +43,12 @@ class Scenario(BaseModel):
         """Validate the layout against model and world size; fill in dp, the optimizer
         step's implementation where a torch optimizer steps (DeepSpeed and Megatron-LM step
         their own fused optimizers) and the allocator's expandable segments (the stack's)."""
+        if self.model.is_mla:
+            # Parameters are exact (vramcalc/model.py `mla_tensors`); the saved-tensor tables
+            # and the traced models do not have multi-latent attention's shapes yet.
+            raise InputError(f"{self.model.name}: multi-latent attention (kv_lora_rank) has "
+                             "exact parameter counts but no activation model yet; memory "
+                             "estimates are not available for it")
         par = resolve_layout(self.model, self.training, self.parallel, self.world_size)
         tr = self.training
         if (tr.optimizer_impl is None and tr.optimizer in TORCH_STEPPED

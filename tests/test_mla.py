@@ -1,0 +1,153 @@
+"""Multi-latent attention (DeepSeek-V2/V3): exact parameter counts and per-rank TP shapes.
+
+Expected counts come from transformers itself: the model is built from the config on the
+meta device and `sum(p.numel() for p in model.parameters())` is counted
+(tests/test_catalog.py `transformers_count`). TP shapes are derived by hand from
+Megatron-LM's MLASelfAttention (megatron/core/transformer/multi_latent_attention.py
+@ d98e8a64: linear_q_down_proj / linear_kv_down_proj are TELinear(parallel_mode=
+"duplicated"), linear_q_up_proj / linear_kv_up_proj column-parallel, linear_proj
+row-parallel).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vramcalc.cli import main
+from vramcalc.errors import InputError
+from vramcalc.hf_config import from_hf_config
+from vramcalc.model import spec_from_fields
+from vramcalc.parallel import ParallelConfig
+from vramcalc.sharding import rank_tensors
+
+
+def transformers_count(cfg: dict[str, Any]) -> int:
+    """transformers' own count: the model built from `cfg` on the meta device."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(**cfg)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+# A small DeepSeek-V3: 4 layers, the first dense, 8 routed experts, 2 shared experts.
+SMALL_V3: dict[str, Any] = {
+    "model_type": "deepseek_v3", "hidden_size": 256, "num_hidden_layers": 4,
+    "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 512,
+    "moe_intermediate_size": 64, "vocab_size": 1000, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "n_shared_experts": 2, "first_k_dense_replace": 1,
+    "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+    "v_head_dim": 24, "n_group": 2, "topk_group": 1,
+}  # fmt: skip
+
+# deepseek-ai/DeepSeek-V3 config.json (the keys that shape parameters).
+DEEPSEEK_V3: dict[str, Any] = {
+    "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "vocab_size": 129280, "n_routed_experts": 256,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "num_nextn_predict_layers": 1,
+    "max_position_embeddings": 163840, "tie_word_embeddings": False,
+}  # fmt: skip
+
+# deepseek-ai/DeepSeek-V2-Lite config.json: no q compression (q_lora_rank null).
+DEEPSEEK_V2_LITE: dict[str, Any] = {
+    "model_type": "deepseek_v2", "hidden_size": 2048, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 10944,
+    "moe_intermediate_size": 1408, "vocab_size": 102400, "n_routed_experts": 64,
+    "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+    "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 163840,
+}  # fmt: skip
+
+SMALL_CASES = {
+    "v3_small": SMALL_V3,
+    "v3_no_q_lora": {**SMALL_V3, "q_lora_rank": None},
+    "v3_attention_bias_all_moe": {**SMALL_V3, "attention_bias": True, "first_k_dense_replace": 0},
+    "v3_all_dense": {**SMALL_V3, "first_k_dense_replace": 4},
+    "v3_no_shared": {**SMALL_V3, "n_shared_experts": 0},
+    "v2_small": {**SMALL_V3, "model_type": "deepseek_v2", "first_k_dense_replace": 2},
+}
+
+
+@pytest.mark.parametrize("cfg", SMALL_CASES.values(), ids=SMALL_CASES.keys())
+def test_small_mla_counts_match_transformers(cfg: dict[str, Any]) -> None:
+    assert from_hf_config(cfg, "config.json").num_params == transformers_count(cfg)
+
+
+def test_deepseek_v3_count() -> None:
+    # 671B: the DeepSeek-V3 model card's main-model figure (the 685B on the hub adds the
+    # 14B multi-token-prediction module, which transformers does not build)
+    expected = transformers_count(DEEPSEEK_V3)
+    assert 670.5e9 < expected < 671.5e9
+    spec = from_hf_config(DEEPSEEK_V3, "deepseek-v3/config.json")
+    assert spec.num_params == expected
+    assert spec.is_mla and spec.q_lora_rank == 1536 and spec.num_moe_layers == 58
+
+
+def test_deepseek_v2_lite_count() -> None:
+    # 15.7B total: the DeepSeek-V2-Lite model card
+    expected = transformers_count(DEEPSEEK_V2_LITE)
+    assert round(expected / 1e8) == 157
+    spec = from_hf_config(DEEPSEEK_V2_LITE, "config.json")
+    assert spec.q_lora_rank is None  # an explicit null is not the 1536 default
+    assert spec.num_params == expected
+
+
+def test_mla_attention_params_by_hand() -> None:
+    # modeling_deepseek_v3.py DeepseekV3Attention: h=256, a=8, qr=96, kr=64, dn=32, dr=16,
+    # dv=24: q_a 256·96 + norm 96 + q_b 96·8·48 + kv_a 256·80 + norm 64 + kv_b 64·8·56
+    # + o 8·24·256
+    spec = from_hf_config(SMALL_V3, "config.json")
+    assert spec.attention_params == (256 * 96 + 96 + 96 * 8 * 48 + 256 * 80 + 64
+                                     + 64 * 8 * 56 + 8 * 24 * 256)
+
+
+def test_mla_tp_shapes() -> None:
+    spec = from_hf_config(SMALL_V3, "config.json")
+    local = {t.name: t.numel for t in rank_tensors(spec, ParallelConfig(tp=2))}
+    assert local["attn.q_a_proj.weight"] == 256 * 96  # duplicated down-projection
+    assert local["attn.kv_a_proj_with_mqa.weight"] == 256 * (64 + 16)
+    assert local["attn.q_a_layernorm.weight"] == 96
+    assert local["attn.kv_a_layernorm.weight"] == 64
+    assert local["attn.q_b_proj.weight"] == 96 * 4 * 48  # 4 of 8 heads
+    assert local["attn.kv_b_proj.weight"] == 64 * 4 * (32 + 24)
+    assert local["attn.o_proj.weight"] == 4 * 24 * 256  # row-parallel: a·dv split
+
+
+@pytest.mark.parametrize(
+    ("update", "pattern"),
+    [
+        ({"q_lora_rank": 8}, "need kv_lora_rank"),
+        ({"kv_lora_rank": 8}, "needs kv_lora_rank, qk_nope_head_dim"),
+        ({"kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8},
+         "head_dim"),
+    ],
+)
+def test_bad_mla_fields(update: dict[str, Any], pattern: str) -> None:
+    base = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "intermediate_size": 128, "vocab_size": 100}
+    with pytest.raises(InputError, match=pattern):
+        spec_from_fields({**base, **update}, "spec.yaml")
+
+
+def test_v2_without_top_k_is_refused() -> None:
+    cfg = {k: v for k, v in DEEPSEEK_V2_LITE.items() if k != "num_experts_per_tok"}
+    with pytest.raises(InputError, match="lacks num_experts_per_tok"):
+        from_hf_config(cfg, "config.json")
+
+
+@pytest.mark.parametrize("command", ["estimate", "trace", "plan"])
+def test_estimates_refused_with_one_line(tmp_path: Path, command: str, capsys: Any) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(DEEPSEEK_V3))
+    args = [command, "--model", str(path)] + (["--gpus", "64xH100"] if command == "plan" else [])
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert "multi-latent attention" in err
