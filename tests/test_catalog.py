@@ -471,6 +471,17 @@ def preset_as_hf_config(spec: ModelSpec) -> dict[str, Any]:
         "vocab_size": spec.vocab_size, "max_position_embeddings": spec.max_position_embeddings,
         "tie_word_embeddings": spec.tie_word_embeddings,
     }  # fmt: skip
+    if spec.is_mla:  # DeepSeek-V3: the shared MLP is moe_intermediate_size · n_shared_experts
+        cfg |= {
+            "q_lora_rank": spec.q_lora_rank, "kv_lora_rank": spec.kv_lora_rank,
+            "qk_nope_head_dim": spec.qk_nope_head_dim,
+            "qk_rope_head_dim": spec.qk_rope_head_dim, "v_head_dim": spec.v_head_dim,
+            "n_routed_experts": spec.num_local_experts,
+            "num_experts_per_tok": spec.num_experts_per_tok,
+            "moe_intermediate_size": spec.expert_ffn,
+            "n_shared_experts": spec.shared_ffn // spec.expert_ffn,
+            "first_k_dense_replace": spec.first_k_dense_replace,
+        }  # fmt: skip
     if spec.model_type == "mixtral":
         cfg |= {
             "num_local_experts": spec.num_local_experts,

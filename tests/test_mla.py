@@ -20,7 +20,7 @@ import pytest
 from vramcalc.cli import main
 from vramcalc.errors import InputError
 from vramcalc.hf_config import from_hf_config
-from vramcalc.model import spec_from_fields
+from vramcalc.model import param_tensors, spec_from_fields
 from vramcalc.parallel import ParallelConfig
 from vramcalc.sharding import rank_tensors
 
@@ -151,3 +151,54 @@ def test_estimates_refused_with_one_line(tmp_path: Path, command: str, capsys: A
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ")
     assert "multi-latent attention" in err
+
+
+# ---- the reference model's MLA (groundwork for the activation tables) ------------------
+def _reference_model(spec: Any, **kw: Any) -> Any:
+    pytest.importorskip("torch")
+    from vramcalc.trace.reference_model import ReferenceModel
+
+    return ReferenceModel(spec, **kw)
+
+
+@pytest.mark.parametrize("cfg", SMALL_CASES.values(), ids=SMALL_CASES.keys())
+def test_reference_model_has_the_mla_parameters(cfg: dict[str, Any]) -> None:
+    import re
+    from collections import Counter
+
+    torch = pytest.importorskip("torch")
+    spec = from_hf_config(cfg, "config.json")
+    with torch.device("meta"):
+        model = _reference_model(spec)
+    got: Counter[tuple[str, int]] = Counter()
+    for name, p in model.named_parameters():
+        name = re.sub(r"^layers\.\d+\.", "", name)
+        name = re.sub(r"^mlp\.(?=router|experts|shared_experts)", "", name)
+        name = re.sub(r"^experts\.\d+\.", "experts.", name)
+        name = re.sub(r"^shared_experts\.\d+\.", "shared_expert.", name)
+        got[({"embed_tokens.weight": "embed_tokens"}.get(name, name), p.numel())] += 1
+    want: Counter[tuple[str, int]] = Counter()
+    for t in param_tensors(spec):
+        want[(t.name, t.numel)] += t.count
+    assert got == want
+    assert sum(p.numel() for p in model.parameters()) == transformers_count(cfg)
+
+
+@pytest.mark.parametrize("q_lora_rank", [96, None])
+def test_reference_mla_flash_eager_and_selective_agree(q_lora_rank: int | None) -> None:
+    # SDPA with q/k heads of dn+dr = 48 and v heads of dv = 24 against the written-out
+    # softmax(q kᵀ/√48) v, on real tensors
+    torch = pytest.importorskip("torch")
+    cfg = {**SMALL_V3, "q_lora_rank": q_lora_rank, "first_k_dense_replace": 4}
+    spec = from_hf_config(cfg, "config.json")
+    torch.manual_seed(0)
+    flash = _reference_model(spec, attention="flash")
+    eager = _reference_model(spec, attention="eager")
+    selective = _reference_model(spec, attention="flash", recompute="selective")
+    eager.load_state_dict(flash.state_dict())
+    selective.load_state_dict(flash.state_dict())
+    ids = torch.randint(0, spec.vocab_size, (2, 16))
+    labels = torch.randint(0, spec.vocab_size, (2, 16))
+    loss = flash(ids, labels)
+    assert torch.allclose(loss, eager(ids, labels), atol=1e-4)
+    assert torch.allclose(loss, selective(ids, labels), atol=1e-4)
