@@ -17,22 +17,15 @@ from typing import Any
 
 import pytest
 
+# the two config.json files (cited there) and transformers' meta-device numel count
+from test_catalog import DEEPSEEK_V2_LITE, DEEPSEEK_V3, transformers_count
+
 from vramcalc.cli import main
 from vramcalc.errors import InputError
 from vramcalc.hf_config import from_hf_config
 from vramcalc.model import param_tensors, spec_from_fields
 from vramcalc.parallel import ParallelConfig
 from vramcalc.sharding import rank_tensors
-
-
-def transformers_count(cfg: dict[str, Any]) -> int:
-    """transformers' own count: the model built from `cfg` on the meta device."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    config = transformers.AutoConfig.for_model(**cfg)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
 
 # A small DeepSeek-V3: 4 layers, the first dense, 8 routed experts, 2 shared experts.
 SMALL_V3: dict[str, Any] = {
@@ -42,27 +35,6 @@ SMALL_V3: dict[str, Any] = {
     "num_experts_per_tok": 2, "n_shared_experts": 2, "first_k_dense_replace": 1,
     "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
     "v_head_dim": 24, "n_group": 2, "topk_group": 1,
-}  # fmt: skip
-
-# deepseek-ai/DeepSeek-V3 config.json (the keys that shape parameters).
-DEEPSEEK_V3: dict[str, Any] = {
-    "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
-    "num_attention_heads": 128, "num_key_value_heads": 128, "intermediate_size": 18432,
-    "moe_intermediate_size": 2048, "vocab_size": 129280, "n_routed_experts": 256,
-    "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
-    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64, "v_head_dim": 128, "num_nextn_predict_layers": 1,
-    "max_position_embeddings": 163840, "tie_word_embeddings": False,
-}  # fmt: skip
-
-# deepseek-ai/DeepSeek-V2-Lite config.json: no q compression (q_lora_rank null).
-DEEPSEEK_V2_LITE: dict[str, Any] = {
-    "model_type": "deepseek_v2", "hidden_size": 2048, "num_hidden_layers": 27,
-    "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 10944,
-    "moe_intermediate_size": 1408, "vocab_size": 102400, "n_routed_experts": 64,
-    "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
-    "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 163840,
 }  # fmt: skip
 
 SMALL_CASES = {
