@@ -114,15 +114,73 @@ def test_v2_without_top_k_is_refused() -> None:
         from_hf_config(cfg, "config.json")
 
 
-@pytest.mark.parametrize("command", ["estimate", "trace", "plan"])
-def test_estimates_refused_with_one_line(tmp_path: Path, command: str, capsys: Any) -> None:
+def _write(tmp_path: Path, cfg: dict[str, Any]) -> str:
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(DEEPSEEK_V3))
-    args = [command, "--model", str(path)] + (["--gpus", "64xH100"] if command == "plan" else [])
-    assert main(args) == 2
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("extra", "missing"),
+    [
+        (["--framework", "megatron"], "the megatron profile"),
+        (["--framework", "hf"], "the hf profile"),
+        (["--attention", "eager"], "eager attention"),
+        (["--recompute", "selective"], "selective recompute"),
+        (["--tp", "2", "--gpus", "2xH100"], "tp=2"),
+    ],
+)
+def test_uncovered_scenarios_refused_with_one_line(tmp_path: Path, capsys: Any,
+                                                    extra: list[str], missing: str) -> None:
+    assert main(["estimate", "--model", _write(tmp_path, SMALL_V3), *extra]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ")
-    assert "multi-latent attention" in err
+    assert "multi-latent attention" in err and f"not {missing}" in err
+
+
+def test_plan_refused_with_one_line(tmp_path: Path, capsys: Any) -> None:
+    assert main(["plan", "--model", _write(tmp_path, DEEPSEEK_V3), "--gpus", "64xH100"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "planner does not search multi-latent" in err
+
+
+def test_estimate_runs_for_the_reference_profile(tmp_path: Path, capsys: Any) -> None:
+    assert main(["estimate", "--model", _write(tmp_path, SMALL_V3), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["model"]["num_params"] == transformers_count(SMALL_V3)
+
+
+# ---- the analytic table refereed by the trace (tests/test_trace.py tolerances) ---------
+AGREE_CASES = {
+    "dense": {**SMALL_V3, "num_hidden_layers": 2, "first_k_dense_replace": 2},
+    "no_q_lora": {**SMALL_V3, "num_hidden_layers": 2, "first_k_dense_replace": 2,
+                  "q_lora_rank": None},
+    "moe": {**SMALL_V3, "num_hidden_layers": 2},
+    "v_as_wide_as_qk": {**SMALL_V3, "num_hidden_layers": 2, "v_head_dim": 48},
+}
+
+
+@pytest.mark.parametrize(("precision", "recompute"),
+                         [("bf16", "none"), ("amp-bf16", "none"), ("amp-bf16", "full"),
+                          ("fp32", "none")])
+@pytest.mark.parametrize("cfg", AGREE_CASES.values(), ids=AGREE_CASES.keys())
+def test_mla_analytic_agrees_with_trace(cfg: dict[str, Any], precision: str,
+                                        recompute: str) -> None:
+    pytest.importorskip("torch")
+    from vramcalc.scenario import Scenario
+    from vramcalc.training import TrainingConfig
+    from vramcalc.validate import compare
+
+    spec = from_hf_config(cfg, "mla/config.json")
+    training = TrainingConfig(seq_len=256, micro_batch_size=2, precision=precision,
+                              recompute=recompute)  # type: ignore[arg-type]
+    row = compare("mla", Scenario(model=spec, training=training))
+    assert "error" not in row, row.get("error")
+    assert abs(row["rel_error"]) <= 0.03  # PEAK_MAX
+    terms = row["terms"]
+    assert abs(terms["activations"]["rel_error"]) <= 0.03  # ACTIVATIONS
+    for term in ("weights", "gradients", "optimizer_states"):
+        assert terms[term]["analytic"] == terms[term]["trace"], term
 
 
 # ---- the reference model's MLA (groundwork for the activation tables) ------------------

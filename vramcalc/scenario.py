@@ -11,6 +11,23 @@ from vramcalc.parallel import ParallelConfig, resolve_layout
 from vramcalc.training import TORCH_STEPPED, TrainingConfig
 
 
+def mla_unsupported(scn: Scenario) -> str | None:
+    """What of this scenario multi-latent attention's saved-tensor table
+    (vramcalc/terms/saved_layers.py `mla_saved`) does not cover yet, or None."""
+    tr, par = scn.training, scn.parallel
+    if tr.framework != "reference":
+        return f"the {tr.framework} profile"
+    for piece, on in (("eager attention", tr.attention != "flash"),
+                      ("selective recompute", tr.recompute == "selective"),
+                      (f"tp={par.tp}", par.tp > 1), (f"cp={par.cp}", par.cp > 1),
+                      ("fine-tuning", tr.finetune != "full"),
+                      ("FP8 / quantization-aware training",
+                       tr.precision == "fp8" or tr.qat != "none")):
+        if on:
+            return piece
+    return None
+
+
 class Scenario(BaseModel):
     """Everything one estimate needs. `cluster=None` estimates one rank with no fit check."""
 
@@ -44,11 +61,11 @@ class Scenario(BaseModel):
         step's implementation where a torch optimizer steps (DeepSpeed and Megatron-LM step
         their own fused optimizers) and the allocator's expandable segments (the stack's)."""
         if self.model.is_mla:
-            # Parameters are exact (vramcalc/model.py `mla_tensors`); the saved-tensor tables
-            # and the traced models do not have multi-latent attention's shapes yet.
-            raise InputError(f"{self.model.name}: multi-latent attention (kv_lora_rank) has "
-                             "exact parameter counts but no activation model yet; memory "
-                             "estimates are not available for it")
+            missing = mla_unsupported(self)
+            if missing:
+                raise InputError(f"{self.model.name}: multi-latent attention's activations are "
+                                 "modelled for --framework reference with flash attention on "
+                                 f"one tensor/context-parallel rank so far, not {missing}")
         par = resolve_layout(self.model, self.training, self.parallel, self.world_size)
         tr = self.training
         if (tr.optimizer_impl is None and tr.optimizer in TORCH_STEPPED

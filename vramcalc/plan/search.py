@@ -135,6 +135,9 @@ def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
         raise InputError("plan needs --gpus (GPU type and count)")
     if req.top_n < 1:
         raise InputError(f"--top must be at least 1, got {req.top_n}")
+    if base.model.is_mla:  # its table covers one tp/cp rank of the reference profile
+        raise InputError(f"{base.model.name}: the planner does not search multi-latent "
+                         "attention models yet (estimate one layout with --framework reference)")
     usable, context = usable_and_context(base)
     B = req.batch_for(base.training.seq_len)
     result = PlanResult(entries=[], closest=None, global_batch_size=B)

@@ -263,12 +263,17 @@ class MLAttention(Attention):
         q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)  # (b, a, s, dn+dr)
         k = torch.cat((k_nope, k_rope.expand(b, s, a, dr)), dim=-1).transpose(1, 2)
         v = v.transpose(1, 2)  # (b, a, s, dv)
+        if self.attention == "flash" and self.dv != self.d:
+            # fused kernels take equal head dims: pad v to dn+dr, crop the output back
+            # (transformers integrations/flash_attention.py, Megatron-LM MLA's v pad)
+            v = F.pad(v, (0, self.d - self.dv))  # (b, a, s, dn+dr)
         if self.selective:
             y = checkpoint(self.core, q, k, v, mask, use_reentrant=False,
                            preserve_rng_state=False)
         else:
-            y = self.core(q, k, v, mask)  # (b, a, s, dv)
-        return self.o_proj(y.transpose(1, 2).reshape(b, s, a * self.dv))  # (b, s, h)
+            y = self.core(q, k, v, mask)  # (b, a, s, dv or dn+dr)
+        y = y[..., :self.dv].transpose(1, 2).reshape(b, s, a * self.dv)  # (b, s, a·dv)
+        return self.o_proj(y)  # (b, s, h)
 
 
 class MLP(nn.Module):
