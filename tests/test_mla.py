@@ -125,9 +125,10 @@ def _write(tmp_path: Path, cfg: dict[str, Any]) -> str:
     [
         (["--framework", "megatron"], "the megatron profile"),
         (["--framework", "hf"], "the hf profile"),
-        (["--attention", "eager"], "eager attention"),
-        (["--recompute", "selective"], "selective recompute"),
+        (["--framework", "torchtitan", "--precision", "fp32"], "the torchtitan profile"),
         (["--tp", "2", "--gpus", "2xH100"], "tp=2"),
+        (["--cp", "2", "--gpus", "2xH100"], "cp=2"),
+        (["--finetune", "lora"], "fine-tuning"),
     ],
 )
 def test_uncovered_scenarios_refused_with_one_line(tmp_path: Path, capsys: Any,
@@ -135,7 +136,7 @@ def test_uncovered_scenarios_refused_with_one_line(tmp_path: Path, capsys: Any,
     assert main(["estimate", "--model", _write(tmp_path, SMALL_V3), *extra]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ")
-    assert "multi-latent attention" in err and f"not {missing}" in err
+    assert "multi-latent attention" in err and f"; not {missing}" in err
 
 
 def test_plan_refused_with_one_line(tmp_path: Path, capsys: Any) -> None:
@@ -160,11 +161,13 @@ AGREE_CASES = {
 }
 
 
-@pytest.mark.parametrize(("precision", "recompute"),
-                         [("bf16", "none"), ("amp-bf16", "none"), ("amp-bf16", "full"),
-                          ("fp32", "none")])
+@pytest.mark.parametrize(("attention", "precision", "recompute"),
+                         [("flash", "bf16", "none"), ("flash", "amp-bf16", "none"),
+                          ("flash", "amp-bf16", "full"), ("flash", "fp32", "none"),
+                          ("flash", "amp-bf16", "selective"), ("eager", "bf16", "none"),
+                          ("eager", "amp-bf16", "selective"), ("eager", "amp-bf16", "full")])
 @pytest.mark.parametrize("cfg", AGREE_CASES.values(), ids=AGREE_CASES.keys())
-def test_mla_analytic_agrees_with_trace(cfg: dict[str, Any], precision: str,
+def test_mla_analytic_agrees_with_trace(cfg: dict[str, Any], attention: str, precision: str,
                                         recompute: str) -> None:
     pytest.importorskip("torch")
     from vramcalc.scenario import Scenario
@@ -173,7 +176,7 @@ def test_mla_analytic_agrees_with_trace(cfg: dict[str, Any], precision: str,
 
     spec = from_hf_config(cfg, "mla/config.json")
     training = TrainingConfig(seq_len=256, micro_batch_size=2, precision=precision,
-                              recompute=recompute)  # type: ignore[arg-type]
+                              recompute=recompute, attention=attention)  # type: ignore[arg-type]
     row = compare("mla", Scenario(model=spec, training=training))
     assert "error" not in row, row.get("error")
     assert abs(row["rel_error"]) <= 0.03  # PEAK_MAX

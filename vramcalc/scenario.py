@@ -17,9 +17,7 @@ def mla_unsupported(scn: Scenario) -> str | None:
     tr, par = scn.training, scn.parallel
     if tr.framework != "reference":
         return f"the {tr.framework} profile"
-    for piece, on in (("eager attention", tr.attention != "flash"),
-                      ("selective recompute", tr.recompute == "selective"),
-                      (f"tp={par.tp}", par.tp > 1), (f"cp={par.cp}", par.cp > 1),
+    for piece, on in ((f"tp={par.tp}", par.tp > 1), (f"cp={par.cp}", par.cp > 1),
                       ("fine-tuning", tr.finetune != "full"),
                       ("FP8 / quantization-aware training",
                        tr.precision == "fp8" or tr.qat != "none")):
@@ -64,8 +62,8 @@ class Scenario(BaseModel):
             missing = mla_unsupported(self)
             if missing:
                 raise InputError(f"{self.model.name}: multi-latent attention's activations are "
-                                 "modelled for --framework reference with flash attention on "
-                                 f"one tensor/context-parallel rank so far, not {missing}")
+                                 "modelled for --framework reference on one tensor/context-"
+                                 f"parallel rank, full training, so far; not {missing}")
         par = resolve_layout(self.model, self.training, self.parallel, self.world_size)
         tr = self.training
         if (tr.optimizer_impl is None and tr.optimizer in TORCH_STEPPED

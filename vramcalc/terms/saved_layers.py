@@ -108,6 +108,8 @@ def mla_saved(ctx: RankContext, x: Dims) -> list[Saved]:
                       "kv_a_proj output; the latent the norm keeps is a view of it"),
                 Saved("attn.kv_a_layernorm.rstd", T, "fp32", "(rows)", "fp32 1/rms")]
     out += _linear_inputs(x, "attn.kv_b.input", T * kr, 1, "(T, kr) normed")
+    if ctx.training.attention == "eager":
+        return out + _mla_eager_core(ctx, x)
     out += [Saved("attn.q", bsad, c, "(b, a, s, d)", "cat(q_nope, rotated q_rope)"),
             Saved("attn.k", bsad, c, "(b, a, s, d)", "cat(k_nope, rotated shared k_rope)")]
     if dv == x.d:  # no pad: v is a view of kv_b's output, o_proj's input a view of the output
@@ -115,12 +117,33 @@ def mla_saved(ctx: RankContext, x: Dims) -> list[Saved]:
                          "kv_b_proj output, kept through the v view"))
     else:
         out.append(Saved("attn.v", bsad, c, "(b, a, s, d)", "v padded from dv to d"))
-    out += [Saved("attn.out", bsad, c, "(b, a, s, d)", "SDPA output, kept by SDPA"),
-            Saved("attn.lse", x.b * x.a * x.s, "fp32", "(b, a, s)", "logsumexp, fp32")]
+    if ctx.training.recompute != "selective":
+        out += [Saved("attn.out", bsad, c, "(b, a, s, d)", "SDPA output, kept by SDPA"),
+                Saved("attn.lse", x.b * x.a * x.s, "fp32", "(b, a, s)", "logsumexp, fp32")]
+    elif dv == x.d:  # the checkpointed core keeps its inputs; o_proj a view of its output
+        out.append(Saved("attn.out", bsad, c, "(b, a, s, d)",
+                         "core output, kept by o_proj (the core is recomputed)"))
     if dv != x.d:
         out.append(Saved("attn.o_input", T * x.a * dv, c, "(b, s, a·dv)",
                          "copy of the output cropped to dv, o_proj input"))
     return out
+
+
+def _mla_eager_core(ctx: RankContext, x: Dims) -> list[Saved]:
+    """MLA's written-out core (v unpadded, (b, a, s, dv)) and o_proj's input copy."""
+    spec, c = ctx.spec, x.c
+    dn, dv = spec.qk_nope_head_dim or 0, spec.v_head_dim or 0
+    bsad, bsav = x.b * x.s * x.a * x.d, x.b * x.s * x.a * dv
+    o_input = Saved("attn.o_input", bsav, c, "(b, s, a·dv)", "contiguous copy for o_proj")
+    if ctx.training.recompute == "selective":  # the checkpoint keeps the core's inputs
+        return [Saved("attn.q", bsad, c, "(b, s, a, d)", "cat output, checkpoint input"),
+                Saved("attn.k", bsad, c, "(b, s, a, d)", "cat output, checkpoint input"),
+                Saved("attn.kv", x.T * x.a * (dn + dv), c, "(T, a·(dn+dv))",
+                      "kv_b_proj output, kept through the v view"), o_input]
+    return [Saved("attn.q", bsad, c, "(b, a, s, d)", "contiguous q for q @ kᵀ"),
+            Saved("attn.k", bsad, c, "(b, a, s, d)", "contiguous k"),
+            Saved("attn.v", bsav, c, "(b, a, s, dv)", "contiguous v for probs @ v"),
+            *attention_core_saved(ctx, x), o_input]
 
 
 def _attention_saved(ctx: RankContext, x: Dims) -> list[Saved]:
