@@ -139,8 +139,11 @@ def test_uncovered_scenarios_refused_with_one_line(tmp_path: Path, capsys: Any,
     assert "multi-latent attention" in err and f"; not {missing}" in err
 
 
-def test_plan_refused_with_one_line(tmp_path: Path, capsys: Any) -> None:
-    assert main(["plan", "--model", _write(tmp_path, DEEPSEEK_V3), "--gpus", "64xH100"]) == 2
+@pytest.mark.parametrize("args", [["plan", "--gpus", "64xH100"],
+                                  ["size", "--tokens", "1T", "--gpu", "H100"]])
+def test_plan_and_size_refused_with_one_line(tmp_path: Path, capsys: Any,
+                                             args: list[str]) -> None:
+    assert main([args[0], "--model", _write(tmp_path, DEEPSEEK_V3), *args[1:]]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "planner does not search multi-latent" in err
 
