@@ -16,16 +16,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 # the two config.json files (cited there) and transformers' meta-device numel count
 from test_catalog import DEEPSEEK_V2_LITE, DEEPSEEK_V3, transformers_count
 
+from vramcalc.analytic import estimate
 from vramcalc.cli import main
 from vramcalc.errors import InputError
 from vramcalc.hf_config import from_hf_config
-from vramcalc.model import param_tensors, spec_from_fields
+from vramcalc.model import ModelSpec, param_tensors, spec_from_fields
 from vramcalc.parallel import ParallelConfig
+from vramcalc.rank import RankContext
+from vramcalc.report import ALLOCATED_TERMS
+from vramcalc.scenario import Scenario
 from vramcalc.sharding import rank_tensors
+from vramcalc.terms import activations as act
+from vramcalc.training import TrainingConfig
 
 # A small DeepSeek-V3: 4 layers, the first dense, 8 routed experts, 2 shared experts.
 SMALL_V3: dict[str, Any] = {
@@ -173,8 +181,6 @@ AGREE_CASES = {
 def test_mla_analytic_agrees_with_trace(cfg: dict[str, Any], attention: str, precision: str,
                                         recompute: str) -> None:
     pytest.importorskip("torch")
-    from vramcalc.scenario import Scenario
-    from vramcalc.training import TrainingConfig
     from vramcalc.validate import compare
 
     spec = from_hf_config(cfg, "mla/config.json")
@@ -238,3 +244,69 @@ def test_reference_mla_flash_eager_and_selective_agree(q_lora_rank: int | None) 
     loss = flash(ids, labels)
     assert torch.allclose(loss, eager(ids, labels), atol=1e-4)
     assert torch.allclose(loss, selective(ids, labels), atol=1e-4)
+
+
+# ---- invariants (STYLE.md) on MLA specs ------------------------------------------------
+@st.composite
+def mla_specs(draw: st.DrawFn) -> ModelSpec:
+    heads = draw(st.sampled_from([1, 2, 4, 8]))
+    dn, dr = draw(st.sampled_from([0, 16, 32])), draw(st.sampled_from([8, 16]))
+    layers = draw(st.integers(1, 4))
+    moe = draw(st.booleans())
+    return ModelSpec(
+        model_type="deepseek_v3", hidden_size=draw(st.sampled_from([64, 128, 256])),
+        num_hidden_layers=layers, num_attention_heads=heads, head_dim=dn + dr,
+        intermediate_size=draw(st.sampled_from([64, 256])),
+        vocab_size=draw(st.integers(100, 3000)),
+        q_lora_rank=draw(st.sampled_from([None, 32, 96])),
+        kv_lora_rank=draw(st.sampled_from([16, 64])), qk_nope_head_dim=dn,
+        qk_rope_head_dim=dr, v_head_dim=draw(st.sampled_from([8, 24, dn + dr])),
+        num_local_experts=4 if moe else 0, num_experts_per_tok=2 if moe else 0,
+        moe_intermediate_size=32 if moe else None,
+        first_k_dense_replace=draw(st.integers(0, layers)) if moe else 0,
+    )
+
+
+mla_trainings = st.builds(
+    TrainingConfig,
+    seq_len=st.sampled_from([16, 64, 256, 1024]),
+    micro_batch_size=st.integers(1, 4),
+    precision=st.sampled_from(["fp32", "amp-bf16", "bf16", "bf16-pure"]),
+    attention=st.sampled_from(["flash", "eager"]),
+    recompute=st.sampled_from(["none", "selective", "full"]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(mla_specs(), mla_trainings)
+def test_mla_recompute_never_increases_activations(spec: ModelSpec, tr: TrainingConfig) -> None:
+    per = {}
+    for rec in ("none", "selective", "full"):
+        ctx = RankContext(spec, tr.model_copy(update={"recompute": rec}), ParallelConfig(dp=1))
+        per[rec] = act.layer_activation_bytes(ctx)
+    assert per["full"] <= per["selective"]
+    if tr.attention == "flash":
+        assert per["selective"] <= per["none"]
+    # a real exception: eager selective recompute keeps v's view of kv_b_proj's whole output
+    # (T·a·(dn+dv)) as a checkpoint input, which outweighs the (b, a, s, s) probabilities it
+    # saves when s < dn (the trace agrees: test_mla_analytic_agrees_with_trace)
+
+
+@settings(max_examples=60, deadline=None)
+@given(mla_specs(), mla_trainings, st.integers(2, 4))
+def test_mla_activations_linear_in_micro_batch(spec: ModelSpec, tr: TrainingConfig,
+                                               k: int) -> None:
+    one = RankContext(spec, tr.model_copy(update={"micro_batch_size": 1}), ParallelConfig(dp=1))
+    many = RankContext(spec, tr.model_copy(update={"micro_batch_size": k}), ParallelConfig(dp=1))
+    a1, ak = act.layer_activation_bytes(one), act.layer_activation_bytes(many)
+    assert abs(ak - k * a1) <= k * len(act.layer_saved(one)) * 512
+
+
+@settings(max_examples=30, deadline=None)
+@given(mla_specs(), mla_trainings)
+def test_mla_terms_are_non_negative_ints_and_add_up(spec: ModelSpec, tr: TrainingConfig) -> None:
+    rep = estimate(Scenario(model=spec, training=tr))
+    terms = rep.terms.as_dict()
+    assert all(isinstance(v, int) and v >= 0 for v in terms.values())
+    assert sum(terms[t] for t in ALLOCATED_TERMS) == rep.peak_allocated_bytes
+    assert rep.peak_allocated_bytes == max(rep.phases.values())
