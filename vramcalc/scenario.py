@@ -15,8 +15,11 @@ def mla_unsupported(scn: Scenario) -> str | None:
     """What of this scenario multi-latent attention's saved-tensor table
     (vramcalc/terms/saved_layers.py `mla_saved`) does not cover yet, or None."""
     tr, par = scn.training, scn.parallel
-    if tr.framework != "reference":
-        return f"the {tr.framework} profile"
+    why = {"hf": "transformers' DeepseekV3 attention is not traced yet",
+           "megatron": "megatron_layer.py has no MLA layer formula yet",
+           "torchtitan": "the torchtitan model has no MLA"}
+    if tr.framework in why:
+        return f"the {tr.framework} profile ({why[tr.framework]})"
     for piece, on in ((f"tp={par.tp}", par.tp > 1), (f"cp={par.cp}", par.cp > 1),
                       ("fine-tuning", tr.finetune != "full"),
                       ("FP8 / quantization-aware training",
