@@ -346,6 +346,29 @@ GEMMA2_9B = {  # google/gemma-2-9b
     "vocab_size": 256000,
 }  # fmt: skip
 
+# deepseek-ai/DeepSeek-V3 config.json (the keys that shape parameters; multi-latent
+# attention, 3 dense then 58 MoE layers)
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "vocab_size": 129280, "n_routed_experts": 256,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "num_nextn_predict_layers": 1,
+    "max_position_embeddings": 163840, "tie_word_embeddings": False,
+    "architectures": ["DeepseekV3ForCausalLM"],
+}  # fmt: skip
+
+# deepseek-ai/DeepSeek-V2-Lite config.json: no q compression (q_lora_rank null)
+DEEPSEEK_V2_LITE = {
+    "model_type": "deepseek_v2", "hidden_size": 2048, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 10944,
+    "moe_intermediate_size": 1408, "vocab_size": 102400, "n_routed_experts": 64,
+    "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+    "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 163840,
+}  # fmt: skip
+
 # (config, repo directory name, published count or None, preset with the same shapes or None)
 HF_CASES = [
     (LLAMA2_7B, "Llama-2-7b-hf", 6_738_415_616, "llama2-7b"),
@@ -359,6 +382,8 @@ HF_CASES = [
     (QWEN3_8B, "Qwen3-8B", None, "qwen3-8b"),
     (QWEN15_MOE, "Qwen1.5-MoE-A2.7B", None, None),
     (QWEN3_30B_A3B, "Qwen3-30B-A3B", None, None),
+    (DEEPSEEK_V3, "DeepSeek-V3", None, "deepseek-v3"),
+    (DEEPSEEK_V2_LITE, "DeepSeek-V2-Lite", None, None),
 ]
 HF_IDS = [case[1] for case in HF_CASES]
 
@@ -471,6 +496,17 @@ def preset_as_hf_config(spec: ModelSpec) -> dict[str, Any]:
         "vocab_size": spec.vocab_size, "max_position_embeddings": spec.max_position_embeddings,
         "tie_word_embeddings": spec.tie_word_embeddings,
     }  # fmt: skip
+    if spec.is_mla:  # DeepSeek-V3: the shared MLP is moe_intermediate_size · n_shared_experts
+        cfg |= {
+            "q_lora_rank": spec.q_lora_rank, "kv_lora_rank": spec.kv_lora_rank,
+            "qk_nope_head_dim": spec.qk_nope_head_dim,
+            "qk_rope_head_dim": spec.qk_rope_head_dim, "v_head_dim": spec.v_head_dim,
+            "n_routed_experts": spec.num_local_experts,
+            "num_experts_per_tok": spec.num_experts_per_tok,
+            "moe_intermediate_size": spec.expert_ffn,
+            "n_shared_experts": spec.shared_ffn // spec.expert_ffn,
+            "first_k_dense_replace": spec.first_k_dense_replace,
+        }  # fmt: skip
     if spec.model_type == "mixtral":
         cfg |= {
             "num_local_experts": spec.num_local_experts,

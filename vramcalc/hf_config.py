@@ -42,6 +42,16 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "pos": 131072,
     },
     "gpt_neox": {"kv": None, "head_dim": None, "tie": False, "act": "gelu", "pos": 2048},
+    "deepseek_v2": {"kv": None, "head_dim": None, "tie": False, "act": "silu", "pos": 2048},
+    "deepseek_v3": {"kv": 128, "head_dim": None, "tie": False, "act": "silu", "pos": 4096},
+}
+# Multi-latent attention and MoE defaults (configuration_deepseek_v2.py / _v3.py):
+# kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
+# n_routed_experts, n_shared_experts, moe_intermediate_size, num_experts_per_tok,
+# first_k_dense_replace (num_experts_per_tok None: V2 has no default, the key is required).
+_MLA_DEFAULTS: dict[str, tuple[int | None, ...]] = {
+    "deepseek_v2": (512, 1536, 128, 64, 128, 64, 2, 1407, None, 0),
+    "deepseek_v3": (512, 1536, 128, 64, 128, 256, 1, 2048, 8, 3),
 }
 # Unknown model types: llama-like (gated MLP, RMSNorm, no biases unless the keys say so).
 _GENERIC_DEFAULTS: dict[str, Any] = {
@@ -196,11 +206,54 @@ def _four_norms(c: _Cfg, model_type: str) -> dict[str, Any]:
     return {"num_layer_norms": 4}
 
 
+def _mla_fields(c: _Cfg, model_type: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2/V3: multi-latent attention, and MoE layers after the first
+    `first_k_dense_replace` dense ones (modeling_deepseek_v3.py `DeepseekV3DecoderLayer`).
+    The shared experts are one MLP of width moe_intermediate_size · n_shared_experts
+    (`DeepseekV3MoE`); the router is a h->E weight (its e_score_correction_bias is a buffer,
+    not a parameter). The multi-token-prediction layers (num_nextn_predict_layers) are not
+    built by transformers and not counted."""
+    kr, qr, dn, dr, dv, experts, shared, fe, k, first = _MLA_DEFAULTS[model_type]
+    # q_lora_rank: an explicit null means no q compression (DeepSeek-V2-Lite)
+    q_rank = None if "q_lora_rank" in c.cfg and c.cfg["q_lora_rank"] is None else (
+        c.get_int("q_lora_rank", qr))
+    dq = c.get_int("qk_nope_head_dim", dn) + c.get_int("qk_rope_head_dim", dr)
+    if model_type == "deepseek_v2" and c.get_bool("mlp_bias", False):
+        raise InputError(f"{c.source}: deepseek_v2 with mlp_bias (biases on the dense and "
+                         "shared MLPs, none on the experts) cannot be counted exactly yet")
+    num_experts = c.get_int("n_routed_experts", experts)
+    if num_experts < 1:
+        raise InputError(f"{c.source}: n_routed_experts must be >= 1, got {num_experts}")
+    c.require(("num_experts_per_tok",) if k is None else (), model_type)
+    n_shared = c.get_int("n_shared_experts", shared)
+    moe_ffn = c.get_int("moe_intermediate_size", fe)
+    bias = c.get_bool("attention_bias", False)
+    out = {
+        "num_key_value_heads": fields["num_attention_heads"],  # no kv-head grouping in MLA
+        "head_dim": dq,
+        "q_lora_rank": q_rank,
+        "kv_lora_rank": c.get_int("kv_lora_rank", kr),
+        "qk_nope_head_dim": c.get_int("qk_nope_head_dim", dn),
+        "qk_rope_head_dim": c.get_int("qk_rope_head_dim", dr),
+        "v_head_dim": c.get_int("v_head_dim", dv),
+        "attention_bias": bias,
+        "attention_out_bias": bias,
+        "num_local_experts": num_experts,
+        "num_experts_per_tok": c.get_int("num_experts_per_tok", k),
+        "moe_intermediate_size": moe_ffn,
+        "first_k_dense_replace": min(c.get_int("first_k_dense_replace", first),
+                                     fields["num_hidden_layers"]),
+    }
+    if n_shared:
+        out.update(num_shared_experts=1, shared_expert_intermediate_size=moe_ffn * n_shared)
+    return out
+
+
 def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
     """Map a Hugging Face `config.json` dict to a ModelSpec.
 
     Supported model_type: gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
-    qwen3_moe, phi3, gemma (gemma2 / gemma3_text need 4 norms per layer, see `_four_norms`);
+    qwen3_moe, phi3, deepseek_v2, deepseek_v3 (multi-latent attention), gemma (gemma2 / gemma3_text need 4 norms per layer, see `_four_norms`);
     any other model_type is read as a llama-like decoder from the generic keys
     (hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size),
     honouring attention_bias / mlp_bias / tie_word_embeddings when present. Keys a file
@@ -240,6 +293,8 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
                 num_local_experts=c.get_int("num_local_experts", 8),
                 num_experts_per_tok=c.get_int("num_experts_per_tok", 2),
             )
+        elif model_type in _MLA_DEFAULTS:
+            fields.update(_mla_fields(c, model_type, fields))
         elif model_type == "gpt_neox":
             bias = c.get_bool("attention_bias", True)  # query_key_value and dense
             fields.update(

@@ -7,6 +7,9 @@ would count it for the matching PyTorch model.
 Legend: h = hidden_size, a = num_attention_heads, g = num_key_value_heads,
 d = head_dim, f = intermediate_size, V = vocab_size, L = num_hidden_layers,
 E = num_local_experts, fe = moe_intermediate_size.
+Multi-latent attention (DeepSeek-V2/V3, `kv_lora_rank` set): qr = q_lora_rank (None: a plain
+q projection), kr = kv_lora_rank, dn = qk_nope_head_dim, dr = qk_rope_head_dim,
+dv = v_head_dim; q/k heads are dn + dr wide (head_dim), v heads dv.
 """
 
 from __future__ import annotations
@@ -60,6 +63,12 @@ class ModelSpec(BaseModel):
     shared_expert_gate: bool = False  # Qwen2-MoE: a h->1 gate on the shared expert
     first_k_dense_replace: int = Field(0, ge=0, le=MAX_LAYERS)  # leading dense layers
     router_bias: bool = False
+    # Multi-latent attention (DeepSeek-V2/V3); kv_lora_rank None means ordinary attention.
+    q_lora_rank: int | None = Field(None, gt=0, le=MAX_DIM)
+    kv_lora_rank: int | None = Field(None, gt=0, le=MAX_DIM)
+    qk_nope_head_dim: int | None = Field(None, ge=0, le=MAX_DIM)
+    qk_rope_head_dim: int | None = Field(None, gt=0, le=MAX_DIM)
+    v_head_dim: int | None = Field(None, gt=0, le=MAX_DIM)
     num_layer_norms: int = Field(2, ge=1, le=8)  # Gemma 2/3: 4 (pre/post attn and MLP)
     source: str = "custom"  # where the spec came from (preset, file path)
 
@@ -84,7 +93,24 @@ class ModelSpec(BaseModel):
                 )
             if self.first_k_dense_replace > self.num_hidden_layers:
                 raise InputError("first_k_dense_replace exceeds num_hidden_layers")
+        self._check_mla()
         return self
+
+    def _check_mla(self) -> None:
+        mla = (self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+        if self.kv_lora_rank is None:
+            if self.q_lora_rank is not None or any(v is not None for v in mla):
+                raise InputError("multi-latent attention fields need kv_lora_rank")
+            return
+        if any(v is None for v in mla):
+            raise InputError("multi-latent attention needs kv_lora_rank, qk_nope_head_dim, "
+                             "qk_rope_head_dim and v_head_dim")
+        if self.head_dim != self.qk_head_dim:
+            raise InputError(f"multi-latent attention: head_dim ({self.head_dim}) must be "
+                             f"qk_nope_head_dim + qk_rope_head_dim ({self.qk_head_dim})")
+        if self.kv_heads != self.num_attention_heads:
+            raise InputError("multi-latent attention: num_key_value_heads must equal "
+                             "num_attention_heads")
 
     # ---- derived shapes -------------------------------------------------
     @property
@@ -94,6 +120,16 @@ class ModelSpec(BaseModel):
     @property
     def head_size(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-latent attention (DeepSeek-V2/V3): latent q and kv projections."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def qk_head_dim(self) -> int:
+        """MLA: width of a q or k head, qk_nope_head_dim + qk_rope_head_dim."""
+        return (self.qk_nope_head_dim or 0) + (self.qk_rope_head_dim or 0)
 
     @property
     def is_moe(self) -> bool:
@@ -128,7 +164,10 @@ class ModelSpec(BaseModel):
 
     @cached_property
     def attention_params(self) -> int:
-        """Per layer: q (h->a·d), k and v (h->g·d), o (a·d->h), their biases, q/k norms."""
+        """Per layer: q (h->a·d), k and v (h->g·d), o (a·d->h), their biases, q/k norms.
+        Multi-latent attention: the tensors of `mla_tensors`."""
+        if self.is_mla:
+            return sum(numel for _, numel, _, _ in mla_tensors(self))
         h, a, g, d = self.hidden_size, self.num_attention_heads, self.kv_heads, self.head_size
         n = h * a * d + 2 * h * g * d + a * d * h
         if self.attention_bias:
@@ -280,6 +319,42 @@ class ParamTensor:
     rows: int = 0  # first dimension of a matrix (0 for vectors); cols = numel // rows
 
 
+def mla_tensors(spec: ModelSpec) -> tuple[tuple[str, int, int, bool], ...]:
+    """Multi-latent attention's parameters of one layer as (name, numel, rows, tp_split).
+
+    transformers modeling_deepseek_v3.py `DeepseekV3Attention.__init__`: q_a_proj (h->qr,
+    bias=attention_bias), q_a_layernorm (qr), q_b_proj (qr->a·(dn+dr)), or q_proj
+    (h->a·(dn+dr), no bias) when q_lora_rank is None; kv_a_proj_with_mqa (h->kr+dr,
+    bias=attention_bias), kv_a_layernorm (kr), kv_b_proj (kr->a·(dn+dv)), o_proj (a·dv->h,
+    bias=attention_bias). Under TP, Megatron-LM's MLASelfAttention (multi_latent_attention.py
+    @ d98e8a64) splits the up-projections and linear_proj by heads and keeps the
+    down-projections (TELinear parallel_mode="duplicated") and the latent norms whole.
+    """
+    h, a = spec.hidden_size, spec.num_attention_heads
+    qr, kr = spec.q_lora_rank, spec.kv_lora_rank or 0
+    dq, dr = spec.qk_head_dim, spec.qk_rope_head_dim or 0
+    dn, dv = spec.qk_nope_head_dim or 0, spec.v_head_dim or 0
+    bias = spec.attention_bias
+    out: list[tuple[str, int, int, bool]] = []
+    if qr:
+        out.append(("q_a_proj.weight", h * qr, qr, False))
+        if bias:
+            out.append(("q_a_proj.bias", qr, 0, False))
+        out += [("q_a_layernorm.weight", qr, 0, False),
+                ("q_b_proj.weight", qr * a * dq, a * dq, True)]
+    else:
+        out.append(("q_proj.weight", h * a * dq, a * dq, True))
+    out.append(("kv_a_proj_with_mqa.weight", h * (kr + dr), kr + dr, False))
+    if bias:
+        out.append(("kv_a_proj_with_mqa.bias", kr + dr, 0, False))
+    out += [("kv_a_layernorm.weight", kr, 0, False),
+            ("kv_b_proj.weight", kr * a * (dn + dv), a * (dn + dv), True),
+            ("o_proj.weight", a * dv * h, h, True)]
+    if spec.attention_out_bias:
+        out.append(("o_proj.bias", h, 0, False))
+    return tuple(out)
+
+
 @lru_cache(maxsize=256)
 def param_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
     """Every parameter tensor of the model with its element count (matches ModelSpec.num_params).
@@ -313,20 +388,28 @@ def param_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
                                        group=group, tp_split=width == ffn))
 
     L = spec.num_hidden_layers
-    out.append(ParamTensor(name="attn.q_proj.weight", numel=h * a * d, count=L, group="layer", rows=a * d))
-    out.append(ParamTensor(name="attn.k_proj.weight", numel=h * g * d, count=L, group="layer", rows=g * d))
-    out.append(ParamTensor(name="attn.v_proj.weight", numel=h * g * d, count=L, group="layer", rows=g * d))
-    out.append(ParamTensor(name="attn.o_proj.weight", numel=a * d * h, count=L, group="layer", rows=h))
-    if spec.attention_bias:
-        out.append(ParamTensor(name="attn.q_proj.bias", numel=a * d, count=L, group="layer"))
-        out.append(ParamTensor(name="attn.k_proj.bias", numel=g * d, count=L, group="layer"))
-        out.append(ParamTensor(name="attn.v_proj.bias", numel=g * d, count=L, group="layer"))
-    if spec.attention_out_bias:
-        out.append(ParamTensor(name="attn.o_proj.bias", numel=h, count=L, group="layer",
-                               tp_split=False))
-    if spec.qk_norm:
-        norm("attn.q_norm", d, L, "layer")
-        norm("attn.k_norm", d, L, "layer")
+    if spec.is_mla:
+        out += [ParamTensor(name=f"attn.{n}", numel=numel, count=L, group="layer", rows=rows,
+                            tp_split=split) for n, numel, rows, split in mla_tensors(spec)]
+    else:
+        out.append(ParamTensor(name="attn.q_proj.weight", numel=h * a * d, count=L,
+                               group="layer", rows=a * d))
+        out.append(ParamTensor(name="attn.k_proj.weight", numel=h * g * d, count=L,
+                               group="layer", rows=g * d))
+        out.append(ParamTensor(name="attn.v_proj.weight", numel=h * g * d, count=L,
+                               group="layer", rows=g * d))
+        out.append(ParamTensor(name="attn.o_proj.weight", numel=a * d * h, count=L,
+                               group="layer", rows=h))
+        if spec.attention_bias:
+            out.append(ParamTensor(name="attn.q_proj.bias", numel=a * d, count=L, group="layer"))
+            out.append(ParamTensor(name="attn.k_proj.bias", numel=g * d, count=L, group="layer"))
+            out.append(ParamTensor(name="attn.v_proj.bias", numel=g * d, count=L, group="layer"))
+        if spec.attention_out_bias:
+            out.append(ParamTensor(name="attn.o_proj.bias", numel=h, count=L, group="layer",
+                                   tp_split=False))
+        if spec.qk_norm:
+            norm("attn.q_norm", d, L, "layer")
+            norm("attn.k_norm", d, L, "layer")
     norm("input_layernorm", h, L, "layer")
     norm("post_attention_layernorm", h, L, "layer")
     for i in range(spec.num_layer_norms - 2):

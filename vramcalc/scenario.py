@@ -11,6 +11,24 @@ from vramcalc.parallel import ParallelConfig, resolve_layout
 from vramcalc.training import TORCH_STEPPED, TrainingConfig, optimizer_in_backward_problem
 
 
+def mla_unsupported(scn: Scenario) -> str | None:
+    """What of this scenario multi-latent attention's saved-tensor table
+    (vramcalc/terms/saved_layers.py `mla_saved`) does not cover yet, or None."""
+    tr, par = scn.training, scn.parallel
+    why = {"hf": "transformers' DeepseekV3 attention is not traced yet",
+           "megatron": "megatron_layer.py has no MLA layer formula yet",
+           "torchtitan": "the torchtitan model has no MLA"}
+    if tr.framework in why:
+        return f"the {tr.framework} profile ({why[tr.framework]})"
+    for piece, on in ((f"tp={par.tp}", par.tp > 1), (f"cp={par.cp}", par.cp > 1),
+                      ("fine-tuning", tr.finetune != "full"),
+                      ("FP8 / quantization-aware training",
+                       tr.precision == "fp8" or tr.qat != "none")):
+        if on:
+            return piece
+    return None
+
+
 class Scenario(BaseModel):
     """Everything one estimate needs. `cluster=None` estimates one rank with no fit check."""
 
@@ -43,6 +61,12 @@ class Scenario(BaseModel):
         """Validate the layout against model and world size; fill in dp, the optimizer
         step's implementation where a torch optimizer steps (DeepSpeed and Megatron-LM step
         their own fused optimizers) and the allocator's expandable segments (the stack's)."""
+        if self.model.is_mla:
+            missing = mla_unsupported(self)
+            if missing:
+                raise InputError(f"{self.model.name}: multi-latent attention's activations are "
+                                 "modelled for --framework reference on one tensor/context-"
+                                 f"parallel rank, full training, so far; not {missing}")
         par = resolve_layout(self.model, self.training, self.parallel, self.world_size)
         tr = self.training
         if tr.optimizer_in_backward:

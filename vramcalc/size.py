@@ -22,6 +22,7 @@ from typing import Any
 from vramcalc.errors import InputError
 from vramcalc.hardware import Cluster, GPUProfile
 from vramcalc.plan import PlanEntry, PlanRequest, ProgressFn, search
+from vramcalc.plan.search import check_searchable
 from vramcalc.scenario import Scenario
 
 SECONDS_PER_DAY = 86_400
@@ -157,6 +158,7 @@ def size_cluster(base: Scenario, gpus: Sequence[GPUProfile], tokens: int, req: P
                  max_gpus: int = DEFAULT_MAX_GPUS,
                  progress: ProgressFn | None = None) -> list[SizeRow]:
     """One row per GPU type, in the order given."""
+    check_searchable(base)
     if tokens <= 0:
         raise InputError("--tokens must be positive")
     if days is not None and not (days > 0 and math.isfinite(days)):

@@ -128,6 +128,15 @@ def usable_and_context(base: Scenario) -> tuple[float, int]:
     return gpu.memory_total_bytes * (1 - base.headroom_fraction), gpu.context_overhead_bytes
 
 
+def check_searchable(base: Scenario) -> None:
+    """Refuse models the planner cannot search yet (InputError): multi-latent attention,
+    whose activation table covers one tp/cp rank of the reference profile and whose v heads
+    the bounds and speed model do not know (docs/methodology.md §1a)."""
+    if base.model.is_mla:
+        raise InputError(f"{base.model.name}: the planner does not search multi-latent "
+                         "attention models yet (estimate one layout with --framework reference)")
+
+
 def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
            want_closest: bool = True) -> PlanResult:
     """Best `req.top_n` strategies that fit on `base.cluster`, ranked (module docstring)."""
@@ -135,6 +144,7 @@ def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
         raise InputError("plan needs --gpus (GPU type and count)")
     if req.top_n < 1:
         raise InputError(f"--top must be at least 1, got {req.top_n}")
+    check_searchable(base)
     usable, context = usable_and_context(base)
     B = req.batch_for(base.training.seq_len)
     result = PlanResult(entries=[], closest=None, global_batch_size=B)

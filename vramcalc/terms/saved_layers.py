@@ -83,9 +83,74 @@ def attention_core_saved(ctx: RankContext, x: Dims) -> list[Saved]:
     return out
 
 
+def mla_saved(ctx: RankContext, x: Dims) -> list[Saved]:
+    """Multi-latent attention, reference profile, flash attention, one TP rank
+    (vramcalc/trace/reference_model.py `MLAttention`; scenario.py `mla_unsupported` refuses
+    the rest). Letters: vramcalc/model.py (qr, kr, dn, dr, dv); d = dn + dr.
+
+    The rotary halves and `torch.cat` keep nothing (their backward needs only cos/sin and
+    sizes); v (b, a, s, dv) is padded to d so the fused kernel runs with equal head dims, as
+    transformers' flash integration and Megatron-LM's MLA do, and the output is cropped
+    back to dv: the crop is strided, so o_proj's input is a copy."""
+    spec = ctx.spec
+    T, c = x.T, x.c
+    qr, kr = spec.q_lora_rank, spec.kv_lora_rank or 0
+    dr, dv = spec.qk_rope_head_dim or 0, spec.v_head_dim or 0
+    bsad = x.b * x.s * x.a * x.d
+    out = _linear_inputs(x, "attn.input", bsh(x), 2, "(b, s, h) normed")  # q_a or q, kv_a
+    if qr:
+        out += norm_saved(ctx, x, "attn.q_a_layernorm", T, qr, "(T, qr)")
+        out += _linear_inputs(x, "attn.q_b.input", T * qr, 1, "(T, qr) normed")
+    if x.amp:  # the norm upcasts its 16-bit input: that fp32 copy is what it keeps
+        out += norm_saved(ctx, x, "attn.kv_a_layernorm", T, kr, "(T, kr)")
+    else:  # the norm keeps its input, a view of kv_a's whole output
+        out += [Saved("attn.kv_a_out", T * (kr + dr), c, "(T, kr + dr)",
+                      "kv_a_proj output; the latent the norm keeps is a view of it"),
+                Saved("attn.kv_a_layernorm.rstd", T, "fp32", "(rows)", "fp32 1/rms")]
+    out += _linear_inputs(x, "attn.kv_b.input", T * kr, 1, "(T, kr) normed")
+    if ctx.training.attention == "eager":
+        return out + _mla_eager_core(ctx, x)
+    out += [Saved("attn.q", bsad, c, "(b, a, s, d)", "cat(q_nope, rotated q_rope)"),
+            Saved("attn.k", bsad, c, "(b, a, s, d)", "cat(k_nope, rotated shared k_rope)")]
+    if dv == x.d:  # no pad: v is a view of kv_b's output, o_proj's input a view of the output
+        out.append(Saved("attn.kv", T * x.a * (x.d - dr + dv), c, "(T, a·(dn+dv))",
+                         "kv_b_proj output, kept through the v view"))
+    else:
+        out.append(Saved("attn.v", bsad, c, "(b, a, s, d)", "v padded from dv to d"))
+    if ctx.training.recompute != "selective":
+        out += [Saved("attn.out", bsad, c, "(b, a, s, d)", "SDPA output, kept by SDPA"),
+                Saved("attn.lse", x.b * x.a * x.s, "fp32", "(b, a, s)", "logsumexp, fp32")]
+    elif dv == x.d:  # the checkpointed core keeps its inputs; o_proj a view of its output
+        out.append(Saved("attn.out", bsad, c, "(b, a, s, d)",
+                         "core output, kept by o_proj (the core is recomputed)"))
+    if dv != x.d:
+        out.append(Saved("attn.o_input", T * x.a * dv, c, "(b, s, a·dv)",
+                         "copy of the output cropped to dv, o_proj input"))
+    return out
+
+
+def _mla_eager_core(ctx: RankContext, x: Dims) -> list[Saved]:
+    """MLA's written-out core (v unpadded, (b, a, s, dv)) and o_proj's input copy."""
+    spec, c = ctx.spec, x.c
+    dn, dv = spec.qk_nope_head_dim or 0, spec.v_head_dim or 0
+    bsad, bsav = x.b * x.s * x.a * x.d, x.b * x.s * x.a * dv
+    o_input = Saved("attn.o_input", bsav, c, "(b, s, a·dv)", "contiguous copy for o_proj")
+    if ctx.training.recompute == "selective":  # the checkpoint keeps the core's inputs
+        return [Saved("attn.q", bsad, c, "(b, s, a, d)", "cat output, checkpoint input"),
+                Saved("attn.k", bsad, c, "(b, s, a, d)", "cat output, checkpoint input"),
+                Saved("attn.kv", x.T * x.a * (dn + dv), c, "(T, a·(dn+dv))",
+                      "kv_b_proj output, kept through the v view"), o_input]
+    return [Saved("attn.q", bsad, c, "(b, a, s, d)", "contiguous q for q @ kᵀ"),
+            Saved("attn.k", bsad, c, "(b, a, s, d)", "contiguous k"),
+            Saved("attn.v", bsav, c, "(b, a, s, dv)", "contiguous v for probs @ v"),
+            *attention_core_saved(ctx, x), o_input]
+
+
 def _attention_saved(ctx: RankContext, x: Dims) -> list[Saved]:
     """q/k/v projections to o_proj input (attention core included unless selective)."""
     spec, tr = ctx.spec, ctx.training
+    if spec.is_mla:
+        return mla_saved(ctx, x)
     hf = tr.framework == "hf"
     fam = hf_family(ctx) if hf else "reference"
     c = x.c
@@ -322,8 +387,9 @@ def embedding_saved(ctx: RankContext) -> list[Saved]:
     if tr.framework == "torchtitan":
         pass  # RoPE reads the freqs_cis buffer (vramcalc/terms/torchtitan.py): nothing saved
     elif spec.position_embedding == "rope":
-        # cos, sin (s, d): reference in c, hf in the residual dtype
-        out.append(Saved("rope.cos_sin", x.s * x.d, x.r if hf else x.c, "(s, d)",
+        # cos, sin (s, d): reference in c, hf in the residual dtype; MLA rotates dr dims
+        width = spec.qk_rope_head_dim or x.d
+        out.append(Saved("rope.cos_sin", x.s * width, x.r if hf else x.c, "(s, d)",
                          "rotary tables, kept by q·cos, q·sin of every layer", 2))
     elif ctx.is_first_stage:
         out.append(Saved("positions", x.s, "int64", "(s)", "position ids, kept by embedding"))

@@ -215,6 +215,67 @@ class Attention(nn.Module):
         return self.o_proj(y)  # (b, s, h)
 
 
+class MLAttention(Attention):
+    """Multi-latent attention (DeepSeek-V2/V3; shapes in vramcalc/model.py `mla_tensors`):
+    q = q_b(norm(q_a(x))) or q_proj(x), (b, s, a, dn+dr); the latent c = kv_a(x)[..., :kr]
+    expands to k_nope and v via kv_b(norm(c)), (b, s, a, dn+dv); one rotary key
+    kv_a(x)[..., kr:] (b, s, 1, dr) is shared by every head. The core runs with q/k heads
+    dn+dr wide and v heads dv wide (softmax scale 1/√(dn+dr))."""
+
+    def __init__(self, spec: ModelSpec, attention: str, recompute: str,
+                 **kw: Unpack[Factory]) -> None:
+        nn.Module.__init__(self)
+        h, a = spec.hidden_size, spec.num_attention_heads
+        qr, kr = spec.q_lora_rank, spec.kv_lora_rank or 0
+        self.dn, self.dr = spec.qk_nope_head_dim or 0, spec.qk_rope_head_dim or 0
+        self.dv, self.kr = spec.v_head_dim or 0, kr
+        self.a = self.g = a
+        self.d = self.dn + self.dr
+        bias = spec.attention_bias
+        self.q_proj = nn.Linear(h, a * self.d, bias=False, **kw) if not qr else None  # type: ignore[assignment]
+        self.q_a_proj = nn.Linear(h, qr, bias=bias, **kw) if qr else None
+        self.q_a_layernorm = make_norm(spec, qr, **kw) if qr else None
+        self.q_b_proj = nn.Linear(qr, a * self.d, bias=False, **kw) if qr else None
+        self.kv_a_proj_with_mqa = nn.Linear(h, kr + self.dr, bias=bias, **kw)
+        self.kv_a_layernorm = make_norm(spec, kr, **kw)
+        self.kv_b_proj = nn.Linear(kr, a * (self.dn + self.dv), bias=False, **kw)
+        self.o_proj = nn.Linear(a * self.dv, h, bias=spec.attention_out_bias, **kw)
+        self.attention = attention
+        self.selective = recompute == "selective"
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        a, dn, dr = self.a, self.dn, self.dr
+        if self.q_proj is not None:
+            q = self.q_proj(x)  # (b, s, a·(dn+dr))
+        else:
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None
+            assert self.q_b_proj is not None
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))  # (b, s, qr) inside
+        q_nope, q_rope = q.view(b, s, a, self.d).split((dn, dr), dim=-1)  # (b, s, a, dn|dr)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split((self.kr, dr), dim=-1)  # (b, s, kr|dr)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, s, a, dn + self.dv)
+        k_nope, v = kv.split((dn, self.dv), dim=-1)  # (b, s, a, dn), (b, s, a, dv)
+        k_rope = k_rope.view(b, s, 1, dr)  # one rotary key for all heads
+        if rope is not None:
+            q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
+        q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)  # (b, a, s, dn+dr)
+        k = torch.cat((k_nope, k_rope.expand(b, s, a, dr)), dim=-1).transpose(1, 2)
+        v = v.transpose(1, 2)  # (b, a, s, dv)
+        if self.attention == "flash" and self.dv != self.d:
+            # fused kernels take equal head dims: pad v to dn+dr, crop the output back
+            # (transformers integrations/flash_attention.py, Megatron-LM MLA's v pad)
+            v = F.pad(v, (0, self.d - self.dv))  # (b, a, s, dn+dr)
+        if self.selective:
+            y = checkpoint(self.core, q, k, v, mask, use_reentrant=False,
+                           preserve_rng_state=False)
+        else:
+            y = self.core(q, k, v, mask)  # (b, a, s, dv or dn+dr)
+        y = y[..., :self.dv].transpose(1, 2).reshape(b, s, a * self.dv)  # (b, s, a·dv)
+        return self.o_proj(y)  # (b, s, h)
+
+
 class MLP(nn.Module):
     """Gated: down(act(gate(x)) · up(x)); standard: proj(act(fc(x)))."""
 
@@ -299,7 +360,7 @@ class Block(nn.Module):
                  capacity_factor: float, **kw: Unpack[Factory]) -> None:
         super().__init__()
         self.input_layernorm = make_norm(spec, spec.hidden_size, **kw)
-        self.attn = Attention(spec, attention, recompute, **kw)
+        self.attn = (MLAttention if spec.is_mla else Attention)(spec, attention, recompute, **kw)
         self.post_attention_layernorm = make_norm(spec, spec.hidden_size, **kw)
         self.mlp: nn.Module = (MoE(spec, capacity_factor, **kw) if moe
                                else MLP(spec, spec.intermediate_size, **kw))
@@ -340,7 +401,8 @@ class ReferenceModel(nn.Module):
             x = x + self.embed_positions(torch.arange(s, device=x.device))  # + (s, h)
         rope = None
         if self.spec.position_embedding == "rope":
-            rope = rope_tables(s, self.spec.head_size, x.device, compute_dtype(x))
+            rope = rope_tables(s, self.spec.qk_rope_head_dim or self.spec.head_size, x.device,
+                               compute_dtype(x))
         mask = None
         if self.attention == "eager":
             mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)  # (s, s)
