@@ -67,6 +67,26 @@ def test_selective_recompute_adds_attention_core_forward() -> None:
     assert recompute_flops_per_token(spec("llama2-7b"), 4096, "none") == 0
 
 
+def test_torchtitan_selective_recompute_flops() -> None:
+    # torchtitan 9dec370 per-op SAC (parallelize_llama.py: every second mm of a block is
+    # recomputed; in call order wq, wk, wv, wo, w1, w3, w2 that is wk, wo, w3; SDPA is saved):
+    # Llama-3-8B, h 4096, 32 heads of 128, 8 KV heads, f 14336, 32 layers:
+    # 2·(4096·1024 + 4096·4096 + 4096·14336) = 159,383,552 per layer
+    llama = spec("llama3-8b")
+    assert recompute_flops_per_token(llama, 8192, "selective", "op") == 32 * 159_383_552
+    # selective_ac_option 2: every second block is checkpointed whole: 16 of 32 layers
+    full = recompute_flops_per_token(llama, 8192, "full")
+    assert recompute_flops_per_token(llama, 8192, "selective", 2) == full / 2
+    assert recompute_flops_per_token(llama, 8192, "selective", 3) == full * 10 / 32
+    # the profile picks it from the training config
+    from vramcalc.training import TrainingConfig
+    assert TrainingConfig(framework="torchtitan", recompute="selective",
+                          precision="fp32").selective_kind == "op"
+    assert TrainingConfig(framework="torchtitan", recompute="selective", recompute_every=4,
+                          precision="fp32").selective_kind == 4
+    assert TrainingConfig(recompute="selective").selective_kind == "core"
+
+
 def test_moe_counts_active_parameters_only() -> None:
     mix = spec("mixtral-8x7b")
     # top-2 of 8 experts: 6 routed experts per layer are idle for any one token

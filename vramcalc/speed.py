@@ -14,9 +14,8 @@ PaLM, App. B; Kaplan et al. 2020 for 6N):
 
     F_model per token = 6·N_mm + 12·L·s·A
     recompute full      adds the layers' forward: 2·(N_mm − V·h) + 4·L·s·A
-    recompute selective adds the attention core: 4·L·s·A          (Korthikanti et al. 2022)
-    (with full recompute this is Narayanan et al. 2021's 96·L·h²·(1 + s/6h + V/16Lh) per
-    token for a 4h MLP without biases)
+    recompute selective adds the attention core: 4·L·s·A (Korthikanti et al. 2022); under
+    torchtitan its per-op SAC's unsaved mms, or the full forward of every N-th layer
     t_compute = F_hw · B·s / W / (peak_dtype · efficiency)
 
 Parameter-efficient fine-tuning (LoRA, QLoRA, DoRA; `finetune`): the frozen base skips
@@ -27,27 +26,26 @@ ascribes LoRA's ~25 % training speed-up to not computing most gradients):
     F_model per token (PEFT) = 4·N_mm + 6·N_ad + 12·L·s·A
     recompute full adds 2·(N_mm − V·h) + 2·N_ad + 4·L·s·A; selective 4·L·s·A
 
-MFU counts F_model — the FLOPs the training method needs, without recomputation (the PaLM
-definition) — so a LoRA step at the same efficiency shows the same MFU as full training
-and its tokens/s is higher by (6·N_mm + 12LsA)/(4·N_mm + 6·N_ad + 12LsA). Tools that report a
-LoRA run's MFU with 6·N print 1.5× our figure for the same step time.
+MFU counts F_model (the PaLM definition: no recomputation), so a LoRA step at the same
+efficiency shows full training's MFU and a tokens/s higher by (6·N_mm + 12LsA)/(4·N_mm +
+6·N_ad + 12LsA); tools that count LoRA with 6·N print 1.5× our MFU for the same step time.
 QLoRA also dequantizes every NF4 weight before each matmul (a memory-bound pass timed at the
 profile's bandwidth), and under PEFT data parallelism reduces the adapters' gradients only;
 docs/planning.md has both formulas.
 
 `efficiency` is the GPU profile's `mfu_fraction` (calibrated on published MFU) or `--mfu`.
-The attention term counts the full s×s products (causal kernels skip about half the work);
-we keep the convention of the published MFU figures the efficiencies are calibrated on.
+The attention term counts the full s×s products (causal kernels skip about half), as the
+published MFU figures the efficiencies are calibrated on do.
 
 Pipeline bubble (Narayanan et al. 2021, Sec. 2.2): t_bubble = t_compute·(p − 1)/(v·m).
 
 Exposed communication, ring collectives at the link's per-direction bandwidth:
 all-reduce 2·(n−1)/n·M/bw, reduce-scatter or all-gather (n−1)/n·M/bw.
 
-- TP (intra-node link): 4 all-reduces of b·(s/cp)·h·c per layer per micro-batch (2 forward,
-  2 backward; Shoeybi et al. 2019), 6 with full recompute; sequence parallelism replaces
-  each by an all-gather + reduce-scatter of the same volume (Korthikanti et al. 2022).
-  Not overlapped.
+- TP (intra-node link, not overlapped): 4 all-reduces of b·(s/cp)·h·c per layer per
+  micro-batch (2 forward, 2 backward; Shoeybi et al. 2019), 6 with full recompute; sequence
+  parallelism replaces each by an all-gather + reduce-scatter of the same volume
+  (Korthikanti et al. 2022).
 - CP ring attention: 3·(cp−1) key/value chunk transfers per layer per micro-batch
   (4 with full recompute), overlapped with that layer's attention compute (same rule).
 - EP: 4 all-to-alls of the routed tokens per MoE layer per micro-batch (6 with full
@@ -79,6 +77,7 @@ from vramcalc.finetune import _finetune_shapes, adapter_dtype
 from vramcalc.hardware import GPUProfile
 from vramcalc.model import ModelSpec
 from vramcalc.scenario import Scenario
+from vramcalc.terms.torchtitan import op_sac_recompute_flops_per_token
 from vramcalc.training import TrainingConfig
 from vramcalc.units import DTYPE_BITS
 
@@ -180,16 +179,19 @@ def model_flops_per_token(spec: ModelSpec, seq_len: int,
     return base + 12.0 * spec.num_hidden_layers * seq_len * attn
 
 
-def recompute_flops_per_token(spec: ModelSpec, seq_len: int, recompute: str) -> float:
+def recompute_flops_per_token(spec: ModelSpec, seq_len: int, recompute: str,
+                              selective: str | int = "core") -> float:
     """Extra forward FLOPs per token: full = 2·(N_mm − V·h) + 4·L·s·A (the transformer
-    layers run forward again; the output head does not), selective = 4·L·s·A."""
-    attn_fwd = 4.0 * spec.num_hidden_layers * seq_len * spec.num_attention_heads * spec.head_size
-    if recompute == "full":
-        head = spec.vocab_size * spec.hidden_size
-        return 2.0 * (matmul_params(spec) - head) + attn_fwd
-    if recompute == "selective":
-        return attn_fwd
-    return 0.0
+    layers run forward again; the output head does not); selective (`selective_kind`) =
+    4·L·s·A (the attention core), torchtitan's per-op SAC ("op"), or full on ⌊L/N⌋ layers."""
+    L = spec.num_hidden_layers
+    attn_fwd = 4.0 * L * seq_len * spec.num_attention_heads * spec.head_size
+    full = 2.0 * (matmul_params(spec) - spec.vocab_size * spec.hidden_size) + attn_fwd
+    if recompute != "selective":
+        return full if recompute == "full" else 0.0
+    if selective == "op":
+        return op_sac_recompute_flops_per_token(spec)
+    return full * (L // selective) / L if isinstance(selective, int) else attn_fwd
 
 
 def peak_flops(gpu: GPUProfile, dtype: str) -> tuple[float, str | None]:
@@ -270,7 +272,8 @@ class SpeedModel:
 
     def __init__(self, spec: ModelSpec, gpu: GPUProfile, gpus_per_node: int, seq_len: int,
                  precision: str = "bf16", efficiency: float | None = None,
-                 capacity_factor: float = 1.0, peft: PeftCounts | None = None) -> None:
+                 capacity_factor: float = 1.0, peft: PeftCounts | None = None,
+                 selective: str | int = "core") -> None:
         self.spec, self.gpu, self.gpn, self.seq_len = spec, gpu, gpus_per_node, seq_len
         self.efficiency = efficiency if efficiency is not None else gpu.mfu_fraction
         c_dtype = _COMPUTE_DTYPE[precision]
@@ -285,7 +288,7 @@ class SpeedModel:
         self.peft = peft
         n_ad = peft.adapter_params if peft else 0
         self.f_model = model_flops_per_token(spec, seq_len, n_ad if peft else None)
-        self.f_hw = {r: self.f_model + recompute_flops_per_token(spec, seq_len, r)
+        self.f_hw = {r: self.f_model + recompute_flops_per_token(spec, seq_len, r, selective)
                      + (2.0 * n_ad if peft and r == "full" else 0.0)
                      for r in ("none", "selective", "full")}
         n_exp = spec.num_moe_layers * spec.num_local_experts * spec.expert_params
@@ -454,24 +457,17 @@ def _hidden(comm: float, window: float) -> float:
     return max(comm - window, OVERLAP_EXPOSED_FRACTION * comm)
 
 
-def estimate_speed(
-    spec: ModelSpec,
-    gpu: GPUProfile,
-    gpus_per_node: int,
-    layout: Layout,
-    seq_len: int,
-    precision: str = "bf16",
-    efficiency: float | None = None,
-    capacity_factor: float = 1.0,
-    peft: PeftCounts | None = None,
-) -> SpeedReport:
+def estimate_speed(spec: ModelSpec, gpu: GPUProfile, gpus_per_node: int, layout: Layout,
+                   seq_len: int, precision: str = "bf16", efficiency: float | None = None,
+                   capacity_factor: float = 1.0, peft: PeftCounts | None = None,
+                   selective: str | int = "core") -> SpeedReport:
     """Step time of `layout` on `layout.num_gpus` GPUs with `gpus_per_node` per node.
 
     See the module docstring for every term. Seconds are per step; tokens/s are for the
     whole cluster.
     """
     return SpeedModel(spec, gpu, gpus_per_node, seq_len, precision, efficiency,
-                      capacity_factor, peft).report(layout)
+                      capacity_factor, peft, selective).report(layout)
 
 
 def scenario_speed(scn: Scenario, efficiency: float | None = None) -> SpeedReport:
@@ -489,7 +485,7 @@ def scenario_speed(scn: Scenario, efficiency: float | None = None) -> SpeedRepor
         offload_device=par.offload_device)
     return estimate_speed(scn.model, scn.cluster.gpu, scn.cluster.gpus_per_node, layout,
                           tr.seq_len, tr.precision, efficiency, par.capacity_factor,
-                          training_peft(scn.model, tr))
+                          training_peft(scn.model, tr), tr.selective_kind)
 
 
 def training_peft(spec: ModelSpec, tr: TrainingConfig) -> PeftCounts | None:

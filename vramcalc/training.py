@@ -207,6 +207,14 @@ class TrainingConfig(BaseModel):
         return self
 
     @property
+    def selective_kind(self) -> str | int:
+        """What `--recompute selective` recomputes: the attention core ("core"), torchtitan's
+        per-op SAC ("op"), or every N-th block whole (torchtitan's selective_ac_option N)."""
+        if self.framework != "torchtitan":
+            return "core"
+        return self.recompute_every if self.recompute_every is not None else "op"
+
+    @property
     def expandable(self) -> bool:
         """Whether the caching allocator runs with expandable segments: as given, else the
         stack's launcher — torchtitan's run_llama_train.sh sets

@@ -43,6 +43,7 @@ tensor it saved is w2's input), so while its backward runs it holds its full set
 
 from __future__ import annotations
 
+from vramcalc.model import ModelSpec
 from vramcalc.rank import RankContext
 from vramcalc.sharding import pipeline_chunks
 from vramcalc.terms.megatron_recompute import LayerPlan
@@ -166,3 +167,12 @@ def freqs_cis_bytes(ctx: RankContext) -> int:
     """The `freqs_cis` buffer every rank keeps: precompute_freqs_cis(head_dim, max_seq_len)
     complex64 (max_seq_len, d/2), 8 B each, max_seq_len = --training.seq_len (train.py)."""
     return round_alloc(ctx.training.seq_len * (ctx.spec.head_size // 2) * 8)
+
+
+def op_sac_recompute_flops_per_token(spec: ModelSpec) -> float:
+    """Forward FLOPs per token that per-op SAC runs again in backward: the mms it does not
+    save, every second one of a block in call order (wq, wk, wv, wo, w1, w3, w2 -> wk, wo,
+    w3; `_apply_ac_to_transformer_block`'s mm counter), 2·(h·g·d + a·d·h + h·f) per layer;
+    norms, RoPE and the SwiGLU's elementwise ops are not counted (no matmul)."""
+    h, a, g, d = spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.head_size
+    return 2.0 * spec.num_hidden_layers * (h * g * d + a * d * h + h * spec.intermediate_size)
