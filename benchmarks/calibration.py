@@ -334,8 +334,8 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
     "torchtune-llama32-3b-lora-r64-a100": {"missing": [_COMPILE]},
     # torchtitan 9dec370 train_configs/llama3_8b.toml (selective_ac_option 'op', rmsnorm,
     # AdamW) with FSDP2 dp_shard=8, MixedPrecisionPolicy(bf16, fp32) and default
-    # --optimizer.fused False (foreach); the metric is max_memory_reserved, so only the
-    # allocated peak is printed (`allocated_bytes`) until reserved memory is modelled
+    # --optimizer.fused False (foreach) and expandable segments (run_llama_train.sh); the
+    # metric is max_memory_reserved: the trace engine's allocator replay is compared
     "torchtitan-llama31-8b-fsdp8-sac-h100": {
         "flags": {"model": "llama3.1-8b", "gpus": "8xH100", "framework": "torchtitan",
                   "precision": "amp-bf16", "fsdp": "full", "recompute": "selective",
