@@ -199,3 +199,32 @@ def test_table_output_with_cli_runner() -> None:
     assert "FITS on NVIDIA H100" in r.output and "device total" in r.output
     r = CliRunner().invoke(app, ["check", "--model", "70b", "--gpus", "8xH100"])
     assert r.exit_code == 1 and "DOES NOT FIT" in r.output
+
+
+def test_plan_reads_a_deepspeed_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the file's stage pins the search, its train_batch_size is the global batch, and its
+    # memory keys reach every layout: the best plan's device total is what `estimate
+    # --deepspeed` gives for the same layout
+    ds = write(tmp_path, "ds.json", json.dumps({
+        "train_batch_size": 256, "zero_optimization": {
+            "stage": 2, "reduce_bucket_size": 1e8, "overlap_comm": True}}))
+    rc, doc = run_json(["plan", "--model", "8b", "--gpus", "8xH100", "--framework", "hf",
+                        "--deepspeed", str(ds)], capsys)
+    best = doc["candidates"][0]
+    s = best["strategy"]
+    assert s["zero"] == 2 and s["deepspeed"]["reduce_bucket_size"] == 100_000_000
+    assert s["dp"] * s["micro_batch_size"] * s["grad_accum"] == 256
+    rc, est = run_json(["estimate", "--model", "8b", "--gpus", "8xH100", "--framework", "hf",
+                        "--deepspeed", str(ds), "--dp", str(s["dp"]), "--tp", str(s["tp"]),
+                        "--micro-batch-size", str(s["micro_batch_size"]), "--grad-accum",
+                        str(s["grad_accum"]), "--recompute", s["recompute"],
+                        "--headroom", "0.05"], capsys)
+    assert est["device_total_bytes"] == best["device_total_bytes"]
+    # without the file, DeepSpeed's defaults hold one 5e8-element reduce bucket (overlap_comm
+    # off at stage 2) against the file's two of 1e8: the same layout needs more
+    rc, plain = run_json(["estimate", "--model", "8b", "--gpus", "8xH100", "--framework", "hf",
+                          "--zero", "2", "--dp", str(s["dp"]), "--tp", str(s["tp"]),
+                          "--micro-batch-size", str(s["micro_batch_size"]), "--grad-accum",
+                          str(s["grad_accum"]), "--recompute", s["recompute"],
+                          "--headroom", "0.05"], capsys)
+    assert plain["device_total_bytes"] > est["device_total_bytes"]

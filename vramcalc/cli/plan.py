@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import typer
 
-from vramcalc.check import check_files
+from vramcalc.check import check_files, read_inputs
 from vramcalc.cli.app import (
     KW,
     emit_json,
@@ -116,7 +116,7 @@ def parse_batch(size: int | None, tokens: str | None) -> tuple[int | None, int |
 def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
                  global_batch_tokens: str | None = None, allow: str | None = None,
                  top: int = 5, mfu: float | None = None, profile_dirs: list[Path] | None = None,
-                 ) -> tuple[Scenario, PlanRequest, list[str]]:
+                 deepspeed: Any = None) -> tuple[Scenario, PlanRequest, list[str]]:
     """Option values → (base Scenario, PlanRequest, notes). Layout options given pin it."""
     values = {k: v for k, v in values.items() if v is not None}
     for key in values:
@@ -132,7 +132,7 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
         # the base layout only has to be one torchtitan runs (its bf16 compute needs FSDP2);
         # the search varies the sharding anyway
         values["fsdp"] = "full"
-    base = build_scenario(values, profile_dirs)
+    base = build_scenario(values, profile_dirs, deepspeed)
     allowed, notes = parse_allow(allow)
     size, tokens = parse_batch(global_batch_size, global_batch_tokens)
     if base.training.optimizer_in_backward and size is None and tokens is None:
@@ -175,18 +175,36 @@ def _command_line(command: str, values: dict[str, Any], extra: dict[str, Any]) -
     "Search every layout (dp/tp/pp/cp/ep, ZeRO/FSDP, recompute, micro-batch, offload when "
     "allowed) on the cluster, keep what fits, rank by estimated tokens/s. When nothing fits, "
     "show the closest strategy and the smallest changes that would fit.",
-    extra=_BATCH_PARAMS + [option("top", int, 5, "--top", help="How many strategies to list.")],
+    extra=_BATCH_PARAMS + [option("top", int, 5, "--top", help="How many strategies to list."),
+                           option("deepspeed", Optional[Path], None, "--deepspeed",
+                                  help="DeepSpeed JSON config: its ZeRO stage, offload, batch "
+                                  "sizes, precision and optimizer pin the search (flags "
+                                  "given override them); its memory keys (buckets, ZeRO-3 "
+                                  "fetching, activation checkpointing) apply to every layout.")],
     defaults={**{k: None for k in SEARCHED_OPTIONS}, "headroom": DEFAULT_HEADROOM},
+    with_context=True,
 )
-def plan_cmd(**kwargs: Any) -> None:
+def plan_cmd(ctx: typer.Context, **kwargs: Any) -> None:
     t0 = time.perf_counter()
+    ds_path: Path | None = kwargs.pop("deepspeed", None)
     values, dirs, as_json = split_values(kwargs)
-    extras = {"--global-batch-size": kwargs.get("global_batch_size"),
+    ds_cfg, ds_notes, batch = None, [], kwargs.get("global_batch_size")
+    if ds_path is not None:  # the DeepSpeed file fills what the command line leaves out
+        given = {k: v for k, v in values.items()
+                 if getattr(ctx.get_parameter_source(k), "name", "") != "DEFAULT"}
+        inp = read_inputs(None, ds_path, given, command="plan")
+        values = {**values, **inp.values}
+        ds_cfg, ds_notes = inp.deepspeed, inp.notes
+        if batch is None and kwargs.get("global_batch_tokens") is None:
+            batch = inp.train_batch_size
+    extras = {"--global-batch-size": batch,
               "--global-batch-tokens": kwargs.get("global_batch_tokens"),
-              "--allow": kwargs.get("allow"), "--mfu": kwargs.get("mfu")}
-    base, req, notes = prepare_plan(values, kwargs.get("global_batch_size"),
-                                    kwargs.get("global_batch_tokens"), kwargs.get("allow"),
-                                    kwargs.get("top", 5), kwargs.get("mfu"), dirs)
+              "--allow": kwargs.get("allow"), "--mfu": kwargs.get("mfu"),
+              "--deepspeed": ds_path}
+    base, req, notes = prepare_plan(values, batch, kwargs.get("global_batch_tokens"),
+                                    kwargs.get("allow"), kwargs.get("top", 5),
+                                    kwargs.get("mfu"), dirs, ds_cfg)
+    notes = ds_notes + notes
     if (limits := stack_note(base.training.framework)) is not None:
         notes = [limits, *notes]
     progress = LazyProgress(enabled=not as_json)
@@ -233,7 +251,8 @@ def plan_cmd(**kwargs: Any) -> None:
         doc["estimate_cmd"] = " ".join(
             ["vramcalc", "estimate", "--model", shlex.quote(model_text), "--gpus",
              shlex.quote(gpus_text)] + strategy_flags(s)
-            + [f"--{k.replace('_', '-')} {v}" for k, v in common.items()])
+            + [f"--{k.replace('_', '-')} {v}" for k, v in common.items()]
+            + ([f"--deepspeed {shlex.quote(str(ds_path))}"] if ds_path is not None else []))
         doc["config_yaml"] = config_yaml(model_text, gpus_text, s, base.headroom_fraction)
     doc["apply"] = [_command_line("plan", {**values, **sg.change}, extras)
                     for sg in suggestions]
