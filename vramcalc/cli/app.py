@@ -89,6 +89,13 @@ def scenario_command(help_text: str, extra: list[inspect.Parameter] | None = Non
     return decorate
 
 
+def given_values(ctx: typer.Context, values: dict[str, Any]) -> dict[str, Any]:
+    """The option values typed on the command line (not left at their defaults), so that a
+    DeepSpeed file fills only the rest."""
+    return {k: v for k, v in values.items()
+            if getattr(ctx.get_parameter_source(k), "name", "") != "DEFAULT"}
+
+
 def split_values(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[Path] | None, bool]:
     """Take the scenario options out of a command's `kwargs`: (the values given, the
     profile folders, --json). What is left in `kwargs` are the command's own options."""

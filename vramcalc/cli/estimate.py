@@ -10,7 +10,14 @@ import typer
 
 from vramcalc.analytic import estimate
 from vramcalc.check import checked_scenario, read_inputs
-from vramcalc.cli.app import emit_json, note, option, scenario_command, split_values
+from vramcalc.cli.app import (
+    emit_json,
+    given_values,
+    note,
+    option,
+    scenario_command,
+    split_values,
+)
 from vramcalc.errors import InputError
 from vramcalc.explain import explain
 from vramcalc.options import build_scenario
@@ -43,9 +50,7 @@ def estimate_cmd(ctx: typer.Context, **kwargs: Any) -> None:
         show_report(estimate(build_scenario(values, dirs)), as_json)
         return
     # the DeepSpeed file fills what the command line leaves at its defaults
-    given = {k: v for k, v in values.items()
-             if getattr(ctx.get_parameter_source(k), "name", "") != "DEFAULT"}
-    inp = read_inputs(None, ds_path, given, command="estimate")
+    inp = read_inputs(None, ds_path, given_values(ctx, values), command="estimate")
     scn, notes = checked_scenario(inp.values, inp.train_batch_size, dirs,
                                   frozenset(inp.values), inp.deepspeed)
     show_report(estimate(scn), as_json)

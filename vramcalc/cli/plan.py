@@ -20,6 +20,7 @@ from vramcalc.cli.app import (
     KW,
     emit_json,
     emit_text,
+    given_values,
     note,
     option,
     scenario_command,
@@ -190,9 +191,7 @@ def plan_cmd(ctx: typer.Context, **kwargs: Any) -> None:
     values, dirs, as_json = split_values(kwargs)
     ds_cfg, ds_notes, batch = None, [], kwargs.get("global_batch_size")
     if ds_path is not None:  # the DeepSpeed file fills what the command line leaves out
-        given = {k: v for k, v in values.items()
-                 if getattr(ctx.get_parameter_source(k), "name", "") != "DEFAULT"}
-        inp = read_inputs(None, ds_path, given, command="plan")
+        inp = read_inputs(None, ds_path, given_values(ctx, values), command="plan")
         values = {**values, **inp.values}
         ds_cfg, ds_notes = inp.deepspeed, inp.notes
         if batch is None and kwargs.get("global_batch_tokens") is None:
