@@ -289,7 +289,7 @@ def test_explain_lists_adapter_tensors() -> None:
 # ---- planner ---------------------------------------------------------------------------------
 def test_planner_proposes_qlora_for_70b_on_one_gpu() -> None:
     from vramcalc.cli.plan import prepare_plan
-    from vramcalc.plan import search
+    from vramcalc.planner import search
 
     base, req, _ = prepare_plan({"model": "70b", "gpus": "1xH100", "seq_len": 2048},
                                 allow="finetune")

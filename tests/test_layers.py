@@ -17,18 +17,20 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vramcalc"
 # Layers from the bottom up: a module may import from its own layer or any layer below.
 # The first matching prefix wins (longest prefixes first where they nest).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("vramcalc", "vramcalc.errors", "vramcalc.units", "vramcalc.yamlio",
-              "vramcalc.allocator")),
+    ("base", ("vramcalc.errors", "vramcalc.units", "vramcalc.yamlio", "vramcalc.allocator")),
     ("types", ("vramcalc.model", "vramcalc.training", "vramcalc.hardware", "vramcalc.parallel",
                "vramcalc.scenario", "vramcalc.report", "vramcalc.catalog", "vramcalc.hf_config",
                "vramcalc.features", "vramcalc.ds_config",
-               "vramcalc.options")),
+               "vramcalc.options", "vramcalc.provenance")),
     ("shapes", ("vramcalc.sharding", "vramcalc.finetune", "vramcalc.rank",
                 "vramcalc.terms.context")),
     ("terms", ("vramcalc.terms", "vramcalc.offload")),
     ("engine", ("vramcalc.analytic", "vramcalc.notes", "vramcalc.trace")),
-    ("use", ("vramcalc.plan", "vramcalc.speed", "vramcalc.size", "vramcalc.explain",
-             "vramcalc.check", "vramcalc.ds_json", "vramcalc.validate", "vramcalc.probe")),
+    ("use", ("vramcalc.planner", "vramcalc.speed", "vramcalc.size", "vramcalc.explain",
+             "vramcalc.check", "vramcalc.ds_json", "vramcalc.validate", "vramcalc.probe",
+             "vramcalc.api")),
+    # the package itself: the public names of vramcalc.api, loaded on first access
+    ("public", ("vramcalc",)),
     ("render", ("vramcalc.render",)),
     ("cli", ("vramcalc.cli", "vramcalc.__main__")),
 )
@@ -77,6 +79,8 @@ def _imports(module: str, path: Path) -> list[tuple[str, bool]]:
             base = package[: len(package) - (node.level - 1)] if node.level else []
             mod = ".".join(base + ([node.module] if node.module else []))
             names = [mod] + [f"{mod}.{a.name}" for a in node.names]
+            if mod == "vramcalc":  # `from vramcalc import yamlio` loads the submodule only
+                names = [n for n in names[1:] if n in MODULES] or [mod]
         for name in names:
             if name in MODULES and name != module:
                 out.append((name, id(node) in local))

@@ -256,7 +256,7 @@ def test_explain_states_the_fp8_and_qat_formulas() -> None:
 
 def test_planner_proposes_fp8_only_on_fp8_gpus() -> None:
     from vramcalc.cli.plan import prepare_plan
-    from vramcalc.plan import search
+    from vramcalc.planner import search
 
     seen = {}
     for gpus in ("8xH100", "8xA100"):
@@ -287,7 +287,7 @@ def test_planner_memory_bound_is_sound_for_fp8() -> None:
     import random
 
     from vramcalc.cli.plan import prepare_plan
-    from vramcalc.plan import MemoryBound, enumerate_candidates, estimate_candidate
+    from vramcalc.planner import MemoryBound, enumerate_candidates, estimate_candidate
 
     base, req, _ = prepare_plan({"model": "8b", "gpus": "8xH100", "precision": "fp8",
                                  "seq_len": 8192})

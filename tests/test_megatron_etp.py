@@ -32,7 +32,7 @@ from vramcalc.cli import app, main
 from vramcalc.cli.plan import prepare_plan
 from vramcalc.errors import InputError
 from vramcalc.parallel import ParallelConfig, resolve_layout
-from vramcalc.plan.search import search
+from vramcalc.planner.search import search
 from vramcalc.rank import RankContext
 from vramcalc.render.plan import strategy_flags
 from vramcalc.terms import comm

@@ -26,7 +26,7 @@ from vramcalc.analytic import estimate
 from vramcalc.cli import main
 from vramcalc.cli.plan import prepare_plan
 from vramcalc.model import ModelSpec, param_tensors
-from vramcalc.plan import MemoryBound, enumerate_candidates, estimate_candidate, search
+from vramcalc.planner import MemoryBound, enumerate_candidates, estimate_candidate, search
 from vramcalc.scenario import Scenario
 from vramcalc.training import TrainingConfig
 from vramcalc.units import MiB, alloc

@@ -1,4 +1,4 @@
-"""The planner (vramcalc.plan) and `vramcalc plan`: ranking, determinism, every returned
+"""The planner (vramcalc.planner) and `vramcalc plan`: ranking, determinism, every returned
 candidate fits, pruning never hides a better plan, suggestions fix what they claim to fix,
 exit codes and output.
 """
@@ -18,7 +18,7 @@ from vramcalc.cli import app, main
 from vramcalc.cli.plan import prepare_plan
 from vramcalc.errors import InputError
 from vramcalc.hardware import load_profiles
-from vramcalc.plan import (
+from vramcalc.planner import (
     MemoryBound,
     PlanRequest,
     enumerate_candidates,
@@ -433,7 +433,7 @@ def test_the_hf_stack_is_never_offered_pipeline_or_expert_parallelism() -> None:
     """HF Trainer lays out ranks with accelerate's ParallelismConfig (dp_replicate, dp_shard,
     tp, cp, sp: accelerate src/accelerate/parallelism_config.py): no pp, no ep. The same
     search under the reference profile does enumerate them."""
-    from vramcalc.plan import enumerate_candidates
+    from vramcalc.planner import enumerate_candidates
 
     def layouts(framework: str) -> set[tuple[int, int]]:
         base, req, _ = prepare_plan({"model": "mixtral-8x7b", "gpus": "32xH100",

@@ -9,7 +9,7 @@ import pytest
 from vramcalc.cli import main
 from vramcalc.cli.plan import prepare_plan
 from vramcalc.hardware import resolve_gpu
-from vramcalc.plan import search
+from vramcalc.planner import search
 from vramcalc.size import SECONDS_PER_DAY, size_counts, size_one
 
 

@@ -262,7 +262,7 @@ def test_cli_error_line(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_plan_proposes_torchtitan_layouts_only() -> None:
     from vramcalc.cli.plan import prepare_plan
-    from vramcalc.plan import search
+    from vramcalc.planner import search
 
     base, req, _ = prepare_plan({"model": "llama3.1-8b", "gpus": "8xH100",
                                  "framework": "torchtitan", "precision": "amp-bf16",

@@ -1,6 +1,6 @@
 """Cluster sizing: for each GPU type, how many GPUs, how long, how many GPU-hours, what cost.
 
-Pure: the planner (vramcalc.plan.search) answers each "does it fit, how fast" question;
+Pure: the planner (vramcalc.planner.search) answers each "does it fit, how fast" question;
 this module chooses the GPU counts to ask about and does the arithmetic:
 
     days      = tokens / (tokens/s) / 86,400
@@ -21,8 +21,8 @@ from typing import Any
 
 from vramcalc.errors import InputError
 from vramcalc.hardware import Cluster, GPUProfile
-from vramcalc.plan import PlanEntry, PlanRequest, ProgressFn, search
-from vramcalc.plan.search import check_searchable
+from vramcalc.planner import PlanEntry, PlanRequest, ProgressFn, search
+from vramcalc.planner.search import check_searchable
 from vramcalc.scenario import Scenario
 
 SECONDS_PER_DAY = 86_400

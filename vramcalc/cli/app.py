@@ -19,11 +19,12 @@ import typer
 
 from vramcalc.errors import InputError
 from vramcalc.options import SCENARIO_OPTIONS, Opt
+from vramcalc.provenance import provenance
 
 app = typer.Typer(
     name="vramcalc",
     help="Will this training job fit in GPU memory, how should it run, what should I buy?",
-    add_completion=False,
+    add_completion=True,  # typer's --install-completion / --show-completion (bash, zsh, fish)
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -31,6 +32,24 @@ app = typer.Typer(
 
 EXIT_BAD_INPUT = 2
 KW = inspect.Parameter.KEYWORD_ONLY
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        info = provenance()
+        sys.stdout.write(f"vramcalc {info['vramcalc_version']} (GPU profiles "
+                         f"{info['gpu_profiles_revision']}, model catalog "
+                         f"{info['model_catalog_revision']})\n")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    show_version: bool = typer.Option(False, "--version", callback=_print_version,
+                                      is_eager=True,
+                                      help="Print the version and the catalog revisions."),
+) -> None:
+    """Will this training job fit in GPU memory, how should it run, what should I buy?"""
 
 
 # ---- shared scenario options -------------------------------------------------
@@ -107,9 +126,10 @@ def split_values(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[Path] | N
 
 
 # ---- output and exit codes -----------------------------------------------------
-def emit_json(doc: Any) -> None:
-    """One JSON document on stdout."""
-    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+def emit_json(doc: dict[str, Any]) -> None:
+    """One JSON document on stdout: the version and catalog revisions that produced it
+    (vramcalc.provenance), then the command's own keys."""
+    sys.stdout.write(json.dumps({**provenance(), **doc}, indent=2, sort_keys=False) + "\n")
 
 
 def emit_text(text: str) -> None:

@@ -1,6 +1,6 @@
 """`vramcalc plan`, `size` and `check`.
 
-Thin edge: parses options, calls vramcalc.plan / vramcalc.size / vramcalc.check, renders
+Thin edge: parses options, calls vramcalc.planner / vramcalc.size / vramcalc.check, renders
 with vramcalc.render, sets exit codes. Bad input raises InputError (one stderr line, exit 2,
 via vramcalc.cli.app.main).
 """
@@ -26,41 +26,30 @@ from vramcalc.cli.app import (
     scenario_command,
     split_values,
 )
-from vramcalc.errors import InputError, suggest
+from vramcalc.errors import InputError
 from vramcalc.hardware import GPUProfile, load_profiles, resolve_gpu
 from vramcalc.options import (
     OPTIONS_BY_NAME,
     SCENARIO_OPTIONS,
-    build_scenario,
-    normalize_values,
 )
-from vramcalc.plan import (
-    PlanRequest,
+from vramcalc.planner import (
     PlanResult,
-    finetune_supported,
     search,
     stack_note,
     suggest_changes,
     with_every_stage,
 )
+from vramcalc.planner.prepare import (  # noqa: F401  (prepare_plan: tests import it from here)
+    ALLOWABLE,
+    DEFAULT_HEADROOM,
+    SEARCHED_OPTIONS,
+    prepare_plan,
+)
 from vramcalc.render.console import LazyProgress, make_console
 from vramcalc.render.plan import check_markdown, config_yaml, print_plan, print_size, strategy_flags
 from vramcalc.render.report import print_report
-from vramcalc.scenario import Scenario
 from vramcalc.size import size_cluster
 from vramcalc.units import parse_count
-
-# Layout options the planner searches; a value given on the command line pins it.
-SEARCHED_OPTIONS: tuple[str, ...] = (
-    "dp", "tp", "pp", "cp", "ep", "sequence_parallel", "zero", "fsdp", "shard_group",
-    "offload", "pp_schedule", "virtual_stages", "num_microbatches", "micro_batch_size",
-    "grad_accum", "recompute",
-)
-# Training settings held fixed unless --allow names them.
-ALLOWABLE: tuple[str, ...] = ("precision", "optimizer", "offload", "finetune")
-# The plan and size default --headroom (estimate's default is 0).
-DEFAULT_HEADROOM = 0.05
-
 
 _BATCH_PARAMS = [
     option("global_batch_size", Optional[int], None, "--global-batch-size",
@@ -79,77 +68,6 @@ _BATCH_PARAMS = [
 
 
 # ---- shared helpers --------------------------------------------------------------------------
-def parse_allow(text: str | None) -> tuple[frozenset[str], list[str]]:
-    """--allow words (validated) and notes for words not supported yet."""
-    if not text:
-        return frozenset(), []
-    words = {w.strip().lower() for w in text.split(",") if w.strip()}
-    notes = []
-    for w in sorted(words):
-        if w not in ALLOWABLE:
-            raise InputError(f"--allow: unknown setting {w!r}{suggest(w, ALLOWABLE)} "
-                             f"(choices: {', '.join(ALLOWABLE)})")
-    if "finetune" in words and not finetune_supported():
-        words.discard("finetune")
-        notes.append("--allow finetune: fine-tuning methods (LoRA/QLoRA) are not supported by "
-                     "the memory engine yet; ignored")
-    return frozenset(words), notes
-
-
-def parse_mfu(mfu: float | None) -> float | None:
-    """--mfu, a fraction in (0, 1], or None."""
-    if mfu is None:
-        return None
-    if not 0 < mfu <= 1:
-        raise InputError(f"--mfu must be a fraction in (0, 1], got {mfu}")
-    return mfu
-
-
-def parse_batch(size: int | None, tokens: str | None) -> tuple[int | None, int | None]:
-    """(--global-batch-size, --global-batch-tokens as a count); at most one of them."""
-    if size is not None and tokens is not None:
-        raise InputError("give either --global-batch-size or --global-batch-tokens, not both")
-    if size is not None and not 1 <= size <= 10**9:
-        raise InputError(f"--global-batch-size must be between 1 and 10^9, got {size}")
-    return size, (parse_count(tokens) if tokens is not None else None)
-
-
-def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
-                 global_batch_tokens: str | None = None, allow: str | None = None,
-                 top: int = 5, mfu: float | None = None, profile_dirs: list[Path] | None = None,
-                 deepspeed: Any = None) -> tuple[Scenario, PlanRequest, list[str]]:
-    """Option values → (base Scenario, PlanRequest, notes). Layout options given pin it."""
-    values = {k: v for k, v in values.items() if v is not None}
-    for key in values:
-        if key not in OPTIONS_BY_NAME:
-            raise InputError(f"unknown option {key!r}{suggest(key, list(OPTIONS_BY_NAME))}")
-    searched = {k: values.pop(k) for k in SEARCHED_OPTIONS if k in values}
-    norm = normalize_values(searched)
-    pinned = {k: norm[k] for k in searched}
-    if "offload" in pinned:
-        pinned["offload"] = tuple(pinned["offload"])
-    values.setdefault("headroom", DEFAULT_HEADROOM)
-    if values.get("framework") == "torchtitan" and "fsdp" not in searched:
-        # the base layout only has to be one torchtitan runs (its bf16 compute needs FSDP2);
-        # the search varies the sharding anyway
-        values["fsdp"] = "full"
-    base = build_scenario(values, profile_dirs, deepspeed)
-    allowed, notes = parse_allow(allow)
-    size, tokens = parse_batch(global_batch_size, global_batch_tokens)
-    if base.training.optimizer_in_backward and size is None and tokens is None:
-        raise InputError("--optimizer-in-backward: give --global-batch-size (one GPU and no "
-                         "gradient accumulation: the global batch is the micro-batch)")
-    if not 1 <= top <= 1000:
-        raise InputError(f"--top must be between 1 and 1000, got {top}")
-    req = PlanRequest(global_batch_size=size, global_batch_tokens=tokens, top_n=top,
-                      allow=allowed, pinned=pinned, efficiency=parse_mfu(mfu))
-    if tokens is not None and tokens % base.training.seq_len:
-        notes.append(f"global batch of {tokens:,} tokens rounded to "
-                     f"{req.batch_for(base.training.seq_len):,} sequences of "
-                     f"{base.training.seq_len}")
-    return base, req, notes
-
-
 def _command_line(command: str, values: dict[str, Any], extra: dict[str, Any]) -> str:
     """The command that reruns with `values`, leaving out options at their defaults."""
     parts = ["vramcalc", command]

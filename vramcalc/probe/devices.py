@@ -11,6 +11,8 @@ import platform
 from dataclasses import dataclass
 from typing import Any
 
+from vramcalc.provenance import version
+
 
 class NoDeviceError(RuntimeError):
     """No GPU/NPU is visible; the CLI exits 3."""
@@ -102,9 +104,7 @@ def versions() -> dict[str, str | None]:
     except ImportError:
         out["torch"] = None
     out["driver"] = nvml_driver_version()
-    from vramcalc import __version__
-
-    out["vramcalc"] = __version__
+    out["vramcalc"] = version()
     return out
 
 

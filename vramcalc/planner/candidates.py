@@ -26,7 +26,7 @@ from vramcalc.errors import InputError
 from vramcalc.finetune import check_finetune
 from vramcalc.hardware import GPUProfile
 from vramcalc.parallel import ParallelConfig, resolve_layout
-from vramcalc.plan.request import UNSUPPORTED, PlanRequest
+from vramcalc.planner.request import UNSUPPORTED, PlanRequest
 from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.speed import Layout, SpeedModel, training_peft
@@ -303,7 +303,7 @@ def _layouts(base: Scenario, req: PlanRequest) -> Iterator[Group]:
 
 # ---- enumeration -------------------------------------------------------------------------------
 class Pruner(Protocol):
-    """What the enumerator asks of a memory bound (vramcalc/plan/bound.py `MemoryBound`):
+    """What the enumerator asks of a memory bound (vramcalc/planner/bound.py `MemoryBound`):
     which variants of some settings may fit in `limit` bytes, and how many the engine
     refuses and the bound prunes."""
 

@@ -52,7 +52,7 @@ from typing import NamedTuple
 from vramcalc.analytic import candidate_stages
 from vramcalc.errors import InputError
 from vramcalc.parallel import ParallelConfig
-from vramcalc.plan.candidates import (
+from vramcalc.planner.candidates import (
     REC_ORDER,
     Candidate,
     StatesKey,

@@ -11,23 +11,23 @@ before it (docs/planning.md has the details):
 - `suggest`: the smallest changes that make a job fit.
 """
 
-from vramcalc.plan.bound import LOWER_BOUND_MARGIN, MemoryBound
-from vramcalc.plan.candidates import Candidate, enumerate_candidates, finetune_supported
-from vramcalc.plan.request import (
+from vramcalc.planner.bound import LOWER_BOUND_MARGIN, MemoryBound
+from vramcalc.planner.candidates import Candidate, enumerate_candidates, finetune_supported
+from vramcalc.planner.request import (
     DEFAULT_BATCH_TOKENS,
     MAX_MICRO_BATCH,
     PlanRequest,
     ProgressFn,
     stack_note,
 )
-from vramcalc.plan.search import (
+from vramcalc.planner.search import (
     PlanEntry,
     PlanResult,
     estimate_candidate,
     search,
     with_every_stage,
 )
-from vramcalc.plan.suggest import Suggestion, feasible, gpu_counts, suggest_changes
+from vramcalc.planner.suggest import Suggestion, feasible, gpu_counts, suggest_changes
 
 __all__ = [
     "DEFAULT_BATCH_TOKENS",

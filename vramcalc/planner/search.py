@@ -1,10 +1,10 @@
 """Best-first plan search: the fastest strategies that fit, ranked.
 
-1. **Enumerate** the layouts of the cluster (vramcalc/plan/candidates.py), lazily: layout
+1. **Enumerate** the layouts of the cluster (vramcalc/planner/candidates.py), lazily: layout
    groups are expanded fastest speed bound first, while a group's bound is at least the
    speed of the best candidate waiting, so candidates are visited in exactly the order a
    full sort would give.
-2. **Prune** a candidate whose memory lower bound (vramcalc/plan/bound.py: model states from
+2. **Prune** a candidate whose memory lower bound (vramcalc/planner/bound.py: model states from
    the engine's term functions, an activation floor, what earlier estimates taught) plus the
    CUDA context exceeds the usable memory, and skip one that differs from a valid candidate
    only by a larger micro-batch and is no faster (dominance).
@@ -25,8 +25,8 @@ from typing import Any
 
 from vramcalc.analytic import estimate
 from vramcalc.errors import InputError
-from vramcalc.plan.bound import MemoryBound
-from vramcalc.plan.candidates import (
+from vramcalc.planner.bound import MemoryBound
+from vramcalc.planner.candidates import (
     REC_ORDER,
     Candidate,
     Enumerator,
@@ -34,7 +34,7 @@ from vramcalc.plan.candidates import (
     scenario_for,
     speed_model,
 )
-from vramcalc.plan.request import PlanRequest, ProgressFn
+from vramcalc.planner.request import PlanRequest, ProgressFn
 from vramcalc.report import MemoryReport
 from vramcalc.scenario import Scenario
 from vramcalc.speed import SpeedReport

@@ -16,10 +16,10 @@ from pydantic import ValidationError
 
 from vramcalc.errors import InputError
 from vramcalc.hardware import Cluster, GPUProfile
-from vramcalc.plan.bound import MemoryBound
-from vramcalc.plan.candidates import REC_ORDER, enumerate_candidates
-from vramcalc.plan.request import PlanRequest, ProgressFn
-from vramcalc.plan.search import PlanEntry, estimate_candidate, search, usable_and_context
+from vramcalc.planner.bound import MemoryBound
+from vramcalc.planner.candidates import REC_ORDER, enumerate_candidates
+from vramcalc.planner.request import PlanRequest, ProgressFn
+from vramcalc.planner.search import PlanEntry, estimate_candidate, search, usable_and_context
 from vramcalc.scenario import Scenario
 from vramcalc.training import FINETUNES, TrainingConfig
 
