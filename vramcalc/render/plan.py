@@ -9,6 +9,7 @@ from rich.console import Console, JustifyMethod
 from rich.table import Table
 from rich.text import Text
 
+from vramcalc.provenance import provenance
 from vramcalc.render.report import TERM_LABELS, print_report, strategy_line
 from vramcalc.report import MemoryReport
 from vramcalc.units import GB, GiB, fmt_gb
@@ -313,5 +314,8 @@ def check_markdown(report: MemoryReport, usable_bytes: int, headroom: float, sou
     for n in list(report.notes) + list(notes):
         lines.append(f"> note: {n}")
     lines.append("")
-    lines.append("<sub>vramcalc analytic estimate; GB = 10^9 bytes, GiB = 2^30 bytes.</sub>")
+    info = provenance()
+    lines.append(f"<sub>vramcalc {info['vramcalc_version']} analytic estimate (GPU profiles "
+                 f"{info['gpu_profiles_revision']}, model catalog "
+                 f"{info['model_catalog_revision']}); GB = 10^9 bytes, GiB = 2^30 bytes.</sub>")
     return "\n".join(lines) + "\n"
