@@ -1,6 +1,6 @@
 """Regenerate docs/validation/predicted_vs_measured.png from the stored probe records.
 
-    pip install 'vramcalc[plot]' && python benchmarks/plot_validation.py [RECORDS_DIR]
+    pip install matplotlib && python benchmarks/plot_validation.py [RECORDS_DIR]
 
 Also prints the comparison table (same numbers as `vramcalc validate --records`).
 """
@@ -34,7 +34,7 @@ def main() -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: pip install 'vramcalc[plot]'")
+        print("matplotlib is not installed: pip install matplotlib")
         return 0
     x = [r["measured_bytes"] / 1e9 for r in rows]
     y = [r["analytic_bytes"] / 1e9 for r in rows]

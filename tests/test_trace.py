@@ -244,7 +244,7 @@ def test_trace_runs_without_transformers(monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.delitem(sys.modules, mod)
     monkeypatch.setitem(sys.modules, "transformers", None)  # import fails
     assert run_trace(scenario()).peak_allocated_bytes > 0
-    with pytest.raises(InputError, match=r"pip install 'vramcalc\[hf\]'"):
+    with pytest.raises(InputError, match=r"pip install torch transformers"):
         run_trace(scenario(framework="hf"))
 
 

@@ -75,7 +75,7 @@ def trace_cmd(**kwargs: Any) -> None:
     try:  # the torch engine loads for this command only (torch is an optional extra)
         from vramcalc.trace.distributed import trace_any
     except ImportError as err:
-        raise InputError(f"trace needs PyTorch: pip install 'vramcalc[torch]' ({err})") from None
+        raise InputError(f"trace needs PyTorch: pip install torch ({err})") from None
     # FSDP2 data parallelism runs on a fake process group
     report = with_progress("tracing", lambda progress: trace_any(scn, progress=progress),
                            as_json)

@@ -29,7 +29,7 @@ def validate_cmd(
         try:  # the trace engine loads for this command only (torch is an optional extra)
             from vramcalc.validate import default_grid, run_validation
         except ImportError as err:
-            raise InputError(f"validate needs PyTorch: pip install 'vramcalc[torch]' "
+            raise InputError(f"validate needs PyTorch: pip install torch "
                              f"({err})") from None
         grid = default_grid()
         if quick:

@@ -73,7 +73,7 @@ def find_device(index: int = 0, allow_cpu: bool = False) -> Device:
     except ImportError:
         if allow_cpu:
             return Device("cpu", 0, None, "cpu")
-        raise NoDeviceError("PyTorch is not installed: pip install 'vramcalc[torch]'") from None
+        raise NoDeviceError("PyTorch is not installed: pip install torch") from None
     if torch.cuda.is_available():
         kind = "rocm" if getattr(torch.version, "hip", None) else "cuda"
         return Device(kind, index, torch.cuda, f"cuda:{index}")

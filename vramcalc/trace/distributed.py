@@ -196,7 +196,7 @@ def distributed_trace(scn: Scenario, progress: Progress | None = None,
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.distributed.device_mesh import init_device_mesh
     except ImportError:  # pragma: no cover - torch is an optional extra
-        raise InputError("the trace engine needs torch: pip install 'vramcalc[torch]'") from None
+        raise InputError("the trace engine needs torch: pip install torch") from None
     from vramcalc.trace.cuda_rules import cuda_autocast_rules
 
     tr, par = scn.training, scn.parallel

@@ -170,7 +170,7 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
     except ImportError:  # pragma: no cover - torch is an optional extra
-        raise InputError("the trace engine needs torch: pip install 'vramcalc[torch]'") from None
+        raise InputError("the trace engine needs torch: pip install torch") from None
     from vramcalc.trace.cuda_rules import cuda_autocast_rules
     from vramcalc.trace.tracker import MemoryTracker
 

@@ -32,7 +32,7 @@ from vramcalc.errors import InputError
 from vramcalc.model import ModelSpec
 from vramcalc.training import TrainingConfig
 
-HF_MISSING = "the hf profile needs transformers: pip install 'vramcalc[hf]'"
+HF_MISSING = "the hf profile needs transformers: pip install torch transformers"
 SELECTIVE_PREFIX = "vramcalc_selective_"
 # special token ids are irrelevant to memory; the config defaults may not fit a small vocab
 NO_TOKENS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
