@@ -49,6 +49,8 @@ COMMANDS: list[tuple[str, str, list[str]]] = [
       "examples/ds_zero3_hf.json", "--recompute", "full"]),
     ("Measure on a real GPU", "Without a GPU or NPU the probe says so and exits 3.",
      ["probe", "--model", "gpt2", "--gpus", "H100", "--seq-len", "512"]),
+    ("Version", "The installed version and the revisions of the shipped GPU-profile and model "
+     "catalogs; every `--json` document carries the same three keys.", ["--version"]),
     ("GPU catalog", "", ["gpus"]),
     ("Model catalog", "", ["models"]),
     ("Bad input", "One line on stderr, exit code 2.",
