@@ -1,7 +1,8 @@
 """The public Python API (docs/api.md): the names in `vramcalc.__all__`, the examples of
 docs/api.md run as written, and the API agreeing with the CLI it mirrors.
 
-This module imports nothing from vramcalc but the package's public names.
+This module imports nothing from vramcalc but the package's public names (the CLI it is
+compared with runs in a subprocess).
 Independent figures: Meta-Llama-3-8B has 8,030,261,248 parameters and Meta-Llama-3-70B
 70,553,706,496 (the sums of the tensor shapes in the models' safetensors index, as
 transformers' numel counts them; model cards: 8B and 70B).
@@ -10,6 +11,7 @@ transformers' numel counts them; model cards: 8B and 70B).
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -111,15 +113,17 @@ def test_estimate_weights_by_hand() -> None:
     assert vramcalc.estimate("70b", "1xH100").fits is False
 
 
-def test_estimate_equals_the_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
-    from vramcalc.cli import main  # the CLI it mirrors (not part of the API)
-
+def test_estimate_equals_the_cli_json() -> None:
     options = {"seq_len": 8192, "zero": 3, "recompute": "selective", "offload": "optimizer",
                "micro_batch_size": 2, "sequence_parallel": True, "tp": 2}
     flags = ["--seq-len", "8192", "--zero", "3", "--recompute", "selective", "--offload",
              "optimizer", "--micro-batch-size", "2", "--sequence-parallel", "--tp", "2"]
-    assert main(["estimate", "--model", "70b", "--gpus", "2x8xH100", *flags, "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-m", "vramcalc", "estimate", "--model", "70b",
+                           "--gpus", "2x8xH100", *flags, "--json"], capture_output=True,
+                          text=True, check=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": pythonpath})
+    doc = json.loads(proc.stdout)
     api = vramcalc.estimate("70b", "2x8xH100", **options).to_json_dict()
     assert {k: v for k, v in doc.items() if k in api} == api
 
