@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "vramcalc.terms.context")),
     ("terms", ("vramcalc.terms", "vramcalc.offload")),
     ("engine", ("vramcalc.analytic", "vramcalc.notes", "vramcalc.trace")),
-    ("use", ("vramcalc.plan", "vramcalc.speed", "vramcalc.size", "vramcalc.explain",
+    ("use", ("vramcalc.plan", "vramcalc.serve", "vramcalc.speed", "vramcalc.size", "vramcalc.explain",
              "vramcalc.check", "vramcalc.ds_json", "vramcalc.validate", "vramcalc.probe")),
     ("render", ("vramcalc.render",)),
     ("cli", ("vramcalc.cli", "vramcalc.__main__")),
