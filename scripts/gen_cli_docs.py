@@ -49,6 +49,13 @@ COMMANDS: list[tuple[str, str, list[str]]] = [
       "examples/ds_zero3_hf.json", "--recompute", "full"]),
     ("Measure on a real GPU", "Without a GPU or NPU the probe says so and exits 3.",
      ["probe", "--model", "gpt2", "--gpus", "H100", "--seq-len", "512"]),
+    ("Serve a model with vLLM", "Weights, profiling peak, KV capacity and concurrency "
+     "at a context length; exit 1 when it does not fit.",
+     ["serve", "--model", "llama3.1-8b", "--gpus", "H100", "--max-model-len", "32768"]),
+    ("Serve DeepSeek-V3 in FP8 on eight H200s", "Multi-latent attention: one latent per "
+     "token and layer, the same on every TP rank.",
+     ["serve", "--model", "deepseek-v3", "--gpus", "8xH200", "--tp", "8", "--quantization",
+      "fp8", "--max-model-len", "32768"]),
     ("GPU catalog", "", ["gpus"]),
     ("Model catalog", "", ["models"]),
     ("Bad input", "One line on stderr, exit code 2.",
