@@ -308,3 +308,17 @@ def test_aliases_run_serve_without_torch() -> None:
     assert res.returncode == 0, res.stderr
     docs = [json.loads(d) for d in res.stdout.replace("}\n{", "}\n\x00{").split("\x00")]
     assert docs[1]["max_model_len"] == 4096 and docs[0]["engine"] == "vllm"
+
+
+def test_hf_static_cache_by_hand() -> None:
+    """HF generate, static cache: 4 sequences × 4096 tokens × 128 KiB (Llama-3-8B) = 2 GiB
+    allocated up front; Gemma 2's local layers keep min(window, max_cache_len) positions."""
+    spec = resolve_model("llama3-8b")[0]
+    r = serve_estimate(spec, parse_gpus("RTX4090"),
+                       ServeConfig(engine="hf", max_model_len=4096, max_num_seqs=4))
+    assert r.terms.kv_cache == 4 * 4096 * 131072 == 2 * GiB
+    assert r.terms.weights == 2 * spec.num_params
+    gemma = resolve_model("gemma2-9b")[0]
+    r = serve_estimate(gemma, parse_gpus("H100"),
+                       ServeConfig(engine="hf", max_model_len=8192, max_num_seqs=1))
+    assert r.terms.kv_cache == (21 * 8192 + 21 * 4096) * 8 * 256 * 2 * 2
