@@ -166,11 +166,12 @@ def test_vllm_blocks_from_logged_kv_memory() -> None:
 
 def test_vllm_capacity_llama3_8b_h100() -> None:
     """vLLM PR #10511: Meta-Llama-3-8B on one H100, utilization 0.90, default max-model-len
-    8192 (its max_position_embeddings; V0 then ran the profile at max_model_len tokens):
-    weights 14.96 GiB, available KV 53.29 GiB. Predicted within 5 %."""
+    8192 (its max_position_embeddings; V0 then ran the profile at max_model_len tokens and
+    256 sequences, its max_num_seqs default): weights 14.96 GiB, available KV 53.29 GiB.
+    Predicted within 5 %."""
     spec = resolve_model("llama3-8b")[0]
     report = serve_estimate(spec, parse_gpus("1xH100"),
-                            ServeConfig(max_num_batched_tokens=8192))
+                            ServeConfig(max_num_batched_tokens=8192, max_num_seqs=256))
     assert round(report.terms.weights / GiB, 2) == 14.96
     assert report.terms.kv_cache == pytest.approx(53.29 * GiB, rel=0.05)
     tp2 = serve_estimate(spec, parse_gpus("2xH100"), ServeConfig(tp=2))

@@ -72,12 +72,14 @@ def serve_cmd(
                                                 "length per sequence (default: the model's "
                                                 "max_position_embeddings)."),
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Sequences per "
-                                               "batch (vLLM default 256; SGLang: CUDA-graph "
-                                               "batch 160; hf: the generate batch, 1)."),
+                                               "batch (vLLM default 1024 on GPUs of 70 GiB "
+                                               "or more except A100, else 256; SGLang: "
+                                               "CUDA-graph batch 160; hf: the generate "
+                                               "batch, 1)."),
     max_num_batched_tokens: Optional[int] = typer.Option(
         None, "--max-num-batched-tokens", help="Tokens per forward (profiling run, chunked "
-        "prefill; default 8192, SGLang 2048 on GPUs under 25,000 MB; hf: the prompt length, "
-        "default max-model-len)."),
+        "prefill; vLLM default 8192 on GPUs of 70 GiB or more except A100, else 2048; SGLang "
+        "8192, 2048 under 25,000 MB; hf: the prompt length, default max-model-len)."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="auto (the model's "
                                        "bf16) | fp8 | fp16."),
     quantization: str = typer.Option("none", "--quantization",

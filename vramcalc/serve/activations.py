@@ -20,10 +20,11 @@ stream carried between layers. vLLM's decoder layer (vllm/model_executor/models/
   T·(2h + (2a + 2g)·d/t)·B; multi-latent attention: q (T·a·(dn+dr)/t), the up-projected
   k and v (T·a·(dn+dr+dv)/t) and the output (T·a·dv/t).
 
-The sampler (vllm/v1/sample/sampler.py) takes the last hidden state of R = min(max_num_seqs,
-T) sequences: logits R·V in the model dtype, their fp32 copy, the fp32 softmax and the
-exponential noise it divides by (random sampling, `random_sample`): R·V·(2 + 4 + 4 + 4)
-bytes, while the forward's output (T·h·B) is still referenced.
+The sampler (vllm/v1/sample/sampler.py @ 00ec9781) takes the last hidden state of
+R = min(max_num_seqs, T) sequences: logits R·V in the model dtype, their fp32 copy
+(`apply_temperature`), the fp32 softmax (`get_probs`) and the exponential noise it divides
+by (`random_sample`: `q = torch.empty_like(probs)`): R·V·(2 + 4 + 4 + 4) bytes, while the
+forward's output (T·h·B) is still referenced.
 """
 
 from __future__ import annotations

@@ -42,25 +42,42 @@ class EngineProfile:
     id: str
     name: str
     block_tokens: int  # tokens per KV block (vLLM pages of 16; SGLang and HF per token)
-    default_max_num_seqs: int
-    default_max_num_batched_tokens: int
     source: str
 
 
 PROFILES: dict[str, EngineProfile] = {
-    # vllm/engine/arg_utils.py: max_num_seqs 256 and max_num_batched_tokens 8192 for the
-    # OpenAI server (V1 `_set_default_args`); CacheConfig.block_size 16.
-    "vllm": EngineProfile("vllm", "vLLM (V1 engine)", 16, 256, 8192,
+    # CacheConfig.block_size 16
+    "vllm": EngineProfile("vllm", "vLLM (V1 engine)", 16,
                           "vllm-project/vllm @ 35d5cda1: vllm/v1/worker/gpu_worker.py, "
                           "vllm/v1/core/kv_cache_utils.py, vllm/v1/kv_cache_interface.py"),
-    # server_args.py: chunked_prefill_size 8192 (2048 under 25,000 MB), cuda_graph_max_bs 160
-    # (8 at TP < 4, 80 at TP >= 4, under 25,000 MB); max_running_requests bounded by the pool.
-    "sglang": EngineProfile("sglang", "SGLang", 1, 160, 8192,
+    "sglang": EngineProfile("sglang", "SGLang", 1,
                             "sgl-project/sglang: python/sglang/srt/server_args.py, "
                             "python/sglang/srt/model_executor/model_runner.py"),
-    "hf": EngineProfile("hf", "Hugging Face generate", 1, 1, 0,
+    "hf": EngineProfile("hf", "Hugging Face generate", 1,
                         "huggingface/transformers: generation/utils.py, cache_utils.py"),
 }
+
+
+def batch_defaults(engine: str, gpu_name: str, memory_total_bytes: int, tp: int,
+                   max_model_len: int) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) an engine picks when not given.
+
+    - vLLM `vllm serve` (vllm/engine/arg_utils.py `get_batch_defaults`): 1024 sequences and
+      8192 tokens on GPUs of at least 70 GiB whose name does not contain "a100" (vLLM's own
+      test, PR #17885), else 256 and 2048.
+    - SGLang (server_args.py `__post_init__`): chunked_prefill_size 8192, or 2048 under
+      25,000 MB; the CUDA-graph batch (cuda_graph_max_bs) 160, or 8 (TP < 4) / 80 under
+      25,000 MB, stands for the decode batch.
+    - HF generate: one sequence, the whole prompt of max_model_len tokens in one forward.
+    """
+    if engine == "vllm":
+        if memory_total_bytes >= 70 * 2**30 and "a100" not in gpu_name.lower():
+            return 1024, 8192
+        return 256, 2048
+    if engine == "sglang":
+        small = sglang_small_gpu(memory_total_bytes)
+        return sglang_graph_max_bs(tp, memory_total_bytes), 2048 if small else 8192
+    return 1, max_model_len
 
 
 def sglang_mem_fraction_static(tp: int) -> float:

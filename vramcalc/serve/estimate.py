@@ -25,9 +25,9 @@ from vramcalc.serve.engines import (
     VLLM_MAX_GRAPH_TOKENS,
     VLLM_NON_TORCH_BYTES_TP,
     VLLM_NON_TORCH_BYTES_TP1,
+    batch_defaults,
     sglang_graph_max_bs,
     sglang_mem_fraction_static,
-    sglang_small_gpu,
 )
 from vramcalc.serve.kv import (
     KV_DTYPE_BYTES,
@@ -159,11 +159,9 @@ def serve_estimate(spec: ModelSpec, cluster: Cluster, cfg: ServeConfig) -> Serve
     total = gpu.memory_total_bytes
     max_len = cfg.max_model_len or spec.max_position_embeddings
     replicas = _validate(spec, cfg, cluster, max_len)
-    seqs = cfg.max_num_seqs or prof.default_max_num_seqs
-    small = sglang_small_gpu(total)
-    default_tokens = 2048 if cfg.engine == "sglang" and small else \
-        prof.default_max_num_batched_tokens
-    batched = cfg.max_num_batched_tokens or (default_tokens if cfg.engine != "hf" else max_len)
+    default_seqs, default_tokens = batch_defaults(cfg.engine, gpu.name, total, cfg.tp, max_len)
+    seqs = cfg.max_num_seqs or default_seqs
+    batched = cfg.max_num_batched_tokens or default_tokens
     kv_b = _kv_dtype_bytes(cfg)
     context = gpu.context_overhead_bytes + nccl_bytes(cfg.tp * cfg.pp)
     notes: list[str] = []
