@@ -62,6 +62,25 @@ def sampler_peak_bytes(spec: ModelSpec, num_seqs: int, num_tokens: int) -> int:
             + num_tokens * spec.hidden_size * ACT_BYTES)
 
 
+def hf_prefill_peak_bytes(spec: ModelSpec, batch: int, prompt: int) -> int:
+    """HF generate's prefill forward (transformers modeling_llama.py, under inference mode):
+    the model keeps `inputs_embeds` and the layer's input alive while a layer runs, and the
+    layer keeps `residual` and the normed input: 4 residual-stream tensors (3 in a one-layer
+    model) beside the MLP's gate activation, up projection and their product (3f; a 2-matrix
+    MLP 2f), plus the rotary cos/sin (2·P·d, batch-broadcast) and the int64 input ids. With
+    the static cache and SDPA no attention mask is built on a CUDA device (transformers
+    masking_utils, data-dependent `is_causal` path). Refereed by the trace engine
+    (tests/test_serve_trace.py)."""
+    T, h = batch * prompt, spec.hidden_size
+    stream = 4 if spec.num_hidden_layers > 1 else 3
+    mlp = (3 if spec.mlp_kind == "gated" else 2) * spec.intermediate_size
+    width = stream * h + mlp
+    if spec.is_moe:
+        width = max(width, stream * h + spec.num_experts_per_tok * (
+            (3 if spec.mlp_kind == "gated" else 2) * spec.expert_ffn + h))
+    return T * width * ACT_BYTES + 2 * prompt * spec.head_size * ACT_BYTES + T * 8
+
+
 def prefill_logits_bytes(spec: ModelSpec, batch: int) -> int:
     """HF generate: logits of the last position only (`logits_to_keep=1`), upcast to fp32
     by generate (`outputs.logits[:, -1, :].to(torch.float32)`), plus the bf16 original."""

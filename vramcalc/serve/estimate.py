@@ -17,6 +17,7 @@ from vramcalc.hardware import Cluster
 from vramcalc.model import ModelSpec
 from vramcalc.serve.activations import (
     forward_peak_bytes,
+    hf_prefill_peak_bytes,
     prefill_logits_bytes,
     sampler_peak_bytes,
 )
@@ -284,7 +285,7 @@ def _hf(spec: ModelSpec, cluster: Cluster, cfg: ServeConfig, source: str, max_le
     layout = kv_layout(spec, 1, 0, spec.num_hidden_layers, kv_b)
     prompt = min(cfg.max_num_batched_tokens or max_len, max_len)
     cache = batch * layout.sequence_bytes(max_len)
-    act = max(forward_peak_bytes(spec, batch * prompt, 1), prefill_logits_bytes(spec, batch))
+    act = max(hf_prefill_peak_bytes(spec, batch, prompt), prefill_logits_bytes(spec, batch))
     total = gpu.memory_total_bytes
     terms = ServeTerms(weights=w, activation_peak=act, non_torch=0, kv_cache=cache,
                        cuda_graphs=0, context_nccl=context, unused=0)
