@@ -56,6 +56,11 @@ COMMANDS: list[tuple[str, str, list[str]]] = [
      "token and layer, the same on every TP rank.",
      ["serve", "--model", "deepseek-v3", "--gpus", "8xH200", "--tp", "8", "--quantization",
       "fp8", "--max-model-len", "32768"]),
+    ("How many GPUs to serve 100 users at 8K context, and what per month", "Per GPU type, "
+     "the fewest GPUs that hold the concurrency (`plan --serve` lists every layout on one "
+     "type).",
+     ["size", "--serve", "--model", "llama3.1-70b", "--gpu", "H100", "--gpu", "H200",
+      "--gpu", "A100-80GB", "--max-model-len", "8192", "--concurrency", "100"]),
     ("GPU catalog", "", ["gpus"]),
     ("Model catalog", "", ["models"]),
     ("Bad input", "One line on stderr, exit code 2.",

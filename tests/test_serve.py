@@ -323,3 +323,35 @@ def test_hf_static_cache_by_hand() -> None:
     r = serve_estimate(gemma, parse_gpus("H100"),
                        ServeConfig(engine="hf", max_model_len=8192, max_num_seqs=1))
     assert r.terms.kv_cache == (21 * 8192 + 21 * 4096) * 8 * 256 * 2 * 2
+
+
+# ---- plan --serve / size --serve ----------------------------------------------------------
+def test_serve_plan_ranks_layouts_that_hold_the_concurrency() -> None:
+    from vramcalc.serve.plan import serve_options
+
+    spec = resolve_model("llama3.1-70b")[0]
+    gpu = parse_gpus("H100").gpu
+    base = ServeConfig(max_model_len=8192)
+    options = serve_options(spec, [gpu], base, 100)
+    assert options == serve_options(spec, [gpu], base, 100)  # deterministic
+    assert [o.num_gpus for o in options] == sorted(o.num_gpus for o in options)
+    for o in options:
+        assert o.report.fits and o.replicas * o.report.max_concurrent_seqs >= 100
+        assert (o.replicas - 1) * o.report.max_concurrent_seqs < 100  # no spare copy
+    # 141 GB of bf16 weights (2 × 70,553,706,496 parameters) cannot sit on one 85 GB GPU
+    assert min(o.gpus_per_copy for o in options) >= 2
+
+
+def test_size_serve_costs_per_month() -> None:
+    res = runner.invoke(app, ["size", "--serve", "--model", "llama3-8b", "--gpu", "H100",
+                              "--gpu", "A100-80GB", "--concurrency", "300", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)["rows"]
+    assert {r["gpu"] for r in rows} == {"h100_sxm", "a100_80gb"}
+    for r in rows:
+        price = parse_gpus(r["gpu"]).gpu.price_usd_per_hour
+        assert r["usd_per_month"] == pytest.approx(price * r["num_gpus"] * 730)
+        assert r["replicas"] * r["seqs_per_copy"] >= 300
+    res = subprocess.run([sys.executable, "-m", "vramcalc", "plan", "--serve", "--model",
+                          "llama3-8b", "--concurrency", "0"], capture_output=True, text=True)
+    assert res.returncode == 2 and res.stderr.startswith("error: --concurrency")

@@ -9,6 +9,7 @@ from rich.text import Text
 
 from vramcalc.render.report import _bar
 from vramcalc.serve import ServeReport
+from vramcalc.serve.plan import ServeOption
 from vramcalc.units import GB, GiB, fmt_gb, fmt_gib
 
 SERVE_LABELS = {
@@ -111,3 +112,29 @@ def serve_markdown(r: ServeReport) -> str:
     out.append(f"- verdict: {verdict(r).plain}")
     out += [f"- note: {n}" for n in r.notes]
     return "\n".join(out) + "\n"
+
+
+def print_serve_options(console: Console, options: list[ServeOption], title: str,
+                        with_cost: bool, notes: list[str]) -> None:
+    """`plan --serve` / `size --serve`: one row per layout, fewest GPUs first."""
+    console.print(title, soft_wrap=True)
+    if not options:
+        console.print(Text("NOTHING FITS", style="bold red"), soft_wrap=True)
+    else:
+        table = Table(show_edge=False, pad_edge=False)
+        cols = ["GPU", "TP", "PP", "copies", "GPUs", "seqs/copy", "KV tokens/copy",
+                "GB/GPU"] + (["$/hour", "$/month"] if with_cost else [])
+        for c in cols:
+            table.add_column(c, justify="left" if c == "GPU" else "right")
+        for o in options:
+            r = o.report
+            row = [o.gpu.name, str(o.tp), str(o.pp), str(o.replicas), str(o.num_gpus),
+                   str(r.max_concurrent_seqs), f"{r.kv_capacity_tokens:,}",
+                   f"{r.device_total_bytes / GB:,.1f}"]
+            if with_cost:
+                row += ["?" if o.usd_per_hour is None else f"{o.usd_per_hour:,.2f}",
+                        "?" if o.usd_per_month is None else f"{o.usd_per_month:,.0f}"]
+            table.add_row(*row)
+        console.print(table)
+    for n in notes:
+        console.print(f"[dim]note: {n}[/dim]", soft_wrap=True)
