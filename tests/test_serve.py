@@ -355,3 +355,38 @@ def test_size_serve_costs_per_month() -> None:
     res = subprocess.run([sys.executable, "-m", "vramcalc", "plan", "--serve", "--model",
                           "llama3-8b", "--concurrency", "0"], capture_output=True, text=True)
     assert res.returncode == 2 and res.stderr.startswith("error: --concurrency")
+
+
+# ---- probe --run --compare serve -----------------------------------------------------------
+def test_engine_command_lines_read_as_serve_options() -> None:
+    from vramcalc.serve.command import parse_serve_command
+
+    model, values = parse_serve_command(
+        ["vllm", "serve", "meta-llama/Llama-3.1-8B", "--max-model-len", "8192", "-tp", "2",
+         "--enforce-eager", "--gpu-memory-utilization=0.85", "--kv-cache-dtype", "fp8_e4m3",
+         "--quantization", "awq_marlin"])
+    assert model == "meta-llama/Llama-3.1-8B"
+    assert values == {"engine": "vllm", "max_model_len": 8192, "tp": 2, "enforce_eager": True,
+                      "gpu_memory_utilization": 0.85, "kv_cache_dtype": "fp8",
+                      "quantization": "awq"}
+    model, values = parse_serve_command(
+        ["python", "-m", "sglang.launch_server", "--model-path", "Qwen/Qwen2.5-7B", "--tp",
+         "4", "--mem-fraction-static", "0.8", "--context-length", "32768"])
+    assert (model, values["engine"], values["tp"]) == ("Qwen/Qwen2.5-7B", "sglang", 4)
+    assert values["gpu_memory_utilization"] == 0.8 and values["max_model_len"] == 32768
+    for bad in (["python", "train.py"], ["vllm", "serve", "m", "--max-model-len", "lots"],
+                ["vllm", "serve", "m", "--quantization", "gguf"]):
+        with pytest.raises(InputError):
+            parse_serve_command(bad)
+
+
+def test_probe_compare_serve_estimate() -> None:
+    from vramcalc.cli.probe import _serve_estimate_for_command
+
+    doc = _serve_estimate_for_command(
+        ["vllm", "serve", "meta-llama/Llama-3.1-8B", "--max-model-len", "8192"], "H100", None)
+    serve = doc["serve"]
+    terms = serve["terms"]
+    assert doc["peak_allocated_bytes"] == (terms["weights"] + terms["activation_peak"]
+                                           + terms["kv_cache"])
+    assert serve["model"] == "llama3.1-8b" and serve["max_model_len"] == 8192
