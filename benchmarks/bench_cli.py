@@ -36,6 +36,9 @@ COMMANDS: tuple[tuple[str, list[str], float], ...] = (
     ("plan --model 70b --gpus 64xH100 --allow precision,optimizer,offload,finetune",
      ["plan", "--model", "70b", "--gpus", "64xH100", "--allow",
       "precision,optimizer,offload,finetune"], 1.5),
+    ("serve --model deepseek-v3 --gpus 16xH100 --tp 8 --pp 2 --json",
+     ["serve", "--model", "deepseek-v3", "--gpus", "16xH100", "--tp", "8", "--pp", "2",
+      "--json"], 0.5),
     ("plan --model 70b --gpus 8xH100 (README main command)",
      ["plan", "--model", "70b", "--gpus", "8xH100"], 1.5),
 )

@@ -51,6 +51,18 @@ COMMANDS: list[tuple[str, str, list[str]]] = [
      ["probe", "--model", "gpt2", "--gpus", "H100", "--seq-len", "512"]),
     ("Version", "The installed version and the revisions of the shipped GPU-profile and model "
      "catalogs; every `--json` document carries the same three keys.", ["--version"]),
+    ("Serve a model with vLLM", "Weights, profiling peak, KV capacity and concurrency "
+     "at a context length; exit 1 when it does not fit.",
+     ["serve", "--model", "llama3.1-8b", "--gpus", "H100", "--max-model-len", "32768"]),
+    ("Serve DeepSeek-V3 in FP8 on eight H200s", "Multi-latent attention: one latent per "
+     "token and layer, the same on every TP rank.",
+     ["serve", "--model", "deepseek-v3", "--gpus", "8xH200", "--tp", "8", "--quantization",
+      "fp8", "--max-model-len", "32768"]),
+    ("How many GPUs to serve 100 users at 8K context, and what per month", "Per GPU type, "
+     "the fewest GPUs that hold the concurrency (`plan --serve` lists every layout on one "
+     "type).",
+     ["size", "--serve", "--model", "llama3.1-70b", "--gpu", "H100", "--gpu", "H200",
+      "--gpu", "A100-80GB", "--max-model-len", "8192", "--concurrency", "100"]),
     ("GPU catalog", "", ["gpus"]),
     ("Model catalog", "", ["models"]),
     ("Bad input", "One line on stderr, exit code 2.",

@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "vramcalc.terms.context")),
     ("terms", ("vramcalc.terms", "vramcalc.offload")),
     ("engine", ("vramcalc.analytic", "vramcalc.notes", "vramcalc.trace")),
-    ("use", ("vramcalc.planner", "vramcalc.speed", "vramcalc.size", "vramcalc.explain",
+    ("use", ("vramcalc.planner", "vramcalc.serve", "vramcalc.speed", "vramcalc.size", "vramcalc.explain",
              "vramcalc.check", "vramcalc.ds_json", "vramcalc.validate", "vramcalc.probe",
              "vramcalc.api")),
     # the package itself: the public names of vramcalc.api, loaded on first access

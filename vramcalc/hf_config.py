@@ -206,6 +206,37 @@ def _four_norms(c: _Cfg, model_type: str) -> dict[str, Any]:
     return {"num_layer_norms": 4}
 
 
+def _sliding_fields(c: _Cfg, model_type: str) -> dict[str, Any]:
+    """Sliding-window attention: Mistral applies `sliding_window` to every layer (null: none;
+    transformers MistralConfig default 4096); Gemma 2 alternates local and global layers
+    (Gemma2Config: window 4096, layer i local when (i + 1) % 2); Gemma 3 has five local
+    layers per global one (Gemma3TextConfig: window 4096, `sliding_window_pattern` 6). An
+    explicit `layer_types` list must follow one of these patterns."""
+    default_window, default_pattern = {"mistral": (4096, 0), "gemma2": (4096, 2),
+                                       "gemma3_text": (4096, 6)}[model_type]
+    if "sliding_window" in c.cfg and c.cfg["sliding_window"] is None:
+        return {}
+    window = c.get_int("sliding_window", default_window)
+    pattern = c.get_int("sliding_window_pattern", default_pattern)
+    types = c.cfg.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or not types or not all(
+                t in ("sliding_attention", "full_attention") for t in types):
+            raise InputError(f"{c.source}: layer_types must be a list of 'sliding_attention' "
+                             "and 'full_attention'")
+        local = [t == "sliding_attention" for t in types]
+        candidates = [0] if all(local) else list(range(2, len(local) + 2))
+        match = [n for n in candidates
+                 if local == [n == 0 or (i + 1) % n != 0 for i in range(len(local))]]
+        if not any(local):
+            return {}
+        if not match:
+            raise InputError(f"{c.source}: layer_types mixes local and global layers in a "
+                             "pattern vramcalc cannot represent (one global layer every N)")
+        pattern = match[0]
+    return {"sliding_window": window, "sliding_window_pattern": pattern}
+
+
 def _mla_fields(c: _Cfg, model_type: str, fields: dict[str, Any]) -> dict[str, Any]:
     """DeepSeek-V2/V3: multi-latent attention, and MoE layers after the first
     `first_k_dense_replace` dense ones (modeling_deepseek_v3.py `DeepseekV3DecoderLayer`).
@@ -288,6 +319,8 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
         elif model_type == "qwen3_moe":
             fields["qk_norm"] = True
             fields.update(_qwen_moe_fields(c, model_type, fields["num_hidden_layers"], False))
+        elif model_type == "mistral":
+            fields.update(_sliding_fields(c, model_type))
         elif model_type == "mixtral":
             fields.update(
                 num_local_experts=c.get_int("num_local_experts", 8),
@@ -310,6 +343,7 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
             fields["hidden_act"] = "gelu_pytorch_tanh"
         elif model_type in ("gemma2", "gemma3_text"):
             fields.update(_four_norms(c, model_type))
+            fields.update(_sliding_fields(c, model_type))
             if model_type == "gemma3_text":
                 fields["qk_norm"] = True
         elif model_type not in _DEFAULTS:

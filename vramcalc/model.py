@@ -70,6 +70,12 @@ class ModelSpec(BaseModel):
     qk_rope_head_dim: int | None = Field(None, gt=0, le=MAX_DIM)
     v_head_dim: int | None = Field(None, gt=0, le=MAX_DIM)
     num_layer_norms: int = Field(2, ge=1, le=8)  # Gemma 2/3: 4 (pre/post attn and MLP)
+    # Sliding-window attention (config.json `sliding_window`): None = every layer attends to
+    # the whole context. With a window, `sliding_window_pattern` 0 makes every layer local
+    # (Mistral 7B v0.1); N >= 2 makes layer i global when (i + 1) % N == 0 and local
+    # otherwise (Gemma 2: N = 2, Gemma 3: N = 6, transformers `layer_types`).
+    sliding_window: int | None = Field(None, gt=0, le=100_000_000)
+    sliding_window_pattern: int = Field(0, ge=0, le=MAX_LAYERS)
     source: str = "custom"  # where the spec came from (preset, file path)
 
     @model_validator(mode="after")
@@ -94,6 +100,10 @@ class ModelSpec(BaseModel):
             if self.first_k_dense_replace > self.num_hidden_layers:
                 raise InputError("first_k_dense_replace exceeds num_hidden_layers")
         self._check_mla()
+        if self.sliding_window_pattern == 1 or (
+                self.sliding_window_pattern and self.sliding_window is None):
+            raise InputError("sliding_window_pattern needs a sliding_window and must be 0 "
+                             "(every layer local) or at least 2")
         return self
 
     def _check_mla(self) -> None:
@@ -130,6 +140,17 @@ class ModelSpec(BaseModel):
     def qk_head_dim(self) -> int:
         """MLA: width of a q or k head, qk_nope_head_dim + qk_rope_head_dim."""
         return (self.qk_nope_head_dim or 0) + (self.qk_rope_head_dim or 0)
+
+    def layer_is_sliding(self, i: int) -> bool:
+        """Whether layer i (0-based) attends only to the last `sliding_window` tokens."""
+        if self.sliding_window is None:
+            return False
+        n = self.sliding_window_pattern
+        return n == 0 or (i + 1) % n != 0
+
+    @property
+    def num_sliding_layers(self) -> int:
+        return sum(self.layer_is_sliding(i) for i in range(self.num_hidden_layers))
 
     @property
     def is_moe(self) -> bool:

@@ -3,6 +3,7 @@ fake-tensor dry run of the same scenario."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,6 +19,7 @@ from vramcalc.cli.app import (
     scenario_command,
     split_values,
 )
+from vramcalc.cli.serve import run_serve, show_serve
 from vramcalc.errors import InputError
 from vramcalc.explain import explain
 from vramcalc.options import build_scenario
@@ -41,11 +43,28 @@ DEEPSPEED = option("deepspeed", Optional[Path], None, "--deepspeed",
                    "checkpointing). Flags given on the command line override it.")
 
 
-@scenario_command("One scenario's per-GPU memory breakdown and fit check.", extra=[DEEPSPEED],
-                  with_context=True)
+# `--mode inference` (not listed in --help): the serving estimate, as `vramcalc serve`
+MODE = inspect.Parameter("mode", inspect.Parameter.KEYWORD_ONLY, annotation=str,
+                         default=typer.Option("train", "--mode", hidden=True))
+
+
+@scenario_command("One scenario's per-GPU memory breakdown and fit check.",
+                  extra=[DEEPSPEED, MODE], with_context=True)
 def estimate_cmd(ctx: typer.Context, **kwargs: Any) -> None:
     ds_path: Path | None = kwargs.pop("deepspeed", None)
+    mode = kwargs.pop("mode", "train")
     values, dirs, as_json = split_values(kwargs)
+    if mode not in ("train", "inference"):
+        raise InputError(f"--mode must be train or inference, got {mode!r}")
+    if mode == "inference":
+        note("estimate --mode inference is `vramcalc serve` (vLLM defaults; see serve --help)")
+        if not values.get("model"):
+            raise InputError("--model is required (e.g. --model llama3-8b)")
+        serve_values = {"tp": values.get("tp"), "pp": values.get("pp"),
+                        "max_model_len": values.get("seq_len")}
+        show_serve(run_serve(str(values["model"]), str(values.get("gpus", "1xH100")),
+                             serve_values, dirs[0] if dirs else None), as_json, False)
+        return
     if ds_path is None:
         show_report(estimate(build_scenario(values, dirs)), as_json)
         return

@@ -26,6 +26,7 @@ from vramcalc.cli.app import (
     scenario_command,
     split_values,
 )
+from vramcalc.cli.serve_plan import SERVE_PLAN_PARAMS, plan_serve, pop_serve_options, size_serve
 from vramcalc.errors import InputError
 from vramcalc.hardware import GPUProfile, load_profiles, resolve_gpu
 from vramcalc.options import (
@@ -99,14 +100,20 @@ def _command_line(command: str, values: dict[str, Any], extra: dict[str, Any]) -
                                   help="DeepSpeed JSON config: its ZeRO stage, offload, batch "
                                   "sizes, precision and optimizer pin the search (flags "
                                   "given override them); its memory keys (buckets, ZeRO-3 "
-                                  "fetching, activation checkpointing) apply to every layout.")],
+                                  "fetching, activation checkpointing) apply to every layout.")]
+    + SERVE_PLAN_PARAMS,
     defaults={**{k: None for k in SEARCHED_OPTIONS}, "headroom": DEFAULT_HEADROOM},
     with_context=True,
 )
 def plan_cmd(ctx: typer.Context, **kwargs: Any) -> None:
     t0 = time.perf_counter()
     ds_path: Path | None = kwargs.pop("deepspeed", None)
+    serve_opts = pop_serve_options(kwargs)
     values, dirs, as_json = split_values(kwargs)
+    if serve_opts["serve"]:
+        plan_serve(values.get("model"), str(values.get("gpus", "1xH100")), serve_opts, dirs,
+                   as_json, kwargs.get("top") or 5)
+        return
     ds_cfg, ds_notes, batch = None, [], kwargs.get("global_batch_size")
     if ds_path is not None:  # the DeepSpeed file fills what the command line leaves out
         inp = read_inputs(None, ds_path, given_values(ctx, values), command="plan")
@@ -222,8 +229,13 @@ def size_cmd(
     profiles_dir: Optional[Path] = typer.Option(None, "--profiles-dir",
                                                 help="Extra folder of GPU profile YAML files."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+    **serve_opts: Any,
 ) -> None:
-    """GPUs, days, GPU-hours and cost to train a model on a token budget, per GPU type."""
+    """GPUs, days, GPU-hours and cost to train a model on a token budget, per GPU type (with
+    --serve: to serve it at a concurrency, per month)."""
+    if serve_opts.get("serve"):
+        size_serve(model, gpu, serve_opts, [profiles_dir] if profiles_dir else None, as_json)
+        return
     if not model:
         raise InputError("--model is required (e.g. --model 70b)")
     if not tokens:
@@ -275,6 +287,11 @@ def size_cmd(
     print_size(make_console(), rows, title, notes + ([
         "prices are indicative per-GPU-hour rates from the GPU profiles; '?' = unknown "
         "(give --price GPU=USD)"] if any(r.price_usd_per_hour is None for r in rows) else []))
+
+
+size_cmd.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [p for p in inspect.signature(size_cmd).parameters.values() if p.kind != p.VAR_KEYWORD]
+    + SERVE_PLAN_PARAMS)
 
 
 # ---- check ---------------------------------------------------------------------------------

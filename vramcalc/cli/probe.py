@@ -18,10 +18,12 @@ import typer
 
 from vramcalc.check import check_files
 from vramcalc.cli.app import emit_json, fail, option, scenario_command, split_values
+from vramcalc.cli.serve import run_serve
 from vramcalc.errors import InputError
 from vramcalc.options import build_scenario
 from vramcalc.render.console import make_console
 from vramcalc.render.probe import print_probe_record, print_run_records
+from vramcalc.serve.command import parse_serve_command
 
 EXIT_NO_DEVICE = 3
 # `probe --run -- CMD`: the words after `--` reach the command as ctx.args
@@ -33,7 +35,8 @@ _EXTRA = [
     option("interval", float, 0.0, "--interval", help="With --run: also write records every "
            "N seconds."),
     option("compare", Optional[Path], None, "--compare", help="With --run: a training config "
-           "(vramcalc check format) whose estimate is shown beside the measurement."),
+           "(vramcalc check format) whose estimate is shown beside the measurement; `serve`: "
+           "the serving estimate of the `vllm serve` / sglang command after -- on --gpus."),
     option("device", str, "auto", "--device", help="auto (first GPU/NPU) or cpu (dry run with "
            "the trace tracker)."),
     option("iterations", int, 2, "--iterations", help="Measured iterations after one warm-up."),
@@ -52,7 +55,8 @@ def probe_cmd(ctx: typer.Context, **kwargs: Any) -> None:
     out, no_trace, nproc = kwargs.pop("out"), kwargs.pop("no_trace"), kwargs.pop("nproc")
     values, dirs, as_json = split_values(kwargs)
     if run:
-        _run_mode(list(ctx.args), interval, compare, out, dirs, as_json)
+        _run_mode(list(ctx.args), interval, compare, out, dirs, as_json,
+                  str(values.get("gpus", "1xH100")))
         return
     if ctx.args:
         raise InputError(f"unexpected arguments {' '.join(ctx.args)!r} (use --run -- CMD)")
@@ -82,11 +86,15 @@ def probe_cmd(ctx: typer.Context, **kwargs: Any) -> None:
 
 
 def _run_mode(cmd: list[str], interval: float, compare: Path | None, out: Path | None,
-              dirs: list[Path] | None, as_json: bool) -> None:
+              dirs: list[Path] | None, as_json: bool, gpus: str) -> None:
     """`probe --run -- CMD`: run the user's command under the memory hook; its exit code."""
+    estimate_doc = None
+    if compare is not None and str(compare) == "serve" and not compare.exists():
+        estimate_doc = _serve_estimate_for_command(cmd, gpus, dirs)
+    elif compare is not None:
+        estimate_doc = _estimate_for_config(compare, dirs)
     from vramcalc.probe.run_cmd import run_command  # the probe engine (torch)
 
-    estimate_doc = _estimate_for_config(compare, dirs) if compare is not None else None
     code, records = run_command(cmd, interval=interval, out_dir=out)
     doc = {"command": cmd, "exit_code": code, "ranks": records, "estimate": estimate_doc}
     if as_json:
@@ -103,6 +111,19 @@ def _estimate_for_config(path: Path, dirs: list[Path] | None) -> dict[str, Any]:
     rep = result.report
     return {"config": source, "peak_allocated_bytes": rep.peak_allocated_bytes,
             "device_total_bytes": rep.device_total_bytes, "fits": result.fits}
+
+
+def _serve_estimate_for_command(cmd: list[str], gpus: str, dirs: list[Path] | None
+                                ) -> dict[str, Any]:
+    """`--compare serve`: `vramcalc serve` for the engine command being run, per GPU; its
+    torch-allocated part (weights, activation peak, KV cache) beside max_memory_allocated."""
+    model, values = parse_serve_command(cmd)
+    report = run_serve(model, gpus, values, dirs[0] if dirs else None)
+    t = report.terms
+    return {"config": f"vramcalc serve --engine {report.engine} ({model}, {report.gpu})",
+            "peak_allocated_bytes": t.weights + t.activation_peak + t.kv_cache,
+            "device_total_bytes": report.device_total_bytes, "fits": report.fits,
+            "serve": report.to_json_dict()}
 
 
 def _nproc_mode(values: dict[str, Any], nproc: int, iterations: int, out: Path | None,

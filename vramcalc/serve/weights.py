@@ -1,0 +1,145 @@
+"""Per-rank weight bytes of a serving engine, in the quantized layout it loads.
+
+Which tensors are quantized: the linear layers of the decoder blocks (q/k/v/o or the MLA
+projections, the MLP and expert matrices). Embedding, LM head, norms and MoE routers stay in
+the model dtype (vLLM builds `ParallelLMHead`/`VocabParallelEmbedding` and the routers'
+`ReplicatedLinear` without the quant config, e.g. vllm/model_executor/models/mixtral.py,
+deepseek_v2.py). Per matrix of `out` rows and `inp` columns (n = out · inp elements, G =
+group size, 128 by default for AWQ and GPTQ checkpoints):
+
+| method  | layout (vLLM `*LinearMethod.create_weights`)                            | bytes |
+|---------|-------------------------------------------------------------------------|-------|
+| none    | the model dtype (bf16)                                                  | 2n |
+| fp8     | fp8 weight + one fp32 per-tensor weight scale (fp8.py `Fp8LinearMethod`) | n + 4 |
+| int8    | int8 weight + fp32 scale per output channel (compressed-tensors W8A8)   | n + 4·out |
+| awq     | qweight int32 (inp, out/8), qzeros int32 (inp/G, out/8), scales fp16 (inp/G, out) (awq.py) | n/2 + (inp/G)·out·(1/2 + 2) |
+| gptq    | qweight int32 (inp/8, out), qzeros int32 (inp/G, out/8), scales fp16 (inp/G, out), g_idx int32 (inp) (gptq.py) | as awq + 4·inp |
+| bnb-nf4 | 4-bit data + blockwise absmax (block 64) double-quantized (bitsandbytes `Params4bit`) | n/2 + vramcalc.finetune.nf4_constant_bytes |
+
+Sharding per rank: column-parallel matrices split their rows, row-parallel ones (o_proj,
+down_proj) their columns; K/V projections hold max(1, g/t) heads (replicated when t > g);
+the vocabulary is padded to a multiple of 64 and split (vLLM `VocabParallelEmbedding`,
+DEFAULT_VOCAB_PADDING_SIZE = 64); experts are split by TP, or whole experts spread over the
+ranks under expert parallelism (`--enable-expert-parallel`: EP = TP); pipeline stages hold
+their own layers, the first the embedding, the last the final norm and LM head (and, with
+tied embeddings, a copy of the embedding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vramcalc.finetune import nf4_constant_bytes
+from vramcalc.model import ModelSpec, ParamTensor, param_tensors
+from vramcalc.serve.kv import kv_heads_per_rank
+from vramcalc.units import ceil_div
+
+QUANTIZATIONS = ("none", "fp8", "int8", "awq", "gptq", "bnb-nf4")
+QUANT_GROUP_SIZE = 128  # AWQ and GPTQ checkpoints' usual q_group_size / group_size
+VOCAB_PADDING = 64  # vllm/model_executor/layers/vocab_parallel_embedding.py
+MODEL_DTYPE_BYTES = 2  # bf16 (fp16 where the GPU lacks bf16: the same size)
+_ROW_PARALLEL = ("o_proj.weight", "down_proj.weight", "proj.weight")
+_UNQUANTIZED = ("router.weight", "shared_expert_gate.weight")
+
+
+def quantized_matrix_bytes(out: int, inp: int, method: str, group: int = QUANT_GROUP_SIZE
+                           ) -> int:
+    """Bytes of one `out` × `inp` linear weight in `method`'s layout (module table)."""
+    n = out * inp
+    if method == "none":
+        return MODEL_DTYPE_BYTES * n
+    if method == "fp8":
+        return n + 4
+    if method == "int8":
+        return n + 4 * out
+    if method == "bnb-nf4":
+        return ceil_div(n, 2) + nf4_constant_bytes(n)
+    groups = ceil_div(inp, group)
+    packed = 4 * ceil_div(inp, 8) * out  # int32 words of eight 4-bit values
+    zeros = 4 * groups * ceil_div(out, 8)
+    scales = 2 * groups * out
+    if method == "awq":
+        return packed + zeros + scales
+    if method == "gptq":
+        return packed + zeros + scales + 4 * inp
+    raise ValueError(f"unknown quantization {method!r}")
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Weights of one rank of one pipeline stage."""
+
+    quantized: int  # the decoder-block linears in the quantized layout
+    unquantized: int  # embedding, head, norms, routers, biases in the model dtype
+
+    @property
+    def total(self) -> int:
+        return self.quantized + self.unquantized
+
+
+def _rank_rows_cols(t: ParamTensor, spec: ModelSpec, tp: int, ep: bool) -> tuple[int, int, int]:
+    """(rows, cols, copies) of one tensor on one rank (copies: experts on the rank)."""
+    rows = t.rows or t.numel
+    cols = t.numel // rows if t.rows else 1
+    copies = 1
+    if t.group == "expert":
+        if ep:
+            return rows, cols, ceil_div(spec.num_local_experts, tp)
+        copies = spec.num_local_experts
+    if t.group in ("embedding", "head") and t.name != "embed_positions":
+        return ceil_div(ceil_div(spec.vocab_size, VOCAB_PADDING) * VOCAB_PADDING, tp), cols, 1
+    if not t.tp_split or tp == 1:
+        return rows, cols, copies
+    if t.name.split(".")[-2] in ("k_proj", "v_proj") and not spec.is_mla:
+        heads = kv_heads_per_rank(spec, tp)
+        if t.rows:
+            return heads * spec.head_size, cols, copies
+        return heads * spec.head_size, 1, copies  # bias
+    if t.rows and t.name.endswith(_ROW_PARALLEL):
+        return rows, ceil_div(cols, tp), copies
+    return ceil_div(rows, tp), cols, copies
+
+
+def stage_weight_bytes(spec: ModelSpec, tp: int, first: int, count: int, pp: int, stage: int,
+                       method: str, ep: bool = False) -> WeightBytes:
+    """Weights on one rank of pipeline stage `stage` holding layers [first, first + count)."""
+    quant = plain = 0
+    last = stage == pp - 1
+    for t in param_tensors(spec):
+        rows, cols, copies = _rank_rows_cols(t, spec, tp, ep)
+        if t.group == "embedding":
+            reps = 1 if stage == 0 or (last and spec.tie_word_embeddings) else 0
+        elif t.group in ("head", "final"):
+            reps = 1 if last else 0
+        elif t.group == "expert":
+            # experts are counted once per MoE layer and expert: count = n_moe · E
+            moe_here = sum(1 for i in range(first, first + count)
+                           if i >= spec.first_k_dense_replace)
+            reps = moe_here * copies
+        else:
+            reps = _layer_reps(t, spec, first, count)
+        if not reps:
+            continue
+        matrix = t.rows > 0 and t.group in ("layer", "expert") and not t.name.endswith(
+            _UNQUANTIZED)
+        if matrix:
+            quant += reps * quantized_matrix_bytes(rows, cols, method)
+        else:
+            plain += reps * MODEL_DTYPE_BYTES * rows * cols
+    return WeightBytes(quantized=quant, unquantized=plain)
+
+
+def _layer_reps(t: ParamTensor, spec: ModelSpec, first: int, count: int) -> int:
+    """How many of a per-layer tensor's `t.count` copies live in layers [first, first+count):
+    dense-MLP tensors sit in the leading dense layers, MoE-only tensors (router, shared
+    expert) in the rest, the others in every layer."""
+    layers = range(first, first + count)
+    k = spec.first_k_dense_replace if spec.is_moe else spec.num_hidden_layers
+    if t.count == spec.num_hidden_layers:
+        return count
+    if spec.is_moe and t.count == spec.num_dense_layers and t.name.startswith("mlp."):
+        return sum(1 for i in layers if i < k)
+    if spec.is_moe and t.count % max(spec.num_moe_layers, 1) == 0:
+        per_layer = t.count // max(spec.num_moe_layers, 1)
+        return per_layer * sum(1 for i in layers if i >= k)
+    return sum(1 for i in layers if i < k)
