@@ -72,7 +72,7 @@ def test_every_returned_candidate_fits_and_ranking(case: dict) -> None:
         assert s["tp"] <= base.cluster.gpus_per_node  # tensor parallelism within a node
         assert scenario_speed(e.scenario).tokens_per_s == pytest.approx(e.speed.tokens_per_s)
     # ranked by tokens/s, ties by more headroom
-    keys = [(-e.speed.tokens_per_s, -(e.report.headroom_bytes or 0)) for e in res.entries]
+    keys = [(-e.speed.tokens_per_s, -(e.report.free_bytes or 0)) for e in res.entries]
     assert keys == sorted(keys)
 
 
@@ -87,7 +87,7 @@ def test_deterministic() -> None:
 
 
 def _rank(e) -> tuple:  # noqa: ANN001
-    return (-e.speed.tokens_per_s, len(e.changes), -(e.report.headroom_bytes or 0))
+    return (-e.speed.tokens_per_s, len(e.changes), -(e.report.free_bytes or 0))
 
 
 @pytest.mark.parametrize("case", [

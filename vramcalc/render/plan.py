@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from vramcalc.render.report import TERM_LABELS, print_report, strategy_line
-from vramcalc.report import MemoryReport
+from vramcalc.report import MemoryReport, fit_phrase
 from vramcalc.units import GB, GiB, fmt_gb
 
 SPEED_LABELS = {"compute": "compute", "bubble": "pipeline bubble", "tp_comm": "TP comm",
@@ -196,9 +196,8 @@ def print_plan(console: Console, doc: dict[str, Any]) -> None:
                                 f"on {base.cluster.num_gpus} x {gpu.name}."))
     if res.closest is not None:
         c = res.closest
-        over = c.report.device_total_bytes - usable
-        console.print(f"Closest strategy needs {fmt_gb(c.report.device_total_bytes)} per GPU, "
-                      f"{fmt_gb(over)} over:")
+        console.print(f"Closest strategy "
+                      f"{fit_phrase(c.report.device_total_bytes, usable, gpu.memory_total_bytes)}:")
         console.print()
         print_report(console, c.report)
     console.print()
@@ -302,12 +301,9 @@ def check_markdown(report: MemoryReport, usable_bytes: int, headroom: float, sou
     lines.append(f"| **device total** | **{report.device_total_bytes / GB:,.2f}** | "
                  f"**{report.device_total_bytes / GiB:,.2f}** | |")
     lines.append("")
-    cap = g.memory_total_bytes if g else 0
-    diff = usable_bytes - report.device_total_bytes
-    verdict = (f"**{diff / GB:,.2f} GB free**" if fits
-               else f"**over by {-diff / GB:,.2f} GB**")
-    lines.append(f"Usable per GPU: {usable_bytes / GB:,.2f} GB ({cap / GB:,.2f} GB less "
-                 f"{headroom:.0%} headroom): {verdict}.")
+    cap = g.memory_total_bytes if g else usable_bytes
+    lines.append(f"Per GPU: **{fit_phrase(report.device_total_bytes, usable_bytes, cap)}** "
+                 f"({headroom:.0%} headroom requested).")
     if report.host_bytes_per_node:
         lines.append(f"Host RAM for offload: {report.host_bytes_per_node / GB:,.2f} GB per node.")
     for n in list(report.notes) + list(notes):
