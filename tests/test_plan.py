@@ -250,7 +250,9 @@ def test_allow_finetune_is_accepted() -> None:
 def test_global_batch_options() -> None:
     base, req, _ = prepare_plan({"model": "8b", "gpus": "8xH100", "seq_len": 2048},
                                 global_batch_tokens="1M")
-    assert req.batch_for(2048) == round(10**6 / 2048)
+    # 488.3 sequences: vramcalc.plan.request.splittable_batch rounds to a multiple of 32
+    # (16 x 32 <= 488 < 16 x 64): 480 = 15 x 32, which 8 data-parallel ranks split
+    assert req.batch_for(2048) == 480
     # default: the power of two nearest below 4M tokens (Llama 2: 4M tokens per step)
     base, req, _ = prepare_plan({"model": "8b", "gpus": "8xH100", "seq_len": 3000})
     assert req.batch_for(3000) == 1024

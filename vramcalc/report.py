@@ -110,18 +110,18 @@ class MemoryReport(BaseModel):
 
 
 # ---- the parts every engine's report shares --------------------------------------------
-def fit_verdict(scn: Scenario, device_total_bytes: int
-                ) -> tuple[bool | None, int | None, int | None]:
-    """(fits, usable bytes, free bytes) against the cluster's GPU; all None without a GPU.
+def fit_verdict(scn: Scenario, device_total_bytes: int) -> dict[str, Any]:
+    """The report's `fits`, `usable_bytes` and `free_bytes` against the cluster's GPU; all
+    None without a GPU.
 
     The one definition every command and format uses: usable = the GPU's memory less the
     requested headroom (`--headroom`); free = usable - device total; it fits when free >= 0.
     """
     usable = scn.usable_bytes
     if usable is None:
-        return None, None, None
+        return {"fits": None, "usable_bytes": None, "free_bytes": None}
     free = usable - device_total_bytes
-    return free >= 0, usable, free
+    return {"fits": free >= 0, "usable_bytes": usable, "free_bytes": free}
 
 
 def fit_phrase(device_total_bytes: int, usable_bytes: int, capacity_bytes: int,

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rich.console import Console, JustifyMethod
+from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from vramcalc.render.report import TERM_LABELS, print_report, strategy_line
+from vramcalc.render.tables import Column, fitted_table
 from vramcalc.report import MemoryReport, fit_phrase
 from vramcalc.units import GB, GiB, fmt_gb
 
@@ -120,28 +121,32 @@ def config_yaml(model: str, gpus: str, s: dict[str, Any], headroom: float) -> st
 
 
 # ---- plan -------------------------------------------------------------------------------
-def plan_table(entries: Sequence[Any], usable_bytes: int, title: str) -> Table:
-    """Ranked strategies: speed, layout, sharding, memory and what is left free."""
-    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-    columns: tuple[tuple[str, JustifyMethod], ...] = (
-        ("#", "right"), ("tokens/s", "right"), ("MFU", "right"), ("layout", "left"),
-        ("ZeRO/FSDP", "left"), ("recompute", "left"), ("mbs×acc", "right"), ("pipeline", "left"),
-        ("offload", "left"), ("GB", "right"), ("free", "right"),
-    )
-    for name, just in columns:
-        table.add_column(name, justify=just, no_wrap=True)
+def plan_table(entries: Sequence[Any], usable_bytes: int, title: str,
+               width: int = 120) -> Table:
+    """Ranked strategies: speed, layout, sharding, memory and what is left free. Columns of
+    less value are dropped to fit `width`; numbers are never cut."""
     changed = any(e.changes for e in entries)
+    columns = [Column("#", "right"), Column("tokens/s", "right"), Column("MFU", "right", 3),
+               Column("layout", wrap=True), Column("ZeRO/FSDP", rank=4, wrap=True),
+               Column("recompute", rank=5), Column("mbs×acc", "right", 6),
+               Column("pipeline", rank=7), Column("offload", rank=8), Column("GB", "right"),
+               Column("free", "right", 2)]
     if changed:
-        table.add_column("changed", no_wrap=True)
+        columns.append(Column("changed", rank=1, wrap=True))
+    rows = []
     for i, e in enumerate(entries, 1):
         s = e.report.strategy
-        extra = [Text(", ".join(str(s[k]) for k in e.changes) or "-")] if changed else []
-        table.add_row(
+        extra = [", ".join(str(s[k]) for k in e.changes) or "-"] if changed else []
+        rows.append([
             str(i), f"{e.speed.tokens_per_s:,.0f}", f"{100 * e.speed.mfu:.1f}%",
-            layout_text(s), sharding_text(s), s.get("recompute", "none"),
+            layout_text(s), sharding_text(s), str(s.get("recompute", "none")),
             f"{s.get('micro_batch_size', 1)}×{s.get('grad_accum', 1)}", pipeline_text(s),
             offload_text(s), f"{e.report.device_total_bytes / GB:,.1f}",
-            f"{(usable_bytes - e.report.device_total_bytes) / GB:,.1f}", *extra)
+            f"{(usable_bytes - e.report.device_total_bytes) / GB:,.1f}", *extra])
+    table, dropped = fitted_table(title, columns, rows, width)
+    if dropped:
+        table.caption = f"(narrow terminal: {', '.join(dropped)} not shown; --json has all)"
+        table.caption_justify = "left"
     return table
 
 
@@ -178,7 +183,8 @@ def print_plan(console: Console, doc: dict[str, Any]) -> None:
     usable = base.usable_bytes
     if res.entries:
         console.print(plan_table(res.entries, usable,
-                                 f"Top {len(res.entries)} strategies that fit, fastest first"))
+                                 f"Top {len(res.entries)} strategies that fit, fastest first",
+                                 console.width))
         console.print()
         best = res.entries[0]
         console.print("[bold]Best strategy (#1)[/bold]")
@@ -237,40 +243,72 @@ def _indent(text: str, n: int) -> str:
 
 
 # ---- size -------------------------------------------------------------------------------
-def size_table(rows: Sequence[Any], title: str) -> Table:
-    """`vramcalc size`: GPUs, days, GPU-hours and cost per GPU type."""
-    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-    columns: tuple[tuple[str, JustifyMethod], ...] = (
-        ("GPU", "left"), ("min GPUs", "right"), ("GPUs", "right"), ("days", "right"),
-        ("GPU-hours", "right"), ("$/h", "right"), ("cost USD", "right"), ("tokens/s", "right"),
-        ("MFU", "right"), ("layout", "left"), ("ZeRO/FSDP", "left"), ("recompute", "left"),
-    )
-    for name, just in columns:
-        table.add_column(name, justify=just, no_wrap=name not in ("layout", "ZeRO/FSDP"))
+def _size_shown(r: Any, most: int = 8) -> list[Any]:
+    """The rows shown for one GPU type (--json lists every size): the smallest size that
+    fits, the answer, twice and four times the answer, and power-of-two node counts in
+    between, thinned to at most `most` rows."""
+    gpn = r.gpu.gpus_per_node
+    first, answer = r.table[0].num_gpus, r.num_gpus
+
+    def pow2(n: int) -> bool:
+        nodes, part = divmod(n, gpn)
+        return part != 0 or (nodes & (nodes - 1)) == 0
+
+    between = [o for o in r.table if first < o.num_gpus < answer and pow2(o.num_gpus)]
+    room = max(most - 4, 0)
+    if len(between) > room:
+        step = len(between) / room if room else len(between) + 1
+        between = [between[int(i * step)] for i in range(room)]
+    keep = {first, answer, 2 * answer, 4 * answer} | {o.num_gpus for o in between}
+    return [o for o in r.table if o.num_gpus in keep]
+
+
+def size_table(rows: Sequence[Any], title: str, width: int = 120) -> Table:
+    """`vramcalc size`: per GPU type, cluster sizes from the smallest that fits towards the
+    knee, with days, GPU-hours and cost; the answer is marked with an arrow."""
+    columns = [Column("GPU"), Column("GPUs", "right"), Column("nodes", "right", 5),
+               Column("days", "right"), Column("GPU-hours", "right"),
+               Column("cost USD", "right", 1), Column("tokens/s", "right", 4),
+               Column("MFU", "right"), Column("layout", rank=2, wrap=True),
+               Column("ZeRO/FSDP", rank=3, wrap=True), Column("recompute", rank=6)]
+    cells: list[list[str | Text]] = []
     for r in rows:
         if r.entry is None:
-            table.add_row(r.gpu.id, "-", "-", "-", "-", "-", "-", "-", "-",
-                          "; ".join(r.notes) or "does not fit", "", "")
+            cells.append([r.gpu.id, "-", "-", "-", "-", "-", "-", "-",
+                          "; ".join(r.notes) or "does not fit", "", ""])
             continue
-        s = r.entry.report.strategy
-        table.add_row(
-            r.gpu.id, f"{r.min_gpus:,}", f"{r.num_gpus:,}", f"{r.days:,.1f}",
-            f"{r.gpu_hours:,.0f}",
-            f"{r.price_usd_per_hour:,.2f}" if r.price_usd_per_hour is not None else "?",
-            f"{r.cost_usd:,.0f}" if r.cost_usd is not None else "?",
-            f"{r.entry.speed.tokens_per_s:,.0f}", f"{100 * r.entry.speed.mfu:.1f}%",
-            layout_text(s), sharding_text(s), str(s.get("recompute", "none")))
+        gpn = r.gpu.gpus_per_node
+        for i, o in enumerate(_size_shown(r)):
+            s = o.entry.report.strategy
+            mark = " ◀" if o.num_gpus == r.num_gpus else ""
+            cells.append([
+                r.gpu.id if i == 0 else "", f"{o.num_gpus:,}{mark}",
+                f"{o.num_gpus // gpn:,}" if o.num_gpus >= gpn else f"{o.num_gpus}/{gpn}",
+                f"{o.days:,.1f}", f"{o.gpu_hours:,.0f}",
+                f"{o.cost_usd:,.0f}" if o.cost_usd is not None else "?",
+                f"{o.entry.speed.tokens_per_s:,.0f}", f"{100 * o.entry.speed.mfu:.1f}%",
+                layout_text(s), sharding_text(s), str(s.get("recompute", "none"))])
+    table, dropped = fitted_table(title, columns, cells, width)
+    if dropped:
+        table.caption = f"(narrow terminal: {', '.join(dropped)} not shown; --json has all)"
+        table.caption_justify = "left"
     return table
 
 
 def print_size(console: Console, rows: Sequence[Any], title: str, notes: Sequence[str]) -> None:
-    """The size table, the GPU names and the notes."""
-    console.print(size_table(rows, title))
-    console.print("[dim]" + "; ".join(f"{r.gpu.id} = {r.gpu.name}" for r in rows) + "[/dim]")
+    """The size table, the answer per GPU type, the GPU names and the notes."""
+    console.print(size_table(rows, title, console.width))
     for r in rows:
+        if r.entry is None:
+            continue
+        price = (f" at ${r.price_usd_per_hour:,.2f}/GPU-hour" if r.price_usd_per_hour
+                 is not None else "")
+        cost = f", ${r.cost_usd:,.0f}{price}" if r.cost_usd is not None else ""
+        console.print(f"{r.gpu.name}: {r.num_gpus:,} GPUs, {r.days:,.1f} days, "
+                      f"{r.gpu_hours:,.0f} GPU-hours{cost} (smallest that fits: "
+                      f"{r.min_gpus:,} GPUs)")
         for n in r.notes:
-            if r.entry is not None:
-                console.print(f"[dim]note ({r.gpu.id}): {n}[/dim]")
+            console.print(f"[dim]note ({r.gpu.id}): {n}[/dim]")
     for n in notes:
         console.print(f"[dim]note: {n}[/dim]")
 
