@@ -33,7 +33,9 @@ def test_estimate_json_keys_and_types() -> None:
     assert doc["gpu"]["id"] == "h100_sxm"
     assert doc["strategy"]["seq_len"] == 2048
     assert isinstance(doc["fits"], bool)
-    assert doc["headroom_bytes"] == doc["gpu"]["memory_total_bytes"] - doc["device_total_bytes"]
+    # no --headroom: all of the GPU's memory is usable
+    assert doc["usable_bytes"] == doc["gpu"]["memory_total_bytes"]
+    assert doc["free_bytes"] == doc["usable_bytes"] - doc["device_total_bytes"]
 
 
 def test_estimate_says_which_model_an_alias_chose() -> None:
@@ -50,7 +52,7 @@ def test_gpt2_fits_on_a_4090_and_405b_does_not() -> None:
     assert small["fits"] is True
     # 405B x 16 B/param of model states alone is 6.5 TB, far above one 80 GB card
     big = run_json("estimate", "--model", "405b", "--gpus", "H100")
-    assert big["fits"] is False and big["headroom_bytes"] < 0
+    assert big["fits"] is False and big["free_bytes"] < 0
 
 
 def test_table_layout() -> None:

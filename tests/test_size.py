@@ -8,9 +8,10 @@ import pytest
 
 from vramcalc.cli import main
 from vramcalc.cli.plan import prepare_plan
+from vramcalc.errors import InputError
 from vramcalc.hardware import resolve_gpu
 from vramcalc.planner import search
-from vramcalc.size import SECONDS_PER_DAY, size_counts, size_one
+from vramcalc.size import size_counts, size_one
 
 
 def sized(model: str, gpu: str, tokens: float, days: float | None = None, **values):  # noqa: ANN003, ANN201
@@ -21,11 +22,17 @@ def sized(model: str, gpu: str, tokens: float, days: float | None = None, **valu
     return base, req, size_one(base, resolve_gpu(gpu), int(tokens), req, days)
 
 
-def test_size_counts() -> None:
-    assert size_counts(8, 64) == [1, 2, 4, 8, 16, 32, 64]
-    assert size_counts(4, 32) == [1, 2, 4, 8, 16, 32]
+def test_size_counts_are_whole_nodes_past_one_node() -> None:
+    assert size_counts(8, 64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert size_counts(4, 32) == [1, 2, 4, 8, 12, 16, 24, 32]
     assert size_counts(16, 16) == [1, 2, 4, 8, 16]
     assert size_counts(8, 4) == [1, 2, 4]
+    assert all(n % 8 == 0 for n in size_counts(8, 10**6) if n >= 8)
+
+
+def _on_count(base, n: int):  # noqa: ANN001, ANN202
+    return base.model_copy(update={"cluster": base.cluster.model_copy(update={
+        "num_nodes": max(n // 8, 1), "gpus_per_node": min(n, 8)})})
 
 
 def test_row_arithmetic_and_deadline() -> None:
@@ -37,28 +44,54 @@ def test_row_arithmetic_and_deadline() -> None:
     assert row.days == pytest.approx(seconds / 86_400)
     assert row.gpu_hours == pytest.approx(row.num_gpus * seconds / 3600)
     assert row.cost_usd == pytest.approx(row.gpu_hours * 1.9)  # profile price $1.90/h
-    # meets the deadline, and the next smaller count tried does not
+    # meets the deadline, and every smaller size in the ladder does not (or cannot run)
     assert row.days <= 30
-    counts = size_counts(8, 10**6)
-    i = counts.index(row.num_gpus)
-    if counts[i - 1] >= row.min_gpus:
-        smaller = base.model_copy(update={"cluster": base.cluster.model_copy(update={
-            "num_nodes": max(counts[i - 1] // 8, 1), "gpus_per_node": min(counts[i - 1], 8)})})
-        res = search(smaller, req)
+    for n in size_counts(8, row.num_gpus - 1):
+        try:
+            res = search(_on_count(base, n), req)
+        except InputError:  # no layout of n GPUs splits the batch
+            continue
         assert not res.entries or tokens / res.entries[0].speed.tokens_per_s > 30 * 86_400
-    # the minimum: nothing fits on the count before it
+    # the table starts at the minimum: nothing fits on the count before it
+    counts = size_counts(8, 10**6)
     j = counts.index(row.min_gpus)
+    assert row.table[0].num_gpus == row.min_gpus
     if j > 0:
-        n = counts[j - 1]
-        tiny = base.model_copy(update={"cluster": base.cluster.model_copy(update={
-            "num_nodes": max(n // 8, 1), "gpus_per_node": min(n, 8)})})
-        assert not search(tiny, req).entries
+        assert not search(_on_count(base, counts[j - 1]), req).entries
 
 
-def test_without_deadline_uses_the_minimum() -> None:
-    _, _, row = sized("llama2-7b", "H100", 1e11)
-    assert row.num_gpus == row.min_gpus
-    assert row.days == pytest.approx(1e11 / row.entry.speed.tokens_per_s / SECONDS_PER_DAY)
+def test_70b_on_a100_in_35_days_is_not_a_power_of_two_jump() -> None:
+    # issue 15: this answered 4,096 A100s finishing in 19.9 days. With a batch that splits
+    # over 3-node multiples, the smallest size that meets 35 days is found between powers of two.
+    _, _, row = sized("70b", "A100-80GB", 2e12, days=35, global_batch_size=1536)
+    assert row.days <= 35
+    assert row.num_gpus & (row.num_gpus - 1) != 0  # 3 x 2^k GPUs
+    # with a power-of-two batch, the note says which batch would allow the size in between
+    _, _, row = sized("70b", "A100-80GB", 2e12, days=35)
+    assert row.days <= 35 and any("factor of 3" in n for n in row.notes)
+
+
+def test_without_deadline_the_answer_is_not_the_fewest_gpus() -> None:
+    # issue 15: 405B on 15T tokens answered 128 H100s, 13,263 days at 27 % MFU
+    _, _, row = sized("405b", "H100", 15e12)
+    best = max(o.entry.speed.mfu for o in row.table)
+    cheapest = min(o.gpu_hours for o in row.table)
+    assert row.num_gpus > row.min_gpus and row.days < 1000
+    assert row.gpu_hours <= 1.1 * cheapest  # within 10 % of the cheapest size
+    bigger = [o for o in row.table if o.num_gpus > row.num_gpus]
+    assert all(o.gpu_hours > 1.1 * cheapest for o in bigger)
+    # the table stops before MFU collapses below half its best
+    assert all(o.entry.speed.mfu >= 0.5 * best for o in row.table)
+
+
+def test_an_unreachable_deadline_recommends_a_bigger_batch() -> None:
+    # issue 15: proposed 131,072 H100s at 3.6 % MFU ($864M)
+    base, req, row = sized("405b", "H100", 15e12, days=90)
+    best = max(o.entry.speed.mfu for o in row.table)
+    assert row.entry.speed.mfu >= 0.5 * best and row.num_gpus < 131_072
+    B = req.batch_for(base.training.seq_len)
+    assert row.suggested_global_batch is not None and row.suggested_global_batch > B
+    assert any(f"--global-batch-size {row.suggested_global_batch}" in n for n in row.notes)
 
 
 def test_nothing_fits_within_the_limit() -> None:
@@ -86,6 +119,18 @@ def test_published_gpu_hours(model: str, gpu: str, tokens: float, seq: int,
     assert row.gpu_hours == pytest.approx(published, rel=0.25)
 
 
+def test_llama31_405b_on_its_own_cluster() -> None:
+    """Llama 3.1 405B: 30.84M H100-80GB hours for 15T+ tokens (meta-llama/llama-models
+    models/llama3_1/MODEL_CARD.md), trained on up to 16,384 H100s with a 16M-token batch
+    of 8,192-token sequences (Dubey et al. 2024, "The Llama 3 Herd of Models", sections
+    3.3 and 3.4.1). Same ±25 % as the runs above."""
+    base, req, _ = prepare_plan({"model": "405b", "gpus": "2048x8xH100", "seq_len": 8192},
+                                global_batch_tokens=str(2048 * 8192), top=1)
+    e = search(base, req).entries[0]
+    hours = 16_384 * 15e12 / e.speed.tokens_per_s / 3600
+    assert hours == pytest.approx(30.84e6, rel=0.25)
+
+
 # ---- CLI --------------------------------------------------------------------------------------------
 def test_cli_json_rows(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["size", "--model", "7b", "--tokens", "100B", "--gpu", "H100", "--gpu",
@@ -107,6 +152,7 @@ def test_cli_table(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monke
                  "RTX4090"]) == 0
     out = capsys.readouterr().out
     assert "ascend_910b2" in out and "rtx_4090" in out and "GPU-hours" in out
+    assert "◀" in out  # the answer is marked
 
 
 @pytest.mark.parametrize("argv", [

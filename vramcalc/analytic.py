@@ -372,7 +372,6 @@ def _assemble(scn: Scenario, fields: dict[str, Any], strategy: dict[str, object]
     """The report from `_report_fields`' numbers and the fit verdict. Report records trust
     their values (vramcalc/report.py): nothing is re-validated; tests/test_properties.py
     checks the terms add up."""
-    fits, headroom = fit_verdict(scn, fields["device_total_bytes"])
     terms = Terms.model_construct(**fields["terms"])
     stages = [StageReport.model_construct(
         stage=st["stage"], num_layers=st["num_layers"],
@@ -394,8 +393,7 @@ def _assemble(scn: Scenario, fields: dict[str, Any], strategy: dict[str, object]
         peak_reserved_bytes=fields["peak_reserved_bytes"],
         first_step_peak_bytes=fields["first_step_peak_bytes"],
         device_total_bytes=fields["device_total_bytes"],
-        fits=fits,
-        headroom_bytes=headroom,
+        **fit_verdict(scn, fields["device_total_bytes"]),
         host_bytes_per_node=fields["host_bytes_per_node"],
         nvme_bytes_per_node=fields["nvme_bytes_per_node"],
         stages=stages,

@@ -12,6 +12,7 @@ from vramcalc.features import finetunes, low_precision
 from vramcalc.finetune import adapter_dtype, shapes_for
 from vramcalc.hardware import GPUProfile
 from vramcalc.rank import RankContext
+from vramcalc.report import fit_phrase
 from vramcalc.scenario import Scenario
 from vramcalc.terms import activations as act
 from vramcalc.terms.gradients import gradients_bytes
@@ -120,13 +121,13 @@ def explain(scn: Scenario) -> dict[str, Any]:
         f"Device total = reserved + CUDA context + NCCL buffers (overhead "
         f"{_gb(report.terms.overhead)}) = {_gb(report.device_total_bytes)}.",
     ]})
-    if report.gpu is not None and report.headroom_bytes is not None:
+    if report.gpu is not None and report.usable_bytes is not None:
         sections.append({"title": "Fit", "lines": [
-            f"{report.gpu.name} reports {_gb(report.gpu.memory_total_bytes)} usable; "
-            f"headroom kept: {scn.headroom_fraction:.0%}.",
-            ("Fits" if report.fits else "Does not fit") + f": {_gb(report.headroom_bytes)} "
-            "left over." if report.headroom_bytes >= 0 else
-            f"Does not fit: over by {_gb(-report.headroom_bytes)}.",
+            f"{report.gpu.name} reports {_gb(report.gpu.memory_total_bytes)}; headroom kept "
+            f"free: {scn.headroom_fraction:.0%}.",
+            ("Fits" if report.fits else "Does not fit") + ": " + fit_phrase(
+                report.device_total_bytes, report.usable_bytes, report.gpu.memory_total_bytes)
+            + ".",
         ]})
     return {"sections": sections, "report": report.to_json_dict()}
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 from vramcalc.parallel import ParallelConfig
 from vramcalc.scenario import Scenario
+from vramcalc.units import fmt_gb
 
 TERM_NAMES: tuple[str, ...] = (
     "weights",
@@ -97,7 +98,8 @@ class MemoryReport(BaseModel):
     first_step_peak_bytes: int
     device_total_bytes: int
     fits: bool | None
-    headroom_bytes: int | None
+    usable_bytes: int | None  # the GPU's memory less the headroom kept free
+    free_bytes: int | None  # usable_bytes - device_total_bytes (negative: over by that much)
     host_bytes_per_node: int = 0
     nvme_bytes_per_node: int = 0
     stages: list[StageReport] = []
@@ -108,12 +110,32 @@ class MemoryReport(BaseModel):
 
 
 # ---- the parts every engine's report shares --------------------------------------------
-def fit_verdict(scn: Scenario, device_total_bytes: int) -> tuple[bool | None, int | None]:
-    """(fits, headroom bytes) against the cluster's GPU; (None, None) without a GPU."""
-    if scn.cluster is None:
-        return None, None
-    cap = scn.cluster.gpu.memory_total_bytes
-    return device_total_bytes <= (scn.usable_bytes or 0), cap - device_total_bytes
+def fit_verdict(scn: Scenario, device_total_bytes: int) -> dict[str, Any]:
+    """The report's `fits`, `usable_bytes` and `free_bytes` against the cluster's GPU; all
+    None without a GPU.
+
+    The one definition every command and format uses: usable = the GPU's memory less the
+    requested headroom (`--headroom`); free = usable - device total; it fits when free >= 0.
+    """
+    usable = scn.usable_bytes
+    if usable is None:
+        return {"fits": None, "usable_bytes": None, "free_bytes": None}
+    free = usable - device_total_bytes
+    return {"fits": free >= 0, "usable_bytes": usable, "free_bytes": free}
+
+
+def fit_phrase(device_total_bytes: int, usable_bytes: int, capacity_bytes: int,
+               digits: int = 2) -> str:
+    """The fit verdict in words, the same in every command and format: what is needed, what
+    it is compared with (the usable memory and how it is derived), and the margin."""
+    free = usable_bytes - device_total_bytes
+    kept = capacity_bytes - usable_bytes
+    basis = (f"{fmt_gb(usable_bytes, digits)} usable" if kept <= 0 else
+             f"{fmt_gb(usable_bytes, digits)} usable ({fmt_gb(capacity_bytes, digits)} less "
+             f"{fmt_gb(kept, digits)} headroom)")
+    margin = (f"{fmt_gb(free, digits)} free" if free >= 0 else
+              f"over by {fmt_gb(-free, digits)}")
+    return f"needs {fmt_gb(device_total_bytes, digits)} of {basis}: {margin}"
 
 
 def model_info(scn: Scenario) -> ModelInfo:

@@ -1,4 +1,5 @@
-"""Cluster sizing: for each GPU type, how many GPUs, how long, how many GPU-hours, what cost.
+"""Cluster sizing: for each GPU type, a short table of cluster sizes with days, GPU-hours and
+cost, and the size that answers the purchase question.
 
 Pure: the planner (vramcalc.planner.search) answers each "does it fit, how fast" question;
 this module chooses the GPU counts to ask about and does the arithmetic:
@@ -7,9 +8,14 @@ this module chooses the GPU counts to ask about and does the arithmetic:
     GPU-hours = num_gpus · tokens / (tokens/s) / 3,600
     cost      = GPU-hours · price (USD per GPU-hour; the profile's indicative price or --price)
 
-GPU counts searched: powers of two up to one node, then whole nodes doubling
-(gpus_per_node · 2^k). The minimum is the smallest of those on which some strategy fits;
-with a deadline (`days`), the smallest count whose best strategy finishes in time.
+GPU counts: powers of two below one node, then whole nodes 1, 2, 3, 4, 6, 8, 12, 16, 24, …
+(each step x1.5 or x1.33). The table runs from the smallest count on which some strategy
+fits up to the knee: it stops before the first count whose MFU is below half the best MFU
+seen (past it, each added GPU returns less than half its worth, because the fixed global
+batch leaves data parallelism nothing to split). Without a deadline the answer is the
+largest size whose GPU-hours are within 10 % of the cheapest size's (the fastest run that
+costs about the least); with `days`, the smallest size in the table that meets the deadline,
+or, when none does, the global batch that would let the cluster grow far enough.
 """
 
 from __future__ import annotations
@@ -22,11 +28,30 @@ from typing import Any
 from vramcalc.errors import InputError
 from vramcalc.hardware import Cluster, GPUProfile
 from vramcalc.planner import PlanEntry, PlanRequest, ProgressFn, search
+from vramcalc.planner.request import splittable_batch
 from vramcalc.planner.search import check_searchable
 from vramcalc.scenario import Scenario
 
 SECONDS_PER_DAY = 86_400
 DEFAULT_MAX_GPUS = 131_072
+KNEE_MFU_FRACTION = 0.5  # the table stops where MFU falls below half its best
+COST_SLACK = 0.10  # without a deadline: the fastest size within 10 % of the cheapest
+
+
+@dataclass(frozen=True)
+class SizeOption:
+    """One cluster size in the table."""
+
+    num_gpus: int
+    entry: PlanEntry
+    days: float
+    gpu_hours: float
+    cost_usd: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"num_gpus": self.num_gpus, "days": self.days, "gpu_hours": self.gpu_hours,
+                "cost_usd": self.cost_usd, "tokens_per_s": self.entry.speed.tokens_per_s,
+                "mfu": self.entry.speed.mfu, "strategy": self.entry.report.strategy}
 
 
 @dataclass(frozen=True)
@@ -42,6 +67,8 @@ class SizeRow:
     price_usd_per_hour: float | None
     cost_usd: float | None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    table: tuple[SizeOption, ...] = ()
+    suggested_global_batch: int | None = None  # sequences; when the deadline needs it
 
     def to_json(self) -> dict[str, Any]:
         """The `--json` row (keys fixed by issue 5, plus min_gpus, tokens_per_s, mfu, notes)."""
@@ -59,17 +86,23 @@ class SizeRow:
             "price_usd_per_hour": self.price_usd_per_hour,
             "device_total_bytes": e.report.device_total_bytes if e else None,
             "notes": list(self.notes),
+            "table": [o.to_json() for o in self.table],
+            "suggested_global_batch_size": self.suggested_global_batch,
         }
 
 
 def size_counts(gpus_per_node: int, limit: int) -> list[int]:
-    """1, 2, 4, … up to one node, then gpus_per_node · 2^k nodes, up to `limit` GPUs."""
+    """Powers of two below one node, then whole nodes 1, 2, 3, 4, 6, 8, 12, … (x1.5 / x1.33
+    steps), up to `limit` GPUs."""
     out = [n for n in (2**k for k in range(0, 31)) if n < gpus_per_node and n <= limit]
-    n = gpus_per_node
-    while n <= limit:
-        out.append(n)
-        n *= 2
-    return out
+    k = 0
+    while True:
+        for nodes in sorted({2**k, 3 * 2**k // 2} - {0}) if k else (1,):
+            if nodes * gpus_per_node > limit:
+                return out
+            if not out or nodes * gpus_per_node > out[-1]:
+                out.append(nodes * gpus_per_node)
+        k += 1
 
 
 def _on(base: Scenario, gpu: GPUProfile, num_gpus: int) -> Scenario:
@@ -89,68 +122,71 @@ def _best(base: Scenario, req: PlanRequest) -> PlanEntry | None:
     return res.entries[0] if res.entries else None
 
 
+def _option(n: int, entry: PlanEntry, tokens: int, price: float | None) -> SizeOption:
+    seconds = tokens / entry.speed.tokens_per_s
+    hours = n * seconds / 3600
+    return SizeOption(n, entry, seconds / SECONDS_PER_DAY, hours,
+                      hours * price if price is not None else None)
+
+
 def size_one(base: Scenario, gpu: GPUProfile, tokens: int, req: PlanRequest,
              days: float | None = None, price: float | None = None,
              max_gpus: int = DEFAULT_MAX_GPUS) -> SizeRow:
-    """Size one GPU type: minimum GPUs, GPUs for the deadline, time and cost."""
+    """Size one GPU type: the table from the smallest fitting count to the knee, and the
+    answer (the knee, or the smallest count that meets `days`)."""
     counts = size_counts(gpu.gpus_per_node, max_gpus)
-    notes: list[str] = []
-    min_i, min_entry = None, None
-    for i, n in enumerate(counts):
-        entry = _best(_on(base, gpu, n), req)
-        if entry is not None:
-            min_i, min_entry = i, entry
-            break
     price = price if price is not None else gpu.price_usd_per_hour
-    if min_entry is None or min_i is None:
+    need = tokens / (days * SECONDS_PER_DAY) if days is not None else None
+    table: list[SizeOption] = []
+    best_mfu = 0.0
+    unsplit: list[int] = []  # sizes after the first fit on which no layout splits the batch
+    for n in counts:
+        entry = _best(_on(base, gpu, n), req)
+        if entry is None:  # nothing fits yet, or the batch does not split over n GPUs
+            if table:
+                unsplit.append(n)
+            continue
+        if table and entry.speed.mfu < KNEE_MFU_FRACTION * best_mfu:
+            break
+        best_mfu = max(best_mfu, entry.speed.mfu)
+        table.append(_option(n, entry, tokens, price))
+        if need is not None and entry.speed.tokens_per_s >= need:
+            break  # the smallest count that meets the deadline
+    if not table:
         return SizeRow(gpu, None, None, None, None, None, price, None,
                        (f"no strategy fits on up to {counts[-1] if counts else 0:,} GPUs",))
-    chosen_i, chosen = min_i, min_entry
-    if days is not None:
-        need = tokens / (days * SECONDS_PER_DAY)
-        i, entry = min_i, min_entry
-        tried: dict[int, PlanEntry | None] = {min_i: min_entry}
-        while entry is None or entry.speed.tokens_per_s < need:
-            have = entry.speed.tokens_per_s if entry else 0.0
-            n_now = counts[i]
-            # jump to the count that linear scaling says is enough, at least one step
-            target = n_now * need / have if have else n_now * 2
-            j = i + 1
-            while j < len(counts) - 1 and counts[j] < target:
-                j += 1
-            if j >= len(counts):
-                break
-            if j not in tried:
-                tried[j] = _best(_on(base, gpu, counts[j]), req)
-            i, entry = j, tried[j]
-            if i == len(counts) - 1:
-                break
-        if entry is not None and entry.speed.tokens_per_s >= need:
-            # step back while a smaller count also meets the deadline
-            while i - 1 > min_i:
-                if i - 1 not in tried:
-                    tried[i - 1] = _best(_on(base, gpu, counts[i - 1]), req)
-                prev = tried[i - 1]
-                if prev is None or prev.speed.tokens_per_s < need:
-                    break
-                i, entry = i - 1, prev
-            chosen_i, chosen = i, entry
-        else:
-            best = max((e for e in tried.values() if e is not None),
-                       key=lambda e: e.speed.tokens_per_s)
-            chosen_i = counts.index(best.report.gpu.num_gpus) if best.report.gpu else min_i
-            chosen = best
-            notes.append(f"cannot finish in {days:g} days on up to {counts[-1]:,} GPUs "
-                         f"with a global batch of {req.batch_for(base.training.seq_len):,} "
-                         "sequences; showing the fastest count found")
-    n = counts[chosen_i]
-    seconds = tokens / chosen.speed.tokens_per_s
-    gpu_hours = n * seconds / 3600
-    return SizeRow(gpu=gpu, num_gpus=n, min_gpus=counts[min_i], entry=chosen,
-                   days=seconds / SECONDS_PER_DAY, gpu_hours=gpu_hours,
-                   price_usd_per_hour=price,
-                   cost_usd=gpu_hours * price if price is not None else None,
-                   notes=tuple(notes))
+    notes: list[str] = []
+    suggested = None
+    cheapest = min(o.gpu_hours for o in table)
+    chosen = max((o for o in table if o.gpu_hours <= (1 + COST_SLACK) * cheapest),
+                 key=lambda o: o.num_gpus)
+    if need is not None:
+        chosen = table[-1]
+    B = req.batch_for(base.training.seq_len)
+    if need is not None and chosen.entry.speed.tokens_per_s >= need and len(table) > 1:
+        skipped = [n for n in unsplit if table[-2].num_gpus < n < chosen.num_gpus]
+        if skipped:
+            odd = skipped[0]
+            better = splittable_batch(B * 1.5) if B % 3 else B
+            notes.append(
+                f"{odd:,} GPUs would sit between {table[-2].num_gpus:,} (too slow) and "
+                f"{chosen.num_gpus:,}, but no layout splits a global batch of {B:,} "
+                f"sequences over them; a batch with a factor of 3 (e.g. --global-batch-size "
+                f"{better}) would")
+    if need is not None and chosen.entry.speed.tokens_per_s < need:
+        fastest = max(table, key=lambda o: o.entry.speed.tokens_per_s)
+        chosen = fastest
+        suggested = splittable_batch(B * need / fastest.entry.speed.tokens_per_s)
+        notes.append(
+            f"cannot finish in {days:g} days at a sane MFU: past {fastest.num_gpus:,} GPUs the "
+            f"global batch of {B:,} sequences leaves data parallelism nothing to split "
+            f"(MFU falls below half its best). Raising the global batch to about "
+            f"{suggested:,} sequences (--global-batch-size {suggested}) would let the "
+            "cluster grow enough; showing the fastest size found")
+    return SizeRow(gpu=gpu, num_gpus=chosen.num_gpus, min_gpus=table[0].num_gpus,
+                   entry=chosen.entry, days=chosen.days, gpu_hours=chosen.gpu_hours,
+                   price_usd_per_hour=price, cost_usd=chosen.cost_usd, notes=tuple(notes),
+                   table=tuple(table), suggested_global_batch=suggested)
 
 
 def size_cluster(base: Scenario, gpus: Sequence[GPUProfile], tokens: int, req: PlanRequest,

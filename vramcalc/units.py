@@ -64,17 +64,24 @@ def fmt_gib(num_bytes: int, digits: int = 2) -> str:
 
 
 def parse_count(text: str) -> int:
-    """Parse a count such as `2e12`, `300B`, `1.5T`, `800M`, `4096` (tokens, sizes)."""
+    """Parse a count such as `2e12`, `300B`, `1.5T`, `800M`, `4096` (tokens, sizes).
+
+    k, M, B (or G) and T are decimal (10^3 ... 10^12); Ki, Mi, Gi and Ti are binary
+    (2^10 ... 2^40), as in IEC 80000-13: `4Mi` is 4,194,304.
+    """
     s = str(text).strip().replace("_", "").replace(",", "")
     mult = 1
-    suffixes = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-    if s and s[-1].lower() in suffixes:
-        mult = suffixes[s[-1].lower()]
-        s = s[:-1]
+    binary = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+    decimal = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+    if s[-2:].lower() in binary:
+        mult, s = binary[s[-2:].lower()], s[:-2]
+    elif s and s[-1].lower() in decimal:
+        mult, s = decimal[s[-1].lower()], s[:-1]
     try:
         value = float(s) * mult
     except ValueError:
-        raise InputError(f"not a number: {text!r} (examples: 4096, 2e12, 300B, 1.5T)") from None
+        raise InputError(f"not a number: {text!r} (examples: 4096, 2e12, 300B, 1.5T, "
+                         "4Mi)") from None
     if value != value or value <= 0 or value > 1e18:
         raise InputError(f"count out of range: {text!r}")
     return int(round(value))

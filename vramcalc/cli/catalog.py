@@ -24,7 +24,8 @@ def gpus_cmd(
     if as_json:
         emit_json({"gpus": [p.model_dump(mode="json") for p in profiles.values()]})
         return
-    make_console().print(gpus_table(list(profiles.values())))
+    console = make_console()
+    console.print(gpus_table(list(profiles.values()), console.width))
 
 
 def models_cmd(
@@ -37,4 +38,5 @@ def models_cmd(
             {**e.spec.model_dump(mode="json"), "num_params": e.spec.num_params,
              "aliases": list(e.meta.aliases)} for e in entries]})
         return
-    make_console().print(models_table(entries))
+    console = make_console()
+    console.print(models_table(entries, console.width))

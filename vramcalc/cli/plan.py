@@ -283,7 +283,8 @@ def size_cmd(
     title = (f"{base.model.name}: {n_tokens:,} tokens, seq {seq_len}, global batch {B:,} "
              f"sequences, {precision}, {optimizer}"
              + (f", finish within {days:g} days" if days is not None else
-                ", on the fewest GPUs that fit"))
+                ": from the smallest cluster that fits to where MFU falls below half its "
+                "best"))
     print_size(make_console(), rows, title, notes + ([
         "prices are indicative per-GPU-hour rates from the GPU profiles; '?' = unknown "
         "(give --price GPU=USD)"] if any(r.price_usd_per_hour is None for r in rows) else []))

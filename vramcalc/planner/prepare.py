@@ -93,8 +93,11 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
         raise InputError(f"--top must be between 1 and 1000, got {top}")
     req = PlanRequest(global_batch_size=size, global_batch_tokens=tokens, top_n=top,
                       allow=allowed, pinned=pinned, efficiency=parse_mfu(mfu))
-    if tokens is not None and tokens % base.training.seq_len:
-        notes.append(f"global batch of {tokens:,} tokens rounded to "
-                     f"{req.batch_for(base.training.seq_len):,} sequences of "
-                     f"{base.training.seq_len}")
+    if tokens is not None:
+        seq = base.training.seq_len
+        batch = req.batch_for(seq)
+        if batch * seq != tokens:
+            notes.append(f"global batch of {tokens:,} tokens is {tokens / seq:,.1f} sequences "
+                         f"of {seq}: using {batch:,} ({batch * seq:,} tokens), a count data "
+                         "parallelism splits evenly; --global-batch-size N sets it exactly")
     return base, req, notes

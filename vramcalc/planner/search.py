@@ -105,7 +105,7 @@ class PlanResult:
 
 def rank_key(e: PlanEntry, tail: tuple) -> tuple:
     """Sort key of a fitting entry (module docstring, "Ranking")."""
-    return (-e.speed.tokens_per_s, len(e.changes), -(e.report.headroom_bytes or 0), tail)
+    return (-e.speed.tokens_per_s, len(e.changes), -(e.report.free_bytes or 0), tail)
 
 
 def estimate_candidate(c: Candidate, base: Scenario, req: PlanRequest) -> PlanEntry | None:

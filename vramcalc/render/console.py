@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -12,10 +13,13 @@ from rich.progress import Progress
 
 
 def make_console() -> Console:
-    """A rich Console on stdout; 120 columns when stdout is not a terminal (pipes, CI logs)."""
+    """A rich Console on stdout. Its width is the terminal's; when stdout is not a terminal
+    (pipes, CI logs), $COLUMNS when set, else 120."""
     out = Console(highlight=False)
     if not out.is_terminal:
-        out = Console(highlight=False, width=120)
+        cols = os.environ.get("COLUMNS", "")
+        width = int(cols) if cols.isdigit() and 20 <= int(cols) <= 1000 else 120
+        out = Console(highlight=False, width=width)
     return out
 
 

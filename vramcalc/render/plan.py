@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rich.console import Console, JustifyMethod
+from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from vramcalc.provenance import provenance
 from vramcalc.render.report import TERM_LABELS, print_report, strategy_line
-from vramcalc.report import MemoryReport
+from vramcalc.render.tables import Column, fitted_table
+from vramcalc.report import MemoryReport, fit_phrase
 from vramcalc.units import GB, GiB, fmt_gb
 
 SPEED_LABELS = {"compute": "compute", "bubble": "pipeline bubble", "tp_comm": "TP comm",
@@ -121,28 +122,32 @@ def config_yaml(model: str, gpus: str, s: dict[str, Any], headroom: float) -> st
 
 
 # ---- plan -------------------------------------------------------------------------------
-def plan_table(entries: Sequence[Any], usable_bytes: int, title: str) -> Table:
-    """Ranked strategies: speed, layout, sharding, memory and what is left free."""
-    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-    columns: tuple[tuple[str, JustifyMethod], ...] = (
-        ("#", "right"), ("tokens/s", "right"), ("MFU", "right"), ("layout", "left"),
-        ("ZeRO/FSDP", "left"), ("recompute", "left"), ("mbs×acc", "right"), ("pipeline", "left"),
-        ("offload", "left"), ("GB", "right"), ("free", "right"),
-    )
-    for name, just in columns:
-        table.add_column(name, justify=just, no_wrap=True)
+def plan_table(entries: Sequence[Any], usable_bytes: int, title: str,
+               width: int = 120) -> Table:
+    """Ranked strategies: speed, layout, sharding, memory and what is left free. Columns of
+    less value are dropped to fit `width`; numbers are never cut."""
     changed = any(e.changes for e in entries)
+    columns = [Column("#", "right"), Column("tokens/s", "right"), Column("MFU", "right", 3),
+               Column("layout", wrap=True), Column("ZeRO/FSDP", rank=4, wrap=True),
+               Column("recompute", rank=5), Column("mbs×acc", "right", 6),
+               Column("pipeline", rank=7), Column("offload", rank=8), Column("GB", "right"),
+               Column("free", "right", 2)]
     if changed:
-        table.add_column("changed", no_wrap=True)
+        columns.append(Column("changed", rank=1, wrap=True))
+    rows = []
     for i, e in enumerate(entries, 1):
         s = e.report.strategy
-        extra = [Text(", ".join(str(s[k]) for k in e.changes) or "-")] if changed else []
-        table.add_row(
+        extra = [", ".join(str(s[k]) for k in e.changes) or "-"] if changed else []
+        rows.append([
             str(i), f"{e.speed.tokens_per_s:,.0f}", f"{100 * e.speed.mfu:.1f}%",
-            layout_text(s), sharding_text(s), s.get("recompute", "none"),
+            layout_text(s), sharding_text(s), str(s.get("recompute", "none")),
             f"{s.get('micro_batch_size', 1)}×{s.get('grad_accum', 1)}", pipeline_text(s),
             offload_text(s), f"{e.report.device_total_bytes / GB:,.1f}",
-            f"{(usable_bytes - e.report.device_total_bytes) / GB:,.1f}", *extra)
+            f"{(usable_bytes - e.report.device_total_bytes) / GB:,.1f}", *extra])
+    table, dropped = fitted_table(title, columns, rows, width)
+    if dropped:
+        table.caption = f"(narrow terminal: {', '.join(dropped)} not shown; --json has all)"
+        table.caption_justify = "left"
     return table
 
 
@@ -179,7 +184,8 @@ def print_plan(console: Console, doc: dict[str, Any]) -> None:
     usable = base.usable_bytes
     if res.entries:
         console.print(plan_table(res.entries, usable,
-                                 f"Top {len(res.entries)} strategies that fit, fastest first"))
+                                 f"Top {len(res.entries)} strategies that fit, fastest first",
+                                 console.width))
         console.print()
         best = res.entries[0]
         console.print("[bold]Best strategy (#1)[/bold]")
@@ -197,9 +203,8 @@ def print_plan(console: Console, doc: dict[str, Any]) -> None:
                                 f"on {base.cluster.num_gpus} x {gpu.name}."))
     if res.closest is not None:
         c = res.closest
-        over = c.report.device_total_bytes - usable
-        console.print(f"Closest strategy needs {fmt_gb(c.report.device_total_bytes)} per GPU, "
-                      f"{fmt_gb(over)} over:")
+        console.print(f"Closest strategy "
+                      f"{fit_phrase(c.report.device_total_bytes, usable, gpu.memory_total_bytes)}:")
         console.print()
         print_report(console, c.report)
     console.print()
@@ -239,40 +244,72 @@ def _indent(text: str, n: int) -> str:
 
 
 # ---- size -------------------------------------------------------------------------------
-def size_table(rows: Sequence[Any], title: str) -> Table:
-    """`vramcalc size`: GPUs, days, GPU-hours and cost per GPU type."""
-    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-    columns: tuple[tuple[str, JustifyMethod], ...] = (
-        ("GPU", "left"), ("min GPUs", "right"), ("GPUs", "right"), ("days", "right"),
-        ("GPU-hours", "right"), ("$/h", "right"), ("cost USD", "right"), ("tokens/s", "right"),
-        ("MFU", "right"), ("layout", "left"), ("ZeRO/FSDP", "left"), ("recompute", "left"),
-    )
-    for name, just in columns:
-        table.add_column(name, justify=just, no_wrap=name not in ("layout", "ZeRO/FSDP"))
+def _size_shown(r: Any, most: int = 8) -> list[Any]:
+    """The rows shown for one GPU type (--json lists every size): the smallest size that
+    fits, the answer, twice and four times the answer, and power-of-two node counts in
+    between, thinned to at most `most` rows."""
+    gpn = r.gpu.gpus_per_node
+    first, answer = r.table[0].num_gpus, r.num_gpus
+
+    def pow2(n: int) -> bool:
+        nodes, part = divmod(n, gpn)
+        return part != 0 or (nodes & (nodes - 1)) == 0
+
+    between = [o for o in r.table if first < o.num_gpus < answer and pow2(o.num_gpus)]
+    room = max(most - 4, 0)
+    if len(between) > room:
+        step = len(between) / room if room else len(between) + 1
+        between = [between[int(i * step)] for i in range(room)]
+    keep = {first, answer, 2 * answer, 4 * answer} | {o.num_gpus for o in between}
+    return [o for o in r.table if o.num_gpus in keep]
+
+
+def size_table(rows: Sequence[Any], title: str, width: int = 120) -> Table:
+    """`vramcalc size`: per GPU type, cluster sizes from the smallest that fits towards the
+    knee, with days, GPU-hours and cost; the answer is marked with an arrow."""
+    columns = [Column("GPU"), Column("GPUs", "right"), Column("nodes", "right", 5),
+               Column("days", "right"), Column("GPU-hours", "right"),
+               Column("cost USD", "right", 1), Column("tokens/s", "right", 4),
+               Column("MFU", "right"), Column("layout", rank=2, wrap=True),
+               Column("ZeRO/FSDP", rank=3, wrap=True), Column("recompute", rank=6)]
+    cells: list[list[str | Text]] = []
     for r in rows:
         if r.entry is None:
-            table.add_row(r.gpu.id, "-", "-", "-", "-", "-", "-", "-", "-",
-                          "; ".join(r.notes) or "does not fit", "", "")
+            cells.append([r.gpu.id, "-", "-", "-", "-", "-", "-", "-",
+                          "; ".join(r.notes) or "does not fit", "", ""])
             continue
-        s = r.entry.report.strategy
-        table.add_row(
-            r.gpu.id, f"{r.min_gpus:,}", f"{r.num_gpus:,}", f"{r.days:,.1f}",
-            f"{r.gpu_hours:,.0f}",
-            f"{r.price_usd_per_hour:,.2f}" if r.price_usd_per_hour is not None else "?",
-            f"{r.cost_usd:,.0f}" if r.cost_usd is not None else "?",
-            f"{r.entry.speed.tokens_per_s:,.0f}", f"{100 * r.entry.speed.mfu:.1f}%",
-            layout_text(s), sharding_text(s), str(s.get("recompute", "none")))
+        gpn = r.gpu.gpus_per_node
+        for i, o in enumerate(_size_shown(r)):
+            s = o.entry.report.strategy
+            mark = " ◀" if o.num_gpus == r.num_gpus else ""
+            cells.append([
+                r.gpu.id if i == 0 else "", f"{o.num_gpus:,}{mark}",
+                f"{o.num_gpus // gpn:,}" if o.num_gpus >= gpn else f"{o.num_gpus}/{gpn}",
+                f"{o.days:,.1f}", f"{o.gpu_hours:,.0f}",
+                f"{o.cost_usd:,.0f}" if o.cost_usd is not None else "?",
+                f"{o.entry.speed.tokens_per_s:,.0f}", f"{100 * o.entry.speed.mfu:.1f}%",
+                layout_text(s), sharding_text(s), str(s.get("recompute", "none"))])
+    table, dropped = fitted_table(title, columns, cells, width)
+    if dropped:
+        table.caption = f"(narrow terminal: {', '.join(dropped)} not shown; --json has all)"
+        table.caption_justify = "left"
     return table
 
 
 def print_size(console: Console, rows: Sequence[Any], title: str, notes: Sequence[str]) -> None:
-    """The size table, the GPU names and the notes."""
-    console.print(size_table(rows, title))
-    console.print("[dim]" + "; ".join(f"{r.gpu.id} = {r.gpu.name}" for r in rows) + "[/dim]")
+    """The size table, the answer per GPU type, the GPU names and the notes."""
+    console.print(size_table(rows, title, console.width))
     for r in rows:
+        if r.entry is None:
+            continue
+        price = (f" at ${r.price_usd_per_hour:,.2f}/GPU-hour" if r.price_usd_per_hour
+                 is not None else "")
+        cost = f", ${r.cost_usd:,.0f}{price}" if r.cost_usd is not None else ""
+        console.print(f"{r.gpu.name}: {r.num_gpus:,} GPUs, {r.days:,.1f} days, "
+                      f"{r.gpu_hours:,.0f} GPU-hours{cost} (smallest that fits: "
+                      f"{r.min_gpus:,} GPUs)")
         for n in r.notes:
-            if r.entry is not None:
-                console.print(f"[dim]note ({r.gpu.id}): {n}[/dim]")
+            console.print(f"[dim]note ({r.gpu.id}): {n}[/dim]")
     for n in notes:
         console.print(f"[dim]note: {n}[/dim]")
 
@@ -303,12 +340,9 @@ def check_markdown(report: MemoryReport, usable_bytes: int, headroom: float, sou
     lines.append(f"| **device total** | **{report.device_total_bytes / GB:,.2f}** | "
                  f"**{report.device_total_bytes / GiB:,.2f}** | |")
     lines.append("")
-    cap = g.memory_total_bytes if g else 0
-    diff = usable_bytes - report.device_total_bytes
-    verdict = (f"**{diff / GB:,.2f} GB free**" if fits
-               else f"**over by {-diff / GB:,.2f} GB**")
-    lines.append(f"Usable per GPU: {usable_bytes / GB:,.2f} GB ({cap / GB:,.2f} GB less "
-                 f"{headroom:.0%} headroom): {verdict}.")
+    cap = g.memory_total_bytes if g else usable_bytes
+    lines.append(f"Per GPU: **{fit_phrase(report.device_total_bytes, usable_bytes, cap)}** "
+                 f"({headroom:.0%} headroom requested).")
     if report.host_bytes_per_node:
         lines.append(f"Host RAM for offload: {report.host_bytes_per_node / GB:,.2f} GB per node.")
     for n in list(report.notes) + list(notes):

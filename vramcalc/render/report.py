@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from vramcalc.report import MemoryReport
+from vramcalc.report import MemoryReport, fit_phrase
 from vramcalc.units import GB, GiB, fmt_gb, fmt_gib
 
 TERM_LABELS = {
@@ -110,20 +110,12 @@ def report_table(report: MemoryReport) -> Table:
 
 def verdict_text(report: MemoryReport) -> Text:
     """FITS / DOES NOT FIT on the GPU, with the margin (or why there is no fit check)."""
-    if report.fits is None or report.gpu is None or report.headroom_bytes is None:
+    if report.fits is None or report.gpu is None or report.usable_bytes is None:
         return Text("no GPU given: no fit check")
-    cap = report.gpu.memory_total_bytes
-    if report.fits:
-        return Text.assemble(("FITS", "bold green"), f" on {report.gpu.name}: "
-                             f"{fmt_gb(report.device_total_bytes)} of {fmt_gb(cap)} "
-                             f"({fmt_gb(report.headroom_bytes)} free)")
-    if report.headroom_bytes >= 0:
-        return Text.assemble(("DOES NOT FIT", "bold red"), f" on {report.gpu.name}: "
-                             f"{fmt_gb(report.device_total_bytes)} leaves less than the "
-                             f"requested headroom of {fmt_gb(cap)}")
-    return Text.assemble(("DOES NOT FIT", "bold red"), f" on {report.gpu.name}: needs "
-                         f"{fmt_gb(report.device_total_bytes)}, has {fmt_gb(cap)} "
-                         f"(over by {fmt_gb(-report.headroom_bytes)})")
+    words = fit_phrase(report.device_total_bytes, report.usable_bytes,
+                       report.gpu.memory_total_bytes)
+    head = ("FITS", "bold green") if report.fits else ("DOES NOT FIT", "bold red")
+    return Text.assemble(head, f" on {report.gpu.name}: {words}")
 
 
 def print_report(console: Console, report: MemoryReport) -> None:

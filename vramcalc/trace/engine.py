@@ -349,7 +349,6 @@ def _result(scn: Scenario, tracker: Any, param_bytes: int, iterations: int) -> T
     subterms = {k: v for k, v in peak.parts.items() if "/" in k}
     subterms.update({f"overhead/{k}": v for k, v in ovh.items()})
     total = peak.total + terms["overhead"]
-    fits, headroom = fit_verdict(scn, total)
     notes = [n for n in (scn.model_note, scn.gpu_note) if n]
     report = MemoryReport(
         engine="trace",
@@ -364,8 +363,7 @@ def _result(scn: Scenario, tracker: Any, param_bytes: int, iterations: int) -> T
         peak_reserved_bytes=reserved,
         first_step_peak_bytes=first,
         device_total_bytes=total,
-        fits=fits,
-        headroom_bytes=headroom,
+        **fit_verdict(scn, total),
         notes=notes,
     )
     return TraceResult(report, phases, marks, first, param_bytes)
