@@ -1,0 +1,178 @@
+"""The torchtune profile (`--framework torchtune`, vramcalc/terms/torchtune.py).
+
+Expected values come from outside the analytic code:
+- torch itself: AOTAutograd's partitioners run torchtune's compiled cross entropy
+  (written from pytorch/torchtune 1814feb `CEWithChunkedOutputLoss.compute_cross_entropy`)
+  under FakeTensorMode and say what its forward keeps for backward (inductor's min-cut
+  partition for `compile: True`; the default partition of the undecomposed graph keeps what
+  the eager operators' autograd formulas keep);
+- torch.chunk's own chunk sizes; autograd's own node order on real CPU tensors;
+- hand derivations from tensor shapes × dtype sizes, 512-byte allocator blocks, each with
+  the torchtune source line it follows.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vramcalc.analytic import estimate
+from vramcalc.cli import main
+from vramcalc.model import ModelSpec
+from vramcalc.rank import RankContext
+from vramcalc.scenario import Scenario
+from vramcalc.terms import torchtune as ttn
+from vramcalc.terms.activations import activation_host_bytes
+from vramcalc.training import TrainingConfig
+from vramcalc.units import ALLOC_ROUND_BYTES, alloc
+
+torch = pytest.importorskip("torch")
+
+SMALL = ModelSpec(name="small", hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2, intermediate_size=768, vocab_size=3000,
+                  tie_word_embeddings=True)
+
+
+def ctx_of(**kw: object) -> RankContext:
+    args = {"framework": "torchtune", "precision": "bf16-pure", "recompute": "full",
+            "seq_len": 96, "micro_batch_size": 2, "chunked_ce": 4, **kw}
+    return RankContext(SMALL, TrainingConfig(**args), Scenario(model=SMALL).parallel, 0)  # type: ignore[arg-type]
+
+
+def _fake_chunk(n: int, vocab: int, dtype: object) -> tuple[object, object]:
+    logits = torch.empty(n, vocab, dtype=dtype, requires_grad=True)
+    labels = torch.empty(n, dtype=torch.long)
+    return logits, labels
+
+
+def _aot_kept(tokens: list[int], vocab: int, dtype: object, inductor: bool) -> int:
+    """Bytes the partitioned forward keeps over all chunks (512-byte blocks)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramcalc.trace.compiled import compiled_saved, torchtune_cross_entropy
+
+    total = 0
+    with FakeTensorMode():
+        for n in tokens:
+            saved = compiled_saved(torchtune_cross_entropy, *_fake_chunk(n, vocab, dtype),
+                                   inductor=inductor)
+            total += sum(alloc(t.nbytes, "int8") for t in saved)
+    return total
+
+
+def test_compiled_chunk_keeps_its_16_bit_logits_and_two_fp32_numbers_per_token() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramcalc.trace.compiled import compiled_saved, torchtune_cross_entropy
+
+    with FakeTensorMode():
+        saved = compiled_saved(torchtune_cross_entropy, *_fake_chunk(48, 3000, torch.bfloat16))
+    kinds = sorted((t.shape, str(t.dtype), t.is_input) for t in saved)
+    # no fp32 (N, V) log-probabilities: the bf16 input, the labels, the row max and lse
+    assert kinds == sorted([((48, 3000), "torch.bfloat16", True), ((48,), "torch.int64", True),
+                            ((48, 1), "torch.float32", False),
+                            ((48, 1), "torch.float32", False)])
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_kept_bytes_equal_what_torch_keeps_per_chunk(compiled: bool) -> None:
+    # b = 2: each chunk's labels are a copy (`reshape(-1)` of a strided chunk), the chunk's
+    # logits its own output-projection result: every saved tensor is its own block; + the
+    # loss (0-dim); a tied head trained (b > 1): the other chunks' head-input copies
+    ctx = ctx_of(compile=compiled)
+    tokens = ttn.chunk_tokens(ctx)
+    copies = sum(alloc(n * 256, "bf16") for n in tokens[1:])
+    expected = _aot_kept(tokens, 3000, torch.bfloat16, inductor=compiled) + (
+        ALLOC_ROUND_BYTES + copies)
+    assert ttn.saved_bytes(ctx) == expected
+
+
+def test_unchunked_compiled_loss_keeps_its_fp32_input_and_two_vectors() -> None:
+    ctx = ctx_of(chunked_ce=1, compile=True)
+    n = 2 * 96
+    # recipe: logits.reshape(-1, V) of the model's `.float()` output (a view), labels
+    # reshape(-1) of the contiguous shifted labels (a view): neither is a new block
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramcalc.trace.compiled import compiled_saved, torchtune_cross_entropy
+
+    with FakeTensorMode():
+        saved = compiled_saved(torchtune_cross_entropy, *_fake_chunk(n, 3000, torch.float32))
+    made = sum(alloc(t.nbytes, "int8") for t in saved if not t.is_input)
+    logits_in = sum(alloc(t.nbytes, "int8") for t in saved if t.dtype == torch.float32
+                    and t.is_input)
+    assert ttn.unchunked_compiled_saved_bytes(ctx) == made + logits_in + ALLOC_ROUND_BYTES
+
+
+@pytest.mark.parametrize(("s", "n"), [(96, 4), (100, 8), (7, 3), (4096, 8), (5, 8)])
+def test_chunks_follow_torch_chunk(s: int, n: int) -> None:
+    ctx = ctx_of(seq_len=s, chunked_ce=n)
+    sizes = [c.numel() for c in torch.empty(2, s).chunk(n, dim=1)]
+    assert ttn.chunk_tokens(ctx) == sizes
+
+
+def test_every_chunk_loss_backward_runs_before_the_output_projections() -> None:
+    # autograd's own order on real CPU tensors: the model computes all chunks' logits,
+    # then the loss upcasts and reduces them one by one (torchtune transformer.py
+    # `chunked_output`, ce_chunked_output_loss.py `forward`); record when each chunk's
+    # logits gradient and each chunk's hidden-state gradient appear
+    torch.manual_seed(0)
+    h = torch.randn(2, 12, 8, requires_grad=True)
+    w = torch.randn(20, 8, requires_grad=True)
+    order: list[str] = []
+    chunks = h.chunk(3, dim=1)
+    logits = [torch.nn.functional.linear(c, w) for c in chunks]
+    for i, (c, lg) in enumerate(zip(chunks, logits, strict=True)):
+        lg.register_hook(lambda g, i=i: order.append(f"dlogits{i}"))
+        c.register_hook(lambda g, i=i: order.append(f"dh{i}"))
+    labels = torch.randint(0, 20, (2, 12))
+    total = sum(torch.nn.functional.cross_entropy(lg.float().reshape(-1, 20), y.reshape(-1),
+                                                  reduction="sum")
+                for lg, y in zip(logits, labels.chunk(3, dim=1), strict=True))
+    total.backward()
+    first_dh = min(i for i, e in enumerate(order) if e.startswith("dh"))
+    assert sorted(order[:first_dh]) == ["dlogits0", "dlogits1", "dlogits2"]
+
+
+def test_offload_moves_each_checkpointed_layers_input_to_the_host() -> None:
+    # torch/utils/checkpoint.py `_NoopSaveInputs` saves the layer input with
+    # save_for_backward inside the recipe's OffloadActivations context: b·s·h·2 per layer
+    ctx = ctx_of(activation_offload=True, chunked_ce=1)
+    assert activation_host_bytes(ctx) == 2 * alloc(2 * 96 * 256, "bf16")
+
+
+def test_compiled_loss_lowers_the_peak_by_the_fp32_log_probabilities() -> None:
+    # Llama 3.2 3B-like vocabulary on a small body: the loss dominates; compiled, the loss
+    # keeps 2·N·V bytes instead of 4·N·V at the backward's start
+    base = {"framework": "torchtune", "precision": "bf16-pure", "recompute": "full",
+            "seq_len": 1024, "micro_batch_size": 2, "chunked_ce": 8}
+    spec = SMALL.model_copy(update={"vocab_size": 128256})
+    eager = estimate(Scenario(model=spec, training=TrainingConfig(**base)))  # type: ignore[arg-type]
+    comp = estimate(Scenario(model=spec, training=TrainingConfig(**base, compile=True)))  # type: ignore[arg-type]
+    assert comp.peak_allocated_bytes < eager.peak_allocated_bytes
+    n_v = 2 * 1024 * 128256
+    # eager's forward holds all bf16 logits + all fp32 log-probs at the loss
+    assert eager.peak_allocated_bytes - comp.peak_allocated_bytes >= n_v * 2
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--compile"], "only the torchtune profile"),
+    (["--framework", "torchtune", "--precision", "bf16"], "bf16-pure or fp32"),
+    (["--framework", "torchtune", "--activation-offload", "--precision", "bf16-pure"],
+     "activation checkpointing"),
+    (["--framework", "torchtune", "--compile", "--precision", "bf16-pure"], "recompute full"),
+    (["--framework", "torchtune", "--attention", "eager", "--precision", "bf16-pure"],
+     "flex"),
+])
+def test_settings_torchtune_does_not_run_are_refused(flags: list[str], words: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["estimate", "--model", "llama3-8b", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and words in err
+
+
+def test_fused_adamw_is_the_profiles_default() -> None:
+    # recipes/configs/llama3_2/3B_lora_single_device.yaml (1814feb): `fused: True`
+    tr = TrainingConfig(framework="torchtune", precision="bf16-pure")
+    assert tr.step_impl == "fused"
+    assert TrainingConfig(framework="torchtune", precision="bf16-pure",
+                          optimizer_impl="foreach").step_impl == "foreach"
