@@ -176,3 +176,39 @@ def test_fused_adamw_is_the_profiles_default() -> None:
     assert tr.step_impl == "fused"
     assert TrainingConfig(framework="torchtune", precision="bf16-pure",
                           optimizer_impl="foreach").step_impl == "foreach"
+
+
+def _layer_args(spec: ModelSpec, b: int, s: int) -> list[object]:
+    h, f = spec.hidden_size, spec.intermediate_size
+    a, g, d = spec.num_attention_heads, spec.kv_heads, spec.head_size
+
+    def p(*shape: int) -> object:
+        return torch.empty(*shape, dtype=torch.bfloat16, requires_grad=True)
+
+    return [p(b, s, h), p(h), p(a * d, h), p(g * d, h), p(g * d, h), p(h, a * d), p(h),
+            p(f, h), p(h, f), p(f, h), torch.empty(4 * s, d // 2, 2)]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("kv_heads", [2, 8])  # GQA (k, v expanded copies) and MHA
+def test_layer_table_equals_what_torch_keeps(compiled: bool, kv_heads: int) -> None:
+    # torchtune's layer written from its source, partitioned by AOTAutograd: the default
+    # partition of the eager graph (what eager autograd keeps) or inductor's min-cut; every
+    # saved tensor that is not a parameter or the rope cache, each its own 512-byte block
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramcalc.trace.compiled import compiled_saved, torchtune_layer
+
+    spec = SMALL.model_copy(update={"num_key_value_heads": kv_heads})
+    b, s = 2, 64
+    with FakeTensorMode():
+        args = _layer_args(spec, b, s)
+        saved = compiled_saved(torchtune_layer(8, kv_heads), *args, inductor=compiled)
+    x_shape = (b, s, spec.hidden_size)
+    traced = sum(alloc(t.nbytes, "int8") for t in saved
+                 if not t.is_input or t.shape == x_shape)  # the layer input, not weights
+    ctx = RankContext(spec, TrainingConfig(framework="torchtune", precision="bf16-pure",
+                                           seq_len=s, micro_batch_size=b, compile=compiled,
+                                           recompute="full"),
+                      Scenario(model=spec).parallel, 0)
+    assert sum(t.nbytes for t in ttn.plain_layer_saved(ctx)) == traced

@@ -56,7 +56,8 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
     if tr.recompute == "full" and tr.framework == "hf" and x.r != "fp32" and (
             ctx.spec.norm_kind == "rmsnorm"):
         extra = alloc(bsh(x), x.r)  # the checkpoint keeps the input next to hf's fp32 copy
-    if tr.framework in ("torchtitan", "torchtune") and tr.recompute != "none":
+    if tr.framework in ("torchtitan", "torchtune") and tr.recompute != "none" and not (
+            tr.compile):  # a compiled layer keeps the checkpoint's input itself
         extra = tt_recompute_extra(ctx)  # the same beside torchtitan's (torchtune's) norm copy
     c, r = x.c, x.r
     g_res = alloc(bsh(x), r)

@@ -82,17 +82,66 @@ def compiled_saved(fn: Callable[..., Any], *args: torch.Tensor,
     n_out = len(out) if isinstance(out, (tuple, list)) else 1
     (gm,) = graphs
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    aliases = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+    aten = torch.ops.aten
+    views = {aten.detach.default, aten.alias.default, aten.t.default, aten.permute.default,
+             aten.view.default, aten._unsafe_view.default, aten.transpose.int,
+             aten.expand.default, aten.select.int, aten.slice.Tensor, aten.unsqueeze.default,
+             aten.squeeze.dim, aten.squeeze.default, aten.as_strided.default}
 
-    def base(node: Any) -> Any:  # an alias of a saved tensor shares its storage
-        while node.op == "call_function" and node.target in aliases:
+    def base(node: Any) -> Any:  # a view of a saved tensor (or of an input) shares its storage
+        while node.op == "call_function" and node.target in views:
             node = node.args[0]
         return node
 
     saved: dict[str, SavedTensor] = {}
     for node in output.args[0][n_out:]:
-        val, root = node.meta.get("val"), base(node)
+        root = base(node)
+        val = root.meta.get("val")
         if isinstance(val, torch.Tensor) and root.name not in saved:
             saved[root.name] = SavedTensor(root.name, tuple(int(d) for d in val.shape),
                                            val.dtype, root.op == "placeholder")
     return list(saved.values())
+
+
+# ---- torchtune's transformer layer, written from its source (1814feb) --------------------
+def _rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """torchtune/modules/rms_norm.py `RMSNorm.forward`."""
+    x_fp32 = x.float()
+    normed = (x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+    return normed * scale
+
+
+def _rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """torchtune/modules/position_embeddings.py `RotaryPositionalEmbeddings.forward`
+    (input_pos None: the cache's first s rows)."""
+    xshaped = x.float().reshape(*x.shape[:-1], -1, 2)
+    rope = cache[: x.size(1)].view(-1, xshaped.size(1), 1, xshaped.size(3), 2)
+    out = torch.stack([xshaped[..., 0] * rope[..., 0] - xshaped[..., 1] * rope[..., 1],
+                       xshaped[..., 1] * rope[..., 0] + xshaped[..., 0] * rope[..., 1]], -1)
+    return out.flatten(3).type_as(x)
+
+
+def torchtune_layer(heads: int, kv_heads: int) -> Callable[..., torch.Tensor]:
+    """A `TransformerSelfAttentionLayer` of torchtune's Llama (modules/transformer.py,
+    attention.py `MultiHeadAttention.forward` without a mask or KV cache, feed_forward.py
+    SwiGLU), as a function of (x, the weights, the rope cache)."""
+
+    def layer(x: torch.Tensor, n1: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+              wv: torch.Tensor, wo: torch.Tensor, n2: torch.Tensor, w1: torch.Tensor,
+              w2: torch.Tensor, w3: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        d = wq.shape[0] // heads
+        y = _rms_norm(x, n1)
+        q = _rope(F.linear(y, wq).view(b, s, heads, d), cache).transpose(1, 2)
+        k = _rope(F.linear(y, wk).view(b, s, kv_heads, d), cache).transpose(1, 2)
+        v = F.linear(y, wv).view(b, s, kv_heads, d).transpose(1, 2)
+        if heads != kv_heads:
+            shape = (b, kv_heads, heads // kv_heads, s, d)
+            k = k.unsqueeze(2).expand(shape).flatten(1, 2)
+            v = v.unsqueeze(2).expand(shape).flatten(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = x + F.linear(out.transpose(1, 2).contiguous().view(b, s, -1), wo)
+        z = _rms_norm(h, n2)
+        return h + F.linear(F.silu(F.linear(z, w1)) * F.linear(z, w3), w2)
+
+    return layer
