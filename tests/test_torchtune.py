@@ -159,7 +159,8 @@ def test_compiled_loss_lowers_the_peak_by_the_fp32_log_probabilities() -> None:
     (["--framework", "torchtune", "--precision", "bf16"], "bf16-pure or fp32"),
     (["--framework", "torchtune", "--activation-offload", "--precision", "bf16-pure"],
      "activation checkpointing"),
-    (["--framework", "torchtune", "--compile", "--precision", "bf16-pure"], "recompute full"),
+    (["--framework", "torchtune", "--recompute", "selective", "--precision", "bf16-pure"],
+     "whole layers"),
     (["--framework", "torchtune", "--attention", "eager", "--precision", "bf16-pure"],
      "flex"),
 ])

@@ -133,10 +133,10 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "(torchtune's optimizer_in_bwd): one optimizer per parameter, run by its "
         "post-accumulate-grad hook, which then frees the gradient. One GPU, --grad-accum 1, "
         "no fp32 master copy; reference, hf and torchtune profiles."),
-    Opt("compile", bool, False, "torchtune's compile: True (torchtune profile, with "
-        "--recompute full): the layers and the loss's cross entropy compiled; a compiled "
-        "chunked cross entropy keeps each chunk's 16-bit logits and two fp32 numbers per "
-        "token instead of fp32 log-probabilities."),
+    Opt("compile", bool, False, "torchtune's compile: True (torchtune profile): each layer "
+        "and the loss's cross entropy compiled; a compiled layer keeps the min-cut "
+        "partition's tensors, a compiled chunked cross entropy each chunk's 16-bit logits "
+        "and two fp32 numbers per token instead of fp32 log-probabilities."),
     Opt("dp", int, None, "Data-parallel degree (default: GPUs / (tp x pp x cp)).", group="parallel"),
     Opt("tp", int, 1, "Tensor-parallel degree.", group="parallel"),
     Opt("pp", int, 1, "Pipeline-parallel degree.", group="parallel"),

@@ -403,9 +403,7 @@ def torchtune_training_problem(tr: TrainingConfig) -> str | None:
     attention.py `_attention_call`: --attention flash); activation offloading only with
     activation checkpointing (recipes/full_finetune_single_device.py raises "enable_
     activation_offloading should only be True when enable_activation_checkpointing is
-    True"); `compile: True` is modelled with activation checkpointing on (the compiled
-    layers' own saved sets are not: under checkpointing each layer keeps its input alone).
-    Elsewhere, --compile belongs to the torchtune profile only."""
+    True"). --compile belongs to the torchtune profile only."""
     flag = None
     if tr.framework != "torchtune":
         if tr.compile:
@@ -426,8 +424,4 @@ def torchtune_training_problem(tr: TrainingConfig) -> str | None:
     elif tr.recompute == "selective":
         flag = ("--recompute selective: torchtune's recipes checkpoint whole layers "
                 "(enable_activation_checkpointing: use --recompute full or none)")
-    elif tr.compile and tr.recompute != "full":
-        flag = ("--compile without --recompute full: the saved tensors of torchtune's "
-                "compiled layers are not modelled; with activation checkpointing each layer "
-                "keeps its input only (add --recompute full)")
     return None if flag is None else flag + " (torchtune profile)"
