@@ -213,3 +213,26 @@ def test_layer_table_equals_what_torch_keeps(compiled: bool, kv_heads: int) -> N
                                            recompute="full"),
                       Scenario(model=spec).parallel, 0)
     assert sum(t.nbytes for t in ttn.plain_layer_saved(ctx)) == traced
+
+
+def test_plan_proposes_what_torchtunes_recipes_run() -> None:
+    # torchtune 1814feb: single-device recipes, or the *_distributed recipes' FSDP2
+    # (`training.shard_model`); whole-layer checkpointing or none; bf16 or fp32 parameters
+    from vramcalc.cli.plan import prepare_plan
+    from vramcalc.plan import search
+
+    base, req, _ = prepare_plan({"model": "llama3-8b", "framework": "torchtune",
+                                 "precision": "bf16-pure", "gpus": "8xA100-80GB"},
+                                allow="precision,optimizer,finetune", top=50)
+    entries = search(base, req).entries
+    assert entries
+    for e in entries:
+        p, t = e.scenario.parallel, e.scenario.training
+        assert (p.tp, p.pp, p.cp, p.ep, p.zero, p.fsdp) == (1, 1, 1, 1, 0, "full")
+        assert t.recompute in ("none", "full") and t.precision in ("bf16-pure", "fp32")
+
+
+def test_plan_refuses_selective_recompute(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "--model", "llama3-8b", "--framework", "torchtune", "--precision",
+                 "bf16-pure", "--recompute", "selective"])
+    assert code == 2 and "none or full" in capsys.readouterr().err

@@ -371,6 +371,14 @@ def torchtitan_training_problem(tr: TrainingConfig) -> str | None:
     return None if flag is None else flag + " (torchtitan profile)"
 
 
+def stack_training_problem(tr: TrainingConfig) -> str | None:
+    """Why the stack profile cannot run these training settings (None: it can); the
+    planner asks it of every precision / optimizer / method it tries."""
+    if tr.framework == "torchtitan":
+        return torchtitan_training_problem(tr)
+    return torchtune_training_problem(tr)
+
+
 def optimizer_in_backward_problem(tr: TrainingConfig) -> str | None:
     """Why --optimizer-in-backward cannot be modelled with these training settings (None: it
     can). torchtune (pytorch/torchtune bd2a0fc) refuses gradient accumulation with it
