@@ -236,3 +236,72 @@ def test_plan_refuses_selective_recompute(capsys: pytest.CaptureFixture[str]) ->
     code = main(["plan", "--model", "llama3-8b", "--framework", "torchtune", "--precision",
                  "bf16-pure", "--recompute", "selective"])
     assert code == 2 and "none or full" in capsys.readouterr().err
+
+
+def _chunked_ce(logits: list[object], labels: object, n: int) -> object:
+    """CEWithChunkedOutputLoss.forward (1814feb), with compute_cross_entropy inlined."""
+    F = torch.nn.functional
+    total_elements = (labels != -100).sum()
+    chunk_labels = [y.reshape(-1) for y in labels.chunk(n, dim=1)]
+    chunk_logits = [lg.reshape(-1, lg.size(-1)) for lg in logits]
+    total_loss = 0.0
+    for logits_chunk, labels_chunk in zip(chunk_logits, chunk_labels, strict=True):
+        total_loss += F.cross_entropy(logits_chunk.float(), labels_chunk, ignore_index=-100,
+                                      reduction="sum")
+    return total_loss / total_elements
+
+
+def _loss_step(x: object, w: object, labels: object, n: int) -> object:
+    """The recipe's `_loss_step` from the final norm's output on: the model's output
+    (`chunked_output`, or `self.output(h).float()`), the loss, `del logits`."""
+    F = torch.nn.functional
+    if n > 1:
+        logits = [F.linear(c, w) for c in x.chunk(n, dim=1)]
+        loss = _chunked_ce(logits, labels, n)
+    else:
+        logits = F.linear(x, w).float()
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+    del logits
+    return loss
+
+
+@pytest.mark.parametrize(("b", "n", "trained"), [(2, 4, True), (2, 4, False), (1, 3, True),
+                                                 (2, 1, False)])
+def test_eager_loss_peaks_equal_the_trace(b: int, n: int, trained: bool) -> None:
+    # the recipe's `_loss_step` on fake tensors, counted by the trace engine's tracker:
+    # `chunked_output` (one output projection per chunk), CEWithChunkedOutputLoss's forward
+    # (or, n = 1, `self.output(h).float()` and torch.nn.CrossEntropyLoss), `del logits`,
+    # then backward down to the final norm's output; all above what exists before the head
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramcalc.trace.tracker import MemoryTracker
+
+    s, h, V = 96, 256, 3000
+    tracker = MemoryTracker()
+    with FakeTensorMode(), tracker:
+        x = torch.empty(b, s, h, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.empty(V, h, dtype=torch.bfloat16, requires_grad=trained)
+        labels = torch.zeros(b, s, dtype=torch.long)
+        tracker.set_phase("forward")
+        base = tracker.total
+        loss = _loss_step(x, w, labels, n)
+        fwd_peak, kept = tracker.peaks[(0, "forward")].total - base, tracker.total - base
+        tracker.set_phase("backward")
+        loss.backward()
+        bwd_peak = tracker.peaks[(0, "backward")].total - base
+    ctx = ctx_of(seq_len=s, micro_batch_size=b, chunked_ce=n,
+                 finetune="full" if trained else "lora")
+    spec = SMALL.model_copy(update={"tie_word_embeddings": False, "vocab_size": V})
+    ctx = RankContext(spec, ctx.training, ctx.parallel, 0)
+    from vramcalc.terms import logits as lg_terms
+    from vramcalc.terms.activations import head_saved
+    from vramcalc.terms.lowmem import head_input_split
+
+    # the output projection's first chunk copy (a trained head with b > 1); otherwise it
+    # keeps views of x, which exists before the head
+    head = sum(t.nbytes for t in head_saved(ctx) if t.name.startswith("lm_head")) if (
+        head_input_split(ctx)) else 0
+    slack = 4 * ALLOC_ROUND_BYTES  # 0-dim temporaries (token count, sums) not modelled
+    assert 0 <= kept - (lg_terms.logits_saved_bytes(ctx) + head) <= slack
+    assert 0 <= fwd_peak - (lg_terms.logits_forward_peak_bytes(ctx) + head) <= slack
+    assert abs(bwd_peak - (lg_terms.logits_backward_peak_bytes(ctx) + head)) <= slack

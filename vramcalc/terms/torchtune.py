@@ -135,10 +135,12 @@ def forward_peak_bytes(ctx: RankContext) -> int:
 
 
 def backward_peak_bytes(ctx: RankContext) -> int:
-    """The loss backward (module docstring), and after it, the output projection's first
-    chunk: every chunk's c gradient, dX of that chunk and, for a trained projection, its
-    weight gradient; from the second chunk on, that gradient, the new one and their sum
-    (3·V·h in the gradient dtype) next to the gradients not consumed yet."""
+    """The loss backward (module docstring), and after it the output projection's chunks,
+    last first: at the last chunk's node every chunk's c gradient, its dX and, for a trained
+    projection, its weight gradient; once the next chunk's node is done (its gradient and
+    input copy released), the two weight gradients and their sum (3·V·h in the gradient
+    dtype) next to the gradients and input copies of the chunks not reached yet and the two
+    dX chunks waiting for the split's backward (tests/test_torchtune.py traces both)."""
     x = dims(ctx)
     chunks = chunk_tokens(ctx)
     kept = saved_bytes(ctx)
@@ -147,12 +149,15 @@ def backward_peak_bytes(ctx: RankContext) -> int:
     else:
         during = kept + 2 * alloc(chunks[-1] * x.V, "fp32")
     grads = [alloc(n * x.V, x.c) for n in chunks]
-    copies = _head_copies(ctx, chunks) + 2 * ALLOC_ROUND_BYTES
-    after = sum(grads) + copies + alloc(chunks[-1] * x.h, x.c)
+    dx = [alloc(n * x.h, x.c) for n in chunks]
+    copies = [d if head_input_split(ctx) else 0 for d in dx]  # the first: head activations
+    scalars = 2 * ALLOC_ROUND_BYTES
+    after = sum(grads) + sum(copies[1:]) + dx[-1] + scalars
     if not finetunes(ctx.training):
         after += alloc(x.V * x.h, grad_dtype(ctx))
         if len(chunks) > 1:
-            after = max(after, sum(grads[:-1]) + copies + 3 * alloc(x.V * x.h, grad_dtype(ctx)))
+            after = max(after, sum(grads[:-2]) + sum(copies[1:-2]) + sum(dx[-2:]) + scalars
+                        + 3 * alloc(x.V * x.h, grad_dtype(ctx)))
     return max(during, after)
 
 
