@@ -305,3 +305,18 @@ def test_eager_loss_peaks_equal_the_trace(b: int, n: int, trained: bool) -> None
     assert 0 <= kept - (lg_terms.logits_saved_bytes(ctx) + head) <= slack
     assert 0 <= fwd_peak - (lg_terms.logits_forward_peak_bytes(ctx) + head) <= slack
     assert abs(bwd_peak - (lg_terms.logits_backward_peak_bytes(ctx) + head)) <= slack
+
+
+@pytest.mark.parametrize("finetune", ["full", "lora", "qlora"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_compiling_never_keeps_more(finetune: str, recompute: str) -> None:
+    # the min-cut partition keeps a subset-or-cheaper set of the eager one (it may only
+    # trade a saved tensor for recomputation), and the compiled loss keeps c instead of fp32
+    # per logit: the estimate with --compile never exceeds the eager one
+    kw = {"framework": "torchtune", "precision": "bf16-pure", "recompute": recompute,
+          "seq_len": 512, "micro_batch_size": 2, "chunked_ce": 4, "finetune": finetune}
+    spec = SMALL.model_copy(update={"vocab_size": 32000})
+    eager = estimate(Scenario(model=spec, training=TrainingConfig(**kw)))  # type: ignore[arg-type]
+    comp = estimate(Scenario(model=spec, training=TrainingConfig(**kw, compile=True)))  # type: ignore[arg-type]
+    assert comp.peak_allocated_bytes <= eager.peak_allocated_bytes
+    assert comp.terms.activations <= eager.terms.activations
