@@ -265,9 +265,10 @@ def _loss_step(x: object, w: object, labels: object, n: int) -> object:
     return loss
 
 
-@pytest.mark.parametrize(("b", "n", "trained"), [(2, 4, True), (2, 4, False), (1, 3, True),
-                                                 (2, 1, False)])
-def test_eager_loss_peaks_equal_the_trace(b: int, n: int, trained: bool) -> None:
+@pytest.mark.parametrize(("b", "n", "trained", "s"), [
+    (2, 4, True, 96), (2, 4, False, 96), (1, 3, True, 96), (2, 1, False, 96),
+    (2, 8, False, 100), (1, 8, True, 100)])  # 100 = 7 x 13 + 9: uneven chunks
+def test_eager_loss_peaks_equal_the_trace(b: int, n: int, trained: bool, s: int) -> None:
     # the recipe's `_loss_step` on fake tensors, counted by the trace engine's tracker:
     # `chunked_output` (one output projection per chunk), CEWithChunkedOutputLoss's forward
     # (or, n = 1, `self.output(h).float()` and torch.nn.CrossEntropyLoss), `del logits`,
@@ -276,7 +277,7 @@ def test_eager_loss_peaks_equal_the_trace(b: int, n: int, trained: bool) -> None
 
     from vramcalc.trace.tracker import MemoryTracker
 
-    s, h, V = 96, 256, 3000
+    h, V = 256, 3000
     tracker = MemoryTracker()
     with FakeTensorMode(), tracker:
         x = torch.empty(b, s, h, dtype=torch.bfloat16, requires_grad=True)

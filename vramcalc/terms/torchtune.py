@@ -144,11 +144,15 @@ def backward_peak_bytes(ctx: RankContext) -> int:
     x = dims(ctx)
     chunks = chunk_tokens(ctx)
     kept = saved_bytes(ctx)
-    if ctx.training.compile:
-        during = kept + alloc(max(chunks) * x.V, x.c)
-    else:
-        during = kept + 2 * alloc(chunks[-1] * x.V, "fp32")
     grads = [alloc(n * x.V, x.c) for n in chunks]
+    # chunk i's cross-entropy backward (last chunk first): the chunks not reached keep their
+    # saved logits (compiled) or log-probabilities (eager), the ones done have their c
+    # gradient; chunk i holds its gradient (compiled) or its two fp32 gradient buffers
+    saved = [alloc(n * x.V, x.c if ctx.training.compile else "fp32") for n in chunks]
+    rest = kept - sum(saved)
+    work = grads if ctx.training.compile else [2 * b for b in saved]
+    during = max(rest + sum(saved[:i + 1]) + work[i] + sum(grads[i + 1:])
+                 for i in range(len(chunks)))
     dx = [alloc(n * x.h, x.c) for n in chunks]
     copies = [d if head_input_split(ctx) else 0 for d in dx]  # the first: head activations
     scalars = 2 * ALLOC_ROUND_BYTES
