@@ -267,7 +267,8 @@ def _loss_step(x: object, w: object, labels: object, n: int) -> object:
 
 @pytest.mark.parametrize(("b", "n", "trained", "s"), [
     (2, 4, True, 96), (2, 4, False, 96), (1, 3, True, 96), (2, 1, False, 96),
-    (2, 8, False, 100), (1, 8, True, 100)])  # 100 = 7 x 13 + 9: uneven chunks
+    (2, 8, False, 100), (1, 8, True, 100),  # 100 = 7 x 13 + 9: uneven chunks
+    (2, 8, False, 97)])  # 97 = 7 x 13 + 6
 def test_eager_loss_peaks_equal_the_trace(b: int, n: int, trained: bool, s: int) -> None:
     # the recipe's `_loss_step` on fake tensors, counted by the trace engine's tracker:
     # `chunked_output` (one output projection per chunk), CEWithChunkedOutputLoss's forward

@@ -124,14 +124,18 @@ def saved_bytes(ctx: RankContext) -> int:
 
 def forward_peak_bytes(ctx: RankContext) -> int:
     """The loss in forward: what it keeps, and in eager mode all chunks' c logits (alive in
-    the recipe until `del logits`) and the last chunk's fp32 upcast (none when c is fp32:
+    the recipe until `del logits`) and a chunk's fp32 upcast (none when c is fp32:
     `.float()` returns the chunk itself)."""
     x = dims(ctx)
     if ctx.training.compile:
         return saved_bytes(ctx)
     chunks = chunk_tokens(ctx)
-    upcast = 0 if x.c == "fp32" else alloc(chunks[-1] * x.V, "fp32")
-    return saved_bytes(ctx) + sum(alloc(n * x.V, x.c) for n in chunks) + upcast
+    logp = [alloc(n * x.V, "fp32") for n in chunks]
+    upcast = [0 if x.c == "fp32" else p for p in logp]
+    rest = saved_bytes(ctx) - sum(logp) + sum(alloc(n * x.V, x.c) for n in chunks)
+    # chunk i's log_softmax: its upcast and the log-probabilities of chunks 0..i (a short
+    # last chunk can make an earlier one the peak)
+    return rest + max(sum(logp[:i + 1]) + upcast[i] for i in range(len(chunks)))
 
 
 def backward_peak_bytes(ctx: RankContext) -> int:
