@@ -313,6 +313,28 @@ _LITGPT_NOTES = [
     "LitGPT's LoRA on the fused qkv projection is modelled as PEFT-style q and v adapters",
 ]
 
+# torchtune (vramcalc/terms/torchtune.py): recipes train in `dtype: bf16` with activation
+# checkpointing; Llama 3.2 3B has no catalog preset: its config.json's shapes
+_TUNE = {"framework": "torchtune", "precision": "bf16-pure", "optimizer": "adamw",
+         "attention": "flash", "recompute": "full"}
+_LLAMA32_3B = {"name": "llama3.2-3b", "model_type": "llama", "hidden_size": 3072,
+               "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8,
+               "intermediate_size": 8192, "vocab_size": 128256,
+               "max_position_embeddings": 131072, "mlp_kind": "gated", "hidden_act": "silu",
+               "norm_kind": "rmsnorm", "position_embedding": "rope",
+               "tie_word_embeddings": True}
+_PACKED = ("packed to 4096 tokens (every batch is 2 x 4096) with flex attention's document "
+           "mask on the A100 (torch >= 2.5): it keeps what SDPA's flash kernel keeps; "
+           "--chunked-ce 8 is CEWithChunkedOutputLoss's num_output_chunks")
+_ALPACA_512 = (
+    "--seq-len 512: batches are padded to their longest sample, truncated at "
+    "alpaca_cleaned_dataset's max_seq_len 512; of the first 1000 samples of "
+    "alpaca_data_cleaned.json (the copy in makhweeb/text-ngnr 1ff9b7d), 37 reach 512 "
+    "Llama-2 tokens in torchtune's Alpaca template (tokenizer.model of karpathy/llama2.c "
+    "350e04f, BOS + prompt + response + EOS; longest 763): a shuffled batch of 2 is padded "
+    "to 512 with probability 7.3%, so the run's reserved high-water mark is set by a "
+    "512-token batch after a few dozen steps (one optimizer step is 64 batches)")
+
 # One reviewed entry per measured.yaml record: the flags that express it (seq_len,
 # micro_batch_size and grad_accum come from the record itself; "chunked_ce" may be a
 # function of seq_len), or the features vramcalc lacks to express it. The metric is read
@@ -322,16 +344,41 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
     "hf-bertlarge-bs4-fp32-adamw-v100": {"missing": [_BERT]},
     "hf-bertlarge-bs1-ga4-gc-fp32-adamw-v100": {"missing": [_BERT]},
     "hf-bertlarge-bs4-fp16amp-adamw-v100": {"missing": [_BERT]},
-    "torchtune-llama2-7b-lora-r8-qv-1gpu": {"missing": [_DYNAMIC]},
+    "torchtune-llama2-7b-lora-r8-qv-1gpu": {
+        "flags": {"model": "llama2-7b", **_TUNE, "seq_len": 512, "optimizer_impl": "foreach",
+                  "finetune": "lora", "lora_rank": 8, "lora_targets": "q,v",
+                  "lora_dropout": 0.05},
+        "notes": [_ALPACA_512, "torchtune ff594c2 7B_lora_single_device.yaml: "
+                  "torch.optim.AdamW without `fused` (foreach), torch.nn.CrossEntropyLoss "
+                  "(no chunking), lora_llama2_7b's lora_dropout 0.05"]},
     "torchtune-llama2-7b-qlora-r8-1gpu": {"missing": [_DYNAMIC, "torchao NF4 tensors"]},
     "torchtune-readme-apr24-llama2-7b-lora-fsdp-2x4090": {"missing": [_DYNAMIC]},
     # optimizer_in_bwd is modelled (--optimizer-in-backward); its paged AdamW too
-    "torchtune-readme-apr24-llama2-7b-full-lowmem-1x4090": {"missing": [_DYNAMIC]},
+    "torchtune-readme-apr24-llama2-7b-full-lowmem-1x4090": {"missing": [
+        _DYNAMIC + ": torchtune's alpaca_dataset (tatsu-lab/alpaca, truncation at 512) — "
+        "whether its samples reach 512 Llama-2 tokens is not established (its data file "
+        "could not be read)"]},
     "torchtune-readme-sep24-llama31-8b-qlora-1x4090": {"missing": [_COMPILE,
                                                                    "torchao NF4 tensors"]},
-    "torchtune-llama32-3b-full-baseline-a100": {"missing": [_DYNAMIC]},
-    "torchtune-llama32-3b-full-optinbwd-a100": {"missing": [_COMPILE]},  # in-bwd modelled
-    "torchtune-llama32-3b-lora-r64-a100": {"missing": [_COMPILE]},
+    "torchtune-llama32-3b-full-baseline-a100": {"missing": [
+        _DYNAMIC + ": unpacked alpaca truncated at 4096 Llama-3 tokens, far above its "
+        "samples; the longest batch of the run depends on the Llama-3 tokenizer and on how "
+        "many steps ran, neither stated"]},
+    "torchtune-llama32-3b-full-optinbwd-a100": {
+        "model_fields": _LLAMA32_3B,
+        "flags": {"model": "llama3.2-3b.yaml", **_TUNE, "gpus": "1xA100-80GB",
+                  "optimizer_impl": "foreach", "chunked_ce": 8, "compile": True,
+                  "optimizer_in_backward": True},
+        "notes": [_PACKED, "README (1814feb) optimization flags: torch.optim.AdamW replaces "
+                  "the config's PagedAdamW8bit with no `fused` key (foreach, one optimizer "
+                  "per parameter in backward)"]},
+    "torchtune-llama32-3b-lora-r64-a100": {
+        "model_fields": _LLAMA32_3B,
+        "flags": {"model": "llama3.2-3b.yaml", **_TUNE, "gpus": "1xA100-80GB",
+                  "chunked_ce": 8, "compile": True, "activation_offload": True,
+                  "finetune": "lora", "lora_rank": 64, "lora_targets": "q,v,o,gate,up,down"},
+        "notes": [_PACKED, "torchtune 1814feb 3B_lora_single_device.yaml: AdamW fused=True "
+                  "(the profile's default), lora_dropout 0.0, q/v/output_proj + MLP"]},
     # torchtitan 9dec370 train_configs/llama3_8b.toml (selective_ac_option 'op', rmsnorm,
     # AdamW) with FSDP2 dp_shard=8, MixedPrecisionPolicy(bf16, fp32) and default
     # --optimizer.fused False (foreach) and expandable segments (run_llama_train.sh); the
@@ -387,9 +434,12 @@ def measured_mapping(case: dict[str, Any]) -> Mapping:
     if "flags" not in entry:
         return m
     flags = dict(entry["flags"])
+    m.model_fields = entry.get("model_fields")
     for key, rec_key in (("seq_len", "seq_len"), ("micro_batch_size", "micro_batch"),
                          ("grad_accum", "grad_accum")):
         value = case.get(rec_key)
+        if key in entry["flags"]:  # established by the entry (its notes say how)
+            continue
         if isinstance(value, int):
             flags[key] = value
         elif key == "seq_len":

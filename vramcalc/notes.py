@@ -80,13 +80,23 @@ def finetune_notes(ctx: RankContext) -> list[str]:
                        "quantized absmax); each matmul dequantizes its weight into a "
                        "transient copy")
     if tr.activation_offload:
-        if tr.recompute == "full":
+        if tr.recompute == "full" and tr.framework == "torchtune":
+            out.append("activation offload: each checkpointed layer's input waits in pinned "
+                       "host memory (host RAM above); the layer is recomputed on the device "
+                       "in backward")
+        elif tr.recompute == "full":
             out.append("activation offload: nothing to offload beyond the checkpointed layer "
                        "inputs, which this model keeps on the device")
         else:
             out.append("activation offload: the layers' saved tensors wait in pinned host "
                        "memory (host RAM above); each comes back when its backward node runs")
-    if chunks_loss(tr):
+    if chunks_loss(tr) and tr.framework == "torchtune":
+        kept = ("each chunk's 16-bit logits and two fp32 numbers per token are kept "
+                "(compiled)" if tr.compile else "the fp32 log-probabilities are all kept")
+        out.append(f"CEWithChunkedOutputLoss ({tr.chunked_ce} chunks): the model returns "
+                   "every chunk's 16-bit logits; the fp32 upcast exists one chunk at a time; "
+                   + kept)
+    elif chunks_loss(tr):
         out.append(f"chunked cross entropy ({tr.chunked_ce} chunks): the fp32 logits and loss "
                    "gradients exist one chunk at a time; the log-probabilities are all kept")
     paged = paged_state_bytes(ctx)

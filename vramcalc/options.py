@@ -95,8 +95,9 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "(torchtitan's selective_ac_option=N). Without it, --recompute selective is "
         "torchtitan's per-op SAC (selective_ac_option='op')."),
     Opt("framework", str, "reference", "Stack profile: reference | hf | megatron | "
-        "torchtitan (torchtitan 9dec370's Llama: per-op SAC for --recompute selective).",
-        FRAMEWORKS),
+        "torchtitan (torchtitan 9dec370's Llama: per-op SAC for --recompute selective) | "
+        "torchtune (torchtune 1814feb's recipes: --chunked-ce N is CEWithChunkedOutputLoss, "
+        "fused AdamW, offload with checkpointing).", FRAMEWORKS),
     Opt("finetune", str, "full", "full | lora | qlora (NF4 base) | dora: frozen base weights "
         "plus trained adapters.", FINETUNES),
     Opt("lora_rank", int, 8, "LoRA rank r (PEFT default 8)."),
@@ -131,7 +132,11 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("optimizer_in_backward", bool, False, "Step the optimizer inside backward "
         "(torchtune's optimizer_in_bwd): one optimizer per parameter, run by its "
         "post-accumulate-grad hook, which then frees the gradient. One GPU, --grad-accum 1, "
-        "no fp32 master copy; reference and hf profiles."),
+        "no fp32 master copy; reference, hf and torchtune profiles."),
+    Opt("compile", bool, False, "torchtune's compile: True (torchtune profile): each layer "
+        "and the loss's cross entropy compiled; a compiled layer keeps the min-cut "
+        "partition's tensors, a compiled chunked cross entropy each chunk's 16-bit logits "
+        "and two fp32 numbers per token instead of fp32 log-probabilities."),
     Opt("dp", int, None, "Data-parallel degree (default: GPUs / (tp x pp x cp)).", group="parallel"),
     Opt("tp", int, 1, "Tensor-parallel degree.", group="parallel"),
     Opt("pp", int, 1, "Pipeline-parallel degree.", group="parallel"),
@@ -174,7 +179,7 @@ _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "opt
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
-                  "optimizer_in_backward")
+                  "optimizer_in_backward", "compile")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",
                   "shard_group", "offload_device", "pp_schedule", "virtual_stages",
                   "first_stage_layers", "last_stage_layers", "embedding_in_split",

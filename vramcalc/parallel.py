@@ -188,6 +188,8 @@ def resolve_layout(
     _check_engine(training, resolved)
     if training.framework == "torchtitan":
         _check_torchtitan(spec, training, resolved)
+    if training.framework == "torchtune":
+        _check_torchtune(resolved)
     m = _microbatches(training, resolved)
     if m is not None:
         resolved = resolved.model_copy(update={"num_microbatches": m})
@@ -378,6 +380,25 @@ def _check_torchtitan(spec: ModelSpec, training: TrainingConfig, par: ParallelCo
                    "grad-op with --pp")
     if problem:
         raise InputError(problem + " (torchtitan profile)")
+
+
+def _check_torchtune(par: ParallelConfig) -> None:
+    """What torchtune 1814feb's recipes run: one GPU, or data parallelism with FSDP2
+    (`training.shard_model` applies `fully_shard` in the *_distributed recipes, resharding
+    after forward unless `fsdp_reshard_after_forward: False`: --fsdp full or grad-op); no
+    tensor, pipeline, context or expert parallelism, no DeepSpeed ZeRO, no CPU offload of
+    parameters or optimizer states (`fsdp_cpu_offload` is not modelled)."""
+    problem = None
+    if max(par.tp, par.pp, par.cp, par.ep) > 1:
+        problem = "torchtune (1814feb) has no tensor, pipeline, context or expert parallelism"
+    elif par.zero:
+        problem = "--zero is DeepSpeed's: torchtune shards with FSDP2 (use --fsdp full)"
+    elif par.dp_degree > 1 and par.fsdp not in ("full", "grad-op"):
+        problem = "torchtune's distributed recipes shard with FSDP2 (add --fsdp full)"
+    elif par.offload:
+        problem = "torchtune's fsdp_cpu_offload is not modelled"
+    if problem:
+        raise InputError(problem + " (torchtune profile)")
 
 
 def _microbatches(training: TrainingConfig, par: ParallelConfig) -> int | None:

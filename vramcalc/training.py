@@ -69,7 +69,7 @@ MOE_DISPATCHERS: tuple[str, ...] = ("allgather", "alltoall")
 # Megatron-LM's default: TransformerConfig.moe_token_dispatcher_type = "allgather"
 # (NVIDIA/Megatron-LM d98e8a64, megatron/core/transformer/transformer_config.py)
 MEGATRON_DEFAULT_DISPATCHER = "allgather"
-FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron", "torchtitan")
+FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron", "torchtitan", "torchtune")
 
 # LoRA target names: q, k, v, o projections and the MLP's gate, up (fc) and down (proj)
 # matrices.
@@ -135,7 +135,7 @@ class TrainingConfig(BaseModel):
     # (vramcalc/terms/torchtitan.py). None: torchtitan's per-op SAC ('op')
     # (left out of dumps when None, so reports of the other profiles keep their keys)
     recompute_every: int | None = Field(None, gt=0, le=100_000, exclude_if=lambda v: v is None)
-    framework: Literal["reference", "hf", "megatron", "torchtitan"] = "reference"
+    framework: Literal["reference", "hf", "megatron", "torchtitan", "torchtune"] = "reference"
     # fine-tuning (vramcalc/finetune.py): frozen base + adapters; PEFT's defaults
     finetune: Literal["full", "lora", "qlora", "dora"] = "full"
     lora_rank: int = Field(8, gt=0, le=65_536)
@@ -163,6 +163,9 @@ class TrainingConfig(BaseModel):
     # post-accumulate-grad hook inside backward (vramcalc/terms/optim_in_bwd.py); left out
     # of dumps when off, so other reports keep their keys
     optimizer_in_backward: bool = Field(False, exclude_if=lambda v: not v)
+    # torchtune's `compile: True` (torchtune profile): each transformer layer and the loss's
+    # cross entropy compiled (vramcalc/terms/torchtune.py); left out of dumps when off
+    compile: bool = Field(False, exclude_if=lambda v: not v)
 
     @model_validator(mode="after")
     def _impl_exists(self) -> TrainingConfig:
@@ -265,6 +268,13 @@ class TrainingConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _torchtune_modelled(self) -> TrainingConfig:
+        problem = torchtune_training_problem(self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
     def _torchtitan_modelled(self) -> TrainingConfig:
         if self.framework == "torchtitan":
             problem = torchtitan_training_problem(self)
@@ -290,7 +300,10 @@ class TrainingConfig(BaseModel):
             return self.optimizer_impl
         # torchtitan (9dec370, torchtitan/optimizer.py `build_optimizers`): fused =
         # --optimizer.fused (default False, config_manager.py), foreach = not fused
-        return "fused" if self.framework == "hf" and self.optimizer == "adamw" else "foreach"
+        # torchtune (1814feb): its configs build torch.optim.AdamW with `fused: True`
+        # (recipes/configs/llama3_2/3B_lora_single_device.yaml and the other LoRA configs)
+        fused = self.framework in ("hf", "torchtune") and self.optimizer == "adamw"
+        return "fused" if fused else "foreach"
 
     @property
     def weight_dtype(self) -> str:
@@ -358,6 +371,14 @@ def torchtitan_training_problem(tr: TrainingConfig) -> str | None:
     return None if flag is None else flag + " (torchtitan profile)"
 
 
+def stack_training_problem(tr: TrainingConfig) -> str | None:
+    """Why the stack profile cannot run these training settings (None: it can); the
+    planner asks it of every precision / optimizer / method it tries."""
+    if tr.framework == "torchtitan":
+        return torchtitan_training_problem(tr)
+    return torchtune_training_problem(tr)
+
+
 def optimizer_in_backward_problem(tr: TrainingConfig) -> str | None:
     """Why --optimizer-in-backward cannot be modelled with these training settings (None: it
     can). torchtune (pytorch/torchtune bd2a0fc) refuses gradient accumulation with it
@@ -371,11 +392,44 @@ def optimizer_in_backward_problem(tr: TrainingConfig) -> str | None:
         flag = (f"--grad-accum {tr.grad_accum}: gradients are stepped and freed inside each "
                 "backward, so they cannot accumulate (torchtune refuses gradient "
                 "accumulation with optimizer_in_bwd); use --grad-accum 1")
-    elif tr.framework not in ("reference", "hf"):
-        flag = (f"--framework {tr.framework}: only the reference and hf profiles model it "
+    elif tr.framework not in ("reference", "hf", "torchtune"):
+        flag = (f"--framework {tr.framework}: only the reference, hf and torchtune profiles "
+                "model it "
                 "(torchtune's per-parameter optimizers)")
     elif tr.has_master_weights:
         flag = (f"--precision {tr.precision}: the fp32 master copy's step is not modelled "
                 "inside backward (torchtune trains bf16 or fp32 parameters: use --precision "
                 "bf16-pure, fp32 or amp-bf16)")
     return None if flag is None else "--optimizer-in-backward with " + flag
+
+
+def torchtune_training_problem(tr: TrainingConfig) -> str | None:
+    """Why these training settings cannot be expressed (None: they can) — for the torchtune
+    profile, what torchtune's single-device recipes run (pytorch/torchtune 1814feb):
+    parameters in `dtype: bf16` or fp32 (`training.get_dtype`; no autocast, no fp32 master
+    copy: --precision bf16-pure or fp32); SDPA or flex attention (torchtune/modules/
+    attention.py `_attention_call`: --attention flash); activation offloading only with
+    activation checkpointing (recipes/full_finetune_single_device.py raises "enable_
+    activation_offloading should only be True when enable_activation_checkpointing is
+    True"). --compile belongs to the torchtune profile only."""
+    flag = None
+    if tr.framework != "torchtune":
+        if tr.compile:
+            flag = (f"--compile: only the torchtune profile models torch.compile (its "
+                    f"compiled cross entropy); not the {tr.framework} profile (use "
+                    "--framework torchtune, or leave it out)")
+        return flag
+    if tr.precision not in ("bf16-pure", "fp32"):
+        flag = (f"--precision {tr.precision}: torchtune trains in its `dtype` (bf16 or fp32 "
+                "parameters, gradients and optimizer states, no autocast and no fp32 master "
+                "copy): use --precision bf16-pure or fp32")
+    elif tr.attention != "flash":
+        flag = ("--attention eager: torchtune's attention calls SDPA or flex attention "
+                "(use flash)")
+    elif tr.activation_offload and tr.recompute != "full":
+        flag = ("--activation-offload: torchtune offloads activations only with activation "
+                "checkpointing on (add --recompute full)")
+    elif tr.recompute == "selective":
+        flag = ("--recompute selective: torchtune's recipes checkpoint whole layers "
+                "(enable_activation_checkpointing: use --recompute full or none)")
+    return None if flag is None else flag + " (torchtune profile)"

@@ -26,12 +26,12 @@ from vramcalc.errors import InputError
 from vramcalc.finetune import check_finetune
 from vramcalc.hardware import GPUProfile
 from vramcalc.parallel import ParallelConfig, resolve_layout
-from vramcalc.planner.request import UNSUPPORTED, PlanRequest
+from vramcalc.planner.request import UNSUPPORTED, PlanRequest, recomputes_of
 from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.speed import Layout, SpeedModel, training_peft
 from vramcalc.terms.lowprec import check_lowprec
-from vramcalc.training import FINETUNES, TrainingConfig, torchtitan_training_problem
+from vramcalc.training import FINETUNES, TrainingConfig, stack_training_problem
 
 REC_ORDER = {"none": 0, "selective": 1, "full": 2}
 
@@ -337,7 +337,7 @@ class Enumerator:
         self.pruner = pruner if limit_bytes is not None else None
         self.limit = limit_bytes if limit_bytes is not None else math.inf
         pinned = req.pinned
-        self.recomputes = _pick(pinned, "recompute", ("none", "selective", "full"))
+        self.recomputes = _pick(pinned, "recompute", recomputes_of(base.training.framework))
         self.allow_off = "offload" in req.allow
         self.zero_pinned = given(pinned, "zero")
         self.off_dev = base.parallel.offload_device
@@ -359,8 +359,8 @@ class Enumerator:
         """Whether the engine accepts this training setup on `tp` unsharded ranks."""
         training = training_for(self.base, prec, opt, ft)
         parallel = ParallelConfig.model_construct(tp=tp)
-        if training.framework == "torchtitan" and torchtitan_training_problem(training):
-            return False  # a precision / optimizer / method torchtitan does not run
+        if stack_training_problem(training):
+            return False  # a precision / optimizer / method the stack does not run
         try:
             check_lowprec(self.base.model_copy(update={"training": training,
                                                        "parallel": parallel}))

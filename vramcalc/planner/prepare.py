@@ -12,8 +12,8 @@ from typing import Any
 
 from vramcalc.errors import InputError, suggest
 from vramcalc.options import OPTIONS_BY_NAME, build_scenario, normalize_values
-from vramcalc.planner.candidates import finetune_supported
-from vramcalc.planner.request import PlanRequest
+from vramcalc.planner.candidates import finetune_supported, given
+from vramcalc.planner.request import PlanRequest, recomputes_of
 from vramcalc.scenario import Scenario
 from vramcalc.units import parse_count
 
@@ -83,7 +83,16 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
         # the base layout only has to be one torchtitan runs (its bf16 compute needs FSDP2);
         # the search varies the sharding anyway
         values["fsdp"] = "full"
+    if values.get("framework") == "torchtune":
+        values["fsdp"] = "full"  # the same: torchtune's data parallelism is FSDP2's
     base = build_scenario(values, profile_dirs, deepspeed)
+    if pinned.get("recompute") not in (None, *recomputes_of(base.training.framework)):
+        raise InputError(f"--recompute {pinned['recompute']}: the {base.training.framework} "
+                         "profile runs none or full (torchtune checkpoints whole layers)")
+    assert base.cluster is not None
+    if base.training.framework == "torchtune" and base.cluster.num_gpus > 1 and not (
+            given(pinned, "fsdp") or given(pinned, "zero")):
+        pinned["fsdp"] = "full"  # torchtune's distributed recipes shard with FSDP2 only
     allowed, notes = parse_allow(allow)
     size, tokens = parse_batch(global_batch_size, global_batch_tokens)
     if base.training.optimizer_in_backward and size is None and tokens is None:

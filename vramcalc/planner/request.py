@@ -64,7 +64,17 @@ UNSUPPORTED: dict[str, tuple[frozenset[str], str]] = {
                    "DeepSpeed ZeRO stages), runs DDP only without TP/PP/CP, TP only with "
                    "sequence parallelism, keeps blocks unsharded after forward only under PP "
                    "and has no expert parallelism: other layouts are not proposed"),
+    # torchtune 1814feb: single-device recipes or FSDP2 data parallelism
+    # (vramcalc.parallel._check_torchtune refuses the rest for every layout)
+    "torchtune": (frozenset({"pp", "ep"}), "torchtune (1814feb) runs one GPU or FSDP2 data "
+                  "parallelism only: other layouts are not proposed"),
 }
+
+
+def recomputes_of(framework: str) -> tuple[str, ...]:
+    """The recompute modes a stack runs: torchtune checkpoints whole layers or none
+    (`enable_activation_checkpointing`)."""
+    return ("none", "full") if framework == "torchtune" else ("none", "selective", "full")
 
 
 def stack_note(framework: str) -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from vramcalc.rank import RankContext
 from vramcalc.terms import moments as mo
 from vramcalc.terms import torchtitan as tt
+from vramcalc.terms import torchtune as ttn
 from vramcalc.terms.megatron_layer import megatron_layer_bytes
 from vramcalc.terms.megatron_recompute import LayerPlan, layer_plan
 from vramcalc.terms.modifiers import modifiers
@@ -64,7 +65,8 @@ def _layer_saved(ctx: RankContext, moe: bool) -> list[Saved]:
         for m in modifiers(ctx):  # DeepSpeed's partitioned / CPU checkpoints
             kept = m.checkpoint_saved(ctx, kept)
         return kept
-    out = plain_layer_saved(ctx, moe)
+    tune = ctx.training.framework == "torchtune" and not moe  # vramcalc/terms/torchtune.py
+    out = ttn.plain_layer_saved(ctx) if tune else plain_layer_saved(ctx, moe)
     for m in modifiers(ctx):
         out = m.layer_saved(ctx, out)
     return out

@@ -150,7 +150,6 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     tr = ctx.training
     spec = ctx.spec
     targets = _targets(ctx)
-    hf = tr.framework == "hf"
     moe = any(t.name.startswith("moe.") for t in saved)
     gated = spec.mlp_kind == "gated"
     added: list[Saved] = []
@@ -185,8 +184,11 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     if moe:  # frozen router and routed experts
         drop.update(("moe.expert_input", "moe.expert_input.cast", f"moe.expert.{down_input}",
                      "moe.rows", "moe.down_input"))
+    # a frozen norm weight needs no x̂ (hf's and torchtune's Python RMSNorm keep it only
+    # for the weight's gradient)
+    py_norm = tr.framework in ("hf", "torchtune")
     out = [t for t in saved if t.name not in drop
-           and not (hf and t.name.endswith((".xhat", ".xhat_fp32")))]
+           and not (py_norm and t.name.endswith((".xhat", ".xhat_fp32")))]
     if _fp32_mlp(ctx, x):
         out = [dataclasses.replace(t, dtype=x.r) if t.name in (
             "mlp.gate", "mlp.up", "mlp.gate_up", "mlp.act", "mlp.down_input", "mlp.fc_out")
@@ -196,9 +198,9 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
 
 def adjust_head_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     """Final norm and frozen lm_head: the head's input is not kept (nor hf's norm x̂)."""
-    hf = ctx.training.framework == "hf"
+    py_norm = ctx.training.framework in ("hf", "torchtune")
     return [t for t in saved if not t.name.startswith("lm_head.input")
-            and not (hf and t.name.endswith((".xhat", ".xhat_fp32")))]
+            and not (py_norm and t.name.endswith((".xhat", ".xhat_fp32")))]
 
 
 def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:

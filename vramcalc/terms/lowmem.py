@@ -185,10 +185,14 @@ class ActivationOffload(Modifier):
 
     def backward_moments(self, ctx: RankContext, moments: list[Moment],
                          saved: list[Saved]) -> list[Moment]:
+        if ctx.training.recompute == "full":  # the recompute runs in backward, outside the
+            return moments  # offloading hooks: the recomputed layer's set is on the device
         return offload_moments(ctx, moments, saved)
 
     def forward_working_bytes(self, ctx: RankContext, saved: list[Saved],
                               layers_on_device: bool) -> int:
+        if ctx.training.recompute == "full":  # a checkpointed layer saves nothing itself
+            return 0
         return offload_forward_working_bytes(ctx)
 
     def resident_layer_bytes(self, ctx: RankContext, saved: list[Saved]) -> int | None:

@@ -56,8 +56,9 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
     if tr.recompute == "full" and tr.framework == "hf" and x.r != "fp32" and (
             ctx.spec.norm_kind == "rmsnorm"):
         extra = alloc(bsh(x), x.r)  # the checkpoint keeps the input next to hf's fp32 copy
-    if tr.framework == "torchtitan" and tr.recompute != "none":
-        extra = tt_recompute_extra(ctx)  # the same beside torchtitan's norm copy
+    if tr.framework in ("torchtitan", "torchtune") and tr.recompute != "none" and not (
+            tr.compile):  # a compiled layer keeps the checkpoint's input itself
+        extra = tt_recompute_extra(ctx)  # the same beside torchtitan's (torchtune's) norm copy
     c, r = x.c, x.r
     g_res = alloc(bsh(x), r)
     out: list[Moment] = []
@@ -117,9 +118,10 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
         s128, d32 = -(-x.s // 128) * 128, -(-x.d // (32 if x.d <= 128 else 64)) * (
             32 if x.d <= 128 else 64)
         scratch = alloc(x.b * x.a * s128, "fp32") + alloc(x.b * s128 * x.a * d32, "fp32")
-        if x.g < x.a and tr.framework != "torchtitan":
+        repeated = tr.framework in ("torchtitan", "torchtune")
+        if x.g < x.a and not repeated:
             scratch += 2 * bsad
-        if tr.framework == "torchtitan":  # repeat_kv: SDPA sees a heads of k and v
+        if repeated:  # repeat_kv (torchtune: expand + flatten): SDPA sees a heads of k, v
             bsgd = bsad
         work = g_res + 2 * bsad + 2 * bsgd + scratch
     else:

@@ -29,11 +29,12 @@ def norm_saved(ctx: RankContext, x: Dims, name: str, tokens: int, width: int,
         return [Saved(f"{name}.input", numel, x.r, shape, "LayerNorm input"),
                 Saved(f"{name}.mean", tokens, "fp32", stats, "fp32 mean (CUDA acc type)"),
                 Saved(f"{name}.rstd", tokens, "fp32", stats, "fp32 1/std")]
-    if ctx.training.framework not in ("hf", "torchtitan"):  # fused RMSNorm: input + fp32 rstd
+    if ctx.training.framework not in ("hf", "torchtitan", "torchtune"):  # fused: input, rstd
         return [Saved(f"{name}.input", numel, x.r, shape, "RMSNorm input (fused kernel)"),
                 Saved(f"{name}.rstd", tokens, "fp32", stats, "fp32 1/rms (fused kernel)")]
     # transformers RMSNorm: x32 = x.float(); x32 * rsqrt(mean(x32²) + eps) -> weight * (·).to(r);
-    # torchtitan's (models/norms.py RMSNorm) is the same: (x32 · rsqrt(·)).type_as(x) * weight
+    # torchtitan's (models/norms.py RMSNorm) and torchtune's (modules/rms_norm.py) are the
+    # same: (x32 · rsqrt(·)).type_as(x) * weight
     out = [Saved(f"{name}.x_fp32", numel, "fp32", shape,
                  "x.to(float32), kept by pow and mul (the residual itself when r = fp32)"),
            Saved(f"{name}.rstd", tokens, "fp32", stats, "rsqrt output, kept by mul")]

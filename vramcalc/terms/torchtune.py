@@ -1,0 +1,192 @@
+"""The torchtune profile: what torchtune's single-device recipes keep that the reference
+profile does not (legend: vramcalc/terms/saved.py; N = b·s tokens, V the vocabulary,
+c = r = the recipe's `dtype`, bf16 or fp32: torchtune runs no autocast).
+
+Source: pytorch/torchtune 1814feb17a9038e1a8053ce93111bd26774a8db6 (Nov 2024).
+
+A layer without checkpointing (torchtune/modules/transformer.py
+`TransformerSelfAttentionLayer`, rms_norm.py, attention.py, position_embeddings.py,
+feed_forward.py) keeps what torchtitan's Llama block keeps (vramcalc/terms/torchtitan.py:
+the Python RMSNorm's `x.float()` copy, rstd and x̂; k and v expanded to a heads by
+`expand(...).flatten(1, 2)`, a copy when g < a; SDPA's output and logsumexp; the SwiGLU's
+four (N, f) tensors). RoPE's `x.float()` copy is not kept: the rotation multiplies it by
+the cache, which needs no gradient, so the products keep only the cache's slices (views
+of the buffer; with packed sequences `cache[input_pos]` gathers a (b, s, d/2, 2) fp32 copy
+per call, 8 MiB per layer at b·s = 8192, d = 128, not counted).
+
+The loss (recipes/full_finetune_single_device.py `_loss_step`, modules/loss/
+ce_chunked_output_loss.py `CEWithChunkedOutputLoss`, transformer.py `chunked_output`),
+`--chunked-ce n` = `num_output_chunks`: the model's forward returns the list of the output
+projection of each of the n sequence chunks (`h.chunk(n, dim=1)`: ⌈s/n⌉ positions each,
+the last one shorter), all n chunks in c, alive together until the recipe's `del logits`
+after the loss. The loss upcasts and reduces one chunk at a time:
+
+| loss | kept from forward into backward | forward peak | backward peak |
+|---|---|---|---|
+| eager | every chunk's fp32 log-probabilities (`log_softmax`), nll's total weight and (b > 1) the chunk's labels copy | the kept ones + all c logits (N·V·c) + the last chunk's fp32 upcast | the kept ones + dL/dlog-probs and dL/dlogits of the first chunk differentiated (2·N_last·V·4) |
+| compiled (`compile: True`: `training.compile_loss` compiles `compute_cross_entropy`) | each chunk's c logits (the compiled graph's input) + its row max and log-sum-exp, (N_i) fp32 each (+ labels copy) | the kept ones | the kept ones + the gradient of the largest chunk (N_0·V·c) |
+
+The compiled region's saved set is torch's own answer: AOTAutograd's min-cut partitioner
+over inductor's decompositions of `F.cross_entropy(logits.float(), labels, reduction=
+"sum")` returns (logits, labels, amax, log) to the backward graph
+(tests/test_torchtune.py traces it under FakeTensorMode); inductor fuses the (N_i, V)
+pointwise chain into its reduction and gradient kernels, so neither pass allocates an fp32
+(N_i, V) buffer. Autograd runs every chunk's cross-entropy backward before the output
+projection's (their nodes were created later: higher sequence numbers run first), so at the
+end of the loss's backward the c gradients of all n chunks exist at once (N·V·c).
+
+Without chunking (`--chunked-ce 1`, torch.nn.CrossEntropyLoss): the model returns
+`self.output(h).float()` and the loss is the reference profile's (vramcalc/terms/logits.py),
+or, compiled (the whole loss module compiled), it keeps its fp32 input and the two (N)
+vectors and its backward makes one fp32 (N, V) gradient.
+"""
+
+from __future__ import annotations
+
+from vramcalc.features import finetunes
+from vramcalc.rank import RankContext
+from vramcalc.terms.gradients import grad_dtype
+from vramcalc.terms.lowmem import head_input_split
+from vramcalc.terms.saved import Saved, dims
+from vramcalc.terms.torchtitan import plain_layer_saved as titan_layer_saved
+from vramcalc.units import ALLOC_ROUND_BYTES, alloc, ceil_div
+
+
+def plain_layer_saved(ctx: RankContext) -> list[Saved]:
+    """One torchtune layer without checkpointing: torchtitan's block table, or the compiled
+    layer's (module docstring)."""
+    return compiled_layer_saved(ctx) if ctx.training.compile else titan_layer_saved(ctx)
+
+
+def compiled_layer_saved(ctx: RankContext) -> list[Saved]:
+    """What a compiled layer's forward keeps for its backward (`compile_model` compiles each
+    layer; under checkpointing this is what the recompute in backward keeps): the min-cut
+    partition keeps the layer's input and each norm's rstd and recomputes x̂ from them, keeps
+    the matmuls' outputs and inputs, SDPA's, and recomputes silu (vramcalc/trace/compiled.py
+    `torchtune_layer` through `compiled_saved`; tests/test_torchtune.py)."""
+    x = dims(ctx)
+    c, n = x.c, x.b * x.s
+    f = ctx.spec.intermediate_size
+    kv = x.a if x.g < x.a else x.g  # expand(...).flatten(1, 2) copies when g < a
+    return [
+        Saved("input_norm.input", x.T * x.h, x.r, "(b, s, h)", "layer input (graph input)"),
+        Saved("input_norm.rstd", x.T, "fp32", "(b, s, 1)", "rsqrt output"),
+        Saved("attn.input", n * x.h, c, "(b, s, h)", "normed input of wq, wk, wv"),
+        Saved("attn.q", n * x.a * x.d, c, "(b, a, s, d)", "rotated q, SDPA input"),
+        Saved("attn.k", n * kv * x.d, c, "(b, a, s, d)", "rotated k (expanded), SDPA input"),
+        Saved("attn.v", n * kv * x.d, c, "(b, a, s, d)", "v (expanded), SDPA input"),
+        Saved("attn.out", n * x.a * x.d, c, "(b, a, s, d)", "SDPA output"),
+        Saved("attn.lse", x.b * x.a * x.s, "fp32", "(b, a, s)", "SDPA logsumexp"),
+        Saved("post_norm.wo_out", x.T * x.h, c, "(b, s, h)", "output_proj's output: the "
+              "residual is recomputed from it"),
+        Saved("post_norm.rstd", x.T, "fp32", "(b, s, 1)", "rsqrt output"),
+        Saved("mlp.input", n * x.h, c, "(b, s, h)", "normed input of w1, w3"),
+        Saved("mlp.gate", n * f, c, "(b, s, f)", "w1 output (silu recomputed)"),
+        Saved("mlp.up", n * f, c, "(b, s, f)", "w3 output"),
+        Saved("mlp.down_input", n * f, c, "(b, s, f)", "silu(w1 x) · w3 x, w2's input")]
+
+
+def chunk_tokens(ctx: RankContext) -> list[int]:
+    """Tokens (b·s_i) of each chunk of `h.chunk(n, dim=1)`: ⌈s/n⌉ positions per chunk, as
+    many chunks as that takes (torch.chunk)."""
+    x = dims(ctx)
+    size = ceil_div(x.s, min(ctx.training.chunked_ce, x.s))
+    return [x.b * min(size, x.s - start) for start in range(0, x.s, size)]
+
+
+def _small(ctx: RankContext, n: int, compiled: bool) -> int:
+    """A chunk's kept (n)-sized tensors: its labels copy when b > 1 (`reshape(-1)` of a
+    strided chunk), and the compiled graph's row max and log-sum-exp or eager nll_loss's
+    0-dim total weight."""
+    out = alloc(n, "int64") if dims(ctx).b > 1 else 0
+    return out + (2 * alloc(n, "fp32") if compiled else ALLOC_ROUND_BYTES)
+
+
+def _head_copies(ctx: RankContext, chunks: list[int]) -> int:
+    """The output projection's per-chunk input copies beyond the first (a trained head with
+    b > 1: `F.linear` of a strided chunk keeps a contiguous copy; vramcalc.terms.lowmem
+    `head_input_split`; the first is counted with the head-side activations)."""
+    x = dims(ctx)
+    return sum(alloc(n * x.h, x.c) for n in chunks[1:]) if head_input_split(ctx) else 0
+
+
+def saved_bytes(ctx: RankContext) -> int:
+    """Kept from the end of forward into backward (module docstring's table)."""
+    x = dims(ctx)
+    compiled = ctx.training.compile
+    chunks = chunk_tokens(ctx)
+    per_logit = x.c if compiled else "fp32"
+    out = ALLOC_ROUND_BYTES  # the loss
+    for n in chunks:
+        out += alloc(n * x.V, per_logit) + _small(ctx, n, compiled)
+    return out + _head_copies(ctx, chunks)
+
+
+def forward_peak_bytes(ctx: RankContext) -> int:
+    """The loss in forward: what it keeps, and in eager mode all chunks' c logits (alive in
+    the recipe until `del logits`) and a chunk's fp32 upcast (none when c is fp32:
+    `.float()` returns the chunk itself)."""
+    x = dims(ctx)
+    if ctx.training.compile:
+        return saved_bytes(ctx)
+    chunks = chunk_tokens(ctx)
+    logp = [alloc(n * x.V, "fp32") for n in chunks]
+    upcast = [0 if x.c == "fp32" else p for p in logp]
+    rest = saved_bytes(ctx) - sum(logp) + sum(alloc(n * x.V, x.c) for n in chunks)
+    # chunk i's log_softmax: its upcast and the log-probabilities of chunks 0..i (a short
+    # last chunk can make an earlier one the peak)
+    return rest + max(sum(logp[:i + 1]) + upcast[i] for i in range(len(chunks)))
+
+
+def backward_peak_bytes(ctx: RankContext) -> int:
+    """The loss backward (module docstring), and after it the output projection's chunks,
+    last first: at the last chunk's node every chunk's c gradient, its dX and, for a trained
+    projection, its weight gradient; once the next chunk's node is done (its gradient and
+    input copy released), the two weight gradients and their sum (3·V·h in the gradient
+    dtype) next to the gradients and input copies of the chunks not reached yet and the two
+    dX chunks waiting for the split's backward (tests/test_torchtune.py traces both)."""
+    x = dims(ctx)
+    chunks = chunk_tokens(ctx)
+    kept = saved_bytes(ctx)
+    grads = [alloc(n * x.V, x.c) for n in chunks]
+    # chunk i's cross-entropy backward (last chunk first): the chunks not reached keep their
+    # saved logits (compiled) or log-probabilities (eager), the ones done have their c
+    # gradient; chunk i holds its gradient (compiled) or its two fp32 gradient buffers
+    saved = [alloc(n * x.V, x.c if ctx.training.compile else "fp32") for n in chunks]
+    rest = kept - sum(saved)
+    work = grads if ctx.training.compile else [2 * b for b in saved]
+    during = max(rest + sum(saved[:i + 1]) + work[i] + sum(grads[i + 1:])
+                 for i in range(len(chunks)))
+    dx = [alloc(n * x.h, x.c) for n in chunks]
+    copies = [d if head_input_split(ctx) else 0 for d in dx]  # the first: head activations
+    scalars = 2 * ALLOC_ROUND_BYTES
+    after = sum(grads) + sum(copies[1:]) + dx[-1] + scalars
+    if not finetunes(ctx.training):
+        after += alloc(x.V * x.h, grad_dtype(ctx))
+        if len(chunks) > 1:
+            after = max(after, sum(grads[:-2]) + sum(copies[1:-2]) + sum(dx[-2:]) + scalars
+                        + 3 * alloc(x.V * x.h, grad_dtype(ctx)))
+    return max(during, after)
+
+
+# ---- without chunking, compiled (the whole torch.nn.CrossEntropyLoss compiled) -----------
+def unchunked_compiled_saved_bytes(ctx: RankContext) -> int:
+    """The compiled loss keeps its fp32 input (the model's `.float()` logits) and the row
+    max and log-sum-exp, (N) fp32 each, + the loss."""
+    x = dims(ctx)
+    n = x.b * x.s
+    return alloc(n * x.V, "fp32") + 2 * alloc(n, "fp32") + ALLOC_ROUND_BYTES
+
+
+def unchunked_compiled_forward_peak_bytes(ctx: RankContext) -> int:
+    """The model's c logits and their fp32 upcast exist together before the loss runs."""
+    x = dims(ctx)
+    n = x.b * x.s
+    cast = 0 if x.c == "fp32" else alloc(n * x.V, x.c)
+    return unchunked_compiled_saved_bytes(ctx) + cast
+
+
+def unchunked_compiled_backward_peak_bytes(ctx: RankContext) -> int:
+    """The kept set + the compiled backward's fp32 gradient (N·V·4)."""
+    x = dims(ctx)
+    return unchunked_compiled_saved_bytes(ctx) + alloc(x.b * x.s * x.V, "fp32")

@@ -1,0 +1,147 @@
+"""What a compiled region keeps for backward, asked of torch itself.
+
+`torch.compile` hands a region's joint forward-backward graph to AOTAutograd, which splits
+it with inductor's partitioner (`min_cut_rematerialization_partition`, after inductor's
+decompositions, torch/_inductor/compile_fx.py): the forward graph returns the region's
+outputs followed by the tensors the backward graph needs. `compiled_saved` runs a function
+through the same partitioner under FakeTensorMode with a compiler that only records the
+forward graph, so the answer is torch's, not vramcalc's; no kernel is generated or run.
+
+`torchtune_cross_entropy` is torchtune's compiled function, written from its source
+(pytorch/torchtune 1814feb, torchtune/modules/loss/ce_chunked_output_loss.py
+`CEWithChunkedOutputLoss.compute_cross_entropy`, which `training.compile_loss` compiles).
+
+torch is imported only when these run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor the forward graph hands to the backward graph."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    is_input: bool  # a graph input kept alive (no new allocation of the region)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+def torchtune_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
+                            ignore_index: int = -100) -> torch.Tensor:
+    """Upcast one chunk's logits to fp32 and sum its token losses (torchtune's
+    `compute_cross_entropy`)."""
+    return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index,
+                           reduction="sum")
+
+
+def compiled_saved(fn: Callable[..., Any], *args: torch.Tensor,
+                   inductor: bool = True) -> list[SavedTensor]:
+    """The tensors `fn`'s compiled forward keeps for its backward. `args` are fake or meta
+    tensors (a FakeTensorMode must be active for fake ones). `inductor=False` partitions
+    the undecomposed graph with AOTAutograd's default partitioner, which keeps what the
+    eager operators' autograd formulas keep."""
+    from torch._functorch.aot_autograd import aot_function
+    from torch._functorch.partitioners import (
+        default_partition,
+        min_cut_rematerialization_partition,
+    )
+
+    graphs: list[Any] = []
+
+    def record(gm: Any, _inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm
+
+    def noop(gm: Any, _inputs: Any) -> Any:
+        return gm
+
+    kwargs: dict[str, Any] = {"fw_compiler": record, "bw_compiler": noop}
+    if inductor:
+        from torch._inductor.decomposition import select_decomp_table
+
+        kwargs.update(partition_fn=min_cut_rematerialization_partition,
+                      decompositions=select_decomp_table())
+    else:
+        kwargs.update(partition_fn=default_partition)
+    out = aot_function(fn, **kwargs)(*args)
+    n_out = len(out) if isinstance(out, (tuple, list)) else 1
+    (gm,) = graphs
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    aten = torch.ops.aten
+    views = {aten.detach.default, aten.alias.default, aten.t.default, aten.permute.default,
+             aten.view.default, aten._unsafe_view.default, aten.transpose.int,
+             aten.expand.default, aten.select.int, aten.slice.Tensor, aten.unsqueeze.default,
+             aten.squeeze.dim, aten.squeeze.default, aten.as_strided.default}
+
+    def base(node: Any) -> Any:  # a view of a saved tensor (or of an input) shares its storage
+        while node.op == "call_function" and node.target in views:
+            node = node.args[0]
+        return node
+
+    saved: dict[str, SavedTensor] = {}
+    for node in output.args[0][n_out:]:
+        root = base(node)
+        val = root.meta.get("val")
+        if isinstance(val, torch.Tensor) and root.name not in saved:
+            saved[root.name] = SavedTensor(root.name, tuple(int(d) for d in val.shape),
+                                           val.dtype, root.op == "placeholder")
+    return list(saved.values())
+
+
+# ---- torchtune's transformer layer, written from its source (1814feb) --------------------
+def _rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """torchtune/modules/rms_norm.py `RMSNorm.forward`."""
+    x_fp32 = x.float()
+    normed = (x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+    return normed * scale
+
+
+def _rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """torchtune/modules/position_embeddings.py `RotaryPositionalEmbeddings.forward`
+    (input_pos None: the cache's first s rows)."""
+    xshaped = x.float().reshape(*x.shape[:-1], -1, 2)
+    rope = cache[: x.size(1)].view(-1, xshaped.size(1), 1, xshaped.size(3), 2)
+    out = torch.stack([xshaped[..., 0] * rope[..., 0] - xshaped[..., 1] * rope[..., 1],
+                       xshaped[..., 1] * rope[..., 0] + xshaped[..., 0] * rope[..., 1]], -1)
+    return out.flatten(3).type_as(x)
+
+
+def torchtune_layer(heads: int, kv_heads: int) -> Callable[..., torch.Tensor]:
+    """A `TransformerSelfAttentionLayer` of torchtune's Llama (modules/transformer.py,
+    attention.py `MultiHeadAttention.forward` without a mask or KV cache, feed_forward.py
+    SwiGLU), as a function of (x, the weights, the rope cache)."""
+
+    def layer(x: torch.Tensor, n1: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+              wv: torch.Tensor, wo: torch.Tensor, n2: torch.Tensor, w1: torch.Tensor,
+              w2: torch.Tensor, w3: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        d = wq.shape[0] // heads
+        y = _rms_norm(x, n1)
+        q = _rope(F.linear(y, wq).view(b, s, heads, d), cache).transpose(1, 2)
+        k = _rope(F.linear(y, wk).view(b, s, kv_heads, d), cache).transpose(1, 2)
+        v = F.linear(y, wv).view(b, s, kv_heads, d).transpose(1, 2)
+        if heads != kv_heads:
+            shape = (b, kv_heads, heads // kv_heads, s, d)
+            k = k.unsqueeze(2).expand(shape).flatten(1, 2)
+            v = v.unsqueeze(2).expand(shape).flatten(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = x + F.linear(out.transpose(1, 2).contiguous().view(b, s, -1), wo)
+        z = _rms_norm(h, n2)
+        return h + F.linear(F.silu(F.linear(z, w1)) * F.linear(z, w3), w2)
+
+    return layer
