@@ -351,11 +351,18 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
     "litgpt-llama2-7b-lora-mb1-a100": {
         "flags": {"model": "llama2-7b", **_LITGPT, "chunked_ce": _litgpt_chunks},
         "notes": _LITGPT_NOTES},
+    # LitGPT 8641822 finetune/lora.py --quantize bnb.nf4: Lightning 71aed751's
+    # BitsandbytesPrecision("nf4") -> _NF4Linear (compress_statistics=False), swapped for
+    # every torch.nn.Linear under fabric.init_module (lm_head's LoRALinear.linear too);
+    # requirements-all.txt leaves bitsandbytes unpinned, the resource table ran 0.41.1
     "litgpt-llama2-7b-qlora-nf4-mb1-a100": {
         "flags": {"model": "llama2-7b", **_LITGPT, "finetune": "qlora",
-                  "optimizer": "paged-adamw", "chunked_ce": _litgpt_chunks},
-        "notes": [*_LITGPT_NOTES, "whether bitsandbytes also quantized lm_head is not "
-                  "recorded; vramcalc keeps the head in bf16"]},
+                  "optimizer": "paged-adamw", "chunked_ce": _litgpt_chunks,
+                  "bnb_version": "0.41.1", "nf4_double_quant": False, "quantize_head": True},
+        "notes": [*_LITGPT_NOTES, "LitGPT's bnb.nf4 mode: Lightning's _NF4Linear without "
+                  "double quantization, on every nn.Linear including lm_head; bitsandbytes "
+                  "0.41.1 (the resource table's environment) holds each 4-bit linear's "
+                  "input (--bnb-version 0.41.1)"]},
     "litgpt-llama2-7b-lora-fsdp2-mb1-2xa100": {
         "missing": ["FSDP1 flat parameters (Lightning FSDPStrategy; vramcalc models FSDP2)",
                     "gradient accumulation not stated"]},

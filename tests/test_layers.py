@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vramcalc"
 # The first matching prefix wins (longest prefixes first where they nest).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("vramcalc", "vramcalc.errors", "vramcalc.units", "vramcalc.yamlio",
-              "vramcalc.allocator")),
+              "vramcalc.allocator", "vramcalc.qlora")),
     ("types", ("vramcalc.model", "vramcalc.training", "vramcalc.hardware", "vramcalc.parallel",
                "vramcalc.scenario", "vramcalc.report", "vramcalc.catalog", "vramcalc.hf_config",
                "vramcalc.features", "vramcalc.ds_config",

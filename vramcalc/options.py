@@ -132,6 +132,20 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "(torchtune's optimizer_in_bwd): one optimizer per parameter, run by its "
         "post-accumulate-grad hook, which then frees the gradient. One GPU, --grad-accum 1, "
         "no fp32 master copy; reference and hf profiles."),
+    Opt("qlora_impl", str, None, "QLoRA's 4-bit base (--finetune qlora): bnb (bitsandbytes "
+        "Linear4bit: HF/PEFT, Lightning) | torchao (NF4Tensor: torchtune). Default: bnb.",
+        ("bnb", "torchao")),
+    Opt("bnb_version", str, None, "bitsandbytes release, e.g. 0.41.1: before 0.43.2 each "
+        "4-bit matmul keeps its input until the autograd graph is freed. Default: 0.50.1 "
+        "(keeps none)."),
+    Opt("torchao_version", str, None, "torchao release with --qlora-impl torchao, e.g. 0.1: "
+        "before 0.2 to_nf4 quantizes a whole weight at once at load; before 0.3 each "
+        "weight keeps a 1/64-size scaler-factor storage. Default: 0.5.0."),
+    Opt("nf4_double_quant", bool, None, "bitsandbytes double quantization of the absmax "
+        "(Linear4bit compress_statistics, HF bnb_4bit_use_double_quant, Lightning "
+        "'nf4-dq'). Default: on."),
+    Opt("quantize_head", bool, False, "QLoRA: lm_head in NF4 too (Lightning's "
+        "BitsandbytesPrecision replaces every nn.Linear; transformers keeps the head out)."),
     Opt("dp", int, None, "Data-parallel degree (default: GPUs / (tp x pp x cp)).", group="parallel"),
     Opt("tp", int, 1, "Tensor-parallel degree.", group="parallel"),
     Opt("pp", int, 1, "Pipeline-parallel degree.", group="parallel"),
@@ -174,7 +188,8 @@ _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "opt
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
-                  "optimizer_in_backward")
+                  "optimizer_in_backward", "qlora_impl", "bnb_version", "torchao_version",
+                  "nf4_double_quant", "quantize_head")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",
                   "shard_group", "offload_device", "pp_schedule", "virtual_stages",
                   "first_stage_layers", "last_stage_layers", "embedding_in_split",

@@ -24,6 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vramcalc.errors import InputError, suggest
+from vramcalc.qlora import NF4Layout, nf4_layout, parse_version
 
 Precision = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"]
 OptimizerName = Literal[
@@ -163,6 +164,34 @@ class TrainingConfig(BaseModel):
     # post-accumulate-grad hook inside backward (vramcalc/terms/optim_in_bwd.py); left out
     # of dumps when off, so other reports keep their keys
     optimizer_in_backward: bool = Field(False, exclude_if=lambda v: not v)
+    # QLoRA's 4-bit implementation and release (vramcalc/qlora.py): None = bitsandbytes at
+    # its current release, double-quantized, lm_head kept in the policy dtype; left out of
+    # dumps at their defaults
+    qlora_impl: Literal["bnb", "torchao"] | None = Field(None, exclude_if=lambda v: v is None)
+    bnb_version: str | None = Field(None, exclude_if=lambda v: v is None)
+    torchao_version: str | None = Field(None, exclude_if=lambda v: v is None)
+    nf4_double_quant: bool | None = Field(None, exclude_if=lambda v: v is None)
+    quantize_head: bool = Field(False, exclude_if=lambda v: not v)
+
+    @model_validator(mode="after")
+    def _qlora_layout_valid(self) -> TrainingConfig:
+        for flag, text in (("--bnb-version", self.bnb_version),
+                           ("--torchao-version", self.torchao_version)):
+            if text is not None:
+                try:
+                    parse_version(text)
+                except ValueError as err:
+                    raise ValueError(f"{flag}: {err}") from None
+        if self.qlora_impl == "torchao" and self.nf4_double_quant is False:
+            raise ValueError("--no-nf4-double-quant: torchao's NF4Tensor always quantizes its "
+                             "scalers (scaler_block_size 256); use --qlora-impl bnb")
+        return self
+
+    @property
+    def nf4(self) -> NF4Layout:
+        """QLoRA's 4-bit layout and release (vramcalc/qlora.py)."""
+        return nf4_layout(self.qlora_impl, self.bnb_version, self.torchao_version,
+                          self.nf4_double_quant, self.quantize_head)
 
     @model_validator(mode="after")
     def _impl_exists(self) -> TrainingConfig:

@@ -45,10 +45,10 @@ from vramcalc.features import finetunes
 from vramcalc.finetune import (
     adapted_linears,
     adapter_dtype,
-    dequant_transient_bytes,
     fused_groups,
     shapes_for,
 )
+from vramcalc.qlora import dequant_backward_bytes, dequant_matmul_bytes
 from vramcalc.rank import RankContext
 from vramcalc.terms.saved import Dims, Modifier, Moment, Saved, dims
 from vramcalc.units import alloc, ceil_div
@@ -166,6 +166,8 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
         added += [dataclasses.replace(e, count=e.count * copies) for e in extra]
         if shares:
             keep.add(t)
+    if bnb_keeps_inputs(ctx):
+        keep.update(("q", "o", "gate", "down"))  # each 4-bit linear holds its input
     drop: set[str] = set()
     if not keep & set(_QKV):
         drop.update(_DROP_QKV)
@@ -182,7 +184,7 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
         drop.add(f"mlp.{down_input}")
         drop.update(f"shared_expert{i}.{down_input}" for i in range(spec.num_shared_experts))
         drop.add(f"shared_expert.{down_input}")  # the hf profile's name
-    if moe:  # frozen router and routed experts
+    if moe and not (bnb_keeps_inputs(ctx) and not hf):  # frozen router, routed experts
         drop.update(("moe.expert_input", "moe.expert_input.cast", f"moe.expert.{down_input}",
                      "moe.rows", "moe.down_input"))
     out = [t for t in saved if t.name not in drop
@@ -195,10 +197,20 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
 
 
 def adjust_head_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
-    """Final norm and frozen lm_head: the head's input is not kept (nor hf's norm x̂)."""
+    """Final norm and frozen lm_head: the head's input is not kept (nor hf's norm x̂) —
+    unless lm_head is a 4-bit linear of a bitsandbytes release that holds its input."""
     hf = ctx.training.framework == "hf"
-    return [t for t in saved if not t.name.startswith("lm_head.input")
+    head_keeps = bnb_keeps_inputs(ctx) and ctx.training.quantize_head
+    return [t for t in saved if (head_keeps or not t.name.startswith("lm_head.input"))
             and not (hf and t.name.endswith((".xhat", ".xhat_fp32")))]
+
+
+def bnb_keeps_inputs(ctx: RankContext) -> bool:
+    """QLoRA on a bitsandbytes release before 0.43.2: `MatMul4Bit` holds each 4-bit linear's
+    input (vramcalc/qlora.py), so the inputs full fine-tuning saves for weight gradients
+    stay (the q/k/v and gate/up inputs, o's and down's), except in the first layer, whose
+    input needs no gradient (`ctx.tensors = (None, None)`)."""
+    return ctx.training.finetune == "qlora" and ctx.training.nf4.keeps_input
 
 
 def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
@@ -214,6 +226,11 @@ def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
         "lora.q.dropout_mask", "lora.k.dropout_mask", "lora.v.dropout_mask",
         "lora.qkv.dropout_mask"))
     targets = _covers(_targets(ctx))
+    if bnb_keeps_inputs(ctx) and targets & set(_QKV) and not any(
+            adapter_saved(ctx, dims(ctx), t)[1] for t in _targets(ctx) if t in _QKV):
+        # the 4-bit q/k/v matmuls keep nothing here (neither input needs a gradient) and no
+        # adapter keeps their input itself
+        gone += sum(t.nbytes for t in saved if t.name in _DROP_QKV)
     if not targets & set(_QKV):
         gone += sum(t.nbytes for t in saved if t.name.startswith("attn.")
                     and t.name != "attn.out")
@@ -276,7 +293,7 @@ def forward_working_bytes(ctx: RankContext, saved: list[Saved], held: bool = Tru
       the act·up product during down), and under the hf profile the layer's residual and the
       model's `inputs_embeds` local (first stage);
     - QLoRA: the dequantized weight, its two fp32 absmax buffers and the output
-      (vramcalc.finetune.dequant_transient_bytes);
+      (vramcalc.qlora.dequant_matmul_bytes);
     - the adapter's sum y + B(A(x))·α/r: the base output y (c), B's output and its scaled
       copy (c under autocast, else a_dt; PEFT adds in fp32 and casts back), PEFT's fp32
       input cast when dropout makes it a temporary.
@@ -321,8 +338,7 @@ def forward_working_bytes(ctx: RankContext, saved: list[Saved], held: bool = Tru
             work += alloc(T * w_in, _input_dtype(ctx, x, "down"))
         y = alloc(T * w_out, c)
         if tr.finetune == "qlora":
-            n = w_in * w_out
-            base_moment = dequant_transient_bytes(n, c) + y
+            base_moment = dequant_matmul_bytes(w_in * w_out, c, tr.nf4, y)
         else:
             base_moment = 0
         lora_moment = 0
@@ -389,11 +405,8 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
             ctx.spec.is_moe and ctx.spec.num_dense_layers == 0):
         total = sum(t.nbytes for t in saved)
         g_res = alloc(x.T * x.h, x.r)
-        n = x.h * x.f
-        w = dequant_transient_bytes(n, x.c) - 2 * alloc(-(-n // 64), "fp32")  # absmax freed
-        out.append(Moment("dequant_down", total - down,
-                          g_res + max(dequant_transient_bytes(n, x.c), w + alloc(x.T * x.f, x.c)),
-                          "down"))
+        work = dequant_backward_bytes(x.h * x.f, x.c, ctx.training.nf4, alloc(x.T * x.f, x.c))
+        out.append(Moment("dequant_down", total - down, g_res + work, "down"))
     return out
 
 class FinetuneActivations(Modifier):

@@ -168,8 +168,10 @@ def head_forward_extra_bytes(ctx: RankContext) -> int:
     x = dims(ctx)
     if not ctx.is_last_stage:
         return 0
-    if finetunes(ctx.training):  # a frozen lm_head saves no input at all
-        return alloc(x.T * x.h, x.r)
+    if finetunes(ctx.training):  # a frozen lm_head saves no input at all, unless an old
+        tr = ctx.training  # bitsandbytes 4-bit head holds it (finetune_activations.py)
+        held = tr.finetune == "qlora" and tr.quantize_head and tr.nf4.keeps_input
+        return 0 if held else alloc(x.T * x.h, x.r)
     if chunks_loss(ctx.training):  # lm_head saves per-chunk copies, or views of the local
         return alloc(x.T * x.h, x.r) if head_input_split(ctx) else 0
     if x.r == x.c:
