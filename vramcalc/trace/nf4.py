@@ -109,19 +109,20 @@ class NF4Linear(nn.Linear):
         blocks = -(-n // NF4_BLOCK)
         kw = {"device": device}
         f32, bf16 = torch.float32, torch.bfloat16
+        state: dict[str, tuple[tuple[int, ...], torch.dtype]]
         self.weight = _frozen(torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, **kw))
         if layout.impl == "torchao":  # NF4Tensor.from_tensor / double_quantize_scalers
             factor = (-(-blocks // NF4_SCALER_BLOCK)
                       if layout.version >= TORCHAO_CONTIGUOUS_FACTOR else blocks)
-            state = {"absmax": (blocks, torch.int8), "state2_absmax": (factor, bf16),
-                     "offset": ((), bf16), "code": (NF4_CODE_ELEMS, bf16)}
+            state = {"absmax": ((blocks,), torch.int8), "state2_absmax": ((factor,), bf16),
+                     "offset": ((), bf16), "code": ((NF4_CODE_ELEMS,), bf16)}
         elif layout.double_quant:
-            state = {"absmax": (blocks, torch.uint8),
-                     "state2_absmax": (-(-blocks // NF4_SCALER_BLOCK), f32),
-                     "state2_code": (NF4_STATE2_CODE_ELEMS, f32), "offset": ((), f32),
-                     "code": (NF4_CODE_ELEMS, f32)}
+            state = {"absmax": ((blocks,), torch.uint8),
+                     "state2_absmax": ((-(-blocks // NF4_SCALER_BLOCK),), f32),
+                     "state2_code": ((NF4_STATE2_CODE_ELEMS,), f32), "offset": ((), f32),
+                     "code": ((NF4_CODE_ELEMS,), f32)}
         else:
-            state = {"absmax": (blocks, f32), "code": (NF4_CODE_ELEMS, f32)}
+            state = {"absmax": ((blocks,), f32), "code": ((NF4_CODE_ELEMS,), f32)}
         self.quant_state_names = tuple(state)
         for name, (shape, dt) in state.items():
             setattr(self, name, _frozen(torch.empty(shape, dtype=dt, **kw)))
@@ -146,7 +147,8 @@ class NF4Linear(nn.Linear):
 
     def new_absmax(self) -> torch.Tensor:
         """The fp32 absmax decoded from its 8-bit form (one value per 64-element block)."""
-        return torch.empty(self.absmax.shape[0], dtype=torch.float32, device=self.weight.device)
+        absmax: torch.Tensor = self.absmax  # type: ignore[assignment]
+        return torch.empty(absmax.shape[0], dtype=torch.float32, device=self.weight.device)
 
     def new_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized (out, in) weight."""
@@ -168,7 +170,8 @@ class NF4Linear(nn.Linear):
             return self.new_weight(torch.bfloat16).to(dtype)
         if self.layout.double_quant:
             absmax = self.new_absmax()
-            self._temps = [absmax] if inplace_offset else [absmax, absmax + self.offset]
+            offset: torch.Tensor = self.offset  # type: ignore[assignment]
+            self._temps = [absmax] if inplace_offset else [absmax, absmax + offset]
         return self.new_weight(dtype)
 
     def release(self) -> None:
