@@ -146,6 +146,13 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "'nf4-dq'). Default: on."),
     Opt("quantize_head", bool, False, "QLoRA: lm_head in NF4 too (Lightning's "
         "BitsandbytesPrecision replaces every nn.Linear; transformers keeps the head out)."),
+    Opt("load", str, "none", "Model the load phase (the peak while the model is loaded "
+        "and prepared): none | hf (transformers 5 from_pretrained in the checkpoint dtype; "
+        "QLoRA quantized on load, one weight at a time) | hf-fp32 (from_pretrained without "
+        "torch_dtype on transformers 4.x: fp32 weights on the GPU before a cast) | "
+        "torchtune (model built on the GPU; QLoRA: torchao to_nf4 per weight) | meta "
+        "(FSDP shards materialised from the meta device, one full parameter in flight).",
+        ("none", "hf", "hf-fp32", "torchtune", "meta")),
     Opt("dp", int, None, "Data-parallel degree (default: GPUs / (tp x pp x cp)).", group="parallel"),
     Opt("tp", int, 1, "Tensor-parallel degree.", group="parallel"),
     Opt("pp", int, 1, "Pipeline-parallel degree.", group="parallel"),
@@ -189,7 +196,7 @@ _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "opt
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
                   "optimizer_in_backward", "qlora_impl", "bnb_version", "torchao_version",
-                  "nf4_double_quant", "quantize_head")
+                  "nf4_double_quant", "quantize_head", "load")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",
                   "shard_group", "offload_device", "pp_schedule", "virtual_stages",
                   "first_stage_layers", "last_stage_layers", "embedding_in_split",

@@ -172,6 +172,10 @@ class TrainingConfig(BaseModel):
     torchao_version: str | None = Field(None, exclude_if=lambda v: v is None)
     nf4_double_quant: bool | None = Field(None, exclude_if=lambda v: v is None)
     quantize_head: bool = Field(False, exclude_if=lambda v: not v)
+    # how the model is loaded and prepared before the first step (vramcalc/terms/load.py);
+    # "none": the load phase is not modelled
+    load: Literal["none", "hf", "hf-fp32", "torchtune", "meta"] = Field(
+        "none", exclude_if=lambda v: v == "none")
 
     @model_validator(mode="after")
     def _qlora_layout_valid(self) -> TrainingConfig:
