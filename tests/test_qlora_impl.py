@@ -130,13 +130,20 @@ def test_json_strategy_names_the_layout_only_when_given() -> None:
 @pytest.mark.parametrize("extra", [
     {"bnb_version": "0.41.1", "lora_targets": "all-linear"},
     {"bnb_version": "0.41.1", "lora_dropout": 0.1},
+    {"bnb_version": "0.41.1", "precision": "amp-bf16"},
+    {"bnb_version": "0.41.1", "recompute": "full"},
+    {"bnb_version": "0.41.1", "framework": "hf", "recompute": "full",
+     "lora_targets": "all-linear"},
+    {"bnb_version": "0.41.1", "framework": "hf", "precision": "amp-bf16"},
     {"nf4_double_quant": False},
     {"qlora_impl": "torchao", "precision": "bf16-pure"},
     {"qlora_impl": "torchao", "torchao_version": "0.1", "precision": "bf16-pure"},
 ])
 def test_trace_of_the_layout_agrees(extra: dict[str, object]) -> None:
     """The trace engine runs the stand-in (vramcalc/trace/nf4.py) with the same layout:
-    real autograd decides what the old MatMul4Bit's node attribute keeps alive."""
+    real autograd decides what the old MatMul4Bit's node attribute keeps alive — under
+    autocast the 16-bit casts Linear4bit makes, under non-reentrant checkpointing every
+    layer's 4-bit inputs (the attribute escapes the saved-tensor hooks)."""
     pytest.importorskip("torch")
     from vramcalc.scenario import Scenario
     from vramcalc.validate import SHAPES, compare

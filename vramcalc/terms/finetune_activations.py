@@ -50,7 +50,8 @@ from vramcalc.finetune import (
 )
 from vramcalc.qlora import dequant_backward_bytes, dequant_matmul_bytes
 from vramcalc.rank import RankContext
-from vramcalc.terms.saved import Dims, Modifier, Moment, Saved, dims
+from vramcalc.terms.saved import Dims, Modifier, Moment, Saved, dims, mostly_moe
+from vramcalc.terms.saved_layers import plain_layer_saved
 from vramcalc.units import alloc, ceil_div
 
 # the storage a target reads (name in the full-fine-tuning saved list) and its width; the hf
@@ -190,9 +191,12 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     out = [t for t in saved if t.name not in drop
            and not (hf and t.name.endswith((".xhat", ".xhat_fp32")))]
     if _fp32_mlp(ctx, x):
+        # an old 4-bit down projection holds its own 16-bit cast of its input (Linear4bit
+        # casts x to the compute dtype before MatMul4Bit), not the fp32 product
+        cast = f"mlp.{down_input}" if bnb_keeps_inputs(ctx) else ""
         out = [dataclasses.replace(t, dtype=x.r) if t.name in (
             "mlp.gate", "mlp.up", "mlp.gate_up", "mlp.act", "mlp.down_input", "mlp.fc_out")
-            else t for t in out]
+            and t.name != cast else t for t in out]
     return out + added
 
 
@@ -203,6 +207,25 @@ def adjust_head_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     head_keeps = bnb_keeps_inputs(ctx) and ctx.training.quantize_head
     return [t for t in saved if (head_keeps or not t.name.startswith("lm_head.input"))
             and not (hf and t.name.endswith((".xhat", ".xhat_fp32")))]
+
+
+def held_4bit_inputs(ctx: RankContext) -> list[Saved]:
+    """Under full recompute, what an old bitsandbytes release still holds of a checkpointed
+    layer: `MatMul4Bit` keeps its input as a node attribute, which non-reentrant
+    checkpointing (torch.utils.checkpoint, use_reentrant=False: saved-tensor hooks) does not
+    intercept, so each 4-bit linear's input stays alive until the graph is freed — the q/k/v
+    and gate/up inputs, o's (the attention output) and down's. Reentrant checkpointing runs
+    the forward without grad, where `needs_input_grad` is all False and nothing is held."""
+    if not bnb_keeps_inputs(ctx):
+        return []
+    plain = RankContext(ctx.spec, ctx.training.model_copy(update={"recompute": "none"}),
+                        ctx.parallel, ctx.stage)
+    full = adjust_layer_saved(plain, plain_layer_saved(plain, mostly_moe(plain)))
+    names = {t.name for t in full}
+    down = "mlp.down_input" if ctx.spec.mlp_kind == "gated" else "mlp.act"
+    o_in = "attn.o_input" if "attn.o_input" in names else "attn.out"
+    wanted = set(_DROP_QKV + _DROP_GU) | {o_in, down}
+    return [t for t in full if t.name in wanted]
 
 
 def bnb_keeps_inputs(ctx: RankContext) -> bool:
@@ -219,8 +242,14 @@ def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
     dropout masks, eager attention's q (k) copy when k (q) has no adapter, and, when no q/k/v
     is adapted, the attention core's (an approximation documented in docs/finetuning.md).
     `saved`: the first layer's saved list."""
-    if not ctx.is_first_stage or ctx.training.recompute == "full" or not ctx.num_layers:
+    if not ctx.is_first_stage or not ctx.num_layers:
         return 0
+    if ctx.training.recompute == "full":
+        # only an old release's 4-bit q/k/v inputs, not held here — except under PEFT with
+        # checkpointing, which makes the embedding output require grad (peft 0.21.2
+        # peft_model.py `_prepare_model_for_gradient_checkpointing`: enable_input_require_grads)
+        held = bnb_keeps_inputs(ctx) and ctx.training.framework == "reference"
+        return sum(t.nbytes for t in saved if t.name in _DROP_QKV) if held else 0
     # the input norm, and dropout masks on its output (no grad flows into the dropout)
     gone = sum(t.nbytes for t in saved if t.name.startswith("input_norm.") or t.name in (
         "lora.q.dropout_mask", "lora.k.dropout_mask", "lora.v.dropout_mask",
@@ -435,6 +464,10 @@ class FinetuneActivations(Modifier):
             return forward_working_bytes(ctx, saved)
         x = dims(ctx)
         return alloc(x.T * x.h, x.r) + forward_working_bytes(ctx, saved, held=False)
+
+    def checkpoint_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
+        """An old bitsandbytes release's held 4-bit inputs next to each checkpoint."""
+        return saved + held_4bit_inputs(ctx)
 
     def first_layer_gap(self, ctx: RankContext, saved: list[Saved]) -> int:
         return first_layer_unsaved_bytes(ctx, saved)
