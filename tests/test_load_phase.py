@@ -96,7 +96,8 @@ def test_no_load_phase_by_default() -> None:
     (["--finetune", "qlora", "--load", "torchtune"], "--qlora-impl torchao"),
     (["--finetune", "qlora", "--load", "hf", "--qlora-impl", "torchao"], "bitsandbytes"),
     (["--finetune", "qlora", "--load", "hf-fp32"], "--load hf"),
-    (["--load", "meta"], "sharded"),
+    (["--load", "meta"], "meta device"),
+    (["--load", "meta", "--gpus", "8xH100", "--zero", "3"], "--fsdp"),
     (["--load", "hf", "--gpus", "8xH100", "--fsdp", "full"], "--load meta"),
     (["--load", "disk"], "--load"),
 ])

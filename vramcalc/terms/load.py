@@ -97,9 +97,10 @@ def check_load(ctx: RankContext) -> None:
     if load == "meta" and qlora:
         raise InputError("--load meta with --finetune qlora is not modelled (FSDP-QLoRA "
                          "loads and quantizes per rank); use --load none")
-    if load == "meta" and ctx.param_shard == 1:
-        raise InputError("--load meta: needs sharded parameters (--fsdp full/hybrid or "
-                         "--zero 3); without them use --load hf or torchtune")
+    if load == "meta" and (ctx.param_shard == 1 or ctx.parallel.fsdp == "none"):
+        raise InputError("--load meta: models FSDP materialising its parameter shards from "
+                         "the meta device (--fsdp full or hybrid); otherwise use --load hf "
+                         "or torchtune")
 
 
 def load_parts(ctx: RankContext) -> dict[str, int] | None:
