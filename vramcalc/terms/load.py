@@ -89,8 +89,9 @@ def check_load(ctx: RankContext) -> None:
         raise InputError("--load hf with --finetune qlora: transformers quantizes on load "
                          "with bitsandbytes; use --qlora-impl bnb")
     if load == "hf-fp32" and qlora:
-        raise InputError("--load hf-fp32 with --finetune qlora: transformers' bitsandbytes "
-                         "loader never keeps the quantized weights in fp32; use --load hf")
+        raise InputError("--load hf-fp32 with --finetune qlora: transformers 4.x loads a "
+                         "bitsandbytes model without torch_dtype in float16 "
+                         "(Bnb4BitHfQuantizer.update_torch_dtype), not fp32; use --load hf")
     if load in ("hf", "hf-fp32", "torchtune") and ctx.param_shard > 1:
         raise InputError(f"--load {load} with sharded parameters: use --load meta (FSDP "
                          "materialises each rank's shards from the meta device)")
