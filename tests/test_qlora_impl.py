@@ -152,3 +152,22 @@ def test_trace_of_the_layout_agrees(extra: dict[str, object]) -> None:
     row = compare("qlora-layout", Scenario(model=SHAPES["llama-gqa"], training=tr))
     assert row["ok"], row
     assert row["terms"]["weights"]["rel_error"] == 0
+
+
+def test_nf4_head_dequantizes_at_the_loss() -> None:
+    """LitGPT's lm_head in NF4 with --chunked-ce 11 over 1304 tokens (chunks of 119 ×6 and
+    118 ×5): the last chunk's head backward holds the other chunks' fp32 log-probabilities
+    (+ their 0-dim total weight, + the loss), its bf16 dL/dlogits, the dequantized 32000 ×
+    4096 bf16 weight (single quantization: no absmax decoding) and dL/dx (118, 4096)."""
+    from vramcalc.rank import RankContext
+    from vramcalc.terms.logits import logits_backward_peak_bytes
+
+    flags = {**LLAMA2_7B, "chunked_ce": 11, "lora_dropout": 0.05, "bnb_version": "0.41.1",
+             "nf4_double_quant": False, "quantize_head": True}
+    scn = build_scenario(flags).resolved()
+    ctx = RankContext(scn.model, scn.training, scn.parallel, 0)
+    V = 32000
+    chunks = [119] * 6 + [118] * 5
+    others = R + sum(rnd(n * V * 4) + R for n in chunks[:-1])
+    expected = others + rnd(118 * V * 2) + rnd(V * H * 2) + rnd(118 * H * 2)
+    assert logits_backward_peak_bytes(ctx) == expected
