@@ -351,15 +351,16 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
         "notes": [_ALPACA_512, "torchtune ff594c2 7B_lora_single_device.yaml: "
                   "torch.optim.AdamW without `fused` (foreach), torch.nn.CrossEntropyLoss "
                   "(no chunking), lora_llama2_7b's lora_dropout 0.05"]},
-    "torchtune-llama2-7b-qlora-r8-1gpu": {"missing": [_DYNAMIC, "torchao NF4 tensors"]},
+    # torchao NF4 is modelled (--qlora-impl torchao --torchao-version 0.1, torchtune
+    # 0914d5cf pins torchao==0.1); the sequence length is not fixed
+    "torchtune-llama2-7b-qlora-r8-1gpu": {"missing": [_DYNAMIC]},
     "torchtune-readme-apr24-llama2-7b-lora-fsdp-2x4090": {"missing": [_DYNAMIC]},
     # optimizer_in_bwd is modelled (--optimizer-in-backward); its paged AdamW too
     "torchtune-readme-apr24-llama2-7b-full-lowmem-1x4090": {"missing": [
         _DYNAMIC + ": torchtune's alpaca_dataset (tatsu-lab/alpaca, truncation at 512) — "
         "whether its samples reach 512 Llama-2 tokens is not established (its data file "
         "could not be read)"]},
-    "torchtune-readme-sep24-llama31-8b-qlora-1x4090": {"missing": [_COMPILE,
-                                                                   "torchao NF4 tensors"]},
+    "torchtune-readme-sep24-llama31-8b-qlora-1x4090": {"missing": []},
     "torchtune-llama32-3b-full-baseline-a100": {"missing": [
         _DYNAMIC + ": unpacked alpaca truncated at 4096 Llama-3 tokens, far above its "
         "samples; the longest batch of the run depends on the Llama-3 tokenizer and on how "
@@ -398,11 +399,18 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
     "litgpt-llama2-7b-lora-mb1-a100": {
         "flags": {"model": "llama2-7b", **_LITGPT, "chunked_ce": _litgpt_chunks},
         "notes": _LITGPT_NOTES},
+    # LitGPT 8641822 finetune/lora.py --quantize bnb.nf4: Lightning 71aed751's
+    # BitsandbytesPrecision("nf4") -> _NF4Linear (compress_statistics=False), swapped for
+    # every torch.nn.Linear under fabric.init_module (lm_head's LoRALinear.linear too);
+    # requirements-all.txt leaves bitsandbytes unpinned, the resource table ran 0.41.1
     "litgpt-llama2-7b-qlora-nf4-mb1-a100": {
         "flags": {"model": "llama2-7b", **_LITGPT, "finetune": "qlora",
-                  "optimizer": "paged-adamw", "chunked_ce": _litgpt_chunks},
-        "notes": [*_LITGPT_NOTES, "whether bitsandbytes also quantized lm_head is not "
-                  "recorded; vramcalc keeps the head in bf16"]},
+                  "optimizer": "paged-adamw", "chunked_ce": _litgpt_chunks,
+                  "bnb_version": "0.41.1", "nf4_double_quant": False, "quantize_head": True},
+        "notes": [*_LITGPT_NOTES, "LitGPT's bnb.nf4 mode: Lightning's _NF4Linear without "
+                  "double quantization, on every nn.Linear including lm_head; bitsandbytes "
+                  "0.41.1 (the resource table's environment) holds each 4-bit linear's "
+                  "input (--bnb-version 0.41.1)"]},
     "litgpt-llama2-7b-lora-fsdp2-mb1-2xa100": {
         "missing": ["FSDP1 flat parameters (Lightning FSDPStrategy; vramcalc models FSDP2)",
                     "gradient accumulation not stated"]},
@@ -410,8 +418,13 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
     "peft-mc-llama32-3b-lora-r32-qv-l40s": {"missing": [_DYNAMIC]},
     "gcp-openllama7b-lora-r16-seq256-a100": {
         "missing": ["LoRA targets, optimizer and checkpointing not stated"]},
+    # the Hugging Face + FA2 column of Unsloth's README (000252c9): a largest-fitting
+    # sequence length, answerable by a search over --seq-len with the estimate; but the
+    # baseline's gradient checkpointing, optimizer, precision policy and card are not
+    # stated, and checkpointing alone changes that length about six-fold
     "unsloth-hf-fa2-llama31-8b-qlora-r32-maxctx-24gb": {
-        "missing": ["optimizer, checkpointing and GPU not stated"]},
+        "missing": ["gradient checkpointing, optimizer, precision policy and GPU not stated "
+                    "(they move the largest fitting sequence several-fold)"]},
 }
 
 

@@ -47,6 +47,7 @@ from vramcalc.terms.gradients import (
     layer_gradient_bytes,
     tied_embedding_grad_bytes,
 )
+from vramcalc.terms.load import load_parts
 from vramcalc.terms.lowprec import check_lowprec
 from vramcalc.terms.modifiers import persistent_parts
 from vramcalc.terms.optim_in_bwd import in_backward, states_made
@@ -230,8 +231,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
             forward = eager
 
     # autocast's casts live in its cache until the forward ends and on in the matmuls that
-    # saved them; under full recompute the checkpointed layers saved none (their casts are
-    # made again when each layer is recomputed in backward)
+    # saved them; under full recompute the checkpointed layers saved none (made again later)
     full = train.recompute == "full"
     C_kept = cache_head + (plan.num_plain if plan else 0 if full else nL) * cache_layer
     loss_bwd = Phase("backward", B, g_acc, {
@@ -343,15 +343,17 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     optimizer = Phase("optimizer", B, gradients_at_step_bytes(ctx), {
         "transients/optimizer_step": 0 if ib else P.optimizer_step,
     })
-    phases = [forward, backward, optimizer]
+    load = load_parts(ctx)  # the model being loaded and prepared (terms/load.py)
+    phases = [forward, backward, optimizer] + ([Phase("load", StageBase({}, {}), 0, load)]
+                                               if load else [])
 
-    # first step: no optimizer states during forward/backward (created by the first step;
-    # inside backward with the optimizer there: those of the parameters hooked so far)
+    # first step: no optimizer states in forward/backward (made by the step, or in backward)
     S = opt["states"]
     first = max(forward.total - S, optimizer.total, backward.total - S if not ib else max(
         c.total - S + (S if c.made is None else c.made) for c in candidates))
     peak = max(phases, key=lambda p: p.total)
-    pad = reserved_pad_bytes(ctx, peak.name, peak.grads, opt["states"], opt["master"], k)
+    pad = reserved_pad_bytes(ctx, peak.name, peak.grads, *((0, 0, 0) if peak.name == "load"
+                                                           else (opt["states"], opt["master"], k)))
     return phases, first, pad
 
 
@@ -370,8 +372,7 @@ def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:
 def _assemble(scn: Scenario, fields: dict[str, Any], strategy: dict[str, object]
               ) -> MemoryReport:
     """The report from `_report_fields`' numbers and the fit verdict. Report records trust
-    their values (vramcalc/report.py): nothing is re-validated; tests/test_properties.py
-    checks the terms add up."""
+    their values (vramcalc/report.py); tests/test_properties.py checks the terms add up."""
     terms = Terms.model_construct(**fields["terms"])
     stages = [StageReport.model_construct(
         stage=st["stage"], num_layers=st["num_layers"],
@@ -408,8 +409,8 @@ class _StageRun:
 
     def __init__(self, stage: int, num_layers: int, phases: list[Phase], first: int,
                  overhead: dict[str, int]) -> None:
-        self.stage, self.num_layers, self.phases = stage, num_layers, phases
-        self.first, self.overhead = first, overhead
+        self.stage, self.num_layers, self.phases, self.first = stage, num_layers, phases, first
+        self.overhead = overhead
 
 
 def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
@@ -426,8 +427,7 @@ def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
         ovh = overhead_split(gpu.context_overhead_bytes if gpu else 0, scn.world_size, pad)
         ctx = RankContext(scn.model, scn.training, scn.parallel, st)
         ovh.update(paged_overhead(ctx))
-        nl = ctx.num_layers
-        runs.append(_StageRun(st, nl, phases, first, ovh))
+        runs.append(_StageRun(st, ctx.num_layers, phases, first, ovh))
     common = {"model": model_info(scn), "gpu": gpu_info(scn), "notes": scenario_notes(scn)}
     return scn, _fields(scn, runs, _pick(runs), common)
 

@@ -23,24 +23,19 @@ v, gate, up) keep A (r × in) whole on every rank and split B (out/t × r); row-
 (o, down) split A (r × in/t) and keep B (out × r) whole. Per rank and adapted linear:
 r·(in + out/t) or r·(in/t + out).
 
-QLoRA storage per quantized tensor of n elements (bitsandbytes 0.50.1 @ 95f9af30,
-functional.py `quantize_4bit` with `compress_statistics=True`, `quantize_blockwise`,
-`get_4bit_type`), each a separate allocation:
-
-| tensor               | dtype  | elements        |
-|----------------------|--------|-----------------|
-| packed weight        | uint8  | ⌈n/2⌉ (two 4-bit codes per byte) |
-| absmax (quantized)   | uint8  | ⌈n/64⌉          |
-| state2.absmax        | fp32   | ⌈⌈n/64⌉/256⌉    |
-| state2.code          | fp32   | 256 (a per-tensor copy of the dynamic map) |
-| offset               | fp32   | 1 (0-dim)       |
-| code (NF4 table)     | fp32   | 16              |
+QLoRA storage per quantized tensor of n elements: packed 4-bit codes (⌈n/2⌉ uint8) plus
+quantization constants, per implementation and release (bitsandbytes with or without double
+quantization, torchao's NF4Tensor): the table in vramcalc/qlora.py.
 
 Which tensors are quantized: every linear weight inside the transformer layers (attention
 projections, MLP and expert matrices); the embedding, norms, biases, router and lm_head stay
 in the policy's dtype (transformers keeps the output embedding out of bitsandbytes,
-`get_keys_to_not_convert`). Paged optimizers (bitsandbytes `is_paged=True`) keep the states of
-tensors with at least 1e5 elements in CUDA unified memory (`Optimizer8bit.get_state_buffer`):
+`get_keys_to_not_convert`) unless --quantize-head (Lightning's BitsandbytesPrecision,
+lightning 71aed751 fabric/plugins/precision/bitsandbytes.py, swaps every `torch.nn.Linear`
+while the model is built, with no module ignored unless `ignore_modules` is given).
+
+Paged optimizers (bitsandbytes `is_paged=True`) keep the states of tensors with at least
+1e5 elements in CUDA unified memory (`Optimizer8bit.get_state_buffer`):
 device memory the PyTorch allocator does not see (nvidia-smi does), which the driver evicts to
 host RAM under memory pressure (vramcalc.terms.optimizer_states `paged_state_bytes`).
 
@@ -58,16 +53,23 @@ from typing import Protocol
 from vramcalc.errors import InputError
 from vramcalc.model import ModelSpec, param_tensors
 from vramcalc.parallel import ParallelConfig
+from vramcalc.qlora import (  # noqa: F401  (re-exported: the NF4 layout constants)
+    NF4_BLOCK,
+    NF4_CODE_ELEMS,
+    NF4_SCALER_BLOCK,
+    NF4_STATE2_CODE_ELEMS,
+    NF4Layout,
+    dequant_transient_bytes,
+    nf4_constant_bytes,
+    nf4_tensor_bytes,
+)
 from vramcalc.sharding import RankShapes, RankTensor, _rank_shapes, pipeline_chunks
 from vramcalc.training import ALL_LINEAR, TARGETS, TrainingConfig
-from vramcalc.units import DTYPE_BITS, alloc, ceil_div
+from vramcalc.units import DTYPE_BITS, ceil_div
 
 DEFAULT_RANK = 8  # peft LoraConfig.r default
 
-NF4_BLOCK = 64  # bitsandbytes Params4bit blocksize default
-NF4_ABSMAX_BLOCK = 256  # double quantization of the absmax values (quantize_blockwise, 256)
-NF4_STATE2_CODE_ELEMS = 256  # state2.code: the 8-bit dynamic map, copied per tensor
-NF4_CODE_ELEMS = 16  # the NF4 lookup table (get_4bit_type), one per tensor
+NF4_ABSMAX_BLOCK = NF4_SCALER_BLOCK  # double quantization of the absmax (quantize_blockwise)
 
 
 class Rank(Protocol):
@@ -171,12 +173,16 @@ def module_param_count(spec: ModelSpec, framework: str, shapes: RankShapes) -> i
     return n
 
 
-def _is_quantized(t: RankTensor, framework: str) -> bool:
-    """QLoRA quantizes every linear weight inside the layers (not norms, biases, router).
-    transformers 5 keeps routed experts as fused 3-D parameters, which bitsandbytes' Linear4bit
-    replacement does not touch: under the hf profile they stay in the policy's dtype."""
+def _is_quantized(t: RankTensor, framework: str, head: bool = False) -> bool:
+    """QLoRA quantizes every linear weight inside the layers (not norms, biases, router),
+    and with `head` (--quantize-head: Lightning's BitsandbytesPrecision replaces every
+    nn.Linear, lm_head included) the output projection. transformers 5 keeps routed experts
+    as fused 3-D parameters, which bitsandbytes' Linear4bit replacement does not touch: under
+    the hf profile they stay in the policy's dtype."""
     if t.is_expert and framework == "hf":
         return False
+    if head and t.group == "head" and t.rows > 0:
+        return True
     return (t.group in ("layer", "expert") and t.rows > 0 and t.name.endswith(".weight")
             and "norm" not in t.name and not t.name.startswith(("router", "shared_expert_gate")))
 
@@ -197,13 +203,25 @@ def finetune_shapes(spec: ModelSpec, training: TrainingConfig, tp: int,
     tr = training
     return _finetune_shapes(spec, tp, chunks, ep, stage, tr.finetune, tr.lora_rank,
                             tr.lora_targets, tr.framework,
-                            adapter_dtype(tr.framework, tr.weight_dtype))
+                            adapter_dtype(tr.framework, tr.weight_dtype),
+                            method_quantizes_head(spec, tr))
+
+
+def method_quantizes_head(spec: ModelSpec, training: TrainingConfig) -> bool:
+    """QLoRA with --quantize-head; InputError for a tied head (an nn.Embedding's weight,
+    which no 4-bit linear replaces)."""
+    if training.finetune != "qlora" or not training.quantize_head:
+        return False
+    if spec.tie_word_embeddings:
+        raise InputError(f"--quantize-head: {spec.name} ties lm_head to the embedding, which "
+                         "stays unquantized; leave --quantize-head out")
+    return True
 
 
 @lru_cache(maxsize=2048)
 def _finetune_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ...], ep: int,
                      stage: int, method: str, rank: int, targets: str, framework: str,
-                     a_dtype: str) -> FinetuneShapes:
+                     a_dtype: str, head: bool = False) -> FinetuneShapes:
     base = _rank_shapes(spec, tp, chunks, ep, stage)
     wanted = target_param_names(spec, targets)
     # fused modules (hf GPT-2 / Phi-3): the member matrices' names → the fused module's stem
@@ -220,11 +238,11 @@ def _finetune_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ..
     adapters: list[RankTensor] = []
     fused_quant: dict[str, list[RankTensor]] = {}
     for t in base.tensors:
-        if method == "qlora" and _is_quantized(t, framework) and t.name in fused_of:
+        if method == "qlora" and _is_quantized(t, framework, head) and t.name in fused_of:
             # bitsandbytes quantizes the fused module's weight: one NF4 tensor (one set of
             # quantization constants) for q, k, v (gate, up) together
             fused_quant.setdefault(fused_of[t.name], []).append(t)
-        elif method == "qlora" and _is_quantized(t, framework):
+        elif method == "qlora" and _is_quantized(t, framework, head):
             # bitsandbytes stores the packed codes as a (⌈n/2⌉, 1) tensor (quantize_4bit), so
             # ZeRO-3/FSDP shard its dim 0 of n/2 bytes, not the logical (out, in) rows
             packed_rows = t.numel // 2 if t.numel % 2 == 0 else 0
@@ -331,28 +349,6 @@ def targeted_linears(spec: ModelSpec, targets: str) -> tuple[str, ...]:
         if hit:
             out.append(t)
     return tuple(out)
-
-
-# ---- NF4 storage -------------------------------------------------------------------------
-def nf4_constant_bytes(n: int) -> int:
-    """Quantization constants of one NF4 tensor of n elements (module docstring table)."""
-    blocks = ceil_div(n, NF4_BLOCK)
-    return (alloc(blocks, "uint8") + alloc(ceil_div(blocks, NF4_ABSMAX_BLOCK), "fp32")
-            + alloc(NF4_STATE2_CODE_ELEMS, "fp32") + alloc(1, "fp32")
-            + alloc(NF4_CODE_ELEMS, "fp32"))
-
-
-def nf4_tensor_bytes(n: int) -> int:
-    """Packed data + constants of one NF4 tensor of n elements."""
-    return alloc(ceil_div(n, 2), "uint8") + nf4_constant_bytes(n)
-
-
-def dequant_transient_bytes(n: int, dtype: str) -> int:
-    """Temporaries of dequantizing one NF4 weight of n elements for a matmul (bitsandbytes
-    backends/cuda/ops.py `_dequant_linear_fallback`): the fp32 absmax decoded from its
-    8-bit form, absmax + offset (a second fp32 copy), and the weight in `dtype`."""
-    blocks = ceil_div(n, NF4_BLOCK)
-    return 2 * alloc(blocks, "fp32") + alloc(n, dtype)
 
 
 # ---- ZeRO-3 / FSDP: what one gathered layer holds ----------------------------------------

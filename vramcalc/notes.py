@@ -8,6 +8,7 @@ from vramcalc.features import chunks_loss, finetunes, low_precision
 from vramcalc.finetune import fused_family, fused_groups, shapes_for
 from vramcalc.hardware import GPUProfile
 from vramcalc.model import ModelSpec
+from vramcalc.qlora import nf4_tensor_bytes
 from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.terms.lowprec import (
@@ -76,9 +77,7 @@ def finetune_notes(ctx: RankContext) -> list[str]:
         if fused:
             out.append(fused)
         if tr.finetune == "qlora":
-            out.append("qlora: layer linears stored in NF4 (4.13 bits/param with double-"
-                       "quantized absmax); each matmul dequantizes its weight into a "
-                       "transient copy")
+            out.append(_qlora_note(tr))
     if tr.activation_offload:
         if tr.recompute == "full" and tr.framework == "torchtune":
             out.append("activation offload: each checkpointed layer's input waits in pinned "
@@ -126,3 +125,19 @@ def lowprec_notes(ctx: RankContext, gpu: GPUProfile | None) -> list[str]:
         return out
     return [f"qat {tr.qat}: {QAT_SCHEMES[tr.qat]}; fake-quantized weight copies and STE masks "
             f"are saved per linear; qparams {gb:.3f} GB"]
+
+
+def _qlora_note(tr: TrainingConfig) -> str:
+    """What the 4-bit layout stores and keeps (vramcalc/qlora.py)."""
+    lay = tr.nf4
+    n = 4096 * 4096  # bits per parameter of a large weight
+    bits = 8 * nf4_tensor_bytes(n, lay) / n
+    how = ("torchao NF4Tensor, int8 scalers" if lay.impl == "torchao" else
+           "double-quantized absmax" if lay.double_quant else "fp32 absmax")
+    what = "layer linears and lm_head" if tr.quantize_head else "layer linears"
+    text = (f"qlora: {what} stored in NF4 ({bits:.2f} bits/param with {how}); each matmul "
+            "dequantizes its weight into a transient copy")
+    if lay.keeps_input:
+        text += ("; bitsandbytes before 0.43.2 also holds each 4-bit linear's input until "
+                 "the graph is freed")
+    return text

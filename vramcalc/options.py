@@ -137,6 +137,28 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "and the loss's cross entropy compiled; a compiled layer keeps the min-cut "
         "partition's tensors, a compiled chunked cross entropy each chunk's 16-bit logits "
         "and two fp32 numbers per token instead of fp32 log-probabilities."),
+    Opt("qlora_impl", str, None, "QLoRA's 4-bit base (--finetune qlora): bnb (bitsandbytes "
+        "Linear4bit: HF/PEFT, Lightning) | torchao (NF4Tensor: torchtune). Default: torchao "
+        "under --framework torchtune, else bnb.",
+        ("bnb", "torchao")),
+    Opt("bnb_version", str, None, "bitsandbytes release, e.g. 0.41.1: before 0.43.2 each "
+        "4-bit matmul keeps its input until the autograd graph is freed. Default: 0.50.1 "
+        "(keeps none)."),
+    Opt("torchao_version", str, None, "torchao release with --qlora-impl torchao, e.g. 0.1: "
+        "before 0.2 to_nf4 quantizes a whole weight at once at load; before 0.3 each "
+        "weight keeps a 1/64-size scaler-factor storage. Default: 0.5.0."),
+    Opt("nf4_double_quant", bool, None, "bitsandbytes double quantization of the absmax "
+        "(Linear4bit compress_statistics, HF bnb_4bit_use_double_quant, Lightning "
+        "'nf4-dq'). Default: on."),
+    Opt("quantize_head", bool, False, "QLoRA: lm_head in NF4 too (Lightning's "
+        "BitsandbytesPrecision replaces every nn.Linear; transformers keeps the head out)."),
+    Opt("load", str, "none", "Model the load phase (the peak while the model is loaded "
+        "and prepared): none | hf (transformers 5 from_pretrained in the checkpoint dtype; "
+        "QLoRA quantized on load, one weight at a time) | hf-fp32 (from_pretrained without "
+        "torch_dtype on transformers 4.x: fp32 weights on the GPU before a cast) | "
+        "torchtune (model built on the GPU; QLoRA: torchao to_nf4 per weight) | meta "
+        "(FSDP shards materialised from the meta device, one full parameter in flight).",
+        ("none", "hf", "hf-fp32", "torchtune", "meta")),
     Opt("dp", int, None, "Data-parallel degree (default: GPUs / (tp x pp x cp)).", group="parallel"),
     Opt("tp", int, 1, "Tensor-parallel degree.", group="parallel"),
     Opt("pp", int, 1, "Pipeline-parallel degree.", group="parallel"),
@@ -179,7 +201,8 @@ _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "opt
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
-                  "optimizer_in_backward", "compile")
+                  "optimizer_in_backward", "compile", "qlora_impl", "bnb_version",
+                  "torchao_version", "nf4_double_quant", "quantize_head", "load")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",
                   "shard_group", "offload_device", "pp_schedule", "virtual_stages",
                   "first_stage_layers", "last_stage_layers", "embedding_in_split",

@@ -24,6 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vramcalc.errors import InputError, suggest
+from vramcalc.qlora import NF4Layout, nf4_layout, parse_version
 
 Precision = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"]
 OptimizerName = Literal[
@@ -166,6 +167,41 @@ class TrainingConfig(BaseModel):
     # torchtune's `compile: True` (torchtune profile): each transformer layer and the loss's
     # cross entropy compiled (vramcalc/terms/torchtune.py); left out of dumps when off
     compile: bool = Field(False, exclude_if=lambda v: not v)
+    # QLoRA's 4-bit implementation and release (vramcalc/qlora.py): None = bitsandbytes at
+    # its current release, double-quantized, lm_head kept in the policy dtype; left out of
+    # dumps at their defaults
+    qlora_impl: Literal["bnb", "torchao"] | None = Field(None, exclude_if=lambda v: v is None)
+    bnb_version: str | None = Field(None, exclude_if=lambda v: v is None)
+    torchao_version: str | None = Field(None, exclude_if=lambda v: v is None)
+    nf4_double_quant: bool | None = Field(None, exclude_if=lambda v: v is None)
+    quantize_head: bool = Field(False, exclude_if=lambda v: not v)
+    # how the model is loaded and prepared before the first step (vramcalc/terms/load.py);
+    # "none": the load phase is not modelled
+    load: Literal["none", "hf", "hf-fp32", "torchtune", "meta"] = Field(
+        "none", exclude_if=lambda v: v == "none")
+
+    @model_validator(mode="after")
+    def _qlora_layout_valid(self) -> TrainingConfig:
+        for flag, text in (("--bnb-version", self.bnb_version),
+                           ("--torchao-version", self.torchao_version)):
+            if text is not None:
+                try:
+                    parse_version(text)
+                except ValueError as err:
+                    raise ValueError(f"{flag}: {err}") from None
+        if self.qlora_impl == "torchao" and self.nf4_double_quant is False:
+            raise ValueError("--no-nf4-double-quant: torchao's NF4Tensor always quantizes its "
+                             "scalers (scaler_block_size 256); use --qlora-impl bnb")
+        return self
+
+    @property
+    def nf4(self) -> NF4Layout:
+        """QLoRA's 4-bit layout and release (vramcalc/qlora.py); the torchtune profile's
+        default is torchao's NF4Tensor (torchtune's QLoRA builders use torchao's
+        `to_nf4`/`linear_nf4`)."""
+        impl = self.qlora_impl or ("torchao" if self.framework == "torchtune" else None)
+        return nf4_layout(impl, self.bnb_version, self.torchao_version,
+                          self.nf4_double_quant, self.quantize_head)
 
     @model_validator(mode="after")
     def _impl_exists(self) -> TrainingConfig:

@@ -45,12 +45,13 @@ from vramcalc.features import finetunes
 from vramcalc.finetune import (
     adapted_linears,
     adapter_dtype,
-    dequant_transient_bytes,
     fused_groups,
     shapes_for,
 )
+from vramcalc.qlora import dequant_backward_bytes, dequant_matmul_bytes
 from vramcalc.rank import RankContext
-from vramcalc.terms.saved import Dims, Modifier, Moment, Saved, dims
+from vramcalc.terms.saved import Dims, Modifier, Moment, Saved, dims, mostly_moe
+from vramcalc.terms.saved_layers import plain_layer_saved
 from vramcalc.units import alloc, ceil_div
 
 # the storage a target reads (name in the full-fine-tuning saved list) and its width; the hf
@@ -150,6 +151,7 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     tr = ctx.training
     spec = ctx.spec
     targets = _targets(ctx)
+    hf = tr.framework == "hf"
     moe = any(t.name.startswith("moe.") for t in saved)
     gated = spec.mlp_kind == "gated"
     added: list[Saved] = []
@@ -165,6 +167,8 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
         added += [dataclasses.replace(e, count=e.count * copies) for e in extra]
         if shares:
             keep.add(t)
+    if bnb_keeps_inputs(ctx):
+        keep.update(("q", "o", "gate", "down"))  # each 4-bit linear holds its input
     drop: set[str] = set()
     if not keep & set(_QKV):
         drop.update(_DROP_QKV)
@@ -181,7 +185,7 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
         drop.add(f"mlp.{down_input}")
         drop.update(f"shared_expert{i}.{down_input}" for i in range(spec.num_shared_experts))
         drop.add(f"shared_expert.{down_input}")  # the hf profile's name
-    if moe:  # frozen router and routed experts
+    if moe and not (bnb_keeps_inputs(ctx) and not hf):  # frozen router, routed experts
         drop.update(("moe.expert_input", "moe.expert_input.cast", f"moe.expert.{down_input}",
                      "moe.rows", "moe.down_input"))
     # a frozen norm weight needs no x̂ (hf's and torchtune's Python RMSNorm keep it only
@@ -190,17 +194,49 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     out = [t for t in saved if t.name not in drop
            and not (py_norm and t.name.endswith((".xhat", ".xhat_fp32")))]
     if _fp32_mlp(ctx, x):
+        # an old 4-bit down projection holds its own 16-bit cast of its input (Linear4bit
+        # casts x to the compute dtype before MatMul4Bit), not the fp32 product
+        cast = f"mlp.{down_input}" if bnb_keeps_inputs(ctx) else ""
         out = [dataclasses.replace(t, dtype=x.r) if t.name in (
             "mlp.gate", "mlp.up", "mlp.gate_up", "mlp.act", "mlp.down_input", "mlp.fc_out")
-            else t for t in out]
+            and t.name != cast else t for t in out]
     return out + added
 
 
 def adjust_head_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
-    """Final norm and frozen lm_head: the head's input is not kept (nor hf's norm x̂)."""
+    """Final norm and frozen lm_head: the head's input is not kept (nor hf's norm x̂) —
+    unless lm_head is a 4-bit linear of a bitsandbytes release that holds its input."""
     py_norm = ctx.training.framework in ("hf", "torchtune")
-    return [t for t in saved if not t.name.startswith("lm_head.input")
+    head_keeps = bnb_keeps_inputs(ctx) and ctx.training.quantize_head
+    return [t for t in saved if (head_keeps or not t.name.startswith("lm_head.input"))
             and not (py_norm and t.name.endswith((".xhat", ".xhat_fp32")))]
+
+
+def held_4bit_inputs(ctx: RankContext) -> list[Saved]:
+    """Under full recompute, what an old bitsandbytes release still holds of a checkpointed
+    layer: `MatMul4Bit` keeps its input as a node attribute, which non-reentrant
+    checkpointing (torch.utils.checkpoint, use_reentrant=False: saved-tensor hooks) does not
+    intercept, so each 4-bit linear's input stays alive until the graph is freed — the q/k/v
+    and gate/up inputs, o's (the attention output) and down's. Reentrant checkpointing runs
+    the forward without grad, where `needs_input_grad` is all False and nothing is held."""
+    if not bnb_keeps_inputs(ctx):
+        return []
+    plain = RankContext(ctx.spec, ctx.training.model_copy(update={"recompute": "none"}),
+                        ctx.parallel, ctx.stage)
+    full = adjust_layer_saved(plain, plain_layer_saved(plain, mostly_moe(plain)))
+    names = {t.name for t in full}
+    down = "mlp.down_input" if ctx.spec.mlp_kind == "gated" else "mlp.act"
+    o_in = "attn.o_input" if "attn.o_input" in names else "attn.out"
+    wanted = set(_DROP_QKV + _DROP_GU) | {o_in, down}
+    return [t for t in full if t.name in wanted]
+
+
+def bnb_keeps_inputs(ctx: RankContext) -> bool:
+    """QLoRA on a bitsandbytes release before 0.43.2: `MatMul4Bit` holds each 4-bit linear's
+    input (vramcalc/qlora.py), so the inputs full fine-tuning saves for weight gradients
+    stay (the q/k/v and gate/up inputs, o's and down's), except in the first layer, whose
+    input needs no gradient (`ctx.tensors = (None, None)`)."""
+    return ctx.training.finetune == "qlora" and ctx.training.nf4.keeps_input
 
 
 def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
@@ -209,13 +245,24 @@ def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
     dropout masks, eager attention's q (k) copy when k (q) has no adapter, and, when no q/k/v
     is adapted, the attention core's (an approximation documented in docs/finetuning.md).
     `saved`: the first layer's saved list."""
-    if not ctx.is_first_stage or ctx.training.recompute == "full" or not ctx.num_layers:
+    if not ctx.is_first_stage or not ctx.num_layers:
         return 0
+    if ctx.training.recompute == "full":
+        # only an old release's 4-bit q/k/v inputs, not held here — except under PEFT with
+        # checkpointing, which makes the embedding output require grad (peft 0.21.2
+        # peft_model.py `_prepare_model_for_gradient_checkpointing`: enable_input_require_grads)
+        held = bnb_keeps_inputs(ctx) and ctx.training.framework == "reference"
+        return sum(t.nbytes for t in saved if t.name in _DROP_QKV) if held else 0
     # the input norm, and dropout masks on its output (no grad flows into the dropout)
     gone = sum(t.nbytes for t in saved if t.name.startswith("input_norm.") or t.name in (
         "lora.q.dropout_mask", "lora.k.dropout_mask", "lora.v.dropout_mask",
         "lora.qkv.dropout_mask"))
     targets = _covers(_targets(ctx))
+    if bnb_keeps_inputs(ctx) and targets & set(_QKV) and not any(
+            adapter_saved(ctx, dims(ctx), t)[1] for t in _targets(ctx) if t in _QKV):
+        # the 4-bit q/k/v matmuls keep nothing here (neither input needs a gradient) and no
+        # adapter keeps their input itself
+        gone += sum(t.nbytes for t in saved if t.name in _DROP_QKV)
     if not targets & set(_QKV):
         gone += sum(t.nbytes for t in saved if t.name.startswith("attn.")
                     and t.name != "attn.out")
@@ -278,7 +325,7 @@ def forward_working_bytes(ctx: RankContext, saved: list[Saved], held: bool = Tru
       the act·up product during down), and under the hf profile the layer's residual and the
       model's `inputs_embeds` local (first stage);
     - QLoRA: the dequantized weight, its two fp32 absmax buffers and the output
-      (vramcalc.finetune.dequant_transient_bytes);
+      (vramcalc.qlora.dequant_matmul_bytes);
     - the adapter's sum y + B(A(x))·α/r: the base output y (c), B's output and its scaled
       copy (c under autocast, else a_dt; PEFT adds in fp32 and casts back), PEFT's fp32
       input cast when dropout makes it a temporary.
@@ -323,8 +370,7 @@ def forward_working_bytes(ctx: RankContext, saved: list[Saved], held: bool = Tru
             work += alloc(T * w_in, _input_dtype(ctx, x, "down"))
         y = alloc(T * w_out, c)
         if tr.finetune == "qlora":
-            n = w_in * w_out
-            base_moment = dequant_transient_bytes(n, c) + y
+            base_moment = dequant_matmul_bytes(w_in * w_out, c, tr.nf4, y)
         else:
             base_moment = 0
         lora_moment = 0
@@ -391,11 +437,8 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
             ctx.spec.is_moe and ctx.spec.num_dense_layers == 0):
         total = sum(t.nbytes for t in saved)
         g_res = alloc(x.T * x.h, x.r)
-        n = x.h * x.f
-        w = dequant_transient_bytes(n, x.c) - 2 * alloc(-(-n // 64), "fp32")  # absmax freed
-        out.append(Moment("dequant_down", total - down,
-                          g_res + max(dequant_transient_bytes(n, x.c), w + alloc(x.T * x.f, x.c)),
-                          "down"))
+        work = dequant_backward_bytes(x.h * x.f, x.c, ctx.training.nf4, alloc(x.T * x.f, x.c))
+        out.append(Moment("dequant_down", total - down, g_res + work, "down"))
     return out
 
 class FinetuneActivations(Modifier):
@@ -424,6 +467,10 @@ class FinetuneActivations(Modifier):
             return forward_working_bytes(ctx, saved)
         x = dims(ctx)
         return alloc(x.T * x.h, x.r) + forward_working_bytes(ctx, saved, held=False)
+
+    def checkpoint_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
+        """An old bitsandbytes release's held 4-bit inputs next to each checkpoint."""
+        return saved + held_4bit_inputs(ctx)
 
     def first_layer_gap(self, ctx: RankContext, saved: list[Saved]) -> int:
         return first_layer_unsaved_bytes(ctx, saved)

@@ -29,9 +29,11 @@ both peaks instead of 8 (forward) and 12 (backward).
 from __future__ import annotations
 
 from vramcalc.features import chunks_loss, finetunes
+from vramcalc.qlora import dequant_backward_bytes, dequant_matmul_bytes
 from vramcalc.rank import RankContext
 from vramcalc.terms import torchtune as ttn
 from vramcalc.terms.lowmem import (
+    chunk_tokens,
     chunked_backward_peak_bytes,
     chunked_forward_peak_bytes,
     chunked_saved_bytes,
@@ -133,9 +135,15 @@ def logits_saved_bytes(ctx: RankContext) -> int:
 
 
 def logits_forward_peak_bytes(ctx: RankContext) -> int:
-    """Peak of the loss computation in forward (includes what it keeps for backward)."""
+    """Peak of the loss computation in forward (includes what it keeps for backward); with
+    a 4-bit lm_head, at least its dequantized matmul (`_nf4_head_bytes`)."""
     if not ctx.is_last_stage:
         return 0
+    return max(_loss_forward_peak_bytes(ctx), _nf4_head_bytes(ctx, backward=False))
+
+
+def _loss_forward_peak_bytes(ctx: RankContext) -> int:
+    """The loss in forward: logits, their upcast and what the loss keeps (last stage)."""
     if ctx.training.framework == "torchtune" and (chunks_loss(ctx.training)
                                                    or ctx.training.compile):
         return (ttn.forward_peak_bytes(ctx) if chunks_loss(ctx.training)
@@ -159,9 +167,35 @@ def logits_forward_peak_bytes(ctx: RankContext) -> int:
 
 
 def logits_backward_peak_bytes(ctx: RankContext) -> int:
-    """Peak of the loss backward: saved log-probs + two fp32 gradient buffers + 3 scalars."""
+    """Peak of the loss backward: saved log-probs + two fp32 gradient buffers + 3 scalars;
+    with a 4-bit lm_head, at least its dequantized dL/dx (`_nf4_head_bytes`)."""
     if not ctx.is_last_stage:
         return 0
+    return max(_loss_backward_peak_bytes(ctx), _nf4_head_bytes(ctx, backward=True))
+
+
+def _nf4_head_bytes(ctx: RankContext, backward: bool) -> int:
+    """QLoRA with --quantize-head: the output layer's 4-bit matmul of the last (or only)
+    chunk of n tokens dequantizes its V·h weight (vramcalc/qlora.py). Forward: the earlier
+    chunks' kept log-probabilities + the weight, its decoding buffers and the (n, V) logits;
+    backward (the last chunk's head node runs first): the other chunks' log-probabilities +
+    its (n, V) gradient in c + the weight again and dL/dx (n, h)."""
+    tr = ctx.training
+    if tr.finetune != "qlora" or not tr.quantize_head:
+        return 0
+    x = dims(ctx)
+    n = chunk_tokens(ctx)[-1] if chunks_loss(tr) else x.b * x.s
+    saved = chunked_saved_bytes(ctx) if chunks_loss(tr) else 0
+    others = saved - (alloc(n * x.V, "fp32") + ALLOC_ROUND_BYTES if chunks_loss(tr) else 0)
+    w = x.V * x.h
+    if backward:
+        return (others + alloc(n * x.V, x.c)
+                + dequant_backward_bytes(w, x.c, tr.nf4, alloc(n * x.h, x.c)))
+    return others + dequant_matmul_bytes(w, x.c, tr.nf4, alloc(n * x.V, x.c))
+
+
+def _loss_backward_peak_bytes(ctx: RankContext) -> int:
+    """The loss backward: kept log-probabilities and the fp32 gradient buffers."""
     if ctx.training.framework == "torchtune" and (chunks_loss(ctx.training)
                                                    or ctx.training.compile):
         return (ttn.backward_peak_bytes(ctx) if chunks_loss(ctx.training)
@@ -181,8 +215,10 @@ def head_forward_extra_bytes(ctx: RankContext) -> int:
     x = dims(ctx)
     if not ctx.is_last_stage:
         return 0
-    if finetunes(ctx.training):  # a frozen lm_head saves no input at all
-        return alloc(x.T * x.h, x.r)
+    if finetunes(ctx.training):  # a frozen lm_head saves no input at all, unless an old
+        tr = ctx.training  # bitsandbytes 4-bit head holds it (finetune_activations.py)
+        held = tr.finetune == "qlora" and tr.quantize_head and tr.nf4.keeps_input
+        return 0 if held else alloc(x.T * x.h, x.r)
     if chunks_loss(ctx.training):  # lm_head saves per-chunk copies, or views of the local
         return alloc(x.T * x.h, x.r) if head_input_split(ctx) else 0
     if x.r == x.c:

@@ -248,7 +248,7 @@ def _run(scn: Scenario, tracker: Any, mesh: Any, tick: Any, report_progress: Any
     _shard(model, scn, mesh)
     model.to_empty(device="cpu")
     model.train()
-    quant_state = [getattr(m, n) for m in nf4 for n in NF4Linear.QUANT_STATE]
+    quant_state = [getattr(m, n) for m in nf4 for n in m.quant_state_names]
     all_params = list(model.parameters()) + quant_state
     params = [p for p in all_params if p.requires_grad]
     tracker.register_params(all_params)

@@ -95,6 +95,9 @@ def check_traceable(scn: Scenario) -> Scenario:
     if tr.framework == "hf" and scn.model.is_moe and tr.weight_dtype != "bf16":
         raise InputError("hf MoE experts run torch grouped_mm, which takes bf16 weights only; "
                          "use --precision bf16 or bf16-pure with --framework hf")
+    if tr.finetune == "qlora" and tr.quantize_head:
+        raise InputError("--quantize-head is not traceable (the traced models keep lm_head "
+                         "in the policy dtype); estimate it with the analytic engine")
     if tr.precision == "fp8" or tr.qat != "none":
         from vramcalc.terms.lowprec import check_lowprec
 

@@ -137,7 +137,7 @@ def _reference(model: nn.Module, scn: Any) -> nn.Module:
         for parent, attr, target in _linears(block):
             lin = getattr(parent, attr)
             if tr.finetune == "qlora":
-                lin = NF4Linear.from_linear(lin, compute)
+                lin = NF4Linear.from_linear(lin, compute, tr.nf4)
             if target in wanted:
                 lin = LoRALinear(lin, tr.lora_rank, tr.lora_dropout, a_dtype,
                                  dora=tr.finetune == "dora")
@@ -184,7 +184,8 @@ def _hf(model: nn.Module, scn: Any) -> nn.Module:
                 if isinstance(mod, nn.Linear) and not isinstance(mod, NF4Linear) and (
                         name.rsplit(".", 1)[-1] not in ("router", "gate", "shared_expert_gate")):
                     parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
-                    setattr(parent, name.rsplit(".", 1)[-1], NF4Linear.from_linear(mod, compute))
+                    setattr(parent, name.rsplit(".", 1)[-1],
+                            NF4Linear.from_linear(mod, compute, tr.nf4))
     # module names PEFT matches (a suffix after a dot); fused families adapt the fused module
     fam = fused_family(scn.model, "hf")
     names = _PEFT_NAMES_FUSED.get(fam or "", _PEFT_NAMES)

@@ -1,4 +1,5 @@
-"""An NF4 linear layer with bitsandbytes' storage layout, for fake-tensor traces of QLoRA.
+"""An NF4 linear layer with bitsandbytes' (or torchao's) storage layout, for fake-tensor
+traces of QLoRA.
 
 bitsandbytes cannot run on fake tensors (its kernels are CUDA/C++ ops without fake
 implementations for the trace's CPU fake device), so `NF4Linear` stands in for
@@ -15,6 +16,10 @@ bitsandbytes 0.50.1 (@ 95f9af30) allocates per weight of n = out·in elements
 | offset             | quant_state.offset              | () fp32                    |
 | code               | quant_state.code (NF4 table)    | (16,) fp32                 |
 
+Other layouts (vramcalc/qlora.py, `NF4Layout`): without double quantization the absmax is
+fp32 and there is no state2 or offset; torchao's NF4Tensor keeps int8 scalers, bf16 scaler
+factors (⌈n/64/256⌉, or a ⌈n/64⌉ storage before v0.3), a bf16 mean and a bf16 table.
+
 They are registered as frozen parameters so the trace counts them as weights; under FSDP2
 the quantization state is kept whole on every rank (`quant_state_to_buffers`: buffers,
 which FSDP does not shard) and the packed uint8 weight is sharded along its first dimension, as
@@ -24,9 +29,12 @@ The matmul follows `MatMul4Bit` (autograd/_functions.py) on the dequantize-then-
 (`_dequant_linear_fallback` in backends/cuda/ops.py: every token count above 1536, and all
 bitsandbytes releases before 0.50): forward decodes the absmax to fp32, adds the offset (a
 second fp32 buffer), dequantizes the weight into a (out, in) tensor in the input's dtype and
-calls F.linear; nothing is saved for backward but the packed weight (resident); backward
-dequantizes again (`dequantize_4bit`: fp32 absmax, += offset in place, the weight) and
-computes dL/dx = dL/dy · W. The weight gets no gradient.
+calls F.linear; nothing is saved for backward but the packed weight (resident) — except on
+bitsandbytes before 0.43.2, whose `ctx.tensors = (A, B)` holds the input as an attribute of
+the node until the graph is freed; backward dequantizes again (`dequantize_4bit`: fp32
+absmax, += offset in place, the weight) and computes dL/dx = dL/dy · W. torchao's
+`linear_nf4` dequantizes through `get_original_weight` (int64 codes, looked-up and scaled
+halves, `torch.stack`) and keeps nothing. The weight gets no gradient.
 """
 
 from __future__ import annotations
@@ -37,7 +45,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vramcalc.finetune import NF4_ABSMAX_BLOCK, NF4_BLOCK, NF4_CODE_ELEMS, NF4_STATE2_CODE_ELEMS
+from vramcalc.qlora import (
+    DEFAULT_LAYOUT,
+    NF4_BLOCK,
+    NF4_CODE_ELEMS,
+    NF4_SCALER_BLOCK,
+    NF4_STATE2_CODE_ELEMS,
+    TORCHAO_CONTIGUOUS_FACTOR,
+    NF4Layout,
+)
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -45,28 +61,29 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
 
 
 class _NF4MatMul(torch.autograd.Function):
-    """y = x Wᵀ (+ b) with W dequantized on the fly; saves no activation."""
+    """y = x Wᵀ (+ b) with W dequantized on the fly; saves no activation (but bitsandbytes
+    before 0.43.2 holds x as a node attribute)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, packed: torch.Tensor, layer: NF4Linear,
                 bias: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
         ctx.layer = layer
         ctx.has_bias = bias is not None
-        # _dequant_linear_fallback: both absmax buffers and the weight live through F.linear
-        absmax_dq = layer.new_absmax()
-        absmax = absmax_dq + layer.offset
-        w = layer.new_weight(x.dtype)  # (out, in)
+        if layer.layout.keeps_input and any(ctx.needs_input_grad[:2]):
+            ctx.tensors = (x, packed)  # MatMul4Bit before 9e753741: kept until graph freed
+        w = layer.dequantize(x.dtype)
+        if layer.layout.impl == "torchao":
+            layer.release()  # get_original_weight's locals are gone before F.linear
         y = F.linear(x, w, bias)
-        del absmax_dq, absmax, w
+        del w
+        layer.release()  # _dequant_linear_fallback: absmax buffers live through F.linear
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
         layer: NF4Linear = ctx.layer
-        absmax = layer.new_absmax()  # dequantize_4bit: decoded absmax, += offset in place
-        absmax += layer.offset
-        w = layer.new_weight(grad.dtype)
-        del absmax  # freed when dequantize_4bit returns, before the matmul
+        w = layer.dequantize(grad.dtype, inplace_offset=True)
+        layer.release()  # freed when dequantize_4bit / get_original_weight returns
         dx = torch.matmul(grad, w)  # (..., in)
         del w
         db = None
@@ -82,25 +99,37 @@ class NF4Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  device: Any = None, dtype: torch.dtype | None = None,
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None,
+                 layout: NF4Layout = DEFAULT_LAYOUT) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = in_features, out_features
+        self.layout = layout
+        self._temps: list[torch.Tensor] = []
         n = in_features * out_features
         blocks = -(-n // NF4_BLOCK)
         kw = {"device": device}
+        f32, bf16 = torch.float32, torch.bfloat16
+        state: dict[str, tuple[tuple[int, ...], torch.dtype]]
         self.weight = _frozen(torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, **kw))
-        self.absmax = _frozen(torch.empty(blocks, dtype=torch.uint8, **kw))
-        self.state2_absmax = _frozen(torch.empty(-(-blocks // NF4_ABSMAX_BLOCK),
-                                                 dtype=torch.float32, **kw))
-        self.state2_code = _frozen(torch.empty(NF4_STATE2_CODE_ELEMS, dtype=torch.float32, **kw))
-        self.offset = _frozen(torch.empty((), dtype=torch.float32, **kw))
-        self.code = _frozen(torch.empty(NF4_CODE_ELEMS, dtype=torch.float32, **kw))
+        if layout.impl == "torchao":  # NF4Tensor.from_tensor / double_quantize_scalers
+            factor = (-(-blocks // NF4_SCALER_BLOCK)
+                      if layout.version >= TORCHAO_CONTIGUOUS_FACTOR else blocks)
+            state = {"absmax": ((blocks,), torch.int8), "state2_absmax": ((factor,), bf16),
+                     "offset": ((), bf16), "code": ((NF4_CODE_ELEMS,), bf16)}
+        elif layout.double_quant:
+            state = {"absmax": ((blocks,), torch.uint8),
+                     "state2_absmax": ((-(-blocks // NF4_SCALER_BLOCK),), f32),
+                     "state2_code": ((NF4_STATE2_CODE_ELEMS,), f32), "offset": ((), f32),
+                     "code": ((NF4_CODE_ELEMS,), f32)}
+        else:
+            state = {"absmax": ((blocks,), f32), "code": ((NF4_CODE_ELEMS,), f32)}
+        self.quant_state_names = tuple(state)
+        for name, (shape, dt) in state.items():
+            setattr(self, name, _frozen(torch.empty(shape, dtype=dt, **kw)))
         self.compute_dtype = compute_dtype or dtype or torch.float32  # bnb_4bit_compute_dtype
         # nn.Linear's bias is None when absent; torch's annotation says Parameter
         self.bias = (_frozen(torch.empty(out_features, dtype=dtype, **kw))  # type: ignore[assignment]
                      if bias else None)
-
-    QUANT_STATE = ("absmax", "state2_absmax", "state2_code", "offset", "code")
 
     def quant_state_to_buffers(self) -> list[torch.Tensor]:
         """Re-register the quantization state as buffers and return them. bitsandbytes keeps
@@ -109,7 +138,7 @@ class NF4Linear(nn.Linear):
         distributed trace calls this before `fully_shard` so that only the packed weight is
         sharded, and counts these buffers as weights."""
         out = []
-        for name in self.QUANT_STATE:
+        for name in self.quant_state_names:
             t = getattr(self, name).data
             del self._parameters[name]
             self.register_buffer(name, t)
@@ -118,12 +147,37 @@ class NF4Linear(nn.Linear):
 
     def new_absmax(self) -> torch.Tensor:
         """The fp32 absmax decoded from its 8-bit form (one value per 64-element block)."""
-        return torch.empty(self.absmax.shape[0], dtype=torch.float32, device=self.weight.device)
+        absmax: torch.Tensor = self.absmax  # type: ignore[assignment]
+        return torch.empty(absmax.shape[0], dtype=torch.float32, device=self.weight.device)
 
     def new_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized (out, in) weight."""
         return torch.empty((self.out_features, self.in_features), dtype=dtype,
                            device=self.weight.device)
+
+    def dequantize(self, dtype: torch.dtype, inplace_offset: bool = False) -> torch.Tensor:
+        """The (out, in) weight in `dtype`, with the dequantization's temporaries alive in
+        `_temps` until `release()`: bitsandbytes' decoded absmax and its `+ offset` copy
+        (double quantization only; `dequantize_4bit` in backward adds the offset in place:
+        one buffer); torchao's int64 high/low codes and looked-up and scaled
+        halves (`get_original_weight`, bf16)."""
+        dev = self.weight.device
+        half = self.weight.shape[0]
+        if self.layout.impl == "torchao":
+            self._temps = [torch.empty(half, dtype=torch.int64, device=dev) for _ in range(2)]
+            self._temps += [torch.empty(half, dtype=torch.bfloat16, device=dev)
+                            for _ in range(4)]
+            return self.new_weight(torch.bfloat16).to(dtype)
+        if self.layout.double_quant:
+            absmax = self.new_absmax()
+            offset: torch.Tensor = self.offset  # type: ignore[assignment]
+            self._temps = [absmax] if inplace_offset else [absmax, absmax + offset]
+        return self.new_weight(dtype)
+
+    def release(self) -> None:
+        """Drop the dequantization's temporaries (see `dequantize`); bitsandbytes' forward
+        keeps its absmax buffers through F.linear, so the forward calls this after it."""
+        self._temps = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Linear4bit.forward: x to bnb_4bit_compute_dtype, matmul, back to x's dtype
@@ -133,6 +187,8 @@ class NF4Linear(nn.Linear):
         return _NF4MatMul.apply(x, self.weight, self, bias).to(inp_dtype)
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, compute_dtype: torch.dtype) -> NF4Linear:
+    def from_linear(cls, lin: nn.Linear, compute_dtype: torch.dtype,
+                    layout: NF4Layout = DEFAULT_LAYOUT) -> NF4Linear:
         return cls(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                   device=lin.weight.device, dtype=lin.weight.dtype, compute_dtype=compute_dtype)
+                   device=lin.weight.device, dtype=lin.weight.dtype, compute_dtype=compute_dtype,
+                   layout=layout)
