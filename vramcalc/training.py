@@ -69,7 +69,7 @@ MOE_DISPATCHERS: tuple[str, ...] = ("allgather", "alltoall")
 # Megatron-LM's default: TransformerConfig.moe_token_dispatcher_type = "allgather"
 # (NVIDIA/Megatron-LM d98e8a64, megatron/core/transformer/transformer_config.py)
 MEGATRON_DEFAULT_DISPATCHER = "allgather"
-FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron", "torchtitan")
+FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron", "torchtitan", "lightning")
 
 # LoRA target names: q, k, v, o projections and the MLP's gate, up (fc) and down (proj)
 # matrices.
@@ -135,7 +135,7 @@ class TrainingConfig(BaseModel):
     # (vramcalc/terms/torchtitan.py). None: torchtitan's per-op SAC ('op')
     # (left out of dumps when None, so reports of the other profiles keep their keys)
     recompute_every: int | None = Field(None, gt=0, le=100_000, exclude_if=lambda v: v is None)
-    framework: Literal["reference", "hf", "megatron", "torchtitan"] = "reference"
+    framework: Literal["reference", "hf", "megatron", "torchtitan", "lightning"] = "reference"
     # fine-tuning (vramcalc/finetune.py): frozen base + adapters; PEFT's defaults
     finetune: Literal["full", "lora", "qlora", "dora"] = "full"
     lora_rank: int = Field(8, gt=0, le=65_536)

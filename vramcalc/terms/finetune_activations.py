@@ -33,6 +33,9 @@ the base output and the LoRA output (T, out) per adapted linear; its weight norm
 ‖W + B·A‖ (detached) is computed from an (in, in) identity pushed through the adapters, a
 copy of W in the input's dtype and two (out, in) sums: forward temporaries, not saved.
 
+Under FSDP1 (vramcalc/terms/fsdp1.py) a block's frozen weights share a flat parameter with
+its adapters and get gradients: the layer keeps the full-training list plus the adapters'.
+
 The first layer of the first stage sees the frozen embedding's output, which needs no
 gradient: its input norm records nothing (`first_layer_unsaved_bytes`).
 """
@@ -50,6 +53,7 @@ from vramcalc.finetune import (
     shapes_for,
 )
 from vramcalc.rank import RankContext
+from vramcalc.terms.fsdp1 import mixed_units
 from vramcalc.terms.saved import Dims, Modifier, Moment, Saved, dims
 from vramcalc.units import alloc, ceil_div
 
@@ -166,6 +170,8 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
         added += [dataclasses.replace(e, count=e.count * copies) for e in extra]
         if shares:
             keep.add(t)
+    if mixed_units(ctx):  # FSDP1: the frozen weights get gradients, their inputs stay
+        return saved + added
     drop: set[str] = set()
     if not keep & set(_QKV):
         drop.update(_DROP_QKV)
@@ -209,6 +215,9 @@ def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
     `saved`: the first layer's saved list."""
     if not ctx.is_first_stage or ctx.training.recompute == "full" or not ctx.num_layers:
         return 0
+    if mixed_units(ctx):  # FSDP1: the block's weights get gradients; only the masks go
+        return sum(t.nbytes for t in saved if t.name.endswith(".dropout_mask")
+                   and t.name.startswith(("lora.q", "lora.k", "lora.v")))
     # the input norm, and dropout masks on its output (no grad flows into the dropout)
     gone = sum(t.nbytes for t in saved if t.name.startswith("input_norm.") or t.name in (
         "lora.q.dropout_mask", "lora.k.dropout_mask", "lora.v.dropout_mask",
