@@ -181,6 +181,15 @@ class TrainingConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _lightning_head(self) -> TrainingConfig:
+        # LitGPT chunks its head and loss itself (lm_head_chunk_size=128, vramcalc/terms/
+        # logits.py); torchtune's chunked loss is another mechanism
+        if self.framework == "lightning" and self.chunked_ce != 1:
+            raise ValueError(f"--chunked-ce {self.chunked_ce}: the lightning profile chunks "
+                             "its head by 128 tokens as LitGPT does (leave --chunked-ce out)")
+        return self
+
+    @model_validator(mode="after")
     def _dispatcher_modelled(self) -> TrainingConfig:
         if self.moe_dispatcher is not None and self.framework != "megatron":
             raise ValueError(f"--moe-dispatcher {self.moe_dispatcher}: only the megatron "

@@ -170,6 +170,9 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
         added += [dataclasses.replace(e, count=e.count * copies) for e in extra]
         if shares:
             keep.add(t)
+    lit = tr.framework == "lightning"
+    if lit:
+        added = _litgpt_fused_adapter(added)
     if mixed_units(ctx):  # FSDP1: the frozen weights get gradients, their inputs stay
         return saved + added
     drop: set[str] = set()
@@ -192,12 +195,31 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
         drop.update(("moe.expert_input", "moe.expert_input.cast", f"moe.expert.{down_input}",
                      "moe.rows", "moe.down_input"))
     out = [t for t in saved if t.name not in drop
-           and not (hf and t.name.endswith((".xhat", ".xhat_fp32")))]
+           and not ((hf or lit) and t.name.endswith((".xhat", ".xhat_fp32")))]
     if _fp32_mlp(ctx, x):
         out = [dataclasses.replace(t, dtype=x.r) if t.name in (
             "mlp.gate", "mlp.up", "mlp.gate_up", "mlp.act", "mlp.down_input", "mlp.fc_out")
             else t for t in out]
     return out + added
+
+
+def _litgpt_fused_adapter(added: list[Saved]) -> list[Saved]:
+    """LitGPT's LoRAQKVLinear (8641822 lit_gpt/lora.py): one dropout on the fused qkv
+    linear's input and one A for every enabled slice (r rows each): the q/k/v adapters'
+    masks and dropout outputs are one tensor, their A outputs one (T, r·n) tensor."""
+    qkv = [t for t in added if t.name.startswith(("lora.q.", "lora.k.", "lora.v."))]
+    if not qkv:
+        return added
+    out = [t for t in added if t not in qkv]
+    for part in ("dropout_mask", "dropout_out", "a_input_cast"):
+        first = next((t for t in qkv if t.name.endswith("." + part)), None)
+        if first is not None:
+            out.append(dataclasses.replace(first, name=f"lora.qkv.{part}"))
+    a_outs = [t for t in qkv if t.name.endswith(".a_out")]
+    if a_outs:
+        out.append(dataclasses.replace(a_outs[0], name="lora.qkv.a_out", shape="(T, r·n)",
+                                       numel=sum(t.numel for t in a_outs)))
+    return out
 
 
 def adjust_head_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:

@@ -29,6 +29,12 @@ def norm_saved(ctx: RankContext, x: Dims, name: str, tokens: int, width: int,
         return [Saved(f"{name}.input", numel, x.r, shape, "LayerNorm input"),
                 Saved(f"{name}.mean", tokens, "fp32", stats, "fp32 mean (CUDA acc type)"),
                 Saved(f"{name}.rstd", tokens, "fp32", stats, "fp32 1/std")]
+    if ctx.training.framework == "lightning":
+        # LitGPT 8641822 lit_gpt/rmsnorm.py, in the input's dtype: x·x and x·rsqrt keep x,
+        # rsqrt keeps its output; weight · x̂ keeps x̂ for the weight's gradient
+        return [Saved(f"{name}.input", numel, x.r, shape, "RMSNorm input (x·x, x·rsqrt)"),
+                Saved(f"{name}.rstd", tokens, x.r, stats, "rsqrt output, input dtype"),
+                Saved(f"{name}.xhat", numel, x.r, shape, "x̂, kept by weight · x̂")]
     if ctx.training.framework not in ("hf", "torchtitan"):  # fused RMSNorm: input + fp32 rstd
         return [Saved(f"{name}.input", numel, x.r, shape, "RMSNorm input (fused kernel)"),
                 Saved(f"{name}.rstd", tokens, "fp32", stats, "fp32 1/rms (fused kernel)")]
@@ -157,7 +163,10 @@ def _attention_saved(ctx: RankContext, x: Dims) -> list[Saved]:
     bsad, bsgd = x.b * x.s * x.a * x.d, x.b * x.s * x.g * x.d
     eager = tr.attention == "eager"
     selective = tr.recompute == "selective"
-    fused_qkv = fam in ("gpt2", "phi3")
+    # LitGPT's CausalSelfAttention (8641822 lit_gpt/model.py) projects q, k, v with one
+    # `attn` linear, ropes q and k into new tensors (torch.cat) and hands SDPA v as a view
+    # of the fused output: Phi-3's layout below
+    fused_qkv = fam in ("gpt2", "phi3") or tr.framework == "lightning"
     out = _linear_inputs(x, "attn.input", bsh(x), 1 if fused_qkv else 3, "(b, s, h) normed")
     if spec.qk_norm:
         out += _qk_norm_saved(ctx, x)
@@ -181,7 +190,7 @@ def _attention_saved(ctx: RankContext, x: Dims) -> list[Saved]:
     if fused_qkv and fam == "gpt2":
         qkv = [Saved("attn.qkv", x.b * x.s * (x.a + 2 * x.g) * x.d, c, "(b, s, 3·h)",
                      "fused c_attn output; q, k, v are views of it")]
-    elif fused_qkv:  # phi3: q and k rotated copies, v a view of the fused qkv output
+    elif fused_qkv:  # phi3, lightning: q and k rotated copies, v a view of the qkv output
         qk = x.r if (x.amp and selective) else c  # see below
         qkv = [Saved("attn.qkv", x.b * x.s * (x.a + 2 * x.g) * x.d, c, "(b, s, (a+2g)·d)",
                      "fused qkv_proj output, alive through the v view"),
