@@ -312,6 +312,16 @@ _LITGPT_NOTES = [
     "until the next forward returns, is not counted",
 ]
 
+# LitGPT 8641822 lit_gpt/config.py "phi-1_5" (Config defaults otherwise: n_head 32,
+# intermediate 4·n_embd, bias, parallel_residual, LayerNorm, GptNeoxMLP with tanh GELU)
+_LITGPT_PHI15 = {
+    "name": "phi-1.5", "model_type": "phi", "hidden_size": 2048, "num_hidden_layers": 24,
+    "num_attention_heads": 32, "intermediate_size": 8192, "vocab_size": 51200,
+    "max_position_embeddings": 2048, "mlp_kind": "standard",
+    "hidden_act": "gelu_pytorch_tanh", "norm_kind": "layernorm", "norm_bias": True,
+    "attention_bias": True, "attention_out_bias": True, "mlp_bias": True,
+    "num_layer_norms": 1, "parallel_residual": True, "lm_head_bias": True}
+
 # One reviewed entry per measured.yaml record: the flags that express it (seq_len,
 # micro_batch_size and grad_accum come from the record itself; "chunked_ce" may be a
 # function of seq_len), or the features vramcalc lacks to express it. The metric is read
@@ -345,8 +355,8 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
                                                                        _COMPILE]},
     "torchtitan-llama31-70b-fsdp32-tp8-fullac-h100": {"missing": [_TITAN_FLOAT8, _COMPILE]},
     "litgpt-phi15-lora-mb1-a100": {
-        "missing": ["parallel attention + MLP block (phi-1.5; vramcalc's blocks are "
-                    "sequential)"]},
+        "flags": {"model": "phi-1.5.yaml", **_LITGPT}, "model_fields": _LITGPT_PHI15,
+        "notes": _LITGPT_NOTES},
     "litgpt-llama2-7b-lora-mb1-a100": {
         "flags": {"model": "llama2-7b", **_LITGPT}, "notes": _LITGPT_NOTES},
     "litgpt-llama2-7b-qlora-nf4-mb1-a100": {
@@ -403,6 +413,7 @@ def measured_mapping(case: dict[str, Any]) -> Mapping:
         if callable(value):
             flags[key] = value(flags["seq_len"])
     m.flags = flags
+    m.model_fields = entry.get("model_fields", m.model_fields)
     if m.measured_bytes is None:
         m.missing.append(f"value {case.get('value')!r} has no byte count")
     return m

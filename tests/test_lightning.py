@@ -85,3 +85,34 @@ def test_chunked_head_fp32_outputs_hand_derived() -> None:
     assert lg.logits_forward_peak_bytes(ctx) == saved
     # backward: the last chunk's dL/dlogprobs and dL/dlogits in fp32, and 3 scalars
     assert lg.logits_backward_peak_bytes(ctx) == saved + 2 * _alloc(128 * V * 4) + 3 * 512
+
+
+def test_phi15_parallel_block_hand_derived() -> None:
+    """LitGPT's phi-1.5 (8641822 lit_gpt/config.py: shared_attention_norm, parallel_residual,
+    LayerNorm, GptNeoxMLP with tanh GELU, biases): `x + attn(n_1) + mlp(n_1)` with one
+    norm; under LoRA on q and v with dropout the frozen fused qkv and fc keep no input."""
+    from vramcalc.model import ModelSpec
+
+    phi = ModelSpec(
+        name="phi-1.5", model_type="phi", hidden_size=2048, num_hidden_layers=24,
+        num_attention_heads=32, intermediate_size=8192, vocab_size=51200,
+        mlp_kind="standard", hidden_act="gelu_pytorch_tanh", norm_kind="layernorm",
+        norm_bias=True, attention_bias=True, attention_out_bias=True, mlp_bias=True,
+        num_layer_norms=1, parallel_residual=True, lm_head_bias=True)
+    assert phi.num_params == 1_418_270_720  # transformers' PhiForCausalLM (test_parallel_residual)
+    from vramcalc.scenario import Scenario
+    from vramcalc.training import TrainingConfig
+
+    s, h, f, a = 1044, 2048, 8192, 32
+    scn = Scenario(model=phi, training=TrainingConfig(
+        seq_len=s, precision="bf16-pure", framework="lightning", finetune="lora",
+        lora_dropout=0.05)).resolved()
+    ctx = RankContext(scn.model, scn.training, scn.parallel, 0)
+    expected = (
+        _alloc(s * h * 2) + 2 * _alloc(s * 4)  # nn.LayerNorm: input, fp32 mean and rstd
+        + _alloc(s * 3 * h * 2) + 2 * _alloc(s * h * 2)  # qkv (v's view), roped q and k
+        + _alloc(s * h * 2) + _alloc(a * s * 4)  # SDPA output and logsumexp
+        + _alloc(s * f * 2)  # fc output, kept by GELU (proj is frozen: no input kept)
+        + _alloc(s * h) + _alloc(s * h * 2) + _alloc(s * 2 * R * 2)  # the one LoRA dropout
+    )
+    assert layer_activation_bytes(ctx) == expected

@@ -245,6 +245,12 @@ def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
         "lora.q.dropout_mask", "lora.k.dropout_mask", "lora.v.dropout_mask",
         "lora.qkv.dropout_mask"))
     targets = _covers(_targets(ctx))
+    if ctx.spec.parallel_residual:  # its second norm reads the embedding output too
+        gone += sum(t.nbytes for t in saved if t.name.startswith("post_norm."))
+    if ctx.spec.parallel_residual and not targets & {"gate", "up", "down"}:
+        # a parallel block's MLP reads the (frozen) norm of the embedding output: nothing
+        # in that branch needs a gradient, so it saves nothing
+        gone += sum(t.nbytes for t in saved if t.name.startswith("mlp."))
     if not targets & set(_QKV):
         gone += sum(t.nbytes for t in saved if t.name.startswith("attn.")
                     and t.name != "attn.out")

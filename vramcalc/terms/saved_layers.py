@@ -369,12 +369,28 @@ def plain_layer_saved(ctx: RankContext, moe: bool) -> list[Saved]:
     x = dims(ctx)
     out = norm_saved(ctx, x, "input_norm", x.T, x.h, "(b, s, h)")
     out += _attention_saved(ctx, x)
+    if ctx.spec.parallel_residual:
+        return out + _parallel_mlp_saved(ctx, x)
     out += norm_saved(ctx, x, "post_norm", x.T, x.h, "(b, s, h)")
     if moe:
         out += _moe_saved(ctx, x)
     else:
         out += mlp_saved(ctx, x, x.T, ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp))
     return out
+
+
+def _parallel_mlp_saved(ctx: RankContext, x: Dims) -> list[Saved]:
+    """The MLP branch of a parallel block, x + attn(norm(x)) + mlp(norm'(x)): no residual
+    between the branches. One shared norm (phi, GPT-J: num_layer_norms 1): the MLP reads the
+    attention's normed input, so its input is that storage (a separate cast under autocast).
+    Two norms (GPT-NeoX use_parallel_residual): the second norm's input is the block input
+    the first already keeps; its statistics are its own."""
+    f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
+    mlp = mlp_saved(ctx, x, x.T, f)
+    if ctx.spec.num_layer_norms == 1:
+        return [t for t in mlp if x.amp or t.name != "mlp.input"]
+    norm = norm_saved(ctx, x, "post_norm", x.T, x.h, "(b, s, h)")
+    return [t for t in norm if t.name != "post_norm.input"] + mlp
 
 
 # ---- per micro-batch, outside the layers -----------------------------------------------
