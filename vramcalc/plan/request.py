@@ -50,6 +50,11 @@ UNSUPPORTED: dict[str, tuple[frozenset[str], str]] = {
                    "DeepSpeed ZeRO stages), runs DDP only without TP/PP/CP, TP only with "
                    "sequence parallelism, keeps blocks unsharded after forward only under PP "
                    "and has no expert parallelism: other layouts are not proposed"),
+    # LitGPT 8641822 on Lightning Fabric 2.1: data parallelism (DDP, FSDPStrategy's FSDP1,
+    # DeepSpeed); FSDP1 with tp/cp is refused per layout (vramcalc.parallel._check_fsdp_impl)
+    "lightning": (frozenset({"pp", "ep"}), "LitGPT on Lightning Fabric runs no pipeline or "
+                  "expert parallelism, and its FSDP (FSDP1) shards over data-parallel ranks "
+                  "only: other layouts are not proposed"),
 }
 
 
