@@ -8,7 +8,10 @@ Sources:
   and `torch.cat` into new tensors; v a view of the fused output handed to SDPA),
   lit_gpt/rmsnorm.py (`x * torch.rsqrt(torch.mean(x * x) + eps)` in the input dtype, then
   `self.weight * x_normed`), lit_gpt/lora.py `LoRAQKVLinear.forward` (one
-  `lora_dropout(x)`, A of shape (r·n_enabled, h), B through a grouped conv1d),
+  `lora_dropout(x)`, A of shape (r·n_enabled, h), B through a grouped conv1d, `zero_pad`'s
+  out-of-place `index_copy` when not all of q, k, v are adapted: torch's derivative for
+  index_copy's source is `grad.index_select(dim, index).expand_as(source)`, so the source
+  is kept),
   lit_gpt/lora.py `GPT.forward(lm_head_chunk_size=128)` (a list of head outputs per 128
   tokens), lit_gpt/utils.py `chunked_cross_entropy` (per-chunk F.cross_entropy,
   reduction="none"), finetune/lora.py (AdamW on the LoRA parameters, `fabric.
@@ -55,6 +58,9 @@ def test_lora_layer_saved_hand_derived() -> None:
         # (frozen fc_1 / fc_2 / proj / attn keep no input)
         + _alloc(S * H) + bsh  # one lora_dropout for the fused linear: mask + output
         + _alloc(S * 2 * R * 2)  # A's output (r rows per enabled slice: q and v)
+        # zero_pad (k has no adapter): index_copy keeps its source, B's (T, 2h) output,
+        # for expand_as, and lora_ind (2h int64)
+        + _alloc(S * 2 * H * 2) + _alloc(2 * H * 8)
     )
     assert layer_activation_bytes(_ctx()) == expected
 
@@ -114,5 +120,6 @@ def test_phi15_parallel_block_hand_derived() -> None:
         + _alloc(s * h * 2) + _alloc(a * s * 4)  # SDPA output and logsumexp
         + _alloc(s * f * 2)  # fc output, kept by GELU (proj is frozen: no input kept)
         + _alloc(s * h) + _alloc(s * h * 2) + _alloc(s * 2 * R * 2)  # the one LoRA dropout
+        + _alloc(s * 2 * h * 2) + _alloc(2 * h * 8)  # zero_pad's index_copy source, index
     )
     assert layer_activation_bytes(ctx) == expected

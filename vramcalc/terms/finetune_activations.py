@@ -172,7 +172,7 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
             keep.add(t)
     lit = tr.framework == "lightning"
     if lit:
-        added = _litgpt_fused_adapter(added)
+        added = _litgpt_fused_adapter(ctx, x, added)
     if mixed_units(ctx):  # FSDP1: the frozen weights get gradients, their inputs stay
         return saved + added
     drop: set[str] = set()
@@ -203,10 +203,13 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     return out + added
 
 
-def _litgpt_fused_adapter(added: list[Saved]) -> list[Saved]:
+def _litgpt_fused_adapter(ctx: RankContext, x: Dims, added: list[Saved]) -> list[Saved]:
     """LitGPT's LoRAQKVLinear (8641822 lit_gpt/lora.py): one dropout on the fused qkv
     linear's input and one A for every enabled slice (r rows each): the q/k/v adapters'
-    masks and dropout outputs are one tensor, their A outputs one (T, r·n) tensor."""
+    masks and dropout outputs are one tensor, their A outputs one (T, r·n) tensor. Unless
+    q, k and v are all adapted, `zero_pad` scatters B's output (T, enabled widths) into the
+    fused width with an out-of-place `index_copy`, whose backward keeps its source (for
+    `expand_as`) and the index (int64, the enabled widths)."""
     qkv = [t for t in added if t.name.startswith(("lora.q.", "lora.k.", "lora.v."))]
     if not qkv:
         return added
@@ -219,6 +222,13 @@ def _litgpt_fused_adapter(added: list[Saved]) -> list[Saved]:
     if a_outs:
         out.append(dataclasses.replace(a_outs[0], name="lora.qkv.a_out", shape="(T, r·n)",
                                        numel=sum(t.numel for t in a_outs)))
+    letters = {t.name.split(".")[1] for t in qkv}
+    if letters != {"q", "k", "v"}:
+        width = sum(_out_width(x, t) for t in sorted(letters))
+        out += [Saved("lora.qkv.pad_source", x.T * width, a_outs[0].dtype if a_outs else x.c,
+                      "(T, enabled)", "B's output, kept by zero_pad's index_copy"),
+                Saved("lora.qkv.pad_index", width, "int64", "(enabled)",
+                      "lora_ind, kept by index_copy")]
     return out
 
 
