@@ -167,3 +167,4 @@ def test_cli_lightning_record() -> None:
     rep = json.loads(res.output)
     assert rep["terms"]["gradients"] == LAYERS * _alloc((BLOCK + LORA_QV) * 2)
     assert rep["peak_allocated_bytes"] > rep["terms"]["weights"] + rep["terms"]["gradients"]
+    assert any(n.startswith("FSDP1 flat parameters") and "no_sync()" in n for n in rep["notes"])
