@@ -143,7 +143,6 @@ def test_fsdp1_keeps_frozen_linear_inputs() -> None:
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--fsdp-impl", "fsdp1"], "--fsdp-impl fsdp1 needs --fsdp"),
     (["--fsdp", "full", "--fsdp-impl", "fsdp1", "--finetune", "qlora"], "qlora"),
     (["--fsdp", "full", "--fsdp-impl", "fsdp1", "--tp", "2"], "data parallelism alone"),
     (["--framework", "lightning", "--chunked-ce", "4"], "chunks its head"),
@@ -168,3 +167,21 @@ def test_cli_lightning_record() -> None:
     assert rep["terms"]["gradients"] == LAYERS * _alloc((BLOCK + LORA_QV) * 2)
     assert rep["peak_allocated_bytes"] > rep["terms"]["weights"] + rep["terms"]["gradients"]
     assert any(n.startswith("FSDP1 flat parameters") and "no_sync()" in n for n in rep["notes"])
+
+
+def test_plan_with_fsdp1() -> None:
+    """The planner shards its FSDP layouts with FSDP1 when asked, and never proposes FSDP1
+    with tensor parallelism."""
+    from vramcalc.cli.plan import prepare_plan
+    from vramcalc.plan import search
+
+    base, req, _ = prepare_plan({"model": "llama2-7b", "gpus": "8xA100", "finetune": "lora",
+                                 "seq_len": 1304, "fsdp_impl": "fsdp1", "fsdp": "full"},
+                                top=50)
+    res = search(base, req)
+    sharded = [e for e in res.entries if e.scenario.parallel.fsdp != "none"]
+    assert sharded
+    for e in sharded:
+        par = e.scenario.parallel
+        assert par.tp == par.pp == par.cp == 1
+        assert fsdp1.flat(RankContext(e.scenario.model, e.scenario.training, par, 0))

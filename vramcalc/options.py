@@ -146,7 +146,7 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("zero", int, 0, "ZeRO stage 0-3 (DeepSpeed).", group="parallel"),
     Opt("fsdp", str, "none", "FSDP sharding: none | full | grad-op | hybrid.", _FSDP,
         group="parallel"),
-    Opt("fsdp_impl", str, None, "Which PyTorch FSDP shards with --fsdp: fsdp2 "
+    Opt("fsdp_impl", str, None, "Which PyTorch FSDP shards the --fsdp layouts: fsdp2 "
         "(fully_shard, per-parameter shards) | fsdp1 (FullyShardedDataParallel: one flat "
         "parameter per transformer block and one for the root, use_orig_params=True; a block "
         "mixing frozen and trained weights gets a gradient for all of them). Default: the "

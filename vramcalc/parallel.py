@@ -209,11 +209,9 @@ def resolve_layout(
 
 
 def _check_fsdp_impl(training: TrainingConfig, parallel: ParallelConfig) -> None:
-    """--fsdp-impl needs --fsdp; FSDP1's flat parameters are modelled for data-parallel
-    sharding of 16/32-bit weights without offload (vramcalc/terms/fsdp1.py)."""
-    if parallel.fsdp_impl is not None and parallel.fsdp == "none":
-        raise InputError(f"--fsdp-impl {parallel.fsdp_impl} needs --fsdp full, grad-op or "
-                         "hybrid")
+    """FSDP1's flat parameters are modelled for data-parallel sharding of 16/32-bit weights
+    without offload (vramcalc/terms/fsdp1.py). --fsdp-impl applies to layouts that shard
+    with --fsdp (the planner's among others)."""
     if not parallel.flat_fsdp(training.framework):
         return
     other = [f"--{k} {v}" for k, v in (("tp", parallel.tp), ("pp", parallel.pp),
