@@ -97,7 +97,7 @@ def training_for(base: Scenario, prec: str, opt: str, ft: str | None,
 def parallel_for(base: Scenario, dp: int, tp: int, pp: int, cp: int, ep: int, sp: bool,
                  sharding: Sharding, off: tuple[str, ...], sched: str = "1f1b",
                  v: int = 1) -> ParallelConfig:
-    """The planner's ParallelConfig (resolve_layout checks it); keeps --etp, --fsdp-impl, DeepSpeed."""
+    """The planner's ParallelConfig; keeps --etp, --fsdp-impl and the DeepSpeed keys."""
     zero, fsdp, group, _ = sharding
     return ParallelConfig.model_construct(
         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=base.parallel.etp, sequence_parallel=sp,
