@@ -309,7 +309,8 @@ _LITGPT_NOTES = [
     "LitGPT's 'Memory used' is max_memory_allocated never reset: it includes checkpoint "
     "loading",
     "the previous micro-batch's fp32 logits list, alive in the loop's `logits` variable "
-    "until the next forward returns, is not counted",
+    "until the next forward returns, is not counted (the first batch, the longest sample, "
+    "has none, and later batches are shorter)",
 ]
 
 # LitGPT 8641822 lit_gpt/config.py "phi-1_5" (Config defaults otherwise: n_head 32,
