@@ -22,7 +22,6 @@ two reviewed pieces below: `megatron_mapping` (Megatron arguments -> flags) and
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import statistics
 import sys
@@ -294,23 +293,24 @@ def value_bytes(case: dict[str, Any]) -> int | None:
     return round(float(match.group(1)) * _UNIT[match.group(2).lower()])
 
 
-def _litgpt_chunks(seq_len: int) -> int:
-    """LitGPT finetune/lora.py (8641822): lm_head_chunk_size=128 -> ceil(s/128) chunks."""
-    return math.ceil(seq_len / 128)
-
-
 _BERT = "BERT encoder (bidirectional, sequence-classification head; vramcalc models decoders)"
 _DYNAMIC = "sequence length not fixed (batches padded to their longest sample)"
 _COMPILE = "torch.compile (the compiled graph's saved tensors are not modelled)"
 _TITAN_FLOAT8 = "torchao float8 linears (vramcalc's fp8 is Transformer Engine's)"
+# LitGPT 8641822 finetune/lora.py on Lightning 2.1: --precision bf16-true (Fabric's
+# HalfPrecision: bf16 weights, no master copy) = bf16-pure; torch.optim.AdamW on the LoRA
+# parameters (bnb PagedAdamW under --quantize); lora_r 8, lora_alpha 16, lora_dropout 0.05 on
+# query and value; no activation checkpointing on one device; the lightning profile chunks the
+# head by 128 tokens as finetune/lora.py does
 _LITGPT = {"gpus": "1xA100-40GB", "precision": "bf16-pure", "optimizer": "adamw",
-           "framework": "reference", "attention": "flash", "recompute": "none",
+           "framework": "lightning", "attention": "flash", "recompute": "none",
            "finetune": "lora", "lora_rank": 8, "lora_targets": "q,v", "lora_dropout": 0.05}
 _LITGPT_NOTES = [
-    "LitGPT's lm_head_chunk_size=128 and chunked_cross_entropy -> --chunked-ce ceil(s/128)",
     "LitGPT's 'Memory used' is max_memory_allocated never reset: it includes checkpoint "
     "loading",
-    "LitGPT's LoRA on the fused qkv projection is modelled as PEFT-style q and v adapters",
+    "the previous micro-batch's fp32 logits list, alive in the loop's `logits` variable "
+    "until the next forward returns, is not counted (the first batch, the longest sample, "
+    "has none, and later batches are shorter)",
 ]
 
 # torchtune (vramcalc/terms/torchtune.py): recipes train in `dtype: bf16` with activation
@@ -334,6 +334,16 @@ _ALPACA_512 = (
     "350e04f, BOS + prompt + response + EOS; longest 763): a shuffled batch of 2 is padded "
     "to 512 with probability 7.3%, so the run's reserved high-water mark is set by a "
     "512-token batch after a few dozen steps (one optimizer step is 64 batches)")
+
+# LitGPT 8641822 lit_gpt/config.py "phi-1_5" (Config defaults otherwise: n_head 32,
+# intermediate 4·n_embd, bias, parallel_residual, LayerNorm, GptNeoxMLP with tanh GELU)
+_LITGPT_PHI15 = {
+    "name": "phi-1.5", "model_type": "phi", "hidden_size": 2048, "num_hidden_layers": 24,
+    "num_attention_heads": 32, "intermediate_size": 8192, "vocab_size": 51200,
+    "max_position_embeddings": 2048, "mlp_kind": "standard",
+    "hidden_act": "gelu_pytorch_tanh", "norm_kind": "layernorm", "norm_bias": True,
+    "attention_bias": True, "attention_out_bias": True, "mlp_bias": True,
+    "num_layer_norms": 1, "parallel_residual": True, "lm_head_bias": True}
 
 # One reviewed entry per measured.yaml record: the flags that express it (seq_len,
 # micro_batch_size and grad_accum come from the record itself; "chunked_ce" may be a
@@ -394,26 +404,31 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
                                                                        _COMPILE]},
     "torchtitan-llama31-70b-fsdp32-tp8-fullac-h100": {"missing": [_TITAN_FLOAT8, _COMPILE]},
     "litgpt-phi15-lora-mb1-a100": {
-        "missing": ["parallel attention + MLP block (phi-1.5; vramcalc's blocks are "
-                    "sequential)"]},
-    "litgpt-llama2-7b-lora-mb1-a100": {
-        "flags": {"model": "llama2-7b", **_LITGPT, "chunked_ce": _litgpt_chunks},
+        "flags": {"model": "phi-1.5.yaml", **_LITGPT}, "model_fields": _LITGPT_PHI15,
         "notes": _LITGPT_NOTES},
+    "litgpt-llama2-7b-lora-mb1-a100": {
+        "flags": {"model": "llama2-7b", **_LITGPT}, "notes": _LITGPT_NOTES},
     # LitGPT 8641822 finetune/lora.py --quantize bnb.nf4: Lightning 71aed751's
     # BitsandbytesPrecision("nf4") -> _NF4Linear (compress_statistics=False), swapped for
     # every torch.nn.Linear under fabric.init_module (lm_head's LoRALinear.linear too);
     # requirements-all.txt leaves bitsandbytes unpinned, the resource table ran 0.41.1
     "litgpt-llama2-7b-qlora-nf4-mb1-a100": {
         "flags": {"model": "llama2-7b", **_LITGPT, "finetune": "qlora",
-                  "optimizer": "paged-adamw", "chunked_ce": _litgpt_chunks,
+                  "optimizer": "paged-adamw",
                   "bnb_version": "0.41.1", "nf4_double_quant": False, "quantize_head": True},
         "notes": [*_LITGPT_NOTES, "LitGPT's bnb.nf4 mode: Lightning's _NF4Linear without "
                   "double quantization, on every nn.Linear including lm_head; bitsandbytes "
                   "0.41.1 (the resource table's environment) holds each 4-bit linear's "
                   "input (--bnb-version 0.41.1)"]},
     "litgpt-llama2-7b-lora-fsdp2-mb1-2xa100": {
-        "missing": ["FSDP1 flat parameters (Lightning FSDPStrategy; vramcalc models FSDP2)",
-                    "gradient accumulation not stated"]},
+        # finetune/lora.py 8641822: FSDPStrategy(auto_wrap_policy={Block},
+        # activation_checkpointing_policy={Block}, limit_all_gathers=True) when devices > 1;
+        # gradient_accumulation_iters = batch_size // micro_batch_size (128 // 1), not
+        # divided by the device count
+        "flags": {"model": "llama2-7b", **_LITGPT, "gpus": "2xA100-40GB", "fsdp": "full",
+                  "recompute": "full", "grad_accum": 128},
+        "notes": [*_LITGPT_NOTES, "the record's gradient accumulation (not stated) is "
+                  "finetune/lora.py's 128 // micro_batch_size"]},
     "peft-mc-llama32-3b-full-ft-l40s": {"missing": [_DYNAMIC]},
     "peft-mc-llama32-3b-lora-r32-qv-l40s": {"missing": [_DYNAMIC]},
     "gcp-openllama7b-lora-r16-seq256-a100": {
@@ -462,6 +477,7 @@ def measured_mapping(case: dict[str, Any]) -> Mapping:
         if callable(value):
             flags[key] = value(flags["seq_len"])
     m.flags = flags
+    m.model_fields = entry.get("model_fields", m.model_fields)
     if m.measured_bytes is None:
         m.missing.append(f"value {case.get('value')!r} has no byte count")
     return m

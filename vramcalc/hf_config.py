@@ -42,6 +42,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "pos": 131072,
     },
     "gpt_neox": {"kv": None, "head_dim": None, "tie": False, "act": "gelu", "pos": 2048},
+    "phi": {"kv": None, "head_dim": None, "tie": False, "act": "gelu_new", "pos": 2048},
     "deepseek_v2": {"kv": None, "head_dim": None, "tie": False, "act": "silu", "pos": 2048},
     "deepseek_v3": {"kv": 128, "head_dim": None, "tie": False, "act": "silu", "pos": 4096},
 }
@@ -284,7 +285,7 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
     """Map a Hugging Face `config.json` dict to a ModelSpec.
 
     Supported model_type: gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
-    qwen3_moe, phi3, deepseek_v2, deepseek_v3 (multi-latent attention), gemma (gemma2 / gemma3_text need 4 norms per layer, see `_four_norms`);
+    qwen3_moe, phi (phi-1, phi-1.5, phi-2), phi3, deepseek_v2, deepseek_v3 (multi-latent attention), gemma (gemma2 / gemma3_text need 4 norms per layer, see `_four_norms`);
     any other model_type is read as a llama-like decoder from the generic keys
     (hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size),
     honouring attention_bias / mlp_bias / tie_word_embeddings when present. Keys a file
@@ -337,7 +338,18 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
                 norm_bias=True,
                 attention_bias=bias,
                 attention_out_bias=bias,
+                # GPTNeoXLayer: x + attn(ln1(x)) + mlp(ln2(x)) when use_parallel_residual
+                parallel_residual=c.get_bool("use_parallel_residual", True),
             )
+        elif model_type == "phi":
+            # modeling_phi.py PhiDecoderLayer: one input_layernorm feeds attention and the
+            # MLP, added to the residual together; biases on q, k, v, dense, fc1, fc2, the
+            # LayerNorms and lm_head; partial rotary embeddings keep the parameter count
+            if c.get_bool("qk_layernorm", False):
+                raise InputError(f"{source}: phi with qk_layernorm is not modelled")
+            fields.update(mlp_kind="standard", mlp_bias=True, norm_kind="layernorm",
+                          norm_bias=True, attention_bias=True, attention_out_bias=True,
+                          num_layer_norms=1, parallel_residual=True, lm_head_bias=True)
         elif model_type == "gemma" and fields["hidden_act"] == "gelu":
             # configuration_gemma.py: legacy "gelu" means the tanh approximation
             fields["hidden_act"] = "gelu_pytorch_tanh"

@@ -54,6 +54,12 @@ class ModelSpec(BaseModel):
     position_embedding: Literal["rope", "learned"] = "rope"
     tie_word_embeddings: bool = False
     final_norm: bool = True
+    # attention and MLP read the same block input and are added to it together
+    # (x + attn(norm(x)) + mlp(norm'(x))): GPT-J, phi-1/1.5/2, GPT-NeoX use_parallel_residual,
+    # Falcon parallel_attn; with num_layer_norms 1 both branches share one norm. Left out of
+    # dumps when off, as lm_head_bias
+    parallel_residual: bool = Field(False, exclude_if=lambda v: not v)
+    lm_head_bias: bool = Field(False, exclude_if=lambda v: not v)  # phi, GPT-J: V more
     # Mixture of experts; num_local_experts == 0 means dense.
     num_local_experts: int = Field(0, ge=0, le=100_000)
     num_experts_per_tok: int = Field(0, ge=0, le=100_000)
@@ -91,6 +97,12 @@ class ModelSpec(BaseModel):
                 f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
                 f"({self.num_attention_heads}); give head_dim explicitly"
             )
+        if self.num_layer_norms == 1 and not self.parallel_residual:
+            raise InputError("num_layer_norms 1 (one norm shared by attention and the MLP) "
+                             "needs parallel_residual: true")
+        if self.parallel_residual and (self.num_layer_norms > 2 or self.is_moe):
+            raise InputError("parallel_residual is modelled for dense blocks with one or "
+                             "two norms")
         if self.num_local_experts:
             if not 0 < self.num_experts_per_tok <= self.num_local_experts:
                 raise InputError(
@@ -258,8 +270,9 @@ class ModelSpec(BaseModel):
 
     @cached_property
     def head_params(self) -> int:
-        """Output projection h->V; zero when tied to the embedding."""
-        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        """Output projection h->V (zero when tied to the embedding) and its bias."""
+        bias = self.vocab_size if self.lm_head_bias else 0
+        return bias + (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
 
     @cached_property
     def final_norm_params(self) -> int:
@@ -432,7 +445,8 @@ def param_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
             norm("attn.q_norm", d, L, "layer")
             norm("attn.k_norm", d, L, "layer")
     norm("input_layernorm", h, L, "layer")
-    norm("post_attention_layernorm", h, L, "layer")
+    if spec.num_layer_norms >= 2:
+        norm("post_attention_layernorm", h, L, "layer")
     for i in range(spec.num_layer_norms - 2):
         norm(f"extra_layernorm_{i}", h, L, "layer")
     if spec.num_dense_layers:
@@ -455,5 +469,8 @@ def param_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
         norm("norm", h, 1, "final")
     if not spec.tie_word_embeddings:
         out.append(ParamTensor(name="lm_head.weight", numel=spec.vocab_size * h, count=1,
+                               group="head", rows=spec.vocab_size))
+    if spec.lm_head_bias:
+        out.append(ParamTensor(name="lm_head.bias", numel=spec.vocab_size, count=1,
                                group="head", rows=spec.vocab_size))
     return tuple(out)

@@ -11,6 +11,8 @@ from vramcalc.model import ModelSpec
 from vramcalc.qlora import nf4_tensor_bytes
 from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
+from vramcalc.terms import fsdp1
+from vramcalc.terms.gradients import gradients_bytes
 from vramcalc.terms.lowprec import (
     FP8_DIM_MULTIPLE,
     QAT_SCHEMES,
@@ -32,10 +34,22 @@ def scenario_notes(scn: Scenario) -> list[str]:
     if scn.gpu_note:
         notes.append(scn.gpu_note)
     ctx = RankContext(scn.model, scn.training, scn.parallel, 0)
+    if fsdp1.flat(ctx):
+        notes.append(_fsdp1_note(ctx))
     notes += finetune_notes(ctx)
     if low_precision(scn.training):
         notes += lowprec_notes(ctx, scn.cluster.gpu if scn.cluster else None)
     return notes
+
+
+def _fsdp1_note(ctx: RankContext) -> str:
+    """FSDP1's flat gradients, with this scenario's figure (vramcalc/terms/fsdp1.py)."""
+    how = ("unsharded, accumulated under no_sync() until the last micro-batch"
+           if fsdp1.no_sync(ctx) else "one shard per rank")
+    mixed = (": each block's frozen weights share its flat parameter with the adapters and "
+             "get gradients too" if fsdp1.mixed_units(ctx) else "")
+    return (f"FSDP1 flat parameters (FullyShardedDataParallel, use_orig_params=True){mixed}; "
+            f"gradients {fmt_gb(gradients_bytes(ctx))} ({how})")
 
 
 _FUSED_MODULES = {("gpt2", "qkv"): "c_attn", ("phi3", "qkv"): "qkv_proj",

@@ -97,7 +97,10 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("framework", str, "reference", "Stack profile: reference | hf | megatron | "
         "torchtitan (torchtitan 9dec370's Llama: per-op SAC for --recompute selective) | "
         "torchtune (torchtune 1814feb's recipes: --chunked-ce N is CEWithChunkedOutputLoss, "
-        "fused AdamW, offload with checkpointing).", FRAMEWORKS),
+        "fused AdamW, offload with checkpointing) | "
+        "lightning (LitGPT 8641822 on Lightning Fabric: chunked head with fp32 outputs, fused "
+        "qkv, FSDP1).",
+        FRAMEWORKS),
     Opt("finetune", str, "full", "full | lora | qlora (NF4 base) | dora: frozen base weights "
         "plus trained adapters.", FINETUNES),
     Opt("lora_rank", int, 8, "LoRA rank r (PEFT default 8)."),
@@ -171,6 +174,12 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("zero", int, 0, "ZeRO stage 0-3 (DeepSpeed).", group="parallel"),
     Opt("fsdp", str, "none", "FSDP sharding: none | full | grad-op | hybrid.", _FSDP,
         group="parallel"),
+    Opt("fsdp_impl", str, None, "Which PyTorch FSDP shards the --fsdp layouts: fsdp2 "
+        "(fully_shard, per-parameter shards) | fsdp1 (FullyShardedDataParallel: one flat "
+        "parameter per transformer block and one for the root, use_orig_params=True; a block "
+        "mixing frozen and trained weights gets a gradient for all of them). Default: the "
+        "stack's (lightning: fsdp1, as Lightning's FSDPStrategy; else fsdp2).",
+        ("fsdp2", "fsdp1"), group="parallel"),
     Opt("shard_group", int, None, "Ranks per shard group for --fsdp hybrid.", group="parallel"),
     Opt("offload", str, "none", "Offload, comma-separated: optimizer,gradients,params.",
         _OFFLOAD, group="parallel"),
@@ -204,7 +213,7 @@ _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "opt
                   "optimizer_in_backward", "compile", "qlora_impl", "bnb_version",
                   "torchao_version", "nf4_double_quant", "quantize_head", "load")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",
-                  "shard_group", "offload_device", "pp_schedule", "virtual_stages",
+                  "fsdp_impl", "shard_group", "offload_device", "pp_schedule", "virtual_stages",
                   "first_stage_layers", "last_stage_layers", "embedding_in_split",
                   "loss_in_split", "num_microbatches", "capacity_factor")
 

@@ -46,6 +46,11 @@ class ParallelConfig(BaseModel):
     zero: int = Field(0, ge=0, le=3)
     fsdp: Literal["none", "full", "grad-op", "hybrid"] = "none"
     shard_group: int | None = Field(None, gt=0, le=10_000_000)
+    # which PyTorch FSDP shards (--fsdp-impl): fsdp2 (`fully_shard`, per-parameter DTensor
+    # shards) or fsdp1 (FullyShardedDataParallel, one FlatParameter per wrapped module,
+    # vramcalc/terms/fsdp1.py); None: the stack's (lightning: fsdp1, else fsdp2). Left out of
+    # dumps when None, so other reports keep their keys
+    fsdp_impl: Literal["fsdp2", "fsdp1"] | None = Field(None, exclude_if=lambda v: v is None)
     offload: tuple[OffloadTarget, ...] = ()
     offload_device: Literal["cpu", "nvme"] = "cpu"
     pp_schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
@@ -107,6 +112,14 @@ class ParallelConfig(BaseModel):
     def pp_chunks(self) -> int:
         """Model chunks per pipeline rank: v under the interleaved schedule, else 1."""
         return self.virtual_stages if self.pp_schedule == "interleaved" else 1
+
+    def flat_fsdp(self, framework: str) -> bool:
+        """Whether FSDP1's flat parameters apply: --fsdp with --fsdp-impl fsdp1, or the
+        lightning profile's default (Lightning's FSDPStrategy wraps FullyShardedDataParallel,
+        vramcalc/terms/fsdp1.py)."""
+        if self.fsdp == "none":
+            return False
+        return (self.fsdp_impl or ("fsdp1" if framework == "lightning" else "fsdp2")) == "fsdp1"
 
     def engine(self, framework: str) -> Engine:
         """Whose sharding and buffer semantics apply (see the module docstring)."""
@@ -184,6 +197,7 @@ def resolve_layout(
             raise InputError(f"ep={ep} does not divide --shard-group {parallel.shard_group}")
     elif parallel.shard_group:
         raise InputError("--shard-group only applies to --fsdp hybrid")
+    _check_fsdp_impl(training, parallel)
     resolved = parallel.model_copy(update={"dp": dp})
     _check_engine(training, resolved)
     if training.framework == "torchtitan":
@@ -194,6 +208,25 @@ def resolve_layout(
     if m is not None:
         resolved = resolved.model_copy(update={"num_microbatches": m})
     return resolved
+
+
+def _check_fsdp_impl(training: TrainingConfig, parallel: ParallelConfig) -> None:
+    """FSDP1's flat parameters are modelled for data-parallel sharding of 16/32-bit weights
+    without offload (vramcalc/terms/fsdp1.py). --fsdp-impl applies to layouts that shard
+    with --fsdp (the planner's among others)."""
+    if not parallel.flat_fsdp(training.framework):
+        return
+    other = [f"--{k} {v}" for k, v in (("tp", parallel.tp), ("pp", parallel.pp),
+                                        ("cp", parallel.cp), ("ep", parallel.ep)) if v > 1]
+    if other:
+        raise InputError("FSDP1 (--fsdp-impl fsdp1) is modelled for data parallelism alone; "
+                         f"got {', '.join(other)} (use --fsdp-impl fsdp2)")
+    if parallel.offload:
+        raise InputError("FSDP1's CPUOffload is not modelled: leave out --offload, or use "
+                         "--fsdp-impl fsdp2")
+    if training.finetune == "qlora":
+        raise InputError("--finetune qlora with FSDP1 is not modelled (its 4-bit weights "
+                         "need a float quant_storage to be flattened): use --fsdp-impl fsdp2")
 
 
 def _check_expert_tp(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig,

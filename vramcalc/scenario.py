@@ -67,6 +67,11 @@ class Scenario(BaseModel):
                 raise InputError(f"{self.model.name}: multi-latent attention's activations are "
                                  "modelled for --framework reference on one tensor/context-"
                                  f"parallel rank, full training, so far; not {missing}")
+        if self.model.parallel_residual and self.training.framework not in (
+                "reference", "lightning"):
+            raise InputError(f"{self.model.name}: parallel attention + MLP blocks are "
+                             "modelled for --framework reference and lightning, not "
+                             f"{self.training.framework}")
         par = resolve_layout(self.model, self.training, self.parallel, self.world_size)
         tr = self.training
         if tr.optimizer_in_backward:

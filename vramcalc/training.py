@@ -70,7 +70,8 @@ MOE_DISPATCHERS: tuple[str, ...] = ("allgather", "alltoall")
 # Megatron-LM's default: TransformerConfig.moe_token_dispatcher_type = "allgather"
 # (NVIDIA/Megatron-LM d98e8a64, megatron/core/transformer/transformer_config.py)
 MEGATRON_DEFAULT_DISPATCHER = "allgather"
-FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron", "torchtitan", "torchtune")
+FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron", "torchtitan", "torchtune",
+                                "lightning")
 
 # LoRA target names: q, k, v, o projections and the MLP's gate, up (fc) and down (proj)
 # matrices.
@@ -136,7 +137,8 @@ class TrainingConfig(BaseModel):
     # (vramcalc/terms/torchtitan.py). None: torchtitan's per-op SAC ('op')
     # (left out of dumps when None, so reports of the other profiles keep their keys)
     recompute_every: int | None = Field(None, gt=0, le=100_000, exclude_if=lambda v: v is None)
-    framework: Literal["reference", "hf", "megatron", "torchtitan", "torchtune"] = "reference"
+    framework: Literal["reference", "hf", "megatron", "torchtitan", "torchtune",
+                       "lightning"] = "reference"
     # fine-tuning (vramcalc/finetune.py): frozen base + adapters; PEFT's defaults
     finetune: Literal["full", "lora", "qlora", "dora"] = "full"
     lora_rank: int = Field(8, gt=0, le=65_536)
@@ -217,6 +219,15 @@ class TrainingConfig(BaseModel):
             raise ValueError(f"--dropout {self.dropout}: only the megatron profile models "
                              f"dropout masks; the {self.framework} profile models dropout off "
                              "(give --dropout 0 or leave it out, or use --framework megatron)")
+        return self
+
+    @model_validator(mode="after")
+    def _lightning_head(self) -> TrainingConfig:
+        # LitGPT chunks its head and loss itself (lm_head_chunk_size=128, vramcalc/terms/
+        # logits.py); torchtune's chunked loss is another mechanism
+        if self.framework == "lightning" and self.chunked_ce != 1:
+            raise ValueError(f"--chunked-ce {self.chunked_ce}: the lightning profile chunks "
+                             "its head by 128 tokens as LitGPT does (leave --chunked-ce out)")
         return self
 
     @model_validator(mode="after")

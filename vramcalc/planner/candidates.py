@@ -97,12 +97,12 @@ def training_for(base: Scenario, prec: str, opt: str, ft: str | None,
 def parallel_for(base: Scenario, dp: int, tp: int, pp: int, cp: int, ep: int, sp: bool,
                  sharding: Sharding, off: tuple[str, ...], sched: str = "1f1b",
                  v: int = 1) -> ParallelConfig:
-    """The planner's ParallelConfig (validated by `resolve_layout`); a given --etp and the
-    DeepSpeed keys of `--deepspeed` are kept."""
+    """The planner's ParallelConfig; keeps --etp, --fsdp-impl and the DeepSpeed keys."""
     zero, fsdp, group, _ = sharding
     return ParallelConfig.model_construct(
         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=base.parallel.etp, sequence_parallel=sp,
         zero=zero, fsdp=fsdp, shard_group=group, offload=off,  # type: ignore[arg-type]
+        fsdp_impl=base.parallel.fsdp_impl if fsdp != "none" else None,
         offload_device=base.parallel.offload_device, deepspeed=base.parallel.deepspeed,
         pp_schedule=sched, virtual_stages=v,  # type: ignore[arg-type]
         capacity_factor=base.parallel.capacity_factor)

@@ -68,6 +68,11 @@ UNSUPPORTED: dict[str, tuple[frozenset[str], str]] = {
     # (vramcalc.parallel._check_torchtune refuses the rest for every layout)
     "torchtune": (frozenset({"pp", "ep"}), "torchtune (1814feb) runs one GPU or FSDP2 data "
                   "parallelism only: other layouts are not proposed"),
+    # LitGPT 8641822 on Lightning Fabric 2.1: data parallelism (DDP, FSDPStrategy's FSDP1,
+    # DeepSpeed); FSDP1 with tp/cp is refused per layout (vramcalc.parallel._check_fsdp_impl)
+    "lightning": (frozenset({"pp", "ep"}), "LitGPT on Lightning Fabric runs no pipeline or "
+                  "expert parallelism, and its FSDP (FSDP1) shards over data-parallel ranks "
+                  "only: other layouts are not proposed"),
 }
 
 

@@ -66,6 +66,7 @@ from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
 from vramcalc.sharding import layer_param_numels
 from vramcalc.terms import activations as act
+from vramcalc.terms import fsdp1
 from vramcalc.terms.gradients import grad_dtype, layer_gradient_bytes
 from vramcalc.units import DTYPE_BITS, alloc, ceil_div
 
@@ -264,6 +265,12 @@ def reduce_bytes(ctx: RankContext, layer: int = 0, done: float = 1.0,
     if ctx.engine != "fsdp2":
         return 0
     g = layer_gradient_bytes(ctx)
+    if fsdp1.flat(ctx):  # the whole block's flat gradient (vramcalc/terms/fsdp1.py)
+        if freed is None:
+            freed = act.layer_backward_working_bytes(ctx) + act.layer_activation_bytes(ctx)
+        nxt = fsdp_layer_bytes(ctx) if (ctx.parallel.fsdp != "grad-op"
+                                        and layer < ctx.num_layers - 1) else 0
+        return fsdp1.reduce_bytes(ctx, g, done, freed, nxt)
     if trained is None:
         n = _layer_numel(ctx)
         whole = alloc(n, ctx.training.compute_dtype)

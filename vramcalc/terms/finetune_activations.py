@@ -33,6 +33,9 @@ the base output and the LoRA output (T, out) per adapted linear; its weight norm
 ‖W + B·A‖ (detached) is computed from an (in, in) identity pushed through the adapters, a
 copy of W in the input's dtype and two (out, in) sums: forward temporaries, not saved.
 
+Under FSDP1 (vramcalc/terms/fsdp1.py) a block's frozen weights share a flat parameter with
+its adapters and get gradients: the layer keeps the full-training list plus the adapters'.
+
 The first layer of the first stage sees the frozen embedding's output, which needs no
 gradient: its input norm records nothing (`first_layer_unsaved_bytes`).
 """
@@ -41,16 +44,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from vramcalc.features import finetunes
 from vramcalc.finetune import (
     adapted_linears,
     adapter_dtype,
     fused_groups,
     shapes_for,
 )
-from vramcalc.qlora import dequant_backward_bytes, dequant_matmul_bytes
+from vramcalc.qlora import dequant_matmul_bytes
 from vramcalc.rank import RankContext
-from vramcalc.terms.saved import Dims, Modifier, Moment, Saved, dims, mostly_moe
+from vramcalc.terms.fsdp1 import mixed_units
+from vramcalc.terms.saved import Dims, Saved, dims, mostly_moe
 from vramcalc.terms.saved_layers import plain_layer_saved
 from vramcalc.units import alloc, ceil_div
 
@@ -169,6 +172,11 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
             keep.add(t)
     if bnb_keeps_inputs(ctx):
         keep.update(("q", "o", "gate", "down"))  # each 4-bit linear holds its input
+    lit = tr.framework == "lightning"
+    if lit:
+        added = _litgpt_fused_adapter(ctx, x, added)
+    if mixed_units(ctx):  # FSDP1: the frozen weights get gradients, their inputs stay
+        return saved + added
     drop: set[str] = set()
     if not keep & set(_QKV):
         drop.update(_DROP_QKV)
@@ -192,7 +200,7 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     # for the weight's gradient)
     py_norm = tr.framework in ("hf", "torchtune")
     out = [t for t in saved if t.name not in drop
-           and not (py_norm and t.name.endswith((".xhat", ".xhat_fp32")))]
+           and not ((py_norm or lit) and t.name.endswith((".xhat", ".xhat_fp32")))]
     if _fp32_mlp(ctx, x):
         # an old 4-bit down projection holds its own 16-bit cast of its input (Linear4bit
         # casts x to the compute dtype before MatMul4Bit), not the fp32 product
@@ -201,6 +209,35 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
             "mlp.gate", "mlp.up", "mlp.gate_up", "mlp.act", "mlp.down_input", "mlp.fc_out")
             and t.name != cast else t for t in out]
     return out + added
+
+
+def _litgpt_fused_adapter(ctx: RankContext, x: Dims, added: list[Saved]) -> list[Saved]:
+    """LitGPT's LoRAQKVLinear (8641822 lit_gpt/lora.py): one dropout on the fused qkv
+    linear's input and one A for every enabled slice (r rows each): the q/k/v adapters'
+    masks and dropout outputs are one tensor, their A outputs one (T, r·n) tensor. Unless
+    q, k and v are all adapted, `zero_pad` scatters B's output (T, enabled widths) into the
+    fused width with an out-of-place `index_copy`, whose backward keeps its source (for
+    `expand_as`) and the index (int64, the enabled widths)."""
+    qkv = [t for t in added if t.name.startswith(("lora.q.", "lora.k.", "lora.v."))]
+    if not qkv:
+        return added
+    out = [t for t in added if t not in qkv]
+    for part in ("dropout_mask", "dropout_out", "a_input_cast"):
+        first = next((t for t in qkv if t.name.endswith("." + part)), None)
+        if first is not None:
+            out.append(dataclasses.replace(first, name=f"lora.qkv.{part}"))
+    a_outs = [t for t in qkv if t.name.endswith(".a_out")]
+    if a_outs:
+        out.append(dataclasses.replace(a_outs[0], name="lora.qkv.a_out", shape="(T, r·n)",
+                                       numel=sum(t.numel for t in a_outs)))
+    letters = {t.name.split(".")[1] for t in qkv}
+    if letters != {"q", "k", "v"}:
+        width = sum(_out_width(x, t) for t in sorted(letters))
+        out += [Saved("lora.qkv.pad_source", x.T * width, a_outs[0].dtype if a_outs else x.c,
+                      "(T, enabled)", "B's output, kept by zero_pad's index_copy"),
+                Saved("lora.qkv.pad_index", width, "int64", "(enabled)",
+                      "lora_ind, kept by index_copy")]
+    return out
 
 
 def adjust_head_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
@@ -247,6 +284,9 @@ def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
     `saved`: the first layer's saved list."""
     if not ctx.is_first_stage or not ctx.num_layers:
         return 0
+    if mixed_units(ctx):  # FSDP1: the block's weights get gradients; only the masks go
+        return sum(t.nbytes for t in saved if t.name.endswith(".dropout_mask")
+                   and t.name.startswith(("lora.q", "lora.k", "lora.v")))
     if ctx.training.recompute == "full":
         # only an old release's 4-bit q/k/v inputs, not held here — except under PEFT with
         # checkpointing, which makes the embedding output require grad (peft 0.21.2
@@ -263,6 +303,12 @@ def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
         # the 4-bit q/k/v matmuls keep nothing here (neither input needs a gradient) and no
         # adapter keeps their input itself
         gone += sum(t.nbytes for t in saved if t.name in _DROP_QKV)
+    if ctx.spec.parallel_residual:  # its second norm reads the embedding output too
+        gone += sum(t.nbytes for t in saved if t.name.startswith("post_norm."))
+    if ctx.spec.parallel_residual and not targets & {"gate", "up", "down"}:
+        # a parallel block's MLP reads the (frozen) norm of the embedding output: nothing
+        # in that branch needs a gradient, so it saves nothing
+        gone += sum(t.nbytes for t in saved if t.name.startswith("mlp."))
     if not targets & set(_QKV):
         gone += sum(t.nbytes for t in saved if t.name.startswith("attn.")
                     and t.name != "attn.out")
@@ -408,73 +454,3 @@ def _dora_forward_bytes(ctx: RankContext, x: Dims, target: str) -> int:
     y = alloc(x.T * w_out, x.c)
     combine = graph + y + 3 * alloc(x.T * w_out, "fp32")
     return max(norm, combine)
-
-
-# ---- backward moments --------------------------------------------------------------------
-def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
-                   ) -> list[Moment]:
-    """The full-fine-tuning backward instants of a layer (activations.layer_backward_moments)
-    corrected for adapters, plus QLoRA's dequantization instant:
-
-    - at the MLP instant the down adapter's backward has run: its tensors are freed;
-    - at the attention-core instant the q/k/v adapters' tensors are still held (they go
-      when the projections' backward runs, after the core's);
-    - QLoRA, down projection: its adapter's backward runs first (its nodes were created
-      last), then bitsandbytes dequantizes the weight (c) and computes dL/dx (T·f, c)
-      while dL/d residual (T·h, r) is held and nothing else of the layer is freed."""
-    x = dims(ctx)
-    down = sum(t.nbytes for t in saved if t.name.startswith("lora.down."))
-    qkv = sum(t.nbytes for t in saved if t.name.startswith(("lora.q.", "lora.k.", "lora.v.",
-                                                             "lora.qkv.")))
-    out = []
-    for m in moments:
-        if m.name == "mlp":
-            m = Moment(m.name, m.held - down, m.work, m.grads)
-        elif m.name == "attention":
-            m = Moment(m.name, m.held + qkv, m.work, m.grads)
-        out.append(m)
-    if ctx.training.finetune == "qlora" and ctx.spec.mlp_kind == "gated" and not (
-            ctx.spec.is_moe and ctx.spec.num_dense_layers == 0):
-        total = sum(t.nbytes for t in saved)
-        g_res = alloc(x.T * x.h, x.r)
-        work = dequant_backward_bytes(x.h * x.f, x.c, ctx.training.nf4, alloc(x.T * x.f, x.c))
-        out.append(Moment("dequant_down", total - down, g_res + work, "down"))
-    return out
-
-class FinetuneActivations(Modifier):
-    """LoRA / QLoRA / DoRA: frozen base, trained adapters (the functions above)."""
-
-    name = "finetune"
-
-    def applies(self, ctx: RankContext) -> bool:
-        return finetunes(ctx.training)
-
-    def layer_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
-        return adjust_layer_saved(ctx, saved)
-
-    def head_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
-        return adjust_head_saved(ctx, saved)
-
-    def backward_moments(self, ctx: RankContext, moments: list[Moment],
-                         saved: list[Saved]) -> list[Moment]:
-        return adjust_moments(ctx, moments, saved)
-
-    def forward_working_bytes(self, ctx: RankContext, saved: list[Saved],
-                              layers_on_device: bool) -> int:
-        """Adapters' sums and QLoRA's dequantized weights; with the layers' saved tensors
-        in host memory, the temporaries alone next to the residual (T·h, r)."""
-        if layers_on_device:
-            return forward_working_bytes(ctx, saved)
-        x = dims(ctx)
-        return alloc(x.T * x.h, x.r) + forward_working_bytes(ctx, saved, held=False)
-
-    def checkpoint_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
-        """An old bitsandbytes release's held 4-bit inputs next to each checkpoint."""
-        return saved + held_4bit_inputs(ctx)
-
-    def first_layer_gap(self, ctx: RankContext, saved: list[Saved]) -> int:
-        return first_layer_unsaved_bytes(ctx, saved)
-
-    def autocast_cache_layer_bytes(self, ctx: RankContext, cache: int) -> int:
-        """Frozen weights' casts replace full training's (`autocast_cache_layer_bytes`)."""
-        return autocast_cache_layer_bytes(ctx)

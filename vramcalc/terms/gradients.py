@@ -11,6 +11,8 @@ group. Per engine (docs/parallelism.md):
 - DeepSpeed ZeRO-2/3: a flat 16-bit partition buffer, 2Ψ/N, allocated once and kept
   (stage_1_and_2.py `grads_in_partition`, stage3.py `grad_partitions_flat_buffer`).
 - FSDP2: sharded DTensor gradients (dim-0 shards), created layer by layer in backward.
+- FSDP1 (--fsdp-impl fsdp1): one flat gradient per unit, the whole unit's even when only
+  adapters train, unsharded while accumulating under no_sync (vramcalc/terms/fsdp1.py).
 - Megatron-LM: a contiguous fp32 main-grad buffer (`--accumulate-allreduce-grads-in-fp32`,
   the bf16 default) kept for the whole run, full size even with the distributed optimizer
   (Megatron docs: bf16 6 + 12/d bytes/param = 2 weights + 4 grads + 12/d); fp16 keeps a
@@ -23,6 +25,7 @@ into pinned host buffers; FSDP2 CPUOffloadPolicy moves them to the host after re
 from __future__ import annotations
 
 from vramcalc.rank import RankContext
+from vramcalc.terms import fsdp1
 from vramcalc.units import alloc
 
 
@@ -54,6 +57,8 @@ def gradients_bytes(ctx: RankContext) -> int:
     """Device bytes of all gradients held on this rank once backward has finished."""
     if _offloaded(ctx) or "gradients" in ctx.parallel.offload and ctx.engine != "deepspeed":
         return 0
+    if fsdp1.flat(ctx):
+        return fsdp1.held_gradient_bytes(ctx, grad_dtype(ctx))
     shard = ctx.grad_shard
     return ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard),
                                    ctx.grad_layout)
@@ -66,6 +71,8 @@ def gradients_at_step_bytes(ctx: RankContext) -> int:
     optimizer inside backward none are left (vramcalc/terms/optim_in_bwd.py)."""
     if ctx.training.optimizer_in_backward:
         return 0
+    if fsdp1.flat(ctx):  # the last micro-batch reduce-scattered them
+        return fsdp1.gradient_bytes(ctx, grad_dtype(ctx), sharded=True)
     if ctx.engine == "deepspeed" and ctx.parallel.zero == 1:
         shard = ctx.parallel.shard_degree
         return ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard), "flat")
@@ -79,6 +86,8 @@ def layer_gradient_bytes(ctx: RankContext) -> int:
     n = ctx.num_layers
     if not n:
         return 0
+    if fsdp1.flat(ctx):
+        return fsdp1.layer_gradient_bytes(ctx, grad_dtype(ctx))
     shard = ctx.grad_shard
     total = ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard),
                                     ctx.grad_layout, ("layer", "expert"))

@@ -115,6 +115,35 @@ def _megatron_backward_peak_bytes(ctx: RankContext) -> int:
             + 3 * ALLOC_ROUND_BYTES)
 
 
+# ---- LitGPT (lightning profile) ------------------------------------------------------------
+# LitGPT 8641822 finetune/lora.py: `logits = model(input_ids, lm_head_chunk_size=128)` returns
+# a list of per-128-token head outputs (lit_gpt/lora.py GPT.forward); Fabric's precision
+# plugin converts the module's outputs to the default dtype, fp32 (lightning 2.1 fabric/
+# plugins/precision/half.py and amp.py `convert_output`), so the list holds N·V fp32 logits,
+# alive in the loop's `logits` variable through backward. `chunked_cross_entropy`
+# (lit_gpt/utils.py) runs F.cross_entropy(reduction="none") per chunk: each log_softmax saves
+# its fp32 output, all kept until backward; the per-token losses are cat'ed and averaged.
+def _lit_chunks(ctx: RankContext) -> list[int]:
+    """Logits per head chunk: b·min(128, rest)·V' (lm_head_chunk_size=128)."""
+    x = dims(ctx)
+    return [x.b * min(128, x.s - i) * x.V for i in range(0, x.s, 128)]
+
+
+def _lit_saved_bytes(ctx: RankContext) -> int:
+    """fp32 logits list + fp32 log-probabilities per chunk + the per-token losses (N fp32,
+    the cat) + the mean."""
+    x = dims(ctx)
+    return (2 * sum(alloc(n, "fp32") for n in _lit_chunks(ctx))
+            + alloc(x.b * x.s, "fp32") + ALLOC_ROUND_BYTES)
+
+
+def _lit_backward_peak_bytes(ctx: RankContext) -> int:
+    """Loss backward, at the last chunk: the saved set + that chunk's dL/dlogprobs and
+    dL/dlogits (fp32) + the loss, its scaled copy and their gradient."""
+    largest = max(_lit_chunks(ctx), default=0)
+    return _lit_saved_bytes(ctx) + 2 * alloc(largest, "fp32") + 3 * ALLOC_ROUND_BYTES
+
+
 def logits_saved_bytes(ctx: RankContext) -> int:
     """Held from the end of forward into backward, per micro-batch: fp32 log-probabilities,
     the loss and nll_loss's total weight (and the hf profile's shifted labels)."""
@@ -124,6 +153,8 @@ def logits_saved_bytes(ctx: RankContext) -> int:
                                                    or ctx.training.compile):
         return (ttn.saved_bytes(ctx) if chunks_loss(ctx.training)
                 else ttn.unchunked_compiled_saved_bytes(ctx))  # vramcalc/terms/torchtune.py
+    if ctx.training.framework == "lightning":
+        return _lit_saved_bytes(ctx)
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_saved_bytes(ctx)
     if ctx.training.framework == "megatron":
@@ -148,6 +179,8 @@ def _loss_forward_peak_bytes(ctx: RankContext) -> int:
                                                    or ctx.training.compile):
         return (ttn.forward_peak_bytes(ctx) if chunks_loss(ctx.training)
                 else ttn.unchunked_compiled_forward_peak_bytes(ctx))
+    if ctx.training.framework == "lightning":  # the saved set is the loss's peak
+        return _lit_saved_bytes(ctx)
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_forward_peak_bytes(ctx)
     if ctx.training.framework == "megatron":
@@ -200,6 +233,8 @@ def _loss_backward_peak_bytes(ctx: RankContext) -> int:
                                                    or ctx.training.compile):
         return (ttn.backward_peak_bytes(ctx) if chunks_loss(ctx.training)
                 else ttn.unchunked_compiled_backward_peak_bytes(ctx))
+    if ctx.training.framework == "lightning":
+        return _lit_backward_peak_bytes(ctx)
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_backward_peak_bytes(ctx)
     if ctx.training.framework == "megatron":

@@ -3,7 +3,7 @@ hold, as explicit objects (vramcalc.terms.saved.Modifier), in the order their ho
 
 | modifier              | on when                                   | module |
 |-----------------------|-------------------------------------------|--------|
-| `FinetuneActivations` | LoRA / QLoRA / DoRA                       | vramcalc/terms/finetune_activations.py |
+| `FinetuneActivations` | LoRA / QLoRA / DoRA                       | vramcalc/terms/finetune_modifier.py    |
 | `LowPrecision`        | FP8 linears or QAT                        | vramcalc/terms/lowprec.py |
 | `ActivationOffload`   | activation offload without full recompute | vramcalc/terms/lowmem.py |
 | `ChunkedLoss`         | chunked cross entropy                     | vramcalc/terms/lowmem.py |
@@ -18,7 +18,7 @@ from __future__ import annotations
 from vramcalc.hardware import GPUProfile
 from vramcalc.rank import RankContext
 from vramcalc.terms.ds_checkpointing import DeepSpeedCheckpointing
-from vramcalc.terms.finetune_activations import FinetuneActivations
+from vramcalc.terms.finetune_modifier import FinetuneActivations
 from vramcalc.terms.lowmem import ActivationOffload, ChunkedLoss
 from vramcalc.terms.lowprec import LowPrecision
 from vramcalc.terms.saved import Modifier

@@ -29,7 +29,13 @@ def norm_saved(ctx: RankContext, x: Dims, name: str, tokens: int, width: int,
         return [Saved(f"{name}.input", numel, x.r, shape, "LayerNorm input"),
                 Saved(f"{name}.mean", tokens, "fp32", stats, "fp32 mean (CUDA acc type)"),
                 Saved(f"{name}.rstd", tokens, "fp32", stats, "fp32 1/std")]
-    if ctx.training.framework not in ("hf", "torchtitan", "torchtune"):  # fused: input, rstd
+    if ctx.training.framework == "lightning":
+        # LitGPT 8641822 lit_gpt/rmsnorm.py, in the input's dtype: x·x and x·rsqrt keep x,
+        # rsqrt keeps its output; weight · x̂ keeps x̂ for the weight's gradient
+        return [Saved(f"{name}.input", numel, x.r, shape, "RMSNorm input (x·x, x·rsqrt)"),
+                Saved(f"{name}.rstd", tokens, x.r, stats, "rsqrt output, input dtype"),
+                Saved(f"{name}.xhat", numel, x.r, shape, "x̂, kept by weight · x̂")]
+    if ctx.training.framework not in ("hf", "torchtitan", "torchtune"):  # fused RMSNorm: input + fp32 rstd
         return [Saved(f"{name}.input", numel, x.r, shape, "RMSNorm input (fused kernel)"),
                 Saved(f"{name}.rstd", tokens, "fp32", stats, "fp32 1/rms (fused kernel)")]
     # transformers RMSNorm: x32 = x.float(); x32 * rsqrt(mean(x32²) + eps) -> weight * (·).to(r);
@@ -158,7 +164,10 @@ def _attention_saved(ctx: RankContext, x: Dims) -> list[Saved]:
     bsad, bsgd = x.b * x.s * x.a * x.d, x.b * x.s * x.g * x.d
     eager = tr.attention == "eager"
     selective = tr.recompute == "selective"
-    fused_qkv = fam in ("gpt2", "phi3")
+    # LitGPT's CausalSelfAttention (8641822 lit_gpt/model.py) projects q, k, v with one
+    # `attn` linear, ropes q and k into new tensors (torch.cat) and hands SDPA v as a view
+    # of the fused output: Phi-3's layout below
+    fused_qkv = fam in ("gpt2", "phi3") or tr.framework == "lightning"
     out = _linear_inputs(x, "attn.input", bsh(x), 1 if fused_qkv else 3, "(b, s, h) normed")
     if spec.qk_norm:
         out += _qk_norm_saved(ctx, x)
@@ -182,7 +191,7 @@ def _attention_saved(ctx: RankContext, x: Dims) -> list[Saved]:
     if fused_qkv and fam == "gpt2":
         qkv = [Saved("attn.qkv", x.b * x.s * (x.a + 2 * x.g) * x.d, c, "(b, s, 3·h)",
                      "fused c_attn output; q, k, v are views of it")]
-    elif fused_qkv:  # phi3: q and k rotated copies, v a view of the fused qkv output
+    elif fused_qkv:  # phi3, lightning: q and k rotated copies, v a view of the qkv output
         qk = x.r if (x.amp and selective) else c  # see below
         qkv = [Saved("attn.qkv", x.b * x.s * (x.a + 2 * x.g) * x.d, c, "(b, s, (a+2g)·d)",
                      "fused qkv_proj output, alive through the v view"),
@@ -361,12 +370,28 @@ def plain_layer_saved(ctx: RankContext, moe: bool) -> list[Saved]:
     x = dims(ctx)
     out = norm_saved(ctx, x, "input_norm", x.T, x.h, "(b, s, h)")
     out += _attention_saved(ctx, x)
+    if ctx.spec.parallel_residual:
+        return out + _parallel_mlp_saved(ctx, x)
     out += norm_saved(ctx, x, "post_norm", x.T, x.h, "(b, s, h)")
     if moe:
         out += _moe_saved(ctx, x)
     else:
         out += mlp_saved(ctx, x, x.T, ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp))
     return out
+
+
+def _parallel_mlp_saved(ctx: RankContext, x: Dims) -> list[Saved]:
+    """The MLP branch of a parallel block, x + attn(norm(x)) + mlp(norm'(x)): no residual
+    between the branches. One shared norm (phi, GPT-J: num_layer_norms 1): the MLP reads the
+    attention's normed input, so its input is that storage (a separate cast under autocast).
+    Two norms (GPT-NeoX use_parallel_residual): the second norm's input is the block input
+    the first already keeps; its statistics are its own."""
+    f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
+    mlp = mlp_saved(ctx, x, x.T, f)
+    if ctx.spec.num_layer_norms == 1:
+        return [t for t in mlp if x.amp or t.name != "mlp.input"]
+    norm = norm_saved(ctx, x, "post_norm", x.T, x.h, "(b, s, h)")
+    return [t for t in norm if t.name != "post_norm.input"] + mlp
 
 
 # ---- per micro-batch, outside the layers -----------------------------------------------

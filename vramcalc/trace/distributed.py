@@ -73,8 +73,12 @@ def check_distributed(scn: Scenario) -> Scenario:
         raise InputError("the distributed trace runs data-parallel FSDP2 without offload; got "
                          + ", ".join(other + [f"offload={','.join(par.offload)}"] * bool(
                              par.offload)))
-    if tr.framework == "megatron":
-        raise InputError("trace runs the reference, hf and torchtitan profiles, not megatron")
+    if tr.framework in ("megatron", "lightning"):
+        raise InputError(f"trace runs the reference, hf and torchtitan profiles, not "
+                         f"{tr.framework}")
+    if par.flat_fsdp(tr.framework):
+        raise InputError("the distributed trace runs FSDP2 (fully_shard); FSDP1's flat "
+                         "parameters are modelled analytically (use --fsdp-impl fsdp2)")
     if par.dp_degree < 2:
         raise InputError("the distributed trace needs dp >= 2")
     return scn

@@ -85,9 +85,10 @@ def check_traceable(scn: Scenario) -> Scenario:
         raise InputError(
             "trace supports single-rank layouts; got " + ", ".join(multi)
             + " (trace one GPU, e.g. --gpus 1xH100, without parallel options)")
-    if tr.framework in ("megatron", "torchtune"):
-        raise InputError(f"trace runs the reference, hf and torchtitan profiles; {tr.framework} "
-                         "has no traceable model (use --framework reference or hf)")
+    if tr.framework in ("megatron", "torchtune", "lightning"):
+        raise InputError(f"trace runs the reference, hf and torchtitan profiles; "
+                         f"{tr.framework} has no traceable model (use --framework reference "
+                         "or hf)")
     spec = scn.model
     if spec.position_embedding == "learned" and tr.seq_len > spec.max_position_embeddings:
         raise InputError(f"seq_len={tr.seq_len} exceeds {spec.name}'s learned positions "

@@ -9,7 +9,9 @@ Two block styles, chosen by the spec's fields:
 - Llama-style: RMSNorm, rotary positions, grouped-query attention (g <= a kv heads),
   SwiGLU MLP, optional q/k/v and o biases, optional per-head q/k RMSNorm (Qwen3), and
   mixture-of-experts layers (router + top-k experts + optional shared experts);
-- GPT-2-style: LayerNorm with bias, learned positions, 2-matrix GELU MLP, biases, tied head.
+- GPT-2-style: LayerNorm with bias, learned positions, 2-matrix GELU MLP, biases, tied head;
+- parallel blocks (`parallel_residual`: phi, GPT-J, GPT-NeoX): x + attn(norm(x)) + mlp(norm'(x)),
+  one norm shared by both branches when num_layer_norms is 1.
 
 Attention `flash` calls F.scaled_dot_product_attention (a fused kernel: it keeps q, k, v,
 its output and the fp32 logsumexp); `eager` writes softmax(QKᵀ/√d)V out, keeping the
@@ -361,12 +363,19 @@ class Block(nn.Module):
         super().__init__()
         self.input_layernorm = make_norm(spec, spec.hidden_size, **kw)
         self.attn = (MLAttention if spec.is_mla else Attention)(spec, attention, recompute, **kw)
-        self.post_attention_layernorm = make_norm(spec, spec.hidden_size, **kw)
+        self.post_attention_layernorm = (make_norm(spec, spec.hidden_size, **kw)
+                                         if spec.num_layer_norms >= 2 else None)
         self.mlp: nn.Module = (MoE(spec, capacity_factor, **kw) if moe
                                else MLP(spec, spec.intermediate_size, **kw))
+        self.parallel = spec.parallel_residual
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: torch.Tensor | None) -> torch.Tensor:  # (b, s, h) -> (b, s, h)
+        if self.parallel:  # x + attn(norm(x)) + mlp(norm'(x)); one norm when shared
+            n = self.input_layernorm(x)  # (b, s, h)
+            m = n if self.post_attention_layernorm is None else self.post_attention_layernorm(x)
+            return x + self.attn(n, rope, mask) + self.mlp(m)
+        assert self.post_attention_layernorm is not None
         x = x + self.attn(self.input_layernorm(x), rope, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -389,7 +398,7 @@ class ReferenceModel(nn.Module):
                   capacity_factor, **kw)
             for i in range(spec.num_hidden_layers))
         self.norm = make_norm(spec, h, **kw) if spec.final_norm else None
-        self.lm_head = nn.Linear(h, V, bias=False, **kw)
+        self.lm_head = nn.Linear(h, V, bias=spec.lm_head_bias, **kw)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.loss_head: LossHead | None = None  # (lm_head, x, labels) -> loss, when set

@@ -1,0 +1,125 @@
+"""The lightning profile (`--framework lightning`): LitGPT on Lightning Fabric, pinned by hand
+from the stack's source (neither runs on the CPU here: lightning and litgpt are not
+installed, so the trace engine refuses the profile).
+
+Sources:
+- LitGPT 8641822 (Lightning-AI/litgpt, the commit of tutorials/resource-tables.md):
+  lit_gpt/model.py `CausalSelfAttention.forward` (one fused `attn` linear; q and k roped
+  and `torch.cat` into new tensors; v a view of the fused output handed to SDPA),
+  lit_gpt/rmsnorm.py (`x * torch.rsqrt(torch.mean(x * x) + eps)` in the input dtype, then
+  `self.weight * x_normed`), lit_gpt/lora.py `LoRAQKVLinear.forward` (one
+  `lora_dropout(x)`, A of shape (r·n_enabled, h), B through a grouped conv1d, `zero_pad`'s
+  out-of-place `index_copy` when not all of q, k, v are adapted: torch's derivative for
+  index_copy's source is `grad.index_select(dim, index).expand_as(source)`, so the source
+  is kept),
+  lit_gpt/lora.py `GPT.forward(lm_head_chunk_size=128)` (a list of head outputs per 128
+  tokens), lit_gpt/utils.py `chunked_cross_entropy` (per-chunk F.cross_entropy,
+  reduction="none"), finetune/lora.py (AdamW on the LoRA parameters, `fabric.
+  no_backward_sync` while accumulating, FSDPStrategy on several devices).
+- Lightning 2.1.0.rc0 (c98fb36b) src/lightning/fabric/plugins/precision/half.py
+  `convert_output`: module outputs go back to the default dtype, fp32.
+
+Legend: b = 1, s = 1304, h = 4096, f = 11008, a = 32 heads of d = 128, V = 32000, bf16
+(--precision bf16-pure = Fabric's bf16-true), LoRA r = 8 on q and v, dropout 0.05.
+"""
+
+from __future__ import annotations
+
+from vramcalc.options import build_scenario
+from vramcalc.rank import RankContext
+from vramcalc.terms import logits as lg
+from vramcalc.terms.activations import layer_activation_bytes, layer_saved
+
+S, H, F, A, V, R = 1304, 4096, 11008, 32, 32000, 8
+
+
+def _alloc(nbytes: int) -> int:
+    return -(-nbytes // 512) * 512
+
+
+def _ctx(**kw: object) -> RankContext:
+    values: dict[str, object] = {
+        "model": "llama2-7b", "gpus": "1xA100-40GB", "precision": "bf16-pure",
+        "framework": "lightning", "finetune": "lora", "lora_dropout": 0.05, "seq_len": S}
+    values.update(kw)
+    scn = build_scenario(values).resolved()
+    return RankContext(scn.model, scn.training, scn.parallel, 0)
+
+
+def test_lora_layer_saved_hand_derived() -> None:
+    bsh = _alloc(S * H * 2)
+    expected = (
+        2 * (bsh + _alloc(S * 2))  # norm_1 and norm_2: input x (x·x, x·rsqrt) + rsqrt (b, s, 1)
+        # (x̂ is not kept: `weight * x_normed` has a frozen weight)
+        + _alloc(S * 3 * H * 2)  # fused qkv output, alive through SDPA's v view
+        + 2 * bsh  # the roped q and k (torch.cat copies), SDPA inputs
+        + bsh + _alloc(A * S * 4)  # SDPA output (proj's input is a view of it), logsumexp
+        + 3 * _alloc(S * F * 2)  # fc_1 out (silu input), silu out and fc_2 out (the product)
+        # (frozen fc_1 / fc_2 / proj / attn keep no input)
+        + _alloc(S * H) + bsh  # one lora_dropout for the fused linear: mask + output
+        + _alloc(S * 2 * R * 2)  # A's output (r rows per enabled slice: q and v)
+        # zero_pad (k has no adapter): index_copy keeps its source, B's (T, 2h) output,
+        # for expand_as, and lora_ind (2h int64)
+        + _alloc(S * 2 * H * 2) + _alloc(2 * H * 8)
+    )
+    assert layer_activation_bytes(_ctx()) == expected
+
+
+def test_single_dropout_on_the_fused_qkv() -> None:
+    """PEFT puts one dropout on each of q_proj and v_proj; LitGPT one on the fused linear."""
+    lit = [t.name for t in layer_saved(_ctx())]
+    ref = [t.name for t in layer_saved(_ctx(framework="reference"))]
+    assert lit.count("lora.qkv.dropout_mask") == 1 and not any(
+        n.startswith(("lora.q.", "lora.v.")) for n in lit)
+    assert "lora.q.dropout_mask" in ref and "lora.v.dropout_mask" in ref
+
+
+def test_full_finetune_norm_keeps_xhat() -> None:
+    names = [t.name for t in layer_saved(_ctx(finetune="full"))]
+    assert "input_norm.xhat" in names and "attn.input" in names
+
+
+def test_chunked_head_fp32_outputs_hand_derived() -> None:
+    """11 head chunks (10 of 128 tokens, one of 24), each returned in fp32 by Fabric and
+    all alive in the loop's list; each chunk's log_softmax saves its fp32 output."""
+    ctx = _ctx()
+    chunks = [128] * 10 + [24]
+    assert sum(chunks) == S
+    per_chunk = sum(_alloc(n * V * 4) for n in chunks)
+    saved = 2 * per_chunk + _alloc(S * 4) + 512  # + per-token losses (cat) and the mean
+    assert lg.logits_saved_bytes(ctx) == saved
+    assert lg.logits_forward_peak_bytes(ctx) == saved
+    # backward: the last chunk's dL/dlogprobs and dL/dlogits in fp32, and 3 scalars
+    assert lg.logits_backward_peak_bytes(ctx) == saved + 2 * _alloc(128 * V * 4) + 3 * 512
+
+
+def test_phi15_parallel_block_hand_derived() -> None:
+    """LitGPT's phi-1.5 (8641822 lit_gpt/config.py: shared_attention_norm, parallel_residual,
+    LayerNorm, GptNeoxMLP with tanh GELU, biases): `x + attn(n_1) + mlp(n_1)` with one
+    norm; under LoRA on q and v with dropout the frozen fused qkv and fc keep no input."""
+    from vramcalc.model import ModelSpec
+
+    phi = ModelSpec(
+        name="phi-1.5", model_type="phi", hidden_size=2048, num_hidden_layers=24,
+        num_attention_heads=32, intermediate_size=8192, vocab_size=51200,
+        mlp_kind="standard", hidden_act="gelu_pytorch_tanh", norm_kind="layernorm",
+        norm_bias=True, attention_bias=True, attention_out_bias=True, mlp_bias=True,
+        num_layer_norms=1, parallel_residual=True, lm_head_bias=True)
+    assert phi.num_params == 1_418_270_720  # transformers' PhiForCausalLM (test_parallel_residual)
+    from vramcalc.scenario import Scenario
+    from vramcalc.training import TrainingConfig
+
+    s, h, f, a = 1044, 2048, 8192, 32
+    scn = Scenario(model=phi, training=TrainingConfig(
+        seq_len=s, precision="bf16-pure", framework="lightning", finetune="lora",
+        lora_dropout=0.05)).resolved()
+    ctx = RankContext(scn.model, scn.training, scn.parallel, 0)
+    expected = (
+        _alloc(s * h * 2) + 2 * _alloc(s * 4)  # nn.LayerNorm: input, fp32 mean and rstd
+        + _alloc(s * 3 * h * 2) + 2 * _alloc(s * h * 2)  # qkv (v's view), roped q and k
+        + _alloc(s * h * 2) + _alloc(a * s * 4)  # SDPA output and logsumexp
+        + _alloc(s * f * 2)  # fc output, kept by GELU (proj is frozen: no input kept)
+        + _alloc(s * h) + _alloc(s * h * 2) + _alloc(s * 2 * R * 2)  # the one LoRA dropout
+        + _alloc(s * 2 * h * 2) + _alloc(2 * h * 8)  # zero_pad's index_copy source, index
+    )
+    assert layer_activation_bytes(ctx) == expected

@@ -1,0 +1,91 @@
+"""The fine-tuning modifier (LoRA / QLoRA / DoRA): the backward instants adapters change,
+and the `Modifier` that applies vramcalc/terms/finetune_activations.py's saved-tensor
+tables, forward working sets and QLoRA corrections to a layer (see that module's docstring
+for the tables and their sources)."""
+
+from __future__ import annotations
+
+from vramcalc.features import finetunes
+from vramcalc.qlora import dequant_backward_bytes
+from vramcalc.rank import RankContext
+from vramcalc.terms.finetune_activations import (
+    adjust_head_saved,
+    adjust_layer_saved,
+    autocast_cache_layer_bytes,
+    first_layer_unsaved_bytes,
+    forward_working_bytes,
+    held_4bit_inputs,
+)
+from vramcalc.terms.saved import Modifier, Moment, Saved, dims
+from vramcalc.units import alloc
+
+
+# ---- backward moments --------------------------------------------------------------------
+def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
+                   ) -> list[Moment]:
+    """The full-fine-tuning backward instants of a layer (activations.layer_backward_moments)
+    corrected for adapters, plus QLoRA's dequantization instant:
+
+    - at the MLP instant the down adapter's backward has run: its tensors are freed;
+    - at the attention-core instant the q/k/v adapters' tensors are still held (they go
+      when the projections' backward runs, after the core's);
+    - QLoRA, down projection: its adapter's backward runs first (its nodes were created
+      last), then bitsandbytes dequantizes the weight (c) and computes dL/dx (T·f, c)
+      while dL/d residual (T·h, r) is held and nothing else of the layer is freed."""
+    x = dims(ctx)
+    down = sum(t.nbytes for t in saved if t.name.startswith("lora.down."))
+    qkv = sum(t.nbytes for t in saved if t.name.startswith(("lora.q.", "lora.k.", "lora.v.",
+                                                             "lora.qkv.")))
+    out = []
+    for m in moments:
+        if m.name == "mlp":
+            m = Moment(m.name, m.held - down, m.work, m.grads)
+        elif m.name == "attention":
+            m = Moment(m.name, m.held + qkv, m.work, m.grads)
+        out.append(m)
+    if ctx.training.finetune == "qlora" and ctx.spec.mlp_kind == "gated" and not (
+            ctx.spec.is_moe and ctx.spec.num_dense_layers == 0):
+        total = sum(t.nbytes for t in saved)
+        g_res = alloc(x.T * x.h, x.r)
+        work = dequant_backward_bytes(x.h * x.f, x.c, ctx.training.nf4, alloc(x.T * x.f, x.c))
+        out.append(Moment("dequant_down", total - down, g_res + work, "down"))
+    return out
+
+
+class FinetuneActivations(Modifier):
+    """LoRA / QLoRA / DoRA: frozen base, trained adapters (the functions above)."""
+
+    name = "finetune"
+
+    def applies(self, ctx: RankContext) -> bool:
+        return finetunes(ctx.training)
+
+    def layer_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
+        return adjust_layer_saved(ctx, saved)
+
+    def head_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
+        return adjust_head_saved(ctx, saved)
+
+    def backward_moments(self, ctx: RankContext, moments: list[Moment],
+                         saved: list[Saved]) -> list[Moment]:
+        return adjust_moments(ctx, moments, saved)
+
+    def forward_working_bytes(self, ctx: RankContext, saved: list[Saved],
+                              layers_on_device: bool) -> int:
+        """Adapters' sums and QLoRA's dequantized weights; with the layers' saved tensors
+        in host memory, the temporaries alone next to the residual (T·h, r)."""
+        if layers_on_device:
+            return forward_working_bytes(ctx, saved)
+        x = dims(ctx)
+        return alloc(x.T * x.h, x.r) + forward_working_bytes(ctx, saved, held=False)
+
+    def checkpoint_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
+        """An old bitsandbytes release's held 4-bit inputs next to each checkpoint."""
+        return saved + held_4bit_inputs(ctx)
+
+    def first_layer_gap(self, ctx: RankContext, saved: list[Saved]) -> int:
+        return first_layer_unsaved_bytes(ctx, saved)
+
+    def autocast_cache_layer_bytes(self, ctx: RankContext, cache: int) -> int:
+        """Frozen weights' casts replace full training's (`autocast_cache_layer_bytes`)."""
+        return autocast_cache_layer_bytes(ctx)

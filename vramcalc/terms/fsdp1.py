@@ -1,0 +1,128 @@
+"""FSDP1 flat parameters (`--fsdp-impl fsdp1`, the lightning profile's default): what
+torch.distributed.fsdp.FullyShardedDataParallel holds that FSDP2 does not.
+
+Sources: PyTorch 2.x torch/distributed/fsdp (read at torch 2.13.0; the same logic as the
+2.1.0 that Lightning 2.1 ran), Lightning-AI/pytorch-lightning 2.1.0.rc0 (c98fb36b)
+src/lightning/fabric/strategies/fsdp.py, LitGPT 8641822 finetune/lora.py.
+
+- **Units.** Lightning's FSDPStrategy(auto_wrap_policy={Block}) wraps each transformer block
+  in its own FSDP unit (`transformer_auto_wrap_policy`) and the root in one more (embedding,
+  final norm, head). Each unit flattens its parameters into one FlatParameter
+  (_flat_param.py `FlatParamHandle`), sharded in ceil(N_u / W) chunks over the W ranks.
+- **Mixed frozen and trained parameters.** FSDPStrategy sets `use_orig_params=True` on torch
+  >= 2.0 (fabric/strategies/fsdp.py `__init__`), which permits non-uniform requires_grad in
+  one FlatParameter; the FlatParameter requires grad when any of its tensors does
+  (_flat_param.py `_validate_tensors_to_flatten`: the logical OR). In forward, the
+  original parameters are replaced by plain views of the unsharded flat parameter
+  (`_use_unsharded_views(as_params=False)`), so they all require grad: autograd computes the
+  gradient of the *whole* unit, frozen weights included, and saves every linear's input as
+  full training does. torch warns about it (_wrap_utils.py `_validate_frozen_params`: "the
+  gradient memory usage will be higher than expected (N numel instead of n numel before
+  sharding via reduce-scatter)"). Under LoRA every block is such a unit; the root, all
+  frozen, gets no gradient.
+- **Gradients.** After each unit's backward, `_post_backward_hook` (_runtime_utils.py)
+  reduce-scatters the unsharded flat gradient (unit numel) into a ceil(N_u / W) shard kept
+  as the gradient. Inside `no_sync()` it returns before the reduce-scatter
+  (`if not state._sync_gradients: ... return`): the unsharded gradient of every unit is
+  accumulated across micro-batches. LitGPT accumulates under `fabric.no_backward_sync`,
+  which for FSDP is `module.no_sync()` (fabric/strategies/fsdp.py
+  `_FSDPBackwardSyncControl`): with --grad-accum > 1 the lightning profile holds the
+  unsharded gradients of all trained units, N_u per unit, until the last micro-batch of the
+  step reduce-scatters them. Other profiles are modelled reducing every micro-batch.
+- **Unsharded parameters.** The root unit is not resharded after forward (it is needed first
+  in backward), each block is all-gathered for its forward and again for its backward,
+  with the next block prefetched (BACKWARD_PRE, the default) and at most two all-gathers
+  in flight (limit_all_gathers=True, FSDPStrategy's default): the same count as FSDP2's
+  (vramcalc/terms/comm.py `gather_bytes`, `reduce_bytes`).
+
+The gradient dtype: the flat parameter's (the policy's gradient dtype); the unsharded
+gradient under no_sync stays in the dtype autograd produced it in, the compute dtype.
+"""
+
+from __future__ import annotations
+
+from vramcalc.features import finetunes
+from vramcalc.rank import RankContext
+from vramcalc.units import alloc, ceil_div
+
+_BLOCK = ("layer", "expert")
+
+
+def flat(ctx: RankContext) -> bool:
+    """Whether this rank runs FSDP1 flat parameters."""
+    return ctx.parallel.flat_fsdp(ctx.training.framework)
+
+
+def no_sync(ctx: RankContext) -> bool:
+    """Whether gradients accumulate unsharded inside FSDP1's `no_sync()` (LitGPT's
+    `fabric.no_backward_sync` with gradient accumulation)."""
+    return (flat(ctx) and ctx.training.framework == "lightning"
+            and ctx.training.grad_accum > 1)
+
+
+def mixed_units(ctx: RankContext) -> bool:
+    """Fine-tuning under FSDP1: each block's flat parameter mixes frozen and trained tensors,
+    so the frozen ones get gradients too (and their linears keep their inputs)."""
+    return flat(ctx) and finetunes(ctx.training)
+
+
+def block_numel(ctx: RankContext) -> int:
+    """Elements of one block's flat parameter (base weights and, under a PEFT method, the
+    adapters), before sharding."""
+    n = ctx.num_layers
+    return ceil_div(ctx.shapes.numel(_BLOCK), n) if n else 0
+
+
+def root_numel(ctx: RankContext) -> int:
+    """Elements of the root unit's flat parameter (embedding, final norm, head)."""
+    return ctx.shapes.numel() - ctx.shapes.numel(_BLOCK)
+
+
+def _units(ctx: RankContext) -> list[int]:
+    """Element counts of the units that get a gradient: every block, and the root in full
+    training (under LoRA it holds no trained tensor)."""
+    out = [block_numel(ctx)] * ctx.num_layers
+    if not finetunes(ctx.training) and root_numel(ctx):
+        out.append(root_numel(ctx))
+    return out
+
+
+def gradient_bytes(ctx: RankContext, dtype: str, sharded: bool) -> int:
+    """Gradients of all trained units: ceil(N_u / W) each once reduce-scattered, N_u each
+    while accumulating unsharded (`sharded=False`)."""
+    shard = ctx.parallel.shard_degree if sharded else 1
+    return sum(alloc(ceil_div(n, shard), dtype) for n in _units(ctx))
+
+
+def held_gradient_bytes(ctx: RankContext, dtype: str) -> int:
+    """Gradients held across the step's micro-batches: unsharded in the compute dtype under
+    no_sync, else the sharded ones."""
+    if no_sync(ctx):
+        return gradient_bytes(ctx, ctx.training.compute_dtype, sharded=False)
+    return gradient_bytes(ctx, dtype, sharded=True)
+
+
+def layer_gradient_bytes(ctx: RankContext, dtype: str) -> int:
+    """One block's share of `held_gradient_bytes`."""
+    n = block_numel(ctx)
+    if no_sync(ctx):
+        return alloc(n, ctx.training.compute_dtype)
+    return alloc(ceil_div(n, ctx.parallel.shard_degree), dtype)
+
+
+def reduce_bytes(ctx: RankContext, g_layer: int, done: float, freed: int,
+                 prefetch: int) -> int:
+    """Extra at one instant of a block's backward (vramcalc/terms/comm.py `reduce_bytes`):
+    while it runs, `done` of its unsharded flat gradient (compute dtype) instead of done·g;
+    once it is over, the whole unsharded gradient and the reduce-scatter output (one shard,
+    `new_sharded_grad` in _runtime_utils.py `_reduce_grad`) minus what the block freed.
+    Under no_sync the unsharded gradients are already held: the shard only (the last
+    micro-batch's reduce-scatter). Plus the next block's prefetched parameters."""
+    n = block_numel(ctx)
+    shard = alloc(ceil_div(n, ctx.parallel.shard_degree), ctx.training.grad_dtype)
+    if no_sync(ctx):
+        return shard + prefetch
+    whole = alloc(n, ctx.training.compute_dtype)
+    early = int(done * (whole - g_layer))
+    late = int((1 - done) * g_layer) + whole + shard - freed
+    return max(early, late, 0) + prefetch
