@@ -1,4 +1,4 @@
-"""ModelSpec: the architecture of a decoder-only transformer, and its exact parameter count.
+"""ModelSpec: a transformer's architecture (decoder or encoder) and its exact parameter count.
 
 Field names follow Hugging Face `config.json`. Parameter counts are exact: every
 matrix, bias and norm vector is counted, as `sum(p.numel() for p in model.parameters())`
@@ -10,6 +10,7 @@ E = num_local_experts, fe = moe_intermediate_size.
 Multi-latent attention (DeepSeek-V2/V3, `kv_lora_rank` set): qr = q_lora_rank (None: a plain
 q projection), kr = kv_lora_rank, dn = qk_nope_head_dim, dr = qk_rope_head_dim,
 dv = v_head_dim; q/k heads are dn + dr wide (head_dim), v heads dv.
+Encoders (BERT, RoBERTa): T = type_vocab_size, n = num_labels (see `encoder_tensors`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ MAX_LAYERS = 100_000
 
 
 class ModelSpec(BaseModel):
-    """A decoder-only transformer; see the module docstring for the letters."""
+    """A decoder-only or encoder-only transformer; see the module docstring for the letters."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -70,7 +71,21 @@ class ModelSpec(BaseModel):
     qk_rope_head_dim: int | None = Field(None, gt=0, le=MAX_DIM)
     v_head_dim: int | None = Field(None, gt=0, le=MAX_DIM)
     num_layer_norms: int = Field(2, ge=1, le=8)  # Gemma 2/3: 4 (pre/post attn and MLP)
+    # encoders: post-LayerNorm, a classification / masked-LM head, the config's dropout
+    architecture: Literal["decoder", "encoder"] = "decoder"
+    task: Literal["causal_lm", "sequence_classification", "masked_lm"] = "causal_lm"
+    num_labels: int = Field(2, gt=0, le=1_000_000)
+    type_vocab_size: int = Field(0, ge=0, le=MAX_DIM)
+    hidden_dropout_prob: float = Field(0.0, ge=0.0, lt=1.0)
+    attention_probs_dropout_prob: float = Field(0.0, ge=0.0, lt=1.0)
     source: str = "custom"  # where the spec came from (preset, file path)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _untie_classifier(cls, data: Any) -> Any:
+        """A classification head has no vocabulary projection to tie."""
+        cls_head = isinstance(data, dict) and data.get("task") == "sequence_classification"
+        return {**data, "tie_word_embeddings": False} if cls_head else data
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -94,7 +109,19 @@ class ModelSpec(BaseModel):
             if self.first_k_dense_replace > self.num_hidden_layers:
                 raise InputError("first_k_dense_replace exceeds num_hidden_layers")
         self._check_mla()
+        self._check_encoder()
         return self
+
+    def _check_encoder(self) -> None:
+        dropout = self.hidden_dropout_prob or self.attention_probs_dropout_prob
+        if self.is_encoder == (self.task == "causal_lm") or dropout and not self.is_encoder:
+            raise InputError("encoders take task sequence_classification or masked_lm, decoders "
+                             "causal_lm; dropout probabilities are modelled for encoders only")
+        if self.is_encoder and (self.is_moe or self.is_mla or self.mlp_kind != "standard"
+                or self.norm_kind != "layernorm" or self.position_embedding != "learned"
+                or self.final_norm or self.qk_norm or self.num_layer_norms != 2):
+            raise InputError("encoders are BERT-style: a 2-matrix MLP, LayerNorm, learned "
+                             "positions, no final norm, no MoE / MLA / qk_norm")
 
     def _check_mla(self) -> None:
         mla = (self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
@@ -113,6 +140,9 @@ class ModelSpec(BaseModel):
                              "num_attention_heads")
 
     # ---- derived shapes -------------------------------------------------
+    @property
+    def is_encoder(self) -> bool:
+        return self.architecture == "encoder"
     @property
     def kv_heads(self) -> int:
         return self.num_key_value_heads or self.num_attention_heads
@@ -233,11 +263,13 @@ class ModelSpec(BaseModel):
         n = self.vocab_size * self.hidden_size
         if self.position_embedding == "learned":
             n += self.max_position_embeddings * self.hidden_size
-        return n
+        return n + sum(t.numel for t in encoder_tensors(self) if t.group == "embedding")
 
     @cached_property
     def head_params(self) -> int:
-        """Output projection h->V; zero when tied to the embedding."""
+        """Output projection h->V; zero when tied to the embedding (encoders: their head)."""
+        if self.is_encoder:
+            return sum(t.numel for t in encoder_tensors(self) if t.group == "head")
         return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
 
     @cached_property
@@ -300,7 +332,6 @@ def spec_from_fields(fields: dict[str, Any], where: str) -> ModelSpec:
         raise InputError(
             f"{where}: {validation_message(err, list(ModelSpec.model_fields))}"
         ) from None
-
 
 
 @dataclass(frozen=True)
@@ -432,7 +463,38 @@ def param_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
                                        group="layer", tp_split=False, rows=1))
     if spec.final_norm:
         norm("norm", h, 1, "final")
+    if spec.is_encoder:
+        return tuple(out) + encoder_tensors(spec)
     if not spec.tie_word_embeddings:
         out.append(ParamTensor(name="lm_head.weight", numel=spec.vocab_size * h, count=1,
                                group="head", rows=spec.vocab_size))
+    return tuple(out)
+
+
+def encoder_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
+    """An encoder's parameters outside its layers (none for a decoder). transformers 5.24
+    modeling_bert.py (modeling_roberta.py alike): BertEmbeddings' token_type_embeddings (T, h)
+    and LayerNorm; BertForSequenceClassification's pooler dense (h->h) and classifier (h->n)
+    (RobertaClassificationHead's dense and out_proj: the same counts); BertForMaskedLM's
+    transform dense (h->h) and LayerNorm, the decoder tied to the word embedding (untied: a
+    V·h matrix) and one V bias (`cls.predictions.bias`, shared with the decoder's)."""
+    if not spec.is_encoder:
+        return ()
+    h, V, T = spec.hidden_size, spec.vocab_size, spec.type_vocab_size
+
+    def t(name: str, numel: int, group: str, rows: int = 0) -> ParamTensor:
+        return ParamTensor(name, numel, 1, group, tp_split=False, rows=rows)
+
+    out = [t("embed_token_types", T * h, "embedding", T)] if T else []
+    out += [t("embed_norm.weight", h, "embedding"), t("embed_norm.bias", h, "embedding")]
+    if spec.task == "sequence_classification":
+        n = spec.num_labels
+        out += [t("pooler.dense.weight", h * h, "head", h), t("pooler.dense.bias", h, "head"),
+                t("classifier.weight", n * h, "head", n), t("classifier.bias", n, "head")]
+    else:
+        out += [t("mlm.transform.weight", h * h, "head", h), t("mlm.transform.bias", h, "head"),
+                t("mlm.norm.weight", h, "head"), t("mlm.norm.bias", h, "head"),
+                t("mlm.bias", V, "head")]
+        if not spec.tie_word_embeddings:
+            out.append(t("lm_head.weight", V * h, "head", V))
     return tuple(out)

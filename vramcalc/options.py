@@ -19,6 +19,7 @@ from vramcalc.catalog import resolve_model
 from vramcalc.ds_config import DeepSpeedConfig
 from vramcalc.errors import InputError, suggest
 from vramcalc.hardware import alias_note, parse_gpus
+from vramcalc.hf_config import with_task
 from vramcalc.parallel import ParallelConfig
 from vramcalc.scenario import Scenario
 from vramcalc.training import (
@@ -61,6 +62,10 @@ class Opt:
 SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("model", str, None, "Preset name or alias (70b, llama3-8b, gpt2), or a path to a "
         "Hugging Face config.json / its directory / a model YAML.", group="model"),
+    Opt("task", str, None, "Encoders (bert, roberta): the head, sequence-classification "
+        "(pooler + classifier) or masked-lm (vocabulary logits). Default: the config's "
+        "architectures (else sequence-classification).", ("sequence-classification",
+                                                          "masked-lm"), group="model"),
     Opt("gpus", str, "1xH100", "Cluster: H100, 8xH100, 2x8xA100-80GB (nodes x per node).",
         group="cluster"),
     Opt("seq_len", int, 4096, "Sequence length in tokens."),
@@ -283,6 +288,8 @@ def build_scenario(values: dict[str, Any], profile_dirs: list[Path] | None = Non
     if not v.get("model"):
         raise InputError("--model is required (e.g. --model 70b or --model path/to/config.json)")
     spec, model_note = resolve_model(str(v["model"]))
+    if v["task"] is not None:
+        spec = with_task(spec, v["task"])
     cluster = parse_gpus(str(v["gpus"]), profile_dirs)
     gpu_name = str(v["gpus"]).replace("*", "x").replace("X", "x").split("x")[-1]
     gpu_note = alias_note(gpu_name, cluster.gpu)

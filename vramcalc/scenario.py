@@ -29,6 +29,24 @@ def mla_unsupported(scn: Scenario) -> str | None:
     return None
 
 
+def encoder_unsupported(scn: Scenario) -> str | None:
+    """What of this scenario the encoder tables (vramcalc/terms/encoder.py) do not model,
+    or None: they follow transformers' BERT / RoBERTa on one GPU or plain data parallelism,
+    full training, 16/32-bit precision, no or full recompute."""
+    tr, par = scn.training, scn.parallel
+    if tr.framework in ("megatron", "torchtitan"):
+        return f"--framework {tr.framework} (its models are decoders; use --framework hf)"
+    pieces = ((f"tp={par.tp}", par.tp > 1), (f"pp={par.pp}", par.pp > 1),
+              (f"cp={par.cp}", par.cp > 1), (f"ep={par.ep}", par.ep > 1),
+              (f"zero={par.zero}", bool(par.zero)), (f"fsdp={par.fsdp}", par.fsdp != "none"),
+              ("offload", bool(par.offload)), (f"--finetune {tr.finetune}", tr.finetune != "full"),
+              ("FP8 / QAT", tr.precision == "fp8" or tr.qat != "none"),
+              ("--recompute selective", tr.recompute == "selective"),
+              ("--chunked-ce", tr.chunked_ce > 1), ("--activation-offload", tr.activation_offload),
+              ("--optimizer-in-backward", tr.optimizer_in_backward))
+    return next((piece for piece, on in pieces if on), None)
+
+
 class Scenario(BaseModel):
     """Everything one estimate needs. `cluster=None` estimates one rank with no fit check."""
 
@@ -67,8 +85,16 @@ class Scenario(BaseModel):
                 raise InputError(f"{self.model.name}: multi-latent attention's activations are "
                                  "modelled for --framework reference on one tensor/context-"
                                  f"parallel rank, full training, so far; not {missing}")
-        par = resolve_layout(self.model, self.training, self.parallel, self.world_size)
         tr = self.training
+        if self.model.is_encoder:
+            missing = encoder_unsupported(self)
+            if missing:
+                raise InputError(f"{self.model.name}: encoder models are modelled with "
+                                 "transformers' modeling code on one GPU or DDP, full "
+                                 f"training, no or full recompute; not {missing}")
+            if tr.framework == "reference":  # one profile for encoders: transformers' code
+                tr = tr.model_copy(update={"framework": "hf"})
+        par = resolve_layout(self.model, tr, self.parallel, self.world_size)
         if tr.optimizer_in_backward:
             _check_optimizer_in_backward(tr, par)
         if (tr.optimizer_impl is None and tr.optimizer in TORCH_STEPPED

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from vramcalc.features import chunks_loss, finetunes
 from vramcalc.rank import RankContext
+from vramcalc.terms import encoder as enc
 from vramcalc.terms.lowmem import (
     chunked_backward_peak_bytes,
     chunked_forward_peak_bytes,
@@ -117,6 +118,8 @@ def logits_saved_bytes(ctx: RankContext) -> int:
     the loss and nll_loss's total weight (and the hf profile's shifted labels)."""
     if not ctx.is_last_stage:
         return 0
+    if ctx.spec.is_encoder:  # vramcalc/terms/encoder.py
+        return enc.logits_saved_bytes(ctx)
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_saved_bytes(ctx)
     if ctx.training.framework == "megatron":
@@ -131,6 +134,8 @@ def logits_forward_peak_bytes(ctx: RankContext) -> int:
     """Peak of the loss computation in forward (includes what it keeps for backward)."""
     if not ctx.is_last_stage:
         return 0
+    if ctx.spec.is_encoder:
+        return enc.logits_forward_peak_bytes(ctx)
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_forward_peak_bytes(ctx)
     if ctx.training.framework == "megatron":
@@ -153,6 +158,8 @@ def logits_backward_peak_bytes(ctx: RankContext) -> int:
     """Peak of the loss backward: saved log-probs + two fp32 gradient buffers + 3 scalars."""
     if not ctx.is_last_stage:
         return 0
+    if ctx.spec.is_encoder:
+        return enc.logits_backward_peak_bytes(ctx)
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_backward_peak_bytes(ctx)
     if ctx.training.framework == "megatron":

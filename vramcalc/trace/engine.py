@@ -195,7 +195,7 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
     if tr.framework == "hf":
         from vramcalc.trace.hf_models import real_device_behaviour
 
-        framework_ctx = real_device_behaviour()
+        framework_ctx = real_device_behaviour(dropout=scn.model.is_encoder)
     fake = FakeTensorMode()
     with framework_ctx, cuda_autocast_rules(), fake, tracker:
         model = build_model(scn)
@@ -230,6 +230,8 @@ def watch_logits(tracker: Any, model: Any, framework: str) -> None:
     backward the "logits" region ends when d loss / d logits is ready (the head's and the
     layers' backward follow)."""
     head = model.get_output_embeddings() if framework == "hf" else model.lm_head
+    if head is None:  # an encoder's classification head (BERT's classifier, RoBERTa's head)
+        head = model.classifier
 
     def head_post(_mod: Any, _inp: Any, out: Any) -> None:
         tracker.label(out, "logits")
@@ -294,7 +296,8 @@ def run_steps(scn: Scenario, tracker: Any, model: Any, params: list[Any], opt: A
             tick(f"{tag}: forward")
             tracker.set_phase("forward")
             ids = torch.randint(0, V, (b, s))
-            labels = torch.randint(0, V, (b, s))
+            labels = (torch.randint(0, scn.model.num_labels, (b,)) if scn.model.task
+                      == "sequence_classification" else torch.randint(0, V, (b, s)))
             with autocast():
                 loss = _loss(model, tr.framework, ids, labels)
             tracker.mark("end_forward")
