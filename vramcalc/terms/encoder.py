@@ -207,7 +207,8 @@ def backward_moments(ctx: RankContext, saved: list[Saved], extra: int) -> list[M
 
     - output dense: the output LayerNorm's backward has run (its input, statistics and the
       dropout mask are freed); d y after the dropout (T·h) and d gelu-output (T·f in c)
-      exist beside g, the weight gradient becomes `.grad` ("down");
+      exist beside g, the weight gradient becomes `.grad` ("down"; under gradient
+      accumulation it is a temporary added into it);
     - (full recompute) the end of the layer's forward run again, before its backward: the
       whole saved set and the forward's temporaries at its output LayerNorm;
     - attention core: everything above it is freed; eager: the dropout's backward turns
@@ -219,8 +220,12 @@ def backward_moments(ctx: RankContext, saved: list[Saved], extra: int) -> list[M
     g_res = alloc(bsh(x), r)
     f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
     top_gone = ("output_norm.input", "output_norm.mean", "output_norm.rstd", "mlp.out_mask")
+    # with gradients kept from an earlier micro-batch, the weight gradient is a new tensor
+    # that AccumulateGrad adds into `.grad` (vramcalc.terms.gradients.embedding_backward_bytes)
+    accumulating = (ctx.parallel.num_microbatches or ctx.training.grad_accum) > 1
+    dw = alloc(x.h * f, ctx.training.grad_dtype) if accumulating else 0
     out = [Moment("mlp", extra + _held(saved, top_gone),
-                  2 * g_res + alloc(x.T * f, c), "down")]
+                  2 * g_res + alloc(x.T * f, c) + dw, "down")]
     bsad = alloc(x.b * x.s * x.a * x.d, c)
     held = extra + _held(saved, ("attn.o_input", "attn.probs_c", "attn.v"), ("attn.",))
     if ctx.training.attention == "eager":
@@ -270,32 +275,37 @@ def _forward_locals(ctx: RankContext) -> int:
     return alloc(bsh(x), x.r) * (2 if ctx.num_layers > 1 else 1)
 
 
-def _layer_end_work(ctx: RankContext, full: bool) -> int:
-    """At a layer's output LayerNorm, beyond what it saves (`full`: in a checkpointed
-    forward, which saves nothing): the output dropout's result (c), the new output y (r),
-    the sum the LayerNorm reads (saved unless `full`), the attention output a (a local kept
-    for the residual: r, saved itself only without autocast and recompute), and BertLayer's
-    `_`, the attention weights the attention returns (the dropout output, in the
-    probabilities' dtype), where nothing else keeps them."""
+def _layer_locals(ctx: RankContext, full: bool) -> int:
+    """Held by a layer's forward locals from its attention on (`full`: a checkpointed
+    forward, which saves nothing): the attention output a (kept for the residual; r, saved
+    itself only without autocast and recompute) and BertLayer's `_`, the attention weights
+    the attention returns (the dropout output, in the probabilities' dtype), where nothing
+    else keeps them."""
     x = dims(ctx)
     _, att = _drop(ctx)
     probs = alloc(x.b * x.a * x.s * x.s, probs_dtype(x))
     weights = probs if ctx.training.attention == "eager" and (full or x.amp and att) else 0
+    return (alloc(bsh(x), x.r) if (full or x.amp) else 0) + weights
+
+
+def _layer_end_work(ctx: RankContext, full: bool) -> int:
+    """At a layer's output LayerNorm, beyond what it saves: the output dropout's result (c),
+    the new output y (r), the sum the LayerNorm reads (r, saved unless `full`) and the
+    locals (`_layer_locals`)."""
+    x = dims(ctx)
     y = alloc(bsh(x), x.r)
-    end = alloc(bsh(x), x.c) + y + (y if full else 0)
-    return end + (y if (full or x.amp) else 0) + weights
+    return alloc(bsh(x), x.c) + y + (y if full else 0) + _layer_locals(ctx, full)
 
 
 def forward_working_bytes(ctx: RankContext) -> int:
     """The top layer's forward at its output LayerNorm (`_layer_end_work`) plus the
     autocast locals (`_forward_locals`). Under full recompute the gelu's input and output
-    (T·f in c each) beside a can be the larger set."""
+    (T·f in c each; under autocast beside a's c cast) can be the larger set."""
     x = dims(ctx)
     full = ctx.training.recompute == "full"
     end = _layer_end_work(ctx, full)
     if full:
         f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
-        mlp = 2 * alloc(x.T * f, x.c) + (alloc(bsh(x), x.c) if x.amp else 0)
-        a = alloc(bsh(x), x.r)
-        end = max(end, mlp + a + end - alloc(bsh(x), x.c) - 2 * a)
+        gelu = 2 * alloc(x.T * f, x.c) + (alloc(bsh(x), x.c) if x.amp else 0)
+        end = max(end, gelu + _layer_locals(ctx, full))
     return end + _forward_locals(ctx)
