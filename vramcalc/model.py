@@ -476,8 +476,8 @@ def encoder_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
     modeling_bert.py (modeling_roberta.py alike): BertEmbeddings' token_type_embeddings (T, h)
     and LayerNorm; BertForSequenceClassification's pooler dense (h->h) and classifier (h->n)
     (RobertaClassificationHead's dense and out_proj: the same counts); BertForMaskedLM's
-    transform dense (h->h) and LayerNorm, the decoder tied to the word embedding (untied: a
-    V·h matrix) and one V bias (`cls.predictions.bias`, shared with the decoder's)."""
+    transform dense (h->h) and LayerNorm, `cls.predictions.bias` (V), the decoder tied to the
+    word embedding and sharing that bias (untied: its own V·h weight and V bias)."""
     if not spec.is_encoder:
         return ()
     h, V, T = spec.hidden_size, spec.vocab_size, spec.type_vocab_size
@@ -495,6 +495,6 @@ def encoder_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
         out += [t("mlm.transform.weight", h * h, "head", h), t("mlm.transform.bias", h, "head"),
                 t("mlm.norm.weight", h, "head"), t("mlm.norm.bias", h, "head"),
                 t("mlm.bias", V, "head")]
-        if not spec.tie_word_embeddings:
-            out.append(t("lm_head.weight", V * h, "head", V))
+        if not spec.tie_word_embeddings:  # the decoder's own weight and bias
+            out += [t("lm_head.weight", V * h, "head", V), t("lm_head.bias", V, "head")]
     return tuple(out)

@@ -33,9 +33,14 @@ def encoder_unsupported(scn: Scenario) -> str | None:
     """What of this scenario the encoder tables (vramcalc/terms/encoder.py) do not model,
     or None: they follow transformers' BERT / RoBERTa on one GPU or plain data parallelism,
     full training, 16/32-bit precision, no or full recompute."""
-    tr, par = scn.training, scn.parallel
+    tr, par, spec = scn.training, scn.parallel, scn.model
     if tr.framework in ("megatron", "torchtitan"):
         return f"--framework {tr.framework} (its models are decoders; use --framework hf)"
+    # RoBERTa numbers positions from padding_idx + 1 = 2 (create_position_ids_from_input_ids)
+    positions = spec.max_position_embeddings - (2 if spec.model_type == "roberta" else 0)
+    if tr.seq_len > positions:
+        return (f"--seq-len {tr.seq_len} (its learned positions cover {positions} tokens: "
+                f"give --seq-len {positions} or less)")
     pieces = ((f"tp={par.tp}", par.tp > 1), (f"pp={par.pp}", par.pp > 1),
               (f"cp={par.cp}", par.cp > 1), (f"ep={par.ep}", par.ep > 1),
               (f"zero={par.zero}", bool(par.zero)), (f"fsdp={par.fsdp}", par.fsdp != "none"),
