@@ -302,12 +302,17 @@ def _litgpt_chunks(seq_len: int) -> int:
 # HF Trainer on transformers v4.20 (the doc's commit): BertForSequenceClassification with
 # eager attention (BERT had no SDPA path then) and dropout 0.1 (the bert-large preset), the
 # Trainer's default optim adamw_hf (transformers' own AdamW: a Python loop over parameters
-# -> --optimizer-impl loop)
+# -> --optimizer-impl loop); the Trainer's `model.zero_grad()` (trainer.py
+# `_inner_training_loop`) on the torch of that time (< 2.0: set_to_none=False by default,
+# pytorch/pytorch#92731 switched it for 2.0) keeps zeroed gradients -> --no-set-to-none
 _BERT = {"model": "bert-large", "task": "sequence-classification", "gpus": "1xV100-16GB",
          "framework": "hf", "precision": "fp32", "optimizer": "adamw",
-         "optimizer_impl": "loop", "attention": "eager", "recompute": "none"}
+         "optimizer_impl": "loop", "attention": "eager", "recompute": "none",
+         "set_to_none": False}
 _BERT_NOTES = ["transformers v4.20 BERT: eager attention, dropout 0.1 (masks kept); Trainer "
                "adamw_hf -> --optimizer-impl loop",
+               "Trainer's model.zero_grad() on torch < 2.0 (set_to_none=False, the default "
+               "until pytorch/pytorch#92731) -> --no-set-to-none",
                "NVML reading: device total with the V100 profile's CUDA context (500 MiB "
                "planning default; the same doc measured 1343 MiB after a 1x1 tensor)"]
 _DYNAMIC = "sequence length not fixed (batches padded to their longest sample)"

@@ -206,3 +206,27 @@ def test_estimate_runs_from_a_config_json(tmp_path: Any) -> None:
     code, _ = _run(["estimate", "--model", str(path), "--seq-len", "512", "--gpus", "V100",
                     "--micro-batch-size", "4", "--json"])
     assert code in (0, 1)
+
+
+# ---- zero_grad(set_to_none=False) ---------------------------------------------------------------
+def test_kept_zeroed_gradients_add_to_forward() -> None:
+    """torch < 2.0's zero_grad() zeroes `.grad` and keeps it: every forward then holds one
+    fp32 gradient per parameter (each rounded to the allocator's 512 B)."""
+    from vramcalc.analytic import estimate
+
+    spec = SHAPES["bert"]
+    grads = sum(t.count * round_alloc(4 * t.numel) for t in param_tensors(spec))
+
+    def forward(set_to_none: bool) -> int:
+        tr = TrainingConfig(framework="hf", seq_len=128, micro_batch_size=2, precision="fp32",
+                            set_to_none=set_to_none)
+        return estimate(Scenario(model=spec, training=tr)).phases["forward"]
+
+    assert forward(False) - forward(True) == grads
+
+
+@pytest.mark.parametrize("extra", [["--precision", "bf16"], ["--zero", "2", "--gpus", "8xA100"],
+                                   ["--fsdp", "full", "--gpus", "8xA100"]])
+def test_kept_gradients_refused_where_not_modelled(extra: list[str]) -> None:
+    code, err = _run(["estimate", "--model", "llama3-8b", "--no-set-to-none", *extra])
+    assert code == 2 and err.startswith("error: --no-set-to-none is modelled on one GPU or DDP")

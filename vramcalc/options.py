@@ -124,6 +124,9 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("chunked_ce", int, 1, "Cross entropy over N token chunks (torchtune's "
         "LinearCrossEntropyLoss): the fp32 logits and their gradients exist one chunk at a "
         "time; 1 = off."),
+    Opt("set_to_none", bool, True, "zero_grad(set_to_none=...): --no-set-to-none keeps "
+        "zeroed gradients allocated through the next forward (torch < 2.0's default, e.g. "
+        "HF Trainer on torch 1.x); one GPU or DDP."),
     Opt("activation_offload", bool, False, "Move saved activations of the transformer layers "
         "to pinned host memory (torchtune OffloadActivations), one layer in flight."),
     Opt("qat", str, "none", "Quantization-aware training of the block linears: none | int8 "
@@ -179,7 +182,7 @@ _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "opt
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
-                  "optimizer_in_backward")
+                  "optimizer_in_backward", "set_to_none")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",
                   "shard_group", "offload_device", "pp_schedule", "virtual_stages",
                   "first_stage_layers", "last_stage_layers", "embedding_in_split",

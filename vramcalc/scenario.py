@@ -100,6 +100,12 @@ class Scenario(BaseModel):
             if tr.framework == "reference":  # one profile for encoders: transformers' code
                 tr = tr.model_copy(update={"framework": "hf"})
         par = resolve_layout(self.model, tr, self.parallel, self.world_size)
+        if not tr.set_to_none and (par.engine(tr.framework) not in ("single", "ddp")
+                                   or tr.has_master_weights or tr.optimizer_in_backward):
+            raise InputError("--no-set-to-none is modelled on one GPU or DDP with the "
+                             "optimizer stepping the weights themselves (fp32, amp-*, "
+                             "bf16-pure); ZeRO, FSDP, Megatron-LM and fp32 master copies keep "
+                             "gradient buffers their own way")
         if tr.optimizer_in_backward:
             _check_optimizer_in_backward(tr, par)
         if (tr.optimizer_impl is None and tr.optimizer in TORCH_STEPPED

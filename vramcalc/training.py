@@ -163,6 +163,11 @@ class TrainingConfig(BaseModel):
     # post-accumulate-grad hook inside backward (vramcalc/terms/optim_in_bwd.py); left out
     # of dumps when off, so other reports keep their keys
     optimizer_in_backward: bool = Field(False, exclude_if=lambda v: not v)
+    # zero_grad(set_to_none=...) between steps. False keeps the zeroed gradients allocated
+    # through the next forward: torch < 2.0's default (pytorch/pytorch#92731 made True the
+    # default), e.g. HF Trainer's `model.zero_grad()` on torch 1.x. One GPU or DDP
+    # (vramcalc/terms/gradients.py `gradients_persistent`); left out of dumps when True
+    set_to_none: bool = Field(True, exclude_if=lambda v: v)
 
     @model_validator(mode="after")
     def _impl_exists(self) -> TrainingConfig:

@@ -208,7 +208,7 @@ def backward_moments(ctx: RankContext, saved: list[Saved], extra: int) -> list[M
     - output dense: the output LayerNorm's backward has run (its input, statistics and the
       dropout mask are freed); d y after the dropout (T·h) and d gelu-output (T·f in c)
       exist beside g, the weight gradient becomes `.grad` ("down"; under gradient
-      accumulation it is a temporary added into it);
+      accumulation or zero_grad(set_to_none=False) it is a temporary added into it);
     - (full recompute) the end of the layer's forward run again, before its backward: the
       whole saved set and the forward's temporaries at its output LayerNorm;
     - attention core: everything above it is freed; eager: the dropout's backward turns
@@ -222,7 +222,8 @@ def backward_moments(ctx: RankContext, saved: list[Saved], extra: int) -> list[M
     top_gone = ("output_norm.input", "output_norm.mean", "output_norm.rstd", "mlp.out_mask")
     # with gradients kept from an earlier micro-batch, the weight gradient is a new tensor
     # that AccumulateGrad adds into `.grad` (vramcalc.terms.gradients.embedding_backward_bytes)
-    accumulating = (ctx.parallel.num_microbatches or ctx.training.grad_accum) > 1
+    accumulating = (ctx.parallel.num_microbatches or ctx.training.grad_accum) > 1 or (
+        not ctx.training.set_to_none)
     dw = alloc(x.h * f, ctx.training.grad_dtype) if accumulating else 0
     out = [Moment("mlp", extra + _held(saved, top_gone),
                   2 * g_res + alloc(x.T * f, c) + dw, "down")]

@@ -44,9 +44,12 @@ def _offloaded(ctx: RankContext) -> bool:
 
 def gradients_persistent(ctx: RankContext) -> bool:
     """Whether the gradient buffer exists for the whole step (forward included): DeepSpeed
-    ZeRO-2/3 partition buffers and Megatron's main-grad buffer are allocated once."""
+    ZeRO-2/3 partition buffers and Megatron's main-grad buffer are allocated once; on one
+    GPU or DDP, `.grad` tensors that zero_grad(set_to_none=False) zeroes and keeps."""
     if _offloaded(ctx):
         return False
+    if not ctx.training.set_to_none and ctx.engine in ("single", "ddp"):
+        return True
     return ctx.engine == "megatron" or (ctx.engine == "deepspeed" and ctx.parallel.zero >= 2)
 
 

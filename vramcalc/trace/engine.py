@@ -314,7 +314,7 @@ def run_steps(scn: Scenario, tracker: Any, model: Any, params: list[Any], opt: A
         tick(f"iteration {it + 1}/{iterations}: optimizer step")
         tracker.set_phase("optimizer")
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=tr.set_to_none)
         states, host = optimizer_state_tensors(opt)
         for t in host:
             tracker.set_host(t)

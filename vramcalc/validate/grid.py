@@ -86,7 +86,7 @@ def default_grid() -> list[tuple[str, Scenario]]:
 def encoder_grid() -> list[tuple[str, Scenario]]:
     """Encoders (vramcalc/terms/encoder.py), transformers' BERT / RoBERTa with dropout 0.1:
     both attention kernels, fp32, autocast and 16-bit weights, full recompute with gradient
-    accumulation, classification and masked-LM heads."""
+    accumulation, classification and masked-LM heads; and zero_grad(set_to_none=False)."""
     out: list[tuple[str, Scenario]] = []
     cases: list[tuple[str, dict[str, Any]]] = [
         ("bert", {"precision": "fp32", "attention": "eager", "seq_len": 512,
@@ -102,6 +102,12 @@ def encoder_grid() -> list[tuple[str, Scenario]]:
     ]
     for shape, kw in cases:
         out.append(scenario_for(shape, framework="hf", **kw))
+    # zero_grad(set_to_none=False): gradients kept through forward (torch < 2.0's default)
+    for shape, kw in (("bert", {"precision": "fp32", "attention": "eager", "seq_len": 512,
+                                "micro_batch_size": 4}),
+                      ("llama-gqa", {"precision": "amp-bf16"})):
+        name, scn = scenario_for(shape, framework="hf", set_to_none=False, **kw)
+        out.append((name + "/no-set-to-none", scn))
     return out
 
 
