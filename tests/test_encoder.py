@@ -230,3 +230,26 @@ def test_kept_zeroed_gradients_add_to_forward() -> None:
 def test_kept_gradients_refused_where_not_modelled(extra: list[str]) -> None:
     code, err = _run(["estimate", "--model", "llama3-8b", "--no-set-to-none", *extra])
     assert code == 2 and err.startswith("error: --no-set-to-none is modelled on one GPU or DDP")
+
+
+@pytest.mark.parametrize("cfg", [
+    {"model_type": "modernbert", "hidden_size": 768, "num_hidden_layers": 22,
+     "num_attention_heads": 12, "intermediate_size": 1152, "vocab_size": 50368},
+    {"model_type": "t5", "d_model": 512, "num_layers": 6, "num_heads": 8, "d_ff": 2048,
+     "vocab_size": 32128, "is_encoder_decoder": True},
+    {"model_type": "my_encoder", "architectures": ["MyEncoderForMaskedLM"], "hidden_size": 64,
+     "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 256,
+     "vocab_size": 1000},
+])
+def test_other_encoders_are_refused_not_read_as_decoders(cfg: dict[str, Any]) -> None:
+    from vramcalc.errors import InputError
+
+    with pytest.raises(InputError, match="encoder or encoder-decoder model"):
+        from_hf_config(cfg, "config.json")
+
+
+def test_a_decoder_with_a_classification_head_is_still_read() -> None:
+    cfg = {"model_type": "llama", "architectures": ["LlamaForSequenceClassification"],
+           "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "intermediate_size": 256, "vocab_size": 1000}
+    assert not from_hf_config(cfg, "config.json").is_encoder

@@ -70,6 +70,11 @@ _ENCODER_DEFAULTS: dict[str, tuple[int, int, int]] = {
 # architectures[0] suffix -> the head (`task`); anything else takes a classification head
 _ENCODER_TASKS = {"ForSequenceClassification": "sequence_classification",
                   "ForMaskedLM": "masked_lm"}
+# encoder-only and encoder-decoder types not modelled yet (`_refuse_other_encoders`)
+_OTHER_ENCODERS = ("modernbert", "distilbert", "albert", "electra", "deberta", "deberta-v2",
+                   "xlm-roberta", "camembert", "mpnet", "longformer", "t5", "mt5", "umt5",
+                   "bart", "mbart", "pegasus", "marian", "led", "xlm", "flaubert", "funnel",
+                   "roformer", "squeezebert", "nomic_bert", "jina_bert", "ernie", "megatron-bert")
 SUPPORTED_MODEL_TYPES = ("gpt2", *_DEFAULTS, *_ENCODER_DEFAULTS)
 
 
@@ -175,6 +180,24 @@ def encoder_task(cfg: dict[str, Any]) -> str:
     first = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
     return next((t for suffix, t in _ENCODER_TASKS.items() if first.endswith(suffix)),
                 "sequence_classification")
+
+
+def _refuse_other_encoders(c: _Cfg, model_type: str) -> None:
+    """Encoder-only and encoder-decoder configs other than BERT / RoBERTa would otherwise be
+    read as llama-like decoders (many carry hidden_size, num_hidden_layers, ...): refused.
+    Recognised by `is_encoder_decoder`, the type, or (for types vramcalc does not know) an
+    encoder's head in `architectures` (decoders with a classification head keep theirs)."""
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return
+    archs = c.cfg.get("architectures")
+    first = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
+    heads = ("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification",
+             "ForQuestionAnswering", "ForMultipleChoice")
+    if (c.cfg.get("is_encoder_decoder") is True or first.endswith(heads)
+            or model_type in _OTHER_ENCODERS):
+        raise InputError(
+            f"{c.source}: model_type '{model_type}' is an encoder or encoder-decoder model "
+            f"vramcalc does not model yet (encoders: {', '.join(_ENCODER_DEFAULTS)})")
 
 
 def with_task(spec: ModelSpec, task: str) -> ModelSpec:
@@ -341,6 +364,7 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
     model_type = c.get_str("model_type", "")
     name = _name_from_source(source)
 
+    _refuse_other_encoders(c, model_type)
     fields: dict[str, Any]
     if model_type == "gpt2":
         fields = _gpt2_fields(c)
