@@ -44,6 +44,11 @@ CONFIGS = {
     "bert-large-mlm-untied": {**BERT_LARGE, "tie_word_embeddings": False},
     "roberta-base-mlm": ROBERTA_BASE,
     "roberta-base-cls": {**ROBERTA_BASE, "architectures": ["RobertaForSequenceClassification"]},
+    # FacebookAI/xlm-roberta-base config.json (RoBERTa's code, a 250k vocabulary)
+    "xlm-roberta-base-cls": {**ROBERTA_BASE, "model_type": "xlm-roberta", "vocab_size": 250002,
+                             "architectures": ["XLMRobertaForSequenceClassification"]},
+    "camembert-base-mlm": {**ROBERTA_BASE, "model_type": "camembert", "vocab_size": 32005,
+                           "architectures": ["CamembertForMaskedLM"]},
 }
 
 

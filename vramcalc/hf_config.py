@@ -66,13 +66,17 @@ _GENERIC_DEFAULTS: dict[str, Any] = {
 _ENCODER_DEFAULTS: dict[str, tuple[int, int, int]] = {
     "bert": (30522, 512, 2),
     "roberta": (50265, 512, 2),
+    "xlm-roberta": (30522, 512, 2),  # configuration_xlm_roberta.py (RoBERTa's code)
+    "camembert": (30522, 512, 2),  # configuration_camembert.py (RoBERTa's code)
 }
+# RoBERTa's modeling code: positions from the token ids, starting at padding_idx + 1 = 2
+ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
 # architectures[0] suffix -> the head (`task`); anything else takes a classification head
 _ENCODER_TASKS = {"ForSequenceClassification": "sequence_classification",
                   "ForMaskedLM": "masked_lm"}
 # encoder-only and encoder-decoder types not modelled yet (`_refuse_other_encoders`)
 _OTHER_ENCODERS = ("modernbert", "distilbert", "albert", "electra", "deberta", "deberta-v2",
-                   "xlm-roberta", "camembert", "mpnet", "longformer", "t5", "mt5", "umt5",
+                   "mpnet", "longformer", "t5", "mt5", "umt5",
                    "bart", "mbart", "pegasus", "marian", "led", "xlm", "flaubert", "funnel",
                    "roformer", "squeezebert", "nomic_bert", "jina_bert", "ernie", "megatron-bert")
 SUPPORTED_MODEL_TYPES = ("gpt2", *_DEFAULTS, *_ENCODER_DEFAULTS)
@@ -349,7 +353,8 @@ def _mla_fields(c: _Cfg, model_type: str, fields: dict[str, Any]) -> dict[str, A
 def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
     """Map a Hugging Face `config.json` dict to a ModelSpec.
 
-    Supported model_type: bert and roberta (encoders, `_encoder_fields`), gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
+    Supported model_type: bert, roberta, xlm-roberta, camembert (encoders,
+    `_encoder_fields`), gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
     qwen3_moe, phi3, deepseek_v2, deepseek_v3 (multi-latent attention), gemma (gemma2 / gemma3_text need 4 norms per layer, see `_four_norms`);
     any other model_type is read as a llama-like decoder from the generic keys
     (hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size),

@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict
 
 from vramcalc.errors import InputError
 from vramcalc.hardware import Cluster
+from vramcalc.hf_config import ROBERTA_TYPES
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig, resolve_layout
 from vramcalc.training import TORCH_STEPPED, TrainingConfig, optimizer_in_backward_problem
@@ -37,7 +38,7 @@ def encoder_unsupported(scn: Scenario) -> str | None:
     if tr.framework in ("megatron", "torchtitan"):
         return f"--framework {tr.framework} (its models are decoders; use --framework hf)"
     # RoBERTa numbers positions from padding_idx + 1 = 2 (create_position_ids_from_input_ids)
-    positions = spec.max_position_embeddings - (2 if spec.model_type == "roberta" else 0)
+    positions = spec.max_position_embeddings - (2 if spec.model_type in ROBERTA_TYPES else 0)
     if tr.seq_len > positions:
         return (f"--seq-len {tr.seq_len} (its learned positions cover {positions} tokens: "
                 f"give --seq-len {positions} or less)")

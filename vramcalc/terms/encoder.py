@@ -24,6 +24,7 @@ linear keeps its own 16-bit cast of its input.
 
 from __future__ import annotations
 
+from vramcalc.hf_config import ROBERTA_TYPES
 from vramcalc.model import ModelSpec
 from vramcalc.rank import RankContext
 from vramcalc.terms.saved import Dims, Moment, Saved, bsh, dims
@@ -118,7 +119,7 @@ def embedding_saved(ctx: RankContext) -> list[Saved]:
                  "the loader's batch")]
     if spec.type_vocab_size:
         out.append(Saved("token_type_ids", x.s, "int64", "(1, s)", "gathered from the buffer"))
-    if spec.model_type == "roberta":
+    if spec.model_type in ROBERTA_TYPES:
         out.append(Saved("position_ids", x.b * x.s, "int64", "(b, s)",
                          "create_position_ids_from_input_ids, kept by the embedding"))
     out += _layer_norm(x, "embed_norm", x.T)
@@ -146,7 +147,7 @@ def head_saved(ctx: RankContext) -> list[Saved]:
         out += _linear_input(x, "lm_head.input", bsh(x), 1, "(T, h) normed")
         return out
     out = []
-    roberta = spec.model_type == "roberta"
+    roberta = spec.model_type in ROBERTA_TYPES
     if roberta and hid:
         out += [Saved("pooler.drop_mask", b * h, "bool", "(b, h)", "dropout on y[:, 0]")]
         out += _linear_input(x, "pooler.input", b * h, 1, "(b, h) dropped first token")

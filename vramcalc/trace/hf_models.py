@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from vramcalc.errors import InputError
+from vramcalc.hf_config import ROBERTA_TYPES
 from vramcalc.model import ModelSpec
 from vramcalc.training import TrainingConfig
 
@@ -57,7 +58,7 @@ def _unsupported(spec: ModelSpec, why: str) -> InputError:
 def hf_family(spec: ModelSpec) -> str:
     """The transformers architecture that matches the spec's parameters (see module doc)."""
     if spec.is_encoder:
-        return "roberta" if spec.model_type == "roberta" else "bert"
+        return "roberta" if spec.model_type in ROBERTA_TYPES else "bert"
     if spec.norm_kind == "layernorm" or spec.position_embedding == "learned" or (
             spec.mlp_kind == "standard"):
         ok = (spec.norm_kind == "layernorm" and spec.norm_bias and spec.position_embedding
