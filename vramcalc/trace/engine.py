@@ -6,7 +6,7 @@ so every tensor has its true shape and dtype but no storage, and runs `ITERATION
 iterations of
 
     for each of grad_accum micro-batches: forward (loss inside) -> backward
-    optimizer.step() -> optimizer.zero_grad(set_to_none=True)
+    optimizer.step() -> optimizer.zero_grad(set_to_none=True, or False with --no-set-to-none)
 
 under `MemoryTracker` (vramcalc/trace/tracker.py), with CUDA's autocast lists and kernel
 allocations (vramcalc/trace/cuda_rules.py). The report is the last (steady-state)
