@@ -293,7 +293,22 @@ def value_bytes(case: dict[str, Any]) -> int | None:
     return round(float(match.group(1)) * _UNIT[match.group(2).lower()])
 
 
-_BERT = "BERT encoder (bidirectional, sequence-classification head; vramcalc models decoders)"
+# HF Trainer on transformers v4.20 (the doc's commit): BertForSequenceClassification with
+# eager attention (BERT had no SDPA path then) and dropout 0.1 (the bert-large preset), the
+# Trainer's default optim adamw_hf (transformers' own AdamW: a Python loop over parameters
+# -> --optimizer-impl loop); the Trainer's `model.zero_grad()` (trainer.py
+# `_inner_training_loop`) on the torch of that time (< 2.0: set_to_none=False by default,
+# pytorch/pytorch#92731 switched it for 2.0) keeps zeroed gradients -> --no-set-to-none
+_BERT = {"model": "bert-large", "task": "sequence-classification", "gpus": "1xV100-16GB",
+         "framework": "hf", "precision": "fp32", "optimizer": "adamw",
+         "optimizer_impl": "loop", "attention": "eager", "recompute": "none",
+         "set_to_none": False}
+_BERT_NOTES = ["transformers v4.20 BERT: eager attention, dropout 0.1 (masks kept); Trainer "
+               "adamw_hf -> --optimizer-impl loop",
+               "Trainer's model.zero_grad() on torch < 2.0 (set_to_none=False, the default "
+               "until pytorch/pytorch#92731) -> --no-set-to-none",
+               "NVML reading: device total with the V100 profile's CUDA context (500 MiB "
+               "planning default; the same doc measured 1343 MiB after a 1x1 tensor)"]
 _DYNAMIC = "sequence length not fixed (batches padded to their longest sample)"
 _COMPILE = "torch.compile (the compiled graph's saved tensors are not modelled)"
 _TITAN_FLOAT8 = "torchao float8 linears (vramcalc's fp8 is Transformer Engine's)"
@@ -350,10 +365,16 @@ _LITGPT_PHI15 = {
 # function of seq_len), or the features vramcalc lacks to express it. The metric is read
 # from the record (`metric_kind`); an unstated metric is missing on its own.
 MEASURED_TABLE: dict[str, dict[str, Any]] = {
-    "hf-bertlarge-weights-only-v100": {"missing": [_BERT, "model load only, no training step"]},
-    "hf-bertlarge-bs4-fp32-adamw-v100": {"missing": [_BERT]},
-    "hf-bertlarge-bs1-ga4-gc-fp32-adamw-v100": {"missing": [_BERT]},
-    "hf-bertlarge-bs4-fp16amp-adamw-v100": {"missing": [_BERT]},
+    "hf-bertlarge-weights-only-v100": {
+        "missing": ["model load only, no training step (vramcalc reports training steps; no "
+                    "load-phase reading)"]},
+    "hf-bertlarge-bs4-fp32-adamw-v100": {"flags": _BERT, "notes": _BERT_NOTES},
+    "hf-bertlarge-bs1-ga4-gc-fp32-adamw-v100": {
+        "flags": {**_BERT, "recompute": "full"},
+        "notes": [*_BERT_NOTES, "gradient_checkpointing=True -> --recompute full"]},
+    "hf-bertlarge-bs4-fp16amp-adamw-v100": {
+        "flags": {**_BERT, "precision": "amp-fp16"},
+        "notes": [*_BERT_NOTES, "fp16=True: torch autocast, fp32 weights -> amp-fp16"]},
     "torchtune-llama2-7b-lora-r8-qv-1gpu": {
         "flags": {"model": "llama2-7b", **_TUNE, "seq_len": 512, "optimizer_impl": "foreach",
                   "finetune": "lora", "lora_rank": 8, "lora_targets": "q,v",

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vramcalc.model import ModelSpec, param_tensors
+from vramcalc.model import ModelSpec
+from vramcalc.model_tensors import param_tensors
 
 ADDITIONAL_BUFFER_FACTOR = 1.5  # DeepSpeed's default additional_buffer_factor
 

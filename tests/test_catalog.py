@@ -474,8 +474,12 @@ def transformers_count(cfg: dict[str, Any]) -> int:
     transformers = pytest.importorskip("transformers")
     clean = {k: v for k, v in cfg.items() if k not in ("auto_map", "architectures")}
     config = transformers.AutoConfig.for_model(**clean)
+    arch = (cfg.get("architectures") or [""])[0]  # encoders: the head their config names
+    auto = (transformers.AutoModelForSequenceClassification
+            if arch.endswith("ForSequenceClassification") else transformers.AutoModelForMaskedLM
+            if arch.endswith("ForMaskedLM") else transformers.AutoModelForCausalLM)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -512,6 +516,13 @@ def preset_as_hf_config(spec: ModelSpec) -> dict[str, Any]:
             "num_local_experts": spec.num_local_experts,
             "num_experts_per_tok": spec.num_experts_per_tok,
         }
+    if spec.is_encoder:  # BERT / RoBERTa: token types, and the head the preset names
+        head = {"sequence_classification": "ForSequenceClassification",
+                "masked_lm": "ForMaskedLM"}[spec.task]
+        cfg |= {"type_vocab_size": spec.type_vocab_size, "num_labels": spec.num_labels,
+                "architectures": [spec.model_type.capitalize() + head]}
+        for key in ("num_key_value_heads", "head_dim"):
+            cfg.pop(key)
     return cfg
 
 

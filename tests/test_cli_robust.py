@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from vramcalc.cli import main
 from vramcalc.options import SCENARIO_OPTIONS
 
-MODELS = ["gpt2", "8b", "70b", "mixtral-8x7b", "qwen2.5-7b", "llama2-7b"]
+MODELS = ["gpt2", "8b", "70b", "mixtral-8x7b", "qwen2.5-7b", "llama2-7b", "bert-large", "roberta-base"]
 GPUS = ["4090", "A100", "H100", "8xH100", "2x8xA100-80GB", "910B", "MI300X", "8xB200"]
 NUMBERS = {"tp": ["1", "2", "8"], "pp": ["1", "2", "4"], "cp": ["1", "2"], "ep": ["1", "8"],
            "zero": ["0", "1", "3"], "seq_len": ["256", "4096"], "micro_batch_size": ["1", "2"],

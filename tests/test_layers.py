@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vramcalc"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("vramcalc.errors", "vramcalc.units", "vramcalc.yamlio", "vramcalc.allocator",
               "vramcalc.qlora")),
-    ("types", ("vramcalc.model", "vramcalc.training", "vramcalc.hardware", "vramcalc.parallel",
+    ("types", ("vramcalc.model", "vramcalc.model_tensors", "vramcalc.training", "vramcalc.hardware", "vramcalc.parallel",
                "vramcalc.scenario", "vramcalc.report", "vramcalc.catalog", "vramcalc.hf_config",
                "vramcalc.features", "vramcalc.ds_config",
                "vramcalc.options", "vramcalc.provenance")),

@@ -26,7 +26,8 @@ from vramcalc.analytic import estimate
 from vramcalc.cli import main
 from vramcalc.errors import InputError
 from vramcalc.hf_config import from_hf_config
-from vramcalc.model import ModelSpec, param_tensors, spec_from_fields
+from vramcalc.model import ModelSpec, spec_from_fields
+from vramcalc.model_tensors import param_tensors
 from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
 from vramcalc.report import ALLOCATED_TERMS

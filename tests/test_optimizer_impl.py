@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from vramcalc.analytic import estimate
 from vramcalc.cli import main
-from vramcalc.model import param_tensors
+from vramcalc.model_tensors import param_tensors
 from vramcalc.training import TrainingConfig
 from vramcalc.validate import SHAPES, scenario_for
 

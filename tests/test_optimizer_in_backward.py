@@ -25,7 +25,8 @@ import pytest
 from vramcalc.analytic import estimate
 from vramcalc.cli import main
 from vramcalc.cli.plan import prepare_plan
-from vramcalc.model import ModelSpec, param_tensors
+from vramcalc.model import ModelSpec
+from vramcalc.model_tensors import param_tensors
 from vramcalc.planner import MemoryBound, enumerate_candidates, estimate_candidate, search
 from vramcalc.scenario import Scenario
 from vramcalc.training import TrainingConfig

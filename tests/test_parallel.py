@@ -13,7 +13,8 @@ from vramcalc.analytic import candidate_stages, estimate
 from vramcalc.catalog import resolve_model
 from vramcalc.cli import main
 from vramcalc.errors import InputError
-from vramcalc.model import ModelSpec, param_tensors
+from vramcalc.model import ModelSpec
+from vramcalc.model_tensors import param_tensors
 from vramcalc.offload import offload_footprint, offload_traffic
 from vramcalc.options import build_scenario
 from vramcalc.parallel import ParallelConfig, resolve_layout

@@ -18,7 +18,8 @@ import pytest
 
 from vramcalc.errors import InputError
 from vramcalc.hf_config import from_hf_config
-from vramcalc.model import ModelSpec, param_tensors, spec_from_fields
+from vramcalc.model import ModelSpec, spec_from_fields
+from vramcalc.model_tensors import param_tensors
 from vramcalc.scenario import Scenario
 from vramcalc.training import TrainingConfig
 

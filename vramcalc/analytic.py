@@ -40,12 +40,12 @@ from vramcalc.terms import activations as act
 from vramcalc.terms import comm
 from vramcalc.terms import transients as tr
 from vramcalc.terms.gradients import (
+    embedding_backward_bytes,
     gradients_at_step_bytes,
     gradients_bytes,
     gradients_persistent,
     late_gradient_bytes,
     layer_gradient_bytes,
-    tied_embedding_grad_bytes,
 )
 from vramcalc.terms.load import load_parts
 from vramcalc.terms.lowprec import check_lowprec
@@ -327,10 +327,10 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
         # the embedding's backward ends the sweep: every gradient exists; with tied
         # embeddings the head's share waits in autograd's input buffer and is summed with
         # the embedding's out of place (3 copies of the V·h gradient at once)
-        tied = tied_embedding_grad_bytes(ctx)
+        tied, emb_work = embedding_backward_bytes(ctx, keep_grads)
         end_grads = ib.embed[0] if ib else G + (tied if keep_grads else 0)
         for work, hooked in ((2 * ib.waiting, {}), (0, {"transients/optimizer_step": ib.embed[1]})
-                             ) if ib else ((2 * tied, {}),):
+                             ) if ib else ((emb_work, {}),):
             candidates.append(Phase("backward", B, end_grads, {
                 "activations": int(prev * A_mb + A_emb),
                 "transients/autocast_cache": int(prev * C_mb),

@@ -74,7 +74,8 @@ def explain(scn: Scenario) -> dict[str, Any]:
         + (f", sharded over {ctx.grad_shard} ranks (ZeRO-2+/FSDP)" if ctx.grad_shard > 1 else "")
         + f": {_gb(gradients_bytes(ctx))} once backward has finished.",
         "With zero_grad(set_to_none=True) they do not exist during forward unless gradients "
-        "are accumulated over micro-batches.",
+        "are accumulated over micro-batches." if tr.set_to_none else "zero_grad(set_to_none="
+        "False) keeps them, zeroed, through every forward (--no-set-to-none).",
     ] if not tr.optimizer_in_backward else [
         f"One {tr.grad_dtype} gradient ({gb_} B) per trained parameter, but with the optimizer "
         "inside backward each parameter's optimizer steps as soon as its gradient exists and "

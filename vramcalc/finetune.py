@@ -51,7 +51,8 @@ from functools import lru_cache
 from typing import Protocol
 
 from vramcalc.errors import InputError
-from vramcalc.model import ModelSpec, param_tensors
+from vramcalc.model import ModelSpec
+from vramcalc.model_tensors import param_tensors
 from vramcalc.parallel import ParallelConfig
 from vramcalc.qlora import (  # noqa: F401  (re-exported: the NF4 layout constants)
     NF4_BLOCK,
@@ -132,8 +133,8 @@ FUSED_GATE_UP = ("gate", "up")
 
 def fused_family(spec: ModelSpec, framework: str) -> str | None:
     """'gpt2' or 'phi3' when the hf profile builds this model with fused projections
-    (vramcalc.terms.saved.hf_family), else None."""
-    if framework != "hf":
+    (vramcalc.terms.saved.hf_family), else None (encoders: separate q, k, v)."""
+    if framework != "hf" or spec.is_encoder:
         return None
     if spec.norm_kind == "layernorm" or spec.mlp_kind == "standard":
         return "gpt2"

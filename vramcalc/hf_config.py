@@ -62,7 +62,25 @@ _GENERIC_DEFAULTS: dict[str, Any] = {
     "act": "silu",
     "pos": 4096,
 }
-SUPPORTED_MODEL_TYPES = ("gpt2", *_DEFAULTS)
+# Encoders (configuration_bert.py, configuration_roberta.py @ transformers 5.24): vocab,
+# max positions, token types; hidden_act "gelu", dropout 0.1, tied MLM decoder by default.
+_ENCODER_DEFAULTS: dict[str, tuple[int, int, int]] = {
+    "bert": (30522, 512, 2),
+    "roberta": (50265, 512, 2),
+    "xlm-roberta": (30522, 512, 2),  # configuration_xlm_roberta.py (RoBERTa's code)
+    "camembert": (30522, 512, 2),  # configuration_camembert.py (RoBERTa's code)
+}
+# RoBERTa's modeling code: positions from the token ids, starting at padding_idx + 1 = 2
+ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
+# architectures[0] suffix -> the head (`task`); anything else takes a classification head
+_ENCODER_TASKS = {"ForSequenceClassification": "sequence_classification",
+                  "ForMaskedLM": "masked_lm"}
+# encoder-only and encoder-decoder types not modelled yet (`_refuse_other_encoders`)
+_OTHER_ENCODERS = ("modernbert", "distilbert", "albert", "electra", "deberta", "deberta-v2",
+                   "mpnet", "longformer", "t5", "mt5", "umt5",
+                   "bart", "mbart", "pegasus", "marian", "led", "xlm", "flaubert", "funnel",
+                   "roformer", "squeezebert", "nomic_bert", "jina_bert", "ernie", "megatron-bert")
+SUPPORTED_MODEL_TYPES = ("gpt2", *_DEFAULTS, *_ENCODER_DEFAULTS)
 
 
 class _Cfg:
@@ -157,6 +175,89 @@ def _gpt2_fields(c: _Cfg) -> dict[str, Any]:
         "attention_out_bias": True,
         "mlp_bias": True,
         "position_embedding": "learned",
+    }
+
+
+def encoder_task(cfg: dict[str, Any]) -> str:
+    """The head an encoder config's `architectures` names (BertForMaskedLM -> masked_lm);
+    sequence_classification when it names neither head (BertModel, BertForPreTraining, none)."""
+    archs = cfg.get("architectures")
+    first = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
+    return next((t for suffix, t in _ENCODER_TASKS.items() if first.endswith(suffix)),
+                "sequence_classification")
+
+
+def _refuse_other_encoders(c: _Cfg, model_type: str) -> None:
+    """Encoder-only and encoder-decoder configs other than BERT / RoBERTa would otherwise be
+    read as llama-like decoders (many carry hidden_size, num_hidden_layers, ...): refused.
+    Recognised by `is_encoder_decoder`, the type, or (for types vramcalc does not know) an
+    encoder's head in `architectures` (decoders with a classification head keep theirs)."""
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return
+    archs = c.cfg.get("architectures")
+    first = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
+    heads = ("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification",
+             "ForQuestionAnswering", "ForMultipleChoice")
+    if (c.cfg.get("is_encoder_decoder") is True or first.endswith(heads)
+            or model_type in _OTHER_ENCODERS):
+        raise InputError(
+            f"{c.source}: model_type '{model_type}' is an encoder or encoder-decoder model "
+            f"vramcalc does not model yet (encoders: {', '.join(_ENCODER_DEFAULTS)})")
+
+
+def with_task(spec: ModelSpec, task: str) -> ModelSpec:
+    """The encoder `spec` with the head `task` (sequence-classification | masked-lm, the
+    --task option). A masked-LM head ties its decoder to the word embedding, as BERT's and
+    RoBERTa's configs do (tie_word_embeddings: false needs a model YAML)."""
+    if not spec.is_encoder:
+        raise InputError(f"--task {task}: {spec.name} is a decoder (causal LM); --task picks "
+                         "an encoder's head (bert, roberta)")
+    name = task.replace("-", "_")
+    return spec.model_copy(update={"task": name,
+                                   "tie_word_embeddings": name == "masked_lm"})
+
+
+def _encoder_fields(c: _Cfg, model_type: str) -> dict[str, Any]:
+    """BERT / RoBERTa (modeling_bert.py, modeling_roberta.py): q, k, v, o and both MLP
+    matrices with biases, post-LayerNorm with bias, absolute learned positions, token types.
+    The head comes from `architectures` (`encoder_task`); num_labels from id2label, else
+    num_labels (2)."""
+    vocab, pos, types = _ENCODER_DEFAULTS[model_type]
+    keys = tuple(k for k in _GENERIC_KEYS if k != "vocab_size")
+    c.require(keys, model_type)
+    if c.get_str("position_embedding_type", "absolute") != "absolute":
+        raise InputError(f"{c.source}: only absolute position embeddings are modelled "
+                         f"(position_embedding_type={c.cfg['position_embedding_type']!r})")
+    if c.get_bool("is_decoder", False) or c.get_bool("add_cross_attention", False):
+        raise InputError(f"{c.source}: {model_type} as a decoder (is_decoder, "
+                         "add_cross_attention) is not modelled; encoders only")
+    labels = c.cfg.get("id2label")
+    dropout = {}
+    for key in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+        value = c._raw(key, 0.1)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise InputError(f"{c.source}: {key} must be a number in [0, 1), got {value!r}")
+        dropout[key] = float(value)
+    if c.cfg.get("classifier_dropout") not in (None, dropout["hidden_dropout_prob"]):
+        raise InputError(f"{c.source}: a classifier_dropout other than hidden_dropout_prob "
+                         "is not modelled")
+    return {
+        "architecture": "encoder",
+        "task": encoder_task(c.cfg),
+        "num_labels": len(labels) if isinstance(labels, dict) and labels else c.get_int(
+            "num_labels", 2),
+        "hidden_size": c.get_int("hidden_size"),
+        "num_hidden_layers": c.get_int("num_hidden_layers"),
+        "num_attention_heads": c.get_int("num_attention_heads"),
+        "intermediate_size": c.get_int("intermediate_size"),
+        "vocab_size": c.get_int("vocab_size", vocab),
+        "max_position_embeddings": c.get_int("max_position_embeddings", pos),
+        "type_vocab_size": c.get_int("type_vocab_size", types),
+        "hidden_act": c.get_str("hidden_act", "gelu"),
+        "tie_word_embeddings": c.get_bool("tie_word_embeddings", True),
+        "mlp_kind": "standard", "norm_kind": "layernorm", "norm_bias": True,
+        "attention_bias": True, "attention_out_bias": True, "mlp_bias": True,
+        "position_embedding": "learned", "final_norm": False, **dropout,
     }
 
 
@@ -284,13 +385,15 @@ def _mla_fields(c: _Cfg, model_type: str, fields: dict[str, Any]) -> dict[str, A
 def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
     """Map a Hugging Face `config.json` dict to a ModelSpec.
 
-    Supported model_type: gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
+    Supported model_type: bert, roberta, xlm-roberta, camembert (encoders,
+    `_encoder_fields`), gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
     qwen3_moe, phi (phi-1, phi-1.5, phi-2), phi3, deepseek_v2, deepseek_v3 (multi-latent attention), gemma (gemma2 / gemma3_text need 4 norms per layer, see `_four_norms`);
     any other model_type is read as a llama-like decoder from the generic keys
     (hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size),
     honouring attention_bias / mlp_bias / tie_word_embeddings when present. Keys a file
     leaves out take transformers' defaults for that type. `auto_map` (remote code),
-    rope_scaling, dropout and dtype keys are ignored. Bad input raises InputError.
+    rope_scaling and dtype keys are ignored, and dropout keys too except an encoder's.
+    Bad input raises InputError.
     """
     if not isinstance(cfg, dict):
         raise InputError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
@@ -298,9 +401,12 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
     model_type = c.get_str("model_type", "")
     name = _name_from_source(source)
 
+    _refuse_other_encoders(c, model_type)
     fields: dict[str, Any]
     if model_type == "gpt2":
         fields = _gpt2_fields(c)
+    elif model_type in _ENCODER_DEFAULTS:
+        fields = _encoder_fields(c, model_type)
     else:
         defaults = _DEFAULTS.get(model_type, _GENERIC_DEFAULTS)
         fields = _decoder_fields(c, model_type or "(none)", defaults)

@@ -1,4 +1,4 @@
-"""ModelSpec: the architecture of a decoder-only transformer, and its exact parameter count.
+"""ModelSpec: a transformer's architecture (decoder or encoder) and its exact parameter count.
 
 Field names follow Hugging Face `config.json`. Parameter counts are exact: every
 matrix, bias and norm vector is counted, as `sum(p.numel() for p in model.parameters())`
@@ -10,6 +10,7 @@ E = num_local_experts, fe = moe_intermediate_size.
 Multi-latent attention (DeepSeek-V2/V3, `kv_lora_rank` set): qr = q_lora_rank (None: a plain
 q projection), kr = kv_lora_rank, dn = qk_nope_head_dim, dr = qk_rope_head_dim,
 dv = v_head_dim; q/k heads are dn + dr wide (head_dim), v heads dv.
+Encoders (BERT, RoBERTa): T = type_vocab_size, n = num_labels (see `encoder_tensors`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ MAX_LAYERS = 100_000
 
 
 class ModelSpec(BaseModel):
-    """A decoder-only transformer; see the module docstring for the letters."""
+    """A decoder-only or encoder-only transformer; see the module docstring for the letters."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -82,7 +83,21 @@ class ModelSpec(BaseModel):
     # otherwise (Gemma 2: N = 2, Gemma 3: N = 6, transformers `layer_types`).
     sliding_window: int | None = Field(None, gt=0, le=100_000_000)
     sliding_window_pattern: int = Field(0, ge=0, le=MAX_LAYERS)
+    # encoders: post-LayerNorm, a classification / masked-LM head, the config's dropout
+    architecture: Literal["decoder", "encoder"] = "decoder"
+    task: Literal["causal_lm", "sequence_classification", "masked_lm"] = "causal_lm"
+    num_labels: int = Field(2, gt=0, le=1_000_000)
+    type_vocab_size: int = Field(0, ge=0, le=MAX_DIM)
+    hidden_dropout_prob: float = Field(0.0, ge=0.0, lt=1.0)
+    attention_probs_dropout_prob: float = Field(0.0, ge=0.0, lt=1.0)
     source: str = "custom"  # where the spec came from (preset, file path)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _untie_classifier(cls, data: Any) -> Any:
+        """A classification head has no vocabulary projection to tie."""
+        cls_head = isinstance(data, dict) and data.get("task") == "sequence_classification"
+        return {**data, "tie_word_embeddings": False} if cls_head else data
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -116,7 +131,19 @@ class ModelSpec(BaseModel):
                 self.sliding_window_pattern and self.sliding_window is None):
             raise InputError("sliding_window_pattern needs a sliding_window and must be 0 "
                              "(every layer local) or at least 2")
+        self._check_encoder()
         return self
+
+    def _check_encoder(self) -> None:
+        dropout = self.hidden_dropout_prob or self.attention_probs_dropout_prob
+        if self.is_encoder == (self.task == "causal_lm") or dropout and not self.is_encoder:
+            raise InputError("encoders take task sequence_classification or masked_lm, decoders "
+                             "causal_lm; dropout probabilities are modelled for encoders only")
+        if self.is_encoder and (self.is_moe or self.is_mla or self.mlp_kind != "standard"
+                or self.norm_kind != "layernorm" or self.position_embedding != "learned"
+                or self.final_norm or self.qk_norm or self.num_layer_norms != 2):
+            raise InputError("encoders are BERT-style: a 2-matrix MLP, LayerNorm, learned "
+                             "positions, no final norm, no MoE / MLA / qk_norm")
 
     def _check_mla(self) -> None:
         mla = (self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
@@ -135,6 +162,9 @@ class ModelSpec(BaseModel):
                              "num_attention_heads")
 
     # ---- derived shapes -------------------------------------------------
+    @property
+    def is_encoder(self) -> bool:
+        return self.architecture == "encoder"
     @property
     def kv_heads(self) -> int:
         return self.num_key_value_heads or self.num_attention_heads
@@ -266,11 +296,14 @@ class ModelSpec(BaseModel):
         n = self.vocab_size * self.hidden_size
         if self.position_embedding == "learned":
             n += self.max_position_embeddings * self.hidden_size
-        return n
+        return n + sum(t.numel for t in encoder_tensors(self) if t.group == "embedding")
 
     @cached_property
     def head_params(self) -> int:
-        """Output projection h->V (zero when tied to the embedding) and its bias."""
+        """Output projection h->V (zero when tied to the embedding) and its bias (encoders:
+        their head)."""
+        if self.is_encoder:
+            return sum(t.numel for t in encoder_tensors(self) if t.group == "head")
         bias = self.vocab_size if self.lm_head_bias else 0
         return bias + (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
 
@@ -336,7 +369,6 @@ def spec_from_fields(fields: dict[str, Any], where: str) -> ModelSpec:
         ) from None
 
 
-
 @dataclass(frozen=True)
 class ParamTensor:
     """One parameter tensor shape, repeated `count` times in the model.
@@ -390,87 +422,30 @@ def mla_tensors(spec: ModelSpec) -> tuple[tuple[str, int, int, bool], ...]:
 
 
 @lru_cache(maxsize=256)
-def param_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
-    """Every parameter tensor of the model with its element count (matches ModelSpec.num_params).
+def encoder_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
+    """An encoder's parameters outside its layers (none for a decoder). transformers 5.24
+    modeling_bert.py (modeling_roberta.py alike): BertEmbeddings' token_type_embeddings (T, h)
+    and LayerNorm; BertForSequenceClassification's pooler dense (h->h) and classifier (h->n)
+    (RobertaClassificationHead's dense and out_proj: the same counts); BertForMaskedLM's
+    transform dense (h->h) and LayerNorm, `cls.predictions.bias` (V), the decoder tied to the
+    word embedding and sharing that bias (untied: its own V·h weight and V bias)."""
+    if not spec.is_encoder:
+        return ()
+    h, V, T = spec.hidden_size, spec.vocab_size, spec.type_vocab_size
 
-    Cached per spec (ModelSpec is frozen and hashable): the planner calls this per estimate.
-    """
-    h, a, g, d = spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.head_size
-    out: list[ParamTensor] = [ParamTensor(name="embed_tokens", numel=spec.vocab_size * h, count=1,
-                                          group="embedding", rows=spec.vocab_size)]
-    if spec.position_embedding == "learned":
-        out.append(ParamTensor(name="embed_positions", numel=spec.max_position_embeddings * h,
-                               count=1, group="embedding", tp_split=False,
-                               rows=spec.max_position_embeddings))
+    def t(name: str, numel: int, group: str, rows: int = 0) -> ParamTensor:
+        return ParamTensor(name, numel, 1, group, tp_split=False, rows=rows)
 
-    def norm(name: str, width: int, count: int, group: str) -> None:
-        out.append(ParamTensor(name=f"{name}.weight", numel=width, count=count, group=group,
-                               tp_split=False))
-        if spec.norm_bias:
-            out.append(ParamTensor(name=f"{name}.bias", numel=width, count=count, group=group,
-                                   tp_split=False))
-
-    def mlp(prefix: str, ffn: int, count: int, group: str) -> None:
-        mats = ["gate_proj", "up_proj", "down_proj"] if spec.mlp_kind == "gated" else ["fc", "proj"]
-        for m in mats:
-            rows = h if m in ("down_proj", "proj") else ffn
-            out.append(ParamTensor(name=f"{prefix}.{m}.weight", numel=h * ffn, count=count,
-                                   group=group, rows=rows))
-            if spec.mlp_bias:
-                width = h if m in ("down_proj", "proj") else ffn
-                out.append(ParamTensor(name=f"{prefix}.{m}.bias", numel=width, count=count,
-                                       group=group, tp_split=width == ffn))
-
-    L = spec.num_hidden_layers
-    if spec.is_mla:
-        out += [ParamTensor(name=f"attn.{n}", numel=numel, count=L, group="layer", rows=rows,
-                            tp_split=split) for n, numel, rows, split in mla_tensors(spec)]
+    out = [t("embed_token_types", T * h, "embedding", T)] if T else []
+    out += [t("embed_norm.weight", h, "embedding"), t("embed_norm.bias", h, "embedding")]
+    if spec.task == "sequence_classification":
+        n = spec.num_labels
+        out += [t("pooler.dense.weight", h * h, "head", h), t("pooler.dense.bias", h, "head"),
+                t("classifier.weight", n * h, "head", n), t("classifier.bias", n, "head")]
     else:
-        out.append(ParamTensor(name="attn.q_proj.weight", numel=h * a * d, count=L,
-                               group="layer", rows=a * d))
-        out.append(ParamTensor(name="attn.k_proj.weight", numel=h * g * d, count=L,
-                               group="layer", rows=g * d))
-        out.append(ParamTensor(name="attn.v_proj.weight", numel=h * g * d, count=L,
-                               group="layer", rows=g * d))
-        out.append(ParamTensor(name="attn.o_proj.weight", numel=a * d * h, count=L,
-                               group="layer", rows=h))
-        if spec.attention_bias:
-            out.append(ParamTensor(name="attn.q_proj.bias", numel=a * d, count=L, group="layer"))
-            out.append(ParamTensor(name="attn.k_proj.bias", numel=g * d, count=L, group="layer"))
-            out.append(ParamTensor(name="attn.v_proj.bias", numel=g * d, count=L, group="layer"))
-        if spec.attention_out_bias:
-            out.append(ParamTensor(name="attn.o_proj.bias", numel=h, count=L, group="layer",
-                                   tp_split=False))
-        if spec.qk_norm:
-            norm("attn.q_norm", d, L, "layer")
-            norm("attn.k_norm", d, L, "layer")
-    norm("input_layernorm", h, L, "layer")
-    if spec.num_layer_norms >= 2:
-        norm("post_attention_layernorm", h, L, "layer")
-    for i in range(spec.num_layer_norms - 2):
-        norm(f"extra_layernorm_{i}", h, L, "layer")
-    if spec.num_dense_layers:
-        mlp("mlp", spec.intermediate_size, spec.num_dense_layers, "layer")
-    if spec.num_moe_layers:
-        n_moe = spec.num_moe_layers
-        mlp("experts", spec.expert_ffn, n_moe * spec.num_local_experts, "expert")
-        out.append(ParamTensor(name="router.weight", numel=h * spec.num_local_experts,
-                               count=n_moe, group="layer", tp_split=False,
-                               rows=spec.num_local_experts))
-        if spec.router_bias:
-            out.append(ParamTensor(name="router.bias", numel=spec.num_local_experts, count=n_moe,
-                                   group="layer", tp_split=False))
-        if spec.num_shared_experts:
-            mlp("shared_expert", spec.shared_ffn, n_moe * spec.num_shared_experts, "layer")
-            if spec.shared_expert_gate:
-                out.append(ParamTensor(name="shared_expert_gate.weight", numel=h, count=n_moe,
-                                       group="layer", tp_split=False, rows=1))
-    if spec.final_norm:
-        norm("norm", h, 1, "final")
-    if not spec.tie_word_embeddings:
-        out.append(ParamTensor(name="lm_head.weight", numel=spec.vocab_size * h, count=1,
-                               group="head", rows=spec.vocab_size))
-    if spec.lm_head_bias:
-        out.append(ParamTensor(name="lm_head.bias", numel=spec.vocab_size, count=1,
-                               group="head", rows=spec.vocab_size))
+        out += [t("mlm.transform.weight", h * h, "head", h), t("mlm.transform.bias", h, "head"),
+                t("mlm.norm.weight", h, "head"), t("mlm.norm.bias", h, "head"),
+                t("mlm.bias", V, "head")]
+        if not spec.tie_word_embeddings:  # the decoder's own weight and bias
+            out += [t("lm_head.weight", V * h, "head", V), t("lm_head.bias", V, "head")]
     return tuple(out)

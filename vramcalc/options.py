@@ -19,6 +19,7 @@ from vramcalc.catalog import resolve_model
 from vramcalc.ds_config import DeepSpeedConfig
 from vramcalc.errors import InputError, suggest
 from vramcalc.hardware import alias_note, parse_gpus
+from vramcalc.hf_config import with_task
 from vramcalc.parallel import ParallelConfig
 from vramcalc.scenario import Scenario
 from vramcalc.training import (
@@ -61,6 +62,10 @@ class Opt:
 SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("model", str, None, "Preset name or alias (70b, llama3-8b, gpt2), or a path to a "
         "Hugging Face config.json / its directory / a model YAML.", group="model"),
+    Opt("task", str, None, "Encoders (bert, roberta): the head, sequence-classification "
+        "(pooler + classifier) or masked-lm (vocabulary logits). Default: the config's "
+        "architectures (else sequence-classification).", ("sequence-classification",
+                                                          "masked-lm"), group="model"),
     Opt("gpus", str, "1xH100", "Cluster: H100, 8xH100, 2x8xA100-80GB (nodes x per node).",
         group="cluster"),
     Opt("seq_len", int, 4096, "Sequence length in tokens."),
@@ -123,6 +128,9 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("chunked_ce", int, 1, "Cross entropy over N token chunks (torchtune's "
         "LinearCrossEntropyLoss): the fp32 logits and their gradients exist one chunk at a "
         "time; 1 = off."),
+    Opt("set_to_none", bool, True, "zero_grad(set_to_none=...): --no-set-to-none keeps "
+        "zeroed gradients allocated through the next forward (torch < 2.0's default, e.g. "
+        "HF Trainer on torch 1.x); one GPU or DDP."),
     Opt("activation_offload", bool, False, "Move saved activations of the transformer layers "
         "to pinned host memory (torchtune OffloadActivations), one layer in flight."),
     Opt("qat", str, "none", "Quantization-aware training of the block linears: none | int8 "
@@ -211,7 +219,8 @@ _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "opt
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
                   "optimizer_in_backward", "compile", "qlora_impl", "bnb_version",
-                  "torchao_version", "nf4_double_quant", "quantize_head", "load")
+                  "torchao_version", "nf4_double_quant", "quantize_head", "load",
+                  "set_to_none")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",
                   "fsdp_impl", "shard_group", "offload_device", "pp_schedule", "virtual_stages",
                   "first_stage_layers", "last_stage_layers", "embedding_in_split",
@@ -320,6 +329,8 @@ def build_scenario(values: dict[str, Any], profile_dirs: list[Path] | None = Non
     if not v.get("model"):
         raise InputError("--model is required (e.g. --model 70b or --model path/to/config.json)")
     spec, model_note = resolve_model(str(v["model"]))
+    if v["task"] is not None:
+        spec = with_task(spec, v["task"])
     cluster = parse_gpus(str(v["gpus"]), profile_dirs)
     gpu_name = str(v["gpus"]).replace("*", "x").replace("X", "x").split("x")[-1]
     gpu_note = alias_note(gpu_name, cluster.gpu)

@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict
 
 from vramcalc.errors import InputError
 from vramcalc.hardware import Cluster
+from vramcalc.hf_config import ROBERTA_TYPES
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig, resolve_layout
 from vramcalc.training import TORCH_STEPPED, TrainingConfig, optimizer_in_backward_problem
@@ -27,6 +28,29 @@ def mla_unsupported(scn: Scenario) -> str | None:
         if on:
             return piece
     return None
+
+
+def encoder_unsupported(scn: Scenario) -> str | None:
+    """What of this scenario the encoder tables (vramcalc/terms/encoder.py) do not model,
+    or None: they follow transformers' BERT / RoBERTa on one GPU or plain data parallelism,
+    full training, 16/32-bit precision, no or full recompute."""
+    tr, par, spec = scn.training, scn.parallel, scn.model
+    if tr.framework in ("megatron", "torchtitan"):
+        return f"--framework {tr.framework} (its models are decoders; use --framework hf)"
+    # RoBERTa numbers positions from padding_idx + 1 = 2 (create_position_ids_from_input_ids)
+    positions = spec.max_position_embeddings - (2 if spec.model_type in ROBERTA_TYPES else 0)
+    if tr.seq_len > positions:
+        return (f"--seq-len {tr.seq_len} (its learned positions cover {positions} tokens: "
+                f"give --seq-len {positions} or less)")
+    pieces = ((f"tp={par.tp}", par.tp > 1), (f"pp={par.pp}", par.pp > 1),
+              (f"cp={par.cp}", par.cp > 1), (f"ep={par.ep}", par.ep > 1),
+              (f"zero={par.zero}", bool(par.zero)), (f"fsdp={par.fsdp}", par.fsdp != "none"),
+              ("offload", bool(par.offload)), (f"--finetune {tr.finetune}", tr.finetune != "full"),
+              ("FP8 / QAT", tr.precision == "fp8" or tr.qat != "none"),
+              ("--recompute selective", tr.recompute == "selective"),
+              ("--chunked-ce", tr.chunked_ce > 1), ("--activation-offload", tr.activation_offload),
+              ("--optimizer-in-backward", tr.optimizer_in_backward))
+    return next((piece for piece, on in pieces if on), None)
 
 
 class Scenario(BaseModel):
@@ -72,8 +96,22 @@ class Scenario(BaseModel):
             raise InputError(f"{self.model.name}: parallel attention + MLP blocks are "
                              "modelled for --framework reference and lightning, not "
                              f"{self.training.framework}")
-        par = resolve_layout(self.model, self.training, self.parallel, self.world_size)
         tr = self.training
+        if self.model.is_encoder:
+            missing = encoder_unsupported(self)
+            if missing:
+                raise InputError(f"{self.model.name}: encoder models are modelled with "
+                                 "transformers' modeling code on one GPU or DDP, full "
+                                 f"training, no or full recompute; not {missing}")
+            if tr.framework == "reference":  # one profile for encoders: transformers' code
+                tr = tr.model_copy(update={"framework": "hf"})
+        par = resolve_layout(self.model, tr, self.parallel, self.world_size)
+        if not tr.set_to_none and (par.engine(tr.framework) not in ("single", "ddp")
+                                   or tr.has_master_weights or tr.optimizer_in_backward):
+            raise InputError("--no-set-to-none is modelled on one GPU or DDP with the "
+                             "optimizer stepping the weights themselves (fp32, amp-*, "
+                             "bf16-pure); ZeRO, FSDP, Megatron-LM and fp32 master copies keep "
+                             "gradient buffers their own way")
         if tr.optimizer_in_backward:
             _check_optimizer_in_backward(tr, par)
         if (tr.optimizer_impl is None and tr.optimizer in TORCH_STEPPED

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
 
-from vramcalc.model import ModelSpec, ParamTensor, param_tensors
+from vramcalc.model import ModelSpec, ParamTensor
+from vramcalc.model_tensors import param_tensors
 from vramcalc.parallel import ParallelConfig
 from vramcalc.units import alloc, ceil_div
 

@@ -204,6 +204,11 @@ class TrainingConfig(BaseModel):
         impl = self.qlora_impl or ("torchao" if self.framework == "torchtune" else None)
         return nf4_layout(impl, self.bnb_version, self.torchao_version,
                           self.nf4_double_quant, self.quantize_head)
+    # zero_grad(set_to_none=...) between steps. False keeps the zeroed gradients allocated
+    # through the next forward: torch < 2.0's default (pytorch/pytorch#92731 made True the
+    # default), e.g. HF Trainer's `model.zero_grad()` on torch 1.x. One GPU or DDP
+    # (vramcalc/terms/gradients.py `gradients_persistent`); left out of dumps when True
+    set_to_none: bool = Field(True, exclude_if=lambda v: v)
 
     @model_validator(mode="after")
     def _impl_exists(self) -> TrainingConfig:

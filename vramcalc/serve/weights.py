@@ -30,7 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramcalc.finetune import nf4_constant_bytes
-from vramcalc.model import ModelSpec, ParamTensor, param_tensors
+from vramcalc.model import ModelSpec, ParamTensor
+from vramcalc.model_tensors import param_tensors
 from vramcalc.serve.kv import kv_heads_per_rank
 from vramcalc.units import ceil_div
 

@@ -47,9 +47,12 @@ def _offloaded(ctx: RankContext) -> bool:
 
 def gradients_persistent(ctx: RankContext) -> bool:
     """Whether the gradient buffer exists for the whole step (forward included): DeepSpeed
-    ZeRO-2/3 partition buffers and Megatron's main-grad buffer are allocated once."""
+    ZeRO-2/3 partition buffers and Megatron's main-grad buffer are allocated once; on one
+    GPU or DDP, `.grad` tensors that zero_grad(set_to_none=False) zeroes and keeps."""
     if _offloaded(ctx):
         return False
+    if not ctx.training.set_to_none and ctx.engine in ("single", "ddp"):
+        return True
     return ctx.engine == "megatron" or (ctx.engine == "deepspeed" and ctx.parallel.zero >= 2)
 
 
@@ -101,6 +104,22 @@ def tied_embedding_grad_bytes(ctx: RankContext) -> int:
     shard = ctx.grad_shard
     return sum(t.count * alloc(-(-t.numel // shard), grad_dtype(ctx)) for t in ctx.tensors
                if t.name == "embed_tokens")
+
+
+def embedding_backward_bytes(ctx: RankContext, keep_grads: bool) -> tuple[int, int]:
+    """(one copy of the tied embedding's gradient, the temporaries of the token embedding's
+    backward). Tied: the head's share waits in autograd's input buffer and is summed with
+    the embedding's out of place (2 copies beside the gradient). Untied, on one GPU or DDP,
+    with gradients kept from an earlier micro-batch: embedding_dense_backward returns a new
+    V·h gradient that AccumulateGrad adds into the existing `.grad` (torch/csrc/autograd/
+    functions/accumulate_grad.h: stolen only when `.grad` is undefined). Encoders only so
+    far (decoders' untied embeddings are refereed without it)."""
+    tied = tied_embedding_grad_bytes(ctx)
+    if tied or not keep_grads or ctx.engine not in ("single", "ddp") or not ctx.spec.is_encoder:
+        return tied, 2 * tied
+    dtype = grad_dtype(ctx)
+    return 0, sum(t.count * alloc(t.numel, dtype) for t in ctx.train_tensors
+                  if t.name == "embed_tokens")
 
 
 def late_gradient_bytes(ctx: RankContext) -> int:

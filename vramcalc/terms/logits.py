@@ -31,6 +31,7 @@ from __future__ import annotations
 from vramcalc.features import chunks_loss, finetunes
 from vramcalc.qlora import dequant_backward_bytes, dequant_matmul_bytes
 from vramcalc.rank import RankContext
+from vramcalc.terms import encoder as enc
 from vramcalc.terms import torchtune as ttn
 from vramcalc.terms.lowmem import (
     chunk_tokens,
@@ -149,6 +150,8 @@ def logits_saved_bytes(ctx: RankContext) -> int:
     the loss and nll_loss's total weight (and the hf profile's shifted labels)."""
     if not ctx.is_last_stage:
         return 0
+    if ctx.spec.is_encoder:  # vramcalc/terms/encoder.py
+        return enc.logits_saved_bytes(ctx)
     if ctx.training.framework == "torchtune" and (chunks_loss(ctx.training)
                                                    or ctx.training.compile):
         return (ttn.saved_bytes(ctx) if chunks_loss(ctx.training)
@@ -170,6 +173,8 @@ def logits_forward_peak_bytes(ctx: RankContext) -> int:
     a 4-bit lm_head, at least its dequantized matmul (`_nf4_head_bytes`)."""
     if not ctx.is_last_stage:
         return 0
+    if ctx.spec.is_encoder:
+        return enc.logits_forward_peak_bytes(ctx)
     return max(_loss_forward_peak_bytes(ctx), _nf4_head_bytes(ctx, backward=False))
 
 
@@ -204,6 +209,8 @@ def logits_backward_peak_bytes(ctx: RankContext) -> int:
     with a 4-bit lm_head, at least its dequantized dL/dx (`_nf4_head_bytes`)."""
     if not ctx.is_last_stage:
         return 0
+    if ctx.spec.is_encoder:
+        return enc.logits_backward_peak_bytes(ctx)
     return max(_loss_backward_peak_bytes(ctx), _nf4_head_bytes(ctx, backward=True))
 
 

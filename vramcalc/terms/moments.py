@@ -8,6 +8,7 @@ them with the rank's modifiers.
 from __future__ import annotations
 
 from vramcalc.rank import RankContext
+from vramcalc.terms import encoder as enc
 from vramcalc.terms.saved import Moment, Saved, bsh, dims, hf_family
 from vramcalc.terms.torchtitan import checkpointed_forward_work as tt_checkpointed_forward_work
 from vramcalc.terms.torchtitan import recompute_extra as tt_recompute_extra
@@ -19,6 +20,8 @@ def plain_forward_working_bytes(ctx: RankContext) -> int:
     (T·h in c) next to the new residual (T·h in r). Under full recompute nothing inside the
     layer is kept, and its MLP runs with every intermediate alive at once: the normed input,
     gate, up, act and act·up (T·h + 4·T·f), or fc and act (T·h + 2·T·f)."""
+    if ctx.spec.is_encoder:  # vramcalc/terms/encoder.py
+        return enc.forward_working_bytes(ctx)
     x = dims(ctx)
     out = alloc(bsh(x), x.c) + alloc(bsh(x), x.r)
     if ctx.training.framework == "torchtitan":
@@ -59,6 +62,10 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
     if tr.framework in ("torchtitan", "torchtune") and tr.recompute != "none" and not (
             tr.compile):  # a compiled layer keeps the checkpoint's input itself
         extra = tt_recompute_extra(ctx)  # the same beside torchtitan's (torchtune's) norm copy
+    if ctx.spec.is_encoder:  # vramcalc/terms/encoder.py; the checkpoint keeps x itself
+        x = dims(ctx)
+        extra = alloc(bsh(x), x.r) if tr.recompute == "full" and x.amp else 0
+        return enc.backward_moments(ctx, saved, extra)
     c, r = x.c, x.r
     g_res = alloc(bsh(x), r)
     out: list[Moment] = []
@@ -147,6 +154,7 @@ def layer_grad_fraction(ctx: RankContext, part: str) -> float:
     (the MLP's output projection), "shared" (shared experts), "mlp+o" (the MLP or MoE,
     the post-attention norm and the attention output projection)."""
     prefixes: tuple[str, ...] = {
+        "none": ("-",),  # no parameter: a layer's backward has not started
         "down": ("mlp.down_proj.", "mlp.proj."),
         "shared": ("shared_expert",),
         "mlp+o": ("mlp.", "experts.", "router.", "shared_expert", "post_attention_layernorm.",
@@ -168,6 +176,8 @@ def eager_forward_moment(ctx: RankContext, saved: list[Saved]) -> tuple[int, int
     saved tensors that exist by then, temporaries). The softmax input (scores, c) and output
     (probs, in the softmax dtype) coexist; under autocast CUDA's fp32 rule adds the fp32
     copy of the input. `saved`: a dense layer's saved list without recompute."""
+    if ctx.spec.is_encoder:  # vramcalc/terms/encoder.py
+        return enc.eager_forward_moment(ctx, saved)
     x = dims(ctx)
     tr = ctx.training
     pre: tuple[str, ...] = ("attn.input", "attn.input.cast", "attn.q", "attn.k",
@@ -197,7 +207,7 @@ def forward_end_extra_bytes(ctx: RankContext) -> int:
     the embedding output (and GPT-2's position embeddings) and the last residual in locals
     of the model's forward, its RMSNorm makes an fp32 x̂ before the cast (both only when the
     residual is 16-bit), and eager attention's additive mask lives until the model returns."""
-    if not ctx.is_last_stage or ctx.training.framework != "hf":
+    if not ctx.is_last_stage or ctx.training.framework != "hf" or ctx.spec.is_encoder:
         return 0
     x = dims(ctx)
     extra = 0

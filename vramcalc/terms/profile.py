@@ -83,7 +83,7 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
         head_freed_at_final_norm=sum(t.nbytes for t in act.head_saved(ctx) if t.name.startswith(
             ("lm_head.", "final_norm.xhat"))),
         grad_fraction={part: mo.layer_grad_fraction(ctx, part)
-                       for part in ("down", "shared", "mlp+o")},
+                       for part in ("none", "down", "shared", "mlp+o")},
         logits_keep=lg.logits_saved_bytes(ctx),
         logits_forward=lg.logits_forward_peak_bytes(ctx),
         logits_backward=lg.logits_backward_peak_bytes(ctx),

@@ -7,6 +7,7 @@ their sources: docs/saved-tensors.md.
 from __future__ import annotations
 
 from vramcalc.rank import RankContext
+from vramcalc.terms import encoder as enc
 from vramcalc.terms.saved import Dims, Saved, bsh, dims, hf_family
 from vramcalc.units import ceil_div
 
@@ -366,7 +367,10 @@ def checkpoint_saved(ctx: RankContext) -> list[Saved]:
 def plain_layer_saved(ctx: RankContext, moe: bool) -> list[Saved]:
     """Saved tensors of one transformer layer for one micro-batch, full training without
     full recompute (reference/hf profiles; no modifier applied): input norm, attention,
-    post-attention norm, then the dense MLP or the mixture of experts (`moe`)."""
+    post-attention norm, then the dense MLP or the mixture of experts (`moe`); an encoder's
+    post-LayerNorm layer (vramcalc/terms/encoder.py)."""
+    if ctx.spec.is_encoder:
+        return enc.layer_saved(ctx)
     x = dims(ctx)
     out = norm_saved(ctx, x, "input_norm", x.T, x.h, "(b, s, h)")
     out += _attention_saved(ctx, x)
@@ -399,6 +403,8 @@ def embedding_saved(ctx: RankContext) -> list[Saved]:
     """Per micro-batch: token ids and labels (int64), RoPE tables, the eager causal mask."""
     if not (ctx.is_first_stage or ctx.is_last_stage):
         return []
+    if ctx.spec.is_encoder:  # vramcalc/terms/encoder.py
+        return enc.embedding_saved(ctx)
     x = dims(ctx)
     spec, tr = ctx.spec, ctx.training
     hf = tr.framework == "hf"
@@ -425,7 +431,10 @@ def embedding_saved(ctx: RankContext) -> list[Saved]:
 
 
 def plain_head_saved(ctx: RankContext) -> list[Saved]:
-    """Last stage, full training: final norm input/statistics and the lm_head input."""
+    """Last stage, full training: final norm input/statistics and the lm_head input (an
+    encoder's head: vramcalc/terms/encoder.py)."""
+    if ctx.spec.is_encoder:
+        return enc.head_saved(ctx)
     x = dims(ctx)
     out: list[Saved] = []
     if ctx.spec.final_norm:

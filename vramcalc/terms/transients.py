@@ -203,6 +203,13 @@ def autocast_cache_head_bytes(ctx: RankContext) -> int:
     """The lm_head weight cast (last stage) under autocast."""
     if not ctx.training.is_autocast or not ctx.is_last_stage or ctx.engine == "fsdp2":
         return 0
+    if ctx.spec.is_encoder:  # the head's linears (and the tied masked-LM decoder weight)
+        c = ctx.training.compute_dtype
+        out = sum(alloc(t.numel, c) for t in ctx.tensors
+                  if t.group == "head" and "norm" not in t.name)
+        if ctx.spec.task == "masked_lm" and ctx.spec.tie_word_embeddings:
+            out += alloc(ctx.spec.vocab_size * ctx.spec.hidden_size, c)
+        return out
     x = sharded_numel(ctx.spec.vocab_size * ctx.spec.hidden_size, ctx.parallel.tp)
     return alloc(x, ctx.training.compute_dtype)
 

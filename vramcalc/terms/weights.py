@@ -16,6 +16,7 @@ from vramcalc.features import finetunes
 from vramcalc.finetune import adapter_dtype, nf4_constant_bytes, shapes_for
 from vramcalc.rank import RankContext
 from vramcalc.terms.torchtitan import freqs_cis_bytes
+from vramcalc.units import alloc
 
 GROUPS: tuple[str, ...] = ("embedding", "layer", "expert", "final", "head")
 
@@ -42,6 +43,9 @@ def weight_parts(ctx: RankContext) -> dict[str, int]:
     groups = weights_by_group(ctx)
     if ctx.training.framework == "torchtitan":  # + the freqs_cis buffer, on every rank
         return {"weights": sum(groups.values()), "weights/buffers": freqs_cis_bytes(ctx)}
+    if ctx.spec.is_encoder:  # BertEmbeddings' position_ids and token_type_ids (1, P) int64
+        return {"weights": sum(groups.values()),
+                "weights/buffers": 2 * alloc(ctx.spec.max_position_embeddings, "int64")}
     if not finetunes(ctx.training) or not groups:
         return {"weights": sum(groups.values())}
     return {f"weights/{k}": v for k, v in groups.items()}

@@ -6,7 +6,7 @@ so every tensor has its true shape and dtype but no storage, and runs `ITERATION
 iterations of
 
     for each of grad_accum micro-batches: forward (loss inside) -> backward
-    optimizer.step() -> optimizer.zero_grad(set_to_none=True)
+    optimizer.step() -> optimizer.zero_grad(set_to_none=True, or False with --no-set-to-none)
 
 under `MemoryTracker` (vramcalc/trace/tracker.py), with CUDA's autocast lists and kernel
 allocations (vramcalc/trace/cuda_rules.py). The report is the last (steady-state)
@@ -199,7 +199,7 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
     if tr.framework == "hf":
         from vramcalc.trace.hf_models import real_device_behaviour
 
-        framework_ctx = real_device_behaviour()
+        framework_ctx = real_device_behaviour(dropout=scn.model.is_encoder)
     fake = FakeTensorMode()
     with framework_ctx, cuda_autocast_rules(), fake, tracker:
         model = build_model(scn)
@@ -234,6 +234,8 @@ def watch_logits(tracker: Any, model: Any, framework: str) -> None:
     backward the "logits" region ends when d loss / d logits is ready (the head's and the
     layers' backward follow)."""
     head = model.get_output_embeddings() if framework == "hf" else model.lm_head
+    if head is None:  # an encoder's classification head (BERT's classifier, RoBERTa's head)
+        head = model.classifier
 
     def head_post(_mod: Any, _inp: Any, out: Any) -> None:
         tracker.label(out, "logits")
@@ -298,7 +300,8 @@ def run_steps(scn: Scenario, tracker: Any, model: Any, params: list[Any], opt: A
             tick(f"{tag}: forward")
             tracker.set_phase("forward")
             ids = torch.randint(0, V, (b, s))
-            labels = torch.randint(0, V, (b, s))
+            labels = (torch.randint(0, scn.model.num_labels, (b,)) if scn.model.task
+                      == "sequence_classification" else torch.randint(0, V, (b, s)))
             with autocast():
                 loss = _loss(model, tr.framework, ids, labels)
             tracker.mark("end_forward")
@@ -315,7 +318,7 @@ def run_steps(scn: Scenario, tracker: Any, model: Any, params: list[Any], opt: A
         tick(f"iteration {it + 1}/{iterations}: optimizer step")
         tracker.set_phase("optimizer")
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=tr.set_to_none)
         states, host = optimizer_state_tensors(opt)
         for t in host:
             tracker.set_host(t)

@@ -14,6 +14,10 @@ the spec's parameters (checked against ModelSpec.num_params by the tests):
 | q/k/v biases without an o bias                | Qwen2Config      |
 | anything else Llama-like                      | LlamaConfig      |
 
+Encoders (`spec.is_encoder`) map to BertConfig / RobertaConfig and are built with
+AutoModelForSequenceClassification or AutoModelForMaskedLM (`spec.task`), dropout from the
+spec (vramcalc.terms.encoder `encoder_dropout`).
+
 `build_hf_model` calls `AutoModelForCausalLM.from_config` (no hub, no remote code) with
 attention "sdpa" (flash) or "eager", gradient checkpointing (use_reentrant=False) for full
 recompute and, for selective recompute, an attention function registered with
@@ -29,6 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from vramcalc.errors import InputError
+from vramcalc.hf_config import ROBERTA_TYPES
 from vramcalc.model import ModelSpec
 from vramcalc.training import TrainingConfig
 
@@ -52,6 +57,8 @@ def _unsupported(spec: ModelSpec, why: str) -> InputError:
 
 def hf_family(spec: ModelSpec) -> str:
     """The transformers architecture that matches the spec's parameters (see module doc)."""
+    if spec.is_encoder:
+        return "roberta" if spec.model_type in ROBERTA_TYPES else "bert"
     if spec.norm_kind == "layernorm" or spec.position_embedding == "learned" or (
             spec.mlp_kind == "standard"):
         ok = (spec.norm_kind == "layernorm" and spec.norm_bias and spec.position_embedding
@@ -97,8 +104,35 @@ def hf_family(spec: ModelSpec) -> str:
     return "llama"
 
 
+def encoder_config(spec: ModelSpec, training: TrainingConfig | None = None) -> Any:
+    """BertConfig / RobertaConfig with the spec's shapes and the dropout the run keeps.
+
+    Under --attention flash the attention-probability dropout runs inside the fused kernel
+    on CUDA, which keeps only its RNG seed and offset (FlashAttention-2 / PyTorch's
+    memory-efficient kernel: `philox_seed`, `philox_offset`), no mask; the CPU SDPA the
+    trace runs would fall back to the math path and keep a (b, a, s, s) mask, so the trace
+    builds that dropout at 0, as the CUDA kernel's memory behaves."""
+    from vramcalc.terms.encoder import encoder_dropout
+
+    tf = _transformers()
+    hidden, attn = encoder_dropout(spec, training)
+    if training is not None and training.attention == "flash":
+        attn = 0.0
+    cls = tf.RobertaConfig if hf_family(spec) == "roberta" else tf.BertConfig
+    return cls(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+               num_hidden_layers=spec.num_hidden_layers,
+               num_attention_heads=spec.num_attention_heads,
+               intermediate_size=spec.intermediate_size, hidden_act=spec.hidden_act,
+               max_position_embeddings=spec.max_position_embeddings,
+               type_vocab_size=spec.type_vocab_size, hidden_dropout_prob=hidden,
+               attention_probs_dropout_prob=attn, num_labels=spec.num_labels,
+               tie_word_embeddings=spec.tie_word_embeddings)
+
+
 def to_hf_config(spec: ModelSpec) -> Any:
     """A transformers config object with the spec's shapes (dropout off, no cache)."""
+    if spec.is_encoder:
+        return encoder_config(spec)
     tf = _transformers()
     if spec.final_norm is False:
         raise _unsupported(spec, "no final norm")
@@ -178,7 +212,32 @@ def _register_selective(tf: Any) -> None:
 
 
 @contextlib.contextmanager
-def real_device_behaviour() -> Iterator[None]:
+def cuda_dropout() -> Iterator[None]:
+    """Run `F.dropout` as CUDA does while active: ATen's `dropout`
+    (aten/src/ATen/native/Dropout.cpp) takes the fused `native_dropout` kernel on CUDA for
+    0 < p < 1, which keeps a bool mask (1 byte per element) for backward; on the CPU it
+    takes the composite path, whose mask has the input's dtype. `F.dropout` is looked up at
+    call time by nn.Dropout and transformers' attention functions (also when a checkpointed
+    layer is recomputed in backward), so it is swapped for the duration."""
+    import torch
+    import torch.nn.functional as F
+
+    original = F.dropout
+
+    def dropout(x: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
+        if training and 0 < p < 1 and not inplace:
+            return torch.native_dropout(x, p, True)[0]
+        return original(x, p, training, inplace)
+
+    F.dropout = dropout  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        F.dropout = original
+
+
+@contextlib.contextmanager
+def real_device_behaviour(dropout: bool = False) -> Iterator[None]:
     """Make transformers take the branches it takes on a real device while a trace runs.
 
     transformers' masking code treats fake tensors as graph tracing
@@ -193,7 +252,11 @@ def real_device_behaviour() -> Iterator[None]:
     original = masking.is_tracing
     masking.is_tracing = lambda tensor=None: original()
     try:
-        yield
+        if dropout:  # encoders train with dropout (`cuda_dropout`)
+            with cuda_dropout():
+                yield
+        else:
+            yield
     finally:
         masking.is_tracing = original
 
@@ -201,12 +264,14 @@ def real_device_behaviour() -> Iterator[None]:
 def build_hf_model(spec: ModelSpec, training: TrainingConfig, dtype: Any) -> Any:
     """AutoModelForCausalLM.from_config for the spec, ready to train (call inside fake mode)."""
     tf = _transformers()
-    cfg = to_hf_config(spec)
+    cfg = encoder_config(spec, training) if spec.is_encoder else to_hf_config(spec)
     attn = "sdpa" if training.attention == "flash" else "eager"
     if training.recompute == "selective":
         _register_selective(tf)
         attn = SELECTIVE_PREFIX + attn
-    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
+    auto = {"sequence_classification": tf.AutoModelForSequenceClassification,
+            "masked_lm": tf.AutoModelForMaskedLM}.get(spec.task, tf.AutoModelForCausalLM)
+    model = auto.from_config(cfg, attn_implementation=attn, dtype=dtype)
     if training.recompute == "full":
         enable = getattr(model, "activation_checkpointing_enable", None) or (
             model.gradient_checkpointing_enable)  # renamed in transformers 5.x

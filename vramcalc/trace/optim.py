@@ -140,7 +140,10 @@ class MixedPrecisionOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
-            p.grad = None
+            if set_to_none or p.grad is None:
+                p.grad = None
+            else:
+                p.grad.zero_()
 
 
 def make_optimizer(name: str, params: Sequence[torch.Tensor], impl: str = "foreach"

@@ -79,7 +79,36 @@ def default_grid() -> list[tuple[str, Scenario]]:
     grid += lowprec_grid()  # FP8 (Transformer Engine stand-in) and QAT
     grid += fsdp_grid()
     grid += titan_grid()
+    grid += encoder_grid()
     return grid
+
+
+def encoder_grid() -> list[tuple[str, Scenario]]:
+    """Encoders (vramcalc/terms/encoder.py), transformers' BERT / RoBERTa with dropout 0.1:
+    both attention kernels, fp32, autocast and 16-bit weights, full recompute with gradient
+    accumulation, classification and masked-LM heads; and zero_grad(set_to_none=False)."""
+    out: list[tuple[str, Scenario]] = []
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("bert", {"precision": "fp32", "attention": "eager", "seq_len": 512,
+                  "micro_batch_size": 4}),
+        ("bert", {"precision": "amp-fp16", "attention": "eager", "seq_len": 512,
+                  "micro_batch_size": 4}),
+        ("bert", {"precision": "fp32", "attention": "eager", "recompute": "full",
+                  "seq_len": 512, "grad_accum": 4}),
+        ("bert", {"precision": "amp-bf16", "recompute": "full", "seq_len": 512}),
+        ("bert", {"precision": "bf16", "seq_len": 512}),
+        ("roberta-mlm", {"precision": "amp-bf16", "seq_len": 512}),
+        ("roberta-mlm", {"precision": "fp32", "attention": "eager", "seq_len": 256}),
+    ]
+    for shape, kw in cases:
+        out.append(scenario_for(shape, framework="hf", **kw))
+    # zero_grad(set_to_none=False): gradients kept through forward (torch < 2.0's default)
+    for shape, kw in (("bert", {"precision": "fp32", "attention": "eager", "seq_len": 512,
+                                "micro_batch_size": 4}),
+                      ("llama-gqa", {"precision": "amp-bf16"})):
+        name, scn = scenario_for(shape, framework="hf", set_to_none=False, **kw)
+        out.append((name + "/no-set-to-none", scn))
+    return out
 
 
 def titan_grid() -> list[tuple[str, Scenario]]:

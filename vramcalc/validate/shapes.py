@@ -9,6 +9,11 @@ from vramcalc.parallel import ParallelConfig
 from vramcalc.scenario import Scenario
 from vramcalc.training import TrainingConfig
 
+_ENCODER: dict[str, Any] = {
+    "mlp_kind": "standard", "hidden_act": "gelu", "norm_kind": "layernorm", "norm_bias": True,
+    "attention_bias": True, "attention_out_bias": True, "mlp_bias": True,
+    "position_embedding": "learned", "final_norm": False, "hidden_dropout_prob": 0.1,
+    "attention_probs_dropout_prob": 0.1}
 # Shapes keep real widths (fake tensors cost nothing per element) and few layers (the
 # trace's cost is per op). Each is a family the analytic model must cover.
 SHAPES: dict[str, ModelSpec] = {
@@ -60,8 +65,18 @@ SHAPES: dict[str, ModelSpec] = {
                             num_shared_experts=1, shared_expert_intermediate_size=1408,
                             shared_expert_gate=True, first_k_dense_replace=1,
                             attention_bias=True),
+    # BERT-large widths (post-LayerNorm encoder, dropout 0.1, classification head) and a
+    # RoBERTa-base-like masked-LM encoder (position ids from the token ids)
+    "bert": ModelSpec(name="bert", model_type="bert", architecture="encoder",
+                      task="sequence_classification", hidden_size=1024, num_hidden_layers=2,
+                      num_attention_heads=16, intermediate_size=4096, vocab_size=30522,
+                      max_position_embeddings=512, type_vocab_size=2, **_ENCODER),
+    "roberta-mlm": ModelSpec(name="roberta-mlm", model_type="roberta", architecture="encoder",
+                             task="masked_lm", hidden_size=768, num_hidden_layers=2,
+                             num_attention_heads=12, intermediate_size=3072, vocab_size=50265,
+                             max_position_embeddings=514, type_vocab_size=1,
+                             tie_word_embeddings=True, **_ENCODER),
 }
-
 
 
 def scenario_for(shape: str, framework: str = "reference", **kw: Any) -> tuple[str, Scenario]:
