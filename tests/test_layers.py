@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vramcalc"
 # Layers from the bottom up: a module may import from its own layer or any layer below.
 # The first matching prefix wins (longest prefixes first where they nest).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("vramcalc", "vramcalc.errors", "vramcalc.units", "vramcalc.yamlio",
+    ("base", ("vramcalc", "vramcalc.errors", "vramcalc.units", "vramcalc.yamlio", "vramcalc.safeio",
               "vramcalc.allocator")),
     ("types", ("vramcalc.model", "vramcalc.training", "vramcalc.hardware", "vramcalc.parallel",
                "vramcalc.scenario", "vramcalc.report", "vramcalc.catalog", "vramcalc.hf_config",

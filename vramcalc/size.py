@@ -10,11 +10,16 @@ this module chooses the GPU counts to ask about and does the arithmetic:
 GPU counts searched: powers of two up to one node, then whole nodes doubling
 (gpus_per_node · 2^k). The minimum is the smallest of those on which some strategy fits;
 with a deadline (`days`), the smallest count whose best strategy finishes in time.
+
+Stopping early: a count is not searched when the GPU's CUDA context and cuBLAS workspace
+alone (what every rank holds, whatever the layout) leave no usable memory, and the scan over
+counts stops when the time budget (`time_budget_s`, wall clock) is spent; the row says so.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -89,22 +94,40 @@ def _best(base: Scenario, req: PlanRequest) -> PlanEntry | None:
     return res.entries[0] if res.entries else None
 
 
+def _out_of_time(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() > deadline
+
+
 def size_one(base: Scenario, gpu: GPUProfile, tokens: int, req: PlanRequest,
              days: float | None = None, price: float | None = None,
-             max_gpus: int = DEFAULT_MAX_GPUS) -> SizeRow:
-    """Size one GPU type: minimum GPUs, GPUs for the deadline, time and cost."""
+             max_gpus: int = DEFAULT_MAX_GPUS, deadline: float | None = None) -> SizeRow:
+    """Size one GPU type: minimum GPUs, GPUs for the deadline, time and cost. `deadline`
+    (time.monotonic()) stops the scan over counts when reached."""
     counts = size_counts(gpu.gpus_per_node, max_gpus)
     notes: list[str] = []
     min_i, min_entry = None, None
+    price = price if price is not None else gpu.price_usd_per_hour
+    floor = gpu.context_overhead_bytes + gpu.blas_workspace_bytes
+    if floor >= gpu.memory_total_bytes * (1 - base.headroom_fraction):
+        return SizeRow(gpu, None, None, None, None, None, price, None, (
+            f"nothing fits on any count: the CUDA context and cuBLAS workspace alone "
+            f"({floor:,} bytes) fill the usable memory with --headroom "
+            f"{base.headroom_fraction:g}",))
+    searched = 0
     for i, n in enumerate(counts):
+        if _out_of_time(deadline):
+            break
+        searched = n
         entry = _best(_on(base, gpu, n), req)
         if entry is not None:
             min_i, min_entry = i, entry
             break
-    price = price if price is not None else gpu.price_usd_per_hour
     if min_entry is None or min_i is None:
-        return SizeRow(gpu, None, None, None, None, None, price, None,
-                       (f"no strategy fits on up to {counts[-1] if counts else 0:,} GPUs",))
+        stopped = searched < (counts[-1] if counts else 0)
+        return SizeRow(gpu, None, None, None, None, None, price, None, (
+            f"no strategy fits on up to {searched:,} GPUs"
+            + ("; the time budget ran out before larger counts were searched (lower "
+               "--max-gpus or try a plan on one count)" if stopped else ""),))
     chosen_i, chosen = min_i, min_entry
     if days is not None:
         need = tokens / (days * SECONDS_PER_DAY)
@@ -119,6 +142,9 @@ def size_one(base: Scenario, gpu: GPUProfile, tokens: int, req: PlanRequest,
             while j < len(counts) - 1 and counts[j] < target:
                 j += 1
             if j >= len(counts):
+                break
+            if _out_of_time(deadline):
+                notes.append("the time budget ran out before the deadline's count was found")
                 break
             if j not in tried:
                 tried[j] = _best(_on(base, gpu, counts[j]), req)
@@ -156,8 +182,11 @@ def size_one(base: Scenario, gpu: GPUProfile, tokens: int, req: PlanRequest,
 def size_cluster(base: Scenario, gpus: Sequence[GPUProfile], tokens: int, req: PlanRequest,
                  days: float | None = None, prices: Mapping[str, float] | None = None,
                  max_gpus: int = DEFAULT_MAX_GPUS,
-                 progress: ProgressFn | None = None) -> list[SizeRow]:
-    """One row per GPU type, in the order given."""
+                 progress: ProgressFn | None = None,
+                 time_budget_s: float | None = None) -> list[SizeRow]:
+    """One row per GPU type, in the order given; the scan over GPU counts stops once
+    `time_budget_s` seconds (all types together) have passed, saying so in the row."""
+    deadline = time.monotonic() + time_budget_s if time_budget_s is not None else None
     check_searchable(base)
     if tokens <= 0:
         raise InputError("--tokens must be positive")
@@ -168,7 +197,7 @@ def size_cluster(base: Scenario, gpus: Sequence[GPUProfile], tokens: int, req: P
         if progress is not None:
             progress(f"sizing {gpu.name}", k, len(gpus))
         rows.append(size_one(base, gpu, tokens, req, days, (prices or {}).get(gpu.id),
-                             max_gpus))
+                             max_gpus, deadline))
     if progress is not None:
         progress("done", len(gpus), len(gpus))
     return rows

@@ -27,11 +27,12 @@ from vramcalc.cli.app import (
     split_values,
 )
 from vramcalc.errors import InputError, suggest
-from vramcalc.hardware import GPUProfile, load_profiles, resolve_gpu
+from vramcalc.hardware import MIN_MFU, GPUProfile, load_profiles, resolve_gpu
 from vramcalc.options import (
     OPTIONS_BY_NAME,
     SCENARIO_OPTIONS,
     build_scenario,
+    check_bounds,
     normalize_values,
 )
 from vramcalc.plan import (
@@ -60,6 +61,8 @@ SEARCHED_OPTIONS: tuple[str, ...] = (
 ALLOWABLE: tuple[str, ...] = ("precision", "optimizer", "offload", "finetune")
 # The plan and size default --headroom (estimate's default is 0).
 DEFAULT_HEADROOM = 0.05
+# Wall-clock seconds `size` spends scanning GPU counts before it stops and says so
+SIZE_TIME_BUDGET_S = 60.0
 
 
 _BATCH_PARAMS = [
@@ -100,8 +103,8 @@ def parse_mfu(mfu: float | None) -> float | None:
     """--mfu, a fraction in (0, 1], or None."""
     if mfu is None:
         return None
-    if not 0 < mfu <= 1:
-        raise InputError(f"--mfu must be a fraction in (0, 1], got {mfu}")
+    if not MIN_MFU <= mfu <= 1:  # also false for NaN
+        raise InputError(f"--mfu must be a fraction between {MIN_MFU} and 1, got {mfu}")
     return mfu
 
 
@@ -126,6 +129,7 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
     searched = {k: values.pop(k) for k in SEARCHED_OPTIONS if k in values}
     norm = normalize_values(searched)
     pinned = {k: norm[k] for k in searched}
+    check_bounds(pinned)  # a pinned value obeys estimate's bounds (the rest: the search)
     if "offload" in pinned:
         pinned["offload"] = tuple(pinned["offload"])
     values.setdefault("headroom", DEFAULT_HEADROOM)
@@ -343,7 +347,8 @@ def size_cmd(
                                     mfu, dirs)
     progress = LazyProgress(enabled=not as_json)
     try:
-        rows = size_cluster(base, profiles, n_tokens, req, days, prices, max_gpus, progress)
+        rows = size_cluster(base, profiles, n_tokens, req, days, prices, max_gpus, progress,
+                            SIZE_TIME_BUDGET_S)
     finally:
         progress.close()
     if as_json:

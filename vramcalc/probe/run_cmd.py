@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from vramcalc.errors import InputError
+from vramcalc import safeio
+from vramcalc.errors import InputError, shown, shown_path
 
 HOOK_DIR = Path(__file__).resolve().parent / "hook"
 
@@ -30,7 +30,11 @@ def run_command(cmd: list[str], interval: float = 0.0,
 
 
 def _run(cmd: list[str], interval: float, work: Path) -> tuple[int, list[dict[str, Any]]]:
-    work.mkdir(parents=True, exist_ok=True)
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InputError(f"--out {shown_path(work)}: cannot make the folder: "
+                         f"{err.strerror or type(err).__name__}") from None
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(HOOK_DIR)] + (
         [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -39,12 +43,15 @@ def _run(cmd: list[str], interval: float, work: Path) -> tuple[int, list[dict[st
     try:
         proc = subprocess.run(cmd, env=env, check=False)
     except FileNotFoundError:
-        raise InputError(f"command not found: {cmd[0]}") from None
+        raise InputError(f"command not found: {shown(cmd[0])}") from None
+    except (OSError, ValueError) as err:  # not executable, not a program, a NUL in argv
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise InputError(f"cannot run {shown(cmd[0])}: {reason}") from None
     records = []
     for path in sorted(work.glob("rank*.json")):
         try:
-            records.append(json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, json.JSONDecodeError):
+            records.append(safeio.read_json(path, "probe record"))
+        except InputError:  # a record cut short (the job was killed while writing)
             continue
     # torchrun's own launcher process holds no device memory: keep the workers only
     records = [r for r in records if r.get("role") != "launcher"]
