@@ -384,3 +384,62 @@ def test_closed_stdout_is_quiet() -> None:
     proc.stdout.close()  # the reader went away (`| head`) before the output was written
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 1 and err == b""
+
+
+# ---- the standing guarantees (docs/reliability.md) ----------------------------------
+@pytest.mark.parametrize("where", ["check", "model", "profile"])
+def test_yaml_code_tags_are_refused(tmp_path: Path, where: str) -> None:
+    tag = "!!python/object/apply:os.system ['touch pwned']"
+    if where == "check":
+        path = tmp_path / "train.yaml"
+        path.write_text(f"model: {tag}\n")
+        one_error(["check", str(path)], "python/object")
+    elif where == "model":
+        path = tmp_path / "m.yaml"
+        path.write_text(f"hidden_size: {tag}\n")
+        one_error(["estimate", "--model", str(path)], "python/object")
+    else:
+        folder = profile_with(tmp_path)
+        with (folder / "h100_sxm.yaml").open("a") as fh:
+            fh.write(f"zz_extra: {tag}\n")
+        one_error(["estimate", "--model", "8b", "--profiles-dir", str(folder)], "python/object")
+    assert not Path("pwned").exists() and not (tmp_path / "pwned").exists()
+
+
+def test_remote_code_in_a_config_is_never_run(tmp_path: Path) -> None:
+    """auto_map names modeling code next to config.json (what trust_remote_code would
+    import): vramcalc reads the shapes only."""
+    marker = tmp_path / "imported"
+    (tmp_path / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (tmp_path / "config.json").write_text(json.dumps({
+        **LLAMA_CONFIG, "auto_map": {"AutoConfig": "modeling_evil.Cfg",
+                                     "AutoModelForCausalLM": "modeling_evil.Evil"}}))
+    for cmd in ("estimate", "explain", "plan"):
+        code, _, err = run([cmd, "--model", str(tmp_path), "--gpus", "2xH100", "--seq-len",
+                            "64", "--json"])
+        assert code in (0, 1), err
+    assert not marker.exists()
+
+
+def test_planner_commands_open_no_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    def no_network(*_: object, **__: object) -> None:
+        raise AssertionError("a socket was opened")
+
+    monkeypatch.setattr(socket, "socket", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    for args in (["estimate", "--model", "70b", "--gpus", "8xH100"],
+                 ["explain", "--model", "8b"],
+                 ["plan", "--model", "8b", "--gpus", "8xH100"],
+                 ["size", "--model", "gpt2", "--tokens", "1B", "--gpu", "H100"],
+                 ["check", str(ROOT / "examples" / "train.yaml")],
+                 ["gpus"], ["models"]):
+        code, _, err = run([*args, "--json"])
+        assert code in (0, 1) and err == "", (args, err)
+
+
+def test_output_does_not_depend_on_the_hash_seed() -> None:
+    outs = {subprocess_run(["plan", "--model", "mixtral-8x7b", "--gpus", "2x8xH100", "--json"],
+                           env={"PYTHONHASHSEED": seed}).stdout for seed in ("0", "1", "77")}
+    assert len(outs) == 1 and json.loads(outs.pop())["candidates"]

@@ -253,6 +253,8 @@ def resolve_model(text: str) -> tuple[ModelSpec, str | None]:
     text = text.strip()
     if not text:
         raise InputError("empty model name")
+    if len(text) > safeio.MAX_PATH_CHARS:
+        raise InputError(f"unknown model {shown(text)}: longer than any name or path")
     path = safeio.user_path(text, "model")
     dir_error: str | None = None
     kind = safeio.path_kind(path)

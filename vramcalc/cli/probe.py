@@ -54,13 +54,17 @@ def probe_cmd(ctx: typer.Context, **kwargs: Any) -> None:
     device_name, iterations = kwargs.pop("device"), kwargs.pop("iterations")
     out, no_trace, nproc = kwargs.pop("out"), kwargs.pop("no_trace"), kwargs.pop("nproc")
     values, dirs, as_json = split_values(kwargs)
+    if not 0 <= interval <= 86_400:  # also false for NaN
+        raise InputError(f"--interval must be between 0 and 86400 seconds, got {interval}")
+    if not 1 <= nproc <= 1024:
+        raise InputError(f"--nproc must be between 1 and 1024, got {nproc}")
     if run:
         _run_mode(list(ctx.args), interval, compare, out, dirs, as_json)
         return
     if ctx.args:
         raise InputError(f"unexpected arguments {' '.join(ctx.args)!r} (use --run -- CMD)")
-    if iterations < 1:
-        raise InputError("--iterations must be at least 1")
+    if not 1 <= iterations <= 10_000:
+        raise InputError(f"--iterations must be between 1 and 10,000, got {iterations}")
     if device_name not in ("auto", "cpu"):
         raise InputError(f"--device: expected auto or cpu, got {device_name!r}")
     scn = build_scenario(values, dirs)
