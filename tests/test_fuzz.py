@@ -31,6 +31,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from vramcalc import safeio
 from vramcalc.cli import COMMANDS, main
 
 HANG_S = 10
@@ -280,10 +281,10 @@ def _argv(cmd: str, path: Path, folder: Path) -> list[str]:
         return ["estimate", "--model", "gpt2", "--deepspeed", p, "--json"]
     if cmd == "profile":
         return ["estimate", "--model", "gpt2", "--gpus", "2xH100", "--profiles-dir",
-                str(path.parent if path.is_file() else path), "--json"]
+                str(path.parent if safeio.path_kind(path) == "file" else path), "--json"]
     if cmd == "validate":
-        return ["validate", "--records", str(path.parent if path.is_file() else path),
-                "--json"]
+        return ["validate", "--records",
+                str(path.parent if safeio.path_kind(path) == "file" else path), "--json"]
     if cmd == "size":
         return ["size", "--model", p, "--tokens", "1B", "--gpu", "H100", "--max-gpus", "8",
                 "--json"]
