@@ -237,6 +237,9 @@ def _profile_files(location: Path) -> list[Path]:
     kind = safeio.path_kind(location)
     if kind == "file":
         return [location]
+    if kind == "other":
+        raise InputError(f"GPU profile location {shown_path(location)} is not a folder or a "
+                         "regular file")
     if kind != "dir":
         raise InputError(f"GPU profile directory {shown_path(location)} does not exist")
     files = [
