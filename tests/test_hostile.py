@@ -443,3 +443,23 @@ def test_output_does_not_depend_on_the_hash_seed() -> None:
     outs = {subprocess_run(["plan", "--model", "mixtral-8x7b", "--gpus", "2x8xH100", "--json"],
                            env={"PYTHONHASHSEED": seed}).stdout for seed in ("0", "1", "77")}
     assert len(outs) == 1 and json.loads(outs.pop())["candidates"]
+
+
+def test_probe_run_cleans_up_when_terminated(tmp_path: Path) -> None:
+    """A cancelled CI job (SIGTERM) takes the command down and leaves no temporary folder."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "vramcalc", "probe", "--run", "--",
+                             sys.executable, "-c", "import time; time.sleep(120)"],
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    for _ in range(600):  # until the folder exists (the command has started)
+        if list(tmp_path.glob("vramcalc-probe-*")):
+            break
+        time.sleep(0.1)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    assert proc.stderr is not None and b"Traceback" not in proc.stderr.read()
+    assert not list(tmp_path.glob("vramcalc-probe-*"))

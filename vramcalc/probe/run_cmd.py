@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +28,28 @@ def run_command(cmd: list[str], interval: float = 0.0,
     if not cmd:
         raise InputError("--run needs a command after '--', e.g. vramcalc probe --run -- python train.py")
     if out_dir is None:
-        with tempfile.TemporaryDirectory(prefix="vramcalc-probe-") as tmp:
+        with _terminate_cleanly(), tempfile.TemporaryDirectory(prefix="vramcalc-probe-") as tmp:
             return _run(cmd, interval, Path(tmp))
     return _run(cmd, interval, Path(out_dir))
+
+
+@contextlib.contextmanager
+def _terminate_cleanly() -> Iterator[None]:
+    """SIGTERM (a CI job cancelled) raises SystemExit(143) here, so the job is killed by
+    subprocess.run and the temporary folder is removed, instead of the default exit that
+    leaves both behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(*_: Any) -> None:
+        raise SystemExit(128 + signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _run(cmd: list[str], interval: float, work: Path) -> tuple[int, list[dict[str, Any]]]:
