@@ -124,10 +124,10 @@ def size_one(base: Scenario, gpu: GPUProfile, tokens: int, req: PlanRequest,
             break
     if min_entry is None or min_i is None:
         stopped = searched < (counts[-1] if counts else 0)
+        found = f"no strategy fits on up to {searched:,} GPUs" if searched else "no count searched"
         return SizeRow(gpu, None, None, None, None, None, price, None, (
-            f"no strategy fits on up to {searched:,} GPUs"
-            + ("; the time budget ran out before larger counts were searched (lower "
-               "--max-gpus or try a plan on one count)" if stopped else ""),))
+            found + ("; the time budget ran out before larger counts were searched (lower "
+                     "--max-gpus or try a plan on one count)" if stopped else ""),))
     chosen_i, chosen = min_i, min_entry
     if days is not None:
         need = tokens / (days * SECONDS_PER_DAY)
