@@ -385,7 +385,7 @@ def test_malformed_yaml_via_extra_dirs_names_file(tmp_path: Path) -> None:
     with pytest.raises(InputError) as info:
         load_profiles(extra_dirs=[tmp_path])
     assert str(path) in str(info.value)
-    assert "malformed GPU profile" in str(info.value)
+    assert "GPU profile" in str(info.value) and "malformed YAML" in str(info.value)
     assert "\n" not in str(info.value)
 
 

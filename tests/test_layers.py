@@ -17,9 +17,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vramcalc"
 # Layers from the bottom up: a module may import from its own layer or any layer below.
 # The first matching prefix wins (longest prefixes first where they nest).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("vramcalc.errors", "vramcalc.units", "vramcalc.yamlio", "vramcalc.allocator",
+    ("base", ("vramcalc.errors", "vramcalc.units", "vramcalc.yamlio", "vramcalc.safeio",
+              "vramcalc.allocator",
               "vramcalc.qlora")),
-    ("types", ("vramcalc.model", "vramcalc.model_tensors", "vramcalc.training", "vramcalc.hardware", "vramcalc.parallel",
+    ("types", ("vramcalc.model", "vramcalc.model_tensors", "vramcalc.training",
+               "vramcalc.hardware", "vramcalc.parallel",
                "vramcalc.scenario", "vramcalc.report", "vramcalc.catalog", "vramcalc.hf_config",
                "vramcalc.features", "vramcalc.ds_config",
                "vramcalc.options", "vramcalc.provenance")),

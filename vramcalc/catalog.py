@@ -17,7 +17,6 @@ neither torch nor transformers.
 from __future__ import annotations
 
 import difflib
-import json
 import re
 from functools import cache
 from pathlib import Path
@@ -25,8 +24,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vramcalc import yamlio
-from vramcalc.errors import InputError
+from vramcalc import safeio
+from vramcalc.errors import InputError, shown, shown_path
 from vramcalc.hf_config import from_hf_config
 from vramcalc.model import ModelSpec, spec_from_fields, validation_message
 
@@ -84,35 +83,13 @@ def _split_yaml_mapping(data: Any, where: str) -> tuple[dict[str, Any], PresetMe
     return fields, meta
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise InputError(f"{path}: cannot read: {_one_line(str(err))}") from None
-
-
-def _yaml_error(path: Path, err: yamlio.YAMLError) -> InputError:
-    mark = getattr(err, "problem_mark", None)
-    problem = getattr(err, "problem", None) or str(err)
-    at = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
-    return InputError(f"{path}: malformed YAML: {_one_line(problem)}{at}")
-
-
 def _load_yaml(path: Path) -> Any:
-    """Parse a (user's) YAML file."""
-    try:
-        return yamlio.safe_load(_read_text(path))
-    except yamlio.YAMLError as err:
-        raise _yaml_error(path, err) from None
+    """Parse a (user's) YAML file (vramcalc.safeio: bounded, strict)."""
+    return safeio.read_yaml(path, "model file")
 
 
 def _load_json(path: Path) -> Any:
-    try:
-        return json.loads(_read_text(path))
-    except json.JSONDecodeError as err:
-        raise InputError(
-            f"{path}: malformed JSON: {err.msg} at line {err.lineno} column {err.colno}"
-        ) from None
+    return safeio.read_json(path, "model config")
 
 
 # ---- presets --------------------------------------------------------------------------
@@ -224,7 +201,7 @@ def _unknown_message(text: str) -> str:
         if close
         else f"built-in models: {', '.join(preset_index())}"
     )
-    return f"unknown model '{text}'; {hint} (or pass a path to a Hugging Face config.json)"
+    return f"unknown model {shown(text)}; {hint} (or pass a path to a Hugging Face config.json)"
 
 
 # ---- files ----------------------------------------------------------------------------
@@ -238,7 +215,7 @@ def load_yaml_spec(path: Path) -> ModelSpec:
 
 def load_hf_config(path: Path) -> ModelSpec:
     """A ModelSpec from a local Hugging Face config.json (file or directory holding it)."""
-    if path.is_dir():
+    if safeio.path_kind(path) == "dir":
         path = path / "config.json"
     cfg = _load_json(path)
     if not isinstance(cfg, dict):
@@ -276,19 +253,25 @@ def resolve_model(text: str) -> tuple[ModelSpec, str | None]:
     text = text.strip()
     if not text:
         raise InputError("empty model name")
-    path = Path(text).expanduser()
+    if len(text) > safeio.MAX_PATH_CHARS:
+        raise InputError(f"unknown model {shown(text)}: longer than any name or path")
+    path = safeio.user_path(text, "model")
     dir_error: str | None = None
-    if path.is_dir():
-        if (path / "config.json").is_file():
+    kind = safeio.path_kind(path)
+    if kind == "dir":
+        if safeio.path_kind(path / "config.json") == "file":
             return load_hf_config(path), None
-        dir_error = f"no config.json in directory {text}"
-    elif path.is_file():
+        dir_error = f"no config.json in directory {shown_path(text)}"
+    elif kind == "other":
+        raise InputError(f"model {shown_path(text)}: not a regular file")
+    elif kind == "file":
         suffix = path.suffix.lower()
         if suffix == ".json":
             return load_hf_config(path), None
         if suffix in (".yaml", ".yml"):
             return load_yaml_spec(path), None
-        raise InputError(f"{text}: unsupported file type (expected a .json or .yaml/.yml file)")
+        raise InputError(f"{shown_path(text)}: unsupported file type (expected a .json or "
+                         ".yaml/.yml file)")
 
     preset = _lookup(text)
     if preset is not None:
@@ -302,5 +285,5 @@ def resolve_model(text: str) -> tuple[ModelSpec, str | None]:
     if dir_error:
         raise InputError(dir_error)
     if _looks_like_path(text):
-        raise InputError(f"no such file: {text}")
+        raise InputError(f"no such file: {shown_path(text)}")
     raise InputError(_unknown_message(text))

@@ -28,17 +28,16 @@ Precedence: command-line flags, then the YAML config, then the DeepSpeed file.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vramcalc import yamlio
+from vramcalc import safeio
 from vramcalc.analytic import estimate
 from vramcalc.catalog import resolve_model
 from vramcalc.ds_config import DeepSpeedConfig
 from vramcalc.ds_json import deepspeed_settings, scenario_notes
-from vramcalc.errors import InputError, suggest
+from vramcalc.errors import InputError, shown, suggest
 from vramcalc.options import OPTIONS_BY_NAME, build_scenario, normalize_values
 from vramcalc.report import MemoryReport
 from vramcalc.scenario import Scenario
@@ -69,22 +68,9 @@ class CheckResult:
                 "notes": self.notes, "report": self.report.to_json_dict()}
 
 
-def _read(path: Path, what: str) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"{what} {path} not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read {what} {path}: {exc}") from None
-
-
 def load_config_file(path: Path) -> dict[str, Any]:
     """Read a YAML training config: a mapping of option names (validated later)."""
-    text = _read(path, "config file")
-    try:
-        data = yamlio.safe_load(text)
-    except yamlio.YAMLError as exc:
-        raise InputError(f"malformed YAML in {path}: {' '.join(str(exc).split())}") from None
+    data = safeio.read_yaml(path, "config file")
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -93,25 +79,21 @@ def load_config_file(path: Path) -> dict[str, Any]:
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in OPTIONS_BY_NAME and name not in CONFIG_EXTRA_KEYS:
-            raise InputError(f"{path}: unknown key {key!r}"
+            raise InputError(f"{path}: unknown key {shown(key)}"
                              f"{suggest(name, list(OPTIONS_BY_NAME) + list(CONFIG_EXTRA_KEYS))}")
         if isinstance(value, (dict, list)) and name not in ("offload", "lora_targets"):
-            raise InputError(f"{path}: {key!r} must be a single value, got a "
+            raise InputError(f"{path}: {shown(key)} must be a single value, got a "
                              f"{type(value).__name__}")
         out[name] = value
     if "deepspeed" in out and out["deepspeed"] is not None:
-        ds = Path(str(out["deepspeed"])).expanduser()
+        ds = safeio.user_path(str(out["deepspeed"]), f"{path}: deepspeed")
         out["deepspeed"] = ds if ds.is_absolute() else path.parent / ds
     return out
 
 
 def load_deepspeed_file(path: Path) -> dict[str, Any]:
     """Read a DeepSpeed JSON config: a JSON object (the keys read: deepspeed_values)."""
-    text = _read(path, "DeepSpeed config")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"malformed JSON in {path}: {exc}") from None
+    data = safeio.read_json(path, "DeepSpeed config")
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a JSON object")
     return data

@@ -29,12 +29,17 @@ from pydantic import (
     model_validator,
 )
 
-from vramcalc import yamlio
-from vramcalc.errors import InputError
+from vramcalc import safeio, yamlio
+from vramcalc.errors import InputError, shown, shown_path
 
 ENV_VAR = "VRAMCALC_PROFILES"
 DTYPES = ("bf16", "fp16", "fp8", "fp32")
 MAX_COUNT = 1_000_000
+# Bounds of a profile's numbers: far outside any device, inside what the arithmetic handles
+MAX_BYTES = 2**50  # 1 PiB of device memory
+MIN_RATE, MAX_RATE = 10**6, 10**16  # bytes/s: 1 MB/s to 10 PB/s
+MIN_TFLOPS, MAX_TFLOPS = 1e-3, 1e6
+MIN_MFU = 1e-3
 
 # Short aliases that silently pick one variant of a family: normalized alias ->
 # (profile id it resolves to, sentence shown to the user; {name} = the profile's name).
@@ -75,38 +80,40 @@ class GPUProfile(BaseModel):
     (`dense_tflops` is a dict).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # NaN and infinity are refused (allow_inf_nan); every number has an upper bound, and
+    # rates a lower one, so the speed model never divides by an underflowed zero
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    id: str = Field(pattern=r"^[a-z0-9][a-z0-9_]*$")
+    id: str = Field(pattern=r"^[a-z0-9][a-z0-9_]*$", max_length=200)
     name: str = Field(min_length=1)
     vendor: str = Field(min_length=1)
     aliases: tuple[str, ...] = ()
     # Capacity as labelled by the vendor (the "80" of "80GB"); HBM labels are in practice
     # binary (80 GiB of HBM, of which the runtime reports ~79.2 GiB).
-    marketed_gb: float = Field(gt=0)
+    marketed_gb: float = Field(gt=0, le=MAX_BYTES / 1e9)
     # Bytes the runtime reports (torch.cuda.get_device_properties(d).total_memory).
-    memory_total_bytes: int = Field(gt=0)
+    memory_total_bytes: int = Field(gt=0, le=MAX_BYTES)
     memory_total_note: str = Field(min_length=1)
-    memory_bandwidth_bytes_per_s: int = Field(gt=0)
+    memory_bandwidth_bytes_per_s: int = Field(ge=MIN_RATE, le=MAX_RATE)
     # Dense peak TFLOP/s per dtype; a dtype is absent when unsupported or unconfirmed.
     dense_tflops: dict[str, float]
-    intra_node_bytes_per_s: int = Field(gt=0)  # per direction, per device, GPU-GPU
-    inter_node_bytes_per_s: int = Field(gt=0)  # per direction, per device, network
-    host_link_bytes_per_s: int = Field(gt=0)  # per direction, device <-> host
+    intra_node_bytes_per_s: int = Field(ge=MIN_RATE, le=MAX_RATE)  # per direction, per device, GPU-GPU
+    inter_node_bytes_per_s: int = Field(ge=MIN_RATE, le=MAX_RATE)  # per direction, per device, network
+    host_link_bytes_per_s: int = Field(ge=MIN_RATE, le=MAX_RATE)  # per direction, device <-> host
     gpus_per_node: int = Field(gt=0, le=MAX_COUNT)
     bf16_supported: bool
     fused_attention: bool
-    context_overhead_bytes: int = Field(ge=0)
+    context_overhead_bytes: int = Field(ge=0, le=MAX_BYTES)
     # BLAS workspace PyTorch allocates through the caching allocator (counted in
     # max_memory_allocated). Default: the CUDA default before sm90, CUBLAS_WORKSPACE_CONFIG
     # ":4096:2:16:8" = 2 x 4 MiB + 8 x 16 KiB (aten/src/ATen/cuda/CublasHandlePool.cpp).
-    blas_workspace_bytes: int = Field(8 * 2**20 + 8 * 16 * 2**10, ge=0)
+    blas_workspace_bytes: int = Field(8 * 2**20 + 8 * 16 * 2**10, ge=0, le=MAX_BYTES)
     # Transformer Engine keeps a separate FP8 transpose of each weight (false where the GPU
     # runs non-TN FP8 GEMMs: sm100/sm103, TE is_non_tn_fp8_gemm_supported)
     fp8_separate_transpose: bool = True
     memory_api: Literal["cuda", "rocm", "npu", "hpu"]
-    mfu_fraction: float = Field(gt=0, le=1)
-    price_usd_per_hour: float | None = Field(None, gt=0)
+    mfu_fraction: float = Field(ge=MIN_MFU, le=1)
+    price_usd_per_hour: float | None = Field(None, gt=0, le=1e6)
     sources: tuple[str, ...] = Field(min_length=1)
     notes: str = ""
 
@@ -124,8 +131,9 @@ class GPUProfile(BaseModel):
                 raise ValueError(
                     f"dense_tflops: unknown dtype {key!r} (expected one of {', '.join(DTYPES)})"
                 )
-            if tflops <= 0:
-                raise ValueError(f"dense_tflops: {key} TFLOP/s must be positive")
+            if not MIN_TFLOPS <= tflops <= MAX_TFLOPS:  # also false for NaN
+                raise ValueError(f"dense_tflops: {key} TFLOP/s must be between {MIN_TFLOPS} "
+                                 f"and {MAX_TFLOPS:g}")
         if any(not s.strip() for s in self.sources):
             raise ValueError("sources: sources must not contain empty strings")
         if self.context_overhead_bytes >= self.memory_total_bytes:
@@ -183,8 +191,8 @@ def profiles_dirs(extra: list[Path] | None = None) -> list[Path]:
     """
     dirs = [builtin_profiles_dir()]
     env = os.environ.get(ENV_VAR, "")
-    dirs.extend(Path(p).expanduser() for p in env.split(os.pathsep) if p.strip())
-    dirs.extend(Path(p).expanduser() for p in (extra or []))
+    dirs.extend(safeio.user_path(p, ENV_VAR) for p in env.split(os.pathsep) if p.strip())
+    dirs.extend(safeio.user_path(p, "--profiles-dir") for p in (extra or []))
     return dirs
 
 
@@ -204,13 +212,7 @@ def _profile_error(exc: ValidationError) -> str:
 
 
 def _read_yaml(path: Path) -> Any:
-    try:
-        return yamlio.safe_load(path.read_text(encoding="utf-8"))
-    except yamlio.YAMLError as exc:
-        reason = " ".join(str(exc).split())
-        raise InputError(f"malformed GPU profile {path}: {reason}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read GPU profile {path}: {exc}") from None
+    return safeio.read_yaml(path, "GPU profile", f"GPU profile {shown_path(path)}")
 
 
 @functools.lru_cache(maxsize=256)
@@ -232,14 +234,19 @@ def load_profile_file(path: Path) -> GPUProfile:
 
 
 def _profile_files(location: Path) -> list[Path]:
-    if location.is_file():
+    kind = safeio.path_kind(location)
+    if kind == "file":
         return [location]
-    if not location.is_dir():
-        raise InputError(f"GPU profile directory {location} does not exist")
-    files = sorted(
-        p for p in location.iterdir()
-        if p.suffix in (".yaml", ".yml") and p.is_file() and p.name != INDEX_FILE
-    )
+    if kind == "other":
+        raise InputError(f"GPU profile location {shown_path(location)} is not a folder or a "
+                         "regular file")
+    if kind != "dir":
+        raise InputError(f"GPU profile directory {shown_path(location)} does not exist")
+    files = [
+        p for p in safeio.list_dir(location, "GPU profile directory")
+        if p.suffix in (".yaml", ".yml") and safeio.path_kind(p) == "file"
+        and p.name != INDEX_FILE
+    ]
     stems = [p.stem for p in files]
     for stem in stems:
         if stems.count(stem) > 1:
@@ -315,7 +322,7 @@ def resolve_gpu(name: str, extra_dirs: list[Path] | None = None) -> GPUProfile:
         if close
         else "; run `vramcalc gpus` for the list"
     )
-    raise InputError(f"unknown GPU {name!r}{hint}")
+    raise InputError(f"unknown GPU {shown(name)}{hint}")
 
 
 def alias_note(name: str, profile: GPUProfile) -> str | None:
@@ -333,12 +340,13 @@ _COUNT_PREFIX = re.compile(r"^\s*([+-]?[0-9][0-9_,.]*)\s*[xX*]\s*(.*)$", re.DOTA
 def _parse_count(token: str, what: str, text: str) -> int:
     if not token.isdigit():
         raise InputError(
-            f"bad GPU spec {text!r}: {what} {token!r} must be a positive whole number"
+            f"bad GPU spec {shown(text)}: {what} {shown(token)} must be a positive whole number"
         )
-    value = int(token)
+    value = int(token) if len(token) <= 9 else MAX_COUNT + 1  # no 4,300-digit int()
     if value < 1 or value > MAX_COUNT:
         raise InputError(
-            f"bad GPU spec {text!r}: {what} must be between 1 and {MAX_COUNT:,}, got {value}"
+            f"bad GPU spec {shown(text)}: {what} must be between 1 and {MAX_COUNT:,}, got "
+            + (str(value) if len(token) <= 9 else f"a {len(token):,}-digit number")
         )
     return value
 
@@ -352,7 +360,7 @@ def _split_counts(text: str) -> tuple[str | None, str | None, str]:
         rest = m.group(2)
     if len(tokens) > 2:
         raise InputError(
-            f"bad GPU spec {text!r}: expected GPU, NxGPU or NODESxPER_NODExGPU"
+            f"bad GPU spec {shown(text)}: expected GPU, NxGPU or NODESxPER_NODExGPU"
         )
     if len(tokens) == 2:
         return tokens[0], tokens[1], rest.strip()
@@ -369,7 +377,7 @@ def parse_gpus(text: str, extra_dirs: list[Path] | None = None) -> Cluster:
     """
     nodes_token, count_token, gpu_name = _split_counts(text)
     if not gpu_name:
-        raise InputError(f"bad GPU spec {text!r}: missing GPU name (e.g. 8xH100)")
+        raise InputError(f"bad GPU spec {shown(text)}: missing GPU name (e.g. 8xH100)")
     gpu = resolve_gpu(gpu_name, extra_dirs)
     if count_token is None:
         return Cluster.model_construct(gpu=gpu, num_nodes=1, gpus_per_node=1)
@@ -380,7 +388,7 @@ def parse_gpus(text: str, extra_dirs: list[Path] | None = None) -> Cluster:
         num_nodes = _parse_count(nodes_token, "node count", text)
         if num_nodes * count > MAX_COUNT:
             raise InputError(
-                f"bad GPU spec {text!r}: more than {MAX_COUNT:,} GPUs in total"
+                f"bad GPU spec {shown(text)}: more than {MAX_COUNT:,} GPUs in total"
             )
         return Cluster.model_construct(gpu=gpu, num_nodes=num_nodes, gpus_per_node=count)
     per_node = gpu.gpus_per_node
@@ -388,7 +396,7 @@ def parse_gpus(text: str, extra_dirs: list[Path] | None = None) -> Cluster:
         return Cluster.model_construct(gpu=gpu, num_nodes=1, gpus_per_node=count)
     if count % per_node:
         raise InputError(
-            f"bad GPU spec {text!r}: {count} GPUs is not a multiple of {per_node} per {gpu.id} node; "
+            f"bad GPU spec {shown(text)}: {count} GPUs is not a multiple of {per_node} per {gpu.id} node; "
             f"write NODESxPER_NODExGPU, e.g. {-(-count // per_node)}x{per_node}x{gpu_name}"
         )
     return Cluster.model_construct(gpu=gpu, num_nodes=count // per_node, gpus_per_node=per_node)

@@ -27,6 +27,7 @@ from vramcalc.errors import InputError
 
 MAX_DIM = 10_000_000
 MAX_LAYERS = 100_000
+MAX_EXPERTS = 1024
 
 
 class ModelSpec(BaseModel):
@@ -62,8 +63,10 @@ class ModelSpec(BaseModel):
     parallel_residual: bool = Field(False, exclude_if=lambda v: not v)
     lm_head_bias: bool = Field(False, exclude_if=lambda v: not v)  # phi, GPT-J: V more
     # Mixture of experts; num_local_experts == 0 means dense.
-    num_local_experts: int = Field(0, ge=0, le=100_000)
-    num_experts_per_tok: int = Field(0, ge=0, le=100_000)
+    # at most MAX_EXPERTS: the largest published MoE LLMs route over 256-384 experts
+    # (DeepSeek-V3 256, Kimi K2 384); the engine's cost grows with the count
+    num_local_experts: int = Field(0, ge=0, le=MAX_EXPERTS)
+    num_experts_per_tok: int = Field(0, ge=0, le=MAX_EXPERTS)
     moe_intermediate_size: int | None = Field(None, gt=0, le=MAX_DIM * 10)
     num_shared_experts: int = Field(0, ge=0, le=1000)
     shared_expert_intermediate_size: int | None = Field(None, gt=0, le=MAX_DIM * 10)

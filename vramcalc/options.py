@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from vramcalc.catalog import resolve_model
 from vramcalc.ds_config import DeepSpeedConfig
@@ -346,3 +346,22 @@ def build_scenario(values: dict[str, Any], profile_dirs: list[Path] | None = Non
                                    cluster=cluster, headroom_fraction=headroom,
                                    model_note=model_note, gpu_note=gpu_note)
     return scn.resolved()
+
+
+def check_bounds(values: dict[str, Any]) -> None:
+    """Each value's own bounds, as `build_scenario` checks them (the TrainingConfig /
+    ParallelConfig field constraints), without the checks across fields: how `plan`
+    validates the layout values it pins before searching the others."""
+    for key, value in values.items():
+        cls = (TrainingConfig if key in _TRAINING_KEYS
+               else ParallelConfig if key in _PARALLEL_KEYS else None)
+        if cls is None or value is None:
+            continue
+        field = cls.model_fields[key]
+        try:
+            adapter: TypeAdapter[Any] = TypeAdapter(
+                Annotated[field.annotation, field])  # type: ignore[arg-type]
+            adapter.validate_python(value)
+        except ValidationError as err:
+            raise InputError(f"--{key.replace('_', '-')}: {err.errors()[0]['msg']} "
+                             f"(got {value!r})") from None

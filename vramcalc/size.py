@@ -16,11 +16,16 @@ batch leaves data parallelism nothing to split). Without a deadline the answer i
 largest size whose GPU-hours are within 10 % of the cheapest size's (the fastest run that
 costs about the least); with `days`, the smallest size in the table that meets the deadline,
 or, when none does, the global batch that would let the cluster grow far enough.
+
+Stopping early: a count is not searched when the GPU's CUDA context and cuBLAS workspace
+alone (what every rank holds, whatever the layout) leave no usable memory, and the scan over
+counts stops when the time budget (`time_budget_s`, wall clock) is spent; the row says so.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -122,6 +127,10 @@ def _best(base: Scenario, req: PlanRequest) -> PlanEntry | None:
     return res.entries[0] if res.entries else None
 
 
+def _out_of_time(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() > deadline
+
+
 def _option(n: int, entry: PlanEntry, tokens: int, price: float | None) -> SizeOption:
     seconds = tokens / entry.speed.tokens_per_s
     hours = n * seconds / 3600
@@ -131,16 +140,28 @@ def _option(n: int, entry: PlanEntry, tokens: int, price: float | None) -> SizeO
 
 def size_one(base: Scenario, gpu: GPUProfile, tokens: int, req: PlanRequest,
              days: float | None = None, price: float | None = None,
-             max_gpus: int = DEFAULT_MAX_GPUS) -> SizeRow:
+             max_gpus: int = DEFAULT_MAX_GPUS, deadline: float | None = None) -> SizeRow:
     """Size one GPU type: the table from the smallest fitting count to the knee, and the
-    answer (the knee, or the smallest count that meets `days`)."""
+    answer (the knee, or the smallest count that meets `days`). `deadline`
+    (time.monotonic()) stops the scan over counts when reached."""
     counts = size_counts(gpu.gpus_per_node, max_gpus)
     price = price if price is not None else gpu.price_usd_per_hour
+    floor = gpu.context_overhead_bytes + gpu.blas_workspace_bytes
+    if floor >= gpu.memory_total_bytes * (1 - base.headroom_fraction):
+        return SizeRow(gpu, None, None, None, None, None, price, None, (
+            f"nothing fits on any count: the CUDA context and cuBLAS workspace alone "
+            f"({floor:,} bytes) fill the usable memory with --headroom "
+            f"{base.headroom_fraction:g}",))
     need = tokens / (days * SECONDS_PER_DAY) if days is not None else None
     table: list[SizeOption] = []
     best_mfu = 0.0
     unsplit: list[int] = []  # sizes after the first fit on which no layout splits the batch
+    searched, stopped = 0, False
     for n in counts:
+        if _out_of_time(deadline):
+            stopped = True
+            break
+        searched = n
         entry = _best(_on(base, gpu, n), req)
         if entry is None:  # nothing fits yet, or the batch does not split over n GPUs
             if table:
@@ -153,9 +174,14 @@ def size_one(base: Scenario, gpu: GPUProfile, tokens: int, req: PlanRequest,
         if need is not None and entry.speed.tokens_per_s >= need:
             break  # the smallest count that meets the deadline
     if not table:
-        return SizeRow(gpu, None, None, None, None, None, price, None,
-                       (f"no strategy fits on up to {counts[-1] if counts else 0:,} GPUs",))
+        found = f"no strategy fits on up to {searched:,} GPUs" if searched else "no count searched"
+        return SizeRow(gpu, None, None, None, None, None, price, None, (
+            found + ("; the time budget ran out before larger counts were searched (lower "
+                     "--max-gpus or try a plan on one count)" if stopped else ""),))
     notes: list[str] = []
+    if stopped:
+        notes.append(f"the time budget ran out after {searched:,} GPUs; larger sizes were "
+                     "not searched")
     suggested = None
     cheapest = min(o.gpu_hours for o in table)
     chosen = max((o for o in table if o.gpu_hours <= (1 + COST_SLACK) * cheapest),
@@ -192,8 +218,11 @@ def size_one(base: Scenario, gpu: GPUProfile, tokens: int, req: PlanRequest,
 def size_cluster(base: Scenario, gpus: Sequence[GPUProfile], tokens: int, req: PlanRequest,
                  days: float | None = None, prices: Mapping[str, float] | None = None,
                  max_gpus: int = DEFAULT_MAX_GPUS,
-                 progress: ProgressFn | None = None) -> list[SizeRow]:
-    """One row per GPU type, in the order given."""
+                 progress: ProgressFn | None = None,
+                 time_budget_s: float | None = None) -> list[SizeRow]:
+    """One row per GPU type, in the order given; the scan over GPU counts stops once
+    `time_budget_s` seconds (all types together) have passed, saying so in the row."""
+    deadline = time.monotonic() + time_budget_s if time_budget_s is not None else None
     check_searchable(base)
     if tokens <= 0:
         raise InputError("--tokens must be positive")
@@ -204,7 +233,7 @@ def size_cluster(base: Scenario, gpus: Sequence[GPUProfile], tokens: int, req: P
         if progress is not None:
             progress(f"sizing {gpu.name}", k, len(gpus))
         rows.append(size_one(base, gpu, tokens, req, days, (prices or {}).get(gpu.id),
-                             max_gpus))
+                             max_gpus, deadline))
     if progress is not None:
         progress("done", len(gpus), len(gpus))
     return rows

@@ -9,15 +9,18 @@ the sibling modules; vramcalc/cli/__init__.py registers them on `app`, in help o
 from __future__ import annotations
 
 import inspect
+import io
 import json
+import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
-from vramcalc.errors import InputError
+from vramcalc.errors import InputError, one_line
 from vramcalc.options import SCENARIO_OPTIONS, Opt
 from vramcalc.provenance import provenance
 
@@ -128,8 +131,10 @@ def split_values(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[Path] | N
 # ---- output and exit codes -----------------------------------------------------
 def emit_json(doc: dict[str, Any]) -> None:
     """One JSON document on stdout: the version and catalog revisions that produced it
-    (vramcalc.provenance), then the command's own keys."""
-    sys.stdout.write(json.dumps({**provenance(), **doc}, indent=2, sort_keys=False) + "\n")
+    (vramcalc.provenance), then the command's own keys (strict JSON: a NaN or infinity is
+    an error, never printed as the invalid `NaN` / `Infinity`)."""
+    sys.stdout.write(json.dumps({**provenance(), **doc}, indent=2, sort_keys=False,
+                                allow_nan=False) + "\n")
 
 
 def emit_text(text: str) -> None:
@@ -144,19 +149,51 @@ def note(text: str) -> None:
 
 def fail(text: str, code: int) -> typer.Exit:
     """Write `error: text` on stderr; the Exit to raise with `code`."""
-    sys.stderr.write(f"error: {text}\n")
+    sys.stderr.write(f"error: {one_line(text)}\n")
     return typer.Exit(code)
+
+
+DEBUG_ENV = "VRAMCALC_DEBUG"  # =1: the last-resort handler prints the traceback too
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command line (sys.argv when None); the exit code. Bad input is one line on
-    stderr and exit code 2, never a traceback."""
+    stderr and exit code 2, never a traceback: InputError and usage errors say what to fix;
+    anything unexpected is one `error: internal error ...` line (the traceback only with
+    VRAMCALC_DEBUG=1). A reader that closes stdout early (`| head`) ends the run quietly."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # a closed stdout raises here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 1
+    except Exception as err:  # the last resort: never a traceback
+        if os.environ.get(DEBUG_ENV) == "1":
+            traceback.print_exc()
+        sys.stderr.write(
+            f"error: internal error ({type(err).__name__}: {one_line(str(err), 200)}); "
+            f"please report it, with the command line, on the project's issue tracker (set "
+            f"{DEBUG_ENV}=1 for the traceback)\n")
+        return EXIT_BAD_INPUT
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        pass
+
+
+def _run(argv: list[str] | None) -> int:
     try:
         rv = app(args=argv, standalone_mode=False, prog_name="vramcalc")
         if isinstance(rv, int):  # click returns Exit codes instead of raising here
             return rv
     except InputError as err:
-        sys.stderr.write(f"error: {err}\n")
+        sys.stderr.write(f"error: {one_line(str(err))}\n")
         return EXIT_BAD_INPUT
     except (typer.Exit, SystemExit) as err:
         code = getattr(err, "exit_code", getattr(err, "code", 0))
@@ -169,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write("aborted\n")
             return 130
         if hasattr(err, "format_message") and hasattr(err, "exit_code"):  # usage errors
-            sys.stderr.write(f"error: {' '.join(err.format_message().split())}\n")
+            sys.stderr.write(f"error: {one_line(err.format_message())}\n")
             return EXIT_BAD_INPUT
         raise
     return 0

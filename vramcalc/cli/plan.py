@@ -68,6 +68,10 @@ _BATCH_PARAMS = [
 ]
 
 
+# Wall-clock seconds `size` spends scanning GPU counts before it stops and says so
+SIZE_TIME_BUDGET_S = 60.0
+
+
 # ---- shared helpers --------------------------------------------------------------------------
 def _command_line(command: str, values: dict[str, Any], extra: dict[str, Any]) -> str:
     """The command that reruns with `values`, leaving out options at their defaults."""
@@ -273,7 +277,8 @@ def size_cmd(
                                     mfu, dirs)
     progress = LazyProgress(enabled=not as_json)
     try:
-        rows = size_cluster(base, profiles, n_tokens, req, days, prices, max_gpus, progress)
+        rows = size_cluster(base, profiles, n_tokens, req, days, prices, max_gpus, progress,
+                            SIZE_TIME_BUDGET_S)
     finally:
         progress.close()
     if as_json:

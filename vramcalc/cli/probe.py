@@ -6,7 +6,9 @@ extra. Exit code 3 when no GPU/NPU is found.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -16,10 +18,11 @@ from typing import Any, Optional
 
 import typer
 
+from vramcalc import safeio
 from vramcalc.check import check_files
 from vramcalc.cli.app import emit_json, fail, option, scenario_command, split_values
 from vramcalc.cli.serve import run_serve
-from vramcalc.errors import InputError
+from vramcalc.errors import InputError, shown_path
 from vramcalc.options import build_scenario
 from vramcalc.render.console import make_console
 from vramcalc.render.probe import print_probe_record, print_run_records
@@ -54,14 +57,18 @@ def probe_cmd(ctx: typer.Context, **kwargs: Any) -> None:
     device_name, iterations = kwargs.pop("device"), kwargs.pop("iterations")
     out, no_trace, nproc = kwargs.pop("out"), kwargs.pop("no_trace"), kwargs.pop("nproc")
     values, dirs, as_json = split_values(kwargs)
+    if not 0 <= interval <= 86_400:  # also false for NaN
+        raise InputError(f"--interval must be between 0 and 86400 seconds, got {interval}")
+    if not 1 <= nproc <= 1024:
+        raise InputError(f"--nproc must be between 1 and 1024, got {nproc}")
     if run:
         _run_mode(list(ctx.args), interval, compare, out, dirs, as_json,
                   str(values.get("gpus", "1xH100")))
         return
     if ctx.args:
         raise InputError(f"unexpected arguments {' '.join(ctx.args)!r} (use --run -- CMD)")
-    if iterations < 1:
-        raise InputError("--iterations must be at least 1")
+    if not 1 <= iterations <= 10_000:
+        raise InputError(f"--iterations must be between 1 and 10,000, got {iterations}")
     if device_name not in ("auto", "cpu"):
         raise InputError(f"--device: expected auto or cpu, got {device_name!r}")
     scn = build_scenario(values, dirs)
@@ -76,8 +83,10 @@ def probe_cmd(ctx: typer.Context, **kwargs: Any) -> None:
         return
     rec = builtin.probe_record(scn, values, device, iterations, with_trace=not no_trace)
     if out is not None:
-        digest = abs(hash(json.dumps(rec["scenario"], sort_keys=True))) % 10**8
-        name = f"{scn.model.name}-{device.type}-{digest:08d}.json"
+        # the same scenario gets the same name in every run (hash() is salted per process)
+        digest = hashlib.sha256(json.dumps(rec["scenario"], sort_keys=True).encode()
+                                ).hexdigest()[:8]
+        name = f"{_safe_name(scn.model.name)}-{device.type}-{digest}.json"
         rec["_written_to"] = str(record.write_record(rec, Path(out) / name))
     if as_json:
         emit_json(rec)
@@ -132,12 +141,17 @@ def _nproc_mode(values: dict[str, Any], nproc: int, iterations: int, out: Path |
     plain = {k: (list(v) if isinstance(v, tuple) else v) for k, v in values.items()}
     with tempfile.TemporaryDirectory(prefix="vramcalc-probe-") as tmp:  # unless --out
         folder = Path(out) if out else Path(tmp)
-        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise InputError(f"--out {shown_path(folder)}: cannot make the folder: "
+                             f"{err.strerror or type(err).__name__}") from None
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-port", str(free_port()), "-m", "vramcalc.probe.worker", "--values",
                json.dumps(plain), "--out", str(folder), "--iterations", str(iterations)]
         proc = subprocess.run(cmd, check=False, capture_output=as_json, text=True)
-        records = [json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))]
+        records = [safeio.read_json(p, "probe record")
+                   for p in sorted(folder.glob("rank*.json"))]
     if not records:
         tail = (proc.stderr or "").strip().splitlines()[-1:] if as_json else []
         raise InputError("torchrun wrote no probe record (exit code "
@@ -156,6 +170,11 @@ def _nproc_mode(values: dict[str, Any], nproc: int, iterations: int, out: Path |
             print_probe_record(console, rec)
     if proc.returncode != 0:
         raise typer.Exit(proc.returncode)
+
+
+def _safe_name(text: str) -> str:
+    """A model name as part of a file name: letters, digits, `.`, `_`, `-`; at most 64."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text)[:64] or "model"
 
 
 def free_port() -> int:

@@ -184,7 +184,7 @@ def _shardings(dp: int, cp: int, tp: int, pp: int, ep: int, gpn: int,
         group = pinned.get("shard_group") if f == "hybrid" else None
         if f == "hybrid" and (not group or dp % group):
             return []
-        return [(0, f, group, stage)]
+        return [(z, f, group, stage)]  # both pinned: the engine refuses ZeRO with FSDP
     return opts
 
 

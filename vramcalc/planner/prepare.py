@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from vramcalc.errors import InputError, suggest
-from vramcalc.options import OPTIONS_BY_NAME, build_scenario, normalize_values
+from vramcalc.hardware import MIN_MFU
+from vramcalc.options import OPTIONS_BY_NAME, build_scenario, check_bounds, normalize_values
 from vramcalc.planner.candidates import finetune_supported, given
 from vramcalc.planner.request import PlanRequest, recomputes_of
 from vramcalc.scenario import Scenario
@@ -47,11 +48,11 @@ def parse_allow(text: str | None) -> tuple[frozenset[str], list[str]]:
 
 
 def parse_mfu(mfu: float | None) -> float | None:
-    """--mfu, a fraction in (0, 1], or None."""
+    """--mfu, a fraction between MIN_MFU and 1, or None."""
     if mfu is None:
         return None
-    if not 0 < mfu <= 1:
-        raise InputError(f"--mfu must be a fraction in (0, 1], got {mfu}")
+    if not MIN_MFU <= mfu <= 1:  # also false for NaN
+        raise InputError(f"--mfu must be a fraction between {MIN_MFU} and 1, got {mfu}")
     return mfu
 
 
@@ -76,6 +77,7 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
     searched = {k: values.pop(k) for k in SEARCHED_OPTIONS if k in values}
     norm = normalize_values(searched)
     pinned = {k: norm[k] for k in searched}
+    check_bounds(pinned)  # a pinned value obeys estimate's bounds (the rest: the search)
     if "offload" in pinned:
         pinned["offload"] = tuple(pinned["offload"])
     values.setdefault("headroom", DEFAULT_HEADROOM)

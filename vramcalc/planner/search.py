@@ -152,10 +152,12 @@ def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
     en = Enumerator(base, req, bound, usable - context)
     result.num_candidates = sum(en.count(g) for g in en.groups)
     if not result.num_candidates:
+        why = pinned_refusal(base, req.pinned) or (
+            "the data-parallel size must divide the batch (try a global batch that is a "
+            "multiple of the GPU count)")
         raise InputError(
             f"no valid layout of {base.cluster.num_gpus} GPUs for a global batch of {B} "
-            f"sequences{_pin_text(req.pinned)}: the data-parallel size must divide the batch "
-            "(try a global batch that is a multiple of the GPU count)")
+            f"sequences{_pin_text(req.pinned)}: {why}")
     groups = sorted(((en.upper_bound(g), i) for i, g in enumerate(en.groups)),
                     key=lambda t: (-t[0], t[1]))
     heap: list[tuple[tuple, Candidate]] = []
@@ -207,7 +209,41 @@ def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
         if en.pruned:  # the closest may be among the pruned: probe them all
             seen, _, _ = enumerate_candidates(base, req)
         result.closest = closest(seen, bound, estimated, base, req)
+        if result.closest is None:  # every layout refused: say why, not "nothing fits"
+            reason = refusal(seen, base) or pinned_refusal(base, req.pinned)
+            raise InputError(f"no layout of {base.cluster.num_gpus} GPUs can run"
+                             f"{_pin_text(req.pinned)}: "
+                             f"{reason or 'the engine refused every layout'}")
     return result
+
+
+def refusal(cands: list[Candidate], base: Scenario) -> str | None:
+    """Why the engine refuses these candidates: the first one's own message."""
+    for c in cands[:1]:
+        try:
+            estimate(scenario_for(c, base), every_stage=False)
+        except (InputError, ValueError) as err:
+            return str(err)
+    return None
+
+
+_TRAINING_PINS = ("micro_batch_size", "grad_accum", "recompute")
+
+
+def pinned_refusal(base: Scenario, pinned: Mapping[str, Any]) -> str | None:
+    """The engine's message for the base scenario with the pinned values applied (the
+    unpinned ones at the base's), or None when it estimates: why no layout can run."""
+    pins = {k: v for k, v in pinned.items() if v is not None}
+    training = {k: v for k, v in pins.items() if k in _TRAINING_PINS}
+    parallel = {k: v for k, v in pins.items() if k not in _TRAINING_PINS}
+    try:
+        scn = base.model_copy(update={
+            "training": base.training.model_copy(update=training),
+            "parallel": base.parallel.model_copy(update=parallel)}).resolved()
+        estimate(scn, every_stage=False)
+    except (InputError, ValueError) as err:
+        return str(err)
+    return None
 
 
 def _pin_text(pinned: Mapping[str, Any]) -> str:

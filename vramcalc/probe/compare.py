@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from vramcalc.errors import InputError
 from vramcalc.probe.record import read_records, rel_error
 
 PEAK_TOLERANCE = 0.05
@@ -30,7 +31,10 @@ def compare_records(folder: Path, with_trace: bool = False) -> dict[str, Any]:
         peak = measured.get("max_memory_allocated_bytes")
         if not peak:
             continue
-        scn = build_scenario(dict(rec["scenario"]))
+        try:
+            scn = build_scenario(dict(rec["scenario"]))
+        except InputError as err:  # the record's option values, checked as the CLI's
+            raise InputError(f"{rec['_path']}: {err}") from None
         rep = estimate(scn)
         row: dict[str, Any] = {
             "name": Path(rec["_path"]).stem,

@@ -23,7 +23,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vramcalc.errors import InputError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from vramcalc import safeio
+from vramcalc.errors import InputError, shown_path
 
 SCHEMA = "vramcalc.probe/1"
 
@@ -36,24 +39,70 @@ def rel_error(predicted: int | None, measured: int | None) -> float | None:
 
 
 def write_record(record: dict[str, Any], path: Path) -> Path:
-    """Write one record as indented JSON; returns the path."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    """Write one record as indented JSON; returns the path. InputError when the folder
+    cannot be made or the file written (e.g. --out names a file)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2, sort_keys=True, allow_nan=False) + "\n",
+                        encoding="utf-8")
+    except OSError as err:
+        raise InputError(f"cannot write the probe record {shown_path(path)}: "
+                         f"{err.strerror or type(err).__name__}") from None
     return path
 
 
+class _Measured(BaseModel):
+    """The measured figures `validate --records` reads (others are kept, unchecked)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    max_memory_allocated_bytes: int | None = Field(None, ge=0)
+    max_memory_reserved_bytes: int | None = Field(None, ge=0)
+    context_bytes: int | None = Field(None, ge=0)
+    dry_run: bool = False
+
+
+class _Device(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1, max_length=300)
+
+
+class _Record(BaseModel):
+    """What a stored probe record must hold to be compared: a measured run's figures, the
+    device's name and the option values it ran with."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    schema_: str = Field(alias="schema")
+    kind: str
+    status: str
+    scenario: dict[str, Any]
+    device: _Device
+    measured: _Measured = Field(default_factory=_Measured)
+
+
 def read_records(folder: Path) -> list[dict[str, Any]]:
-    """All probe records (*.json with the probe schema) in a folder, sorted by file name."""
-    if not folder.is_dir():
-        raise InputError(f"no such folder: {folder}")
+    """All probe records (*.json with the probe schema) in a folder, sorted by file name;
+    each read through vramcalc.safeio and checked for the fields `validate --records`
+    uses (InputError naming the file and the field)."""
+    if safeio.path_kind(folder) != "dir":
+        raise InputError(f"no such folder: {shown_path(folder)}")
     out = []
-    for path in sorted(folder.glob("*.json")):
-        try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as err:
-            raise InputError(f"{path}: not a JSON probe record ({err})") from None
+    for path in safeio.list_dir(folder, "records folder"):
+        if path.suffix != ".json":
+            continue
+        doc = safeio.read_json(path, "probe record")
         if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-            raise InputError(f"{path}: not a vramcalc probe record (schema {SCHEMA!r})")
+            raise InputError(f"{shown_path(path)}: not a vramcalc probe record (schema "
+                             f"{SCHEMA!r})")
+        try:
+            _Record.model_validate(doc)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(x) for x in first["loc"]).replace("schema_", "schema")
+            raise InputError(f"{shown_path(path)}: probe record field {where or 'record'}: "
+                             f"{first['msg']}") from None
         doc["_path"] = str(path)
         out.append(doc)
     return out

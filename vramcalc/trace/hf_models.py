@@ -32,7 +32,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from vramcalc.errors import InputError
+from vramcalc.errors import InputError, shown
 from vramcalc.hf_config import ROBERTA_TYPES
 from vramcalc.model import ModelSpec
 from vramcalc.training import TrainingConfig
@@ -136,6 +136,11 @@ def to_hf_config(spec: ModelSpec) -> Any:
     tf = _transformers()
     if spec.final_norm is False:
         raise _unsupported(spec, "no final norm")
+    from transformers.activations import ACT2FN
+
+    if spec.hidden_act not in ACT2FN:  # transformers' own table of activation names
+        raise _unsupported(spec, f"hidden_act {shown(spec.hidden_act)} is not one of "
+                           "transformers' activations")
     family = hf_family(spec)
     if family == "gpt2":
         return tf.GPT2Config(

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from vramcalc.errors import InputError, shown
 from vramcalc.model import ModelSpec
 
 if TYPE_CHECKING:
@@ -149,7 +150,8 @@ def activation(name: str):  # noqa: ANN201
         return F.gelu
     if name == "relu":
         return F.relu
-    raise ValueError(f"unsupported hidden_act {name!r}")
+    raise InputError(f"trace: unsupported hidden_act {shown(name)} (supported: silu, swish, "
+                     "gelu, gelu_new, gelu_pytorch_tanh, gelu_fast, gelu_python_tanh, relu)")
 
 
 def rope_tables(s: int, d: int, device: torch.device, dtype: torch.dtype):  # noqa: ANN201

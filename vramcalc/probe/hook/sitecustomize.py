@@ -4,7 +4,9 @@ Loaded by Python at start-up in the user's (unmodified) training process. It nev
 torch itself: at exit, and every VRAMCALC_PROBE_INTERVAL seconds, it writes this rank's
 allocator peaks (when the process imported torch and initialised CUDA), NVML's per-process
 figure when pynvml is available, and the host's peak RSS, to
-$VRAMCALC_PROBE_DIR/rank<RANK>-<pid>.json. Any other sitecustomize on the path still runs.
+$VRAMCALC_PROBE_DIR/rank<RANK>-<pid>.json: only in the processes that are the launcher's
+ranks (`_claim`), not in their Python children. Any other sitecustomize on the path still
+runs.
 """
 
 from __future__ import annotations
@@ -129,7 +131,22 @@ def _chain_other_sitecustomize() -> None:
         pass
 
 
-if os.environ.get("VRAMCALC_PROBE_DIR"):
+def _claim() -> bool:
+    """Whether this process is one the launcher started as a rank: the first Python
+    process of each RANK (torchrun's workers), or the first one without RANK (a plain
+    `python train.py`, or torchrun's launcher). Their own Python children (data-loader
+    workers, tools they spawn) inherit the environment and find the claim taken."""
+    key = f"rank{os.environ['RANK']}" if "RANK" in os.environ else "main"
+    try:
+        fd = os.open(os.path.join(os.environ["VRAMCALC_PROBE_DIR"], f".claim-{key}"),
+                     os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+if os.environ.get("VRAMCALC_PROBE_DIR") and _claim():
     atexit.register(_write, True)
     _interval = float(os.environ.get("VRAMCALC_PROBE_INTERVAL", "0") or 0)
     if _interval > 0:
