@@ -10,6 +10,7 @@ from functools import lru_cache
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
+from vramcalc.sharding import pipeline_chunks, stage_layer_indices
 from vramcalc.terms import activations as act
 from vramcalc.terms import logits as lg
 from vramcalc.terms import moments as mo
@@ -26,6 +27,8 @@ class Profile:
 
     n_dense: int
     dense_layer: int
+    # whether each layer of the rank is a MoE layer, bottom to top (ModelSpec.is_moe_layer)
+    moe_mask: tuple[bool, ...]
     n_moe: int
     moe_layer: int
     embedding_side: int  # ids, labels, rope tables, masks (embedding_saved)
@@ -51,6 +54,14 @@ class Profile:
     # Megatron-LM's --recompute-method: layers keep different bytes (None: all alike)
     recompute_plan: LayerPlan | None = None
 
+    def bottom(self, n: int) -> int:
+        """Activations of the bottom n layers of this rank (per micro-batch), in layer order."""
+        return sum(self.moe_layer if moe else self.dense_layer for moe in self.moe_mask[:n])
+
+    def is_moe_from_top(self, i: int) -> bool:
+        """Whether the i-th layer from the top (0-based) of this rank is a MoE layer."""
+        return self.moe_mask[len(self.moe_mask) - 1 - i]
+
     @property
     def layers(self) -> int:
         if self.recompute_plan is not None:
@@ -68,9 +79,11 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
              stage: int) -> Profile:
     ctx = RankContext(spec, training, parallel, stage)
     n_dense, dense, n_moe, moe = act.stage_layer_bytes(ctx)
-    top_moe, bottom_moe = n_moe > 0, n_dense == 0
+    indices = stage_layer_indices(pipeline_chunks(spec, parallel), stage)
+    mask = tuple(spec.is_moe_layer(i) for i in indices)
+    top_moe, bottom_moe = bool(mask) and mask[-1], bool(mask) and mask[0]
     return Profile(
-        n_dense=n_dense, dense_layer=dense, n_moe=n_moe, moe_layer=moe,
+        n_dense=n_dense, dense_layer=dense, n_moe=n_moe, moe_layer=moe, moe_mask=mask,
         embedding_side=sum(t.nbytes for t in act.embedding_saved(ctx)),
         head_side=sum(t.nbytes for t in act.head_saved(ctx)),
         top_moments=tuple(act.layer_backward_moments(ctx, top_moe)) if ctx.num_layers else (),

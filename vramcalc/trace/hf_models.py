@@ -78,7 +78,7 @@ def hf_family(spec: ModelSpec) -> str:
             raise _unsupported(spec, "shared expert gate without a shared expert")
         if spec.qk_norm:
             return "qwen3_moe"
-        if spec.first_k_dense_replace or spec.attention_bias:
+        if spec.num_dense_layers or spec.attention_bias:
             raise _unsupported(spec, "Mixtral has no dense layers and no biases")
         return "mixtral"
     if spec.model_type in ("phi3", "gemma", "mistral") and not (
@@ -148,7 +148,8 @@ def to_hf_config(spec: ModelSpec) -> Any:
         "intermediate_size": spec.intermediate_size,
         "moe_intermediate_size": spec.expert_ffn, "num_experts": spec.num_local_experts,
         "num_experts_per_tok": spec.num_experts_per_tok, "norm_topk_prob": True,
-        "decoder_sparse_step": 1, "mlp_only_layers": list(range(spec.first_k_dense_replace)),
+        "decoder_sparse_step": 1,  # the dense layers are listed (ModelSpec.is_moe_layer)
+        "mlp_only_layers": [i for i in range(spec.num_hidden_layers) if not spec.is_moe_layer(i)],
     }
     if family == "qwen2_moe":
         return tf.Qwen2MoeConfig(**common, **moe, qkv_bias=spec.attention_bias,

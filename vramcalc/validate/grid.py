@@ -59,6 +59,7 @@ def default_grid() -> list[tuple[str, Scenario]]:
         grid.append(scenario_for("moe", **fw, recompute="full", micro_batch_size=4))
         grid.append(scenario_for("moe-shared", **fw, precision="bf16-pure", attention="eager",
                          seq_len=512))
+        grid.append(scenario_for("moe-interleaved", **fw, seq_len=2048))
         # a small vocabulary: the peak moves into the layers' backward
         grid.append(scenario_for("llama-deep", **fw, seq_len=2048))
         grid.append(scenario_for("llama-deep", **fw, precision="amp-bf16", attention="eager",

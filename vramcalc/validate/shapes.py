@@ -60,6 +60,14 @@ SHAPES: dict[str, ModelSpec] = {
                             num_shared_experts=1, shared_expert_intermediate_size=1408,
                             shared_expert_gate=True, first_k_dense_replace=1,
                             attention_bias=True),
+    # Qwen3-MoE with decoder_sparse_step 2 (Llama-4 Maverick's interleave_moe_layer_step 2
+    # likewise): dense and MoE layers alternate, the top layer MoE; a small vocabulary puts
+    # the peak in the layers' backward
+    "moe-interleaved": ModelSpec(name="moe-interleaved", hidden_size=1024, num_hidden_layers=4,
+                                 num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                                 intermediate_size=2816, vocab_size=1024, num_local_experts=8,
+                                 num_experts_per_tok=2, moe_intermediate_size=704,
+                                 qk_norm=True, moe_layers=(1, 3)),
 }
 
 
