@@ -25,6 +25,7 @@ from vramcalc.training import (
     ATTENTIONS,
     FINETUNES,
     FRAMEWORKS,
+    HF_OPTIMS,
     MOE_DISPATCHERS,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
@@ -78,6 +79,11 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "per state tensor at once) | fused (one kernel, no temporaries) | loop (one "
         "parameter at a time). Default: the stack's (hf: fused AdamW, as HF Trainer; else "
         "foreach, PyTorch's default on CUDA).", OPTIMIZER_IMPLS),
+    Opt("hf_optim", str, None, "HF Trainer's TrainingArguments.optim for AdamW (hf "
+        "profile): adamw_torch (torch AdamW, foreach) | adamw_torch_fused (fused=True) | "
+        "adamw_hf (transformers' own AdamW, a per-parameter loop). Default: the Trainer's "
+        "default of transformers >= 4.54 with torch >= 2.8, adamw_torch_fused (adamw_torch "
+        "from 4.32, adamw_hf before).", tuple(HF_OPTIMS)),
     Opt("attention", str, "flash", "flash (SDPA/FlashAttention) | eager (s x s scores).",
         ATTENTIONS),
     Opt("recompute", str, "none", "Activation recomputation: none | selective | full.",
@@ -170,7 +176,7 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
 )
 OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
-                  "optimizer_dtype", "optimizer_impl", "attention", "recompute", "recompute_method",
+                  "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "recompute_method",
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",

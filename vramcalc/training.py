@@ -51,6 +51,15 @@ ADAPTER_METHODS: tuple[str, ...] = ("lora", "qlora", "dora")
 # with use_fused=False), one `fused` kernel (`fused=True`), or a Python `loop` over the
 # parameters (`foreach=False`).
 OPTIMIZER_IMPLS: tuple[str, ...] = ("foreach", "fused", "loop")
+# HF Trainer's AdamW choices (transformers TrainingArguments.optim, OptimizerNames) and the
+# step each runs: torch.optim.AdamW with foreach (adamw_torch) or fused=True
+# (adamw_torch_fused), or transformers' own AdamW (adamw_hf, transformers.optimization.AdamW
+# until its removal in 5.x): a Python loop over the parameters ("hf-loop"). The Trainer's
+# default: adamw_hf before transformers 4.32 (v4.31.0 training_args.py `default_optim`),
+# adamw_torch from 4.32 (huggingface/transformers#25109), adamw_torch_fused from 4.54 with
+# torch >= 2.8 (#37358; v4.54.0 training_args.py `is_torch_greater_or_equal_than_2_8`).
+HF_OPTIMS: dict[str, str] = {"adamw_torch": "foreach", "adamw_torch_fused": "fused",
+                             "adamw_hf": "hf-loop"}
 # torch ships fused and per-parameter implementations of these; vramcalc's Lion and
 # Adafactor step are foreach only, bitsandbytes' optimizers their own fused kernels
 _IMPLS_OF: dict[str, tuple[str, ...]] = {
@@ -121,8 +130,13 @@ class TrainingConfig(BaseModel):
     precision: Precision = "bf16"
     optimizer: OptimizerName = "adamw"
     optimizer_dtype: Literal["fp32", "bf16"] | None = None
-    # None: the stack's default (see `step_impl`)
-    optimizer_impl: Literal["foreach", "fused", "loop"] | None = None
+    # None: the stack's default (see `step_impl`); "hf-loop" only through hf_optim adamw_hf
+    optimizer_impl: Literal["foreach", "fused", "loop", "hf-loop"] | None = None
+    # HF Trainer's TrainingArguments.optim for AdamW (hf profile; HF_OPTIMS); None: the
+    # Trainer's default for transformers >= 4.54 with torch >= 2.8 (adamw_torch_fused).
+    # Left out of dumps when None, so other reports keep their keys
+    hf_optim: Literal["adamw_torch", "adamw_torch_fused", "adamw_hf"] | None = Field(
+        None, exclude_if=lambda v: v is None)
     attention: Literal["flash", "eager"] = "flash"
     recompute: Literal["none", "selective", "full"] = "none"
     # Megatron-LM's --recompute-method / --recompute-num-layers (megatron profile, full
@@ -165,7 +179,26 @@ class TrainingConfig(BaseModel):
     optimizer_in_backward: bool = Field(False, exclude_if=lambda v: not v)
 
     @model_validator(mode="after")
+    def _hf_optim_modelled(self) -> TrainingConfig:
+        if self.hf_optim is None:
+            if self.optimizer_impl == "hf-loop":
+                raise ValueError("optimizer_impl hf-loop: give --hf-optim adamw_hf")
+            return self
+        given = f"--hf-optim {self.hf_optim}"
+        if self.framework != "hf":
+            raise ValueError(f"{given}: HF Trainer's optimizer names need --framework hf")
+        if self.optimizer != "adamw":
+            raise ValueError(f"{given}: names an AdamW; it cannot go with --optimizer "
+                             f"{self.optimizer}")
+        if self.optimizer_impl not in (None, HF_OPTIMS[self.hf_optim]):
+            raise ValueError(f"{given} steps {HF_OPTIMS[self.hf_optim]}; it cannot go with "
+                             f"--optimizer-impl {self.optimizer_impl}")
+        return self
+
+    @model_validator(mode="after")
     def _impl_exists(self) -> TrainingConfig:
+        if self.optimizer_impl == "hf-loop":
+            return self
         if self.optimizer_impl not in (None, *_IMPLS_OF.get(self.optimizer, ("foreach",))):
             raise ValueError(f"--optimizer-impl {self.optimizer_impl}: {self.optimizer} has no "
                              f"{self.optimizer_impl} implementation (only "
@@ -281,13 +314,16 @@ class TrainingConfig(BaseModel):
     @property
     def step_impl(self) -> str:
         """The optimizer step's implementation: as given, else the stack's default. The hf
-        profile (HF Trainer) steps AdamW with one fused kernel: transformers 5.x
-        `TrainingArguments.optim` defaults to "adamw_torch_fused" with torch >= 2.8
-        (src/transformers/training_args.py, `default_optim`); everything else runs
+        profile (HF Trainer) steps AdamW as --hf-optim says (HF_OPTIMS), by default with one
+        fused kernel: transformers >= 4.54 `TrainingArguments.optim` defaults to
+        "adamw_torch_fused" with torch >= 2.8 (src/transformers/training_args.py,
+        `default_optim`); everything else runs
         PyTorch's default on CUDA, foreach (torch/optim/optimizer.py
         `_default_to_fused_or_foreach(..., use_fused=False)`)."""
         if self.optimizer_impl is not None:
             return self.optimizer_impl
+        if self.hf_optim is not None:
+            return HF_OPTIMS[self.hf_optim]
         # torchtitan (9dec370, torchtitan/optimizer.py `build_optimizers`): fused =
         # --optimizer.fused (default False, config_manager.py), foreach = not fused
         return "fused" if self.framework == "hf" and self.optimizer == "adamw" else "foreach"

@@ -75,6 +75,10 @@ def default_grid() -> list[tuple[str, Scenario]]:
         grid.append(scenario_for("llama-gqa", precision=prec, optimizer_impl=impl))
     grid.append(scenario_for("gpt2", framework="hf", optimizer_impl="foreach"))
     grid.append(scenario_for("llama-deep", framework="hf", optimizer_impl="loop"))
+    # HF Trainer's optim names: transformers' own AdamW loop (adamw_hf), torch's foreach
+    grid.append(scenario_for("llama-gqa", framework="hf", precision="fp32", hf_optim="adamw_hf"))
+    grid.append(scenario_for("llama-deep", framework="hf", hf_optim="adamw_hf"))
+    grid.append(scenario_for("gpt2", framework="hf", hf_optim="adamw_torch"))
     grid.append(scenario_for("gpt2", precision="fp32", optimizer="adafactor", seq_len=1024))
     grid += finetune_grid()  # LoRA / QLoRA / DoRA, 8-bit and paged optimizers
     grid += lowprec_grid()  # FP8 (Transformer Engine stand-in) and QAT

@@ -80,5 +80,6 @@ def scenario_for(shape: str, framework: str = "reference", **kw: Any) -> tuple[s
     name = (f"{framework}/{shape}/{tr.precision}/{tr.optimizer}/{tr.attention}/{tr.recompute}"
             f"/b{tr.micro_batch_size}s{tr.seq_len}" + (f"ga{tr.grad_accum}" if tr.grad_accum > 1
                                                        else "")
-            + (f"/{tr.optimizer_impl}" if tr.optimizer_impl else ""))
+            + (f"/{tr.optimizer_impl}" if tr.optimizer_impl else "")
+            + (f"/{tr.hf_optim}" if tr.hf_optim else ""))
     return name, Scenario(model=SHAPES[shape], training=tr, parallel=ParallelConfig())

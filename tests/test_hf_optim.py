@@ -1,0 +1,71 @@
+"""HF Trainer's AdamW choices (`--hf-optim adamw_torch|adamw_torch_fused|adamw_hf`).
+
+Expected values from transformers' source, not from vramcalc:
+- the Trainer's default `TrainingArguments.optim`: "adamw_hf" in v4.31.0, "adamw_torch" from
+  v4.32.0 (huggingface/transformers#25109), "adamw_torch_fused" from v4.54.0 when torch >= 2.8
+  (#37358) — src/transformers/training_args.py `default_optim` at those tags;
+- transformers' AdamW (v4.31.0 src/transformers/optimization.py `AdamW.step`): per parameter
+  `denom = exp_avg_sq.sqrt().add_(group["eps"])` is its only new tensor, allocated while the
+  previous parameter's `denom` is still bound; the moments and the parameter are updated in
+  place; `state["step"]` is a Python int (no device memory);
+- transformers' Llama decoder layer registers self_attn, mlp, input_layernorm,
+  post_attention_layernorm in that order (modeling_llama.py `LlamaDecoderLayer.__init__`),
+  so model.parameters() runs embed_tokens, q_proj, k_proj, ...
+The trace engine runs `TransformersAdamW` (that step, written from the same source) on fake
+tensors: tests/test_trace.py compares it with the analytic model over the grid's adamw_hf rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vramcalc.analytic import estimate
+from vramcalc.cli import main
+from vramcalc.training import TrainingConfig
+from vramcalc.validate import scenario_for
+
+V, H = 32000, 1024  # llama-gqa (vramcalc/validate/shapes.py): untied, 16 heads of 64
+TENSORS = 21  # embedding, 2 layers x (q, k, v, o, gate, up, down, 2 norms), norm, head
+
+
+def _optimizer_phase(**kw: object) -> int:
+    _, scn = scenario_for("llama-gqa", framework="hf", precision="fp32", seq_len=256,
+                          micro_batch_size=1, **kw)  # type: ignore[arg-type]
+    return estimate(scn).phases["optimizer"]
+
+
+@pytest.mark.parametrize(("optim", "impl"), [
+    ("adamw_torch", "foreach"), ("adamw_torch_fused", "fused"), ("adamw_hf", "hf-loop")])
+def test_each_name_steps_as_transformers_builds_it(optim: str, impl: str) -> None:
+    assert TrainingConfig(framework="hf", hf_optim=optim).step_impl == impl
+    # the Trainer's default of transformers >= 4.54 with torch >= 2.8
+    assert TrainingConfig(framework="hf").step_impl == "fused"
+
+
+def test_adamw_hf_holds_one_denom_per_parameter_and_the_previous_one() -> None:
+    # fp32: the largest consecutive pair in parameter order is embed_tokens (V·h) then the
+    # first layer's q_proj (h·h): embedding's denom still bound while q_proj's is made.
+    # Against fused: no temporaries, but 21 0-dim step tensors on the device (512 B each)
+    pair = 4 * V * H + 4 * H * H
+    assert _optimizer_phase(hf_optim="adamw_hf") - _optimizer_phase(hf_optim="adamw_torch_fused") \
+        == pair - TENSORS * 512
+
+
+def test_adamw_hf_uses_less_than_torchs_loop() -> None:
+    # torch's loop: norm's denom + the head's sqrt and quotient (2 head-sized temporaries)
+    loop = _optimizer_phase(optimizer_impl="loop")
+    assert loop - _optimizer_phase(hf_optim="adamw_hf") == (4 * H + 2 * 4 * V * H) - (
+        4 * V * H + 4 * H * H)
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--hf-optim", "adamw_hf"], "--framework hf"),
+    (["--framework", "hf", "--hf-optim", "adamw_hf", "--optimizer", "sgd"], "--optimizer sgd"),
+    (["--framework", "hf", "--hf-optim", "adamw_torch", "--optimizer-impl", "fused"],
+     "--optimizer-impl fused"),
+    (["--framework", "hf", "--hf-optim", "adamw_apex"], "unknown value"),
+])
+def test_bad_combinations_are_one_error_line(capsys, args: list[str], words: str) -> None:  # noqa: ANN001
+    code = main(["estimate", "--model", "8b", *args])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and words in err[0]
