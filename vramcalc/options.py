@@ -88,6 +88,11 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         ATTENTIONS),
     Opt("recompute", str, "none", "Activation recomputation: none | selective | full.",
         RECOMPUTES),
+    Opt("use_reentrant", bool, None, "hf profile with --recompute full: HF gradient "
+        "checkpointing's use_reentrant (gradient_checkpointing_kwargs). On: torch's "
+        "reentrant checkpoint, which holds the layer's incoming gradient through its "
+        "backward (the default of transformers 4.35 to 4.57). Default: off, transformers "
+        "5.x's."),
     Opt("recompute_method", str, None, "Megatron-LM's --recompute-method with --recompute full "
         "(megatron profile): block = only the first --recompute-num-layers layers of each "
         "pipeline chunk are checkpointed, the rest keep all activations; uniform = "
@@ -176,7 +181,7 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
 )
 OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
-                  "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "recompute_method",
+                  "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "recompute_method",
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",

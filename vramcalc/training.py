@@ -139,6 +139,10 @@ class TrainingConfig(BaseModel):
         None, exclude_if=lambda v: v is None)
     attention: Literal["flash", "eager"] = "flash"
     recompute: Literal["none", "selective", "full"] = "none"
+    # HF's gradient_checkpointing_kwargs={"use_reentrant": ...} (hf profile, full recompute;
+    # vramcalc/terms/moments.py); None: transformers 5.x's default, False. Left out of dumps
+    # when None
+    use_reentrant: bool | None = Field(None, exclude_if=lambda v: v is None)
     # Megatron-LM's --recompute-method / --recompute-num-layers (megatron profile, full
     # recompute): which layers of each pipeline chunk are checkpointed, and how many per
     # checkpoint (vramcalc/terms/megatron_recompute.py). None: every layer, one per checkpoint
@@ -177,6 +181,14 @@ class TrainingConfig(BaseModel):
     # post-accumulate-grad hook inside backward (vramcalc/terms/optim_in_bwd.py); left out
     # of dumps when off, so other reports keep their keys
     optimizer_in_backward: bool = Field(False, exclude_if=lambda v: not v)
+
+    @model_validator(mode="after")
+    def _reentrant_modelled(self) -> TrainingConfig:
+        if self.use_reentrant is not None and (self.framework != "hf"
+                                               or self.recompute != "full"):
+            raise ValueError(f"--{'' if self.use_reentrant else 'no-'}use-reentrant: HF's "
+                             "gradient checkpointing (--framework hf with --recompute full)")
+        return self
 
     @model_validator(mode="after")
     def _hf_optim_modelled(self) -> TrainingConfig:

@@ -15,8 +15,8 @@ the spec's parameters (checked against ModelSpec.num_params by the tests):
 | anything else Llama-like                      | LlamaConfig      |
 
 `build_hf_model` calls `AutoModelForCausalLM.from_config` (no hub, no remote code) with
-attention "sdpa" (flash) or "eager", gradient checkpointing (use_reentrant=False) for full
-recompute and, for selective recompute, an attention function registered with
+attention "sdpa" (flash) or "eager", gradient checkpointing (use_reentrant as the scenario
+says, False by default) for full recompute and, for selective recompute, an attention function registered with
 transformers' AttentionInterface that checkpoints the attention core. transformers is
 imported only when a model is built; without it InputError says how to install it.
 """
@@ -211,5 +211,5 @@ def build_hf_model(spec: ModelSpec, training: TrainingConfig, dtype: Any) -> Any
     if training.recompute == "full":
         enable = getattr(model, "activation_checkpointing_enable", None) or (
             model.gradient_checkpointing_enable)  # renamed in transformers 5.x
-        enable({"use_reentrant": False})
+        enable({"use_reentrant": bool(training.use_reentrant)})
     return model

@@ -79,6 +79,11 @@ def default_grid() -> list[tuple[str, Scenario]]:
     grid.append(scenario_for("llama-gqa", framework="hf", precision="fp32", hf_optim="adamw_hf"))
     grid.append(scenario_for("llama-deep", framework="hf", hf_optim="adamw_hf"))
     grid.append(scenario_for("gpt2", framework="hf", hf_optim="adamw_torch"))
+    # HF gradient checkpointing with torch's reentrant checkpoint (transformers 4.35-4.57)
+    grid.append(scenario_for("llama-deep", framework="hf", recompute="full", seq_len=2048,
+                             use_reentrant=True))
+    grid.append(scenario_for("moe", framework="hf", recompute="full", micro_batch_size=4,
+                             use_reentrant=True))
     grid.append(scenario_for("gpt2", precision="fp32", optimizer="adafactor", seq_len=1024))
     grid += finetune_grid()  # LoRA / QLoRA / DoRA, 8-bit and paged optimizers
     grid += lowprec_grid()  # FP8 (Transformer Engine stand-in) and QAT

@@ -81,5 +81,6 @@ def scenario_for(shape: str, framework: str = "reference", **kw: Any) -> tuple[s
             f"/b{tr.micro_batch_size}s{tr.seq_len}" + (f"ga{tr.grad_accum}" if tr.grad_accum > 1
                                                        else "")
             + (f"/{tr.optimizer_impl}" if tr.optimizer_impl else "")
-            + (f"/{tr.hf_optim}" if tr.hf_optim else ""))
+            + (f"/{tr.hf_optim}" if tr.hf_optim else "")
+            + ("/reentrant" if tr.use_reentrant else ""))
     return name, Scenario(model=SHAPES[shape], training=tr, parallel=ParallelConfig())

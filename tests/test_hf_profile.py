@@ -1,6 +1,7 @@
-"""HF Trainer's AdamW choices (`--hf-optim adamw_torch|adamw_torch_fused|adamw_hf`).
+"""The hf profile's stack details: HF Trainer's AdamW choices (`--hf-optim
+adamw_torch|adamw_torch_fused|adamw_hf`) and HF gradient checkpointing's use_reentrant.
 
-Expected values from transformers' source, not from vramcalc:
+Expected values from transformers' and torch's source, not from vramcalc:
 - the Trainer's default `TrainingArguments.optim`: "adamw_hf" in v4.31.0, "adamw_torch" from
   v4.32.0 (huggingface/transformers#25109), "adamw_torch_fused" from v4.54.0 when torch >= 2.8
   (#37358) — src/transformers/training_args.py `default_optim` at those tags;
@@ -11,6 +12,12 @@ Expected values from transformers' source, not from vramcalc:
 - transformers' Llama decoder layer registers self_attn, mlp, input_layernorm,
   post_attention_layernorm in that order (modeling_llama.py `LlamaDecoderLayer.__init__`),
   so model.parameters() runs embed_tokens, q_proj, k_proj, ...
+- torch/utils/checkpoint.py `CheckpointFunction.backward` (use_reentrant=True) re-runs the
+  layer's forward, binds its output (`outputs`) and calls `torch.autograd.backward` on it:
+  that output, one (b, s, h) tensor in the residual dtype, stays alive through the layer's
+  backward; the non-reentrant checkpoint keeps only what the re-run saves. The default:
+  `{"use_reentrant": True}` in transformers 4.35-4.57 (modeling_utils.py
+  `gradient_checkpointing_enable`), `{"use_reentrant": False}` from 5.0.
 The trace engine runs `TransformersAdamW` (that step, written from the same source) on fake
 tensors: tests/test_trace.py compares it with the analytic model over the grid's adamw_hf rows.
 """
@@ -69,3 +76,26 @@ def test_bad_combinations_are_one_error_line(capsys, args: list[str], words: str
     code = main(["estimate", "--model", "8b", *args])
     err = capsys.readouterr().err.splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and words in err[0]
+
+
+def _peak(**kw: object) -> tuple[int, str]:
+    _, scn = scenario_for("llama-deep", framework="hf", recompute="full", seq_len=2048, **kw)  # type: ignore[arg-type]
+    rep = estimate(scn)
+    return rep.peak_allocated_bytes, rep.peak_phase
+
+
+def test_reentrant_checkpoint_holds_the_rerun_layer_output() -> None:
+    # llama-deep (h = 1024, vocab 1024) at b = 2, s = 2048: the peak is inside a layer's
+    # backward; the re-run output is b·s·h bf16 = 8 MiB more
+    off, phase = _peak()
+    on, _ = _peak(use_reentrant=True)
+    assert phase == "backward" and on - off == 2 * 2048 * 1024 * 2
+    assert _peak(use_reentrant=False)[0] == off  # transformers 5.x's default
+
+
+@pytest.mark.parametrize("args", [["--use-reentrant"],
+                                  ["--framework", "hf", "--no-use-reentrant"]])
+def test_reentrant_needs_hf_full_recompute(capsys, args: list[str]) -> None:  # noqa: ANN001
+    code = main(["estimate", "--model", "8b", *args])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(err) == 1 and "--recompute full" in err[0]
