@@ -99,3 +99,68 @@ def test_reentrant_needs_hf_full_recompute(capsys, args: list[str]) -> None:  # 
     code = main(["estimate", "--model", "8b", *args])
     err = capsys.readouterr().err.splitlines()
     assert code == 2 and len(err) == 1 and "--recompute full" in err[0]
+
+
+# ---- PEFT's prepare_model_for_kbit_training (--kbit-prepare) -------------------------------
+KBIT = {"framework": "hf", "finetune": "qlora", "precision": "amp-bf16", "recompute": "full",
+        "kbit_prepare": True}
+
+
+def test_kbit_prepare_checkpoints_reentrant_unless_told() -> None:
+    # PEFT calls gradient_checkpointing_enable(gradient_checkpointing_kwargs={}); with no
+    # use_reentrant, torch.utils.checkpoint.checkpoint falls back to use_reentrant=True
+    assert TrainingConfig(**KBIT).reentrant
+    assert not TrainingConfig(**KBIT, use_reentrant=False).reentrant
+    assert not TrainingConfig(framework="hf", recompute="full").reentrant  # transformers 5.x
+
+
+def test_peft_prepare_casts_what_the_profile_assumes() -> None:
+    """Run PEFT's own prepare_model_for_kbit_training on a small bf16 transformers Llama whose
+    layer linears are the 4-bit stand-ins (real tensors, CPU): every parameter that is not
+    4-bit becomes fp32 and frozen, the 4-bit codes stay uint8, gradient checkpointing is on.
+    That is the amp policy's fp32 weights with NF4 layer linears, which the analytic
+    profile counts (the grid's kbit-prepare rows compare the whole step with the trace)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    import transformers
+    from peft import prepare_model_for_kbit_training
+
+    from vramcalc.trace.hf_models import to_hf_config
+    from vramcalc.trace.nf4 import NF4Linear
+    from vramcalc.validate import SHAPES
+
+    spec = SHAPES["llama-gqa"].model_copy(update={"hidden_size": 64, "num_attention_heads": 4,
+                                                  "num_key_value_heads": 2,
+                                                  "intermediate_size": 128,
+                                                  "vocab_size": 256})
+    model = transformers.AutoModelForCausalLM.from_config(to_hf_config(spec),
+                                                          dtype=torch.bfloat16)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, mod in list(parent.named_children()):
+                if isinstance(mod, torch.nn.Linear):
+                    setattr(parent, name, NF4Linear.from_linear(mod, torch.bfloat16))
+    model.is_loaded_in_4bit = True
+    model = prepare_model_for_kbit_training(model)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert all(not p.requires_grad for p in model.parameters())
+    linears = {n for n in dtypes if ".self_attn." in n or ".mlp." in n}
+    codes = {n for n in linears if n.endswith(".weight")}
+    assert codes and all(dtypes[n] == torch.uint8 for n in codes)
+    # the stand-in's quantization constants (uint8 absmax, fp32 tables) are never 16-bit
+    assert all(dtypes[n] in (torch.uint8, torch.float32) for n in linears)
+    rest = set(dtypes) - linears  # embed_tokens, the norms, lm_head
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= rest
+    assert all(dtypes[n] == torch.float32 for n in rest)
+    assert model.is_gradient_checkpointing
+
+
+@pytest.mark.parametrize(("update", "words"), [
+    ({"precision": "bf16"}, "fp32"), ({"recompute": "none"}, "--recompute full"),
+    ({"finetune": "lora"}, "--finetune qlora"), ({"framework": "reference"}, "--framework hf")])
+def test_kbit_prepare_refuses_what_peft_would_not_do(update: dict, words: str) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=words.replace("-", r"\-")):
+        TrainingConfig(**{**KBIT, **update})

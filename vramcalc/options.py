@@ -93,6 +93,11 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "reentrant checkpoint, which holds the layer's incoming gradient through its "
         "backward (the default of transformers 4.35 to 4.57). Default: off, transformers "
         "5.x's."),
+    Opt("kbit_prepare", bool, False, "hf profile, --finetune qlora: PEFT's "
+        "prepare_model_for_kbit_training(model) with its defaults: every parameter that is "
+        "not 4-bit cast to fp32 (give --precision amp-bf16, HF Trainer's bf16=True), "
+        "gradient checkpointing on (give --recompute full), reentrant unless "
+        "--no-use-reentrant."),
     Opt("recompute_method", str, None, "Megatron-LM's --recompute-method with --recompute full "
         "(megatron profile): block = only the first --recompute-num-layers layers of each "
         "pipeline chunk are checkpointed, the rest keep all activations; uniform = "
@@ -181,7 +186,7 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
 )
 OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
-                  "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "recompute_method",
+                  "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "kbit_prepare", "recompute_method",
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",

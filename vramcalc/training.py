@@ -143,6 +143,11 @@ class TrainingConfig(BaseModel):
     # vramcalc/terms/moments.py); None: transformers 5.x's default, False. Left out of dumps
     # when None
     use_reentrant: bool | None = Field(None, exclude_if=lambda v: v is None)
+    # PEFT's prepare_model_for_kbit_training(model) with its defaults (hf profile, QLoRA):
+    # the non-4-bit parameters cast to fp32, gradient checkpointing on through
+    # gradient_checkpointing_enable({}) (torch's reentrant default), the embedding's output
+    # made to require grad. Left out of dumps when off
+    kbit_prepare: bool = Field(False, exclude_if=lambda v: not v)
     # Megatron-LM's --recompute-method / --recompute-num-layers (megatron profile, full
     # recompute): which layers of each pipeline chunk are checkpointed, and how many per
     # checkpoint (vramcalc/terms/megatron_recompute.py). None: every layer, one per checkpoint
@@ -189,6 +194,34 @@ class TrainingConfig(BaseModel):
             raise ValueError(f"--{'' if self.use_reentrant else 'no-'}use-reentrant: HF's "
                              "gradient checkpointing (--framework hf with --recompute full)")
         return self
+
+    @model_validator(mode="after")
+    def _kbit_prepare_modelled(self) -> TrainingConfig:
+        if not self.kbit_prepare:
+            return self
+        flag = None
+        if self.framework != "hf" or self.finetune != "qlora":
+            flag = "needs --framework hf and --finetune qlora (a 4-bit model wrapped by PEFT)"
+        elif self.weight_dtype != "fp32":
+            flag = (f"casts every parameter that is not 4-bit to fp32, which --precision "
+                    f"{self.precision} does not keep: use --precision amp-bf16 (HF Trainer's "
+                    "bf16=True) or amp-fp16 or fp32")
+        elif self.recompute != "full":
+            flag = ("turns on HF gradient checkpointing (use_gradient_checkpointing=True, "
+                    "its default): give --recompute full")
+        if flag:
+            raise ValueError(f"--kbit-prepare (PEFT prepare_model_for_kbit_training) {flag}")
+        return self
+
+    @property
+    def reentrant(self) -> bool:
+        """Whether HF gradient checkpointing runs torch's reentrant checkpoint: as
+        --use-reentrant says; else under --kbit-prepare yes (PEFT passes
+        gradient_checkpointing_kwargs={} and torch.utils.checkpoint falls back to
+        use_reentrant=True when none is given), else no (transformers 5.x's default)."""
+        if self.use_reentrant is not None:
+            return self.use_reentrant
+        return self.kbit_prepare and self.recompute == "full"
 
     @model_validator(mode="after")
     def _hf_optim_modelled(self) -> TrainingConfig:

@@ -207,9 +207,14 @@ def build_hf_model(spec: ModelSpec, training: TrainingConfig, dtype: Any) -> Any
     if training.recompute == "selective":
         _register_selective(tf)
         attn = SELECTIVE_PREFIX + attn
+    if training.kbit_prepare:  # loaded in the compute dtype; PEFT's prepare upcasts to fp32
+        import torch
+
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.compute_dtype,
+                                                                    dtype)
     model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype)
-    if training.recompute == "full":
+    if training.recompute == "full" and not training.kbit_prepare:  # PEFT's prepare enables it
         enable = getattr(model, "activation_checkpointing_enable", None) or (
             model.gradient_checkpointing_enable)  # renamed in transformers 5.x
-        enable({"use_reentrant": bool(training.use_reentrant)})
+        enable({"use_reentrant": training.reentrant})
     return model

@@ -14,7 +14,9 @@ the fine-tuning one, inside the trace's FakeTensorMode:
 - hf profile: `peft.get_peft_model(model, LoraConfig(r, target_modules, lora_dropout,
   use_dora))` with PEFT's defaults (adapters upcast to fp32, inputs cast to the adapter
   dtype). For QLoRA the NF4 layers are put in first, as bitsandbytes' loader does, so PEFT
-  wraps 4-bit bases (it keeps fp32 adapters next to a uint8 weight).
+  wraps 4-bit bases (it keeps fp32 adapters next to a uint8 weight). With `kbit_prepare`
+  the model is built in the compute dtype, as a 4-bit load leaves it, and PEFT's own
+  `prepare_model_for_kbit_training` runs before `get_peft_model`.
 
 torch (and peft for the hf profile) are imported only when a trace runs.
 """
@@ -185,6 +187,15 @@ def _hf(model: nn.Module, scn: Any) -> nn.Module:
                         name.rsplit(".", 1)[-1] not in ("router", "gate", "shared_expert_gate")):
                     parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
                     setattr(parent, name.rsplit(".", 1)[-1], NF4Linear.from_linear(mod, compute))
+    if tr.kbit_prepare:
+        # PEFT's own preparation (peft 0.21.2 utils/other.py prepare_model_for_kbit_training):
+        # freezes everything, casts the 16-bit parameters to fp32 (the NF4 codes are uint8),
+        # enables input grads and gradient checkpointing (kwargs {}: torch's reentrant default)
+        from peft import prepare_model_for_kbit_training
+
+        model.is_loaded_in_4bit = True  # type: ignore[assignment]  # as a 4-bit load sets it
+        with _fake_module_casts():
+            model = prepare_model_for_kbit_training(model)
     # module names PEFT matches (a suffix after a dot); fused families adapt the fused module
     fam = fused_family(scn.model, "hf")
     names = _PEFT_NAMES_FUSED.get(fam or "", _PEFT_NAMES)

@@ -158,6 +158,13 @@ FINETUNE_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("llama-gqa", "hf", {"finetune": "lora", "precision": "amp-bf16", "recompute": "full"}),
     ("llama-gqa", "hf", {"finetune": "qlora", "attention": "eager", "optimizer": "paged-adamw"}),
     ("moe", "hf", {"finetune": "qlora"}),
+    # PEFT's prepare_model_for_kbit_training run by the trace itself (fp32 upcast, reentrant
+    # gradient checkpointing, input grads); tied embeddings, all-linear targets, eager
+    ("llama-gqa", "hf", {"finetune": "qlora", "precision": "amp-bf16", "recompute": "full",
+                         "kbit_prepare": True}),
+    ("qwen2-bias", "hf", {"finetune": "qlora", "precision": "amp-bf16", "recompute": "full",
+                          "kbit_prepare": True, "lora_targets": "all-linear",
+                          "attention": "eager", "seq_len": 512}),
     # fused projections under PEFT: GPT-2's c_attn (Conv1D), Phi-3's qkv_proj / gate_up_proj
     ("gpt2", "hf", {"finetune": "lora"}),
     ("gpt2", "hf", {"finetune": "lora", "lora_targets": "all-linear", "lora_dropout": 0.1,

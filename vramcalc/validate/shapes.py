@@ -82,5 +82,6 @@ def scenario_for(shape: str, framework: str = "reference", **kw: Any) -> tuple[s
                                                        else "")
             + (f"/{tr.optimizer_impl}" if tr.optimizer_impl else "")
             + (f"/{tr.hf_optim}" if tr.hf_optim else "")
-            + ("/reentrant" if tr.use_reentrant else ""))
+            + ("/reentrant" if tr.use_reentrant else "")
+            + ("/kbit-prepare" if tr.kbit_prepare else ""))
     return name, Scenario(model=SHAPES[shape], training=tr, parallel=ParallelConfig())
