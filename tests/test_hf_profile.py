@@ -164,3 +164,67 @@ def test_kbit_prepare_refuses_what_peft_would_not_do(update: dict, words: str) -
 
     with pytest.raises(ValidationError, match=words.replace("-", r"\-")):
         TrainingConfig(**{**KBIT, **update})
+
+
+# ---- PEFT's modules_to_save (--modules-to-save) ---------------------------------------------
+def _states(**kw: object) -> dict[str, int]:
+    from vramcalc.validate.compare import analytic_points
+
+    _, scn = scenario_for("llama-gqa", framework="hf", finetune="lora", precision="amp-bf16",
+                          seq_len=256, micro_batch_size=1, **kw)  # type: ignore[arg-type]
+    return analytic_points(scn)
+
+
+@pytest.mark.parametrize("module", ["lm_head", "embed_tokens"])
+def test_a_saved_module_is_a_trained_fp32_copy(module: str) -> None:
+    # ModulesToSaveWrapper keeps the frozen original and trains copy.deepcopy of it: one more
+    # V·h fp32 weight (amp: the model's weights are fp32), its fp32 gradient, AdamW's two
+    # fp32 moments, and the fused step's 0-dim step tensor (one 512 B block)
+    base, saved = _states(), _states(modules_to_save=module)
+    assert saved["weights"] - base["weights"] == 4 * V * H
+    assert saved["gradients"] - base["gradients"] == 4 * V * H
+    assert saved["optimizer_states"] - base["optimizer_states"] == 8 * V * H + 512
+
+
+def test_peft_copies_the_module_without_upcasting_it() -> None:
+    """PEFT's own wrapper on real CPU tensors: the original frozen, a trainable copy of the
+    same shape and dtype (not upcast like the adapters) — why a 16-bit policy is refused."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from peft import LoraConfig, get_peft_model
+
+    from vramcalc.trace.hf_models import to_hf_config
+    from vramcalc.validate import SHAPES
+
+    spec = SHAPES["llama-gqa"].model_copy(update={"hidden_size": 64, "num_attention_heads": 4,
+                                                  "num_key_value_heads": 2,
+                                                  "intermediate_size": 128,
+                                                  "vocab_size": 256})
+    model = transformers.AutoModelForCausalLM.from_config(to_hf_config(spec),
+                                                          dtype=torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
+                                             modules_to_save=["lm_head"]))
+    heads = {n: p for n, p in model.named_parameters() if "lm_head" in n}
+    trained = [p for p in heads.values() if p.requires_grad]
+    frozen = [p for p in heads.values() if not p.requires_grad]
+    assert len(trained) == 1 and len(frozen) == 1
+    assert trained[0].shape == frozen[0].shape == (256, 64)
+    assert trained[0].dtype == torch.bfloat16  # the LoRA adapters are upcast to fp32
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--precision", "bf16"], "amp-bf16"),
+    (["--model", "gemma-2b"], "ties"),
+    (["--modules-to-save", "score"], "unknown module"),
+    (["--finetune", "full"], "PEFT method"),
+])
+def test_modules_to_save_refusals(capsys, args: list[str], words: str) -> None:  # noqa: ANN001
+    base = {"--model": "8b", "--framework": "hf", "--finetune": "lora",
+            "--precision": "amp-bf16", "--modules-to-save": "lm_head"}
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        base[flag] = value
+    code = main(["estimate", *[x for kv in base.items() for x in kv]])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(err) == 1 and words in err[0]

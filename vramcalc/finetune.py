@@ -197,14 +197,21 @@ def finetune_shapes(spec: ModelSpec, training: TrainingConfig, tp: int,
     tr = training
     return _finetune_shapes(spec, tp, chunks, ep, stage, tr.finetune, tr.lora_rank,
                             tr.lora_targets, tr.framework,
-                            adapter_dtype(tr.framework, tr.weight_dtype))
+                            adapter_dtype(tr.framework, tr.weight_dtype), tr.modules_to_save)
 
 
 @lru_cache(maxsize=2048)
 def _finetune_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ...], ep: int,
                      stage: int, method: str, rank: int, targets: str, framework: str,
-                     a_dtype: str) -> FinetuneShapes:
+                     a_dtype: str, saved_modules: str = "") -> FinetuneShapes:
     base = _rank_shapes(spec, tp, chunks, ep, stage)
+    # PEFT's ModulesToSaveWrapper (peft 0.21.2 utils/other.py): the original module frozen,
+    # plus a trained `copy.deepcopy` of it under the same parameter name here (its gradient
+    # appears where the original's would: the head's first, the embedding's last)
+    copies = [dataclasses.replace(t, trainable=True, dtype=a_dtype) for t in base.tensors
+              if saved_modules and t.name in (
+                  ("lm_head.weight",) if "lm_head" in saved_modules else ()) + (
+                  ("embed_tokens",) if "embed_tokens" in saved_modules else ())]
     wanted = target_param_names(spec, targets)
     # fused modules (hf GPT-2 / Phi-3): the member matrices' names → the fused module's stem
     fused_of: dict[str, str] = {}
@@ -276,6 +283,7 @@ def _finetune_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ..
         return RankShapes(tensors=tuple(ts), num_layers=base.num_layers,
                           num_moe_layers=base.num_moe_layers)
 
+    adapters += copies
     return FinetuneShapes(all=shapes(frozen + quant + adapters), frozen=shapes(frozen),
                           quantized=shapes(quant), adapters=shapes(adapters))
 
@@ -289,6 +297,13 @@ def check_finetune(ctx: Rank) -> None:
     if tr.framework == "megatron":
         raise InputError(f"--finetune {tr.finetune}: the megatron profile models full training "
                          "only; use --framework reference or hf")
+    if tr.modules_to_save and ctx.spec.tie_word_embeddings:
+        raise InputError(f"--modules-to-save {tr.modules_to_save}: {ctx.spec.name} ties its "
+                         "embedding and head (one shared weight); copies of tied modules are "
+                         "not modelled")
+    if tr.modules_to_save and (ctx.parallel.tp > 1 or ctx.parallel.pp > 1):
+        raise InputError(f"--modules-to-save {tr.modules_to_save}: modelled without tensor "
+                         "or pipeline parallelism")
 
 
 def shapes_for(ctx: Rank) -> FinetuneShapes:

@@ -34,6 +34,7 @@ from vramcalc.training import (
     RECOMPUTE_METHODS,
     RECOMPUTES,
     TrainingConfig,
+    parse_modules_to_save,
     parse_targets,
 )
 
@@ -120,6 +121,10 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "or all-linear (default q,v: PEFT's default for Llama)."),
     Opt("lora_dropout", float, 0.0, "LoRA dropout probability (PEFT default 0: no mask "
         "kept)."),
+    Opt("modules_to_save", str, None, "hf profile with a PEFT method: PEFT's "
+        "modules_to_save, trained full copies of lm_head and/or embed_tokens (with their "
+        "gradients and optimizer states), comma-separated; fp32-weight precisions (amp-bf16, "
+        "amp-fp16, fp32)."),
     Opt("dropout", float, None, "Hidden and attention dropout probability, 0 <= P < 1 "
         "(megatron profile only; default: Megatron's 0.1, which keeps 1-byte masks). 0 keeps "
         "no dropout masks. The reference and hf profiles model dropout off and accept only "
@@ -187,7 +192,7 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
 OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
                   "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "kbit_prepare", "recompute_method",
-                  "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
+                  "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "modules_to_save", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
                   "optimizer_in_backward")
@@ -280,6 +285,9 @@ def normalize_values(values: dict[str, Any]) -> dict[str, Any]:
             continue
         if key == "lora_targets" and raw is not None:
             out[key] = parse_targets(raw)
+            continue
+        if key == "modules_to_save" and raw is not None:
+            out[key] = parse_modules_to_save(raw)
             continue
         v = _coerce(opt, raw)
         if v is not None and opt.choices:

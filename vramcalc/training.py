@@ -119,6 +119,29 @@ def parse_targets(value: object) -> str:
     return ",".join(t for t in TARGETS if t in names)
 
 
+# PEFT's modules_to_save names vramcalc models: the output head and the token embedding
+MODULES_TO_SAVE: tuple[str, ...] = ("embed_tokens", "lm_head")
+
+
+def parse_modules_to_save(value: object) -> str:
+    """'lm_head', 'embed_tokens,lm_head', a list, '' or 'none' -> canonical 'embed_tokens,lm_head'
+    order. Unknown names raise InputError with suggestions."""
+    if value is None:
+        return ""
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    names: set[str] = set()
+    for raw in items:
+        word = str(raw).strip().lower()
+        if word in ("", "none"):
+            continue
+        if word not in MODULES_TO_SAVE:
+            raise InputError(f"--modules-to-save: unknown module {raw!r}"
+                             f"{suggest(word, list(MODULES_TO_SAVE))} (choices: "
+                             f"{', '.join(MODULES_TO_SAVE)})")
+        names.add(word)
+    return ",".join(m for m in MODULES_TO_SAVE if m in names)
+
+
 class TrainingConfig(BaseModel):
     """One training job's per-step settings (parallel layout lives in ParallelConfig)."""
 
@@ -164,6 +187,10 @@ class TrainingConfig(BaseModel):
     lora_rank: int = Field(8, gt=0, le=65_536)
     lora_targets: str = DEFAULT_TARGETS  # canonical, see parse_targets
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # PEFT's LoraConfig(modules_to_save=[...]) (hf profile): trained copies of whole modules,
+    # "lm_head" and/or "embed_tokens" (canonical, comma-separated; vramcalc/finetune.py).
+    # Left out of dumps when empty
+    modules_to_save: str = Field("", exclude_if=lambda v: not v)
     # the megatron profile's hidden and attention dropout probability; None: the stack's
     # default (Megatron's 0.1; the reference and hf profiles model no dropout: 0 only)
     dropout: float | None = Field(None, ge=0.0, lt=1.0)
@@ -348,6 +375,26 @@ class TrainingConfig(BaseModel):
             problem = torchtitan_training_problem(self)
             if problem:
                 raise ValueError(problem)
+        return self
+
+    @field_validator("modules_to_save", mode="before")
+    @classmethod
+    def _canonical_modules(cls, value: object) -> str:
+        return parse_modules_to_save(value)
+
+    @model_validator(mode="after")
+    def _modules_to_save_modelled(self) -> TrainingConfig:
+        if not self.modules_to_save:
+            return self
+        flag = None
+        if self.framework != "hf" or self.finetune == "full":
+            flag = "needs --framework hf and a PEFT method (--finetune lora, qlora or dora)"
+        elif self.weight_dtype != "fp32":
+            flag = (f"under --precision {self.precision} the copy would train in "
+                    f"{self.weight_dtype} beside fp32 adapters (PEFT does not upcast it), "
+                    "which is not modelled: use --precision amp-bf16, amp-fp16 or fp32")
+        if flag:
+            raise ValueError(f"--modules-to-save {self.modules_to_save} {flag}")
         return self
 
     @field_validator("lora_targets", mode="before")

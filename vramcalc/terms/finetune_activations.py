@@ -195,9 +195,11 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
 
 
 def adjust_head_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
-    """Final norm and frozen lm_head: the head's input is not kept (nor hf's norm x̂)."""
+    """Final norm and frozen lm_head: the head's input is not kept (nor hf's norm x̂). A
+    trained copy of the head (modules_to_save) keeps its input for its weight gradient."""
     hf = ctx.training.framework == "hf"
-    return [t for t in saved if not t.name.startswith("lm_head.input")
+    head_trained = "lm_head" in ctx.training.modules_to_save
+    return [t for t in saved if not (t.name.startswith("lm_head.input") and not head_trained)
             and not (hf and t.name.endswith((".xhat", ".xhat_fp32")))]
 
 
@@ -207,7 +209,8 @@ def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
     dropout masks, eager attention's q (k) copy when k (q) has no adapter, and, when no q/k/v
     is adapted, the attention core's (an approximation documented in docs/finetuning.md).
     `saved`: the first layer's saved list."""
-    if not ctx.is_first_stage or ctx.training.recompute == "full" or not ctx.num_layers:
+    if not ctx.is_first_stage or ctx.training.recompute == "full" or not ctx.num_layers or (
+            "embed_tokens" in ctx.training.modules_to_save):  # a trained embedding copy
         return 0
     # the input norm, and dropout masks on its output (no grad flows into the dropout)
     gone = sum(t.nbytes for t in saved if t.name.startswith("input_norm.") or t.name in (
@@ -229,7 +232,8 @@ def autocast_cache_layer_bytes(ctx: RankContext) -> int:
     """Per-layer average of the 16-bit weight casts alive in forward under autocast: the
     trained adapters' (cached) and, unless layers are recomputed, the frozen fp32 linear
     weights' (saved by their matmuls for dL/dx). NF4 weights are not cast; frozen biases'
-    casts are not saved. The first layer's q/k/v casts are not saved (no grad there)."""
+    casts are not saved. The first layer's q/k/v casts are not saved (no grad there) unless
+    a trained embedding copy (modules_to_save) sends a gradient into it."""
     n = ctx.num_layers
     if not n:
         return 0
@@ -241,7 +245,7 @@ def autocast_cache_layer_bytes(ctx: RankContext) -> int:
         frozen = [t for t in fs.frozen.tensors if t.group in ("layer", "expert") and t.rows
                   and t.name.endswith(".weight") and "norm" not in t.name]
         total += sum(t.count * alloc(t.numel, c) for t in frozen)
-        if ctx.is_first_stage:
+        if ctx.is_first_stage and "embed_tokens" not in ctx.training.modules_to_save:
             total -= sum(alloc(t.numel, c) for t in frozen
                          if t.name in ("attn.q_proj.weight", "attn.k_proj.weight",
                                        "attn.v_proj.weight"))

@@ -168,7 +168,8 @@ def head_forward_extra_bytes(ctx: RankContext) -> int:
     x = dims(ctx)
     if not ctx.is_last_stage:
         return 0
-    if finetunes(ctx.training):  # a frozen lm_head saves no input at all
+    if finetunes(ctx.training) and "lm_head" not in ctx.training.modules_to_save:
+        # a frozen lm_head saves no input at all
         return alloc(x.T * x.h, x.r)
     if chunks_loss(ctx.training):  # lm_head saves per-chunk copies, or views of the local
         return alloc(x.T * x.h, x.r) if head_input_split(ctx) else 0

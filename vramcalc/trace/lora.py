@@ -24,6 +24,7 @@ torch (and peft for the hf profile) are imported only when a trace runs.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -171,6 +172,36 @@ def _fake_module_casts() -> Iterator[None]:
         torch.utils.swap_tensors = original
 
 
+@contextlib.contextmanager
+def _fake_deepcopies() -> Iterator[None]:
+    """Let PEFT's ModulesToSaveWrapper copy a module of fake parameters.
+
+    `copy.deepcopy` of a FakeTensor makes it in a new FakeTensorMode, which the trace's mode
+    refuses to mix with; seeding deepcopy's memo with a fresh `empty_like` of each parameter
+    and buffer (made in the active mode) copies the module with storages of the same sizes
+    and dtypes, which is all the trace counts (peft 0.21.2 utils/other.py
+    `ModulesToSaveWrapper.update` calls `copy.deepcopy(self.original_module)`)."""
+    import types
+
+    import peft.utils.other as other
+
+    def deepcopy(obj: Any, memo: dict[int, Any] | None = None) -> Any:
+        memo = {} if memo is None else memo
+        if isinstance(obj, nn.Module):
+            for p in obj.parameters():
+                memo[id(p)] = nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
+            for b in obj.buffers():
+                memo[id(b)] = torch.empty_like(b)
+        return copy.deepcopy(obj, memo)
+
+    original = other.copy
+    other.copy = types.SimpleNamespace(deepcopy=deepcopy)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        other.copy = original
+
+
 def _hf(model: nn.Module, scn: Any) -> nn.Module:
     try:
         from peft import LoraConfig, get_peft_model
@@ -202,8 +233,9 @@ def _hf(model: nn.Module, scn: Any) -> nn.Module:
     targets = [names[t] for t in adapted_linears(scn.model, tr.lora_targets, "hf")]
     cfg = LoraConfig(r=tr.lora_rank, lora_alpha=LORA_ALPHA, target_modules=targets,
                      lora_dropout=tr.lora_dropout, bias="none", use_dora=tr.finetune == "dora",
-                     task_type="CAUSAL_LM")
-    with _fake_module_casts():
+                     task_type="CAUSAL_LM",
+                     modules_to_save=tr.modules_to_save.split(",") if tr.modules_to_save else None)
+    with _fake_module_casts(), _fake_deepcopies():
         model = get_peft_model(model, cfg)
     for mod in list(model.modules()):  # PEFT's lora_dropout ModuleDicts: CUDA's kernel
         drops = getattr(mod, "lora_dropout", None)

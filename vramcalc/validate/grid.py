@@ -162,6 +162,13 @@ FINETUNE_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     # gradient checkpointing, input grads); tied embeddings, all-linear targets, eager
     ("llama-gqa", "hf", {"finetune": "qlora", "precision": "amp-bf16", "recompute": "full",
                          "kbit_prepare": True}),
+    # PEFT's modules_to_save: trained copies of the head and the embedding
+    ("llama-gqa", "hf", {"finetune": "lora", "precision": "amp-bf16",
+                         "modules_to_save": "lm_head"}),
+    ("llama-deep", "hf", {"finetune": "lora", "precision": "amp-bf16", "seq_len": 2048,
+                          "modules_to_save": "embed_tokens,lm_head"}),
+    ("llama-gqa", "hf", {"finetune": "qlora", "precision": "amp-bf16", "recompute": "full",
+                         "kbit_prepare": True, "modules_to_save": "lm_head"}),
     ("qwen2-bias", "hf", {"finetune": "qlora", "precision": "amp-bf16", "recompute": "full",
                           "kbit_prepare": True, "lora_targets": "all-linear",
                           "attention": "eager", "seq_len": 512}),
@@ -221,6 +228,8 @@ def finetune_grid() -> list[tuple[str, Scenario]]:
             tag += f"-ce{tr.chunked_ce}"
         if tr.activation_offload:
             tag += "-offload"
+        if tr.modules_to_save:
+            tag += "-save-" + tr.modules_to_save.replace(",", "+")
         out.append((f"{name}/{tag}", scn))
     return out
 
