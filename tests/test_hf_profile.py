@@ -228,3 +228,47 @@ def test_modules_to_save_refusals(capsys, args: list[str], words: str) -> None: 
     code = main(["estimate", *[x for kv in base.items() for x in kv]])
     err = capsys.readouterr().err.splitlines()
     assert code == 2 and len(err) == 1 and words in err[0]
+
+
+# ---- LoRA on the token embedding (--lora-embedding) -----------------------------------------
+def test_embedding_adapter_shapes_and_states() -> None:
+    # peft tuners/lora/layer.py Embedding.update_layer: lora_embedding_A (r, V) and
+    # lora_embedding_B (h, r), upcast to fp32 like every adapter: r·(V + h) more fp32 weight
+    # and gradient, AdamW's two moments, and two fused step tensors (512 B each)
+    r = 8
+    base, emb = _states(), _states(lora_embedding=True)
+    n = r * (V + H)
+    assert emb["weights"] - base["weights"] == 4 * n
+    assert emb["gradients"] - base["gradients"] == 4 * n
+    assert emb["optimizer_states"] - base["optimizer_states"] == 8 * n + 2 * 512
+
+
+def test_embedding_adapter_makes_the_first_layer_keep_its_tensors() -> None:
+    # a frozen embedding's output needs no gradient, so the first layer keeps less; with an
+    # adapter on the embedding it keeps what every layer keeps, plus A's output (T, r)
+    from vramcalc.rank import RankContext
+    from vramcalc.terms import activations as act
+
+    def ctx(**kw: object) -> RankContext:
+        _, scn = scenario_for("llama-gqa", framework="hf", finetune="lora", **kw)  # type: ignore[arg-type]
+        scn = scn.resolved()
+        return RankContext(scn.model, scn.training, scn.parallel, 0)
+
+    assert act.first_layer_gap(ctx()) > 0
+    assert act.first_layer_gap(ctx(lora_embedding=True)) == 0
+    extra = {t.name: t.nbytes for t in act.embedding_saved(ctx(lora_embedding=True))}
+    assert extra["lora.embed.a_out"] == 2 * 1024 * 8 * 4  # T = b·s = 2·1024, r = 8, fp32
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--finetune", "full"], "--finetune lora or qlora"),
+    (["--modules-to-save", "embed_tokens", "--precision", "amp-bf16"], "not both"),
+    (["--model", "gemma-2b"], "ties"),
+])
+def test_embedding_adapter_refusals(capsys, args: list[str], words: str) -> None:  # noqa: ANN001
+    base = {"--model": "8b", "--framework": "hf", "--finetune": "lora"}
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        base[flag] = value
+    code = main(["estimate", *[x for kv in base.items() for x in kv], "--lora-embedding"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(err) == 1 and words in err[0]

@@ -21,7 +21,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
               "vramcalc.allocator")),
     ("types", ("vramcalc.model", "vramcalc.training", "vramcalc.hardware", "vramcalc.parallel",
                "vramcalc.scenario", "vramcalc.report", "vramcalc.catalog", "vramcalc.hf_config",
-               "vramcalc.features", "vramcalc.ds_config",
+               "vramcalc.features", "vramcalc.ds_config", "vramcalc.hf_stack",
                "vramcalc.options")),
     ("shapes", ("vramcalc.sharding", "vramcalc.finetune", "vramcalc.rank",
                 "vramcalc.terms.context")),

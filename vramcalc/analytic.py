@@ -150,7 +150,6 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     ib = in_backward(ctx) if train.optimizer_in_backward else None  # terms/optim_in_bwd.py
 
     P = profile(ctx)  # activation, logits and moment bytes (cached)
-    A_dense, A_moe = P.dense_layer, P.moe_layer
     gap = P.first_layer_gap  # what the first layer does not save when the embedding is frozen
     A_dev = P.resident_layer  # saved layer tensors in host memory: what stays on the device
     offload = A_dev is not None
@@ -214,8 +213,8 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     eager_held, eager_work = P.eager_forward
     if eager_work and nL:
         # the top layer's softmax: its later saved tensors do not exist yet
-        top_moe = P.is_moe_from_top(0)
-        top_bytes = plan.kept[-1] if plan else A_moe if top_moe else A_dense
+        top_bytes = plan.kept[-1] if plan else (
+            P.moe_layer if P.is_moe_from_top(0) else P.dense_layer)
         qkv_share = 1 - P.grad_fraction["mlp+o"]  # casts made so far
         eager = Phase("forward", B, g_acc, {
             "activations": int(prev * A_mb + (A_bottom(nL - 1) if offload else A_bottom(nL)
@@ -296,15 +295,10 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
                 "transients/optimizer_step": step[1]}, made)] if g and (held[2] or step[0]) else []
     if nL:
         # the top layer holds every other layer's activations; the bottom one every other
-        # layer's gradients; with MoE and dense layers interleaved (ModelSpec.moe_layers),
-        # also the topmost layer of the kind the top layer is not
+        # layer's gradients; interleaved MoE: the topmost layer of the top's other kind too
         candidates += [layer_point(0, mom) for mom in P.top_moments]
         candidates += [layer_point(nL - 1, mom) for mom in P.bottom_moments]
-        other = next((i for i in range(1, nL - 1)
-                      if P.is_moe_from_top(i) != P.is_moe_from_top(0)), None)
-        if other is not None and ctx.spec.moe_layers is not None:
-            candidates += [layer_point(other, mom) for mom in
-                           act.layer_backward_moments(ctx, P.is_moe_from_top(other))]
+        candidates += [layer_point(P.other_top[0], mom) for mom in P.other_top[1]]
         if plan is not None:
             # the sweep is linear only between a recompute unit's ends (megatron_recompute)
             for i in plan.sweep_points():

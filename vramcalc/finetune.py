@@ -197,13 +197,15 @@ def finetune_shapes(spec: ModelSpec, training: TrainingConfig, tp: int,
     tr = training
     return _finetune_shapes(spec, tp, chunks, ep, stage, tr.finetune, tr.lora_rank,
                             tr.lora_targets, tr.framework,
-                            adapter_dtype(tr.framework, tr.weight_dtype), tr.modules_to_save)
+                            adapter_dtype(tr.framework, tr.weight_dtype), tr.modules_to_save,
+                            tr.lora_embedding)
 
 
 @lru_cache(maxsize=2048)
 def _finetune_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ...], ep: int,
                      stage: int, method: str, rank: int, targets: str, framework: str,
-                     a_dtype: str, saved_modules: str = "") -> FinetuneShapes:
+                     a_dtype: str, saved_modules: str = "", lora_embedding: bool = False
+                     ) -> FinetuneShapes:
     base = _rank_shapes(spec, tp, chunks, ep, stage)
     # PEFT's ModulesToSaveWrapper (peft 0.21.2 utils/other.py): the original module frozen,
     # plus a trained `copy.deepcopy` of it under the same parameter name here (its gradient
@@ -284,6 +286,15 @@ def _finetune_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ..
                           num_moe_layers=base.num_moe_layers)
 
     adapters += copies
+    emb = next((t for t in base.tensors if t.name == "embed_tokens" and t.count), None)
+    if lora_embedding and emb is not None:
+        # PEFT's lora.Embedding (peft 0.21.2 tuners/lora/layer.py `Embedding.update_layer`):
+        # lora_embedding_A (r, V), lora_embedding_B (h, r), upcast like the other adapters
+        vocab, h = emb.rows, emb.numel // emb.rows
+        adapters += [RankTensor(name="embed_tokens.lora_embedding_A", numel=rank * vocab,
+                                count=1, group="embedding", rows=rank, dtype=a_dtype),
+                     RankTensor(name="embed_tokens.lora_embedding_B", numel=h * rank,
+                                count=1, group="embedding", rows=h, dtype=a_dtype)]
     return FinetuneShapes(all=shapes(frozen + quant + adapters), frozen=shapes(frozen),
                           quantized=shapes(quant), adapters=shapes(adapters))
 
@@ -301,9 +312,13 @@ def check_finetune(ctx: Rank) -> None:
         raise InputError(f"--modules-to-save {tr.modules_to_save}: {ctx.spec.name} ties its "
                          "embedding and head (one shared weight); copies of tied modules are "
                          "not modelled")
-    if tr.modules_to_save and (ctx.parallel.tp > 1 or ctx.parallel.pp > 1):
-        raise InputError(f"--modules-to-save {tr.modules_to_save}: modelled without tensor "
-                         "or pipeline parallelism")
+    if tr.lora_embedding and ctx.spec.tie_word_embeddings:
+        raise InputError(f"--lora-embedding: {ctx.spec.name} ties its embedding and head; "
+                         "an adapter on the shared weight is not modelled")
+    if (tr.modules_to_save or tr.lora_embedding) and (ctx.parallel.tp > 1
+                                                      or ctx.parallel.pp > 1):
+        raise InputError("--modules-to-save / --lora-embedding: modelled without tensor or "
+                         "pipeline parallelism")
 
 
 def shapes_for(ctx: Rank) -> FinetuneShapes:

@@ -19,13 +19,13 @@ from vramcalc.catalog import resolve_model
 from vramcalc.ds_config import DeepSpeedConfig
 from vramcalc.errors import InputError, suggest
 from vramcalc.hardware import alias_note, parse_gpus
+from vramcalc.hf_stack import HF_OPTIMS, parse_modules_to_save
 from vramcalc.parallel import ParallelConfig
 from vramcalc.scenario import Scenario
 from vramcalc.training import (
     ATTENTIONS,
     FINETUNES,
     FRAMEWORKS,
-    HF_OPTIMS,
     MOE_DISPATCHERS,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
@@ -34,7 +34,6 @@ from vramcalc.training import (
     RECOMPUTE_METHODS,
     RECOMPUTES,
     TrainingConfig,
-    parse_modules_to_save,
     parse_targets,
 )
 
@@ -121,6 +120,9 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "or all-linear (default q,v: PEFT's default for Llama)."),
     Opt("lora_dropout", float, 0.0, "LoRA dropout probability (PEFT default 0: no mask "
         "kept)."),
+    Opt("lora_embedding", bool, False, "hf profile, --finetune lora or qlora: also adapt "
+        "the token embedding (embed_tokens in PEFT's target_modules: lora.Embedding, A (r x "
+        "V) and B (h x r)); its gradient then reaches the first layer."),
     Opt("modules_to_save", str, None, "hf profile with a PEFT method: PEFT's "
         "modules_to_save, trained full copies of lm_head and/or embed_tokens (with their "
         "gradients and optimizer states), comma-separated; fp32-weight precisions (amp-bf16, "
@@ -192,7 +194,7 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
 OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
                   "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "kbit_prepare", "recompute_method",
-                  "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "modules_to_save", "dropout",
+                  "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "lora_embedding", "modules_to_save", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
                   "optimizer_in_backward")

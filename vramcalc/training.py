@@ -24,6 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vramcalc.errors import InputError, suggest
+from vramcalc.hf_stack import HF_OPTIMS, hf_stack_problem, parse_modules_to_save
 
 Precision = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"]
 OptimizerName = Literal[
@@ -51,15 +52,6 @@ ADAPTER_METHODS: tuple[str, ...] = ("lora", "qlora", "dora")
 # with use_fused=False), one `fused` kernel (`fused=True`), or a Python `loop` over the
 # parameters (`foreach=False`).
 OPTIMIZER_IMPLS: tuple[str, ...] = ("foreach", "fused", "loop")
-# HF Trainer's AdamW choices (transformers TrainingArguments.optim, OptimizerNames) and the
-# step each runs: torch.optim.AdamW with foreach (adamw_torch) or fused=True
-# (adamw_torch_fused), or transformers' own AdamW (adamw_hf, transformers.optimization.AdamW
-# until its removal in 5.x): a Python loop over the parameters ("hf-loop"). The Trainer's
-# default: adamw_hf before transformers 4.32 (v4.31.0 training_args.py `default_optim`),
-# adamw_torch from 4.32 (huggingface/transformers#25109), adamw_torch_fused from 4.54 with
-# torch >= 2.8 (#37358; v4.54.0 training_args.py `is_torch_greater_or_equal_than_2_8`).
-HF_OPTIMS: dict[str, str] = {"adamw_torch": "foreach", "adamw_torch_fused": "fused",
-                             "adamw_hf": "hf-loop"}
 # torch ships fused and per-parameter implementations of these; vramcalc's Lion and
 # Adafactor step are foreach only, bitsandbytes' optimizers their own fused kernels
 _IMPLS_OF: dict[str, tuple[str, ...]] = {
@@ -119,29 +111,6 @@ def parse_targets(value: object) -> str:
     return ",".join(t for t in TARGETS if t in names)
 
 
-# PEFT's modules_to_save names vramcalc models: the output head and the token embedding
-MODULES_TO_SAVE: tuple[str, ...] = ("embed_tokens", "lm_head")
-
-
-def parse_modules_to_save(value: object) -> str:
-    """'lm_head', 'embed_tokens,lm_head', a list, '' or 'none' -> canonical 'embed_tokens,lm_head'
-    order. Unknown names raise InputError with suggestions."""
-    if value is None:
-        return ""
-    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
-    names: set[str] = set()
-    for raw in items:
-        word = str(raw).strip().lower()
-        if word in ("", "none"):
-            continue
-        if word not in MODULES_TO_SAVE:
-            raise InputError(f"--modules-to-save: unknown module {raw!r}"
-                             f"{suggest(word, list(MODULES_TO_SAVE))} (choices: "
-                             f"{', '.join(MODULES_TO_SAVE)})")
-        names.add(word)
-    return ",".join(m for m in MODULES_TO_SAVE if m in names)
-
-
 class TrainingConfig(BaseModel):
     """One training job's per-step settings (parallel layout lives in ParallelConfig)."""
 
@@ -191,6 +160,9 @@ class TrainingConfig(BaseModel):
     # "lm_head" and/or "embed_tokens" (canonical, comma-separated; vramcalc/finetune.py).
     # Left out of dumps when empty
     modules_to_save: str = Field("", exclude_if=lambda v: not v)
+    # PEFT target_modules beyond the layers' linears (hf profile): "embed_tokens" (PEFT's
+    # lora.Embedding). Left out of dumps when empty
+    lora_embedding: bool = Field(False, exclude_if=lambda v: not v)
     # the megatron profile's hidden and attention dropout probability; None: the stack's
     # default (Megatron's 0.1; the reference and hf profiles model no dropout: 0 only)
     dropout: float | None = Field(None, ge=0.0, lt=1.0)
@@ -214,32 +186,6 @@ class TrainingConfig(BaseModel):
     # of dumps when off, so other reports keep their keys
     optimizer_in_backward: bool = Field(False, exclude_if=lambda v: not v)
 
-    @model_validator(mode="after")
-    def _reentrant_modelled(self) -> TrainingConfig:
-        if self.use_reentrant is not None and (self.framework != "hf"
-                                               or self.recompute != "full"):
-            raise ValueError(f"--{'' if self.use_reentrant else 'no-'}use-reentrant: HF's "
-                             "gradient checkpointing (--framework hf with --recompute full)")
-        return self
-
-    @model_validator(mode="after")
-    def _kbit_prepare_modelled(self) -> TrainingConfig:
-        if not self.kbit_prepare:
-            return self
-        flag = None
-        if self.framework != "hf" or self.finetune != "qlora":
-            flag = "needs --framework hf and --finetune qlora (a 4-bit model wrapped by PEFT)"
-        elif self.weight_dtype != "fp32":
-            flag = (f"casts every parameter that is not 4-bit to fp32, which --precision "
-                    f"{self.precision} does not keep: use --precision amp-bf16 (HF Trainer's "
-                    "bf16=True) or amp-fp16 or fp32")
-        elif self.recompute != "full":
-            flag = ("turns on HF gradient checkpointing (use_gradient_checkpointing=True, "
-                    "its default): give --recompute full")
-        if flag:
-            raise ValueError(f"--kbit-prepare (PEFT prepare_model_for_kbit_training) {flag}")
-        return self
-
     @property
     def reentrant(self) -> bool:
         """Whether HF gradient checkpointing runs torch's reentrant checkpoint: as
@@ -251,20 +197,10 @@ class TrainingConfig(BaseModel):
         return self.kbit_prepare and self.recompute == "full"
 
     @model_validator(mode="after")
-    def _hf_optim_modelled(self) -> TrainingConfig:
-        if self.hf_optim is None:
-            if self.optimizer_impl == "hf-loop":
-                raise ValueError("optimizer_impl hf-loop: give --hf-optim adamw_hf")
-            return self
-        given = f"--hf-optim {self.hf_optim}"
-        if self.framework != "hf":
-            raise ValueError(f"{given}: HF Trainer's optimizer names need --framework hf")
-        if self.optimizer != "adamw":
-            raise ValueError(f"{given}: names an AdamW; it cannot go with --optimizer "
-                             f"{self.optimizer}")
-        if self.optimizer_impl not in (None, HF_OPTIMS[self.hf_optim]):
-            raise ValueError(f"{given} steps {HF_OPTIMS[self.hf_optim]}; it cannot go with "
-                             f"--optimizer-impl {self.optimizer_impl}")
+    def _hf_stack_modelled(self) -> TrainingConfig:
+        problem = hf_stack_problem(self)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
@@ -381,21 +317,6 @@ class TrainingConfig(BaseModel):
     @classmethod
     def _canonical_modules(cls, value: object) -> str:
         return parse_modules_to_save(value)
-
-    @model_validator(mode="after")
-    def _modules_to_save_modelled(self) -> TrainingConfig:
-        if not self.modules_to_save:
-            return self
-        flag = None
-        if self.framework != "hf" or self.finetune == "full":
-            flag = "needs --framework hf and a PEFT method (--finetune lora, qlora or dora)"
-        elif self.weight_dtype != "fp32":
-            flag = (f"under --precision {self.precision} the copy would train in "
-                    f"{self.weight_dtype} beside fp32 adapters (PEFT does not upcast it), "
-                    "which is not modelled: use --precision amp-bf16, amp-fp16 or fp32")
-        if flag:
-            raise ValueError(f"--modules-to-save {self.modules_to_save} {flag}")
-        return self
 
     @field_validator("lora_targets", mode="before")
     @classmethod

@@ -51,6 +51,7 @@ from vramcalc.finetune import (
 )
 from vramcalc.rank import RankContext
 from vramcalc.terms.saved import Dims, Modifier, Moment, Saved, dims
+from vramcalc.training import TrainingConfig
 from vramcalc.units import alloc, ceil_div
 
 # the storage a target reads (name in the full-fine-tuning saved list) and its width; the hf
@@ -203,6 +204,12 @@ def adjust_head_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
             and not (hf and t.name.endswith((".xhat", ".xhat_fp32")))]
 
 
+def embedding_trained(tr: TrainingConfig) -> bool:
+    """Whether the embedding's output needs a gradient under a PEFT method: a trained copy
+    of it (modules_to_save) or an adapter on it (--lora-embedding)."""
+    return "embed_tokens" in tr.modules_to_save or tr.lora_embedding
+
+
 def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
     """Bytes the first layer of the first stage does not keep because its input (the frozen
     embedding's output) needs no gradient: its input norm's tensors, the q/k/v adapters'
@@ -210,7 +217,7 @@ def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
     is adapted, the attention core's (an approximation documented in docs/finetuning.md).
     `saved`: the first layer's saved list."""
     if not ctx.is_first_stage or ctx.training.recompute == "full" or not ctx.num_layers or (
-            "embed_tokens" in ctx.training.modules_to_save):  # a trained embedding copy
+            embedding_trained(ctx.training)):  # the embedding's output needs a gradient
         return 0
     # the input norm, and dropout masks on its output (no grad flows into the dropout)
     gone = sum(t.nbytes for t in saved if t.name.startswith("input_norm.") or t.name in (
@@ -245,7 +252,7 @@ def autocast_cache_layer_bytes(ctx: RankContext) -> int:
         frozen = [t for t in fs.frozen.tensors if t.group in ("layer", "expert") and t.rows
                   and t.name.endswith(".weight") and "norm" not in t.name]
         total += sum(t.count * alloc(t.numel, c) for t in frozen)
-        if ctx.is_first_stage and "embed_tokens" not in ctx.training.modules_to_save:
+        if ctx.is_first_stage and not embedding_trained(ctx.training):
             total -= sum(alloc(t.numel, c) for t in frozen
                          if t.name in ("attn.q_proj.weight", "attn.k_proj.weight",
                                        "attn.v_proj.weight"))

@@ -53,6 +53,9 @@ class Profile:
     resident_layer: int | None  # per layer on the device when saved tensors are offloaded
     # Megatron-LM's --recompute-method: layers keep different bytes (None: all alike)
     recompute_plan: LayerPlan | None = None
+    # MoE layers interleaved with dense ones (ModelSpec.moe_layers): the topmost layer of the
+    # kind the top layer is not (index from the top) and its backward moments; else (0, ())
+    other_top: tuple[int, tuple[Moment, ...]] = (0, ())
 
     def bottom(self, n: int) -> int:
         """Activations of the bottom n layers of this rank (per micro-batch), in layer order."""
@@ -108,4 +111,15 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
         first_layer_gap=act.first_layer_gap(ctx),
         resident_layer=act.resident_layer_bytes(ctx),
         recompute_plan=act.recompute_plan(ctx),
+        other_top=_other_top(ctx, mask),
     )
+
+
+def _other_top(ctx: RankContext, mask: tuple[bool, ...]) -> tuple[int, tuple[Moment, ...]]:
+    """(index from the top, backward moments) of the topmost layer whose kind (MoE or dense)
+    differs from the top layer's, when the model interleaves them; else (0, ())."""
+    n = len(mask)
+    other = next((i for i in range(1, n - 1) if mask[n - 1 - i] != mask[-1]), None)
+    if other is None or ctx.spec.moe_layers is None:
+        return 0, ()
+    return other, tuple(act.layer_backward_moments(ctx, mask[n - 1 - other]))

@@ -162,6 +162,9 @@ FINETUNE_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     # gradient checkpointing, input grads); tied embeddings, all-linear targets, eager
     ("llama-gqa", "hf", {"finetune": "qlora", "precision": "amp-bf16", "recompute": "full",
                          "kbit_prepare": True}),
+    # PEFT's lora.Embedding on embed_tokens: its gradient reaches the first layer
+    ("llama-gqa", "hf", {"finetune": "lora", "precision": "amp-bf16", "lora_embedding": True}),
+    ("llama-deep", "hf", {"finetune": "lora", "seq_len": 2048, "lora_embedding": True}),
     # PEFT's modules_to_save: trained copies of the head and the embedding
     ("llama-gqa", "hf", {"finetune": "lora", "precision": "amp-bf16",
                          "modules_to_save": "lm_head"}),
@@ -228,6 +231,8 @@ def finetune_grid() -> list[tuple[str, Scenario]]:
             tag += f"-ce{tr.chunked_ce}"
         if tr.activation_offload:
             tag += "-offload"
+        if tr.lora_embedding:
+            tag += "-embed"
         if tr.modules_to_save:
             tag += "-save-" + tr.modules_to_save.replace(",", "+")
         out.append((f"{name}/{tag}", scn))
