@@ -272,3 +272,42 @@ def test_embedding_adapter_refusals(capsys, args: list[str], words: str) -> None
     code = main(["estimate", *[x for kv in base.items() for x in kv], "--lora-embedding"])
     err = capsys.readouterr().err.splitlines()
     assert code == 2 and len(err) == 1 and words in err[0]
+
+
+# ---- LoRA on the output head (--lora-head) --------------------------------------------------
+def test_head_adapter_shapes_and_states() -> None:
+    # PEFT's lora.Linear on lm_head: A (r, h), B (V, r), fp32
+    n = 8 * (H + V)
+    base, head = _states(), _states(lora_head=True)
+    assert head["weights"] - base["weights"] == 4 * n
+    assert head["gradients"] - base["gradients"] == 4 * n
+    assert head["optimizer_states"] - base["optimizer_states"] == 8 * n + 2 * 512
+
+
+def test_head_adapter_sum_is_the_forward_peak_in_fp32() -> None:
+    # peft tuners/lora/layer.py Linear.forward: `result = result + lora_B(lora_A(x)) *
+    # scaling` holds the base logits, the scaled B output and the sum, each (T, V): in fp32
+    # 3·T·V·4 bytes, above the loss's fp32 logits + log-probs (2·T·V·4 + labels)
+    from vramcalc.rank import RankContext
+    from vramcalc.terms import logits as lg
+
+    _, scn = scenario_for("llama-gqa", framework="hf", finetune="lora", precision="fp32",
+                          lora_head=True)
+    scn = scn.resolved()
+    ctx = RankContext(scn.model, scn.training, scn.parallel, 0)
+    T = 2 * 1024
+    assert lg.logits_forward_peak_bytes(ctx) == 3 * T * V * 4
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--finetune", "dora"], "--finetune lora or qlora"),
+    (["--modules-to-save", "lm_head", "--precision", "amp-bf16"], "not both"),
+    (["--chunked-ce", "4"], "chunked"),
+])
+def test_head_adapter_refusals(capsys, args: list[str], words: str) -> None:  # noqa: ANN001
+    base = {"--model": "8b", "--framework": "hf", "--finetune": "lora"}
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        base[flag] = value
+    code = main(["estimate", *[x for kv in base.items() for x in kv], "--lora-head"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(err) == 1 and words in err[0]

@@ -198,14 +198,14 @@ def finetune_shapes(spec: ModelSpec, training: TrainingConfig, tp: int,
     return _finetune_shapes(spec, tp, chunks, ep, stage, tr.finetune, tr.lora_rank,
                             tr.lora_targets, tr.framework,
                             adapter_dtype(tr.framework, tr.weight_dtype), tr.modules_to_save,
-                            tr.lora_embedding)
+                            tr.lora_embedding, tr.lora_head)
 
 
 @lru_cache(maxsize=2048)
 def _finetune_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ...], ep: int,
                      stage: int, method: str, rank: int, targets: str, framework: str,
-                     a_dtype: str, saved_modules: str = "", lora_embedding: bool = False
-                     ) -> FinetuneShapes:
+                     a_dtype: str, saved_modules: str = "", lora_embedding: bool = False,
+                     lora_head: bool = False) -> FinetuneShapes:
     base = _rank_shapes(spec, tp, chunks, ep, stage)
     # PEFT's ModulesToSaveWrapper (peft 0.21.2 utils/other.py): the original module frozen,
     # plus a trained `copy.deepcopy` of it under the same parameter name here (its gradient
@@ -286,6 +286,12 @@ def _finetune_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ..
                           num_moe_layers=base.num_moe_layers)
 
     adapters += copies
+    head = next((t for t in base.tensors if t.name == "lm_head.weight" and t.count), None)
+    if lora_head and head is not None:  # PEFT's lora.Linear: A (r, h), B (V, r)
+        adapters += [RankTensor(name="lm_head.lora_A", numel=rank * (head.numel // head.rows),
+                                count=1, group="head", rows=rank, dtype=a_dtype),
+                     RankTensor(name="lm_head.lora_B", numel=head.rows * rank, count=1,
+                                group="head", rows=head.rows, dtype=a_dtype)]
     emb = next((t for t in base.tensors if t.name == "embed_tokens" and t.count), None)
     if lora_embedding and emb is not None:
         # PEFT's lora.Embedding (peft 0.21.2 tuners/lora/layer.py `Embedding.update_layer`):
@@ -312,13 +318,13 @@ def check_finetune(ctx: Rank) -> None:
         raise InputError(f"--modules-to-save {tr.modules_to_save}: {ctx.spec.name} ties its "
                          "embedding and head (one shared weight); copies of tied modules are "
                          "not modelled")
-    if tr.lora_embedding and ctx.spec.tie_word_embeddings:
-        raise InputError(f"--lora-embedding: {ctx.spec.name} ties its embedding and head; "
-                         "an adapter on the shared weight is not modelled")
-    if (tr.modules_to_save or tr.lora_embedding) and (ctx.parallel.tp > 1
-                                                      or ctx.parallel.pp > 1):
-        raise InputError("--modules-to-save / --lora-embedding: modelled without tensor or "
-                         "pipeline parallelism")
+    if (tr.lora_embedding or tr.lora_head) and ctx.spec.tie_word_embeddings:
+        raise InputError(f"--lora-embedding / --lora-head: {ctx.spec.name} ties its embedding "
+                         "and head; an adapter on the shared weight is not modelled")
+    if (tr.modules_to_save or tr.lora_embedding or tr.lora_head) and (
+            ctx.parallel.tp > 1 or ctx.parallel.pp > 1):
+        raise InputError("--modules-to-save / --lora-embedding / --lora-head: modelled "
+                         "without tensor or pipeline parallelism")
 
 
 def shapes_for(ctx: Rank) -> FinetuneShapes:

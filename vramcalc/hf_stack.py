@@ -7,6 +7,7 @@
 | `kbit_prepare` | PEFT's `prepare_model_for_kbit_training` | peft utils/other.py |
 | `modules_to_save` | PEFT's trained module copies | peft utils/other.py `ModulesToSaveWrapper` |
 | `lora_embedding` | PEFT's `lora.Embedding` on embed_tokens | peft tuners/lora/layer.py `Embedding` |
+| `lora_head` | PEFT's `lora.Linear` on lm_head | peft tuners/lora/layer.py `Linear` |
 
 `hf_stack_problem(training)` says, in one line, why a combination cannot be expressed (None:
 it can); vramcalc.training.TrainingConfig raises it as a validation error. docs/methodology.md
@@ -97,6 +98,15 @@ def _peft_modules(tr: Any) -> str | None:
         if "embed_tokens" in tr.modules_to_save:
             return ("--lora-embedding with --modules-to-save embed_tokens: PEFT adapts a "
                     "module or copies it, not both")
+    if tr.lora_head:
+        if tr.framework != "hf" or tr.finetune not in ("lora", "qlora"):
+            return ("--lora-head (PEFT's lora.Linear on lm_head) needs --framework hf and "
+                    "--finetune lora or qlora")
+        if "lm_head" in tr.modules_to_save:
+            return ("--lora-head with --modules-to-save lm_head: PEFT adapts a module or "
+                    "copies it, not both")
+        if tr.chunked_ce > 1:
+            return "--lora-head with --chunked-ce: the chunked head is not modelled with it"
     if not tr.modules_to_save:
         return None
     flag = None

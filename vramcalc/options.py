@@ -123,6 +123,9 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("lora_embedding", bool, False, "hf profile, --finetune lora or qlora: also adapt "
         "the token embedding (embed_tokens in PEFT's target_modules: lora.Embedding, A (r x "
         "V) and B (h x r)); its gradient then reaches the first layer."),
+    Opt("lora_head", bool, False, "hf profile, --finetune lora or qlora: also adapt the "
+        "output head (lm_head in PEFT's target_modules: A (r x h), B (V x r)); its sum "
+        "B(A(x)) is (tokens x vocab) in fp32."),
     Opt("modules_to_save", str, None, "hf profile with a PEFT method: PEFT's "
         "modules_to_save, trained full copies of lm_head and/or embed_tokens (with their "
         "gradients and optimizer states), comma-separated; fp32-weight precisions (amp-bf16, "
@@ -194,7 +197,7 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
 OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
                   "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "kbit_prepare", "recompute_method",
-                  "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "lora_embedding", "modules_to_save", "dropout",
+                  "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "lora_embedding", "lora_head", "modules_to_save", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
                   "optimizer_in_backward")

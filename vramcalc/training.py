@@ -163,6 +163,8 @@ class TrainingConfig(BaseModel):
     # PEFT target_modules beyond the layers' linears (hf profile): "embed_tokens" (PEFT's
     # lora.Embedding). Left out of dumps when empty
     lora_embedding: bool = Field(False, exclude_if=lambda v: not v)
+    # ... and "lm_head" (PEFT's lora.Linear on the output head). Left out of dumps when off
+    lora_head: bool = Field(False, exclude_if=lambda v: not v)
     # the megatron profile's hidden and attention dropout probability; None: the stack's
     # default (Megatron's 0.1; the reference and hf profiles model no dropout: 0 only)
     dropout: float | None = Field(None, ge=0.0, lt=1.0)

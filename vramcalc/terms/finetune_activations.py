@@ -198,10 +198,22 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
 def adjust_head_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     """Final norm and frozen lm_head: the head's input is not kept (nor hf's norm x̂). A
     trained copy of the head (modules_to_save) keeps its input for its weight gradient."""
-    hf = ctx.training.framework == "hf"
-    head_trained = "lm_head" in ctx.training.modules_to_save
-    return [t for t in saved if not (t.name.startswith("lm_head.input") and not head_trained)
-            and not (hf and t.name.endswith((".xhat", ".xhat_fp32")))]
+    tr = ctx.training
+    hf = tr.framework == "hf"
+    head_trained = "lm_head" in tr.modules_to_save
+    out = [t for t in saved if not (t.name.startswith("lm_head.input") and not head_trained)
+           and not (hf and t.name.endswith((".xhat", ".xhat_fp32")))]
+    if tr.lora_head and ctx.is_last_stage:
+        # PEFT's lora.Linear on lm_head, its input the final norm's output (T, h) in r: what
+        # any adapted linear keeps (`adapter_saved`); when A keeps the norm output itself,
+        # that is full training's lm_head input. Named lm_head.* (freed with the head's
+        # backward, before the layers')
+        extra, shares = adapter_saved(ctx, dims(ctx), "head")
+        out += [dataclasses.replace(t, name=t.name.replace("lora.head.", "lm_head.lora."))
+                for t in extra]
+        if shares:
+            out += [t for t in saved if t.name.startswith("lm_head.input")]
+    return out
 
 
 def embedding_trained(tr: TrainingConfig) -> bool:

@@ -146,6 +146,16 @@ def logits_forward_peak_bytes(ctx: RankContext) -> int:
         out += alloc(x.b * (x.s + 1), "int64")  # padded labels
         if x.b > 1:
             out += alloc(x.b * x.s, "int64")  # their shifted copy
+        tr = ctx.training
+        if tr.lora_head:
+            # PEFT lora.Linear on lm_head: `result + lora_B(lora_A(x)) * scaling` holds the
+            # base logits (c), the scaled B output and their sum (fp32 adapters; c under
+            # autocast) at once, before the loss; with dropout, PEFT's fp32 cast of the
+            # input is a local beside what A keeps
+            b_dt = c if x.amp else "fp32"
+            cast = tr.lora_dropout > 0 and not x.amp and x.r != "fp32"
+            out = max(out, alloc(nv, c) + 2 * alloc(nv, b_dt)
+                      + (alloc(x.T * x.h, "fp32") if cast else 0))
     return out
 
 
@@ -169,8 +179,9 @@ def head_forward_extra_bytes(ctx: RankContext) -> int:
     if not ctx.is_last_stage:
         return 0
     if finetunes(ctx.training) and "lm_head" not in ctx.training.modules_to_save:
-        # a frozen lm_head saves no input at all
-        return alloc(x.T * x.h, x.r)
+        # a frozen lm_head saves no input at all (an adapter on it may keep the very tensor)
+        shared = ctx.training.lora_head and not x.amp and x.r == "fp32"
+        return 0 if shared else alloc(x.T * x.h, x.r)
     if chunks_loss(ctx.training):  # lm_head saves per-chunk copies, or views of the local
         return alloc(x.T * x.h, x.r) if head_input_split(ctx) else 0
     if x.r == x.c:

@@ -213,7 +213,11 @@ def autocast_cache_head_bytes(ctx: RankContext) -> int:
     if not ctx.training.is_autocast or not ctx.is_last_stage or ctx.engine == "fsdp2":
         return 0
     x = sharded_numel(ctx.spec.vocab_size * ctx.spec.hidden_size, ctx.parallel.tp)
-    return alloc(x, ctx.training.compute_dtype)
+    out = alloc(x, ctx.training.compute_dtype)
+    if ctx.training.lora_head:  # the trained A (r, h) and B (V, r) are cached too
+        r, c = ctx.training.lora_rank, ctx.training.compute_dtype
+        out += alloc(r * ctx.spec.hidden_size, c) + alloc(ctx.spec.vocab_size * r, c)
+    return out
 
 
 def gather_buffer_bytes(ctx: RankContext) -> int:

@@ -233,6 +233,8 @@ def _hf(model: nn.Module, scn: Any) -> nn.Module:
     targets = [names[t] for t in adapted_linears(scn.model, tr.lora_targets, "hf")]
     if tr.lora_embedding:
         targets.append("embed_tokens")
+    if tr.lora_head:
+        targets.append("lm_head")
     cfg = LoraConfig(r=tr.lora_rank, lora_alpha=LORA_ALPHA, target_modules=targets,
                      lora_dropout=tr.lora_dropout, bias="none", use_dora=tr.finetune == "dora",
                      task_type="CAUSAL_LM",

@@ -165,6 +165,12 @@ FINETUNE_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     # PEFT's lora.Embedding on embed_tokens: its gradient reaches the first layer
     ("llama-gqa", "hf", {"finetune": "lora", "precision": "amp-bf16", "lora_embedding": True}),
     ("llama-deep", "hf", {"finetune": "lora", "seq_len": 2048, "lora_embedding": True}),
+    # PEFT's lora.Linear on lm_head: fp32 (tokens x vocab) sums (the forward peak in fp32)
+    ("llama-gqa", "hf", {"finetune": "lora", "precision": "fp32", "lora_head": True}),
+    ("llama-gqa", "hf", {"finetune": "lora", "precision": "amp-bf16", "lora_head": True,
+                         "lora_dropout": 0.1}),
+    ("llama-deep", "hf", {"finetune": "qlora", "seq_len": 2048, "lora_head": True,
+                          "lora_embedding": True}),
     # PEFT's modules_to_save: trained copies of the head and the embedding
     ("llama-gqa", "hf", {"finetune": "lora", "precision": "amp-bf16",
                          "modules_to_save": "lm_head"}),
@@ -233,6 +239,8 @@ def finetune_grid() -> list[tuple[str, Scenario]]:
             tag += "-offload"
         if tr.lora_embedding:
             tag += "-embed"
+        if tr.lora_head:
+            tag += "-head"
         if tr.modules_to_save:
             tag += "-save-" + tr.modules_to_save.replace(",", "+")
         out.append((f"{name}/{tag}", scn))
