@@ -121,3 +121,18 @@ def test_bad_interleave_step() -> None:
         from_hf_config({**SCOUT_TEXT, "interleave_moe_layer_step": 0}, "cfg.json")
     with pytest.raises(InputError, match="decoder_sparse_step"):
         from_hf_config({**QWEN3_30B_A3B, "decoder_sparse_step": 0}, "cfg.json")
+
+
+def test_llama4_under_the_hf_profile_is_refused(tmp_path, capsys) -> None:  # noqa: ANN001
+    # transformers' Llama4TextMoe.forward repeats every token for every expert: not the
+    # routed-token activations the hf profile models, so the estimate says so (exit 2)
+    import json
+
+    from vramcalc.cli import main
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**SCOUT_TEXT, "num_hidden_layers": 2}))
+    assert main(["estimate", "--model", str(cfg), "--framework", "hf"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "every expert on every token" in err[0]
+    assert main(["estimate", "--model", str(cfg)]) in (0, 1)  # the reference profile: a fit verdict

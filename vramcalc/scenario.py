@@ -67,6 +67,11 @@ class Scenario(BaseModel):
                 raise InputError(f"{self.model.name}: multi-latent attention's activations are "
                                  "modelled for --framework reference on one tensor/context-"
                                  f"parallel rank, full training, so far; not {missing}")
+        if self.model.model_type == "llama4_text" and self.training.framework == "hf":
+            # modeling_llama4.py Llama4TextMoe.forward: every token through every expert
+            raise InputError(f"{self.model.name}: transformers' Llama-4 MoE runs every expert "
+                             "on every token, which the hf profile does not model; use "
+                             "--framework reference (routed tokens)")
         par = resolve_layout(self.model, self.training, self.parallel, self.world_size)
         tr = self.training
         if tr.optimizer_in_backward:
