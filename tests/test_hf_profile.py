@@ -311,3 +311,21 @@ def test_head_adapter_refusals(capsys, args: list[str], words: str) -> None:  # 
     code = main(["estimate", *[x for kv in base.items() for x in kv], "--lora-head"])
     err = capsys.readouterr().err.splitlines()
     assert code == 2 and len(err) == 1 and words in err[0]
+
+
+def test_speed_model_counts_the_trained_copies_and_adapters() -> None:
+    # the speed model's trained-parameter count (gradient traffic, weight-gradient FLOPs)
+    # includes a saved module's full copy and the embedding / head adapters
+    from vramcalc.speed import training_peft
+    from vramcalc.validate import SHAPES
+
+    spec = SHAPES["llama-gqa"]
+
+    def n(**kw: object) -> int:
+        tr = TrainingConfig(framework="hf", finetune="lora", precision="amp-bf16", **kw)  # type: ignore[arg-type]
+        counts = training_peft(spec, tr)
+        assert counts is not None
+        return counts.adapter_params
+
+    assert n(modules_to_save="lm_head") - n() == V * H
+    assert n(lora_embedding=True, lora_head=True) - n() == 2 * 8 * (V + H)
