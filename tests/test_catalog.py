@@ -440,11 +440,18 @@ def test_qwen_moe_leading_dense_layers() -> None:
 
 
 @pytest.mark.parametrize(
-    "update", [{"decoder_sparse_step": 2}, {"mlp_only_layers": [5]}], ids=["step", "middle"]
+    ("update", "moe_layers"),
+    [({"decoder_sparse_step": 2}, tuple(range(1, 24, 2))),
+     ({"mlp_only_layers": [5]}, tuple(i for i in range(24) if i != 5))],
+    ids=["step", "middle"],
 )
-def test_qwen_moe_interleaved_layers_rejected(update: dict) -> None:
-    with pytest.raises(InputError, match="dense layers come first"):
-        from_hf_config({**QWEN15_MOE, **update}, "cfg.json")
+def test_qwen_moe_interleaved_layers(update: dict, moe_layers: tuple[int, ...]) -> None:
+    # transformers modeling_qwen2_moe.py: layer i is sparse when i is not in mlp_only_layers
+    # and (i + 1) % decoder_sparse_step == 0
+    spec = from_hf_config({**QWEN15_MOE, **update}, "cfg.json")
+    assert spec.moe_layers == moe_layers and spec.first_k_dense_replace == 0
+    assert spec.num_moe_layers == len(moe_layers)
+    assert spec.num_params == transformers_count({**QWEN15_MOE, **update})
 
 
 def test_unknown_model_type_uses_generic_keys() -> None:

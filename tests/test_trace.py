@@ -282,6 +282,7 @@ def test_grid_covers_the_issue() -> None:
                for m in models.values())
     assert any(m.norm_kind == "layernorm" for m in models.values())
     assert any(m.is_moe for m in models.values())
+    assert any(m.moe_layers for m in models.values())  # MoE and dense layers interleaved
 
 
 @pytest.mark.parametrize("name", [n for n, _ in GRID])

@@ -151,20 +151,18 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     ib = in_backward(ctx) if train.optimizer_in_backward else None  # terms/optim_in_bwd.py
 
     P = profile(ctx)  # activation, logits and moment bytes (cached)
-    n_dense, A_dense, n_moe, A_moe = P.n_dense, P.dense_layer, P.n_moe, P.moe_layer
     gap = P.first_layer_gap  # what the first layer does not save when the embedding is frozen
     A_dev = P.resident_layer  # saved layer tensors in host memory: what stays on the device
     offload = A_dev is not None
     plan = P.recompute_plan  # Megatron's --recompute-method: layers keep different bytes
 
     def A_bottom(n: int) -> int:
-        """Activations of the bottom n layers of this stage (dense layers come first)."""
+        """Activations of the bottom n layers of this stage, in layer order."""
         if A_dev is not None:
             return n * A_dev
         if plan is not None:
             return plan.bottom(n) - (gap if n else 0)
-        dense = min(n, n_dense)
-        return dense * A_dense + (n - dense) * A_moe - (gap if n else 0)
+        return P.bottom(n) - (gap if n else 0)
 
     A_emb = P.embedding_side  # ids, labels, rope, mask
     A_edges = A_emb + P.head_side
@@ -216,8 +214,8 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     eager_held, eager_work = P.eager_forward
     if eager_work and nL:
         # the top layer's softmax: its later saved tensors do not exist yet
-        top_moe = n_moe > 0
-        top_bytes = plan.kept[-1] if plan else A_moe if top_moe else A_dense
+        top_bytes = plan.kept[-1] if plan else (
+            P.moe_layer if P.is_moe_from_top(0) else P.dense_layer)
         qkv_share = 1 - P.grad_fraction["mlp+o"]  # casts made so far
         eager = Phase("forward", B, g_acc, {
             "activations": int(prev * A_mb + (A_bottom(nL - 1) if offload else A_bottom(nL)
@@ -297,21 +295,22 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
                 "transients/optimizer_step": step[1]}, made)] if g and (held[2] or step[0]) else []
     if nL:
         # the top layer holds every other layer's activations; the bottom one every other
-        # layer's gradients (dense layers sit at the bottom, MoE ones at the top)
+        # layer's gradients; interleaved MoE: the topmost layer of the top's other kind too
         candidates += [layer_point(0, mom) for mom in P.top_moments]
         candidates += [layer_point(nL - 1, mom) for mom in P.bottom_moments]
+        candidates += [layer_point(P.other_top[0], mom) for mom in P.other_top[1]]
         if plan is not None:
             # the sweep is linear only between a recompute unit's ends (megatron_recompute)
             for i in plan.sweep_points():
                 if 0 < i < nL - 1:
                     candidates += [layer_point(i, mom) for mom in (
-                        P.top_moments if i < n_moe else P.bottom_moments)]
+                        P.top_moments if P.is_moe_from_top(i) else P.bottom_moments)]
         if ctx.engine == "fsdp2" and nL > 2:
             # FSDP2: only layers between the top and the bottom hold both the previous
             # layer's reduce-scatter input and the next one's prefetch (comm.reduce_bytes)
             for i in sorted({1, nL - 2}):
                 candidates += [layer_point(i, mom)
-                               for mom in act.layer_backward_moments(ctx, i < n_moe)]
+                               for mom in act.layer_backward_moments(ctx, P.is_moe_from_top(i))]
     norm_work = P.final_norm_work
     if norm_work:
         lm_in = P.head_freed_at_final_norm

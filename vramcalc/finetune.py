@@ -205,7 +205,8 @@ def finetune_shapes(spec: ModelSpec, training: TrainingConfig, tp: int,
     return _finetune_shapes(spec, tp, chunks, ep, stage, tr.finetune, tr.lora_rank,
                             tr.lora_targets, tr.framework,
                             adapter_dtype(tr.framework, tr.weight_dtype),
-                            method_quantizes_head(spec, tr))
+                            method_quantizes_head(spec, tr), tr.modules_to_save,
+                            tr.lora_embedding, tr.lora_head)
 
 
 def method_quantizes_head(spec: ModelSpec, training: TrainingConfig) -> bool:
@@ -222,8 +223,16 @@ def method_quantizes_head(spec: ModelSpec, training: TrainingConfig) -> bool:
 @lru_cache(maxsize=2048)
 def _finetune_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ...], ep: int,
                      stage: int, method: str, rank: int, targets: str, framework: str,
-                     a_dtype: str, head: bool = False) -> FinetuneShapes:
+                     a_dtype: str, head: bool = False, saved_modules: str = "",
+                     lora_embedding: bool = False, lora_head: bool = False) -> FinetuneShapes:
     base = _rank_shapes(spec, tp, chunks, ep, stage)
+    # PEFT's ModulesToSaveWrapper (peft 0.21.2 utils/other.py): the original module frozen,
+    # plus a trained `copy.deepcopy` of it under the same parameter name here (its gradient
+    # appears where the original's would: the head's first, the embedding's last)
+    copies = [dataclasses.replace(t, trainable=True, dtype=a_dtype) for t in base.tensors
+              if saved_modules and t.name in (
+                  ("lm_head.weight",) if "lm_head" in saved_modules else ()) + (
+                  ("embed_tokens",) if "embed_tokens" in saved_modules else ())]
     wanted = target_param_names(spec, targets)
     # fused modules (hf GPT-2 / Phi-3): the member matrices' names → the fused module's stem
     fused_of: dict[str, str] = {}
@@ -295,6 +304,22 @@ def _finetune_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ..
         return RankShapes(tensors=tuple(ts), num_layers=base.num_layers,
                           num_moe_layers=base.num_moe_layers)
 
+    adapters += copies
+    lm = next((t for t in base.tensors if t.name == "lm_head.weight" and t.count), None)
+    if lora_head and lm is not None:  # PEFT's lora.Linear: A (r, h), B (V, r)
+        adapters += [RankTensor(name="lm_head.lora_A", numel=rank * (lm.numel // lm.rows),
+                                count=1, group="head", rows=rank, dtype=a_dtype),
+                     RankTensor(name="lm_head.lora_B", numel=lm.rows * rank, count=1,
+                                group="head", rows=lm.rows, dtype=a_dtype)]
+    emb = next((t for t in base.tensors if t.name == "embed_tokens" and t.count), None)
+    if lora_embedding and emb is not None:
+        # PEFT's lora.Embedding (peft 0.21.2 tuners/lora/layer.py `Embedding.update_layer`):
+        # lora_embedding_A (r, V), lora_embedding_B (h, r), upcast like the other adapters
+        vocab, h = emb.rows, emb.numel // emb.rows
+        adapters += [RankTensor(name="embed_tokens.lora_embedding_A", numel=rank * vocab,
+                                count=1, group="embedding", rows=rank, dtype=a_dtype),
+                     RankTensor(name="embed_tokens.lora_embedding_B", numel=h * rank,
+                                count=1, group="embedding", rows=h, dtype=a_dtype)]
     return FinetuneShapes(all=shapes(frozen + quant + adapters), frozen=shapes(frozen),
                           quantized=shapes(quant), adapters=shapes(adapters))
 
@@ -308,6 +333,17 @@ def check_finetune(ctx: Rank) -> None:
     if tr.framework == "megatron":
         raise InputError(f"--finetune {tr.finetune}: the megatron profile models full training "
                          "only; use --framework reference or hf")
+    if tr.modules_to_save and ctx.spec.tie_word_embeddings:
+        raise InputError(f"--modules-to-save {tr.modules_to_save}: {ctx.spec.name} ties its "
+                         "embedding and head (one shared weight); copies of tied modules are "
+                         "not modelled")
+    if (tr.lora_embedding or tr.lora_head) and ctx.spec.tie_word_embeddings:
+        raise InputError(f"--lora-embedding / --lora-head: {ctx.spec.name} ties its embedding "
+                         "and head; an adapter on the shared weight is not modelled")
+    if (tr.modules_to_save or tr.lora_embedding or tr.lora_head) and (
+            ctx.parallel.tp > 1 or ctx.parallel.pp > 1):
+        raise InputError("--modules-to-save / --lora-embedding / --lora-head: modelled "
+                         "without tensor or pipeline parallelism")
 
 
 def shapes_for(ctx: Rank) -> FinetuneShapes:

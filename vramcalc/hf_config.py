@@ -5,13 +5,13 @@ file is vramcalc.catalog's job. Never the hub, never `trust_remote_code`.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from vramcalc.errors import InputError
+from vramcalc.hf_reader import Cfg as _Cfg
+from vramcalc.hf_reader import name_from_source as _name_from_source
 from vramcalc.model import ModelSpec, spec_from_fields
 
-_MISSING = object()
 _GENERIC_KEYS = (
     "hidden_size",
     "num_hidden_layers",
@@ -45,6 +45,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "phi": {"kv": None, "head_dim": None, "tie": False, "act": "gelu_new", "pos": 2048},
     "deepseek_v2": {"kv": None, "head_dim": None, "tie": False, "act": "silu", "pos": 2048},
     "deepseek_v3": {"kv": 128, "head_dim": None, "tie": False, "act": "silu", "pos": 4096},
+    "llama4_text": {"kv": 8, "head_dim": 128, "tie": False, "act": "silu", "pos": 131072},
 }
 # Multi-latent attention and MoE defaults (configuration_deepseek_v2.py / _v3.py):
 # kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
@@ -81,57 +82,6 @@ _OTHER_ENCODERS = ("modernbert", "distilbert", "albert", "electra", "deberta", "
                    "bart", "mbart", "pegasus", "marian", "led", "xlm", "flaubert", "funnel",
                    "roformer", "squeezebert", "nomic_bert", "jina_bert", "ernie", "megatron-bert")
 SUPPORTED_MODEL_TYPES = ("gpt2", *_DEFAULTS, *_ENCODER_DEFAULTS)
-
-
-class _Cfg:
-    """Typed reads from a config dict; every bad value is a one-line InputError."""
-
-    def __init__(self, cfg: dict[str, Any], source: str) -> None:
-        self.cfg, self.source = cfg, source
-
-    def _raw(self, key: str, default: Any) -> Any:
-        value = self.cfg.get(key, _MISSING)
-        return default if value is _MISSING or value is None else value
-
-    def get_int(self, key: str, default: Any = None) -> Any:
-        value = self._raw(key, default)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise InputError(f"{self.source}: {key} must be an integer, got {value!r}")
-        return value
-
-    def get_bool(self, key: str, default: bool) -> bool:
-        value = self._raw(key, default)
-        if not isinstance(value, bool):
-            raise InputError(f"{self.source}: {key} must be true or false, got {value!r}")
-        return value
-
-    def get_str(self, key: str, default: str) -> str:
-        value = self._raw(key, default)
-        if not isinstance(value, str):
-            raise InputError(f"{self.source}: {key} must be a string, got {value!r}")
-        return value
-
-    def int_list(self, key: str) -> list[int]:
-        value = self._raw(key, [])
-        if not isinstance(value, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value
-        ):
-            raise InputError(f"{self.source}: {key} must be a list of integers, got {value!r}")
-        return value
-
-    def require(self, keys: tuple[str, ...], model_type: str) -> None:
-        missing = [k for k in keys if self.cfg.get(k) is None]
-        if missing:
-            raise InputError(
-                f"{self.source}: model_type '{model_type}' config lacks {', '.join(missing)}"
-            )
-
-
-def _name_from_source(source: str) -> str:
-    path = Path(source)
-    if path.name == "config.json" and path.parent.name:
-        return path.parent.name
-    return path.stem or "custom"
 
 
 def _decoder_fields(c: _Cfg, model_type: str, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -261,10 +211,21 @@ def _encoder_fields(c: _Cfg, model_type: str) -> dict[str, Any]:
     }
 
 
+def _moe_layout(c: _Cfg, num_layers: int, sparse: list[int]) -> dict[str, Any]:
+    """ModelSpec fields for the MoE layers `sparse` (indices): first_k_dense_replace when the
+    dense layers all come first, else the explicit moe_layers list."""
+    if not sparse:
+        raise InputError(f"{c.source}: a mixture-of-experts config with no MoE layer")
+    first_k = num_layers - len(sparse)
+    if sparse == list(range(first_k, num_layers)):
+        return {"first_k_dense_replace": first_k}
+    return {"moe_layers": tuple(sparse)}
+
+
 def _qwen_moe_fields(c: _Cfg, model_type: str, num_layers: int, shared: bool) -> dict[str, Any]:
     """Qwen2-MoE / Qwen3-MoE experts. Layer i is sparse when i is not in mlp_only_layers and
-    (i + 1) % decoder_sparse_step == 0 (transformers modeling_qwen2_moe.py); only "all
-    sparse" or "the first k dense" can be represented."""
+    (i + 1) % decoder_sparse_step == 0 (transformers 5.x modeling_qwen3_moe.py
+    `Qwen3MoeDecoderLayer.__init__`)."""
     d = {"qwen2_moe": (60, 4, 1408), "qwen3_moe": (128, 8, 768)}[model_type]
     num_experts = c.get_int("num_experts", d[0])
     if num_experts == 0:
@@ -274,17 +235,11 @@ def _qwen_moe_fields(c: _Cfg, model_type: str, num_layers: int, shared: bool) ->
         raise InputError(f"{c.source}: decoder_sparse_step must be >= 1, got {step}")
     dense_only = set(c.int_list("mlp_only_layers"))
     sparse = [i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0]
-    first_k = num_layers - len(sparse)
-    if sparse != list(range(first_k, num_layers)):
-        raise InputError(
-            f"{c.source}: only MoE configs whose dense layers come first are supported "
-            f"(decoder_sparse_step={step}, mlp_only_layers={sorted(dense_only)})"
-        )
     fields: dict[str, Any] = {
         "num_local_experts": num_experts,
         "num_experts_per_tok": c.get_int("num_experts_per_tok", d[1]),
         "moe_intermediate_size": c.get_int("moe_intermediate_size", d[2]),
-        "first_k_dense_replace": first_k,
+        **_moe_layout(c, num_layers, sparse),
     }
     if shared:
         # Qwen2-MoE: one always-on shared expert plus a h->1 sigmoid gate on it.
@@ -296,6 +251,37 @@ def _qwen_moe_fields(c: _Cfg, model_type: str, num_layers: int, shared: bool) ->
                 shared_expert_gate=True,
             )
     return fields
+
+
+def _llama4_fields(c: _Cfg, fields: dict[str, Any]) -> dict[str, Any]:
+    """Llama-4's text model (transformers 5.x configuration_llama4.py `Llama4TextConfig`,
+    modeling_llama4.py): MoE layers are `moe_layers`, else every interleave_moe_layer_step-th
+    (range(step − 1, L, step)); a MoE layer has num_local_experts routed experts of
+    intermediate_size (fused 3-D gate_up_proj, down_proj), a bias-free router and one
+    ungated shared expert of intermediate_size; dense layers' MLP is intermediate_size_mlp
+    wide; q, k, v and o take attention_bias; the q/k norm is a weightless L2 norm."""
+    n = fields["num_hidden_layers"]
+    step = c.get_int("interleave_moe_layer_step", 1)
+    if step < 1:
+        raise InputError(f"{c.source}: interleave_moe_layer_step must be >= 1, got {step}")
+    listed = c.cfg.get("moe_layers")
+    sparse = c.int_list("moe_layers") if listed is not None else list(range(step - 1, n, step))
+    if any(not 0 <= i < n for i in sparse):
+        raise InputError(f"{c.source}: moe_layers must be layer indices below {n}")
+    experts = c.get_int("num_local_experts", 16)
+    if experts < 1:
+        raise InputError(f"{c.source}: num_local_experts must be >= 1, got {experts}")
+    ffn = fields["intermediate_size"]
+    bias = c.get_bool("attention_bias", False)
+    return {
+        "intermediate_size": c.get_int("intermediate_size_mlp", 16384),
+        "attention_bias": bias, "attention_out_bias": bias,
+        "num_local_experts": experts,
+        "num_experts_per_tok": c.get_int("num_experts_per_tok", 1),
+        "moe_intermediate_size": ffn,
+        "num_shared_experts": 1, "shared_expert_intermediate_size": ffn,
+        **_moe_layout(c, n, sorted(set(sparse))),
+    }
 
 
 def _four_norms(c: _Cfg, model_type: str) -> dict[str, Any]:
@@ -387,7 +373,8 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
 
     Supported model_type: bert, roberta, xlm-roberta, camembert (encoders,
     `_encoder_fields`), gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
-    qwen3_moe, phi (phi-1, phi-1.5, phi-2), phi3, deepseek_v2, deepseek_v3 (multi-latent attention), gemma (gemma2 / gemma3_text need 4 norms per layer, see `_four_norms`);
+    qwen3_moe, llama4 / llama4_text (the language model of a Llama-4 checkpoint), phi (phi-1,
+    phi-1.5, phi-2), phi3, deepseek_v2, deepseek_v3 (multi-latent attention), gemma (gemma2 / gemma3_text need 4 norms per layer, see `_four_norms`);
     any other model_type is read as a llama-like decoder from the generic keys
     (hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size),
     honouring attention_bias / mlp_bias / tie_word_embeddings when present. Keys a file
@@ -400,6 +387,14 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
     c = _Cfg(cfg, source)
     model_type = c.get_str("model_type", "")
     name = _name_from_source(source)
+    if model_type == "llama4":
+        # the multimodal checkpoint: its language model is text_config (the vision encoder
+        # and projector are not described; the spec is named "<name>-text" to say so)
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise InputError(f"{source}: model_type 'llama4' config lacks a text_config object")
+        c, model_type, name = _Cfg({**text, "model_type": "llama4_text"}, source), (
+            "llama4_text"), f"{name}-text"
 
     _refuse_other_encoders(c, model_type)
     fields: dict[str, Any]
@@ -435,6 +430,8 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
             )
         elif model_type in _MLA_DEFAULTS:
             fields.update(_mla_fields(c, model_type, fields))
+        elif model_type == "llama4_text":
+            fields.update(_llama4_fields(c, fields))
         elif model_type == "gpt_neox":
             bias = c.get_bool("attention_bias", True)  # query_key_value and dense
             fields.update(

@@ -72,6 +72,10 @@ class ModelSpec(BaseModel):
     shared_expert_intermediate_size: int | None = Field(None, gt=0, le=MAX_DIM * 10)
     shared_expert_gate: bool = False  # Qwen2-MoE: a h->1 gate on the shared expert
     first_k_dense_replace: int = Field(0, ge=0, le=MAX_LAYERS)  # leading dense layers
+    # indices of the MoE layers when they are interleaved with dense ones (Qwen2/3-MoE
+    # decoder_sparse_step / mlp_only_layers, Llama-4 interleave_moe_layer_step / moe_layers);
+    # None: every layer from first_k_dense_replace on (left out of dumps when None)
+    moe_layers: tuple[int, ...] | None = Field(None, exclude_if=lambda v: v is None)
     router_bias: bool = False
     # Multi-latent attention (DeepSeek-V2/V3); kv_lora_rank None means ordinary attention.
     q_lora_rank: int | None = Field(None, gt=0, le=MAX_DIM)
@@ -129,6 +133,15 @@ class ModelSpec(BaseModel):
                 )
             if self.first_k_dense_replace > self.num_hidden_layers:
                 raise InputError("first_k_dense_replace exceeds num_hidden_layers")
+        if self.moe_layers is not None:
+            if not self.num_local_experts:
+                raise InputError("moe_layers needs num_local_experts > 0")
+            if list(self.moe_layers) != sorted(set(self.moe_layers)) or any(
+                    not 0 <= i < self.num_hidden_layers for i in self.moe_layers):
+                raise InputError(f"moe_layers must be increasing layer indices in [0, "
+                                 f"{self.num_hidden_layers}), got {list(self.moe_layers)}")
+            if self.first_k_dense_replace:
+                raise InputError("give either moe_layers or first_k_dense_replace, not both")
         self._check_mla()
         if self.sliding_window_pattern == 1 or (
                 self.sliding_window_pattern and self.sliding_window is None):
@@ -201,9 +214,22 @@ class ModelSpec(BaseModel):
     def is_moe(self) -> bool:
         return self.num_local_experts > 0
 
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i (0-based) is a mixture-of-experts layer: listed in moe_layers, or
+        at or after first_k_dense_replace when moe_layers is None."""
+        if not self.is_moe:
+            return False
+        if self.moe_layers is not None:
+            return i in self.moe_layers
+        return i >= self.first_k_dense_replace
+
     @property
     def num_moe_layers(self) -> int:
-        return self.num_hidden_layers - self.first_k_dense_replace if self.is_moe else 0
+        if not self.is_moe:
+            return 0
+        if self.moe_layers is not None:
+            return len(self.moe_layers)
+        return self.num_hidden_layers - self.first_k_dense_replace
 
     @property
     def num_dense_layers(self) -> int:

@@ -20,6 +20,7 @@ from vramcalc.ds_config import DeepSpeedConfig
 from vramcalc.errors import InputError, suggest
 from vramcalc.hardware import alias_note, parse_gpus
 from vramcalc.hf_config import with_task
+from vramcalc.hf_stack import HF_OPTIMS, parse_modules_to_save
 from vramcalc.parallel import ParallelConfig
 from vramcalc.scenario import Scenario
 from vramcalc.training import (
@@ -83,10 +84,25 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "per state tensor at once) | fused (one kernel, no temporaries) | loop (one "
         "parameter at a time). Default: the stack's (hf: fused AdamW, as HF Trainer; else "
         "foreach, PyTorch's default on CUDA).", OPTIMIZER_IMPLS),
+    Opt("hf_optim", str, None, "HF Trainer's TrainingArguments.optim for AdamW (hf "
+        "profile): adamw_torch (torch AdamW, foreach) | adamw_torch_fused (fused=True) | "
+        "adamw_hf (transformers' own AdamW, a per-parameter loop). Default: the Trainer's "
+        "default of transformers >= 4.54 with torch >= 2.8, adamw_torch_fused (adamw_torch "
+        "from 4.32, adamw_hf before).", tuple(HF_OPTIMS)),
     Opt("attention", str, "flash", "flash (SDPA/FlashAttention) | eager (s x s scores).",
         ATTENTIONS),
     Opt("recompute", str, "none", "Activation recomputation: none | selective | full.",
         RECOMPUTES),
+    Opt("use_reentrant", bool, None, "hf profile with --recompute full: HF gradient "
+        "checkpointing's use_reentrant (gradient_checkpointing_kwargs). On: torch's "
+        "reentrant checkpoint, which holds the layer's incoming gradient through its "
+        "backward (the default of transformers 4.35 to 4.57). Default: off, transformers "
+        "5.x's."),
+    Opt("kbit_prepare", bool, False, "hf profile, --finetune qlora: PEFT's "
+        "prepare_model_for_kbit_training(model) with its defaults: every parameter that is "
+        "not 4-bit cast to fp32 (give --precision amp-bf16, HF Trainer's bf16=True), "
+        "gradient checkpointing on (give --recompute full), reentrant unless "
+        "--no-use-reentrant."),
     Opt("recompute_method", str, None, "Megatron-LM's --recompute-method with --recompute full "
         "(megatron profile): block = only the first --recompute-num-layers layers of each "
         "pipeline chunk are checkpointed, the rest keep all activations; uniform = "
@@ -113,6 +129,16 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "or all-linear (default q,v: PEFT's default for Llama)."),
     Opt("lora_dropout", float, 0.0, "LoRA dropout probability (PEFT default 0: no mask "
         "kept)."),
+    Opt("lora_embedding", bool, False, "hf profile, --finetune lora or qlora: also adapt "
+        "the token embedding (embed_tokens in PEFT's target_modules: lora.Embedding, A (r x "
+        "V) and B (h x r)); its gradient then reaches the first layer."),
+    Opt("lora_head", bool, False, "hf profile, --finetune lora or qlora: also adapt the "
+        "output head (lm_head in PEFT's target_modules: A (r x h), B (V x r)); its sum "
+        "B(A(x)) is (tokens x vocab) in fp32."),
+    Opt("modules_to_save", str, None, "hf profile with a PEFT method: PEFT's "
+        "modules_to_save, trained full copies of lm_head and/or embed_tokens (with their "
+        "gradients and optimizer states), comma-separated; fp32-weight precisions (amp-bf16, "
+        "amp-fp16, fp32)."),
     Opt("dropout", float, None, "Hidden and attention dropout probability, 0 <= P < 1 "
         "(megatron profile only; default: Megatron's 0.1, which keeps 1-byte masks). 0 keeps "
         "no dropout masks. The reference and hf profiles model dropout off and accept only "
@@ -214,8 +240,8 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
 )
 OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
-                  "optimizer_dtype", "optimizer_impl", "attention", "recompute", "recompute_method",
-                  "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "dropout",
+                  "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "kbit_prepare", "recompute_method",
+                  "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "lora_embedding", "lora_head", "modules_to_save", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
                   "optimizer_in_backward", "compile", "qlora_impl", "bnb_version",
@@ -310,6 +336,9 @@ def normalize_values(values: dict[str, Any]) -> dict[str, Any]:
             continue
         if key == "lora_targets" and raw is not None:
             out[key] = parse_targets(raw)
+            continue
+        if key == "modules_to_save" and raw is not None:
+            out[key] = parse_modules_to_save(raw)
             continue
         v = _coerce(opt, raw)
         if v is not None and opt.choices:

@@ -9,7 +9,8 @@ from vramcalc.hardware import Cluster
 from vramcalc.hf_config import ROBERTA_TYPES
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig, resolve_layout
-from vramcalc.training import TORCH_STEPPED, TrainingConfig, optimizer_in_backward_problem
+from vramcalc.stack_rules import optimizer_in_backward_problem
+from vramcalc.training import TORCH_STEPPED, TrainingConfig
 
 
 def mla_unsupported(scn: Scenario) -> str | None:
@@ -96,6 +97,11 @@ class Scenario(BaseModel):
             raise InputError(f"{self.model.name}: parallel attention + MLP blocks are "
                              "modelled for --framework reference and lightning, not "
                              f"{self.training.framework}")
+        if self.model.model_type == "llama4_text" and self.training.framework == "hf":
+            # modeling_llama4.py Llama4TextMoe.forward: every token through every expert
+            raise InputError(f"{self.model.name}: transformers' Llama-4 MoE runs every expert "
+                             "on every token, which the hf profile does not model; use "
+                             "--framework reference (routed tokens)")
         tr = self.training
         if self.model.is_encoder:
             missing = encoder_unsupported(self)

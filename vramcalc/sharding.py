@@ -226,11 +226,10 @@ def stage_layer_indices(chunks: tuple[tuple[int, ...], ...], stage: int) -> tupl
 
 
 def moe_layers_on_stage(spec: ModelSpec, chunks: tuple[tuple[int, ...], ...], stage: int) -> int:
-    """MoE layers on pipeline rank `stage` (layers from first_k_dense_replace on are MoE)."""
+    """MoE layers on pipeline rank `stage` (ModelSpec.is_moe_layer)."""
     if not spec.is_moe:
         return 0
-    k = spec.first_k_dense_replace
-    return sum(1 for i in stage_layer_indices(chunks, stage) if i >= k)
+    return sum(1 for i in stage_layer_indices(chunks, stage) if spec.is_moe_layer(i))
 
 
 def rank_shapes(spec: ModelSpec, parallel: ParallelConfig, stage: int = 0) -> RankShapes:

@@ -240,14 +240,16 @@ class PeftCounts:
 
 
 def peft_counts(spec: ModelSpec, precision: str, finetune: str, lora_rank: int = 8,
-                lora_targets: str = "q,v", framework: str = "reference") -> PeftCounts | None:
-    """PeftCounts of `finetune` on the whole model (None for full training)."""
+                lora_targets: str = "q,v", framework: str = "reference",
+                extras: tuple[str, bool, bool] = ("", False, False)) -> PeftCounts | None:
+    """PeftCounts of `finetune` on the whole model (None for full training); `extras`: the
+    hf profile's modules_to_save, lora_embedding and lora_head (vramcalc/hf_stack.py)."""
     if finetune in ("full", "none", None):
         return None
     w_dtype = _WEIGHT_DTYPE.get(precision, "bf16")
     a_dt = adapter_dtype(framework, w_dtype)
     fs = _finetune_shapes(spec, 1, ((spec.num_hidden_layers,),), 1, 0, finetune, lora_rank,
-                          lora_targets, framework, a_dt)
+                          lora_targets, framework, a_dt, False, *extras)
     w = _bytes(w_dtype)
     dense = exp = 0.0
     for t in fs.frozen.tensors:
@@ -491,4 +493,4 @@ def scenario_speed(scn: Scenario, efficiency: float | None = None) -> SpeedRepor
 def training_peft(spec: ModelSpec, tr: TrainingConfig) -> PeftCounts | None:
     """PeftCounts of a TrainingConfig's fine-tuning method (None for full training)."""
     return peft_counts(spec, tr.precision, tr.finetune, tr.lora_rank, tr.lora_targets,
-                       tr.framework)
+                       tr.framework, (tr.modules_to_save, tr.lora_embedding, tr.lora_head))

@@ -24,7 +24,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vramcalc.errors import InputError, suggest
+from vramcalc.hf_stack import HF_OPTIMS, hf_stack_problem, parse_modules_to_save
 from vramcalc.qlora import NF4Layout, nf4_layout, parse_version
+from vramcalc.stack_rules import (
+    optimizer_in_backward_problem,
+    torchtitan_training_problem,
+    torchtune_training_problem,
+)
 
 Precision = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"]
 OptimizerName = Literal[
@@ -123,10 +129,24 @@ class TrainingConfig(BaseModel):
     precision: Precision = "bf16"
     optimizer: OptimizerName = "adamw"
     optimizer_dtype: Literal["fp32", "bf16"] | None = None
-    # None: the stack's default (see `step_impl`)
-    optimizer_impl: Literal["foreach", "fused", "loop"] | None = None
+    # None: the stack's default (see `step_impl`); "hf-loop" only through hf_optim adamw_hf
+    optimizer_impl: Literal["foreach", "fused", "loop", "hf-loop"] | None = None
+    # HF Trainer's TrainingArguments.optim for AdamW (hf profile; HF_OPTIMS); None: the
+    # Trainer's default for transformers >= 4.54 with torch >= 2.8 (adamw_torch_fused).
+    # Left out of dumps when None, so other reports keep their keys
+    hf_optim: Literal["adamw_torch", "adamw_torch_fused", "adamw_hf"] | None = Field(
+        None, exclude_if=lambda v: v is None)
     attention: Literal["flash", "eager"] = "flash"
     recompute: Literal["none", "selective", "full"] = "none"
+    # HF's gradient_checkpointing_kwargs={"use_reentrant": ...} (hf profile, full recompute;
+    # vramcalc/terms/moments.py); None: transformers 5.x's default, False. Left out of dumps
+    # when None
+    use_reentrant: bool | None = Field(None, exclude_if=lambda v: v is None)
+    # PEFT's prepare_model_for_kbit_training(model) with its defaults (hf profile, QLoRA):
+    # the non-4-bit parameters cast to fp32, gradient checkpointing on through
+    # gradient_checkpointing_enable({}) (torch's reentrant default), the embedding's output
+    # made to require grad. Left out of dumps when off
+    kbit_prepare: bool = Field(False, exclude_if=lambda v: not v)
     # Megatron-LM's --recompute-method / --recompute-num-layers (megatron profile, full
     # recompute): which layers of each pipeline chunk are checkpointed, and how many per
     # checkpoint (vramcalc/terms/megatron_recompute.py). None: every layer, one per checkpoint
@@ -144,6 +164,15 @@ class TrainingConfig(BaseModel):
     lora_rank: int = Field(8, gt=0, le=65_536)
     lora_targets: str = DEFAULT_TARGETS  # canonical, see parse_targets
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # PEFT's LoraConfig(modules_to_save=[...]) (hf profile): trained copies of whole modules,
+    # "lm_head" and/or "embed_tokens" (canonical, comma-separated; vramcalc/finetune.py).
+    # Left out of dumps when empty
+    modules_to_save: str = Field("", exclude_if=lambda v: not v)
+    # PEFT target_modules beyond the layers' linears (hf profile): "embed_tokens" (PEFT's
+    # lora.Embedding). Left out of dumps when empty
+    lora_embedding: bool = Field(False, exclude_if=lambda v: not v)
+    # ... and "lm_head" (PEFT's lora.Linear on the output head). Left out of dumps when off
+    lora_head: bool = Field(False, exclude_if=lambda v: not v)
     # the megatron profile's hidden and attention dropout probability; None: the stack's
     # default (Megatron's 0.1; the reference and hf profiles model no dropout: 0 only)
     dropout: float | None = Field(None, ge=0.0, lt=1.0)
@@ -210,8 +239,27 @@ class TrainingConfig(BaseModel):
     # (vramcalc/terms/gradients.py `gradients_persistent`); left out of dumps when True
     set_to_none: bool = Field(True, exclude_if=lambda v: v)
 
+    @property
+    def reentrant(self) -> bool:
+        """Whether HF gradient checkpointing runs torch's reentrant checkpoint: as
+        --use-reentrant says; else under --kbit-prepare yes (PEFT passes
+        gradient_checkpointing_kwargs={} and torch.utils.checkpoint falls back to
+        use_reentrant=True when none is given), else no (transformers 5.x's default)."""
+        if self.use_reentrant is not None:
+            return self.use_reentrant
+        return self.kbit_prepare and self.recompute == "full"
+
+    @model_validator(mode="after")
+    def _hf_stack_modelled(self) -> TrainingConfig:
+        problem = hf_stack_problem(self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
     @model_validator(mode="after")
     def _impl_exists(self) -> TrainingConfig:
+        if self.optimizer_impl == "hf-loop":
+            return self
         if self.optimizer_impl not in (None, *_IMPLS_OF.get(self.optimizer, ("foreach",))):
             raise ValueError(f"--optimizer-impl {self.optimizer_impl}: {self.optimizer} has no "
                              f"{self.optimizer_impl} implementation (only "
@@ -334,6 +382,11 @@ class TrainingConfig(BaseModel):
                 raise ValueError(problem)
         return self
 
+    @field_validator("modules_to_save", mode="before")
+    @classmethod
+    def _canonical_modules(cls, value: object) -> str:
+        return parse_modules_to_save(value)
+
     @field_validator("lora_targets", mode="before")
     @classmethod
     def _canonical_targets(cls, value: object) -> str:
@@ -343,13 +396,16 @@ class TrainingConfig(BaseModel):
     @property
     def step_impl(self) -> str:
         """The optimizer step's implementation: as given, else the stack's default. The hf
-        profile (HF Trainer) steps AdamW with one fused kernel: transformers 5.x
-        `TrainingArguments.optim` defaults to "adamw_torch_fused" with torch >= 2.8
-        (src/transformers/training_args.py, `default_optim`); everything else runs
+        profile (HF Trainer) steps AdamW as --hf-optim says (HF_OPTIMS), by default with one
+        fused kernel: transformers >= 4.54 `TrainingArguments.optim` defaults to
+        "adamw_torch_fused" with torch >= 2.8 (src/transformers/training_args.py,
+        `default_optim`); everything else runs
         PyTorch's default on CUDA, foreach (torch/optim/optimizer.py
         `_default_to_fused_or_foreach(..., use_fused=False)`)."""
         if self.optimizer_impl is not None:
             return self.optimizer_impl
+        if self.hf_optim is not None:
+            return HF_OPTIMS[self.hf_optim]
         # torchtitan (9dec370, torchtitan/optimizer.py `build_optimizers`): fused =
         # --optimizer.fused (default False, config_manager.py), foreach = not fused
         # torchtune (1814feb): its configs build torch.optim.AdamW with `fused: True`
@@ -393,95 +449,3 @@ class TrainingConfig(BaseModel):
             return self.optimizer_dtype
         return "bf16" if self.precision == "bf16-pure" and self.trainable_dtype == "bf16" else (
             "fp32")
-
-
-def torchtitan_training_problem(tr: TrainingConfig) -> str | None:
-    """Why the torchtitan profile cannot express these training settings (None: it can).
-    What torchtitan 9dec370 runs: torch.optim Adam / AdamW only (torchtitan/optimizer.py
-    OptimizersContainer), foreach or fused (`"foreach": not fused`); fp32 parameters, in
-    bf16 only through FSDP2's MixedPrecisionPolicy (config_manager.py
-    --training.mixed_precision_param: bfloat16 | float32), no autocast; SDPA attention
-    (models/llama/model.py Attention.forward); full training (no adapters, no QAT); float8
-    is torchao's (not modelled); no chunked loss or activation offload."""
-    flag = None
-    if tr.precision not in ("fp32", "amp-bf16"):
-        flag = (f"--precision {tr.precision}: torchtitan keeps fp32 parameters and computes "
-                "in bf16 only through FSDP2's mixed precision (use --precision amp-bf16 with "
-                "--fsdp full, or fp32)")
-    elif tr.optimizer not in ("adamw", "adam"):
-        flag = (f"--optimizer {tr.optimizer}: torchtitan builds torch.optim Adam or AdamW "
-                "only")
-    elif tr.optimizer_impl == "loop" or tr.optimizer_dtype not in (None, "fp32"):
-        flag = ("--optimizer-impl loop / --optimizer-dtype bf16: torchtitan steps with "
-                "foreach (default) or fused kernels, fp32 states")
-    elif tr.attention != "flash":
-        flag = "--attention eager: torchtitan's Llama always calls SDPA (use flash)"
-    elif tr.finetune != "full" or tr.qat != "none":
-        flag = "torchtitan trains every weight: no LoRA/QLoRA/DoRA or QAT"
-    elif tr.chunked_ce > 1 or tr.activation_offload:
-        flag = "torchtitan has no chunked cross entropy or activation offload"
-    return None if flag is None else flag + " (torchtitan profile)"
-
-
-def stack_training_problem(tr: TrainingConfig) -> str | None:
-    """Why the stack profile cannot run these training settings (None: it can); the
-    planner asks it of every precision / optimizer / method it tries."""
-    if tr.framework == "torchtitan":
-        return torchtitan_training_problem(tr)
-    return torchtune_training_problem(tr)
-
-
-def optimizer_in_backward_problem(tr: TrainingConfig) -> str | None:
-    """Why --optimizer-in-backward cannot be modelled with these training settings (None: it
-    can). torchtune (pytorch/torchtune bd2a0fc) refuses gradient accumulation with it
-    (recipes/full_finetune_single_device.py: "Gradient accumulation is not supported with
-    optimizer_in_bwd: True"); its recipes train in bf16 or fp32 parameters with no fp32
-    master copy (`training.get_dtype`), so the mixed-precision wrapper's master step is not
-    modelled; the megatron and torchtitan profiles step their own optimizers after
-    backward."""
-    flag = None
-    if tr.grad_accum > 1:
-        flag = (f"--grad-accum {tr.grad_accum}: gradients are stepped and freed inside each "
-                "backward, so they cannot accumulate (torchtune refuses gradient "
-                "accumulation with optimizer_in_bwd); use --grad-accum 1")
-    elif tr.framework not in ("reference", "hf", "torchtune"):
-        flag = (f"--framework {tr.framework}: only the reference, hf and torchtune profiles "
-                "model it "
-                "(torchtune's per-parameter optimizers)")
-    elif tr.has_master_weights:
-        flag = (f"--precision {tr.precision}: the fp32 master copy's step is not modelled "
-                "inside backward (torchtune trains bf16 or fp32 parameters: use --precision "
-                "bf16-pure, fp32 or amp-bf16)")
-    return None if flag is None else "--optimizer-in-backward with " + flag
-
-
-def torchtune_training_problem(tr: TrainingConfig) -> str | None:
-    """Why these training settings cannot be expressed (None: they can) — for the torchtune
-    profile, what torchtune's single-device recipes run (pytorch/torchtune 1814feb):
-    parameters in `dtype: bf16` or fp32 (`training.get_dtype`; no autocast, no fp32 master
-    copy: --precision bf16-pure or fp32); SDPA or flex attention (torchtune/modules/
-    attention.py `_attention_call`: --attention flash); activation offloading only with
-    activation checkpointing (recipes/full_finetune_single_device.py raises "enable_
-    activation_offloading should only be True when enable_activation_checkpointing is
-    True"). --compile belongs to the torchtune profile only."""
-    flag = None
-    if tr.framework != "torchtune":
-        if tr.compile:
-            flag = (f"--compile: only the torchtune profile models torch.compile (its "
-                    f"compiled cross entropy); not the {tr.framework} profile (use "
-                    "--framework torchtune, or leave it out)")
-        return flag
-    if tr.precision not in ("bf16-pure", "fp32"):
-        flag = (f"--precision {tr.precision}: torchtune trains in its `dtype` (bf16 or fp32 "
-                "parameters, gradients and optimizer states, no autocast and no fp32 master "
-                "copy): use --precision bf16-pure or fp32")
-    elif tr.attention != "flash":
-        flag = ("--attention eager: torchtune's attention calls SDPA or flex attention "
-                "(use flash)")
-    elif tr.activation_offload and tr.recompute != "full":
-        flag = ("--activation-offload: torchtune offloads activations only with activation "
-                "checkpointing on (add --recompute full)")
-    elif tr.recompute == "selective":
-        flag = ("--recompute selective: torchtune's recipes checkpoint whole layers "
-                "(enable_activation_checkpointing: use --recompute full or none)")
-    return None if flag is None else flag + " (torchtune profile)"

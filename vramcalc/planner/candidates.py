@@ -30,8 +30,9 @@ from vramcalc.planner.request import UNSUPPORTED, PlanRequest, recomputes_of
 from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.speed import Layout, SpeedModel, training_peft
+from vramcalc.stack_rules import stack_training_problem
 from vramcalc.terms.lowprec import check_lowprec
-from vramcalc.training import FINETUNES, TrainingConfig, stack_training_problem
+from vramcalc.training import FINETUNES, TrainingConfig
 
 REC_ORDER = {"none": 0, "selective": 1, "full": 2}
 
@@ -121,8 +122,7 @@ def scenario_for(c: Candidate, base: Scenario) -> Scenario:
 
 def speed_model(base: Scenario, prec: str, ft: str | None,
                 efficiency: float | None) -> SpeedModel:
-    """The speed model of the base scenario at precision `prec` and fine-tuning method `ft`
-    (None: the base's)."""
+    """The base scenario's speed model at precision `prec`, fine-tuning `ft` (None: base's)."""
     assert base.cluster is not None
     tr = base.training
     if ft is not None and ft != tr.finetune:

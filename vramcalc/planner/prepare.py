@@ -75,6 +75,10 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
         if key not in OPTIONS_BY_NAME:
             raise InputError(f"unknown option {key!r}{suggest(key, list(OPTIONS_BY_NAME))}")
     searched = {k: values.pop(k) for k in SEARCHED_OPTIONS if k in values}
+    if values.get("kbit_prepare") or values.get("use_reentrant") is not None:
+        # HF gradient checkpointing's options exist only with full recompute: pinned to it
+        searched.setdefault("recompute", "full")
+        values["recompute"] = searched["recompute"]
     norm = normalize_values(searched)
     pinned = {k: norm[k] for k in searched}
     check_bounds(pinned)  # a pinned value obeys estimate's bounds (the rest: the search)

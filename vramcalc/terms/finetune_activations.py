@@ -55,6 +55,7 @@ from vramcalc.rank import RankContext
 from vramcalc.terms.fsdp1 import mixed_units
 from vramcalc.terms.saved import Dims, Saved, dims, mostly_moe
 from vramcalc.terms.saved_layers import plain_layer_saved
+from vramcalc.training import TrainingConfig
 from vramcalc.units import alloc, ceil_div
 
 # the storage a target reads (name in the full-fine-tuning saved list) and its width; the hf
@@ -242,11 +243,30 @@ def _litgpt_fused_adapter(ctx: RankContext, x: Dims, added: list[Saved]) -> list
 
 def adjust_head_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     """Final norm and frozen lm_head: the head's input is not kept (nor hf's norm x̂) —
-    unless lm_head is a 4-bit linear of a bitsandbytes release that holds its input."""
-    py_norm = ctx.training.framework in ("hf", "torchtune")
-    head_keeps = bnb_keeps_inputs(ctx) and ctx.training.quantize_head
-    return [t for t in saved if (head_keeps or not t.name.startswith("lm_head.input"))
-            and not (py_norm and t.name.endswith((".xhat", ".xhat_fp32")))]
+    unless lm_head is a 4-bit linear of a bitsandbytes release that holds its input, or a
+    trained copy of the head (modules_to_save) keeps it for its weight gradient."""
+    tr = ctx.training
+    py_norm = tr.framework in ("hf", "torchtune")
+    head_keeps = (bnb_keeps_inputs(ctx) and tr.quantize_head) or "lm_head" in tr.modules_to_save
+    out = [t for t in saved if (head_keeps or not t.name.startswith("lm_head.input"))
+           and not (py_norm and t.name.endswith((".xhat", ".xhat_fp32")))]
+    if tr.lora_head and ctx.is_last_stage:
+        # PEFT's lora.Linear on lm_head, its input the final norm's output (T, h) in r: what
+        # any adapted linear keeps (`adapter_saved`); when A keeps the norm output itself,
+        # that is full training's lm_head input. Named lm_head.* (freed with the head's
+        # backward, before the layers')
+        extra, shares = adapter_saved(ctx, dims(ctx), "head")
+        out += [dataclasses.replace(t, name=t.name.replace("lora.head.", "lm_head.lora."))
+                for t in extra]
+        if shares and not head_keeps:
+            out += [t for t in saved if t.name.startswith("lm_head.input")]
+    return out
+
+
+def embedding_trained(tr: TrainingConfig) -> bool:
+    """Whether the embedding's output needs a gradient under a PEFT method: a trained copy
+    of it (modules_to_save) or an adapter on it (--lora-embedding)."""
+    return "embed_tokens" in tr.modules_to_save or tr.lora_embedding
 
 
 def held_4bit_inputs(ctx: RankContext) -> list[Saved]:
@@ -282,7 +302,8 @@ def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
     dropout masks, eager attention's q (k) copy when k (q) has no adapter, and, when no q/k/v
     is adapted, the attention core's (an approximation documented in docs/finetuning.md).
     `saved`: the first layer's saved list."""
-    if not ctx.is_first_stage or not ctx.num_layers:
+    if not ctx.is_first_stage or not ctx.num_layers or (
+            embedding_trained(ctx.training)):  # the embedding's output needs a gradient
         return 0
     if mixed_units(ctx):  # FSDP1: the block's weights get gradients; only the masks go
         return sum(t.nbytes for t in saved if t.name.endswith(".dropout_mask")
@@ -324,7 +345,8 @@ def autocast_cache_layer_bytes(ctx: RankContext) -> int:
     """Per-layer average of the 16-bit weight casts alive in forward under autocast: the
     trained adapters' (cached) and, unless layers are recomputed, the frozen fp32 linear
     weights' (saved by their matmuls for dL/dx). NF4 weights are not cast; frozen biases'
-    casts are not saved. The first layer's q/k/v casts are not saved (no grad there)."""
+    casts are not saved. The first layer's q/k/v casts are not saved (no grad there) unless
+    a trained embedding copy (modules_to_save) sends a gradient into it."""
     n = ctx.num_layers
     if not n:
         return 0
@@ -336,7 +358,7 @@ def autocast_cache_layer_bytes(ctx: RankContext) -> int:
         frozen = [t for t in fs.frozen.tensors if t.group in ("layer", "expert") and t.rows
                   and t.name.endswith(".weight") and "norm" not in t.name]
         total += sum(t.count * alloc(t.numel, c) for t in frozen)
-        if ctx.is_first_stage:
+        if ctx.is_first_stage and not embedding_trained(ctx.training):
             total -= sum(alloc(t.numel, c) for t in frozen
                          if t.name in ("attn.q_proj.weight", "attn.k_proj.weight",
                                        "attn.v_proj.weight"))

@@ -132,4 +132,4 @@ def late_gradient_bytes(ctx: RankContext) -> int:
     shard = ctx.grad_shard
     dtype = grad_dtype(ctx)
     return sum(t.count * alloc(-(-t.numel // shard), dtype) for t in ctx.train_tensors
-               if t.name in names)
+               if t.name.split(".")[0] in names)  # embed_tokens.lora_embedding_A / _B too

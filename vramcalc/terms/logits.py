@@ -201,6 +201,16 @@ def _loss_forward_peak_bytes(ctx: RankContext) -> int:
         out += alloc(x.b * (x.s + 1), "int64")  # padded labels
         if x.b > 1:
             out += alloc(x.b * x.s, "int64")  # their shifted copy
+        tr = ctx.training
+        if tr.lora_head:
+            # PEFT lora.Linear on lm_head: `result + lora_B(lora_A(x)) * scaling` holds the
+            # base logits (c), the scaled B output and their sum (fp32 adapters; c under
+            # autocast) at once, before the loss; with dropout, PEFT's fp32 cast of the
+            # input is a local beside what A keeps
+            b_dt = c if x.amp else "fp32"
+            cast = tr.lora_dropout > 0 and not x.amp and x.r != "fp32"
+            out = max(out, alloc(nv, c) + 2 * alloc(nv, b_dt)
+                      + (alloc(x.T * x.h, "fp32") if cast else 0))
     return out
 
 
@@ -257,10 +267,13 @@ def head_forward_extra_bytes(ctx: RankContext) -> int:
     x = dims(ctx)
     if not ctx.is_last_stage:
         return 0
-    if finetunes(ctx.training):  # a frozen lm_head saves no input at all, unless an old
-        tr = ctx.training  # bitsandbytes 4-bit head holds it (finetune_activations.py)
+    if finetunes(ctx.training) and "lm_head" not in ctx.training.modules_to_save:
+        # a frozen lm_head saves no input at all, unless an old bitsandbytes 4-bit head holds
+        # it (finetune_activations.py); an adapter on it may keep the very tensor
+        tr = ctx.training
         held = tr.finetune == "qlora" and tr.quantize_head and tr.nf4.keeps_input
-        return 0 if held else alloc(x.T * x.h, x.r)
+        shared = tr.lora_head and not x.amp and x.r == "fp32"
+        return 0 if held or shared else alloc(x.T * x.h, x.r)
     if chunks_loss(ctx.training):  # lm_head saves per-chunk copies, or views of the local
         return alloc(x.T * x.h, x.r) if head_input_split(ctx) else 0
     if x.r == x.c:

@@ -135,6 +135,12 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
         p_dtype = next((t.dtype for t in saved if t.name == "attn.probs"), c)
         work = g_res + bsad + 2 * alloc(x.b * x.a * x.s * x.s, p_dtype)
     out.append(Moment("attention", held, work, "mlp+o"))
+    if tr.reentrant and tr.recompute == "full":
+        # torch's reentrant CheckpointFunction.backward binds the re-run forward's output
+        # (`outputs`, the layer's output, T·h in r) until its inner backward returns; the
+        # non-reentrant checkpoint keeps only the tensors the re-run saves
+        # (torch/utils/checkpoint.py `CheckpointFunction.backward`)
+        out = [Moment(m.name, m.held + g_res, m.work, m.grads) for m in out]
     return out
 
 

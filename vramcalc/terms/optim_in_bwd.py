@@ -65,7 +65,8 @@ def param_step_temp_bytes(ctx: RankContext, t: RankTensor) -> int:
     tr = ctx.training
     sd, n = tr.state_dtype, t.numel
     if tr.optimizer in ("adam", "adamw"):
-        return {"foreach": alloc(n, sd), "fused": 0, "loop": 2 * alloc(n, sd)}[tr.step_impl]
+        return {"foreach": alloc(n, sd), "fused": 0, "loop": 2 * alloc(n, sd),
+                "hf-loop": alloc(n, sd)}[tr.step_impl]
     if tr.optimizer == "lion":
         return alloc(n, sd)
     if tr.optimizer == "adafactor":

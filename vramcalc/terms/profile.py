@@ -10,6 +10,7 @@ from functools import lru_cache
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
+from vramcalc.sharding import pipeline_chunks, stage_layer_indices
 from vramcalc.terms import activations as act
 from vramcalc.terms import logits as lg
 from vramcalc.terms import moments as mo
@@ -26,6 +27,8 @@ class Profile:
 
     n_dense: int
     dense_layer: int
+    # whether each layer of the rank is a MoE layer, bottom to top (ModelSpec.is_moe_layer)
+    moe_mask: tuple[bool, ...]
     n_moe: int
     moe_layer: int
     embedding_side: int  # ids, labels, rope tables, masks (embedding_saved)
@@ -50,6 +53,17 @@ class Profile:
     resident_layer: int | None  # per layer on the device when saved tensors are offloaded
     # Megatron-LM's --recompute-method: layers keep different bytes (None: all alike)
     recompute_plan: LayerPlan | None = None
+    # MoE layers interleaved with dense ones (ModelSpec.moe_layers): the topmost layer of the
+    # kind the top layer is not (index from the top) and its backward moments; else (0, ())
+    other_top: tuple[int, tuple[Moment, ...]] = (0, ())
+
+    def bottom(self, n: int) -> int:
+        """Activations of the bottom n layers of this rank (per micro-batch), in layer order."""
+        return sum(self.moe_layer if moe else self.dense_layer for moe in self.moe_mask[:n])
+
+    def is_moe_from_top(self, i: int) -> bool:
+        """Whether the i-th layer from the top (0-based) of this rank is a MoE layer."""
+        return self.moe_mask[len(self.moe_mask) - 1 - i]
 
     @property
     def layers(self) -> int:
@@ -68,9 +82,11 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
              stage: int) -> Profile:
     ctx = RankContext(spec, training, parallel, stage)
     n_dense, dense, n_moe, moe = act.stage_layer_bytes(ctx)
-    top_moe, bottom_moe = n_moe > 0, n_dense == 0
+    indices = stage_layer_indices(pipeline_chunks(spec, parallel), stage)
+    mask = tuple(spec.is_moe_layer(i) for i in indices)
+    top_moe, bottom_moe = bool(mask) and mask[-1], bool(mask) and mask[0]
     return Profile(
-        n_dense=n_dense, dense_layer=dense, n_moe=n_moe, moe_layer=moe,
+        n_dense=n_dense, dense_layer=dense, n_moe=n_moe, moe_layer=moe, moe_mask=mask,
         embedding_side=sum(t.nbytes for t in act.embedding_saved(ctx)),
         head_side=sum(t.nbytes for t in act.head_saved(ctx)),
         top_moments=tuple(act.layer_backward_moments(ctx, top_moe)) if ctx.num_layers else (),
@@ -95,4 +111,15 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
         first_layer_gap=act.first_layer_gap(ctx),
         resident_layer=act.resident_layer_bytes(ctx),
         recompute_plan=act.recompute_plan(ctx),
+        other_top=_other_top(ctx, mask),
     )
+
+
+def _other_top(ctx: RankContext, mask: tuple[bool, ...]) -> tuple[int, tuple[Moment, ...]]:
+    """(index from the top, backward moments) of the topmost layer whose kind (MoE or dense)
+    differs from the top layer's, when the model interleaves them; else (0, ())."""
+    n = len(mask)
+    other = next((i for i in range(1, n - 1) if mask[n - 1 - i] != mask[-1]), None)
+    if other is None or ctx.spec.moe_layers is None:
+        return 0, ()
+    return other, tuple(act.layer_backward_moments(ctx, mask[n - 1 - other]))

@@ -148,7 +148,7 @@ def mostly_moe(ctx: RankContext) -> bool:
 
 def first_layer_moe(ctx: RankContext) -> bool:
     """Whether the first layer of the model is a mixture-of-experts layer."""
-    return ctx.spec.is_moe and ctx.spec.first_k_dense_replace == 0
+    return ctx.spec.is_moe_layer(0)
 
 
 class Modifier:

@@ -74,8 +74,8 @@ def _optimizer_step_temp_bytes(ctx: RankContext) -> int:
         copy_peak = _master_copy_peak(ctx, shard) - temp
     inner = 0
     sd = tr.state_dtype
-    if tr.optimizer in ("adam", "adamw") and tr.step_impl == "loop":
-        inner = _loop_step_peak(ctx, shard)
+    if tr.optimizer in ("adam", "adamw") and tr.step_impl in ("loop", "hf-loop"):
+        inner = _loop_step_peak(ctx, shard, 2 if tr.step_impl == "loop" else 1)
     elif tr.optimizer in ("adam", "adamw") and tr.step_impl == "fused":
         inner = 0  # torch._fused_adam(w)_: one kernel updates params and states in place
     elif tr.optimizer in ("adam", "adamw", "lion"):
@@ -88,13 +88,16 @@ def _optimizer_step_temp_bytes(ctx: RankContext) -> int:
     return temp + max(inner, copy_peak)
 
 
-def _loop_step_peak(ctx: RankContext, shard: int) -> int:
-    """Temporaries of torch's per-parameter Adam/AdamW step (`foreach=False`;
-    torch/optim/adam.py `_single_tensor_adam`): for parameter i,
+def _loop_step_peak(ctx: RankContext, shard: int, temps: int = 2) -> int:
+    """Temporaries of a per-parameter Adam/AdamW step. torch's (`foreach=False`;
+    torch/optim/adam.py `_single_tensor_adam`, temps = 2): for parameter i,
     `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)` holds the square root
     and the quotient at once while the previous parameter's `denom` is still bound, so the
     peak is max_i (n_{i−1} + 2·n_i) in the state dtype, parameters in model order (two
-    consecutive layers cover the step from one layer to the next)."""
+    consecutive layers cover the step from one layer to the next). transformers' AdamW
+    (HF Trainer's adamw_hf; v4.31.0 src/transformers/optimization.py `AdamW.step`,
+    temps = 1): `denom = exp_avg_sq.sqrt().add_(eps)` is one new tensor, the other updates
+    are in place: max_i (n_{i−1} + n_i)."""
     sd = ctx.training.state_dtype
 
     def a(n: int) -> int:
@@ -108,7 +111,7 @@ def _loop_step_peak(ctx: RankContext, shard: int) -> int:
     best = prev = 0
     for n, count in seq:
         cur = a(n)
-        best = max(best, prev + 2 * cur, 3 * cur if count > 1 else 0)
+        best = max(best, prev + temps * cur, (temps + 1) * cur if count > 1 else 0)
         prev = cur
     return best
 
@@ -130,10 +133,16 @@ def _module_order(ctx: RankContext) -> tuple[list[int], list[int], list[int]]:
             "fc", "proj")
         return [n for m in mats for n in lin(f"{prefix}.{m}")]
 
-    layer = lin("input_layernorm")
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
-        layer += lin(f"attn.{proj}")
-    layer += lin("post_attention_layernorm")
+    attn = [n for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+            for n in lin(f"attn.{proj}")]
+    norms = lin("input_layernorm"), lin("post_attention_layernorm")
+    if (ctx.training.framework == "hf" and spec.norm_kind == "rmsnorm"
+            and not ctx.shapes.num_moe_layers and spec.model_type != "phi3"):
+        # transformers' Llama-family decoder layer registers self_attn, mlp, then its two
+        # norms (modeling_llama.py LlamaDecoderLayer.__init__)
+        return (take("embed_tokens", "embed_positions"), attn + mlp("mlp") + norms[0]
+                + norms[1], lin("norm") + take("lm_head.weight"))
+    layer = norms[0] + attn + norms[1]
     if ctx.shapes.num_moe_layers:
         per_layer = max(ctx.shapes.num_moe_layers, 1)
         experts = next((t.count for t in ctx.tensors if t.name.startswith("experts.")), 0)
@@ -211,7 +220,11 @@ def autocast_cache_head_bytes(ctx: RankContext) -> int:
             out += alloc(ctx.spec.vocab_size * ctx.spec.hidden_size, c)
         return out
     x = sharded_numel(ctx.spec.vocab_size * ctx.spec.hidden_size, ctx.parallel.tp)
-    return alloc(x, ctx.training.compute_dtype)
+    out = alloc(x, ctx.training.compute_dtype)
+    if ctx.training.lora_head:  # the trained A (r, h) and B (V, r) are cached too
+        r, c = ctx.training.lora_rank, ctx.training.compute_dtype
+        out += alloc(r * ctx.spec.hidden_size, c) + alloc(ctx.spec.vocab_size * r, c)
+    return out
 
 
 def gather_buffer_bytes(ctx: RankContext) -> int:

@@ -19,8 +19,8 @@ AutoModelForSequenceClassification or AutoModelForMaskedLM (`spec.task`), dropou
 spec (vramcalc.terms.encoder `encoder_dropout`).
 
 `build_hf_model` calls `AutoModelForCausalLM.from_config` (no hub, no remote code) with
-attention "sdpa" (flash) or "eager", gradient checkpointing (use_reentrant=False) for full
-recompute and, for selective recompute, an attention function registered with
+attention "sdpa" (flash) or "eager", gradient checkpointing (use_reentrant as the scenario
+says, False by default) for full recompute and, for selective recompute, an attention function registered with
 transformers' AttentionInterface that checkpoints the attention core. transformers is
 imported only when a model is built; without it InputError says how to install it.
 """
@@ -85,7 +85,7 @@ def hf_family(spec: ModelSpec) -> str:
             raise _unsupported(spec, "shared expert gate without a shared expert")
         if spec.qk_norm:
             return "qwen3_moe"
-        if spec.first_k_dense_replace or spec.attention_bias:
+        if spec.num_dense_layers or spec.attention_bias:
             raise _unsupported(spec, "Mixtral has no dense layers and no biases")
         return "mixtral"
     if spec.model_type in ("phi3", "gemma", "mistral") and not (
@@ -187,7 +187,8 @@ def to_hf_config(spec: ModelSpec) -> Any:
         "intermediate_size": spec.intermediate_size,
         "moe_intermediate_size": spec.expert_ffn, "num_experts": spec.num_local_experts,
         "num_experts_per_tok": spec.num_experts_per_tok, "norm_topk_prob": True,
-        "decoder_sparse_step": 1, "mlp_only_layers": list(range(spec.first_k_dense_replace)),
+        "decoder_sparse_step": 1,  # the dense layers are listed (ModelSpec.is_moe_layer)
+        "mlp_only_layers": [i for i in range(spec.num_hidden_layers) if not spec.is_moe_layer(i)],
     }
     if family == "qwen2_moe":
         return tf.Qwen2MoeConfig(**common, **moe, qkv_bias=spec.attention_bias,
@@ -274,11 +275,16 @@ def build_hf_model(spec: ModelSpec, training: TrainingConfig, dtype: Any) -> Any
     if training.recompute == "selective":
         _register_selective(tf)
         attn = SELECTIVE_PREFIX + attn
+    if training.kbit_prepare:  # loaded in the compute dtype; PEFT's prepare upcasts to fp32
+        import torch
+
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.compute_dtype,
+                                                                    dtype)
     auto = {"sequence_classification": tf.AutoModelForSequenceClassification,
             "masked_lm": tf.AutoModelForMaskedLM}.get(spec.task, tf.AutoModelForCausalLM)
     model = auto.from_config(cfg, attn_implementation=attn, dtype=dtype)
-    if training.recompute == "full":
+    if training.recompute == "full" and not training.kbit_prepare:  # PEFT's prepare enables it
         enable = getattr(model, "activation_checkpointing_enable", None) or (
             model.gradient_checkpointing_enable)  # renamed in transformers 5.x
-        enable({"use_reentrant": False})
+        enable({"use_reentrant": training.reentrant})
     return model

@@ -14,7 +14,9 @@ the fine-tuning one, inside the trace's FakeTensorMode:
 - hf profile: `peft.get_peft_model(model, LoraConfig(r, target_modules, lora_dropout,
   use_dora))` with PEFT's defaults (adapters upcast to fp32, inputs cast to the adapter
   dtype). For QLoRA the NF4 layers are put in first, as bitsandbytes' loader does, so PEFT
-  wraps 4-bit bases (it keeps fp32 adapters next to a uint8 weight).
+  wraps 4-bit bases (it keeps fp32 adapters next to a uint8 weight). With `kbit_prepare`
+  the model is built in the compute dtype, as a 4-bit load leaves it, and PEFT's own
+  `prepare_model_for_kbit_training` runs before `get_peft_model`.
 
 torch (and peft for the hf profile) are imported only when a trace runs.
 """
@@ -22,6 +24,7 @@ torch (and peft for the hf profile) are imported only when a trace runs.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -169,6 +172,36 @@ def _fake_module_casts() -> Iterator[None]:
         torch.utils.swap_tensors = original
 
 
+@contextlib.contextmanager
+def _fake_deepcopies() -> Iterator[None]:
+    """Let PEFT's ModulesToSaveWrapper copy a module of fake parameters.
+
+    `copy.deepcopy` of a FakeTensor makes it in a new FakeTensorMode, which the trace's mode
+    refuses to mix with; seeding deepcopy's memo with a fresh `empty_like` of each parameter
+    and buffer (made in the active mode) copies the module with storages of the same sizes
+    and dtypes, which is all the trace counts (peft 0.21.2 utils/other.py
+    `ModulesToSaveWrapper.update` calls `copy.deepcopy(self.original_module)`)."""
+    import types
+
+    import peft.utils.other as other
+
+    def deepcopy(obj: Any, memo: dict[int, Any] | None = None) -> Any:
+        memo = {} if memo is None else memo
+        if isinstance(obj, nn.Module):
+            for p in obj.parameters():
+                memo[id(p)] = nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
+            for b in obj.buffers():
+                memo[id(b)] = torch.empty_like(b)
+        return copy.deepcopy(obj, memo)
+
+    original = other.copy
+    other.copy = types.SimpleNamespace(deepcopy=deepcopy)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        other.copy = original
+
+
 def _hf(model: nn.Module, scn: Any) -> nn.Module:
     try:
         from peft import LoraConfig, get_peft_model
@@ -186,14 +219,28 @@ def _hf(model: nn.Module, scn: Any) -> nn.Module:
                     parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
                     setattr(parent, name.rsplit(".", 1)[-1],
                             NF4Linear.from_linear(mod, compute, tr.nf4))
+    if tr.kbit_prepare:
+        # PEFT's own preparation (peft 0.21.2 utils/other.py prepare_model_for_kbit_training):
+        # freezes everything, casts the 16-bit parameters to fp32 (the NF4 codes are uint8),
+        # enables input grads and gradient checkpointing (kwargs {}: torch's reentrant default)
+        from peft import prepare_model_for_kbit_training
+
+        model.is_loaded_in_4bit = True  # type: ignore[assignment]  # as a 4-bit load sets it
+        with _fake_module_casts():
+            model = prepare_model_for_kbit_training(model)
     # module names PEFT matches (a suffix after a dot); fused families adapt the fused module
     fam = fused_family(scn.model, "hf")
     names = _PEFT_NAMES_FUSED.get(fam or "", _PEFT_NAMES)
     targets = [names[t] for t in adapted_linears(scn.model, tr.lora_targets, "hf")]
+    if tr.lora_embedding:
+        targets.append("embed_tokens")
+    if tr.lora_head:
+        targets.append("lm_head")
     cfg = LoraConfig(r=tr.lora_rank, lora_alpha=LORA_ALPHA, target_modules=targets,
                      lora_dropout=tr.lora_dropout, bias="none", use_dora=tr.finetune == "dora",
-                     task_type="CAUSAL_LM")
-    with _fake_module_casts():
+                     task_type="CAUSAL_LM",
+                     modules_to_save=tr.modules_to_save.split(",") if tr.modules_to_save else None)
+    with _fake_module_casts(), _fake_deepcopies():
         model = get_peft_model(model, cfg)
     for mod in list(model.modules()):  # PEFT's lora_dropout ModuleDicts: CUDA's kernel
         drops = getattr(mod, "lora_dropout", None)

@@ -3,6 +3,9 @@
 - torch.optim SGD (with and without momentum), Adam, AdamW, Adafactor: `foreach=True`,
   PyTorch's default on CUDA (`_default_to_fused_or_foreach`), or the scenario's
   `step_impl`: `fused=True` or the per-parameter loop (`foreach=False`).
+- `TransformersAdamW`: transformers' own AdamW (HF Trainer's `adamw_hf`), a Python loop
+  over the parameters, written from transformers v4.31.0 src/transformers/optimization.py
+  `AdamW.step` (the class is gone from transformers 5.x, so it cannot be imported).
 - `Lion` (Chen et al. 2023, Alg. 2): a small foreach implementation; its step allocates one
   state-sized update direction per parameter, all at once.
 - `AdamW8bitStandIn`: bitsandbytes' AdamW8bit / PagedAdamW / PagedAdamW8bit storage layout
@@ -30,6 +33,40 @@ from vramcalc.terms.optimizer_states import BNB_BLOCK, BNB_MIN_8BIT_SIZE, BNB_PA
 
 QMAP_ENTRIES = 256  # bitsandbytes dynamic quantization map: 256 fp32 values (signed, unsigned)
 LR = 1e-4
+
+
+class TransformersAdamW(Optimizer):
+    """transformers' AdamW step (see the module docstring): per parameter, both moments
+    updated in place, `denom = sqrt(v) + eps` as one new tensor, then the update and the
+    decoupled weight decay in place; the step count is a Python int."""
+
+    def __init__(self, params: Iterable[torch.Tensor], lr: float = LR,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
+                                  "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"] += 1
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                v.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                denom = v.sqrt().add_(group["eps"])  # the one new tensor per parameter
+                size = group["lr"] * (1 - beta2 ** state["step"]) ** 0.5 / (
+                    1 - beta1 ** state["step"])
+                p.addcdiv_(m, denom, value=-size)
+                p.add_(p, alpha=-group["lr"] * group["weight_decay"])
 
 
 class Lion(Optimizer):
@@ -151,6 +188,8 @@ def make_optimizer(name: str, params: Sequence[torch.Tensor], impl: str = "forea
     """A torch optimizer (or stand-in) by vramcalc's optimizer name, stepping with `impl`:
     foreach (PyTorch's default on CUDA), fused or the per-parameter loop."""
     foreach, fused = impl == "foreach", impl == "fused"
+    if impl == "hf-loop" and name == "adamw":
+        return TransformersAdamW(params)
     if name == "sgd":
         return torch.optim.SGD(params, lr=LR, foreach=foreach, fused=fused)
     if name == "sgd-momentum":

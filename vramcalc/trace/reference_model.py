@@ -396,7 +396,7 @@ class ReferenceModel(nn.Module):
         self.embed_positions = (nn.Embedding(spec.max_position_embeddings, h, **kw)
                                 if spec.position_embedding == "learned" else None)
         self.layers = nn.ModuleList(
-            Block(spec, i >= spec.first_k_dense_replace and spec.is_moe, attention, recompute,
+            Block(spec, spec.is_moe_layer(i), attention, recompute,
                   capacity_factor, **kw)
             for i in range(spec.num_hidden_layers))
         self.norm = make_norm(spec, h, **kw) if spec.final_norm else None

@@ -59,6 +59,7 @@ def default_grid() -> list[tuple[str, Scenario]]:
         grid.append(scenario_for("moe", **fw, recompute="full", micro_batch_size=4))
         grid.append(scenario_for("moe-shared", **fw, precision="bf16-pure", attention="eager",
                          seq_len=512))
+        grid.append(scenario_for("moe-interleaved", **fw, seq_len=2048))
         # a small vocabulary: the peak moves into the layers' backward
         grid.append(scenario_for("llama-deep", **fw, seq_len=2048))
         grid.append(scenario_for("llama-deep", **fw, precision="amp-bf16", attention="eager",
@@ -74,6 +75,15 @@ def default_grid() -> list[tuple[str, Scenario]]:
         grid.append(scenario_for("llama-gqa", precision=prec, optimizer_impl=impl))
     grid.append(scenario_for("gpt2", framework="hf", optimizer_impl="foreach"))
     grid.append(scenario_for("llama-deep", framework="hf", optimizer_impl="loop"))
+    # HF Trainer's optim names: transformers' own AdamW loop (adamw_hf), torch's foreach
+    grid.append(scenario_for("llama-gqa", framework="hf", precision="fp32", hf_optim="adamw_hf"))
+    grid.append(scenario_for("llama-deep", framework="hf", hf_optim="adamw_hf"))
+    grid.append(scenario_for("gpt2", framework="hf", hf_optim="adamw_torch"))
+    # HF gradient checkpointing with torch's reentrant checkpoint (transformers 4.35-4.57)
+    grid.append(scenario_for("llama-deep", framework="hf", recompute="full", seq_len=2048,
+                             use_reentrant=True))
+    grid.append(scenario_for("moe", framework="hf", recompute="full", micro_batch_size=4,
+                             use_reentrant=True))
     grid.append(scenario_for("gpt2", precision="fp32", optimizer="adafactor", seq_len=1024))
     grid += finetune_grid()  # LoRA / QLoRA / DoRA, 8-bit and paged optimizers
     grid += lowprec_grid()  # FP8 (Transformer Engine stand-in) and QAT
@@ -177,6 +187,29 @@ FINETUNE_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("llama-gqa", "hf", {"finetune": "lora", "precision": "amp-bf16", "recompute": "full"}),
     ("llama-gqa", "hf", {"finetune": "qlora", "attention": "eager", "optimizer": "paged-adamw"}),
     ("moe", "hf", {"finetune": "qlora"}),
+    # PEFT's prepare_model_for_kbit_training run by the trace itself (fp32 upcast, reentrant
+    # gradient checkpointing, input grads); tied embeddings, all-linear targets, eager
+    ("llama-gqa", "hf", {"finetune": "qlora", "precision": "amp-bf16", "recompute": "full",
+                         "kbit_prepare": True}),
+    # PEFT's lora.Embedding on embed_tokens: its gradient reaches the first layer
+    ("llama-gqa", "hf", {"finetune": "lora", "precision": "amp-bf16", "lora_embedding": True}),
+    ("llama-deep", "hf", {"finetune": "lora", "seq_len": 2048, "lora_embedding": True}),
+    # PEFT's lora.Linear on lm_head: fp32 (tokens x vocab) sums (the forward peak in fp32)
+    ("llama-gqa", "hf", {"finetune": "lora", "precision": "fp32", "lora_head": True}),
+    ("llama-gqa", "hf", {"finetune": "lora", "precision": "amp-bf16", "lora_head": True,
+                         "lora_dropout": 0.1}),
+    ("llama-deep", "hf", {"finetune": "qlora", "seq_len": 2048, "lora_head": True,
+                          "lora_embedding": True}),
+    # PEFT's modules_to_save: trained copies of the head and the embedding
+    ("llama-gqa", "hf", {"finetune": "lora", "precision": "amp-bf16",
+                         "modules_to_save": "lm_head"}),
+    ("llama-deep", "hf", {"finetune": "lora", "precision": "amp-bf16", "seq_len": 2048,
+                          "modules_to_save": "embed_tokens,lm_head"}),
+    ("llama-gqa", "hf", {"finetune": "qlora", "precision": "amp-bf16", "recompute": "full",
+                         "kbit_prepare": True, "modules_to_save": "lm_head"}),
+    ("qwen2-bias", "hf", {"finetune": "qlora", "precision": "amp-bf16", "recompute": "full",
+                          "kbit_prepare": True, "lora_targets": "all-linear",
+                          "attention": "eager", "seq_len": 512}),
     # fused projections under PEFT: GPT-2's c_attn (Conv1D), Phi-3's qkv_proj / gate_up_proj
     ("gpt2", "hf", {"finetune": "lora"}),
     ("gpt2", "hf", {"finetune": "lora", "lora_targets": "all-linear", "lora_dropout": 0.1,
@@ -233,6 +266,12 @@ def finetune_grid() -> list[tuple[str, Scenario]]:
             tag += f"-ce{tr.chunked_ce}"
         if tr.activation_offload:
             tag += "-offload"
+        if tr.lora_embedding:
+            tag += "-embed"
+        if tr.lora_head:
+            tag += "-head"
+        if tr.modules_to_save:
+            tag += "-save-" + tr.modules_to_save.replace(",", "+")
         out.append((f"{name}/{tag}", scn))
     return out
 

@@ -76,6 +76,14 @@ SHAPES: dict[str, ModelSpec] = {
                              num_attention_heads=12, intermediate_size=3072, vocab_size=50265,
                              max_position_embeddings=514, type_vocab_size=1,
                              tie_word_embeddings=True, **_ENCODER),
+    # Qwen3-MoE with decoder_sparse_step 2 (Llama-4 Maverick's interleave_moe_layer_step 2
+    # likewise): dense and MoE layers alternate, the top layer MoE; a small vocabulary puts
+    # the peak in the layers' backward
+    "moe-interleaved": ModelSpec(name="moe-interleaved", hidden_size=1024, num_hidden_layers=4,
+                                 num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                                 intermediate_size=2816, vocab_size=1024, num_local_experts=8,
+                                 num_experts_per_tok=2, moe_intermediate_size=704,
+                                 qk_norm=True, moe_layers=(1, 3)),
 }
 
 
@@ -87,5 +95,8 @@ def scenario_for(shape: str, framework: str = "reference", **kw: Any) -> tuple[s
     name = (f"{framework}/{shape}/{tr.precision}/{tr.optimizer}/{tr.attention}/{tr.recompute}"
             f"/b{tr.micro_batch_size}s{tr.seq_len}" + (f"ga{tr.grad_accum}" if tr.grad_accum > 1
                                                        else "")
-            + (f"/{tr.optimizer_impl}" if tr.optimizer_impl else ""))
+            + (f"/{tr.optimizer_impl}" if tr.optimizer_impl else "")
+            + (f"/{tr.hf_optim}" if tr.hf_optim else "")
+            + ("/reentrant" if tr.use_reentrant else "")
+            + ("/kbit-prepare" if tr.kbit_prepare else ""))
     return name, Scenario(model=SHAPES[shape], training=tr, parallel=ParallelConfig())

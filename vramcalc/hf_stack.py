@@ -1,0 +1,129 @@
+"""The hf profile's stack options (HF Trainer + accelerate + PEFT) and what each can express.
+
+| option | what the stack does | source |
+|---|---|---|
+| `hf_optim` | TrainingArguments.optim for AdamW: torch foreach, fused, or transformers' own loop | transformers training_args.py `default_optim`, optimization.py `AdamW` |
+| `use_reentrant` | HF gradient checkpointing's `use_reentrant` | modeling_utils.py `gradient_checkpointing_enable` |
+| `kbit_prepare` | PEFT's `prepare_model_for_kbit_training` | peft utils/other.py |
+| `modules_to_save` | PEFT's trained module copies | peft utils/other.py `ModulesToSaveWrapper` |
+| `lora_embedding` | PEFT's `lora.Embedding` on embed_tokens | peft tuners/lora/layer.py `Embedding` |
+| `lora_head` | PEFT's `lora.Linear` on lm_head | peft tuners/lora/layer.py `Linear` |
+
+`hf_stack_problem(training)` says, in one line, why a combination cannot be expressed (None:
+it can); vramcalc.training.TrainingConfig raises it as a validation error. docs/methodology.md
+§20 gives the memory each option changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vramcalc.errors import InputError, suggest
+
+# HF Trainer's AdamW choices (transformers TrainingArguments.optim, OptimizerNames) and the
+# step each runs: torch.optim.AdamW with foreach (adamw_torch) or fused=True
+# (adamw_torch_fused), or transformers' own AdamW (adamw_hf, transformers.optimization.AdamW
+# until its removal in 5.x): a Python loop over the parameters ("hf-loop"). The Trainer's
+# default: adamw_hf before transformers 4.32 (v4.31.0 training_args.py `default_optim`),
+# adamw_torch from 4.32 (huggingface/transformers#25109), adamw_torch_fused from 4.54 with
+# torch >= 2.8 (#37358; v4.54.0 training_args.py `is_torch_greater_or_equal_than_2_8`).
+HF_OPTIMS: dict[str, str] = {"adamw_torch": "foreach", "adamw_torch_fused": "fused",
+                             "adamw_hf": "hf-loop"}
+# PEFT's modules_to_save names vramcalc models: the token embedding and the output head
+MODULES_TO_SAVE: tuple[str, ...] = ("embed_tokens", "lm_head")
+
+
+def parse_modules_to_save(value: object) -> str:
+    """'lm_head', 'embed_tokens,lm_head', a list, '' or 'none' -> canonical
+    'embed_tokens,lm_head' order. Unknown names raise InputError with suggestions."""
+    if value is None:
+        return ""
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    names: set[str] = set()
+    for raw in items:
+        word = str(raw).strip().lower()
+        if word in ("", "none"):
+            continue
+        if word not in MODULES_TO_SAVE:
+            raise InputError(f"--modules-to-save: unknown module {raw!r}"
+                             f"{suggest(word, list(MODULES_TO_SAVE))} (choices: "
+                             f"{', '.join(MODULES_TO_SAVE)})")
+        names.add(word)
+    return ",".join(m for m in MODULES_TO_SAVE if m in names)
+
+
+def _reentrant(tr: Any) -> str | None:
+    if tr.use_reentrant is not None and (tr.framework != "hf" or tr.recompute != "full"):
+        return (f"--{'' if tr.use_reentrant else 'no-'}use-reentrant: HF's gradient "
+                "checkpointing (--framework hf with --recompute full)")
+    return None
+
+
+def _kbit_prepare(tr: Any) -> str | None:
+    if not tr.kbit_prepare:
+        return None
+    flag = None
+    if tr.framework != "hf" or tr.finetune != "qlora":
+        flag = "needs --framework hf and --finetune qlora (a 4-bit model wrapped by PEFT)"
+    elif tr.weight_dtype != "fp32":
+        flag = (f"casts every parameter that is not 4-bit to fp32, which --precision "
+                f"{tr.precision} does not keep: use --precision amp-bf16 (HF Trainer's "
+                "bf16=True) or amp-fp16 or fp32")
+    elif tr.recompute != "full":
+        flag = ("turns on HF gradient checkpointing (use_gradient_checkpointing=True, its "
+                "default): give --recompute full")
+    return f"--kbit-prepare (PEFT prepare_model_for_kbit_training) {flag}" if flag else None
+
+
+def _hf_optim(tr: Any) -> str | None:
+    if tr.hf_optim is None:
+        return ("optimizer_impl hf-loop: give --hf-optim adamw_hf"
+                if tr.optimizer_impl == "hf-loop" else None)
+    given = f"--hf-optim {tr.hf_optim}"
+    if tr.framework != "hf":
+        return f"{given}: HF Trainer's optimizer names need --framework hf"
+    if tr.optimizer != "adamw":
+        return f"{given}: names an AdamW; it cannot go with --optimizer {tr.optimizer}"
+    if tr.optimizer_impl not in (None, HF_OPTIMS[tr.hf_optim]):
+        return (f"{given} steps {HF_OPTIMS[tr.hf_optim]}; it cannot go with "
+                f"--optimizer-impl {tr.optimizer_impl}")
+    return None
+
+
+def _peft_modules(tr: Any) -> str | None:
+    if tr.lora_embedding:
+        if tr.framework != "hf" or tr.finetune not in ("lora", "qlora"):
+            return ("--lora-embedding (PEFT's lora.Embedding on embed_tokens) needs "
+                    "--framework hf and --finetune lora or qlora")
+        if "embed_tokens" in tr.modules_to_save:
+            return ("--lora-embedding with --modules-to-save embed_tokens: PEFT adapts a "
+                    "module or copies it, not both")
+    if tr.lora_head:
+        if tr.framework != "hf" or tr.finetune not in ("lora", "qlora"):
+            return ("--lora-head (PEFT's lora.Linear on lm_head) needs --framework hf and "
+                    "--finetune lora or qlora")
+        if "lm_head" in tr.modules_to_save:
+            return ("--lora-head with --modules-to-save lm_head: PEFT adapts a module or "
+                    "copies it, not both")
+        if tr.chunked_ce > 1:
+            return "--lora-head with --chunked-ce: the chunked head is not modelled with it"
+    if not tr.modules_to_save:
+        return None
+    flag = None
+    if tr.framework != "hf" or tr.finetune == "full":
+        flag = "needs --framework hf and a PEFT method (--finetune lora, qlora or dora)"
+    elif tr.weight_dtype != "fp32":
+        flag = (f"under --precision {tr.precision} the copy would train in {tr.weight_dtype} "
+                "beside fp32 adapters (PEFT does not upcast it), which is not modelled: use "
+                "--precision amp-bf16, amp-fp16 or fp32")
+    return f"--modules-to-save {tr.modules_to_save} {flag}" if flag else None
+
+
+def hf_stack_problem(tr: Any) -> str | None:
+    """Why these training settings (a vramcalc.training.TrainingConfig) use an hf-stack
+    option the model cannot express (None: they can)."""
+    for check in (_reentrant, _kbit_prepare, _hf_optim, _peft_modules):
+        problem = check(tr)
+        if problem:
+            return problem
+    return None

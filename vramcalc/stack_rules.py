@@ -1,0 +1,100 @@
+"""Which training settings each stack profile can run: one function per rule, asked by
+TrainingConfig's validators (vramcalc/training.py) and by the planner for every precision,
+optimizer and method it tries. Each returns why the settings cannot be expressed, or None.
+`tr` is a TrainingConfig (typed loosely: this module sits below vramcalc/training.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def torchtitan_training_problem(tr: Any) -> str | None:
+    """Why the torchtitan profile cannot express these training settings (None: it can).
+    What torchtitan 9dec370 runs: torch.optim Adam / AdamW only (torchtitan/optimizer.py
+    OptimizersContainer), foreach or fused (`"foreach": not fused`); fp32 parameters, in
+    bf16 only through FSDP2's MixedPrecisionPolicy (config_manager.py
+    --training.mixed_precision_param: bfloat16 | float32), no autocast; SDPA attention
+    (models/llama/model.py Attention.forward); full training (no adapters, no QAT); float8
+    is torchao's (not modelled); no chunked loss or activation offload."""
+    flag = None
+    if tr.precision not in ("fp32", "amp-bf16"):
+        flag = (f"--precision {tr.precision}: torchtitan keeps fp32 parameters and computes "
+                "in bf16 only through FSDP2's mixed precision (use --precision amp-bf16 with "
+                "--fsdp full, or fp32)")
+    elif tr.optimizer not in ("adamw", "adam"):
+        flag = (f"--optimizer {tr.optimizer}: torchtitan builds torch.optim Adam or AdamW "
+                "only")
+    elif tr.optimizer_impl == "loop" or tr.optimizer_dtype not in (None, "fp32"):
+        flag = ("--optimizer-impl loop / --optimizer-dtype bf16: torchtitan steps with "
+                "foreach (default) or fused kernels, fp32 states")
+    elif tr.attention != "flash":
+        flag = "--attention eager: torchtitan's Llama always calls SDPA (use flash)"
+    elif tr.finetune != "full" or tr.qat != "none":
+        flag = "torchtitan trains every weight: no LoRA/QLoRA/DoRA or QAT"
+    elif tr.chunked_ce > 1 or tr.activation_offload:
+        flag = "torchtitan has no chunked cross entropy or activation offload"
+    return None if flag is None else flag + " (torchtitan profile)"
+
+
+def stack_training_problem(tr: Any) -> str | None:
+    """Why the stack profile cannot run these training settings (None: it can); the
+    planner asks it of every precision / optimizer / method it tries."""
+    if tr.framework == "torchtitan":
+        return torchtitan_training_problem(tr)
+    return torchtune_training_problem(tr)
+
+
+def optimizer_in_backward_problem(tr: Any) -> str | None:
+    """Why --optimizer-in-backward cannot be modelled with these training settings (None: it
+    can). torchtune (pytorch/torchtune bd2a0fc) refuses gradient accumulation with it
+    (recipes/full_finetune_single_device.py: "Gradient accumulation is not supported with
+    optimizer_in_bwd: True"); its recipes train in bf16 or fp32 parameters with no fp32
+    master copy (`training.get_dtype`), so the mixed-precision wrapper's master step is not
+    modelled; the megatron and torchtitan profiles step their own optimizers after
+    backward."""
+    flag = None
+    if tr.grad_accum > 1:
+        flag = (f"--grad-accum {tr.grad_accum}: gradients are stepped and freed inside each "
+                "backward, so they cannot accumulate (torchtune refuses gradient "
+                "accumulation with optimizer_in_bwd); use --grad-accum 1")
+    elif tr.framework not in ("reference", "hf", "torchtune"):
+        flag = (f"--framework {tr.framework}: only the reference, hf and torchtune profiles "
+                "model it "
+                "(torchtune's per-parameter optimizers)")
+    elif tr.has_master_weights:
+        flag = (f"--precision {tr.precision}: the fp32 master copy's step is not modelled "
+                "inside backward (torchtune trains bf16 or fp32 parameters: use --precision "
+                "bf16-pure, fp32 or amp-bf16)")
+    return None if flag is None else "--optimizer-in-backward with " + flag
+
+
+def torchtune_training_problem(tr: Any) -> str | None:
+    """Why these training settings cannot be expressed (None: they can) — for the torchtune
+    profile, what torchtune's single-device recipes run (pytorch/torchtune 1814feb):
+    parameters in `dtype: bf16` or fp32 (`training.get_dtype`; no autocast, no fp32 master
+    copy: --precision bf16-pure or fp32); SDPA or flex attention (torchtune/modules/
+    attention.py `_attention_call`: --attention flash); activation offloading only with
+    activation checkpointing (recipes/full_finetune_single_device.py raises "enable_
+    activation_offloading should only be True when enable_activation_checkpointing is
+    True"). --compile belongs to the torchtune profile only."""
+    flag = None
+    if tr.framework != "torchtune":
+        if tr.compile:
+            flag = (f"--compile: only the torchtune profile models torch.compile (its "
+                    f"compiled cross entropy); not the {tr.framework} profile (use "
+                    "--framework torchtune, or leave it out)")
+        return flag
+    if tr.precision not in ("bf16-pure", "fp32"):
+        flag = (f"--precision {tr.precision}: torchtune trains in its `dtype` (bf16 or fp32 "
+                "parameters, gradients and optimizer states, no autocast and no fp32 master "
+                "copy): use --precision bf16-pure or fp32")
+    elif tr.attention != "flash":
+        flag = ("--attention eager: torchtune's attention calls SDPA or flex attention "
+                "(use flash)")
+    elif tr.activation_offload and tr.recompute != "full":
+        flag = ("--activation-offload: torchtune offloads activations only with activation "
+                "checkpointing on (add --recompute full)")
+    elif tr.recompute == "selective":
+        flag = ("--recompute selective: torchtune's recipes checkpoint whole layers "
+                "(enable_activation_checkpointing: use --recompute full or none)")
+    return None if flag is None else flag + " (torchtune profile)"
