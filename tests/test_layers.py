@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vramcalc"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("vramcalc.errors", "vramcalc.units", "vramcalc.yamlio", "vramcalc.allocator")),
     ("types", ("vramcalc.model", "vramcalc.training", "vramcalc.hardware", "vramcalc.parallel",
-               "vramcalc.scenario", "vramcalc.report", "vramcalc.catalog", "vramcalc.hf_config",
+               "vramcalc.scenario", "vramcalc.report", "vramcalc.catalog", "vramcalc.hf_config", "vramcalc.hub",
                "vramcalc.features", "vramcalc.ds_config",
                "vramcalc.options", "vramcalc.provenance")),
     ("shapes", ("vramcalc.sharding", "vramcalc.finetune", "vramcalc.rank",
