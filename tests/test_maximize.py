@@ -138,3 +138,20 @@ def test_plot_writes_the_file(capsys: pytest.CaptureFixture[str], tmp_path: Path
     code, _, _ = _run(capsys, "max", "--model", "gpt2", "--gpus", "1xRTX4090", "--plot",
                       str(path))
     assert code == 0 and path.read_bytes().startswith(magic)
+
+
+def test_chart_draws_the_usable_line_between_fitting_and_over() -> None:
+    from vramcalc.render.maxchart import chart_lines
+
+    base = build_scenario({"model": "qwen2.5-7b", "gpus": "1xRTX4090", "finetune": "lora",
+                           "recompute": "full"})
+    res = most_that_fits(base, "seq-len", 256)
+    lines = chart_lines(res.points, res.usable_bytes, res.capacity_bytes, "seq-len", 100)
+    rows = [ln.plain for ln in lines[1:]]
+    assert len(rows) == len(res.points)
+    for row, p in zip(rows, res.points, strict=True):
+        assert row.split()[0] == f"{p.value:,}" and row.endswith(
+            f"{p.device_total_bytes / 1e9:,.1f} GB")
+        mark = row.index("┃")
+        assert (row[mark + 1] == "█") == (not p.fits)
+        assert len(row) <= 100

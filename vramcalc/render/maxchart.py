@@ -47,7 +47,7 @@ def chart_lines(points: tuple[Point, ...], usable_bytes: int, capacity_bytes: in
                 dimension: str, width: int) -> list[Text]:
     """One bar per point, scaled so the largest of the bars and the GPU memory fills the
     chart; `┃` marks the usable memory and `│` the GPU's memory."""
-    label_w = max(len(f"{p.value:,}") for p in points)
+    label_w = max(len(_AXIS[dimension]), *(len(f"{p.value:,}") for p in points))
     num_w = max(len(f"{p.device_total_bytes / GB:,.1f} GB") for p in points)
     bar_w = max(10, width - label_w - num_w - 4)
     top = max(capacity_bytes, *(p.device_total_bytes for p in points))
@@ -57,6 +57,8 @@ def chart_lines(points: tuple[Point, ...], usable_bytes: int, capacity_bytes: in
                 style="dim")]
     for p in points:
         n = round(p.device_total_bytes / top * bar_w)
+        # a bar that fits ends at or before the usable line; one that does not, past it
+        n = min(n, usable_col) if p.fits else max(n, usable_col + 2)
         cells = []
         for col in range(bar_w):
             if col == usable_col:
