@@ -29,7 +29,7 @@ def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]
 @pytest.mark.parametrize("values,dimension", [
     ({"model": "llama3-8b", "gpus": "8xH100", "zero": 3}, "seq-len"),
     ({"model": "llama3-8b", "gpus": "8xH100", "zero": 3, "recompute": "full"}, "micro-batch"),
-    ({"model": "gpt2", "gpus": "1xRTX4090", "attention": "eager"}, "seq-len"),
+    ({"model": "qwen3-0.6b", "gpus": "1xRTX4090", "attention": "eager"}, "seq-len"),
     ({"model": "llama2-7b", "gpus": "8xA100-80GB", "tp": 2, "sequence_parallel": True,
       "fsdp": "full"}, "seq-len"),
 ])
@@ -155,3 +155,23 @@ def test_chart_draws_the_usable_line_between_fitting_and_over() -> None:
         mark = row.index("┃")
         assert (row[mark + 1] == "█") == (not p.fits)
         assert len(row) <= 100
+
+
+def test_learned_positions_cap_the_sequence() -> None:
+    """GPT-2 has 1,024 learned positions (n_positions, huggingface.co/openai-community/gpt2
+    config.json): on an H100 the answer is the whole table, not a longer sequence."""
+    res = most_that_fits(build_scenario({"model": "gpt2", "gpus": "1xH100"}), "seq-len", 256)
+    assert res.answer == 1024 and res.next_value is None
+
+
+def test_rotary_answer_past_the_trained_context_says_so(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "max", "--model", "llama2-7b", "--gpus", "8xH100", "--zero",
+                        "3", "--recompute", "full")
+    assert code == 0 and "longer than the model's trained context of 4,096 tokens" in out
+
+
+def test_step_beyond_the_sequence_limit_is_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys, "max", "--model", "llama3-8b", "--gpus", "1xH100", "--step",
+                        "1000000000000")
+    assert code == 2 and err.startswith("error: --step must be between")

@@ -9,7 +9,9 @@ uses (vramcalc.report.fit_verdict): the answer fits and the next step does not.
 
 Values searched:
 - seq-len: multiples of `step` tokens (at least the smallest length the layout accepts:
-  context parallelism needs seq/cp even, sequence parallelism needs tp·cp to divide it);
+  context parallelism needs seq/cp even, sequence parallelism needs tp·cp to divide it), up
+  to the learned position table of a model with learned positions (GPT-2); a rotary model's
+  answer may pass its trained context, and the result says so;
 - micro-batch: every integer, or, with a global batch, the micro-batches that divide the
   sequences each data-parallel rank gets (global batch / dp).
 
@@ -58,19 +60,20 @@ class MaxResult:
     usable_bytes: int
     capacity_bytes: int
     points: tuple[Point, ...]
+    context_tokens: int = 0  # the model's trained context (max_position_embeddings)
 
     def to_json(self) -> dict[str, Any]:
         return {"dimension": self.dimension, "step": self.step, "answer": self.answer,
                 "next_value": self.next_value, "usable_bytes": self.usable_bytes,
-                "capacity_bytes": self.capacity_bytes,
+                "capacity_bytes": self.capacity_bytes, "context_tokens": self.context_tokens,
                 "points": [p.to_json() for p in self.points],
                 "report": self.report.to_json_dict() if self.report is not None else None}
 
 
 def seq_step(scn: Scenario, step: int) -> int:
     """The sequence-length step: `step` rounded up to a multiple the layout accepts."""
-    if step < 1:
-        raise InputError(f"--step must be a positive number of tokens, got {step}")
+    if not 1 <= step <= _LIMIT["seq-len"]:
+        raise InputError(f"--step must be between 1 and {_LIMIT['seq-len']:,} tokens, got {step}")
     par = scn.parallel
     need = 2 * par.cp if par.cp > 1 else 1
     if par.sequence_parallel:
@@ -165,6 +168,11 @@ def most_that_fits(base: Scenario, dimension: str, step: int = 1,
     probe = _Probe(base, dimension)
     values = _values(base, dimension, step)
     limit = _LIMIT[dimension]
+    if dimension == "seq-len" and base.model.position_embedding == "learned":
+        limit = base.model.max_position_embeddings  # no position beyond the learned table
+        if limit < step:
+            raise InputError(f"{base.model.name} has {limit:,} learned positions: --step "
+                             f"{step} is longer")
     if values is not None:
         def value_at(i: int) -> int:
             return values[i]
@@ -178,7 +186,8 @@ def most_that_fits(base: Scenario, dimension: str, step: int = 1,
         first = value_at(0)
         rep = probe.report(first)
         return MaxResult(dimension, step, None, first, rep, usable, capacity,
-                         (Point(first, rep.device_total_bytes, False),))
+                         (Point(first, rep.device_total_bytes, False),),
+                         base.model.max_position_embeddings)
     i = _largest(lambda k: probe.fits(value_at(k)), count)
     answer = value_at(i)
     next_value = value_at(i + 1) if i + 1 < count else None
@@ -186,4 +195,4 @@ def most_that_fits(base: Scenario, dimension: str, step: int = 1,
                    for v in _chart_values(values, step, answer, value_at(count - 1),
                                           chart_points))
     return MaxResult(dimension, step, answer, next_value, probe.report(answer), usable,
-                     capacity, points)
+                     capacity, points, base.model.max_position_embeddings)

@@ -38,9 +38,14 @@ def answer_line(res: MaxResult) -> str:
     nxt = ""
     if res.next_value is not None:
         nxt = f"; {res.next_value:,} does not"
+    beyond = ""
+    if res.dimension == "seq-len" and res.context_tokens and res.answer > res.context_tokens:
+        beyond = (f" Note: longer than the model's trained context of {res.context_tokens:,} "
+                  "tokens (max_position_embeddings).")
     return (f"The {what} that fits: {res.answer:,}{unit} (searched in steps of {res.step:,}"
             f"{nxt}). At {res.answer:,} it "
-            f"{fit_phrase(rep.device_total_bytes, res.usable_bytes, res.capacity_bytes)}.")
+            f"{fit_phrase(rep.device_total_bytes, res.usable_bytes, res.capacity_bytes)}."
+            + beyond)
 
 
 def chart_lines(points: tuple[Point, ...], usable_bytes: int, capacity_bytes: int,
