@@ -98,3 +98,9 @@ def test_json_and_markdown_together_is_bad_input(capsys: pytest.CaptureFixture[s
                                                  args: list[str]) -> None:
     code, out, err = _run(capsys, *args, "--json", "--markdown")
     assert code == 2 and out == "" and err.startswith("error: choose one of --json")
+
+
+def test_markdown_with_serve_is_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys, "plan", "--serve", "--model", "llama3-8b", "--gpus", "1xH100",
+                        "--markdown")
+    assert code == 2 and "--markdown is for training plans" in err

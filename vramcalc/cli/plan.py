@@ -116,6 +116,8 @@ def plan_cmd(ctx: typer.Context, **kwargs: Any) -> None:
     values, dirs, as_json = split_values(kwargs)
     if as_json and markdown:
         raise InputError("choose one of --json and --markdown")
+    if markdown and serve_opts["serve"]:
+        raise InputError("--markdown is for training plans; plan --serve takes --json")
     if serve_opts["serve"]:
         plan_serve(values.get("model"), str(values.get("gpus", "1xH100")), serve_opts, dirs,
                    as_json, kwargs.get("top") or 5)
