@@ -40,6 +40,13 @@ COMMANDS: list[tuple[str, str, list[str]]] = [
       "--seq-len", "2048"]),
     ("FP8 training (Transformer Engine)", "FP8 weight caches and fp8 linear inputs.",
      ["estimate", "--model", "8b", "--gpus", "8xH100", "--precision", "fp8", "--zero", "1"]),
+    ("The most that fits", "The longest sequence this layout holds (steps of 256 tokens), "
+     "with per-GPU memory against sequence length; `--maximize micro-batch` for the batch, "
+     "`--plot max.png` to draw it (plot extra).",
+     ["max", "--model", "llama3-8b", "--gpus", "8xH100", "--zero", "3"]),
+    ("A plan for a pull-request comment", "`plan --markdown` (and `estimate --markdown`); "
+     "`plan --json` opens with a summary: model, cluster, fits, best layout.",
+     ["plan", "--model", "llama3-8b", "--gpus", "8xH100", "--top", "3", "--markdown"]),
     ("Explain the numbers", "Every formula with this scenario's numbers.",
      ["explain", "--model", "gpt2", "--gpus", "4090", "--seq-len", "1024"]),
     ("Trace a real PyTorch step (fake tensors, no GPU)", "",

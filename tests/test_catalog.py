@@ -518,6 +518,11 @@ def preset_as_hf_config(spec: ModelSpec) -> dict[str, Any]:
             "n_shared_experts": spec.shared_ffn // spec.expert_ffn,
             "first_k_dense_replace": spec.first_k_dense_replace,
         }  # fmt: skip
+    if spec.model_type == "qwen3_moe":
+        cfg |= {
+            "num_experts": spec.num_local_experts, "moe_intermediate_size": spec.expert_ffn,
+            "num_experts_per_tok": spec.num_experts_per_tok, "mlp_only_layers": [],
+        }  # fmt: skip
     if spec.model_type == "mixtral":
         cfg |= {
             "num_local_experts": spec.num_local_experts,

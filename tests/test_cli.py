@@ -178,7 +178,7 @@ def test_estimate_path_never_imports_torch() -> None:
 
 def test_cli_imports_only_the_torch_engines_inside_functions() -> None:
     """The CLI, the rendering and the option table import at module top, except the
-    commands that drive the torch engines (trace, probe, validate)."""
+    commands that drive the torch engines (trace, probe, validate) and `max --plot`."""
     root = Path(__file__).resolve().parents[1] / "vramcalc"
     files = [*(root / "cli").glob("*.py"), *(root / "render").glob("*.py"),
              root / "options.py", root / "check.py"]
@@ -193,7 +193,8 @@ def test_cli_imports_only_the_torch_engines_inside_functions() -> None:
                     lazy.append((path.name, node.module or ""))
                 elif isinstance(node, ast.Import):
                     lazy += [(path.name, alias.name) for alias in node.names]
-    engines = ("vramcalc.trace", "vramcalc.probe", "vramcalc.validate")
+    engines = ("vramcalc.trace", "vramcalc.probe", "vramcalc.validate",
+               "matplotlib")  # max --plot: the plot extra, loaded only for a file
     assert lazy and all(module.startswith(engines) for _, module in lazy), lazy
 
 

@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
               "vramcalc.hf_reader")),
     ("types", ("vramcalc.model", "vramcalc.model_tensors", "vramcalc.training",
                "vramcalc.hardware", "vramcalc.parallel",
-               "vramcalc.scenario", "vramcalc.report", "vramcalc.catalog", "vramcalc.hf_config",
+               "vramcalc.scenario", "vramcalc.report", "vramcalc.catalog", "vramcalc.hf_config", "vramcalc.hub",
                "vramcalc.features", "vramcalc.ds_config", "vramcalc.hf_stack",
                "vramcalc.options", "vramcalc.provenance")),
     ("shapes", ("vramcalc.sharding", "vramcalc.finetune", "vramcalc.rank",

@@ -335,7 +335,7 @@ def test_suggest_shorter_sequence() -> None:
 def test_cli_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--model", "8b", "--gpus", "8xH100", "--json", "--top", "3"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc) == {"candidates", "suggestions", "vramcalc_version",
+    assert set(doc) == {"summary", "candidates", "suggestions", "vramcalc_version",
                         "gpu_profiles_revision", "model_catalog_revision"}
     assert len(doc["candidates"]) == 3 and doc["suggestions"] == []
     for c in doc["candidates"]:

@@ -1,6 +1,7 @@
 """The model catalog: built-in presets, aliases, and Hugging Face `config.json` import.
 
-Pure module: reads local files only (never the hub, never `trust_remote_code`), imports
+Pure module: reads local files, and for a Hugging Face Hub id that names no preset its
+config.json only (vramcalc.hub: local cache first; never `trust_remote_code`); imports
 neither torch nor transformers.
 
 - Presets live in `vramcalc/presets/<name>.yaml`, one per model, file stem == name. Each
@@ -27,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from vramcalc import safeio
 from vramcalc.errors import InputError, shown, shown_path
 from vramcalc.hf_config import from_hf_config
+from vramcalc.hub import hub_config_path, looks_like_hub_id
 from vramcalc.model import ModelSpec, spec_from_fields, validation_message
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -223,6 +225,14 @@ def load_hf_config(path: Path) -> ModelSpec:
     return from_hf_config(cfg, str(path))
 
 
+def load_hub_config(repo_id: str) -> ModelSpec:
+    """A ModelSpec from a Hugging Face Hub repository's config.json (vramcalc.hub: local
+    cache first, never remote code), named by the repository id."""
+    path = hub_config_path(repo_id)
+    spec = load_hf_config(path)
+    return spec.model_copy(update={"name": repo_id, "source": f"{repo_id} ({path})"})
+
+
 def _looks_like_path(text: str) -> bool:
     lower = text.lower()
     return (
@@ -243,7 +253,9 @@ def resolve_model(text: str) -> tuple[ModelSpec, str | None]:
        repo id is matched by its name without the org (`meta-llama/Llama-2-7b-hf` ->
        `Llama-2-7b-hf`), then with `-hf`, `-instruct`, `-chat`, `-it`, `-base` suffixes and a
        `meta-` prefix removed: chat/instruct variants have their base model's shapes.
-    3. Otherwise InputError: "no such file" when the text looks like a path (ends in
+    3. A Hugging Face Hub id (`org/name`) that names no preset: its config.json, from the
+       local HF cache first, else the Hub (vramcalc.hub; HF_HUB_OFFLINE, HF_TOKEN).
+    4. Otherwise InputError: "no such file" when the text looks like a path (ends in
        .json/.yaml/.yml, starts with / . ~, or has two or more `/`), else "unknown model"
        with the closest names.
 
@@ -284,6 +296,12 @@ def resolve_model(text: str) -> tuple[ModelSpec, str | None]:
         return spec, f"{text} resolved to {spec.name}{detail}"
     if dir_error:
         raise InputError(dir_error)
+    if looks_like_hub_id(text) and not _looks_like_path(text):
+        try:
+            return load_hub_config(text), f"{text}: shapes from its Hugging Face config.json"
+        except InputError as err:  # neither a preset nor a readable Hub config
+            raise InputError(f"{_unknown_message(text)}; as a Hugging Face Hub id: "
+                             f"{str(err).removeprefix(text + ': ')}") from None
     if _looks_like_path(text):
         raise InputError(f"no such file: {shown_path(text)}")
     raise InputError(_unknown_message(text))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vramcalc.cli import catalog, estimate, plan, probe, serve, validate
+from vramcalc.cli import catalog, estimate, maximize, plan, probe, serve, validate
 from vramcalc.cli.app import app, main
 
 # (name, command, click context settings), in help order
@@ -25,6 +25,7 @@ COMMANDS: tuple[tuple[str, Callable[..., None], dict[str, Any] | None], ...] = (
     ("plan", plan.plan_cmd, None),
     ("size", plan.size_cmd, None),
     ("check", plan.check_cmd, None),
+    ("max", maximize.max_cmd, None),
     ("serve", serve.serve_cmd, None),
     ("probe", probe.probe_cmd, probe.CONTEXT_SETTINGS),
 )

@@ -13,6 +13,7 @@ from vramcalc.analytic import estimate
 from vramcalc.check import checked_scenario, read_inputs
 from vramcalc.cli.app import (
     emit_json,
+    emit_text,
     given_values,
     note,
     option,
@@ -24,16 +25,28 @@ from vramcalc.errors import InputError
 from vramcalc.explain import explain
 from vramcalc.options import build_scenario
 from vramcalc.render.console import make_console, with_progress
+from vramcalc.render.markdown import estimate_markdown
 from vramcalc.render.report import print_explain, print_report
 from vramcalc.report import MemoryReport
 
 
-def show_report(report: MemoryReport, as_json: bool) -> None:
-    """A memory report as JSON or as the table with the fit verdict."""
+def show_report(report: MemoryReport, as_json: bool, markdown: str | None = None,
+                notes: list[str] | None = None) -> None:
+    """A memory report as JSON, as markdown (for a pull-request comment; `markdown` names
+    the scenario) or as the table with the fit verdict."""
     if as_json:
         emit_json(report.to_json_dict())
+    elif markdown is not None:
+        headroom = 0.0
+        if report.usable_bytes is not None and report.gpu is not None:
+            headroom = 1 - report.usable_bytes / report.gpu.memory_total_bytes
+        emit_text(estimate_markdown(report, headroom, markdown, notes or []))
     else:
         print_report(make_console(), report)
+
+
+MARKDOWN = option("markdown", bool, False, "--markdown",
+                  help="A markdown summary for a pull-request comment (like check --markdown).")
 
 
 DEEPSPEED = option("deepspeed", Optional[Path], None, "--deepspeed",
@@ -49,11 +62,15 @@ MODE = inspect.Parameter("mode", inspect.Parameter.KEYWORD_ONLY, annotation=str,
 
 
 @scenario_command("One scenario's per-GPU memory breakdown and fit check.",
-                  extra=[DEEPSPEED, MODE], with_context=True)
+                  extra=[DEEPSPEED, MARKDOWN, MODE], with_context=True)
 def estimate_cmd(ctx: typer.Context, **kwargs: Any) -> None:
     ds_path: Path | None = kwargs.pop("deepspeed", None)
     mode = kwargs.pop("mode", "train")
+    markdown: bool = kwargs.pop("markdown", False)
     values, dirs, as_json = split_values(kwargs)
+    if as_json and markdown:
+        raise InputError("choose one of --json and --markdown")
+    md = f"{values.get('model')} on {values.get('gpus', '1xH100')}" if markdown else None
     if mode not in ("train", "inference"):
         raise InputError(f"--mode must be train or inference, got {mode!r}")
     if mode == "inference":
@@ -66,15 +83,16 @@ def estimate_cmd(ctx: typer.Context, **kwargs: Any) -> None:
                              serve_values, dirs[0] if dirs else None), as_json, False)
         return
     if ds_path is None:
-        show_report(estimate(build_scenario(values, dirs)), as_json)
+        show_report(estimate(build_scenario(values, dirs)), as_json, md)
         return
     # the DeepSpeed file fills what the command line leaves at its defaults
     inp = read_inputs(None, ds_path, given_values(ctx, values), command="estimate")
     scn, notes = checked_scenario(inp.values, inp.train_batch_size, dirs,
                                   frozenset(inp.values), inp.deepspeed)
-    show_report(estimate(scn), as_json)
-    for text in inp.notes + notes:
-        note(text)
+    show_report(estimate(scn), as_json, md, inp.notes + notes)
+    if md is None:
+        for text in inp.notes + notes:
+            note(text)
 
 
 @scenario_command("Every formula with this scenario's numbers substituted.")

@@ -47,6 +47,7 @@ from vramcalc.planner.prepare import (  # noqa: F401  (prepare_plan: tests impor
     prepare_plan,
 )
 from vramcalc.render.console import LazyProgress, make_console
+from vramcalc.render.markdown import plan_markdown, plan_summary
 from vramcalc.render.plan import check_markdown, config_yaml, print_plan, print_size, strategy_flags
 from vramcalc.render.report import print_report
 from vramcalc.size import size_cluster
@@ -104,7 +105,9 @@ def _command_line(command: str, values: dict[str, Any], extra: dict[str, Any]) -
                                   help="DeepSpeed JSON config: its ZeRO stage, offload, batch "
                                   "sizes, precision and optimizer pin the search (flags "
                                   "given override them); its memory keys (buckets, ZeRO-3 "
-                                  "fetching, activation checkpointing) apply to every layout.")]
+                                  "fetching, activation checkpointing) apply to every layout."),
+                           option("markdown", bool, False, "--markdown",
+                                  help="A markdown summary for a pull-request comment.")]
     + SERVE_PLAN_PARAMS,
     defaults={**{k: None for k in SEARCHED_OPTIONS}, "headroom": DEFAULT_HEADROOM},
     with_context=True,
@@ -113,7 +116,12 @@ def plan_cmd(ctx: typer.Context, **kwargs: Any) -> None:
     t0 = time.perf_counter()
     ds_path: Path | None = kwargs.pop("deepspeed", None)
     serve_opts = pop_serve_options(kwargs)
+    markdown: bool = kwargs.pop("markdown", False)
     values, dirs, as_json = split_values(kwargs)
+    if as_json and markdown:
+        raise InputError("choose one of --json and --markdown")
+    if markdown and serve_opts["serve"]:
+        raise InputError("--markdown is for training plans; plan --serve takes --json")
     if serve_opts["serve"]:
         plan_serve(values.get("model"), str(values.get("gpus", "1xH100")), serve_opts, dirs,
                    as_json, kwargs.get("top") or 5)
@@ -151,8 +159,9 @@ def plan_cmd(ctx: typer.Context, **kwargs: Any) -> None:
             [result.closest] if result.closest is not None else [])
         for text in notes:
             note(text)
-        emit_json({"candidates": [e.to_json() for e in cands],
-                    "suggestions": [s.to_json() for s in suggestions]})
+        emit_json({"summary": plan_summary(base, result),
+                   "candidates": [e.to_json() for e in cands],
+                   "suggestions": [s.to_json() for s in suggestions]})
         return
     _with_every_stage(result)
 
@@ -184,7 +193,10 @@ def plan_cmd(ctx: typer.Context, **kwargs: Any) -> None:
         doc["config_yaml"] = config_yaml(model_text, gpus_text, s, base.headroom_fraction)
     doc["apply"] = [_command_line("plan", {**values, **sg.change}, extras)
                     for sg in suggestions]
-    print_plan(make_console(), doc)
+    if markdown:
+        emit_text(plan_markdown(doc))
+    else:
+        print_plan(make_console(), doc)
 
 
 def _with_every_stage(result: PlanResult) -> None:

@@ -316,13 +316,14 @@ def print_size(console: Console, rows: Sequence[Any], title: str, notes: Sequenc
 
 # ---- check ------------------------------------------------------------------------------
 def check_markdown(report: MemoryReport, usable_bytes: int, headroom: float, source: str,
-                   notes: Sequence[str] = ()) -> str:
-    """A markdown summary to paste into a pull-request comment."""
+                   notes: Sequence[str] = (), command: str = "check") -> str:
+    """A markdown summary to paste into a pull-request comment (`command` names the
+    vramcalc command in the heading)."""
     fits = bool(report.fits)
     total = max(report.device_total_bytes, 1)
     head = "✅ fits" if fits else "❌ does not fit"
     g = report.gpu
-    lines = [f"### vramcalc check: {head} — `{source}`", ""]
+    lines = [f"### vramcalc {command}: {head} — `{source}`", ""]
     gpu_text = f"{g.num_gpus} × {g.name}" if g else "no GPU"
     lines.append(f"**{report.model.name}** ({report.model.num_params:,} parameters) on "
                  f"**{gpu_text}**  ")
