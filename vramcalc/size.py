@@ -30,7 +30,7 @@ from vramcalc.hardware import Cluster, GPUProfile
 from vramcalc.planner import PlanEntry, PlanRequest, ProgressFn, search
 from vramcalc.planner.request import splittable_batch
 from vramcalc.planner.search import check_searchable
-from vramcalc.scenario import Scenario
+from vramcalc.scenario import Scenario, capability_problem
 
 SECONDS_PER_DAY = 86_400
 DEFAULT_MAX_GPUS = 131_072
@@ -136,6 +136,9 @@ def size_one(base: Scenario, gpu: GPUProfile, tokens: int, req: PlanRequest,
     answer (the knee, or the smallest count that meets `days`)."""
     counts = size_counts(gpu.gpus_per_node, max_gpus)
     price = price if price is not None else gpu.price_usd_per_hour
+    problem = capability_problem(base.training, gpu) if "precision" not in req.allow else None
+    if problem:  # e.g. bf16 + flash on a GPU without BF16: no count runs it as counted
+        return SizeRow(gpu, None, None, None, None, None, price, None, (problem,))
     need = tokens / (days * SECONDS_PER_DAY) if days is not None else None
     table: list[SizeOption] = []
     best_mfu = 0.0

@@ -33,7 +33,7 @@ from vramcalc.report import (
     model_info,
     strategy_dict,
 )
-from vramcalc.scenario import Scenario
+from vramcalc.scenario import Scenario, check_capabilities
 from vramcalc.terms.overhead import overhead_split
 from vramcalc.terms.transients import cublas_workspace_bytes
 
@@ -95,6 +95,7 @@ def check_traceable(scn: Scenario) -> Scenario:
     if tr.framework == "hf" and scn.model.is_moe and tr.weight_dtype != "bf16":
         raise InputError("hf MoE experts run torch grouped_mm, which takes bf16 weights only; "
                          "use --precision bf16 or bf16-pure with --framework hf")
+    check_capabilities(scn)
     if tr.precision == "fp8" or tr.qat != "none":
         from vramcalc.terms.lowprec import check_lowprec
 
