@@ -14,10 +14,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> int:
+    from vramcalc.errors import InputError
     from vramcalc.probe.compare import compare_records
 
     folder = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs" / "validation" / "records"
-    result = compare_records(folder)
+    try:
+        result = compare_records(folder)
+    except InputError as err:  # no record to compare yet
+        print(f"{err}: nothing to plot")
+        return 0
     rows = [r for r in result["scenarios"] if not r["dry_run"]]
     for r in rows:
         print(f"{r['name']:<40} measured {r['measured_bytes'] / 1e9:8.3f} GB  analytic "

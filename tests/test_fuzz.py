@@ -75,7 +75,7 @@ def _strict(text: str) -> Any:
     return json.loads(text, parse_constant=refuse)
 
 
-SIGNED = {"headroom_bytes"}  # usable minus device total: negative when it does not fit
+SIGNED = {"free_bytes"}  # usable minus device total: negative when it does not fit
 
 
 def _sane(doc: Any) -> None:
@@ -125,7 +125,7 @@ def check_invariant(args: list[str]) -> None:
 def command_lines(draw: st.DrawFn) -> list[str]:
     number = st.sampled_from(NUMBERS)
     cmd = draw(st.sampled_from(["estimate", "explain", "plan", "plan", "size", "check",
-                                "gpus", "models", "probe", "validate"]))
+                                "gpus", "models", "probe", "validate", "serve", "max"]))
     if cmd in ("gpus", "models"):
         args = [cmd] + draw(st.lists(st.sampled_from(
             ["--json", "--profiles-dir", "/dev/zero", "~nosuchuser", "-x", HUGE]), max_size=3))
@@ -160,9 +160,19 @@ def command_lines(draw: st.DrawFn) -> list[str]:
             args += [flag, draw(st.sampled_from(CHOICES[flag]))]
         elif kind == 2:
             args += [draw(st.sampled_from(FLOATS)), draw(number)]
+        elif cmd == "serve":
+            args += [draw(st.sampled_from(SERVE_FLAGS)), draw(st.sampled_from(
+                NUMBERS + ["fp8", "auto", "awq", "gptq", "bnb-nf4", "vllm", "sglang", "hf"]))]
+        elif cmd == "max":
+            args += [draw(st.sampled_from(["--maximize", "--step"])), draw(st.sampled_from(
+                NUMBERS + ["seq-len", "micro-batch", "batch"]))]
         else:
             args += ["--seq-len", draw(st.sampled_from(["16", "4096", "0", "-5", HUGE]))]
     return args + (["--json"] if draw(st.booleans()) else [])
+
+
+SERVE_FLAGS = ["--tp", "--pp", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
+               "--kv-cache-dtype", "--quantization", "--engine", "--gpu-memory-utilization"]
 
 
 @settings(max_examples=ARGV_EXAMPLES, **SETTINGS)
@@ -308,7 +318,7 @@ def test_fuzz_files(drawn: tuple[str, str, str]) -> None:
 
 
 def test_every_command_is_fuzzed() -> None:
-    """A new command joins the fuzz (serve: add its draws here when it lands)."""
+    """A new command joins the fuzz."""
     fuzzed = {"estimate", "explain", "plan", "size", "check", "gpus", "models", "validate",
-              "probe", "trace"}
-    assert {name for name, _, _ in COMMANDS} - fuzzed <= {"serve"}
+              "probe", "trace", "serve", "max"}
+    assert {name for name, _, _ in COMMANDS} <= fuzzed

@@ -479,5 +479,7 @@ def test_cublas_workspace_comes_from_the_profile(gpu: str, expected: int) -> Non
     from vramcalc.analytic import estimate
     from vramcalc.options import build_scenario
 
-    report = estimate(build_scenario({"model": "gpt2", "gpus": f"1x{gpu}", "seq_len": 128}))
+    # fp16: V100 has no BF16 (bf16 + flash is refused there, tests/test_capability.py)
+    report = estimate(build_scenario({"model": "gpt2", "gpus": f"1x{gpu}", "seq_len": 128,
+                                      "precision": "fp16"}))
     assert report.subterms["transients/cublas_workspace"] == expected

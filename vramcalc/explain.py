@@ -8,14 +8,19 @@ from __future__ import annotations
 from typing import Any
 
 from vramcalc.analytic import estimate
-from vramcalc.features import finetunes, low_precision
+from vramcalc.features import chunks_loss, finetunes, low_precision
 from vramcalc.finetune import adapter_dtype, shapes_for
 from vramcalc.hardware import GPUProfile
 from vramcalc.rank import RankContext
-from vramcalc.report import fit_phrase
+from vramcalc.report import MemoryReport, fit_phrase
 from vramcalc.scenario import Scenario
 from vramcalc.terms import activations as act
 from vramcalc.terms.gradients import gradients_bytes
+from vramcalc.terms.logits import (
+    logits_backward_peak_bytes,
+    logits_forward_peak_bytes,
+    logits_saved_bytes,
+)
 from vramcalc.terms.lowprec import (
     QAT_SCHEMES,
     block_linears,
@@ -24,7 +29,16 @@ from vramcalc.terms.lowprec import (
     fp8_weight_cache_bytes,
     qat_qparam_bytes,
 )
+from vramcalc.terms.megatron_layer import megatron_layer_tensors
 from vramcalc.terms.optimizer_states import optimizer_state_split
+from vramcalc.terms.overhead import NCCL_BYTES_MULTI_GPU, NCCL_BYTES_TWO_GPU
+from vramcalc.terms.saved import dims, mostly_moe
+from vramcalc.terms.transients import (
+    autocast_cache_layer_bytes,
+    gather_buffer_bytes,
+    optimizer_step_parts,
+    optimizer_step_temp_bytes,
+)
 from vramcalc.terms.weights import finetune_weight_parts, weights_by_group
 from vramcalc.units import DTYPE_BITS, GB, fmt_gb
 
@@ -105,8 +119,14 @@ def explain(scn: Scenario) -> dict[str, Any]:
     if tr.framework != "megatron":
         for t in saved:
             lines.append(f"  {t.name:<18} {t.shape:<22} {t.dtype:<5} {_gb(t.nbytes)}")
+    else:
+        lines += megatron_tensor_lines(ctx)
     lines.append(f"= {_gb(per_layer)} per layer x {ctx.num_layers} layers on this stage.")
     sections.append({"title": "Activations", "lines": lines})
+    sections.append({"title": "Logits and loss", "lines": logits_lines(
+        RankContext(spec, tr, par, par.pp - 1), report)})
+    sections.append({"title": "Transients", "lines": transient_lines(ctx, report)})
+    sections.append({"title": "Overhead", "lines": overhead_lines(scn, report)})
 
     sections.append({"title": "Peak", "lines": [
         "Phase peaks (steady state): " + ", ".join(f"{k} {_gb(v)}" for k, v in
@@ -184,4 +204,125 @@ def lowprec_explain_lines(ctx: RankContext, gpu: GPUProfile | None) -> list[str]
         f"of (T = {T:,} tokens, in): q, k and v each keep their own.",
         f"Scales and zero points kept by the fake quantizers: "
         f"{qat_qparam_bytes(ctx) / gb:,.4f} GB.",
+    ]
+
+
+def megatron_tensor_lines(ctx: RankContext) -> list[str]:
+    """The megatron profile's saved tensors per layer (Korthikanti et al. 2022 Table 2 as
+    vramcalc/terms/megatron_layer.py `megatron_layer_tensors` spells it out)."""
+    x = dims(ctx)
+    moe = mostly_moe(ctx)
+    sp = " with sequence parallelism" if ctx.parallel.sequence_parallel else ""
+    out = [f"  Korthikanti et al. 2022 Table 2 (s={x.s}, b={x.b}, h={x.h}, "
+           f"a={ctx.spec.num_attention_heads}, t={ctx.parallel.tp}{sp}; sizes in bytes, 2 sbh "
+           "= one 16-bit (s, b, h) tensor; replicated ones ÷t only with sequence "
+           "parallelism):"]
+    for name, size, nbytes in megatron_layer_tensors(ctx, moe):
+        out.append(f"  {name:<42} {size:<22} {nbytes / GB:,.3f} GB")
+    return out
+
+
+def logits_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
+    """The logits and cross-entropy buffers (vramcalc/terms/logits.py), on the last stage."""
+    x = dims(ctx)
+    tr = ctx.training
+    n_tok = x.b * x.s
+    nv = n_tok * x.V
+    where = f"the last pipeline stage (stage {ctx.parallel.pp - 1})" if ctx.parallel.pp > 1 \
+        else "this rank"
+    out = [f"On {where}: N = b·s = {n_tok:,} tokens x V' = V/tp = {x.V:,} vocabulary entries "
+           f"= {nv:,} logits per micro-batch; the loss runs in fp32."]
+    saved = logits_saved_bytes(ctx)
+    fwd, bwd = logits_forward_peak_bytes(ctx), logits_backward_peak_bytes(ctx)
+    if chunks_loss(tr):
+        out.append(f"Chunked cross entropy ({tr.chunked_ce} chunks): the fp32 logits and their "
+                   "gradients exist one chunk at a time; the log-probabilities are all kept.")
+    elif tr.framework == "megatron":
+        c = DTYPE_BITS[tr.compute_dtype] // 8
+        out.append(f"Megatron-LM's vocab-parallel cross entropy turns one fp32 copy of the "
+                   f"logits into the softmax in place and writes the gradient into it: "
+                   f"(4 + {c}) B per logit at both peaks = {nv:,} x {4 + c} B "
+                   f"= {_gb(nv * (4 + c))}.")
+    else:
+        out.append(f"Forward: fp32 upcast of the logits + fp32 log-probabilities (kept for "
+                   f"backward): 2 x {nv:,} x 4 B = {_gb(8 * nv)}.")
+        out.append(f"Backward: the kept log-probabilities + dL/dlogprobs + dL/dlogits, all "
+                   f"fp32: 3 x {nv:,} x 4 B = {_gb(12 * nv)}.")
+    out.append(f"This scenario: kept {_gb(saved)}, forward peak {_gb(fwd)}, backward peak "
+               f"{_gb(bwd)} (each tensor rounded to 512 B blocks; vramcalc/terms/logits.py).")
+    if tr.framework in ("hf", "torchtitan") and tr.compute_dtype != "fp32" and not \
+            chunks_loss(tr):
+        out.append(f"The {tr.framework} profile also keeps the {tr.compute_dtype} logits "
+                   f"({nv:,} x {DTYPE_BITS[tr.compute_dtype] // 8} B) until the loss returns.")
+    out.append(f"At the peak ({report.peak_phase}) the report counts "
+               f"{_gb(report.terms.logits)} of logits.")
+    return out
+
+
+def transient_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
+    """The short-lived buffers (vramcalc/terms/transients.py) with the optimizer step's
+    formula: its temporaries are often the largest surprise of a full fine-tune."""
+    tr, sub = ctx.training, report.subterms
+    out = []
+    step = optimizer_step_temp_bytes(ctx)
+    n = ctx.train_shapes.numel()
+    shard = ctx.state_shard
+    if "optimizer" in ctx.parallel.offload:
+        out.append("Optimizer step: on the CPU (optimizer offload): no device temporaries.")
+    elif ctx.engine in ("deepspeed", "megatron"):
+        out.append(f"Optimizer step ({ctx.engine}'s fused Adam: no _foreach_sqrt copy): "
+                   f"{_gb(step)}" + (" — DeepSpeed's fp32 copy of this rank's gradient "
+                                     "partition." if step else "."))
+    else:
+        temp, inner, copy_peak = optimizer_step_parts(ctx)
+        sb = DTYPE_BITS[tr.state_dtype] // 8
+        per = f"{n:,} trained params" + (f" / {shard} (sharded)" if shard > 1 else "")
+        if tr.has_master_weights:
+            gb_ = DTYPE_BITS[tr.grad_dtype] // 8
+            out.append(f"Mixed precision: each {tr.grad_dtype} gradient is replaced by an fp32 "
+                       f"copy on its master, net (4 − {gb_}) B x {per} = {_gb(temp)}; the copy "
+                       f"loop's own peak above that: {_gb(copy_peak)}.")
+        if tr.optimizer in ("adam", "adamw") and tr.step_impl == "foreach":
+            out.append(f"AdamW foreach (PyTorch's default on CUDA): _foreach_sqrt(exp_avg_sq) "
+                       f"copies every second moment at once: {sb} B x {per} = {_gb(inner)}.")
+        elif tr.optimizer in ("adam", "adamw") and tr.step_impl == "fused":
+            out.append("AdamW fused (torch._fused_adamw_): one kernel updates in place: 0 B.")
+        else:
+            out.append(f"Inner step ({tr.optimizer}, {tr.step_impl}): {_gb(inner)} "
+                       "(vramcalc/terms/transients.py).")
+        out.append(f"Optimizer-step transient = net fp32 copies + max(inner step, copy loop) "
+                   f"= {_gb(temp)} + max({_gb(inner)}, {_gb(copy_peak)}) = {_gb(step)}.")
+    out.append(f"cuBLAS workspace (the GPU profile's): "
+               f"{_gb(sub.get('transients/cublas_workspace', 0))}; communication buffers "
+               f"held all step (DDP buckets, ZeRO-3 reduce bucket): "
+               f"{_gb(sub.get('transients/comm_buffers', 0))}; ZeRO-3/FSDP gather buffers "
+               f"during forward and backward: {_gb(gather_buffer_bytes(ctx))}.")
+    if tr.is_autocast:
+        out.append(f"Autocast weight casts: one {tr.compute_dtype} copy of each layer's "
+                   f"weights, {_gb(autocast_cache_layer_bytes(ctx))} per layer, freed when "
+                   "the forward ends.")
+    out.append(f"At the peak ({report.peak_phase}): transients {_gb(report.terms.transients)}"
+               + "".join(f", {k.split('/', 1)[1]} {_gb(v)}" for k, v in sorted(sub.items())
+                         if k.startswith("transients/") and v) + ".")
+    return out
+
+
+def overhead_lines(scn: Scenario, report: MemoryReport) -> list[str]:
+    """CUDA context, NCCL and the allocator's fragmentation (vramcalc/terms/overhead.py)."""
+    sub = report.subterms
+    gpu = scn.cluster.gpu if scn.cluster else None
+    world = scn.world_size
+    ctx_src = f"{gpu.name}'s profile" if gpu else "the no-GPU default"
+    nccl = ("NCCL buffers (none: one rank)" if world <= 1 else
+            f"NCCL communicator buffers for {world} ranks (aiconfigurator misc.nccl_mem: "
+            f"{NCCL_BYTES_TWO_GPU / 1e6:.0f} MB at 2 GPUs, {NCCL_BYTES_MULTI_GPU / 1e6:.0f} MB "
+            "from 4 on)")
+    return [
+        f"CUDA context ({ctx_src}): {_gb(sub.get('overhead/context', 0))}; {nccl}: "
+        f"{_gb(sub.get('overhead/nccl', 0))}.",
+        f"Allocator fragmentation = peak reserved − peak allocated = "
+        f"{_gb(report.peak_reserved_bytes)} − {_gb(report.peak_allocated_bytes)} = "
+        f"{_gb(sub.get('overhead/fragmentation', 0))} (vramcalc/terms/reserved.py).",
+        f"Overhead = {_gb(report.terms.overhead)}: counted for the fit check (device total), "
+        "not in the allocated peak.",
     ]

@@ -103,6 +103,10 @@ class GPUProfile(BaseModel):
     gpus_per_node: int = Field(gt=0, le=MAX_COUNT)
     bf16_supported: bool
     fused_attention: bool
+    # whether FlashAttention-2-class kernels run (flash-attn on sm80+, its ROCm backends, the
+    # vendors' FlashAttention-style kernels); false where only PyTorch SDPA's memory-efficient
+    # kernel does (V100, T4: Dao-AILab/flash-attention README, "Ampere, Ada, or Hopper GPUs")
+    flash_attention_2: bool = True
     context_overhead_bytes: int = Field(ge=0, le=MAX_BYTES)
     # BLAS workspace PyTorch allocates through the caching allocator (counted in
     # max_memory_allocated). Default: the CUDA default before sm90, CUBLAS_WORKSPACE_CONFIG

@@ -21,7 +21,7 @@ from vramcalc.terms.lowprec import (
     persistent_parts,
 )
 from vramcalc.terms.optimizer_states import paged_state_bytes
-from vramcalc.training import TrainingConfig
+from vramcalc.training import COMPUTE_DTYPE, TrainingConfig
 from vramcalc.units import fmt_gb
 
 
@@ -33,6 +33,8 @@ def scenario_notes(scn: Scenario) -> list[str]:
         notes.append(scn.model_note)
     if scn.gpu_note:
         notes.append(scn.gpu_note)
+    notes += capability_notes(scn.model, scn.training,
+                              scn.cluster.gpu if scn.cluster is not None else None)
     ctx = RankContext(scn.model, scn.training, scn.parallel, 0)
     if fsdp1.flat(ctx):
         notes.append(_fsdp1_note(ctx))
@@ -50,6 +52,34 @@ def _fsdp1_note(ctx: RankContext) -> str:
              "get gradients too" if fsdp1.mixed_units(ctx) else "")
     return (f"FSDP1 flat parameters (FullyShardedDataParallel, use_orig_params=True){mixed}; "
             f"gradients {fmt_gb(gradients_bytes(ctx))} ({how})")
+
+
+def capability_notes(spec: ModelSpec, tr: TrainingConfig, gpu: GPUProfile | None) -> list[str]:
+    """Warnings about what runs differently from what was asked (the combinations that cannot
+    run as counted are refused by vramcalc/scenario.py `capability_problem`): a sequence past
+    the model's trained context, bf16 on a GPU without BF16, flash attention where only
+    PyTorch SDPA's memory-efficient kernel runs."""
+    out = []
+    limit = spec.max_position_embeddings
+    if spec.position_embedding == "learned" and tr.seq_len > limit:
+        out.append(f"warning: --seq-len {tr.seq_len:,} exceeds {spec.name}'s learned position "
+                   f"table ({limit:,} rows): the model cannot run sequences this long without "
+                   "a larger table; memory is counted as asked")
+    elif "max_position_embeddings" in spec.model_fields_set and tr.seq_len > limit:
+        out.append(f"warning: --seq-len {tr.seq_len:,} exceeds {spec.name}'s trained context "
+                   f"(max_position_embeddings={limit:,}): memory is counted as asked, but "
+                   "the model was not trained on sequences this long")
+    if gpu is None:
+        return out
+    if COMPUTE_DTYPE[tr.precision] == "bf16" and not gpu.bf16_supported:
+        out.append(f"warning: {gpu.name} has no BF16 tensor cores (bf16_supported: "
+                   "false): bf16 matmuls run without them; --precision amp-fp16 or fp16 is "
+                   "the usual choice there")
+    if tr.attention == "flash" and not gpu.flash_attention_2:
+        out.append(f"warning: FlashAttention-2 does not run on {gpu.name}; --attention flash "
+                   "counts PyTorch SDPA's memory-efficient kernel (fp16/fp32 there), which "
+                   "keeps the same output and logsumexp")
+    return out
 
 
 _FUSED_MODULES = {("gpt2", "qkv"): "c_attn", ("phi3", "qkv"): "qkv_proj",

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 from vramcalc.errors import InputError
-from vramcalc.hardware import Cluster
+from vramcalc.hardware import Cluster, GPUProfile
 from vramcalc.hf_config import ROBERTA_TYPES
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig, resolve_layout
 from vramcalc.stack_rules import optimizer_in_backward_problem
-from vramcalc.training import TORCH_STEPPED, TrainingConfig
+from vramcalc.training import COMPUTE_DTYPE, TORCH_STEPPED, TrainingConfig
 
 
 def mla_unsupported(scn: Scenario) -> str | None:
@@ -52,6 +52,42 @@ def encoder_unsupported(scn: Scenario) -> str | None:
               ("--chunked-ce", tr.chunked_ce > 1), ("--activation-offload", tr.activation_offload),
               ("--optimizer-in-backward", tr.optimizer_in_backward))
     return next((piece for piece, on in pieces if on), None)
+
+
+def capability_problem(tr: TrainingConfig, gpu: GPUProfile) -> str | None:
+    """What of this training setup `gpu` cannot run as counted, as one error line, or None.
+
+    - bf16 compute (bf16, amp-bf16, bf16-pure) with fused attention on a GPU whose profile
+      has no BF16 (`bf16_supported: false`: V100, T4). PyTorch's SDPA takes bf16 in its
+      memory-efficient kernel only from sm80 on (aten/src/ATen/native/transformers/cuda/
+      sdp_utils.cpp `can_use_mem_efficient_attention`: fp16 and fp32 before sm80) and its
+      flash kernel needs sm80, so SDPA falls back to the math kernel, which keeps the s x s
+      scores that `--attention flash` does not count; FlashAttention-2 itself refuses GPUs
+      before Ampere (Dao-AILab/flash-attention README). fp8 is refused by
+      vramcalc/terms/lowprec.py `check_lowprec`.
+    - `--attention flash` on a GPU whose profile lists no fused attention kernel.
+    """
+    flash = tr.attention == "flash"
+    if flash and not gpu.fused_attention:
+        return (f"--attention flash needs a fused attention kernel; {gpu.name} has none in "
+                "its profile (fused_attention: false): use --attention eager")
+    if (flash and tr.precision != "fp8" and COMPUTE_DTYPE[tr.precision] == "bf16"
+            and not gpu.bf16_supported):
+        return (f"--precision {tr.precision} with --attention flash: {gpu.name} has no BF16 "
+                "support (Ampere or newer), so FlashAttention-2 does not run and PyTorch SDPA "
+                "falls back to its math kernel, which keeps the s x s attention scores; use "
+                "--precision amp-fp16 or fp16 (or --attention eager to count the scores)")
+    return None
+
+
+def check_capabilities(scn: Scenario) -> None:
+    """Refuse (InputError) what the scenario's GPU cannot run as counted
+    (`capability_problem`). The engines call it; `resolved` does not, so that the planner can
+    search other precisions for a request the GPU refuses (--allow precision)."""
+    if scn.cluster is not None:
+        problem = capability_problem(scn.training, scn.cluster.gpu)
+        if problem:
+            raise InputError(problem)
 
 
 class Scenario(BaseModel):

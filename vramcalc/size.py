@@ -35,7 +35,7 @@ from vramcalc.hardware import Cluster, GPUProfile
 from vramcalc.planner import PlanEntry, PlanRequest, ProgressFn, search
 from vramcalc.planner.request import splittable_batch
 from vramcalc.planner.search import check_searchable
-from vramcalc.scenario import Scenario
+from vramcalc.scenario import Scenario, capability_problem
 
 SECONDS_PER_DAY = 86_400
 DEFAULT_MAX_GPUS = 131_072
@@ -152,6 +152,9 @@ def size_one(base: Scenario, gpu: GPUProfile, tokens: int, req: PlanRequest,
             f"nothing fits on any count: the CUDA context and cuBLAS workspace alone "
             f"({floor:,} bytes) fill the usable memory with --headroom "
             f"{base.headroom_fraction:g}",))
+    problem = capability_problem(base.training, gpu) if "precision" not in req.allow else None
+    if problem:  # e.g. bf16 + flash on a GPU without BF16: no count runs it as counted
+        return SizeRow(gpu, None, None, None, None, None, price, None, (problem,))
     need = tokens / (days * SECONDS_PER_DAY) if days is not None else None
     table: list[SizeOption] = []
     best_mfu = 0.0

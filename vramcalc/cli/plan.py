@@ -139,7 +139,8 @@ def plan_cmd(ctx: typer.Context, **kwargs: Any) -> None:
               "--deepspeed": ds_path}
     base, req, notes = prepare_plan(values, batch, kwargs.get("global_batch_tokens"),
                                     kwargs.get("allow"), kwargs.get("top", 5),
-                                    kwargs.get("mfu"), dirs, ds_cfg)
+                                    kwargs.get("mfu"), dirs, ds_cfg,
+                                    "finetune" in given_values(ctx, values))
     notes = ds_notes + notes
     if (limits := stack_note(base.training.framework)) is not None:
         notes = [limits, *notes]
@@ -150,7 +151,8 @@ def plan_cmd(ctx: typer.Context, **kwargs: Any) -> None:
         suggestions = []
         if not result.entries:
             profiles = list(load_profiles(dirs).values())
-            suggestions = suggest_changes(base, req, profiles, progress)
+            suggestions = suggest_changes(base, req, profiles, progress,
+                                          closest=result.closest)
     finally:
         progress.close()
     elapsed = time.perf_counter() - t0

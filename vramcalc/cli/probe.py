@@ -50,7 +50,8 @@ _EXTRA = [
 ]
 
 
-@scenario_command("Measure real GPU/NPU memory and compare with the estimates.",
+@scenario_command("Measure real GPU/NPU memory and compare with the estimates. Exit code 3 "
+                  "when no GPU or NPU is found.",
                   extra=_EXTRA, with_context=True)
 def probe_cmd(ctx: typer.Context, **kwargs: Any) -> None:
     run, interval, compare = kwargs.pop("run"), kwargs.pop("interval"), kwargs.pop("compare")

@@ -20,7 +20,8 @@ def validate_cmd(
                                            help="Compare stored probe records in this folder."),
     quick: bool = typer.Option(False, "--quick", help="A small subset of the grid."),
 ) -> None:
-    """Analytic vs trace over the scenario grid; exit 1 when out of tolerance."""
+    """Analytic vs trace over the scenario grid; exit 1 when out of tolerance, 2 when a
+    package the trace needs is missing or --records holds nothing to compare."""
     if records is not None:
         from vramcalc.probe.compare import compare_records  # the probe engine's records
 

@@ -28,7 +28,7 @@ from vramcalc.hardware import GPUProfile
 from vramcalc.parallel import ParallelConfig, resolve_layout
 from vramcalc.planner.request import UNSUPPORTED, PlanRequest, recomputes_of
 from vramcalc.rank import RankContext
-from vramcalc.scenario import Scenario
+from vramcalc.scenario import Scenario, capability_problem
 from vramcalc.speed import Layout, SpeedModel, training_peft
 from vramcalc.stack_rules import stack_training_problem
 from vramcalc.terms.lowprec import check_lowprec
@@ -211,11 +211,11 @@ def variants(base: Scenario, req: PlanRequest, gpu: GPUProfile
     tr = base.training
     precs: list[str] = [tr.precision]
     if "precision" in req.allow:
-        extra: tuple[str, ...] = ("bf16", "bf16-pure") if gpu.peak_tflops("bf16") else (
-            "fp16",)
+        extra: tuple[str, ...] = ("bf16", "bf16-pure") if gpu.peak_tflops("bf16") else ("fp16",)
         if gpu.peak_tflops("fp8"):  # FP8 tensor cores; what the engine refuses goes later
             extra += ("fp8",)
-        precs += [p for p in extra if p not in precs]
+        precs = [p for p in precs + [x for x in extra if x not in precs]  # what the GPU runs
+                 if not capability_problem(tr.model_copy(update={"precision": p}), gpu)]
     opts: list[str] = [tr.optimizer]
     if "optimizer" in req.allow and tr.optimizer in ("adam", "adamw"):
         opts.append("adamw-8bit")

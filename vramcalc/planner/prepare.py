@@ -14,7 +14,7 @@ from vramcalc.errors import InputError, suggest
 from vramcalc.hardware import MIN_MFU
 from vramcalc.options import OPTIONS_BY_NAME, build_scenario, check_bounds, normalize_values
 from vramcalc.planner.candidates import finetune_supported, given
-from vramcalc.planner.request import PlanRequest, recomputes_of
+from vramcalc.planner.request import DEFAULT_FINETUNE_BATCH, PlanRequest, recomputes_of
 from vramcalc.scenario import Scenario
 from vramcalc.units import parse_count
 
@@ -68,8 +68,15 @@ def parse_batch(size: int | None, tokens: str | None) -> tuple[int | None, int |
 def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
                  global_batch_tokens: str | None = None, allow: str | None = None,
                  top: int = 5, mfu: float | None = None, profile_dirs: list[Path] | None = None,
-                 deepspeed: Any = None) -> tuple[Scenario, PlanRequest, list[str]]:
-    """Option values → (base Scenario, PlanRequest, notes). Layout options given pin it."""
+                 deepspeed: Any = None, finetune_given: bool | None = None,
+                 ) -> tuple[Scenario, PlanRequest, list[str]]:
+    """Option values → (base Scenario, PlanRequest, notes). Layout options given pin it.
+
+    A fine-tuning job (a LoRA/QLoRA/DoRA method, or --finetune given at all:
+    `finetune_given`, by default whether `values` names it) gets a fine-tuning global batch
+    when none is given (request.py DEFAULT_FINETUNE_BATCH), and a note says which."""
+    if finetune_given is None:
+        finetune_given = values.get("finetune") is not None
     values = {k: v for k, v in values.items() if v is not None}
     for key in values:
         if key not in OPTIONS_BY_NAME:
@@ -106,8 +113,14 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
                          "gradient accumulation: the global batch is the micro-batch)")
     if not 1 <= top <= 1000:
         raise InputError(f"--top must be between 1 and 1000, got {top}")
+    finetuning = finetune_given or base.training.finetune != "full"
     req = PlanRequest(global_batch_size=size, global_batch_tokens=tokens, top_n=top,
-                      allow=allowed, pinned=pinned, efficiency=parse_mfu(mfu))
+                      allow=allowed, pinned=pinned, efficiency=parse_mfu(mfu),
+                      finetuning=finetuning)
+    if finetuning and size is None and tokens is None:
+        notes.append(f"fine-tuning: a global batch of {DEFAULT_FINETUNE_BATCH} sequences "
+                     "(Stanford Alpaca's fine-tuning recipe), not a pretraining batch of "
+                     "millions of tokens; --global-batch-size N to change it")
     if tokens is not None:
         seq = base.training.seq_len
         batch = req.batch_for(seq)

@@ -9,6 +9,10 @@ from typing import Any
 # Global batch when none is given: the power of two nearest below 4M tokens per step
 # (Llama 2 trained every size with a global batch of 4M tokens; Llama 2 MODEL_CARD.md).
 DEFAULT_BATCH_TOKENS = 4 * 2**20
+# Global batch of a fine-tuning job when none is given, in sequences: Stanford Alpaca's
+# fine-tuning recipe, "Batch size 128" (tatsu-lab/stanford_alpaca @000109ff README.md,
+# "Fine-tuning" table), the batch of the HF-Trainer recipes that followed it.
+DEFAULT_FINETUNE_BATCH = 128
 MAX_MICRO_BATCH = 64
 
 
@@ -39,13 +43,18 @@ class PlanRequest:
     pinned: Mapping[str, Any] = field(default_factory=dict)  # normalized option values
     efficiency: float | None = None  # --mfu override of the profile's mfu_fraction
     max_micro_batch: int = MAX_MICRO_BATCH
+    finetuning: bool = False  # a fine-tuning job: DEFAULT_FINETUNE_BATCH when none is given
 
     def batch_for(self, seq_len: int) -> int:
-        """Global batch in sequences for this sequence length."""
+        """Global batch in sequences for this sequence length: the one given, else a
+        fine-tuning batch (DEFAULT_FINETUNE_BATCH) or the pretraining one (the power of two
+        nearest below DEFAULT_BATCH_TOKENS tokens)."""
         if self.global_batch_size is not None:
             return self.global_batch_size
         if self.global_batch_tokens is not None:
             return splittable_batch(self.global_batch_tokens / seq_len)
+        if self.finetuning:
+            return DEFAULT_FINETUNE_BATCH
         per = max(1, DEFAULT_BATCH_TOKENS // seq_len)
         return 1 << (per.bit_length() - 1)
 

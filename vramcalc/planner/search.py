@@ -36,7 +36,7 @@ from vramcalc.planner.candidates import (
 )
 from vramcalc.planner.request import PlanRequest, ProgressFn
 from vramcalc.report import MemoryReport
-from vramcalc.scenario import Scenario
+from vramcalc.scenario import Scenario, capability_problem
 from vramcalc.speed import SpeedReport
 
 
@@ -128,13 +128,17 @@ def usable_and_context(base: Scenario) -> tuple[float, int]:
     return gpu.memory_total_bytes * (1 - base.headroom_fraction), gpu.context_overhead_bytes
 
 
-def check_searchable(base: Scenario) -> None:
+def check_searchable(base: Scenario, req: PlanRequest | None = None) -> None:
     """Refuse models the planner cannot search yet (InputError): multi-latent attention,
     whose activation table covers one tp/cp rank of the reference profile and whose v heads
     the bounds and speed model do not know (docs/methodology.md §1a)."""
     if base.model.is_mla:
         raise InputError(f"{base.model.name}: the planner does not search multi-latent "
                          "attention models yet (estimate one layout with --framework reference)")
+    if req is not None and base.cluster is not None and "precision" not in req.allow:
+        problem = capability_problem(base.training, base.cluster.gpu)
+        if problem:
+            raise InputError(problem + "; or --allow precision to search the others")
 
 
 def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
@@ -144,7 +148,7 @@ def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
         raise InputError("plan needs --gpus (GPU type and count)")
     if req.top_n < 1:
         raise InputError(f"--top must be at least 1, got {req.top_n}")
-    check_searchable(base)
+    check_searchable(base, req)
     usable, context = usable_and_context(base)
     B = req.batch_for(base.training.seq_len)
     result = PlanResult(entries=[], closest=None, global_batch_size=B)

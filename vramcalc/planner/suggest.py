@@ -1,8 +1,9 @@
 """When nothing fits: the smallest changes that would, each with the best plan under it.
 
 Tried in order — more GPUs of the same type, another GPU type with more memory, offload to
-host RAM, 8-bit AdamW, LoRA/QLoRA/DoRA, a shorter sequence — each first screened by
-`feasible` (a few estimates of the most memory-frugal candidates), then searched.
+host RAM, 8-bit AdamW, a fused AdamW step, LoRA/QLoRA/DoRA, chunked cross entropy, activation
+offload, a shorter sequence — each first screened by `feasible` (a few estimates of the most
+memory-frugal candidates), then searched.
 Pure: no I/O; progress goes to an optional callback.
 """
 
@@ -23,12 +24,18 @@ from vramcalc.planner.search import PlanEntry, estimate_candidate, search, usabl
 from vramcalc.scenario import Scenario
 from vramcalc.training import FINETUNES, TrainingConfig
 
+# torchtune's CEWithChunkedOutputLoss(num_output_chunks: int = 8)
+# (pytorch/torchtune torchtune/modules/loss/ce_chunked_output_loss.py)
+CHUNKED_CE_DEFAULT = 8
+
 
 @dataclass(frozen=True)
 class Suggestion:
     """A change that makes the job fit, with the best plan under it."""
 
-    kind: str  # more_gpus | other_gpu | offload | optimizer | seq_len | finetune
+    # more_gpus | other_gpu | offload | optimizer | optimizer_impl | finetune | chunked_ce |
+    # activation_offload | seq_len
+    kind: str
     title: str
     change: Mapping[str, Any]  # option values to apply (CLI option names, snake_case)
     entry: PlanEntry
@@ -114,15 +121,28 @@ def _retrain(base: Scenario, **update: Any) -> Scenario | None:
     return base.model_copy(update={"training": training})
 
 
+def _lever(base: Scenario, req: PlanRequest, kind: str, title: str,
+           **update: Any) -> Suggestion | None:
+    """The suggestion of one training-setting change, when it makes the job fit."""
+    scn = _retrain(base, **update)
+    if scn is None or not feasible(scn, req):
+        return None
+    entry = _best(scn, req)
+    return None if entry is None else Suggestion(kind, title, update, entry)
+
+
 def suggest_changes(base: Scenario, req: PlanRequest, profiles: Sequence[GPUProfile] = (),
                     progress: ProgressFn | None = None, max_gpus: int = 16384,
-                    max_other_gpus: int = 3) -> list[Suggestion]:
-    """The smallest changes that make the job fit, each with the best plan under it."""
+                    max_other_gpus: int = 3, closest: PlanEntry | None = None,
+                    ) -> list[Suggestion]:
+    """The smallest changes that make the job fit, each with the best plan under it
+    (`closest`, the layout that came nearest, only words a title)."""
     assert base.cluster is not None
     out: list[Suggestion] = []
     cl = base.cluster
     gpu = cl.gpu
-    steps = ["gpus", "gpu type", "offload", "optimizer", "finetune", "sequence"]
+    steps = ["gpus", "gpu type", "offload", "optimizer", "fused optimizer", "finetune",
+             "chunked loss", "activation offload", "sequence"]
 
     def tick(i: int) -> None:
         if progress is not None:
@@ -181,21 +201,52 @@ def suggest_changes(base: Scenario, req: PlanRequest, profiles: Sequence[GPUProf
             if entry is not None:
                 out.append(Suggestion("optimizer", "use 8-bit AdamW (bitsandbytes)",
                                       {"optimizer": "adamw-8bit"}, entry))
-    # 5. LoRA / QLoRA / DoRA
+    # 5. a fused AdamW step: torch._fused_adamw_ updates in place, no _foreach_sqrt copy of
+    # the second moments (vramcalc/terms/transients.py)
     tick(4)
+    if tr.optimizer in ("adam", "adamw") and tr.optimizer_impl != "fused":
+        sg = _lever(base, req, "optimizer_impl", "step AdamW fused (no foreach temporaries)",
+                    optimizer_impl="fused")
+        if sg is not None:
+            out.append(sg)
+    # 6. LoRA / QLoRA / DoRA
+    tick(5)
     if "finetune" not in req.allow:
+        ft_req = replace(req, finetuning=True)  # rerun with --finetune: a fine-tuning batch
+        batch = ft_req.batch_for(tr.seq_len)
+        what = "" if batch == req.batch_for(tr.seq_len) else (
+            f" (a fine-tuning batch of {batch} sequences)")
         for ft in FINETUNES:
             if ft in (tr.finetune, "full"):
                 continue
             scn = _retrain(base, finetune=ft)
-            if scn is not None and feasible(scn, req):
-                entry = _best(scn, req)
+            if scn is not None and feasible(scn, ft_req):
+                entry = _best(scn, ft_req)
                 if entry is not None:
-                    out.append(Suggestion("finetune", f"fine-tune with {ft}",
+                    out.append(Suggestion("finetune", f"fine-tune with {ft}{what}",
                                           {"finetune": ft}, entry))
                     break
-    # 6. shorter sequence (largest power-of-two fraction that fits)
-    tick(5)
+    # 7. chunked cross entropy: the fp32 logits and their gradients one chunk at a time;
+    # 8 chunks = torchtune's CEWithChunkedOutputLoss default num_output_chunks
+    tick(6)
+    if tr.chunked_ce == 1:
+        share = ""
+        if closest is not None and closest.report.device_total_bytes:
+            frac = closest.report.terms.logits / closest.report.device_total_bytes
+            share = f" (logits are {frac:.0%} of the closest layout's memory)"
+        sg = _lever(base, req, "chunked_ce", f"chunk the cross entropy in 8{share}",
+                    chunked_ce=CHUNKED_CE_DEFAULT)
+        if sg is not None:
+            out.append(sg)
+    # 8. activation offload: saved activations wait in pinned host memory
+    tick(7)
+    if not tr.activation_offload:
+        sg = _lever(base, req, "activation_offload", "offload activations to CPU RAM",
+                    activation_offload=True)
+        if sg is not None:
+            out.append(sg)
+    # 9. shorter sequence (largest power-of-two fraction that fits)
+    tick(8)
     s = tr.seq_len // 2
     while s >= 128:
         scn = _retrain(base, seq_len=s)

@@ -4,6 +4,7 @@ Each record keeps the option values it was measured with; the analytic (and, wit
 trace) engines are re-run on them now, so a formula change shows up against the same
 measurements. Tolerances (issue: probe acceptance): analytic peak within 5% of measured
 `max_memory_allocated`, and the analytic device total at or above measured reserved + context.
+A folder with no record to compare is an InputError (exit 2), never a pass with 0 rows.
 """
 
 from __future__ import annotations
@@ -23,8 +24,12 @@ def compare_records(folder: Path, with_trace: bool = False) -> dict[str, Any]:
     from vramcalc.analytic import estimate
     from vramcalc.options import build_scenario
 
+    records = read_records(folder)
+    if not records:
+        raise InputError(f"no probe records (*.json) in {folder}: nothing to validate (write "
+                         "some with `vramcalc probe --out DIR` on a GPU)")
     rows = []
-    for rec in read_records(folder):
+    for rec in records:
         if rec.get("status") != "ok" or rec.get("kind") != "builtin":
             continue
         measured = rec["measured"]
@@ -63,6 +68,10 @@ def compare_records(folder: Path, with_trace: bool = False) -> dict[str, Any]:
 
             row["trace_rel_error"] = rel_error(run_trace(scn).peak_allocated_bytes, peak)
         rows.append(row)
+    if not rows:
+        raise InputError(f"none of the {len(records)} probe records in {folder} is a completed "
+                         "built-in measurement (kind builtin, status ok, a measured peak): "
+                         "nothing to validate")
     errs = [abs(r["rel_error"]) for r in rows if r["rel_error"] is not None]
     failed = [r for r in rows if (r["rel_error"] is not None and abs(r["rel_error"]) >
                                   PEAK_TOLERANCE) or r.get("device_total_covers") is False]

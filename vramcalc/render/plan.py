@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from vramcalc.provenance import provenance
-from vramcalc.render.report import TERM_LABELS, print_report, strategy_line
+from vramcalc.render.report import TERM_LABELS, note_markup, print_report, strategy_line
 from vramcalc.render.tables import Column, fitted_table
 from vramcalc.report import MemoryReport, fit_phrase
 from vramcalc.units import GB, GiB, fmt_gb
@@ -179,7 +179,7 @@ def print_plan(console: Console, doc: dict[str, Any]) -> None:
                   + (f", {res.num_rejected:,} refused by the engine" if res.num_rejected else "")
                   + "[/dim]")
     for note in doc["notes"]:
-        console.print(f"[dim]note: {note}[/dim]")
+        console.print(note_markup(note))
     console.print()
     usable = base.usable_bytes
     if res.entries:
@@ -311,7 +311,7 @@ def print_size(console: Console, rows: Sequence[Any], title: str, notes: Sequenc
         for n in r.notes:
             console.print(f"[dim]note ({r.gpu.id}): {n}[/dim]")
     for n in notes:
-        console.print(f"[dim]note: {n}[/dim]")
+        console.print(note_markup(n))
 
 
 # ---- check ------------------------------------------------------------------------------
@@ -347,7 +347,7 @@ def check_markdown(report: MemoryReport, usable_bytes: int, headroom: float, sou
     if report.host_bytes_per_node:
         lines.append(f"Host RAM for offload: {report.host_bytes_per_node / GB:,.2f} GB per node.")
     for n in list(report.notes) + list(notes):
-        lines.append(f"> note: {n}")
+        lines.append(f"> {n}" if n.startswith("warning:") else f"> note: {n}")
     lines.append("")
     info = provenance()
     lines.append(f"<sub>vramcalc {info['vramcalc_version']} analytic estimate (GPU profiles "

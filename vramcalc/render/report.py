@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -145,7 +146,7 @@ def print_report(console: Console, report: MemoryReport) -> None:
         console.print(f"NVMe for offload: {fmt_gb(report.nvme_bytes_per_node)} per node")
     console.print(verdict_text(report))
     for note in report.notes:
-        console.print(f"[dim]note: {note}[/dim]")
+        console.print(note_markup(note))
 
 
 def print_explain(console: Console, doc: dict[str, Any]) -> None:
@@ -155,3 +156,11 @@ def print_explain(console: Console, doc: dict[str, Any]) -> None:
         for line in sec["lines"]:
             console.print(f"  {line}", soft_wrap=True)
         console.print()
+
+
+def note_markup(note: str) -> str:
+    """A report note as rich markup: warnings (text starting "warning:") in yellow, the
+    others dimmed after "note:"."""
+    if note.startswith("warning:"):
+        return f"[yellow]{escape(note)}[/yellow]"
+    return f"[dim]note: {escape(note)}[/dim]"

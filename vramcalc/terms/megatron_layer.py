@@ -191,3 +191,66 @@ def megatron_moe_bytes(ctx: RankContext) -> int:
         combined = n if ctx.training.dispatcher == "allgather" else T * k
         router += 8 * T + 2 * combined * x.h
     return router + dispatch + experts + shared
+
+
+def megatron_layer_tensors(ctx: RankContext, moe: bool = False) -> list[tuple[str, str, float]]:
+    """`megatron_layer_bytes` tensor by tensor, for `vramcalc explain`: (name, Korthikanti
+    et al. 2022 Table 2 size in s·b·h units (or as·b / as²b for the core), bytes on this
+    rank). Replicated tensors (the norms' inputs, the QKV and fc1 inputs, the dropout masks)
+    are whole on each TP rank without sequence parallelism; the others are ÷t. The bytes add
+    up to `megatron_layer_bytes` (which rounds their sum down to an int once)."""
+    x = dims(ctx)
+    s, b, h, t = x.s, x.b, x.h, ctx.parallel.tp
+    a = ctx.spec.num_attention_heads
+    sp = ctx.parallel.sequence_parallel
+    sbh = s * b * h
+    if ctx.training.recompute == "full":
+        return [("layer input (checkpoint)", "2 sbh", 2 * sbh / (t if sp else 1))]
+    fp8 = ctx.training.precision == "fp8"
+    drop = megatron_dropout(ctx) > 0
+    g8 = 1 if fp8 else 2  # GEMM inputs: TE's 1-byte FP8 copies under fp8
+
+    def rep(coef: float) -> float:  # replicated across TP ranks unless SP
+        return sbh * coef / (t if sp else 1)
+
+    def shard(coef: float) -> float:
+        return sbh * coef / t
+
+    out = [("input_layernorm input", "2 sbh", rep(2)),
+           ("QKV GEMM input", f"{g8} sbh", rep(g8)),
+           ("Q, K (QK^T inputs)", "4 sbh", shard(4)),
+           ("V", "2 sbh", shard(2))]
+    rec = ctx.training.recompute
+    if rec == "selective":
+        out.append(("attention core", "recomputed (core_attn)", 0.0))
+    elif ctx.training.attention == "eager" and drop:
+        out += [("softmax output", "2 as²b", 2 * a * s * s * b / t),
+                ("attention dropout mask", "as²b", a * s * s * b / t),
+                ("attention dropout output", "2 as²b", 2 * a * s * s * b / t)]
+    elif ctx.training.attention == "eager":
+        out.append(("softmax output", "2 as²b", 2 * a * s * s * b / t))
+    else:
+        out.append(("flash softmax statistics (fp32 logsumexp)", "4 asb", 4 * a * s * b / t))
+    out.append(("output projection input", f"{g8} sbh", shard(g8)))
+    if drop:
+        out.append(("bias-dropout-add mask (attention)", "sbh", rep(1)))
+    out.append(("pre_mlp_layernorm input", "2 sbh", rep(2)))
+    if moe:
+        out.append(("router input", "2 sbh", rep(2)))
+    else:
+        f = ctx.spec.intermediate_size / h
+        out.append(("fc1 input", f"{g8} sbh", rep(g8)))
+        if ctx.spec.mlp_kind == "gated":
+            out.append(("fused SwiGLU input (s, b, 2f)", f"{4 * f:g} sbh", shard(4 * f)))
+        else:
+            out.append(("GeLU input (s, b, f)", f"{2 * f:g} sbh", shard(2 * f)))
+        out.append(("fc2 input", f"{g8 * f:g} sbh", shard(g8 * f)))
+    if drop:
+        out.append(("bias-dropout-add mask (MLP)", "sbh", rep(1)))
+    if moe:
+        out.append(("experts: router, dispatch, expert MLPs", "megatron_moe_bytes",
+                    float(megatron_moe_bytes(ctx))))
+    if fp8:
+        out.append(("FP8 scale_inverse of the 4 GEMM inputs", "4 x (1,) fp32",
+                    float(4 * alloc(1, "fp32"))))
+    return out

@@ -65,6 +65,14 @@ def _optimizer_step_temp_bytes(ctx: RankContext) -> int:
         return 0
     if ctx.engine in ("deepspeed", "megatron"):
         return fused_step_temp_bytes(ctx)
+    temp, inner, copy_peak = optimizer_step_parts(ctx)
+    return temp + max(inner, copy_peak)
+
+
+def optimizer_step_parts(ctx: RankContext) -> tuple[int, int, int]:
+    """The torch optimizer step's parts (`_optimizer_step_temp_bytes`, whose docstring gives
+    the formulas): (fp32 gradient copies net of the 16-bit gradients they replace, the inner
+    step's temporaries, the copy loop's peak above the net copies)."""
     tr = ctx.training
     shard = ctx.state_shard
     tensors = [(sharded_numel(t.numel, shard), t.count, t.rows) for t in ctx.train_tensors]
@@ -85,7 +93,7 @@ def _optimizer_step_temp_bytes(ctx: RankContext) -> int:
                        if rows and shard == 1)
         vectors = sum(c * alloc(n, sd) for n, c, rows in tensors if not (rows and shard == 1))
         inner = max(matrices, vectors)
-    return temp + max(inner, copy_peak)
+    return temp, inner, copy_peak
 
 
 def _loop_step_peak(ctx: RankContext, shard: int, temps: int = 2) -> int:

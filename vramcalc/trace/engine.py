@@ -33,7 +33,7 @@ from vramcalc.report import (
     model_info,
     strategy_dict,
 )
-from vramcalc.scenario import Scenario
+from vramcalc.scenario import Scenario, check_capabilities
 from vramcalc.terms.overhead import overhead_split
 from vramcalc.terms.transients import cublas_workspace_bytes
 
@@ -99,6 +99,7 @@ def check_traceable(scn: Scenario) -> Scenario:
     if tr.finetune == "qlora" and tr.quantize_head:
         raise InputError("--quantize-head is not traceable (the traced models keep lm_head "
                          "in the policy dtype); estimate it with the analytic engine")
+    check_capabilities(scn)
     if tr.precision == "fp8" or tr.qat != "none":
         from vramcalc.terms.lowprec import check_lowprec
 

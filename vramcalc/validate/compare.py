@@ -20,12 +20,14 @@ rel_error = (analytic − trace) / trace. The trace is the referee.
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 from vramcalc.analytic import estimate, stage_phases
+from vramcalc.errors import InputError
 from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.terms import activations as act
@@ -101,6 +103,9 @@ def compare(name: str, scn: Scenario) -> dict[str, Any]:
     try:
         ana = estimate(scn)
         res = distributed_trace(scn) if scn.parallel.fsdp != "none" else trace(scn)
+    except ImportError as err:  # a missing package is the user's to install, not a row
+        raise InputError(f"validate runs the trace engine, which needs a package that is not "
+                         f"installed ({err}): pip install {err.name or 'torch'}") from None
     except Exception as err:  # a scenario that cannot run is a failed row, not a crash
         row.update(error=f"{type(err).__name__}: {err}", ok=False, failures=["error"],
                    analytic_bytes=0, trace_bytes=0, rel_error=float("inf"), terms={},
@@ -127,13 +132,36 @@ def compare(name: str, scn: Scenario) -> dict[str, Any]:
     return row
 
 
+def missing_packages(scenarios: list[tuple[str, Scenario]]) -> list[str]:
+    """The Python packages the trace engine needs for these scenarios that are not installed:
+    torch always, transformers for the hf profile, peft for its adapters."""
+    need = ["torch"]
+    hf = [scn.training for _, scn in scenarios if scn.training.framework == "hf"]
+    if hf:
+        need.append("transformers")
+    if any(tr.finetune != "full" for tr in hf):
+        need.append("peft")
+    return [name for name in need if importlib.util.find_spec(name) is None]
+
+
+def check_dependencies(scenarios: list[tuple[str, Scenario]]) -> None:
+    """InputError naming what to install when the trace engine cannot run these scenarios."""
+    missing = missing_packages(scenarios)
+    if missing:
+        names = " ".join(missing)
+        raise InputError(f"validate runs the trace engine, which needs {', '.join(missing)} "
+                         f"(not installed): pip install {names}")
+
+
 def run_validation(scenarios: list[tuple[str, Scenario]],
                    progress: Progress | None = None) -> dict[str, Any]:
     """Compare the engines on every scenario; rows plus a summary (see module docstring).
 
     Returns {"scenarios": [row, ...], "summary": {"median_abs_rel_error",
     "max_abs_rel_error", "num_scenarios", "num_failed", "within_tolerance", "tolerances"}}.
+    Missing packages are an InputError before any scenario runs (`check_dependencies`).
     """
+    check_dependencies(scenarios)
     rows = []
     for i, (name, scn) in enumerate(scenarios):
         if progress:

@@ -1,0 +1,91 @@
+"""`vramcalc explain` has a section for every term: logits and loss, transients (with the
+optimizer step's formula) and overhead, and the megatron profile lists its saved tensors.
+
+Hand derivations in each test; model facts from the model cards' config.json
+(Llama-2-7B: 6,738,415,616 parameters, tests/test_catalog.py; Llama-3-8B: vocabulary
+128,256; GPT-2 medium: h 1024, 16 heads, FFN 4096) and Korthikanti et al. 2022
+(arXiv:2205.05198) Table 2 / eq. 2 for Megatron's per-layer activations.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from vramcalc.cli import app
+from vramcalc.options import build_scenario
+from vramcalc.rank import RankContext
+from vramcalc.terms.megatron_layer import megatron_layer_bytes, megatron_layer_tensors
+
+runner = CliRunner()
+
+
+def _explain(*args: str) -> dict[str, list[str]]:
+    result = runner.invoke(app, ["explain", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    return {s["title"]: s["lines"] for s in doc["sections"]}
+
+
+def _last_gb(text: str) -> float:
+    m = re.search(r"= ([\d,.]+) GB\.?$", text)
+    assert m, text
+    return float(m.group(1).replace(",", ""))
+
+
+def test_the_optimizer_step_transient_of_a_7b_full_fine_tune_has_its_formula() -> None:
+    """bf16 weights and grads, fp32 master and AdamW states, torch's foreach AdamW on one GPU:
+    each bf16 gradient becomes an fp32 copy on its master (net 2 B/param), then
+    _foreach_sqrt(exp_avg_sq) copies every second moment (4 B/param): 6 B x 6.74e9 = 40.4 GB."""
+    sections = _explain("--model", "llama2-7b", "--gpus", "1xH200", "--seq-len", "2048")
+    lines = sections["Transients"]
+    text = next(line for line in lines if line.startswith("Optimizer-step transient"))
+    params = 6_738_415_616
+    assert _last_gb(text) == pytest.approx(6 * params / 1e9, rel=1e-3)
+    assert any("_foreach_sqrt" in line and "4 B x 6,738,415,616" in line for line in lines)
+    assert any("(4 − 2) B x 6,738,415,616" in line for line in lines)
+
+
+def test_logits_section_substitutes_tokens_and_vocabulary() -> None:
+    # N = b·s = 4096 tokens x V = 128,256: forward 2 fp32 buffers, backward 3 (12 B/logit)
+    sections = _explain("--model", "llama3-8b", "--gpus", "8xH100", "--zero", "3")
+    lines = sections["Logits and loss"]
+    n = 4096 * 128_256
+    assert any(f"= {n:,} logits" in line for line in lines), lines
+    assert any(f"3 x {n:,} x 4 B = {12 * n / 1e9:,.3f} GB" in line for line in lines), lines
+
+
+def test_overhead_section_names_context_nccl_and_fragmentation() -> None:
+    sections = _explain("--model", "llama3-8b", "--gpus", "8xH100", "--zero", "3")
+    lines = " ".join(sections["Overhead"])
+    # H100 profile: 500 MiB CUDA context; 8 ranks: aiconfigurator's 392 MB of NCCL buffers
+    assert "CUDA context" in lines and f"{500 * 2**20 / 1e9:,.3f} GB" in lines
+    assert "0.392 GB" in lines and "fragmentation" in lines
+
+
+def test_megatron_profile_lists_its_tensors() -> None:
+    sections = _explain("--model", "70b", "--gpus", "64xH100", "--tp", "8", "--pp", "2",
+                        "--framework", "megatron", "--sequence-parallel", "--zero", "1")
+    text = "\n".join(sections["Activations"])
+    for name in ("QKV GEMM input", "fc1 input", "fc2 input", "flash softmax statistics"):
+        assert name in text
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_megatron_tensors_add_up_to_korthikanti_eq_2(tp: int) -> None:
+    """No sequence parallelism, unfused attention with dropout, a 4h GeLU MLP: the paper's
+    s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes per layer."""
+    s, b, h, a = 1024, 2, 1024, 16  # GPT-2 medium
+    scn = build_scenario({"model": "gpt2-medium", "gpus": f"{tp}xH100", "tp": tp,
+                          "framework": "megatron", "attention": "eager", "seq_len": s,
+                          "micro_batch_size": b})
+    ctx = RankContext(scn.model, scn.training, scn.parallel, 0)
+    paper = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    tensors = megatron_layer_tensors(ctx)
+    assert sum(t[2] for t in tensors) == pytest.approx(paper, abs=1)
+    assert megatron_layer_bytes(ctx) == pytest.approx(paper, abs=1)
+    assert {"softmax output", "attention dropout mask", "attention dropout output"} <= {
+        t[0] for t in tensors}
