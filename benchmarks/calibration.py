@@ -382,10 +382,27 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
         "notes": [_ALPACA_512, "torchtune ff594c2 7B_lora_single_device.yaml: "
                   "torch.optim.AdamW without `fused` (foreach), torch.nn.CrossEntropyLoss "
                   "(no chunking), lora_llama2_7b's lora_dropout 0.05"]},
-    # torchao NF4 is modelled (--qlora-impl torchao --torchao-version 0.1, torchtune
-    # 0914d5cf pins torchao==0.1); the sequence length is not fixed
-    "torchtune-llama2-7b-qlora-r8-1gpu": {"missing": [_DYNAMIC]},
-    "torchtune-readme-apr24-llama2-7b-lora-fsdp-2x4090": {"missing": [_DYNAMIC]},
+    "torchtune-llama2-7b-qlora-r8-1gpu": {
+        "flags": {"model": "llama2-7b", **_TUNE, "seq_len": 512, "optimizer_impl": "foreach",
+                  "finetune": "qlora", "lora_rank": 8, "lora_targets": "q,k,v,o,gate,up,down",
+                  "lora_dropout": 0.05, "qlora_impl": "torchao", "torchao_version": "0.1",
+                  "load": "torchtune"},
+        "notes": [_ALPACA_512, "torchtune 0914d5cf 7B_qlora_single_device.yaml: "
+                  "qlora_llama2_7b (lora_llama2_7b with quantize_base: the same lora_dropout "
+                  "0.05) on q, k, v, output_proj and the MLP, torch.optim.AdamW without "
+                  "`fused` (foreach); torchao==0.1 NF4Tensor (--qlora-impl torchao "
+                  "--torchao-version 0.1); the recipe builds the model on the GPU and "
+                  "quantizes each weight (--load torchtune)"]},
+    "torchtune-readme-apr24-llama2-7b-lora-fsdp-2x4090": {
+        "flags": {"model": "llama2-7b", **_TUNE, "gpus": "2xRTX4090", "recompute": "none",
+                  "seq_len": 512, "optimizer_impl": "foreach", "finetune": "lora",
+                  "lora_rank": 8, "lora_targets": "q,v", "lora_dropout": 0.05,
+                  "fsdp": "full"},
+        "notes": [_ALPACA_512, "torchtune fef3ed10 7B_lora.yaml (lora_finetune_distributed): "
+                  "enable_activation_checkpointing False, batch 2 per GPU, torch.optim.AdamW "
+                  "(foreach); its FSDP1 wraps each LoRA A and B in a unit of its own, so no "
+                  "flat parameter mixes frozen and trained weights and FSDP2's per-parameter "
+                  "sharding (--fsdp full) holds the same bytes"]},
     # optimizer_in_bwd is modelled (--optimizer-in-backward); its paged AdamW too
     "torchtune-readme-apr24-llama2-7b-full-lowmem-1x4090": {"missing": [
         _DYNAMIC + ": torchtune's alpaca_dataset (tatsu-lab/alpaca, truncation at 512) — "
