@@ -157,3 +157,21 @@ def test_forward_peak_grows_without_the_inputs() -> None:
     grown = fwd(2 * t) - fwd(t)
     assert grown < L * t * H * 2
     assert grown >= 3 * t * H * 2  # the kept input, the buffer, dL/dhidden
+
+
+def test_trace_refuses_the_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    # Unsloth's Triton kernels and CUDA streams do not run under FakeTensorMode on the CPU
+    code = main(["trace", "--model", "llama3-8b", "--gpus", "1xH100", "--framework",
+                 "unsloth", "--finetune", "qlora", "--precision", "bf16"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "unsloth" in err
+
+
+def test_report_notes_the_offload_and_chunks() -> None:
+    import json
+    out = CliRunner().invoke(app, [
+        "estimate", "--model", "llama3-8b", "--gpus", "1xH100", "--framework", "unsloth",
+        "--finetune", "qlora", "--precision", "bf16", "--seq-len", "32768", "--recompute",
+        "full", "--json"]).output
+    notes = " ".join(json.loads(out)["notes"])
+    assert "pinned host memory" in notes and "4 chunks" in notes

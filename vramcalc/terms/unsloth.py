@@ -146,6 +146,20 @@ def fused_ce_backward_peak_bytes(ctx: RankContext) -> int:
     return fused_ce_saved_bytes(ctx) + alloc(x.T * x.h, x.c)
 
 
+def unsloth_notes(ctx: RankContext) -> list[str]:
+    """What the report says of Unsloth's offload and fused loss."""
+    out = []
+    if offloads_checkpoints(ctx):
+        out.append("unsloth checkpointing: every layer input but the last waits in pinned "
+                   "host memory (host RAM above) and comes back into one reusable device "
+                   "buffer in backward")
+    n = num_chunks(ctx)
+    out.append(f"unsloth fused cross entropy: {n} chunk{'s' * (n > 1)} of fp32 logits at "
+               "Unsloth's 4 GiB cap, none kept; with under 8 GiB free at the first step "
+               "Unsloth picks smaller chunks (this estimate is then an upper bound)")
+    return out
+
+
 class UnslothCheckpointing(Modifier):
     """Unsloth's offloaded gradient checkpointing (table above)."""
 
