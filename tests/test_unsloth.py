@@ -175,3 +175,28 @@ def test_report_notes_the_offload_and_chunks() -> None:
         "full", "--json"]).output
     notes = " ".join(json.loads(out)["notes"])
     assert "pinned host memory" in notes and "4 chunks" in notes
+
+
+def test_lora_kernels_saved_set() -> None:
+    # fast_lora.py LoRA_MLP.forward: ctx.save_for_backward(gateA, gateB, upA, upB, downA,
+    # downB, X, e, g): of the MLP only X (T·h), e = gate(X) and g = up(X) (T·f each); h =
+    # act(e)·g is recomputed in backward; LoRA_QKV / LoRA_W keep no adapter A outputs
+    from vramcalc.terms.activations import without_recompute
+    s = 1000
+    saved = {t.name: t for t in layer_saved(without_recompute(_ctx(seq_len=s)))}
+    assert {n for n in saved if n.startswith("mlp.")} == {"mlp.input", "mlp.gate", "mlp.up"}
+    assert saved["mlp.gate"].numel == saved["mlp.up"].numel == s * F
+    assert not [n for n in saved if n.startswith("lora.")]
+
+
+def test_lora_mlp_backward_one_buffer() -> None:
+    # LoRA_MLP.backward: DW = dY·downᵀ is the one new (T, f) buffer; `_backward_function(DW,
+    # e, g)` writes h, df, de in place. The hf profile's autograd act·up backward allocates
+    # d(act·up), d act and d up (3·T·f): two (T, f) buffers more at the MLP instant
+    from vramcalc.terms.activations import layer_backward_moments
+    s = 2048
+    uns = {m.name: m for m in layer_backward_moments(_ctx(seq_len=s))}
+    ref = {m.name: m for m in layer_backward_moments(_ctx(seq_len=s, framework="reference",
+                                                          precision="bf16"))}
+    # the reference profile has no QLoRA-specific MLP work beyond the same dequant instant
+    assert ref["mlp"].work - uns["mlp"].work == 2 * s * F * 2

@@ -248,6 +248,8 @@ class TrainingConfig(BaseModel):
         use_reentrant=True when none is given), else no (transformers 5.x's default)."""
         if self.use_reentrant is not None:
             return self.use_reentrant
+        if self.framework == "unsloth":  # UnslothCheckpointFunction re-runs as reentrant
+            return self.recompute == "full"
         return self.kbit_prepare and self.recompute == "full"
 
     @model_validator(mode="after")

@@ -9,6 +9,7 @@ hold, as explicit objects (vramcalc.terms.saved.Modifier), in the order their ho
 | `ChunkedLoss`         | chunked cross entropy                     | vramcalc/terms/lowmem.py |
 | `DeepSpeedCheckpointing` | DeepSpeed partition_activations / cpu_checkpointing with full recompute | vramcalc/terms/ds_checkpointing.py |
 | `UnslothCheckpointing` | unsloth profile, full recompute (offloaded checkpoints) | vramcalc/terms/unsloth.py |
+| `UnslothLoraKernels` | unsloth profile, dense gated MLP | vramcalc/terms/unsloth.py |
 | `UnslothDequantBuffer` | unsloth profile, QLoRA | vramcalc/terms/unsloth.py |
 
 (vramcalc.features has the predicates.) Fine-tuning adjusts a layer's saved list before low
@@ -24,11 +25,16 @@ from vramcalc.terms.finetune_modifier import FinetuneActivations
 from vramcalc.terms.lowmem import ActivationOffload, ChunkedLoss
 from vramcalc.terms.lowprec import LowPrecision
 from vramcalc.terms.saved import Modifier
-from vramcalc.terms.unsloth import UnslothCheckpointing, UnslothDequantBuffer
+from vramcalc.terms.unsloth import (
+    UnslothCheckpointing,
+    UnslothDequantBuffer,
+    UnslothLoraKernels,
+)
 
 MODIFIERS: tuple[Modifier, ...] = (FinetuneActivations(), LowPrecision(), ActivationOffload(),
                                    ChunkedLoss(), DeepSpeedCheckpointing(),
-                                   UnslothCheckpointing(), UnslothDequantBuffer())
+                                   UnslothLoraKernels(), UnslothCheckpointing(),
+                                   UnslothDequantBuffer())
 
 
 def modifiers(ctx: RankContext) -> tuple[Modifier, ...]:

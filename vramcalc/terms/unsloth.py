@@ -48,14 +48,15 @@ weight with `fast_dequantize(..., use_global_buffer=True)` into one weight buffe
 (`ABSMAX_BUFFERS`, one float per 64 weights): both persist for the whole run. Backward
 dequantizes into fresh tensors, one weight at a time, as bitsandbytes does (the QLoRA
 transients' term). `LoRA_MLP` saves X, e = gate(X) and g = up(X) and recomputes the
-activation in backward; with offloaded checkpointing only the recomputed layer holds them.
+activation in backward, whose buffers it reuses in place (`UnslothLoraKernels`); with
+offloaded checkpointing only the recomputed layer holds them.
 """
 
 from __future__ import annotations
 
 from vramcalc.hardware import GPUProfile
 from vramcalc.rank import RankContext
-from vramcalc.terms.saved import SAVED_BITS, Modifier, Saved, dims
+from vramcalc.terms.saved import SAVED_BITS, Modifier, Moment, Saved, dims
 from vramcalc.units import ALLOC_ROUND_BYTES, alloc, ceil_div
 
 GIB = 2**30
@@ -183,6 +184,44 @@ class UnslothCheckpointing(Modifier):
 
     def persistent_parts(self, ctx: RankContext, gpu: GPUProfile | None) -> dict[str, int]:
         return {"transients/unsloth_gc_buffer": reload_buffer_bytes(ctx)}
+
+
+def lora_kernels(ctx: RankContext) -> bool:
+    """Whether the layers run Unsloth's fused LoRA kernels: the unsloth profile on a dense
+    gated-MLP model (LoRA_MLP fuses gate, up and down; LoRA_QKV and LoRA_W the attention)."""
+    spec = ctx.spec
+    return (unsloth(ctx) and spec.mlp_kind == "gated" and not spec.is_moe
+            and not spec.is_encoder)
+
+
+# what the fused kernels do not save: LoRA_MLP recomputes h = act(e)·g in backward
+# (`_backward_function(DW, e, g)`), matmul_lora's X·A lives inside the Function's forward
+_NOT_SAVED = ("mlp.act", "mlp.down_input")
+
+
+class UnslothLoraKernels(Modifier):
+    """Unsloth's LoRA_MLP / LoRA_QKV / LoRA_W autograd Functions: what a layer saves and its
+    MLP backward's buffers."""
+
+    name = "unsloth_lora_kernels"
+
+    def applies(self, ctx: RankContext) -> bool:
+        return lora_kernels(ctx)
+
+    def layer_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
+        # LoRA_MLP saves X, e, g; the Functions keep no adapter A outputs
+        return [t for t in saved if t.name not in _NOT_SAVED
+                and not (t.name.startswith("lora.") and t.name.endswith(".a_out"))]
+
+    def backward_moments(self, ctx: RankContext, moments: list[Moment],
+                         saved: list[Saved]) -> list[Moment]:
+        # LoRA_MLP.backward: DW = dY·downᵀ (T·f, new), then `_backward_function(DW, e, g)`
+        # writes h, df, de into DW, e and g in place: one T·f buffer where autograd's
+        # act·up backward has three
+        x = dims(ctx)
+        fewer = 2 * alloc(x.T * x.f, x.c)
+        return [Moment(m.name, m.held, m.work - fewer, m.grads) if m.name == "mlp" else m
+                for m in moments]
 
 
 class UnslothDequantBuffer(Modifier):
