@@ -200,3 +200,11 @@ def test_lora_mlp_backward_one_buffer() -> None:
                                                           precision="bf16"))}
     # the reference profile has no QLoRA-specific MLP work beyond the same dequant instant
     assert ref["mlp"].work - uns["mlp"].work == 2 * s * F * 2
+
+
+def test_explain_describes_the_fused_loss(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["explain", "--model", "llama3-8b", "--gpus", "1xH100", "--framework",
+                 "unsloth", "--finetune", "qlora", "--precision", "bf16", "--seq-len", "32768"])
+    out = capsys.readouterr().out
+    assert code == 0 and "fused cross entropy" in out and "4 chunks" in out
+    assert "fp32 log-probabilities (kept" not in out  # not the plain loss's formula
