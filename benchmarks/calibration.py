@@ -472,12 +472,19 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
     "gcp-openllama7b-lora-r16-seq256-a100": {
         "missing": ["LoRA targets, optimizer and checkpointing not stated"]},
     # the Hugging Face + FA2 column of Unsloth's README (000252c9): a largest-fitting
-    # sequence length, answerable by a search over --seq-len with the estimate; but the
-    # baseline's gradient checkpointing, optimizer, precision policy and card are not
-    # stated, and checkpointing alone changes that length about six-fold
+    # sequence length, the question `vramcalc max --maximize seq-len` answers; but neither
+    # the README nor the Llama 3.1 / 3.3 blog posts (unsloth.ai/blog/llama3-1, llama3-3)
+    # state the baseline's gradient checkpointing, optimizer, precision policy or card, and
+    # checkpointing alone changes that length about six-fold. The column is also an exact
+    # line in VRAM: 404.75 tokens per GB between every pair of its rows from 12 to 80 GB
+    # (932, 2551, 5789, 12264, 15502, 28454), so the 24 GB row is read off a fit through
+    # runs on other cards (the Llama 3 blog's data came from an A100 80GB SXM), not the
+    # boundary of a 24 GB card
     "unsloth-hf-fa2-llama31-8b-qlora-r32-maxctx-24gb": {
-        "missing": ["gradient checkpointing, optimizer, precision policy and GPU not stated "
-                    "(they move the largest fitting sequence several-fold)"]},
+        "missing": ["baseline's gradient checkpointing, optimizer, precision and GPU not "
+                    "stated (they move the largest fitting sequence several-fold); the "
+                    "README column is linear in VRAM (404.75 tokens/GB, 12-80 GB), a fit "
+                    "rather than a 24 GB measurement"]},
 }
 
 

@@ -39,6 +39,7 @@ from vramcalc.terms.transients import (
     optimizer_step_parts,
     optimizer_step_temp_bytes,
 )
+from vramcalc.terms.unsloth import chunk_logits_bytes, num_chunks
 from vramcalc.terms.weights import finetune_weight_parts, weights_by_group
 from vramcalc.units import DTYPE_BITS, GB, fmt_gb
 
@@ -237,6 +238,12 @@ def logits_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
     if chunks_loss(tr):
         out.append(f"Chunked cross entropy ({tr.chunked_ce} chunks): the fp32 logits and their "
                    "gradients exist one chunk at a time; the log-probabilities are all kept.")
+    elif tr.framework == "unsloth":  # vramcalc/terms/unsloth.py
+        n = num_chunks(ctx)
+        out.append(f"Unsloth's fused cross entropy computes the loss and dL/dhidden in forward, "
+                   f"{n} chunk{'s' * (n > 1)} of ⌈N/{n}⌉ tokens at a time (fp32 logits of "
+                   f"{_gb(chunk_logits_bytes(ctx))} per chunk, none kept), and keeps "
+                   f"dL/dhidden (N x h in {x.c}) and the shifted labels for backward.")
     elif tr.framework == "megatron":
         c = DTYPE_BITS[tr.compute_dtype] // 8
         out.append(f"Megatron-LM's vocab-parallel cross entropy turns one fp32 copy of the "

@@ -21,6 +21,7 @@ from vramcalc.terms.lowprec import (
     persistent_parts,
 )
 from vramcalc.terms.optimizer_states import paged_state_bytes
+from vramcalc.terms.unsloth import unsloth_notes
 from vramcalc.training import COMPUTE_DTYPE, TrainingConfig
 from vramcalc.units import fmt_gb
 
@@ -133,6 +134,8 @@ def finetune_notes(ctx: RankContext) -> list[str]:
         else:
             out.append("activation offload: the layers' saved tensors wait in pinned host "
                        "memory (host RAM above); each comes back when its backward node runs")
+    if tr.framework == "unsloth":
+        out.extend(unsloth_notes(ctx))  # vramcalc/terms/unsloth.py
     if chunks_loss(tr) and tr.framework == "torchtune":
         kept = ("each chunk's 16-bit logits and two fp32 numbers per token are kept "
                 "(compiled)" if tr.compile else "the fp32 log-probabilities are all kept")

@@ -120,7 +120,10 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "torchtune (torchtune 1814feb's recipes: --chunked-ce N is CEWithChunkedOutputLoss, "
         "fused AdamW, offload with checkpointing) | "
         "lightning (LitGPT 8641822 on Lightning Fabric: chunked head with fp32 outputs, fused "
-        "qkv, FSDP1).",
+        "qkv, FSDP1) | unsloth (Unsloth 015bdef0 / unsloth-zoo ce232d6c, LoRA and QLoRA with "
+        "--precision bf16: --recompute full offloads layer inputs to pinned host memory, "
+        "fused cross entropy without logits, fp32 adapters; its notebooks use --optimizer "
+        "adamw-8bit).",
         FRAMEWORKS),
     Opt("finetune", str, "full", "full | lora | qlora (NF4 base) | dora: frozen base weights "
         "plus trained adapters.", FINETUNES),

@@ -41,7 +41,35 @@ def stack_training_problem(tr: Any) -> str | None:
     planner asks it of every precision / optimizer / method it tries."""
     if tr.framework == "torchtitan":
         return torchtitan_training_problem(tr)
-    return torchtune_training_problem(tr)
+    return unsloth_training_problem(tr) or torchtune_training_problem(tr)
+
+
+def unsloth_training_problem(tr: Any) -> str | None:
+    """Why the unsloth profile cannot express these training settings (None: it can). What
+    it models (unslothai/unsloth 015bdef0, unsloth-zoo ce232d6c; vramcalc/terms/unsloth.py):
+    LoRA / QLoRA through `FastLanguageModel.get_peft_model` (adapters upcast to fp32, the
+    base in its 16-bit dtype: --precision bf16 or fp16); `use_gradient_checkpointing`
+    "unsloth" (--recompute full) or False (none), no selective mode; its own attention
+    kernels (flash); its fused cross entropy, no --chunked-ce."""
+    if tr.framework != "unsloth":
+        return None
+    flag = None
+    if tr.finetune not in ("lora", "qlora"):
+        flag = (f"--finetune {tr.finetune}: the unsloth profile models get_peft_model's "
+                "LoRA and QLoRA (use --finetune lora or qlora)")
+    elif tr.precision not in ("bf16", "fp16"):
+        flag = (f"--precision {tr.precision}: Unsloth keeps the base model in its 16-bit "
+                "dtype and the adapters in fp32 (use --precision bf16, or fp16 on cards "
+                "without bf16)")
+    elif tr.recompute == "selective":
+        flag = ("--recompute selective: Unsloth checkpoints whole layers "
+                "(use_gradient_checkpointing='unsloth': --recompute full) or none")
+    elif tr.attention != "flash":
+        flag = "--attention eager: Unsloth runs its own attention kernels (use flash)"
+    elif tr.chunked_ce > 1 or tr.activation_offload:
+        flag = ("--chunked-ce / --activation-offload: Unsloth has its own fused cross "
+                "entropy and checkpoint offload (leave them out)")
+    return None if flag is None else flag + " (unsloth profile)"
 
 
 def optimizer_in_backward_problem(tr: Any) -> str | None:

@@ -30,6 +30,7 @@ from vramcalc.stack_rules import (
     optimizer_in_backward_problem,
     torchtitan_training_problem,
     torchtune_training_problem,
+    unsloth_training_problem,
 )
 
 Precision = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"]
@@ -77,7 +78,7 @@ MOE_DISPATCHERS: tuple[str, ...] = ("allgather", "alltoall")
 # (NVIDIA/Megatron-LM d98e8a64, megatron/core/transformer/transformer_config.py)
 MEGATRON_DEFAULT_DISPATCHER = "allgather"
 FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron", "torchtitan", "torchtune",
-                                "lightning")
+                                "lightning", "unsloth")
 
 # LoRA target names: q, k, v, o projections and the MLP's gate, up (fc) and down (proj)
 # matrices.
@@ -158,7 +159,7 @@ class TrainingConfig(BaseModel):
     # (left out of dumps when None, so reports of the other profiles keep their keys)
     recompute_every: int | None = Field(None, gt=0, le=100_000, exclude_if=lambda v: v is None)
     framework: Literal["reference", "hf", "megatron", "torchtitan", "torchtune",
-                       "lightning"] = "reference"
+                       "lightning", "unsloth"] = "reference"
     # fine-tuning (vramcalc/finetune.py): frozen base + adapters; PEFT's defaults
     finetune: Literal["full", "lora", "qlora", "dora"] = "full"
     lora_rank: int = Field(8, gt=0, le=65_536)
@@ -247,6 +248,8 @@ class TrainingConfig(BaseModel):
         use_reentrant=True when none is given), else no (transformers 5.x's default)."""
         if self.use_reentrant is not None:
             return self.use_reentrant
+        if self.framework == "unsloth":  # UnslothCheckpointFunction re-runs as reentrant
+            return self.recompute == "full"
         return self.kbit_prepare and self.recompute == "full"
 
     @model_validator(mode="after")
@@ -368,6 +371,13 @@ class TrainingConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _unsloth_modelled(self) -> TrainingConfig:
+        problem = unsloth_training_problem(self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
     def _torchtune_modelled(self) -> TrainingConfig:
         problem = torchtune_training_problem(self)
         if problem:
@@ -423,7 +433,9 @@ class TrainingConfig(BaseModel):
         (PEFT upcasts 16-bit adapters to fp32 for the hf profile; vramcalc/finetune.py)."""
         if self.finetune == "full":
             return self.weight_dtype
-        return "fp32" if self.framework == "hf" else self.weight_dtype
+        # unsloth: unsloth_zoo training_utils.py `prepare_model_for_training` casts
+        # lora_A/lora_B to float32 (`upcast = True`)
+        return "fp32" if self.framework in ("hf", "unsloth") else self.weight_dtype
 
     @property
     def grad_dtype(self) -> str:

@@ -82,13 +82,19 @@ UNSUPPORTED: dict[str, tuple[frozenset[str], str]] = {
     "lightning": (frozenset({"pp", "ep"}), "LitGPT on Lightning Fabric runs no pipeline or "
                   "expert parallelism, and its FSDP (FSDP1) shards over data-parallel ranks "
                   "only: other layouts are not proposed"),
+    # Unsloth (015bdef0) trains one model replica per GPU (one GPU, or DDP through
+    # accelerate); its checkpoint buffers are one per device (unsloth-zoo ce232d6c
+    # gradient_checkpointing.py GPU_BUFFERS)
+    "unsloth": (frozenset({"tp", "pp", "cp", "ep"}), "Unsloth trains one replica per GPU: "
+                "layouts with tp, pp, cp or ep > 1 are not proposed"),
 }
 
 
 def recomputes_of(framework: str) -> tuple[str, ...]:
     """The recompute modes a stack runs: torchtune checkpoints whole layers or none
-    (`enable_activation_checkpointing`)."""
-    return ("none", "full") if framework == "torchtune" else ("none", "selective", "full")
+    (`enable_activation_checkpointing`), Unsloth too (use_gradient_checkpointing)."""
+    return (("none", "full") if framework in ("torchtune", "unsloth")
+            else ("none", "selective", "full"))
 
 
 def stack_note(framework: str) -> str | None:

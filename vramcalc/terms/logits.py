@@ -33,6 +33,7 @@ from vramcalc.qlora import dequant_backward_bytes, dequant_matmul_bytes
 from vramcalc.rank import RankContext
 from vramcalc.terms import encoder as enc
 from vramcalc.terms import torchtune as ttn
+from vramcalc.terms import unsloth as uns
 from vramcalc.terms.lowmem import (
     chunk_tokens,
     chunked_backward_peak_bytes,
@@ -158,6 +159,8 @@ def logits_saved_bytes(ctx: RankContext) -> int:
                 else ttn.unchunked_compiled_saved_bytes(ctx))  # vramcalc/terms/torchtune.py
     if ctx.training.framework == "lightning":
         return _lit_saved_bytes(ctx)
+    if ctx.training.framework == "unsloth":  # fused CE, no logits kept (terms/unsloth.py)
+        return uns.fused_ce_saved_bytes(ctx)
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_saved_bytes(ctx)
     if ctx.training.framework == "megatron":
@@ -186,6 +189,8 @@ def _loss_forward_peak_bytes(ctx: RankContext) -> int:
                 else ttn.unchunked_compiled_forward_peak_bytes(ctx))
     if ctx.training.framework == "lightning":  # the saved set is the loss's peak
         return _lit_saved_bytes(ctx)
+    if ctx.training.framework == "unsloth":
+        return uns.fused_ce_forward_peak_bytes(ctx)
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_forward_peak_bytes(ctx)
     if ctx.training.framework == "megatron":
@@ -252,6 +257,8 @@ def _loss_backward_peak_bytes(ctx: RankContext) -> int:
                 else ttn.unchunked_compiled_backward_peak_bytes(ctx))
     if ctx.training.framework == "lightning":
         return _lit_backward_peak_bytes(ctx)
+    if ctx.training.framework == "unsloth":  # the kept dL/dhidden and its scaled copy
+        return uns.fused_ce_backward_peak_bytes(ctx)
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_backward_peak_bytes(ctx)
     if ctx.training.framework == "megatron":

@@ -8,6 +8,9 @@ hold, as explicit objects (vramcalc.terms.saved.Modifier), in the order their ho
 | `ActivationOffload`   | activation offload without full recompute | vramcalc/terms/lowmem.py |
 | `ChunkedLoss`         | chunked cross entropy                     | vramcalc/terms/lowmem.py |
 | `DeepSpeedCheckpointing` | DeepSpeed partition_activations / cpu_checkpointing with full recompute | vramcalc/terms/ds_checkpointing.py |
+| `UnslothCheckpointing` | unsloth profile, full recompute (offloaded checkpoints) | vramcalc/terms/unsloth.py |
+| `UnslothLoraKernels` | unsloth profile, dense gated MLP | vramcalc/terms/unsloth.py |
+| `UnslothDequantBuffer` | unsloth profile, QLoRA | vramcalc/terms/unsloth.py |
 
 (vramcalc.features has the predicates.) Fine-tuning adjusts a layer's saved list before low
 precision does, and activation offload sees the backward moments both have adjusted.
@@ -22,9 +25,16 @@ from vramcalc.terms.finetune_modifier import FinetuneActivations
 from vramcalc.terms.lowmem import ActivationOffload, ChunkedLoss
 from vramcalc.terms.lowprec import LowPrecision
 from vramcalc.terms.saved import Modifier
+from vramcalc.terms.unsloth import (
+    UnslothCheckpointing,
+    UnslothDequantBuffer,
+    UnslothLoraKernels,
+)
 
 MODIFIERS: tuple[Modifier, ...] = (FinetuneActivations(), LowPrecision(), ActivationOffload(),
-                                   ChunkedLoss(), DeepSpeedCheckpointing())
+                                   ChunkedLoss(), DeepSpeedCheckpointing(),
+                                   UnslothLoraKernels(), UnslothCheckpointing(),
+                                   UnslothDequantBuffer())
 
 
 def modifiers(ctx: RankContext) -> tuple[Modifier, ...]:

@@ -73,7 +73,7 @@ def check_distributed(scn: Scenario) -> Scenario:
         raise InputError("the distributed trace runs data-parallel FSDP2 without offload; got "
                          + ", ".join(other + [f"offload={','.join(par.offload)}"] * bool(
                              par.offload)))
-    if tr.framework in ("megatron", "lightning"):
+    if tr.framework in ("megatron", "lightning", "unsloth"):
         raise InputError(f"trace runs the reference, hf and torchtitan profiles, not "
                          f"{tr.framework}")
     if par.flat_fsdp(tr.framework):

@@ -85,7 +85,7 @@ def check_traceable(scn: Scenario) -> Scenario:
         raise InputError(
             "trace supports single-rank layouts; got " + ", ".join(multi)
             + " (trace one GPU, e.g. --gpus 1xH100, without parallel options)")
-    if tr.framework in ("megatron", "torchtune", "lightning"):
+    if tr.framework in ("megatron", "torchtune", "lightning", "unsloth"):
         raise InputError(f"trace runs the reference, hf and torchtitan profiles; "
                          f"{tr.framework} has no traceable model (use --framework reference "
                          "or hf)")

@@ -1,0 +1,236 @@
+"""The unsloth profile (`--framework unsloth`): what Unsloth's own code keeps on the device.
+
+Legend as in vramcalc/terms/saved.py; T = b·s tokens, h hidden, V vocabulary, L layers on
+the rank, c the compute dtype (bf16; fp16 where the card has no bf16).
+
+Sources: unslothai/unsloth-zoo ce232d6c (`unsloth_zoo/gradient_checkpointing.py`,
+`unsloth_zoo/fused_losses/cross_entropy_loss.py`) and unslothai/unsloth 015bdef0
+(`unsloth/models/llama.py`, `unsloth/kernels/utils.py`, `unsloth/kernels/fast_lora.py`).
+
+Offloaded gradient checkpointing, `use_gradient_checkpointing="unsloth"` (the default of
+`FastLanguageModel.get_peft_model`, llama.py): torch's reentrant CheckpointFunction is
+replaced by `UnslothCheckpointFunction`. Its forward copies each layer's input (the first
+tensor argument, when it requires grad and has more than MINIMUM_SIZE = 2 MiB / 2 elements)
+into a pinned CPU buffer (`CPU_BUFFERS[CPU_INDEX]`, resized to the input, never shrunk) and
+saves nothing of it on the device; after the first step the last checkpointed layer
+(`CURRENT_GC_INDEX == LAST_GC_INDEX`) keeps its input on the device ("Don't offload the last
+layer"). In backward the input is copied back into one persistent device buffer per GPU
+(`GPU_BUFFERS`, INITIAL_GPU_BUFFER_SIZE = 2·256·2048 elements, resized to the largest input,
+never shrunk), which the recomputed layer then uses as its input. A second buffer
+(`GPU_BUFFERS_B`, double buffering) is kept only while more than DOUBLE_BUFFER_HEADROOM =
+512 MiB is free after the first step, and freed on any out-of-memory when it grows: it never
+decides whether a run fits and is not counted.
+
+| what                         | device bytes          | host (pinned) bytes |
+|------------------------------|-----------------------|---------------------|
+| layers 1..L-1's inputs       | 0                     | (L-1)·T·h·c        |
+| the last layer's input       | T·h·c (forward to its backward) | —         |
+| the reload buffer            | max(T·h, 2^20)·c, the whole step | —       |
+| CPU buffers                  | —                     | first step: all L inputs, + (200-L)·128Ki·c initial buffers |
+
+Inputs of at most 2^20 elements stay on the device (torch's reentrant checkpoint).
+
+Fused cross entropy (`unsloth_fused_ce_loss`, called by `CausalLM_fast_forward` whenever
+labels are given and UNSLOTH_RETURN_LOGITS is unset: the `bsz * q_len <= 1024` test there no
+longer changes the path): `UnslothFusedLoss.forward` computes the loss *and* dL/dhidden in
+forward, over n chunks of tokens, each chunk's logits made and dropped inside a compiled
+`torch.func.grad_and_value`; no logits outlive a chunk. It keeps `grad_inputs` (T·h in the
+hidden states' dtype) and the shifted labels (T int64) for backward. The chunk count is
+`get_chunk_size`: with G = T·V·4 / 2^30 the fp32 logits in GiB and target = min(half the
+free memory, 4 GiB), n = 1 if G ≤ target else ⌈G / target / 4⌉·4; a chunk holds ⌈T/n⌉
+tokens (torch.chunk), whose fp32 logits (⌈T/n⌉·V·4 bytes, the size Unsloth budgets per
+chunk) are the loss's working set. vramcalc takes the 4 GiB cap: with less than 8 GiB free
+at the first step, Unsloth picks smaller chunks than counted here.
+
+QLoRA kernels (`fast_lora.py`, `utils.py`): forward's `matmul_lora` dequantizes each 4-bit
+weight with `fast_dequantize(..., use_global_buffer=True)` into one weight buffer per GPU
+(`WEIGHT_BUFFERS`, the largest weight's numel in c, never shrunk) and one fp32 absmax buffer
+(`ABSMAX_BUFFERS`, one float per 64 weights): both persist for the whole run. Backward
+dequantizes into fresh tensors, one weight at a time, as bitsandbytes does (the QLoRA
+transients' term). `LoRA_MLP` saves X, e = gate(X) and g = up(X) and recomputes the
+activation in backward, whose buffers it reuses in place (`UnslothLoraKernels`); with
+offloaded checkpointing only the recomputed layer holds them.
+"""
+
+from __future__ import annotations
+
+from vramcalc.hardware import GPUProfile
+from vramcalc.rank import RankContext
+from vramcalc.terms.saved import SAVED_BITS, Modifier, Moment, Saved, dims
+from vramcalc.units import ALLOC_ROUND_BYTES, alloc, ceil_div
+
+GIB = 2**30
+# gradient_checkpointing.py `initialize_unsloth_gradient_checkpointing`:
+# MINIMUM_SIZE = 2 * 1024 * 1024 // n_bytes with the bf16/fp16 buffer dtype (2 bytes)
+MINIMUM_NUMEL = 2 * 1024 * 1024 // 2
+INITIAL_GPU_BUFFER_NUMEL = 2 * 256 * 2048  # INITIAL_GPU_BUFFER_SIZE
+INITIAL_CPU_BUFFER_NUMEL = 128 * 1024  # torch.empty(128*1024, ..., pin_memory=True)
+INITIAL_CPU_BUFFER_COUNT = 200  # `for i in range(200)`
+# fused_losses/cross_entropy_loss.py `_get_chunk_multiplier`: target_gb = min(free/2, 4.0)
+CHUNK_TARGET_BYTES = 4 * GIB
+NF4_BLOCK = 64  # bitsandbytes' 4-bit blocksize: one absmax per 64 weights
+LABEL_BITS = 64  # int64 labels
+
+
+def unsloth(ctx: RankContext) -> bool:
+    return ctx.training.framework == "unsloth"
+
+
+def offloads_checkpoints(ctx: RankContext) -> bool:
+    """Whether Unsloth's checkpointing moves the layer inputs to the host: the unsloth
+    profile with --recompute full (use_gradient_checkpointing="unsloth") and inputs over
+    MINIMUM_SIZE elements."""
+    x = dims(ctx)
+    return (unsloth(ctx) and ctx.training.recompute == "full" and not ctx.spec.is_encoder
+            and x.T * x.h > MINIMUM_NUMEL)
+
+
+def reload_buffer_bytes(ctx: RankContext) -> int:
+    """The persistent device buffer the offloaded inputs come back into: max(T·h, 2^20)·c."""
+    x = dims(ctx)
+    return alloc(max(x.T * x.h, INITIAL_GPU_BUFFER_NUMEL), x.r)
+
+
+def checkpoint_host_bytes(ctx: RankContext) -> int:
+    """Pinned host memory of the CPU buffers: one per checkpointed layer, each grown to its
+    input (the first step offloads all L), the rest of the 200 initial ones unchanged."""
+    x = dims(ctx)
+    bits = SAVED_BITS[x.r]
+    per = ceil_div(max(x.T * x.h, INITIAL_CPU_BUFFER_NUMEL) * bits, 8)
+    idle = max(INITIAL_CPU_BUFFER_COUNT - ctx.num_layers, 0)
+    return ctx.num_layers * per + idle * ceil_div(INITIAL_CPU_BUFFER_NUMEL * bits, 8)
+
+
+def dequant_buffer_bytes(ctx: RankContext) -> int:
+    """QLoRA: the global dequantized-weight buffer (largest 4-bit weight, in c) and its fp32
+    absmax buffer, held for the whole run."""
+    x, spec, tp = dims(ctx), ctx.spec, ctx.parallel.tp
+    q_out = ceil_div(spec.num_attention_heads * spec.head_size, tp)
+    kv_out = ceil_div(spec.kv_heads * spec.head_size, tp)
+    largest = max(q_out * x.h, kv_out * x.h, x.f * x.h)
+    return alloc(largest, x.c) + alloc(ceil_div(largest, NF4_BLOCK), "fp32")
+
+
+def num_chunks(ctx: RankContext) -> int:
+    """`get_chunk_size` at the 4 GiB target: 1 if the fp32 logits fit it, else the exact
+    count rounded up to a multiple of 4."""
+    x = dims(ctx)
+    logits = x.T * x.V * 4
+    if logits <= CHUNK_TARGET_BYTES:
+        return 1
+    return ceil_div(ceil_div(logits, CHUNK_TARGET_BYTES), 4) * 4
+
+
+def chunk_logits_bytes(ctx: RankContext) -> int:
+    """One chunk's fp32 logits, ⌈T/n⌉·V·4 (torch.chunk's first chunk is the largest)."""
+    x = dims(ctx)
+    return alloc(ceil_div(x.T, num_chunks(ctx)) * x.V, "fp32")
+
+
+def fused_ce_saved_bytes(ctx: RankContext) -> int:
+    """Kept from the loss's forward into backward: dL/dhidden (T·h, c), the shifted labels
+    (T int64) and the loss and divisor scalars."""
+    x = dims(ctx)
+    labels = alloc(ceil_div(x.T * LABEL_BITS, 8), "int8")
+    return alloc(x.T * x.h, x.c) + labels + 2 * ALLOC_ROUND_BYTES
+
+
+def fused_ce_forward_peak_bytes(ctx: RankContext) -> int:
+    """The loss in forward: what it keeps plus one chunk's fp32 logits."""
+    return fused_ce_saved_bytes(ctx) + chunk_logits_bytes(ctx)
+
+
+def fused_ce_backward_peak_bytes(ctx: RankContext) -> int:
+    """The loss in backward: what it kept plus the out-of-place `grad_inputs *
+    scale_factor` it returns (T·h, c)."""
+    x = dims(ctx)
+    return fused_ce_saved_bytes(ctx) + alloc(x.T * x.h, x.c)
+
+
+def unsloth_notes(ctx: RankContext) -> list[str]:
+    """What the report says of Unsloth's offload and fused loss."""
+    out = []
+    if offloads_checkpoints(ctx):
+        out.append("unsloth checkpointing: every layer input but the last waits in pinned "
+                   "host memory (host RAM above) and comes back into one reusable device "
+                   "buffer in backward")
+    n = num_chunks(ctx)
+    out.append(f"unsloth fused cross entropy: {n} chunk{'s' * (n > 1)} of fp32 logits at "
+               "Unsloth's 4 GiB cap, none kept; with under 8 GiB free at the first step "
+               "Unsloth picks smaller chunks (this estimate is then an upper bound)")
+    return out
+
+
+class UnslothCheckpointing(Modifier):
+    """Unsloth's offloaded gradient checkpointing (table above)."""
+
+    name = "unsloth_checkpointing"
+
+    def applies(self, ctx: RankContext) -> bool:
+        return offloads_checkpoints(ctx)
+
+    def checkpoint_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
+        return []
+
+    def head_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
+        # the last checkpointed layer's input stays on the device (kept, like the head's
+        # tensors, from the end of forward into the first layer backward reaches)
+        x = dims(ctx)
+        return saved + [Saved("unsloth.last_layer_input", x.T * x.h, x.r, "(b, s, h)",
+                              "last checkpointed layer, not offloaded")]
+
+    def host_bytes(self, ctx: RankContext, saved: list[Saved], in_flight: float) -> int:
+        return checkpoint_host_bytes(ctx)
+
+    def persistent_parts(self, ctx: RankContext, gpu: GPUProfile | None) -> dict[str, int]:
+        return {"transients/unsloth_gc_buffer": reload_buffer_bytes(ctx)}
+
+
+def lora_kernels(ctx: RankContext) -> bool:
+    """Whether the layers run Unsloth's fused LoRA kernels: the unsloth profile on a dense
+    gated-MLP model (LoRA_MLP fuses gate, up and down; LoRA_QKV and LoRA_W the attention)."""
+    spec = ctx.spec
+    return (unsloth(ctx) and spec.mlp_kind == "gated" and not spec.is_moe
+            and not spec.is_encoder)
+
+
+# what the fused kernels do not save: LoRA_MLP recomputes h = act(e)·g in backward
+# (`_backward_function(DW, e, g)`), matmul_lora's X·A lives inside the Function's forward
+_NOT_SAVED = ("mlp.act", "mlp.down_input")
+
+
+class UnslothLoraKernels(Modifier):
+    """Unsloth's LoRA_MLP / LoRA_QKV / LoRA_W autograd Functions: what a layer saves and its
+    MLP backward's buffers."""
+
+    name = "unsloth_lora_kernels"
+
+    def applies(self, ctx: RankContext) -> bool:
+        return lora_kernels(ctx)
+
+    def layer_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
+        # LoRA_MLP saves X, e, g; the Functions keep no adapter A outputs
+        return [t for t in saved if t.name not in _NOT_SAVED
+                and not (t.name.startswith("lora.") and t.name.endswith(".a_out"))]
+
+    def backward_moments(self, ctx: RankContext, moments: list[Moment],
+                         saved: list[Saved]) -> list[Moment]:
+        # LoRA_MLP.backward: DW = dY·downᵀ (T·f, new), then `_backward_function(DW, e, g)`
+        # writes h, df, de into DW, e and g in place: one T·f buffer where autograd's
+        # act·up backward has three
+        x = dims(ctx)
+        fewer = 2 * alloc(x.T * x.f, x.c)
+        return [Moment(m.name, m.held, m.work - fewer, m.grads) if m.name == "mlp" else m
+                for m in moments]
+
+
+class UnslothDequantBuffer(Modifier):
+    """Unsloth's QLoRA forward: the global dequantized-weight buffer."""
+
+    name = "unsloth_dequant_buffer"
+
+    def applies(self, ctx: RankContext) -> bool:
+        return unsloth(ctx) and ctx.training.finetune == "qlora"
+
+    def persistent_parts(self, ctx: RankContext, gpu: GPUProfile | None) -> dict[str, int]:
+        return {"transients/unsloth_dequant_buffer": dequant_buffer_bytes(ctx)}
