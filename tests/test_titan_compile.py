@@ -178,3 +178,16 @@ def test_compiled_and_float8_blocks_never_raise_the_estimate() -> None:
         eager, comp = peak(rec), peak(rec, compile=True)
         assert peak(rec, compile=True, float8=True) <= comp <= eager
     assert peak("none", compile=True, float8=True) < peak("none")
+
+
+def test_float8_runs_the_block_linears_at_the_fp8_peak() -> None:
+    # torchtitan converts every nn.Linear but `output` (float8.py module_filter_fn): the
+    # block linears, the set vramcalc's FP8 speed split puts at the FP8 peak
+    from vramcalc.hardware import resolve_gpu
+    from vramcalc.speed import SpeedModel, peak_flops
+
+    spec, gpu = SMALL, resolve_gpu("H100")
+    bf16 = SpeedModel(spec, gpu, 8, 512, "amp-bf16")
+    f8 = SpeedModel(spec, gpu, 8, 512, "amp-bf16", float8=True)
+    te = SpeedModel(spec, gpu, 8, 512, "fp8")
+    assert bf16.peak == peak_flops(gpu, "bf16")[0] < f8.peak == te.peak
