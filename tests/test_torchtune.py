@@ -155,7 +155,7 @@ def test_compiled_loss_lowers_the_peak_by_the_fp32_log_probabilities() -> None:
 
 
 @pytest.mark.parametrize(("flags", "words"), [
-    (["--compile"], "only the torchtune profile"),
+    (["--compile"], "only the torchtune and torchtitan profiles"),
     (["--framework", "torchtune", "--precision", "bf16"], "bf16-pure or fp32"),
     (["--framework", "torchtune", "--activation-offload", "--precision", "bf16-pure"],
      "activation checkpointing"),

@@ -176,7 +176,12 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("compile", bool, False, "torchtune's compile: True (torchtune profile): each layer "
         "and the loss's cross entropy compiled; a compiled layer keeps the min-cut "
         "partition's tensors, a compiled chunked cross entropy each chunk's 16-bit logits "
-        "and two fp32 numbers per token instead of fp32 log-probabilities."),
+        "and two fp32 numbers per token instead of fp32 log-probabilities. torchtitan's "
+        "--training.compile (torchtitan profile): each block compiled, the loss eager; "
+        "with --recompute none or full, no TP or CP."),
+    Opt("float8", bool, False, "torchtitan's --float8.enable_float8_linear (torchtitan "
+        "profile, with --compile): torchao's Float8Linear, dynamic tensorwise scaling, for "
+        "every linear but the output projection; bf16 FSDP2 all-gathers."),
     Opt("qlora_impl", str, None, "QLoRA's 4-bit base (--finetune qlora): bnb (bitsandbytes "
         "Linear4bit: HF/PEFT, Lightning) | torchao (NF4Tensor: torchtune). Default: torchao "
         "under --framework torchtune, else bnb.",
@@ -247,7 +252,7 @@ _TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "opt
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "lora_embedding", "lora_head", "modules_to_save", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
-                  "optimizer_in_backward", "compile", "qlora_impl", "bnb_version",
+                  "optimizer_in_backward", "compile", "float8", "qlora_impl", "bnb_version",
                   "torchao_version", "nf4_double_quant", "quantize_head", "load",
                   "set_to_none")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",

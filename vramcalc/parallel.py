@@ -403,6 +403,9 @@ def _check_torchtitan(spec: ModelSpec, training: TrainingConfig, par: ParallelCo
     elif par.fsdp == "none" and training.precision != "fp32":
         problem = (f"--precision {training.precision}: torchtitan computes in bf16 only "
                    "through FSDP2's MixedPrecisionPolicy (add --fsdp full, or use fp32)")
+    elif training.compile and (par.tp > 1 or par.cp > 1):
+        problem = ("--compile with --tp or --cp: what a compiled block keeps around DTensor "
+                   "collectives (and torchao's float8 TP all-gathers) is not modelled")
     elif par.tp > 1 and not par.sequence_parallel:
         problem = "torchtitan's tensor parallelism always shards the norms over the sequence "\
             "(add --sequence-parallel)"

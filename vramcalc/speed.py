@@ -210,7 +210,8 @@ def peak_flops(gpu: GPUProfile, dtype: str) -> tuple[float, str | None]:
 def fp8_peak_flops(spec: ModelSpec, gpu: GPUProfile, seq_len: int) -> tuple[float, str | None]:
     """Effective dense FLOP/s of an FP8 step: the block linears' 6·N_layers FLOPs per token
     at the profile's FP8 peak, the rest (lm_head, attention 12·L·s·a·d) at its BF16 peak
-    (Transformer Engine runs only the linears in FP8; vramcalc/terms/lowprec.py): F / (F_fp8/P_fp8 + F_bf16/P_bf16). Falls back to the
+    (Transformer Engine runs only the linears in FP8, vramcalc/terms/lowprec.py; torchtitan's
+    --float8 every linear but the output projection): F / (F_fp8/P_fp8 + F_bf16/P_bf16). Falls back to the
     BF16 peak, with a note, when the profile has no FP8 figure."""
     p16, note = peak_flops(gpu, "bf16")
     fp8 = gpu.peak_tflops("fp8")
@@ -275,7 +276,7 @@ class SpeedModel:
     def __init__(self, spec: ModelSpec, gpu: GPUProfile, gpus_per_node: int, seq_len: int,
                  precision: str = "bf16", efficiency: float | None = None,
                  capacity_factor: float = 1.0, peft: PeftCounts | None = None,
-                 selective: str | int = "core") -> None:
+                 selective: str | int = "core", float8: bool = False) -> None:
         self.spec, self.gpu, self.gpn, self.seq_len = spec, gpu, gpus_per_node, seq_len
         self.efficiency = efficiency if efficiency is not None else gpu.mfu_fraction
         c_dtype = _COMPUTE_DTYPE[precision]
@@ -283,7 +284,7 @@ class SpeedModel:
         self.w = _bytes(_WEIGHT_DTYPE[precision])
         self.g = self.w  # gradients are stored in the weight dtype (vramcalc.training)
         self.peak, note = peak_flops(gpu, c_dtype)
-        if precision == "fp8":  # block linears at the FP8 peak (vramcalc/terms/lowprec.py)
+        if precision == "fp8" or float8:  # block linears at the FP8 peak (TE or torchao)
             self.peak, note = fp8_peak_flops(spec, gpu, seq_len)
         self.notes: tuple[str, ...] = (note,) if note else ()
         self.rate = self.peak * self.efficiency
@@ -462,14 +463,14 @@ def _hidden(comm: float, window: float) -> float:
 def estimate_speed(spec: ModelSpec, gpu: GPUProfile, gpus_per_node: int, layout: Layout,
                    seq_len: int, precision: str = "bf16", efficiency: float | None = None,
                    capacity_factor: float = 1.0, peft: PeftCounts | None = None,
-                   selective: str | int = "core") -> SpeedReport:
+                   selective: str | int = "core", float8: bool = False) -> SpeedReport:
     """Step time of `layout` on `layout.num_gpus` GPUs with `gpus_per_node` per node.
 
     See the module docstring for every term. Seconds are per step; tokens/s are for the
     whole cluster.
     """
     return SpeedModel(spec, gpu, gpus_per_node, seq_len, precision, efficiency,
-                      capacity_factor, peft, selective).report(layout)
+                      capacity_factor, peft, selective, float8).report(layout)
 
 
 def scenario_speed(scn: Scenario, efficiency: float | None = None) -> SpeedReport:
@@ -487,7 +488,7 @@ def scenario_speed(scn: Scenario, efficiency: float | None = None) -> SpeedRepor
         offload_device=par.offload_device)
     return estimate_speed(scn.model, scn.cluster.gpu, scn.cluster.gpus_per_node, layout,
                           tr.seq_len, tr.precision, efficiency, par.capacity_factor,
-                          training_peft(scn.model, tr), tr.selective_kind)
+                          training_peft(scn.model, tr), tr.selective_kind, tr.float8)
 
 
 def training_peft(spec: ModelSpec, tr: TrainingConfig) -> PeftCounts | None:

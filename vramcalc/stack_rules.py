@@ -15,9 +15,19 @@ def torchtitan_training_problem(tr: Any) -> str | None:
     bf16 only through FSDP2's MixedPrecisionPolicy (config_manager.py
     --training.mixed_precision_param: bfloat16 | float32), no autocast; SDPA attention
     (models/llama/model.py Attention.forward); full training (no adapters, no QAT); float8
-    is torchao's (not modelled); no chunked loss or activation offload."""
+    is torchao's Float8Linear (float8.py `Float8Handler`, --float8: modelled compiled, in
+    bf16 compute); torch.compile per block (parallelize_llama.py `apply_compile`, after AC
+    wrapping: --compile, with full AC or none, vramcalc/terms/torchtitan_compile.py); no
+    chunked loss or activation offload."""
     flag = None
-    if tr.precision not in ("fp32", "amp-bf16"):
+    if tr.float8 and not (tr.compile and tr.precision == "amp-bf16"):
+        flag = ("--float8 needs --compile and --precision amp-bf16: torchtitan runs torchao's "
+                "float8 linears under torch.compile in bf16 (float8.py: \"intended to be ran "
+                "under torch.compile\"); the eager Float8Linear's saved set is not modelled")
+    elif tr.compile and tr.recompute == "selective":
+        flag = ("--compile with --recompute selective: what the partitioner keeps under "
+                "torchtitan's SAC policy is not modelled (use --recompute full or none)")
+    elif tr.precision not in ("fp32", "amp-bf16"):
         flag = (f"--precision {tr.precision}: torchtitan keeps fp32 parameters and computes "
                 "in bf16 only through FSDP2's mixed precision (use --precision amp-bf16 with "
                 "--fsdp full, or fp32)")
@@ -104,13 +114,17 @@ def torchtune_training_problem(tr: Any) -> str | None:
     attention.py `_attention_call`: --attention flash); activation offloading only with
     activation checkpointing (recipes/full_finetune_single_device.py raises "enable_
     activation_offloading should only be True when enable_activation_checkpointing is
-    True"). --compile belongs to the torchtune profile only."""
+    True"). --compile belongs to the torchtune and torchtitan profiles only, --float8 to
+    torchtitan's."""
     flag = None
     if tr.framework != "torchtune":
-        if tr.compile:
-            flag = (f"--compile: only the torchtune profile models torch.compile (its "
-                    f"compiled cross entropy); not the {tr.framework} profile (use "
-                    "--framework torchtune, or leave it out)")
+        if tr.float8 and tr.framework != "torchtitan":
+            flag = (f"--float8: torchao's Float8Linear is modelled for the torchtitan profile "
+                    f"only, not {tr.framework} (use --framework torchtitan)")
+        elif tr.compile and tr.framework != "torchtitan":
+            flag = (f"--compile: only the torchtune and torchtitan profiles model "
+                    f"torch.compile; not the {tr.framework} profile (use --framework "
+                    "torchtune or torchtitan, or leave it out)")
         return flag
     if tr.precision not in ("bf16-pure", "fp32"):
         flag = (f"--precision {tr.precision}: torchtune trains in its `dtype` (bf16 or fp32 "
@@ -122,6 +136,8 @@ def torchtune_training_problem(tr: Any) -> str | None:
     elif tr.activation_offload and tr.recompute != "full":
         flag = ("--activation-offload: torchtune offloads activations only with activation "
                 "checkpointing on (add --recompute full)")
+    elif tr.float8:
+        flag = "--float8: torchao's Float8Linear is modelled for the torchtitan profile only"
     elif tr.recompute == "selective":
         flag = ("--recompute selective: torchtune's recipes checkpoint whole layers "
                 "(enable_activation_checkpointing: use --recompute full or none)")

@@ -199,6 +199,10 @@ class TrainingConfig(BaseModel):
     # torchtune's `compile: True` (torchtune profile): each transformer layer and the loss's
     # cross entropy compiled (vramcalc/terms/torchtune.py); left out of dumps when off
     compile: bool = Field(False, exclude_if=lambda v: not v)
+    # torchtitan's --float8.enable_float8_linear (torchtitan profile): torchao Float8Linear
+    # for every block linear, compiled (vramcalc/terms/torchtitan_compile.py); left out of
+    # dumps when off
+    float8: bool = Field(False, exclude_if=lambda v: not v)
     # QLoRA's 4-bit implementation and release (vramcalc/qlora.py): None = bitsandbytes at
     # its current release, double-quantized, lm_head kept in the policy dtype; left out of
     # dumps at their defaults

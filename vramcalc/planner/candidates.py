@@ -130,7 +130,7 @@ def speed_model(base: Scenario, prec: str, ft: str | None,
     tr = tr.model_copy(update={"precision": prec}) if prec != tr.precision else tr
     return SpeedModel(base.model, base.cluster.gpu, base.cluster.gpus_per_node, tr.seq_len,
                       prec, efficiency, base.parallel.capacity_factor,
-                      training_peft(base.model, tr), tr.selective_kind)
+                      training_peft(base.model, tr), tr.selective_kind, tr.float8)
 
 
 # ---- the search space ------------------------------------------------------------------------

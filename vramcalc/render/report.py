@@ -55,6 +55,7 @@ def strategy_line(strategy: dict[str, Any]) -> str:
         parts.append(s["pp_schedule"])
     if s.get("framework", "reference") != "reference":
         parts.append(f"profile {s['framework']}")
+    parts += [w for w in ("compile", "float8") if s.get(w)]
     if s.get("dropout") is not None:
         parts.append(f"dropout {s['dropout']}")
     if s.get("finetune", "full") != "full":

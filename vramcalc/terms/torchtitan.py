@@ -49,6 +49,7 @@ from vramcalc.sharding import pipeline_chunks
 from vramcalc.terms.megatron_recompute import LayerPlan
 from vramcalc.terms.saved import Dims, Saved, bsh, dims
 from vramcalc.terms.saved_layers import checkpoint_saved, mlp_saved, norm_saved
+from vramcalc.terms.torchtitan_compile import compiled_block_saved
 from vramcalc.units import alloc, ceil_div, round_alloc
 
 
@@ -70,7 +71,10 @@ def _attention_saved(x: Dims) -> list[Saved]:
 
 
 def plain_layer_saved(ctx: RankContext) -> list[Saved]:
-    """One torchtitan block without AC (table in the module docstring)."""
+    """One torchtitan block without AC (table in the module docstring; compiled:
+    vramcalc/terms/torchtitan_compile.py)."""
+    if ctx.training.compile:
+        return compiled_block_saved(ctx)
     x = dims(ctx)
     f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
     out = norm_saved(ctx, x, "input_norm", x.T, x.h, "(b, s, h)")

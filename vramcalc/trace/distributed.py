@@ -49,6 +49,7 @@ from vramcalc.trace.engine import (
     _result,
     _torch_dtype,
     build_model,
+    check_eager_titan,
     check_traceable,
     run_steps,
     run_trace,
@@ -81,6 +82,7 @@ def check_distributed(scn: Scenario) -> Scenario:
                          "parameters are modelled analytically (use --fsdp-impl fsdp2)")
     if par.dp_degree < 2:
         raise InputError("the distributed trace needs dp >= 2")
+    check_eager_titan(scn)
     return scn
 
 

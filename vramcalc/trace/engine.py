@@ -69,6 +69,15 @@ class TraceResult:
     notes: list[str] = field(default_factory=list)
 
 
+def check_eager_titan(scn: Scenario) -> None:
+    """The trace runs torchtitan's blocks eagerly: refuse --compile and --float8."""
+    tr = scn.training
+    if tr.framework == "torchtitan" and (tr.compile or tr.float8):
+        raise InputError("the trace runs torchtitan's blocks eagerly: --compile and --float8 "
+                         "are estimated by the analytic engine (their saved sets are the "
+                         "partitioner's, vramcalc/terms/torchtitan_compile.py)")
+
+
 def check_traceable(scn: Scenario) -> Scenario:
     """Resolve the scenario and refuse what the trace cannot run yet (InputError)."""
     scn = scn.resolved()
@@ -100,6 +109,7 @@ def check_traceable(scn: Scenario) -> Scenario:
         raise InputError("--quantize-head is not traceable (the traced models keep lm_head "
                          "in the policy dtype); estimate it with the analytic engine")
     check_capabilities(scn)
+    check_eager_titan(scn)
     if tr.precision == "fp8" or tr.qat != "none":
         from vramcalc.terms.lowprec import check_lowprec
 

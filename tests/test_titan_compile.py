@@ -1,0 +1,193 @@
+"""torchtitan's compiled blocks and torchao's float8 linears (torchtitan profile, --compile,
+--float8; vramcalc/terms/torchtitan_compile.py).
+
+The expected sets come from torch itself: AOTAutograd's min-cut partitioner (inductor's
+decompositions, vramcalc/trace/compiled.py) run under FakeTensorMode on torchtitan's block
+(vramcalc/trace/titan_model.py, written from torchtitan 9dec370) with torchao's
+Float8Linear (vramcalc/trace/titan_float8.py, written from pytorch/ao eab345c
+torchao/float8/float8_linear.py); and torch.compile's own AOT backend on a checkpointed
+block for full AC (parallelize_llama.py `apply_compile` after `apply_ac`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vramcalc.cli import main
+from vramcalc.model import ModelSpec
+from vramcalc.parallel import ParallelConfig
+from vramcalc.rank import RankContext
+from vramcalc.terms import torchtitan as tt
+from vramcalc.training import TrainingConfig
+from vramcalc.units import alloc
+
+torch = pytest.importorskip("torch")
+
+SMALL = ModelSpec(name="small", hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2, intermediate_size=768, vocab_size=3000)
+# FSDP2's MixedPrecisionPolicy: the block computes in bf16 (r = c = bf16)
+FSDP = ParallelConfig(dp=8, fsdp="full")
+
+
+def _block(spec: ModelSpec, ac: str, float8: bool) -> object:
+    from vramcalc.trace.titan_float8 import convert_to_float8
+    from vramcalc.trace.titan_model import TransformerBlock
+
+    blk = TransformerBlock(spec, ac, dtype=torch.bfloat16)
+    return convert_to_float8(blk) if float8 else blk
+
+
+def _freqs(s: int, d: int) -> object:
+    return torch.randn(s, d // 2, dtype=torch.complex64)
+
+
+def _partitioned(spec: ModelSpec, b: int, s: int, float8: bool) -> list[object]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    from vramcalc.trace.compiled import compiled_saved
+
+    with FakeTensorMode():
+        blk = _block(spec, "none", float8)
+        names = [n for n, _ in blk.named_parameters()]  # type: ignore[attr-defined]
+        params = [p for _, p in blk.named_parameters()]  # type: ignore[attr-defined]
+        x = torch.randn(b, s, spec.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+
+        def fn(x: object, fc: object, *ps: object) -> object:
+            return functional_call(blk, dict(zip(names, ps, strict=True)), (x, fc))
+
+        return compiled_saved(fn, x, _freqs(s, spec.head_size), *params)
+
+
+@pytest.mark.parametrize("float8", [False, True])
+@pytest.mark.parametrize(("kv_heads", "s"), [(2, 64), (8, 64), (2, 256)])
+def test_compiled_block_table_equals_what_the_partitioner_keeps(float8: bool, kv_heads: int,
+                                                                 s: int) -> None:
+    # every saved tensor that is not a parameter, each its own 512-byte block; the block
+    # input counts (a graph input the table lists); the freqs_cis slice is a view of the
+    # buffer (`_conj` sets the conjugate bit, no copy)
+    spec = SMALL.model_copy(update={"num_key_value_heads": kv_heads})
+    b = 2
+    saved = _partitioned(spec, b, s, float8)
+    x_shape = (b, s, spec.hidden_size)
+    traced = sum(alloc(t.nbytes, "int8") for t in saved  # type: ignore[attr-defined]
+                 if (not t.is_input or t.shape == x_shape)  # type: ignore[attr-defined]
+                 and t.dtype != torch.complex64)  # type: ignore[attr-defined]
+    ctx = RankContext(spec, TrainingConfig(framework="torchtitan", precision="amp-bf16",
+                                           seq_len=s, micro_batch_size=b, compile=True,
+                                           float8=float8, recompute="none"),
+                      FSDP, 0)
+    assert sum(t.nbytes for t in tt.plain_layer_saved(ctx)) == traced
+
+
+def test_float8_block_keeps_no_fp8_copy_and_no_normed_input() -> None:
+    # the min-cut partition recasts in backward: nothing fp8 and nothing (N, h) but the
+    # block input and wo's output; eager Float8Linear would save an fp8 input and weight
+    saved = _partitioned(SMALL, 2, 64, True)
+    dtypes = {t.dtype for t in saved}  # type: ignore[attr-defined]
+    assert not dtypes & {torch.float8_e4m3fn, torch.float8_e5m2}
+    hidden = [t for t in saved if not t.is_input  # type: ignore[attr-defined]
+              and t.nbytes == 2 * 64 * 256 * 2]  # type: ignore[attr-defined]
+    # wo's output; q, k, v and the SDPA output have a·d = 256 columns too
+    assert len(hidden) == 5
+
+
+@pytest.mark.parametrize("float8", [False, True])
+def test_compiled_checkpointed_block_keeps_only_its_inputs(float8: bool) -> None:
+    # torch.compile(checkpoint_wrapper(block)): dynamo's checkpoint region, partitioned by
+    # the min-cut partitioner, hands the backward graph the graph inputs and nothing of the
+    # tokens' size (the recompute runs inside the backward graph)
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    graphs: list[object] = []
+
+    def fw(gm: object, _inputs: object) -> object:
+        graphs.append(gm)
+        return gm
+
+    backend = aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, _i: gm,
+                           partition_fn=min_cut_rematerialization_partition,
+                           decompositions=select_decomp_table())
+    torch._dynamo.reset()
+    blk = _block(SMALL, "full", float8)
+    x = torch.randn(2, 64, 256, dtype=torch.bfloat16, requires_grad=True)
+    torch.compile(blk, backend=backend, fullgraph=True)(x, _freqs(64, SMALL.head_size))
+    gm = graphs[-1]
+    out = next(n for n in gm.graph.nodes if n.op == "output")  # type: ignore[attr-defined]
+    kept = [n for n in out.args[0][1:] if n.op != "placeholder"]
+    # besides the inputs, only the RNG state the recompute replays (a CPU generator's here,
+    # CUDA's philox seed and offset on a GPU)
+    assert [n.args[0].name for n in kept] == ["run_and_save_rng_state"]
+
+
+def _ctx(**kw: object) -> RankContext:
+    args = {"framework": "torchtitan", "precision": "amp-bf16", "seq_len": 512,
+            "micro_batch_size": 2, "compile": True, "recompute": "none", **kw}
+    return RankContext(SMALL, TrainingConfig(**args), FSDP, 0)  # type: ignore[arg-type]
+
+
+def test_float8_drops_the_two_normed_inputs_and_w2s_input() -> None:
+    # hand count from the table: bf16 keeps 2 (N, h) normed inputs + the (N, f) product;
+    # float8 keeps 11 bf16 and 11 fp32 scalars instead (512 B each)
+    n, h, f = 2 * 512, 256, 768
+    bf16 = sum(t.nbytes for t in tt.plain_layer_saved(_ctx()))
+    f8 = sum(t.nbytes for t in tt.plain_layer_saved(_ctx(float8=True)))
+    assert bf16 - f8 == 2 * n * h * 2 + n * f * 2 - 22 * 512
+
+
+def test_full_ac_keeps_the_block_input_alone() -> None:
+    saved = tt.layer_saved(_ctx(recompute="full", float8=True))
+    assert sum(t.nbytes for t in saved) == 2 * 512 * 256 * 2
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--float8"], "--float8 needs --compile"),
+    (["--float8", "--compile", "--precision", "fp32"], "--float8 needs --compile"),
+    (["--compile", "--recompute", "selective"], "SAC policy"),
+    (["--compile", "--tp", "2", "--sequence-parallel"], "DTensor collectives"),
+])
+def test_settings_not_modelled_are_refused(flags: list[str], words: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["estimate", "--model", "llama3-8b", "--gpus", "8xH100", "--framework",
+                 "torchtitan", "--precision", "amp-bf16", "--fsdp", "full", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and words in err
+
+
+def test_float8_belongs_to_torchtitan(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["estimate", "--model", "llama3-8b", "--float8"])
+    err = capsys.readouterr().err
+    assert code == 2 and "torchtitan profile only" in err
+
+
+def test_compiled_and_float8_blocks_never_raise_the_estimate() -> None:
+    # the partition only trades kept tensors for recomputation: with no AC the compiled
+    # block keeps less than the eager table, float8 less again; under full AC the forward
+    # keeps the same block inputs, so the peak cannot rise
+    from vramcalc.analytic import estimate
+    from vramcalc.scenario import Scenario
+
+    def peak(recompute: str, **kw: object) -> int:
+        tr = TrainingConfig(framework="torchtitan", precision="amp-bf16", seq_len=512,  # type: ignore[arg-type]
+                            micro_batch_size=2, recompute=recompute, **kw)
+        return estimate(Scenario(model=SMALL, training=tr, parallel=FSDP)).peak_allocated_bytes
+
+    for rec in ("none", "full"):
+        eager, comp = peak(rec), peak(rec, compile=True)
+        assert peak(rec, compile=True, float8=True) <= comp <= eager
+    assert peak("none", compile=True, float8=True) < peak("none")
+
+
+def test_float8_runs_the_block_linears_at_the_fp8_peak() -> None:
+    # torchtitan converts every nn.Linear but `output` (float8.py module_filter_fn): the
+    # block linears, the set vramcalc's FP8 speed split puts at the FP8 peak
+    from vramcalc.hardware import resolve_gpu
+    from vramcalc.speed import SpeedModel, peak_flops
+
+    spec, gpu = SMALL, resolve_gpu("H100")
+    bf16 = SpeedModel(spec, gpu, 8, 512, "amp-bf16")
+    f8 = SpeedModel(spec, gpu, 8, 512, "amp-bf16", float8=True)
+    te = SpeedModel(spec, gpu, 8, 512, "fp8")
+    assert bf16.peak == peak_flops(gpu, "bf16")[0] < f8.peak == te.peak
