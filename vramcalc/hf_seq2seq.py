@@ -22,7 +22,9 @@ def _prob(c: Cfg, key: str, default: float) -> float:
 def _t5_fields(c: Cfg) -> dict[str, Any]:
     """T5Config: d_model 512, d_kv 64, d_ff 2048, num_layers 6, num_decoder_layers =
     num_layers, num_heads 8, 32 relative buckets, dropout_rate 0.1, feed_forward_proj "relu"
-    ("gated-gelu": wi_0, wi_1 with gelu_new), tie_word_embeddings true (T5 v1.1: false)."""
+    ("gated-gelu": wi_0, wi_1 with gelu_new). The head is always tied to `shared`: T5Config
+    sets tie_word_embeddings = True whatever the file says (a T5 v1.1 `false` only turns off
+    the decoder-output scaling, `scale_decoder_outputs`, which keeps no tensor)."""
     proj = c.get_str("feed_forward_proj", "relu")
     parts = proj.split("-")
     if len(parts) > 2 or len(parts) == 2 and parts[0] != "gated":
@@ -38,7 +40,7 @@ def _t5_fields(c: Cfg) -> dict[str, Any]:
         "relative_attention_num_buckets": c.get_int("relative_attention_num_buckets", 32),
         "hidden_act": act, "mlp_kind": "gated" if len(parts) == 2 else "standard",
         "norm_kind": "rmsnorm", "position_embedding": "relative",
-        "tie_word_embeddings": c.get_bool("tie_word_embeddings", True),
+        "tie_word_embeddings": True,
         "hidden_dropout_prob": drop, "attention_probs_dropout_prob": drop,
     }
 

@@ -11,13 +11,16 @@ T5 (modeling_t5.py): `shared` (V, h), shared by both stacks; per encoder block a
 self-attention (q, k, v: h -> a·d, o: a·d -> h, no biases) and the feed-forward (wi: h -> f,
 wo: f -> h; gated-gelu: wi_0, wi_1, wo), each behind a T5LayerNorm (weight only); a decoder
 block adds the cross-attention (EncDecAttention) and its norm; block 0 of each stack owns
-the relative_attention_bias (B, a); a final_layer_norm per stack; lm_head (V, h) unless tied.
+the relative_attention_bias (B, a); a final_layer_norm per stack; lm_head tied to `shared`
+(configuration_t5.py forces tie_word_embeddings = True).
 
 BART (modeling_bart.py): `shared` (V, h) shared by both stacks; each stack has
 BartLearnedPositionalEmbedding (P + 2, h) (positions start at offset 2) and
 layernorm_embedding; every projection (q, k, v, out_proj, fc1, fc2) has a bias and every
 LayerNorm a bias; the decoder adds encoder_attn and its LayerNorm; lm_head is tied to
-`shared` (final_logits_bias is a buffer, not a parameter).
+`shared` (final_logits_bias is a buffer, not a parameter). With tie_word_embeddings false,
+transformers 5.x unties every `_tied_weights_keys` entry: the encoder's and decoder's
+embed_tokens become (V, h) tensors of their own beside `shared`, and lm_head a third.
 """
 
 from __future__ import annotations
@@ -60,8 +63,8 @@ def seq2seq_rows(spec: Any) -> tuple[Row, ...]:
         out.append(("layer_norm.bias", h, norms, "layer", 0))
     else:
         out.append(("final_layer_norm.weight", h, 2, "final", 0))
-    if not spec.tie_word_embeddings:
-        out.append(("lm_head.weight", V * h, 1, "head", V))
+    if not spec.tie_word_embeddings:  # (BART only: T5 always ties)
+        out += [("embed_tokens", V * h, 2, "embedding", V), ("lm_head.weight", V * h, 1, "head", V)]
     return tuple(out)
 
 

@@ -1,0 +1,183 @@
+"""Encoder-decoder models (T5, BART): config.json import with transformers' defaults, exact
+parameter counts against transformers' own `numel` on the meta device, the trace engine's
+seq2seq step (source at --seq-len, decoder at --target-len), and what vramcalc refuses
+(exit 2, one `error:` line)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from typing import Any
+
+import pytest
+
+from vramcalc.cli import main
+from vramcalc.hf_config import from_hf_config
+from vramcalc.model_tensors import param_tensors
+from vramcalc.scenario import Scenario
+from vramcalc.training import TrainingConfig
+
+# config.json of google-t5/t5-base, google/t5-v1_1-base (gated-gelu; its untied head is tied
+# by transformers 5.24, configuration_t5.py forces tie_word_embeddings = True) and
+# facebook/bart-large (Hugging Face hub), the keys that shape parameters and dropout
+T5_BASE: dict[str, Any] = {
+    "architectures": ["T5ForConditionalGeneration"], "d_ff": 3072, "d_kv": 64, "d_model": 768,
+    "dropout_rate": 0.1, "is_encoder_decoder": True, "model_type": "t5", "num_heads": 12,
+    "num_layers": 12, "relative_attention_num_buckets": 32, "vocab_size": 32128}
+T5_V11_BASE: dict[str, Any] = {
+    "architectures": ["T5ForConditionalGeneration"], "d_ff": 2048, "d_kv": 64, "d_model": 768,
+    "dropout_rate": 0.1, "feed_forward_proj": "gated-gelu", "is_encoder_decoder": True,
+    "model_type": "t5", "num_decoder_layers": 12, "num_heads": 12, "num_layers": 12,
+    "relative_attention_num_buckets": 32, "tie_word_embeddings": False, "vocab_size": 32128}
+BART_LARGE: dict[str, Any] = {
+    "activation_dropout": 0.1, "activation_function": "gelu", "architectures":
+    ["BartModel"], "attention_dropout": 0.1, "d_model": 1024, "decoder_attention_heads": 16,
+    "decoder_ffn_dim": 4096, "decoder_layers": 12, "dropout": 0.1,
+    "encoder_attention_heads": 16, "encoder_ffn_dim": 4096, "encoder_layers": 12,
+    "is_encoder_decoder": True, "max_position_embeddings": 1024, "model_type": "bart",
+    "scale_embedding": False, "vocab_size": 50265}
+CONFIGS = {
+    "t5-base": T5_BASE,
+    "t5-v1_1-base": T5_V11_BASE,
+    "bart-large": BART_LARGE,
+    # small shapes that separate the terms: deeper decoder, d_kv·heads != d_model; BART untied
+    "t5-odd": {**T5_BASE, "d_model": 96, "d_kv": 40, "num_heads": 3, "d_ff": 200,
+               "num_layers": 2, "num_decoder_layers": 3, "vocab_size": 1000,
+               "relative_attention_num_buckets": 16, "tie_word_embeddings": False},
+    "bart-odd": {**BART_LARGE, "d_model": 64, "encoder_layers": 1, "decoder_layers": 3,
+                 "encoder_ffn_dim": 96, "decoder_ffn_dim": 96, "encoder_attention_heads": 4,
+                 "decoder_attention_heads": 4, "max_position_embeddings": 100,
+                 "vocab_size": 1000, "tie_word_embeddings": False},
+}
+
+
+def transformers_numel(cfg: dict[str, Any]) -> int:
+    """sum(p.numel()) of AutoModelForSeq2SeqLM (T5ForConditionalGeneration,
+    BartForConditionalGeneration) built by transformers for the config, on the meta device."""
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    config = tf.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    with torch.device("meta"):
+        model = tf.AutoModelForSeq2SeqLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_counts_match_transformers(name: str) -> None:
+    spec = from_hf_config(CONFIGS[name], f"{name}/config.json")
+    assert spec.is_encoder_decoder and spec.task == "seq2seq_lm"
+    assert spec.num_params == transformers_numel(CONFIGS[name])
+    assert sum(t.numel * t.count for t in param_tensors(spec)) == spec.num_params
+
+
+def test_published_counts() -> None:
+    """Model cards / the T5 paper's table 14 name ~220M for T5-Base and ~406M for BART-large
+    (fairseq's bart.large); the exact sums, hand-derived from modeling_t5.py / modeling_bart.py:
+    T5-Base = V·h + 12·(4h² + 2h·f + 2h) + 12·(8h² + 2h·f + 3h) + 2·32·12 + 2h (tied head)."""
+    h, f, V = 768, 3072, 32128
+    t5 = V * h + 12 * (4 * h * h + 2 * h * f + 2 * h) + 12 * (8 * h * h + 2 * h * f + 3 * h)
+    t5 += 2 * 32 * 12 + 2 * h
+    assert from_hf_config(T5_BASE, "t5-base/config.json").num_params == t5 == 222_903_552
+    h, f, V, P = 1024, 4096, 50265, 1026
+    layer = 4 * (h * h + h) + (h * f + f) + (f * h + h) + 2 * 2 * h
+    dec = layer + 4 * (h * h + h) + 2 * h
+    bart = V * h + 2 * P * h + 2 * 2 * h + 12 * layer + 12 * dec
+    assert from_hf_config(BART_LARGE, "bart-large/config.json").num_params == bart
+    assert abs(bart / 406e6 - 1) < 0.01
+
+
+def test_defaults_and_dropout() -> None:
+    """Keys left out take T5Config's / BartConfig's defaults (transformers 5.24)."""
+    t5 = from_hf_config({"model_type": "t5"}, "t5/config.json")
+    assert (t5.hidden_size, t5.num_hidden_layers, t5.num_decoder_layers, t5.intermediate_size,
+            t5.hidden_act, t5.mlp_kind, t5.tie_word_embeddings) == (
+        512, 6, 6, 2048, "relu", "standard", True)
+    assert t5.hidden_dropout_prob == t5.attention_probs_dropout_prob == 0.1
+    v11 = from_hf_config(T5_V11_BASE, "v11/config.json")
+    assert (v11.mlp_kind, v11.hidden_act, v11.tie_word_embeddings) == ("gated", "gelu_new", True)
+    bart = from_hf_config(BART_LARGE, "bart/config.json")
+    assert (bart.hidden_dropout_prob, bart.attention_probs_dropout_prob,
+            bart.activation_dropout) == (0.1, 0.1, 0.1)
+
+
+# ---- trace ------------------------------------------------------------------------------------
+def _trace(cfg: dict[str, Any], **training: Any) -> Any:
+    pytest.importorskip("transformers")
+    from vramcalc.trace.engine import trace
+
+    spec = from_hf_config(cfg, "small/config.json")
+    scn = Scenario(model=spec, training=TrainingConfig(framework="hf", **training))
+    return trace(scn, iterations=1)
+
+
+@pytest.mark.parametrize("name", ["t5-odd", "bart-odd"])
+def test_trace_builds_the_spec_and_scores_target_tokens(name: str) -> None:
+    """The traced model holds the spec's parameters (fp32: 4 bytes each, each tensor rounded
+    up to 512 B), and its peak grows with the decoder's tokens at a fixed source length by at
+    least the head's output, (b, t, V) fp32 = 4·b·t·V bytes (V dominates h here)."""
+    cfg, b, V = CONFIGS[name], 2, 1000
+    spec = from_hf_config(cfg, "small/config.json")
+    short = _trace(cfg, seq_len=64, target_len=16, micro_batch_size=b, precision="fp32",
+                   optimizer="sgd")
+    long = _trace(cfg, seq_len=64, target_len=48, micro_batch_size=b, precision="fp32",
+                  optimizer="sgd")
+    weights = short.param_bytes
+    assert 4 * spec.num_params <= weights <= 4 * spec.num_params + 512 * 200
+    for t, res in ((16, short), (48, long)):
+        assert res.report.peak_allocated_bytes >= weights + 4 * b * t * V
+    grow = long.report.peak_allocated_bytes - short.report.peak_allocated_bytes
+    assert grow >= 4 * b * 32 * V
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+def _run(args: list[str]) -> tuple[int, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(args)
+    return code, err.getvalue()
+
+
+def _one_error(code: int, err: str, words: str) -> None:
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert words in lines[0], lines[0]
+
+
+@pytest.fixture()
+def bart_json(tmp_path: Any) -> Any:
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(BART_LARGE))
+    return path
+
+
+@pytest.mark.parametrize(("cmd", "extra", "words"), [
+    ("estimate", [], "run `vramcalc trace`"),
+    ("plan", [], "run `vramcalc trace`"),
+    ("estimate", ["--tp", "2", "--gpus", "2xA100"], "tp=2"),
+    ("trace", ["--pp", "2", "--gpus", "2xA100"], "pp=2"),
+    ("trace", ["--finetune", "lora"], "lora"),
+    ("trace", ["--target-len", "2000"], "--target-len 2000"),
+    ("trace", ["--seq-len", "2000"], "--seq-len 2000"),
+])
+def test_unmodelled_is_refused(bart_json: Any, cmd: str, extra: list[str], words: str) -> None:
+    code, err = _run([cmd, "--model", str(bart_json), "--seq-len", "512", *extra])
+    _one_error(code, err, words)
+
+
+def test_target_len_needs_an_encoder_decoder() -> None:
+    code, err = _run(["estimate", "--model", "gpt2", "--seq-len", "512", "--target-len", "64"])
+    _one_error(code, err, "not an encoder-decoder")
+
+
+@pytest.mark.parametrize(("update", "words"), [
+    ({"decoder_ffn_dim": 2048}, "encoder_ffn_dim != decoder_ffn_dim"),
+    ({"decoder_attention_heads": 8}, "encoder_attention_heads"),
+    ({"encoder_layerdrop": 0.1}, "layerdrop"),
+])
+def test_bart_shapes_not_modelled(update: dict[str, Any], words: str) -> None:
+    from vramcalc.errors import InputError
+
+    with pytest.raises(InputError, match=words):
+        from_hf_config({**BART_LARGE, **update}, "bart/config.json")
