@@ -181,3 +181,21 @@ def test_bart_shapes_not_modelled(update: dict[str, Any], words: str) -> None:
 
     with pytest.raises(InputError, match=words):
         from_hf_config({**BART_LARGE, **update}, "bart/config.json")
+
+
+# google-t5/t5-large config.json
+T5_LARGE = {**T5_BASE, "d_ff": 4096, "d_model": 1024, "num_heads": 16, "num_layers": 24}
+
+
+@pytest.mark.parametrize(("preset", "cfg"), [("t5-base", T5_BASE), ("t5-large", T5_LARGE),
+                                             ("bart-large", BART_LARGE)])
+def test_presets_are_their_configs(preset: str, cfg: dict[str, Any]) -> None:
+    """The shipped presets describe the model the hub's config.json describes, parameter for
+    parameter (transformers' numel)."""
+    from vramcalc.catalog import load_preset
+
+    spec = load_preset(preset).spec
+    read = from_hf_config(cfg, f"{preset}/config.json")
+    assert spec.model_dump(exclude={"name", "source"}) == read.model_dump(
+        exclude={"name", "source"})
+    assert spec.num_params == transformers_numel(cfg)
