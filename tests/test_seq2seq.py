@@ -154,7 +154,7 @@ def bart_json(tmp_path: Any) -> Any:
 
 @pytest.mark.parametrize(("cmd", "extra", "words"), [
     ("estimate", [], "run `vramcalc trace`"),
-    ("plan", [], "run `vramcalc trace`"),
+    ("plan", [], "planner does not search encoder-decoder"),
     ("estimate", ["--tp", "2", "--gpus", "2xA100"], "tp=2"),
     ("trace", ["--pp", "2", "--gpus", "2xA100"], "pp=2"),
     ("trace", ["--finetune", "lora"], "lora"),
@@ -163,6 +163,16 @@ def bart_json(tmp_path: Any) -> Any:
 ])
 def test_unmodelled_is_refused(bart_json: Any, cmd: str, extra: list[str], words: str) -> None:
     code, err = _run([cmd, "--model", str(bart_json), "--seq-len", "512", *extra])
+    _one_error(code, err, words)
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["serve", "--model", "t5-base"], "serving encoder-decoder"),
+    (["size", "--model", "t5-base", "--tokens", "1e9", "--gpu", "H100"], "planner"),
+    (["max", "--model", "bart-large", "--seq-len", "512"], "run `vramcalc trace`"),
+])
+def test_other_commands_refuse(args: list[str], words: str) -> None:
+    code, err = _run(args)
     _one_error(code, err, words)
 
 

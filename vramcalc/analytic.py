@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from vramcalc.errors import InputError
 from vramcalc.features import low_precision
 from vramcalc.hardware import GPUProfile
 from vramcalc.notes import scenario_notes
@@ -36,6 +35,7 @@ from vramcalc.report import (
     strategy_dict,
 )
 from vramcalc.scenario import Scenario, check_capabilities
+from vramcalc.seq2seq_shapes import check_analytic
 from vramcalc.sharding import moe_layers_on_stage, pipeline_chunks
 from vramcalc.terms import activations as act
 from vramcalc.terms import comm
@@ -417,10 +417,7 @@ def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
     """The resolved scenario, and everything a report holds but the strategy and the fit
     verdict, as plain values."""
     scn = scn.resolved()
-    if scn.model.is_encoder_decoder:  # parameters exact; the seq2seq step is traced only
-        raise InputError(f"{scn.model.name}: the analytic engine does not model "
-                         "encoder-decoder (T5, BART) activations yet; run `vramcalc trace` "
-                         "with the same options for this model's training memory")
+    check_analytic(scn.model)  # encoder-decoders: traced only (InputError)
     check_capabilities(scn)  # what the GPU cannot run as counted: InputError
     if low_precision(scn.training):
         check_lowprec(scn)  # FP8 / QAT combinations not modelled: InputError
