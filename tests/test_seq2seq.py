@@ -71,19 +71,24 @@ def test_counts_match_transformers(name: str) -> None:
 
 
 def test_published_counts() -> None:
-    """Model cards / the T5 paper's table 14 name ~220M for T5-Base and ~406M for BART-large
-    (fairseq's bart.large); the exact sums, hand-derived from modeling_t5.py / modeling_bart.py:
-    T5-Base = V·h + 12·(4h² + 2h·f + 2h) + 12·(8h² + 2h·f + 3h) + 2·32·12 + 2h (tied head)."""
+    """The exact sums, hand-derived from modeling_t5.py / modeling_bart.py:
+    T5-Base = V·h + 12·(4h² + 2h·f + 2h) + 12·(8h² + 2h·f + 3h) + 2·32·12 + 2h (tied head),
+    the T5 paper's "220M" for Base; BART-large against KerasHub's bart_large_en preset
+    (keras_hub/src/models/bart/bart_presets.py, "params": 406287360), whose positional
+    tables have P rows where transformers' BartLearnedPositionalEmbedding has P + 2 (2·2·h
+    more), and fairseq's bart.large "400M"."""
     h, f, V = 768, 3072, 32128
     t5 = V * h + 12 * (4 * h * h + 2 * h * f + 2 * h) + 12 * (8 * h * h + 2 * h * f + 3 * h)
     t5 += 2 * 32 * 12 + 2 * h
     assert from_hf_config(T5_BASE, "t5-base/config.json").num_params == t5 == 222_903_552
+    assert abs(t5 / 220e6 - 1) < 0.02
     h, f, V, P = 1024, 4096, 50265, 1026
     layer = 4 * (h * h + h) + (h * f + f) + (f * h + h) + 2 * 2 * h
     dec = layer + 4 * (h * h + h) + 2 * h
     bart = V * h + 2 * P * h + 2 * 2 * h + 12 * layer + 12 * dec
     assert from_hf_config(BART_LARGE, "bart-large/config.json").num_params == bart
-    assert abs(bart / 406e6 - 1) < 0.01
+    assert bart == 406_287_360 + 2 * 2 * h
+    assert abs(bart / 400e6 - 1) < 0.02
 
 
 def test_defaults_and_dropout() -> None:
