@@ -161,7 +161,8 @@ def with_task(spec: ModelSpec, task: str) -> ModelSpec:
     --task option). A masked-LM head ties its decoder to the word embedding, as BERT's and
     RoBERTa's configs do (tie_word_embeddings: false needs a model YAML)."""
     if not spec.is_encoder:
-        raise InputError(f"--task {task}: {spec.name} is a decoder (causal LM); --task picks "
+        kind = "an encoder-decoder" if spec.is_encoder_decoder else "a decoder (causal LM)"
+        raise InputError(f"--task {task}: {spec.name} is {kind}; --task picks "
                          "an encoder's head (bert, roberta)")
     name = task.replace("-", "_")
     return spec.model_copy(update={"task": name,
