@@ -215,3 +215,55 @@ def test_presets_are_their_configs(preset: str, cfg: dict[str, Any]) -> None:
     assert spec.model_dump(exclude={"name", "source"}) == read.model_dump(
         exclude={"name", "source"})
     assert spec.num_params == transformers_numel(cfg)
+
+
+def test_trace_keeps_the_configs_dropout_masks() -> None:
+    """BART with dropout and activation_dropout 0.1 (attention_dropout 0) against the same
+    step with `--dropout 0`: at the end of forward the trace holds one bool mask more per
+    dropout (CUDA's native_dropout keeps its mask; the next op saves the dropout output
+    where it would save the input, the same size), hand-counted from modeling_bart.py:
+    encoder: after layernorm_embedding (b·s·h), per layer after self-attention and after fc2
+    (b·s·h each) and after the activation (b·s·f); decoder alike at t tokens with one more,
+    after the cross-attention."""
+    from vramcalc.units import round_alloc
+
+    cfg = {**CONFIGS["bart-odd"], "attention_dropout": 0.0, "encoder_layers": 1,
+           "decoder_layers": 2}
+    b, s, t, h, f = 2, 64, 32, 64, 96
+    kw = {"seq_len": s, "target_len": t, "micro_batch_size": b, "precision": "fp32",
+          "attention": "eager", "optimizer": "sgd"}
+    on = _trace(cfg, **kw).marks["end_forward"].terms()["activations"]
+    off = _trace(cfg, dropout=0, **kw).marks["end_forward"].terms()["activations"]
+    enc = round_alloc(b * s * h) * (1 + 2 * 1) + round_alloc(b * s * f) * 1
+    dec = round_alloc(b * t * h) * (1 + 3 * 2) + round_alloc(b * t * f) * 2
+    assert on - off == enc + dec
+
+
+def test_trace_keeps_t5s_dropout_masks() -> None:
+    """T5 with the ReLU feed-forward (T5-Base's; dropout_rate 0.1, fp32, eager) against
+    `--dropout 0`, hand-counted from modeling_t5.py: a bool mask per nn.Dropout (after the
+    embedding, after each self-/cross-attention and feed-forward block, inside the
+    feed-forward after the ReLU, after each stack's final_layer_norm); inside the
+    feed-forward, ReLU keeps its output for backward (threshold_backward takes the result)
+    and wo now keeps the dropout output beside it (fp32 (b, ·, f)); per attention the
+    probabilities' mask and the dropout output p' (fp32) that p' @ v keeps where it would
+    keep the softmax output."""
+    from vramcalc.units import round_alloc
+
+    cfg = {**CONFIGS["t5-odd"], "feed_forward_proj": "relu"}
+    b, s, t, h, a, f = 2, 64, 32, 96, 3, 200
+    Le, Ld = cfg["num_layers"], cfg["num_decoder_layers"]
+    kw = {"seq_len": s, "target_len": t, "micro_batch_size": b, "precision": "fp32",
+          "attention": "eager", "optimizer": "sgd"}
+    on = _trace(cfg, **kw).marks["end_forward"].terms()["activations"]
+    off = _trace(cfg, dropout=0, **kw).marks["end_forward"].terms()["activations"]
+
+    def probs(q: int, k: int) -> int:  # bool mask + fp32 p'
+        return round_alloc(b * a * q * k) + round_alloc(4 * b * a * q * k)
+
+    def ff(q: int) -> int:  # bool mask + fp32 dropout output
+        return round_alloc(b * q * f) + round_alloc(4 * b * q * f)
+
+    enc = round_alloc(b * s * h) * (2 + 2 * Le) + Le * (ff(s) + probs(s, s))
+    dec = round_alloc(b * t * h) * (2 + 3 * Ld) + Ld * (ff(t) + probs(t, t) + probs(t, s))
+    assert on - off == enc + dec
