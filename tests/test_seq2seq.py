@@ -239,18 +239,20 @@ def test_trace_keeps_the_configs_dropout_masks() -> None:
     assert on - off == enc + dec
 
 
-def test_trace_keeps_t5s_dropout_masks() -> None:
-    """T5 with the ReLU feed-forward (T5-Base's; dropout_rate 0.1, fp32, eager) against
-    `--dropout 0`, hand-counted from modeling_t5.py: a bool mask per nn.Dropout (after the
-    embedding, after each self-/cross-attention and feed-forward block, inside the
-    feed-forward after the ReLU, after each stack's final_layer_norm); inside the
-    feed-forward, ReLU keeps its output for backward (threshold_backward takes the result)
-    and wo now keeps the dropout output beside it (fp32 (b, ·, f)); per attention the
-    probabilities' mask and the dropout output p' (fp32) that p' @ v keeps where it would
-    keep the softmax output."""
+@pytest.mark.parametrize("proj", ["relu", "gated-gelu"])
+def test_trace_keeps_t5s_dropout_masks(proj: str) -> None:
+    """T5 (dropout_rate 0.1, fp32, eager) against `--dropout 0`, hand-counted from
+    modeling_t5.py: a bool mask per nn.Dropout (after the embedding, after each
+    self-/cross-attention and feed-forward block, inside the feed-forward before wo, after
+    each stack's final_layer_norm); per attention the probabilities' mask and the dropout
+    output p' (fp32) that p' @ v keeps where it would keep the softmax output. Inside the
+    ReLU feed-forward (T5-Base's) ReLU keeps its own output for backward (threshold_backward
+    takes the result), so wo's fp32 input, the dropout output, is kept beside it; in the
+    gated one (T5 v1.1) the product gelu(wi_0 x) · wi_1 x keeps its operands, not its
+    output, and the dropout output only replaces it."""
     from vramcalc.units import round_alloc
 
-    cfg = {**CONFIGS["t5-odd"], "feed_forward_proj": "relu"}
+    cfg = {**CONFIGS["t5-odd"], "feed_forward_proj": proj}
     b, s, t, h, a, f = 2, 64, 32, 96, 3, 200
     Le, Ld = cfg["num_layers"], cfg["num_decoder_layers"]
     kw = {"seq_len": s, "target_len": t, "micro_batch_size": b, "precision": "fp32",
@@ -261,8 +263,8 @@ def test_trace_keeps_t5s_dropout_masks() -> None:
     def probs(q: int, k: int) -> int:  # bool mask + fp32 p'
         return round_alloc(b * a * q * k) + round_alloc(4 * b * a * q * k)
 
-    def ff(q: int) -> int:  # bool mask + fp32 dropout output
-        return round_alloc(b * q * f) + round_alloc(4 * b * q * f)
+    def ff(q: int) -> int:  # bool mask (+ fp32 dropout output beside ReLU's)
+        return round_alloc(b * q * f) + (round_alloc(4 * b * q * f) if proj == "relu" else 0)
 
     enc = round_alloc(b * s * h) * (2 + 2 * Le) + Le * (ff(s) + probs(s, s))
     dec = round_alloc(b * t * h) * (2 + 3 * Ld) + Ld * (ff(t) + probs(t, t) + probs(t, s))
