@@ -153,7 +153,8 @@ def _refuse_other_encoders(c: _Cfg, model_type: str) -> None:
             or model_type in _OTHER_ENCODERS):
         raise InputError(
             f"{c.source}: model_type '{model_type}' is an encoder or encoder-decoder model "
-            f"vramcalc does not model yet (encoders: {', '.join(_ENCODER_DEFAULTS)})")
+            f"vramcalc does not model yet (encoders: {', '.join(_ENCODER_DEFAULTS)}; "
+            f"encoder-decoders: {', '.join(SEQ2SEQ_TYPES)})")
 
 
 def with_task(spec: ModelSpec, task: str) -> ModelSpec:
