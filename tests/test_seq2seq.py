@@ -36,8 +36,15 @@ BART_LARGE: dict[str, Any] = {
     "encoder_attention_heads": 16, "encoder_ffn_dim": 4096, "encoder_layers": 12,
     "is_encoder_decoder": True, "max_position_embeddings": 1024, "model_type": "bart",
     "scale_embedding": False, "vocab_size": 50265}
+# google/mt5-base config.json (T5 v1.1's code with a 250k vocabulary)
+MT5_BASE: dict[str, Any] = {
+    "architectures": ["MT5ForConditionalGeneration"], "d_ff": 2048, "d_kv": 64, "d_model": 768,
+    "dropout_rate": 0.1, "feed_forward_proj": "gated-gelu", "is_encoder_decoder": True,
+    "model_type": "mt5", "num_decoder_layers": 12, "num_heads": 12, "num_layers": 12,
+    "relative_attention_num_buckets": 32, "tie_word_embeddings": False, "vocab_size": 250112}
 CONFIGS = {
     "t5-base": T5_BASE,
+    "mt5-base": MT5_BASE,
     "t5-v1_1-base": T5_V11_BASE,
     "bart-large": BART_LARGE,
     # small shapes that separate the terms: deeper decoder, d_kv·heads != d_model; BART untied
@@ -98,6 +105,9 @@ def test_defaults_and_dropout() -> None:
             t5.hidden_act, t5.mlp_kind, t5.tie_word_embeddings) == (
         512, 6, 6, 2048, "relu", "standard", True)
     assert t5.hidden_dropout_prob == t5.attention_probs_dropout_prob == 0.1
+    mt5 = from_hf_config({"model_type": "mt5"}, "mt5/config.json")
+    assert (mt5.vocab_size, mt5.intermediate_size, mt5.num_hidden_layers,
+            mt5.num_attention_heads, mt5.mlp_kind) == (250112, 1024, 8, 6, "gated")
     v11 = from_hf_config(T5_V11_BASE, "v11/config.json")
     assert (v11.mlp_kind, v11.hidden_act, v11.tie_word_embeddings) == ("gated", "gelu_new", True)
     bart = from_hf_config(BART_LARGE, "bart/config.json")

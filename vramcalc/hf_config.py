@@ -79,7 +79,7 @@ _ENCODER_TASKS = {"ForSequenceClassification": "sequence_classification",
                   "ForMaskedLM": "masked_lm"}
 # encoder-only and encoder-decoder types not modelled yet (`_refuse_other_encoders`)
 _OTHER_ENCODERS = ("modernbert", "distilbert", "albert", "electra", "deberta", "deberta-v2",
-                   "mpnet", "longformer", "mt5", "umt5",
+                   "mpnet", "longformer", "umt5",
                    "mbart", "pegasus", "marian", "led", "xlm", "flaubert", "funnel",
                    "roformer", "squeezebert", "nomic_bert", "jina_bert", "ernie", "megatron-bert")
 SUPPORTED_MODEL_TYPES = ("gpt2", *_DEFAULTS, *_ENCODER_DEFAULTS, *SEQ2SEQ_TYPES)

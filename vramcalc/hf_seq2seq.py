@@ -9,7 +9,11 @@ from typing import Any
 from vramcalc.errors import InputError
 from vramcalc.hf_reader import Cfg
 
-SEQ2SEQ_TYPES = ("t5", "bart")
+SEQ2SEQ_TYPES = ("t5", "mt5", "bart")
+T5_TYPES = ("t5", "mt5")  # mT5 runs T5's code (modeling_mt5.py), gated-gelu by default
+# T5Config / MT5Config defaults: vocab, d_model, d_ff, num_layers, num_heads, feed_forward_proj
+_T5_DEFAULTS = {"t5": (32128, 512, 2048, 6, 8, "relu"),
+                "mt5": (250112, 512, 1024, 8, 6, "gated-gelu")}
 
 
 def _prob(c: Cfg, key: str, default: float) -> float:
@@ -19,23 +23,25 @@ def _prob(c: Cfg, key: str, default: float) -> float:
     return float(value)
 
 
-def _t5_fields(c: Cfg) -> dict[str, Any]:
+def _t5_fields(c: Cfg, model_type: str) -> dict[str, Any]:
     """T5Config: d_model 512, d_kv 64, d_ff 2048, num_layers 6, num_decoder_layers =
     num_layers, num_heads 8, 32 relative buckets, dropout_rate 0.1, feed_forward_proj "relu"
-    ("gated-gelu": wi_0, wi_1 with gelu_new). The head is always tied to `shared`: T5Config
-    sets tie_word_embeddings = True whatever the file says (a T5 v1.1 `false` only turns off
+    ("gated-gelu": wi_0, wi_1 with gelu_new); MT5Config: vocab 250112, d_ff 1024, 8 layers,
+    6 heads, "gated-gelu". The head is always tied to `shared`: T5Config
+    and MT5Config set tie_word_embeddings = True whatever the file says (a T5 v1.1 `false` only turns off
     the decoder-output scaling, `scale_decoder_outputs`, which keeps no tensor)."""
-    proj = c.get_str("feed_forward_proj", "relu")
+    vocab, d_model, d_ff, num_layers, heads, default_proj = _T5_DEFAULTS[model_type]
+    proj = c.get_str("feed_forward_proj", default_proj)
     parts = proj.split("-")
     if len(parts) > 2 or len(parts) == 2 and parts[0] != "gated":
         raise InputError(f"{c.source}: feed_forward_proj {proj!r} is not `ACT` or `gated-ACT`")
     act = "gelu_new" if proj == "gated-gelu" else parts[-1]
-    layers = c.get_int("num_layers", 6)
+    layers = c.get_int("num_layers", num_layers)
     drop = _prob(c, "dropout_rate", 0.1)
     return {
-        "hidden_size": c.get_int("d_model", 512), "head_dim": c.get_int("d_kv", 64),
-        "num_attention_heads": c.get_int("num_heads", 8),
-        "intermediate_size": c.get_int("d_ff", 2048), "vocab_size": c.get_int("vocab_size", 32128),
+        "hidden_size": c.get_int("d_model", d_model), "head_dim": c.get_int("d_kv", 64),
+        "num_attention_heads": c.get_int("num_heads", heads),
+        "intermediate_size": c.get_int("d_ff", d_ff), "vocab_size": c.get_int("vocab_size", vocab),
         "num_hidden_layers": layers, "num_decoder_layers": c.get_int("num_decoder_layers", layers),
         "relative_attention_num_buckets": c.get_int("relative_attention_num_buckets", 32),
         "hidden_act": act, "mlp_kind": "gated" if len(parts) == 2 else "standard",
@@ -78,5 +84,5 @@ def _bart_fields(c: Cfg) -> dict[str, Any]:
 
 def seq2seq_fields(c: Cfg, model_type: str) -> dict[str, Any]:
     """ModelSpec fields of a T5 or BART config (model_type in SEQ2SEQ_TYPES)."""
-    fields = _t5_fields(c) if model_type == "t5" else _bart_fields(c)
+    fields = _t5_fields(c, model_type) if model_type in T5_TYPES else _bart_fields(c)
     return {**fields, "architecture": "encoder_decoder", "task": "seq2seq_lm"}

@@ -7,7 +7,7 @@ meta device (tests/test_seq2seq.py).
 Letters: h = d_model, a = heads, d = head width (T5 d_kv), f = FFN width, Le / Ld = encoder /
 decoder layers, V = vocab, P = max_position_embeddings, B = relative_attention_num_buckets.
 
-T5 (modeling_t5.py): `shared` (V, h), shared by both stacks; per encoder block a
+T5 and mT5 (modeling_t5.py, modeling_mt5.py): `shared` (V, h), shared by both stacks; per encoder block a
 self-attention (q, k, v: h -> a·d, o: a·d -> h, no biases) and the feed-forward (wi: h -> f,
 wo: f -> h; gated-gelu: wi_0, wi_1, wo), each behind a T5LayerNorm (weight only); a decoder
 block adds the cross-attention (EncDecAttention) and its norm; block 0 of each stack owns
@@ -39,7 +39,7 @@ def seq2seq_rows(spec: Any) -> tuple[Row, ...]:
     f, V = spec.intermediate_size, spec.vocab_size
     Le, Ld = spec.num_hidden_layers, spec.num_decoder_layers
     attn = Le + 2 * Ld  # encoder self-attention, decoder self- and cross-attention
-    bias = spec.model_type != "t5"
+    bias = spec.model_type == "bart"  # T5 and mT5: no biases
     out: list[Row] = [("shared", V * h, 1, "embedding", V)]
     if bias:  # BART
         P = spec.max_position_embeddings + BART_POSITION_OFFSET

@@ -20,10 +20,11 @@ def seq2seq_config(tf: Any, spec: ModelSpec, training: TrainingConfig | None = N
     """T5Config or BartConfig with the spec's shapes and its dropout (no cache)."""
     off = training is not None and training.dropout == 0
     hidden = 0.0 if off else spec.hidden_dropout_prob
-    if spec.model_type == "t5":
+    if spec.model_type in ("t5", "mt5"):
         gated = spec.mlp_kind == "gated"
         act = "gelu" if gated and spec.hidden_act == "gelu_new" else spec.hidden_act
-        return tf.T5Config(
+        cls = tf.MT5Config if spec.model_type == "mt5" else tf.T5Config
+        return cls(
             vocab_size=spec.vocab_size, d_model=spec.hidden_size, d_kv=spec.head_size,
             d_ff=spec.intermediate_size, num_layers=spec.num_hidden_layers,
             num_decoder_layers=spec.num_decoder_layers, num_heads=spec.num_attention_heads,
