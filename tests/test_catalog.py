@@ -484,7 +484,8 @@ def transformers_count(cfg: dict[str, Any]) -> int:
     arch = (cfg.get("architectures") or [""])[0]  # encoders: the head their config names
     auto = (transformers.AutoModelForSequenceClassification
             if arch.endswith("ForSequenceClassification") else transformers.AutoModelForMaskedLM
-            if arch.endswith("ForMaskedLM") else transformers.AutoModelForCausalLM)
+            if arch.endswith("ForMaskedLM") else transformers.AutoModelForSeq2SeqLM
+            if arch.endswith("ForConditionalGeneration") else transformers.AutoModelForCausalLM)
     with torch.device("meta"):
         model = auto.from_config(config)
     return sum(p.numel() for p in model.parameters())
@@ -492,6 +493,20 @@ def transformers_count(cfg: dict[str, Any]) -> int:
 
 def preset_as_hf_config(spec: ModelSpec) -> dict[str, Any]:
     """A preset written as the config.json transformers would read for its model_type."""
+    if spec.model_type == "t5":  # configuration_t5.py key names
+        return {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"],
+                "d_model": spec.hidden_size, "d_kv": spec.head_size, "d_ff": spec.intermediate_size,
+                "num_layers": spec.num_hidden_layers, "num_heads": spec.num_attention_heads,
+                "num_decoder_layers": spec.num_decoder_layers, "vocab_size": spec.vocab_size}
+    if spec.model_type == "bart":  # configuration_bart.py key names
+        return {"model_type": "bart", "architectures": ["BartForConditionalGeneration"],
+                "d_model": spec.hidden_size, "encoder_layers": spec.num_hidden_layers,
+                "decoder_layers": spec.num_decoder_layers, "vocab_size": spec.vocab_size,
+                "encoder_attention_heads": spec.num_attention_heads,
+                "decoder_attention_heads": spec.num_attention_heads,
+                "encoder_ffn_dim": spec.intermediate_size,
+                "decoder_ffn_dim": spec.intermediate_size,
+                "max_position_embeddings": spec.max_position_embeddings}
     if spec.model_type == "gpt2":
         return {
             "model_type": "gpt2", "n_embd": spec.hidden_size, "n_layer": spec.num_hidden_layers,

@@ -35,6 +35,7 @@ from vramcalc.report import (
     strategy_dict,
 )
 from vramcalc.scenario import Scenario, check_capabilities
+from vramcalc.seq2seq_shapes import check_analytic
 from vramcalc.sharding import moe_layers_on_stage, pipeline_chunks
 from vramcalc.terms import activations as act
 from vramcalc.terms import comm
@@ -416,6 +417,7 @@ def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
     """The resolved scenario, and everything a report holds but the strategy and the fit
     verdict, as plain values."""
     scn = scn.resolved()
+    check_analytic(scn.model)  # encoder-decoders: traced only (InputError)
     check_capabilities(scn)  # what the GPU cannot run as counted: InputError
     if low_precision(scn.training):
         check_lowprec(scn)  # FP8 / QAT combinations not modelled: InputError

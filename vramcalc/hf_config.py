@@ -10,6 +10,7 @@ from typing import Any
 from vramcalc.errors import InputError
 from vramcalc.hf_reader import Cfg as _Cfg
 from vramcalc.hf_reader import name_from_source as _name_from_source
+from vramcalc.hf_seq2seq import SEQ2SEQ_TYPES, seq2seq_fields
 from vramcalc.model import ModelSpec, spec_from_fields
 
 _GENERIC_KEYS = (
@@ -78,10 +79,10 @@ _ENCODER_TASKS = {"ForSequenceClassification": "sequence_classification",
                   "ForMaskedLM": "masked_lm"}
 # encoder-only and encoder-decoder types not modelled yet (`_refuse_other_encoders`)
 _OTHER_ENCODERS = ("modernbert", "distilbert", "albert", "electra", "deberta", "deberta-v2",
-                   "mpnet", "longformer", "t5", "mt5", "umt5",
-                   "bart", "mbart", "pegasus", "marian", "led", "xlm", "flaubert", "funnel",
+                   "mpnet", "longformer", "umt5",
+                   "mbart", "pegasus", "marian", "led", "xlm", "flaubert", "funnel",
                    "roformer", "squeezebert", "nomic_bert", "jina_bert", "ernie", "megatron-bert")
-SUPPORTED_MODEL_TYPES = ("gpt2", *_DEFAULTS, *_ENCODER_DEFAULTS)
+SUPPORTED_MODEL_TYPES = ("gpt2", *_DEFAULTS, *_ENCODER_DEFAULTS, *SEQ2SEQ_TYPES)
 
 
 def _decoder_fields(c: _Cfg, model_type: str, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -152,7 +153,8 @@ def _refuse_other_encoders(c: _Cfg, model_type: str) -> None:
             or model_type in _OTHER_ENCODERS):
         raise InputError(
             f"{c.source}: model_type '{model_type}' is an encoder or encoder-decoder model "
-            f"vramcalc does not model yet (encoders: {', '.join(_ENCODER_DEFAULTS)})")
+            f"vramcalc does not model yet (encoders: {', '.join(_ENCODER_DEFAULTS)}; "
+            f"encoder-decoders: {', '.join(SEQ2SEQ_TYPES)})")
 
 
 def with_task(spec: ModelSpec, task: str) -> ModelSpec:
@@ -160,7 +162,8 @@ def with_task(spec: ModelSpec, task: str) -> ModelSpec:
     --task option). A masked-LM head ties its decoder to the word embedding, as BERT's and
     RoBERTa's configs do (tie_word_embeddings: false needs a model YAML)."""
     if not spec.is_encoder:
-        raise InputError(f"--task {task}: {spec.name} is a decoder (causal LM); --task picks "
+        kind = "an encoder-decoder" if spec.is_encoder_decoder else "a decoder (causal LM)"
+        raise InputError(f"--task {task}: {spec.name} is {kind}; --task picks "
                          "an encoder's head (bert, roberta)")
     name = task.replace("-", "_")
     return spec.model_copy(update={"task": name,
@@ -372,7 +375,7 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
     """Map a Hugging Face `config.json` dict to a ModelSpec.
 
     Supported model_type: bert, roberta, xlm-roberta, camembert (encoders,
-    `_encoder_fields`), gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
+    `_encoder_fields`), t5, bart (encoder-decoders, vramcalc/hf_seq2seq.py), gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
     qwen3_moe, llama4 / llama4_text (the language model of a Llama-4 checkpoint), phi (phi-1,
     phi-1.5, phi-2), phi3, deepseek_v2, deepseek_v3 (multi-latent attention), gemma (gemma2 / gemma3_text need 4 norms per layer, see `_four_norms`);
     any other model_type is read as a llama-like decoder from the generic keys
@@ -396,8 +399,12 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
         c, model_type, name = _Cfg({**text, "model_type": "llama4_text"}, source), (
             "llama4_text"), f"{name}-text"
 
-    _refuse_other_encoders(c, model_type)
     fields: dict[str, Any]
+    if model_type in SEQ2SEQ_TYPES:  # T5, BART: vramcalc/hf_seq2seq.py
+        fields = seq2seq_fields(c, model_type)
+        fields.update(name=name, model_type=model_type, source=source)
+        return spec_from_fields(fields, source)
+    _refuse_other_encoders(c, model_type)
     if model_type == "gpt2":
         fields = _gpt2_fields(c)
     elif model_type in _ENCODER_DEFAULTS:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vramcalc.errors import InputError
+from vramcalc.seq2seq_shapes import seq2seq_num_params
 
 MAX_DIM = 10_000_000
 MAX_LAYERS = 100_000
@@ -53,7 +54,7 @@ class ModelSpec(BaseModel):
     attention_out_bias: bool = False  # bias on the output projection
     mlp_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma3)
-    position_embedding: Literal["rope", "learned"] = "rope"
+    position_embedding: Literal["rope", "learned", "relative"] = "rope"  # relative: T5
     tie_word_embeddings: bool = False
     final_norm: bool = True
     # attention and MLP read the same block input and are added to it together
@@ -91,8 +92,13 @@ class ModelSpec(BaseModel):
     sliding_window: int | None = Field(None, gt=0, le=100_000_000)
     sliding_window_pattern: int = Field(0, ge=0, le=MAX_LAYERS)
     # encoders: post-LayerNorm, a classification / masked-LM head, the config's dropout
-    architecture: Literal["decoder", "encoder"] = "decoder"
-    task: Literal["causal_lm", "sequence_classification", "masked_lm"] = "causal_lm"
+    architecture: Literal["decoder", "encoder", "encoder_decoder"] = "decoder"
+    task: Literal["causal_lm", "sequence_classification", "masked_lm", "seq2seq_lm"] = (
+        "causal_lm")
+    # encoder-decoders (vramcalc/seq2seq_shapes.py): num_hidden_layers counts the encoder's
+    num_decoder_layers: int = Field(0, ge=0, le=MAX_LAYERS, exclude_if=lambda v: not v)
+    relative_attention_num_buckets: int = Field(0, ge=0, le=MAX_DIM, exclude_if=lambda v: not v)
+    activation_dropout: float = Field(0.0, ge=0.0, lt=1.0, exclude_if=lambda v: not v)
     num_labels: int = Field(2, gt=0, le=1_000_000)
     type_vocab_size: int = Field(0, ge=0, le=MAX_DIM)
     hidden_dropout_prob: float = Field(0.0, ge=0.0, lt=1.0)
@@ -151,6 +157,12 @@ class ModelSpec(BaseModel):
         return self
 
     def _check_encoder(self) -> None:
+        if self.is_encoder_decoder != (self.task == "seq2seq_lm") or self.is_encoder_decoder != (
+                self.num_decoder_layers > 0):
+            raise InputError("encoder-decoders (T5, BART) take task seq2seq_lm and "
+                             "num_decoder_layers > 0; other architectures neither")
+        if self.is_encoder_decoder:
+            return
         dropout = self.hidden_dropout_prob or self.attention_probs_dropout_prob
         if self.is_encoder == (self.task == "causal_lm") or dropout and not self.is_encoder:
             raise InputError("encoders take task sequence_classification or masked_lm, decoders "
@@ -181,6 +193,10 @@ class ModelSpec(BaseModel):
     @property
     def is_encoder(self) -> bool:
         return self.architecture == "encoder"
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.architecture == "encoder_decoder"
     @property
     def kv_heads(self) -> int:
         return self.num_key_value_heads or self.num_attention_heads
@@ -342,7 +358,9 @@ class ModelSpec(BaseModel):
 
     @cached_property
     def num_params(self) -> int:
-        """Exact total parameter count."""
+        """Exact total parameter count (encoder-decoders: vramcalc/seq2seq_shapes.py)."""
+        if self.is_encoder_decoder:
+            return seq2seq_num_params(self)
         return (
             self.embedding_params
             + self.num_dense_layers * self.dense_layer_params

@@ -6,6 +6,7 @@ checks)."""
 from __future__ import annotations
 
 from vramcalc.model import ModelSpec, ParamTensor, encoder_tensors, mla_tensors
+from vramcalc.seq2seq_shapes import seq2seq_rows
 
 
 def param_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
@@ -13,6 +14,9 @@ def param_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
 
     Cached per spec (ModelSpec is frozen and hashable): the planner calls this per estimate.
     """
+    if spec.is_encoder_decoder:  # T5, BART: vramcalc/seq2seq_shapes.py
+        return tuple(ParamTensor(name, numel, count, group, tp_split=False, rows=rows)
+                     for name, numel, count, group, rows in seq2seq_rows(spec))
     h, a, g, d = spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.head_size
     out: list[ParamTensor] = [ParamTensor(name="embed_tokens", numel=spec.vocab_size * h, count=1,
                                           group="embedding", rows=spec.vocab_size)]

@@ -69,7 +69,10 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
                                                           "masked-lm"), group="model"),
     Opt("gpus", str, "1xH100", "Cluster: H100, 8xH100, 2x8xA100-80GB (nodes x per node).",
         group="cluster"),
-    Opt("seq_len", int, 4096, "Sequence length in tokens."),
+    Opt("seq_len", int, 4096, "Sequence length in tokens (encoder-decoders: the source, "
+        "encoder length)."),
+    Opt("target_len", int, None, "Encoder-decoders (t5, bart): target (decoder) tokens per "
+        "sequence, the labels the LM head scores. Default: --seq-len."),
     Opt("micro_batch_size", int, 1, "Sequences per micro-batch per data-parallel rank."),
     Opt("grad_accum", int, 1, "Gradient-accumulation micro-steps per optimizer step."),
     Opt("precision", str, "bf16", "fp32 | amp-bf16 | amp-fp16 (autocast, fp32 weights) | "
@@ -247,7 +250,7 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "(0.05 = 5%).", group="cluster"),
 )
 OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
-_TRAINING_KEYS = ("seq_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
+_TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
                   "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "kbit_prepare", "recompute_method",
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "lora_embedding", "lora_head", "modules_to_save", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",

@@ -40,9 +40,11 @@ def encoder_unsupported(scn: Scenario) -> str | None:
         return f"--framework {tr.framework} (its models are decoders; use --framework hf)"
     # RoBERTa numbers positions from padding_idx + 1 = 2 (create_position_ids_from_input_ids)
     positions = spec.max_position_embeddings - (2 if spec.model_type in ROBERTA_TYPES else 0)
-    if tr.seq_len > positions:
-        return (f"--seq-len {tr.seq_len} (its learned positions cover {positions} tokens: "
-                f"give --seq-len {positions} or less)")
+    lengths = (("--seq-len", tr.seq_len), ("--target-len", tr.target_len or 0))
+    for flag, n in lengths if spec.position_embedding == "learned" else ():
+        if n > positions:
+            return (f"{flag} {n} (its learned positions cover {positions} tokens: "
+                    f"give {flag} {positions} or less)")
     pieces = ((f"tp={par.tp}", par.tp > 1), (f"pp={par.pp}", par.pp > 1),
               (f"cp={par.cp}", par.cp > 1), (f"ep={par.ep}", par.ep > 1),
               (f"zero={par.zero}", bool(par.zero)), (f"fsdp={par.fsdp}", par.fsdp != "none"),
@@ -139,10 +141,14 @@ class Scenario(BaseModel):
                              "on every token, which the hf profile does not model; use "
                              "--framework reference (routed tokens)")
         tr = self.training
-        if self.model.is_encoder:
+        if tr.target_len is not None and not self.model.is_encoder_decoder:
+            raise InputError(f"--target-len: {self.model.name} is not an encoder-decoder "
+                             "(t5, bart); its sequences are --seq-len long")
+        if self.model.is_encoder or self.model.is_encoder_decoder:
             missing = encoder_unsupported(self)
             if missing:
-                raise InputError(f"{self.model.name}: encoder models are modelled with "
+                raise InputError(f"{self.model.name}: encoder and encoder-decoder models are "
+                                 "modelled with "
                                  "transformers' modeling code on one GPU or DDP, full "
                                  f"training, no or full recompute; not {missing}")
             if tr.framework == "reference":  # one profile for encoders: transformers' code

@@ -125,6 +125,8 @@ class TrainingConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     seq_len: int = Field(4096, gt=0, le=100_000_000)
+    # encoder-decoders: decoder (label) tokens per sequence; None: seq_len
+    target_len: int | None = Field(None, gt=0, le=100_000_000, exclude_if=lambda v: v is None)
     micro_batch_size: int = Field(1, gt=0, le=1_000_000)
     grad_accum: int = Field(1, gt=0, le=1_000_000)
     precision: Precision = "bf16"

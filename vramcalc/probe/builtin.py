@@ -43,7 +43,8 @@ def _one_iteration(model: Any, opt: Any, scn: Scenario, device: Device) -> None:
         tr.is_autocast) else contextlib.nullcontext
     for _ in range(tr.grad_accum):
         ids = torch.randint(0, V, (b, s), device=device.torch_device)
-        labels = torch.randint(0, V, (b, s), device=device.torch_device)
+        labels = torch.randint(0, V, (b, tr.target_len or s),  # seq2seq: decoder tokens
+                               device=device.torch_device)
         with autocast():
             loss = _loss(model, tr.framework, ids, labels)
         (loss / tr.grad_accum).backward()

@@ -33,6 +33,8 @@ def strategy_line(strategy: dict[str, Any]) -> str:
     """A compact one-line description of a strategy."""
     s = strategy
     parts = [f"seq {s['seq_len']}", f"mbs {s['micro_batch_size']}"]
+    if s.get("target_len"):  # encoder-decoders: the decoder's tokens
+        parts[0] += f", target {s['target_len']}"
     if s.get("grad_accum", 1) > 1:
         parts.append(f"accum {s['grad_accum']}")
     impl = s.get("optimizer_impl")

@@ -140,6 +140,9 @@ def _kv_dtype_bytes(cfg: ServeConfig) -> int:
 
 def _validate(spec: ModelSpec, cfg: ServeConfig, cluster: Cluster, max_len: int) -> int:
     """Checks the engines make at start-up; the number of model replicas."""
+    if spec.is_encoder_decoder:
+        raise InputError(f"{spec.name}: serving encoder-decoder models (T5, BART: a "
+                         "cross-attention cache per request) is not modelled")
     per_copy = cfg.tp * cfg.pp
     if cluster.num_gpus % per_copy:
         raise InputError(f"--tp {cfg.tp} × --pp {cfg.pp} = {per_copy} GPUs per model copy "

@@ -84,6 +84,9 @@ def serve_options(spec: ModelSpec, gpus: list[GPUProfile], base: ServeConfig,
     config's max_model_len, best first (module docstring)."""
     if concurrency < 1:
         raise InputError(f"--concurrency must be at least 1, got {concurrency}")
+    if spec.is_encoder_decoder:
+        raise InputError(f"{spec.name}: serving encoder-decoder models (T5, BART) is not "
+                         "modelled")
     out: list[ServeOption] = []
     for gpu in gpus:
         for tp, pp in layouts(spec, gpu):

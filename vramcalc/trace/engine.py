@@ -210,7 +210,8 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
     if tr.framework == "hf":
         from vramcalc.trace.hf_models import real_device_behaviour
 
-        framework_ctx = real_device_behaviour(dropout=scn.model.is_encoder)
+        framework_ctx = real_device_behaviour(
+            dropout=scn.model.is_encoder or scn.model.is_encoder_decoder)
     fake = FakeTensorMode()
     with framework_ctx, cuda_autocast_rules(), fake, tracker:
         model = build_model(scn)
@@ -312,7 +313,8 @@ def run_steps(scn: Scenario, tracker: Any, model: Any, params: list[Any], opt: A
             tracker.set_phase("forward")
             ids = torch.randint(0, V, (b, s))
             labels = (torch.randint(0, scn.model.num_labels, (b,)) if scn.model.task
-                      == "sequence_classification" else torch.randint(0, V, (b, s)))
+                      == "sequence_classification" else torch.randint(0, V, (
+                          b, tr.target_len or s)))  # seq2seq: the decoder's tokens
             with autocast():
                 loss = _loss(model, tr.framework, ids, labels)
             tracker.mark("end_forward")

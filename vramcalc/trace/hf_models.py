@@ -35,6 +35,7 @@ from typing import Any
 from vramcalc.errors import InputError, shown
 from vramcalc.hf_config import ROBERTA_TYPES
 from vramcalc.model import ModelSpec
+from vramcalc.trace.hf_seq2seq import seq2seq_config
 from vramcalc.training import TrainingConfig
 
 HF_MISSING = "the hf profile needs transformers: pip install torch transformers"
@@ -59,6 +60,8 @@ def hf_family(spec: ModelSpec) -> str:
     """The transformers architecture that matches the spec's parameters (see module doc)."""
     if spec.is_encoder:
         return "roberta" if spec.model_type in ROBERTA_TYPES else "bert"
+    if spec.is_encoder_decoder:  # vramcalc/trace/hf_seq2seq.py
+        return spec.model_type
     if spec.norm_kind == "layernorm" or spec.position_embedding == "learned" or (
             spec.mlp_kind == "standard"):
         ok = (spec.norm_kind == "layernorm" and spec.norm_bias and spec.position_embedding
@@ -134,6 +137,8 @@ def to_hf_config(spec: ModelSpec) -> Any:
     if spec.is_encoder:
         return encoder_config(spec)
     tf = _transformers()
+    if spec.is_encoder_decoder:
+        return seq2seq_config(tf, spec)
     if spec.final_norm is False:
         raise _unsupported(spec, "no final norm")
     from transformers.activations import ACT2FN
@@ -270,7 +275,8 @@ def real_device_behaviour(dropout: bool = False) -> Iterator[None]:
 def build_hf_model(spec: ModelSpec, training: TrainingConfig, dtype: Any) -> Any:
     """AutoModelForCausalLM.from_config for the spec, ready to train (call inside fake mode)."""
     tf = _transformers()
-    cfg = encoder_config(spec, training) if spec.is_encoder else to_hf_config(spec)
+    cfg = encoder_config(spec, training) if spec.is_encoder else (
+        seq2seq_config(tf, spec, training) if spec.is_encoder_decoder else to_hf_config(spec))
     attn = "sdpa" if training.attention == "flash" else "eager"
     if training.recompute == "selective":
         _register_selective(tf)
@@ -281,7 +287,8 @@ def build_hf_model(spec: ModelSpec, training: TrainingConfig, dtype: Any) -> Any
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(training.compute_dtype,
                                                                     dtype)
     auto = {"sequence_classification": tf.AutoModelForSequenceClassification,
-            "masked_lm": tf.AutoModelForMaskedLM}.get(spec.task, tf.AutoModelForCausalLM)
+            "masked_lm": tf.AutoModelForMaskedLM,
+            "seq2seq_lm": tf.AutoModelForSeq2SeqLM}.get(spec.task, tf.AutoModelForCausalLM)
     model = auto.from_config(cfg, attn_implementation=attn, dtype=dtype)
     if training.recompute == "full" and not training.kbit_prepare:  # PEFT's prepare enables it
         enable = getattr(model, "activation_checkpointing_enable", None) or (
