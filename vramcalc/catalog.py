@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vramcalc import safeio
+import vramcalc.safeio as safeio
 from vramcalc.errors import InputError, shown, shown_path
 from vramcalc.hf_config import from_hf_config
 from vramcalc.hub import hub_config_path, looks_like_hub_id

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vramcalc import safeio
+import vramcalc.safeio as safeio
 from vramcalc.analytic import estimate
 from vramcalc.catalog import resolve_model
 from vramcalc.ds_config import DeepSpeedConfig

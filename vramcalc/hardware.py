@@ -29,7 +29,8 @@ from pydantic import (
     model_validator,
 )
 
-from vramcalc import safeio, yamlio
+import vramcalc.safeio as safeio
+import vramcalc.yamlio as yamlio
 from vramcalc.errors import InputError, shown, shown_path
 
 ENV_VAR = "VRAMCALC_PROFILES"

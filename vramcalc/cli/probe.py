@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import typer
 
-from vramcalc import safeio
+import vramcalc.safeio as safeio
 from vramcalc.check import check_files
 from vramcalc.cli.app import emit_json, fail, option, scenario_command, split_values
 from vramcalc.cli.serve import run_serve

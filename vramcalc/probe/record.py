@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vramcalc import safeio
+import vramcalc.safeio as safeio
 from vramcalc.errors import InputError, shown_path
 
 SCHEMA = "vramcalc.probe/1"

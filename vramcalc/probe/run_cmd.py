@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from vramcalc import safeio
+import vramcalc.safeio as safeio
 from vramcalc.errors import InputError, shown, shown_path
 
 HOOK_DIR = Path(__file__).resolve().parent / "hook"
