@@ -49,6 +49,7 @@ from vramcalc.terms.gradients import grad_dtype
 from vramcalc.terms.lowmem import head_input_split
 from vramcalc.terms.saved import Saved, dims
 from vramcalc.terms.torchtitan import plain_layer_saved as titan_layer_saved
+from vramcalc.terms.torchtitan_compile import compiled_block_saved
 from vramcalc.units import ALLOC_ROUND_BYTES, alloc, ceil_div
 
 
@@ -60,30 +61,12 @@ def plain_layer_saved(ctx: RankContext) -> list[Saved]:
 
 def compiled_layer_saved(ctx: RankContext) -> list[Saved]:
     """What a compiled layer's forward keeps for its backward (`compile_model` compiles each
-    layer; under checkpointing this is what the recompute in backward keeps): the min-cut
-    partition keeps the layer's input and each norm's rstd and recomputes x̂ from them, keeps
-    the matmuls' outputs and inputs, SDPA's, and recomputes silu (vramcalc/trace/compiled.py
+    layer; under checkpointing this is what the recompute in backward keeps). torchtune's
+    Llama layer is torchtitan's block op for op, so the min-cut partition is the same: the
+    layer's input and each norm's rstd (x̂ recomputed), the matmuls' outputs and inputs,
+    SDPA's, silu recomputed (vramcalc/terms/torchtitan_compile.py; vramcalc/trace/compiled.py
     `torchtune_layer` through `compiled_saved`; tests/test_torchtune.py)."""
-    x = dims(ctx)
-    c, n = x.c, x.b * x.s
-    f = ctx.spec.intermediate_size
-    kv = x.a if x.g < x.a else x.g  # expand(...).flatten(1, 2) copies when g < a
-    return [
-        Saved("input_norm.input", x.T * x.h, x.r, "(b, s, h)", "layer input (graph input)"),
-        Saved("input_norm.rstd", x.T, "fp32", "(b, s, 1)", "rsqrt output"),
-        Saved("attn.input", n * x.h, c, "(b, s, h)", "normed input of wq, wk, wv"),
-        Saved("attn.q", n * x.a * x.d, c, "(b, a, s, d)", "rotated q, SDPA input"),
-        Saved("attn.k", n * kv * x.d, c, "(b, a, s, d)", "rotated k (expanded), SDPA input"),
-        Saved("attn.v", n * kv * x.d, c, "(b, a, s, d)", "v (expanded), SDPA input"),
-        Saved("attn.out", n * x.a * x.d, c, "(b, a, s, d)", "SDPA output"),
-        Saved("attn.lse", x.b * x.a * x.s, "fp32", "(b, a, s)", "SDPA logsumexp"),
-        Saved("post_norm.wo_out", x.T * x.h, c, "(b, s, h)", "output_proj's output: the "
-              "residual is recomputed from it"),
-        Saved("post_norm.rstd", x.T, "fp32", "(b, s, 1)", "rsqrt output"),
-        Saved("mlp.input", n * x.h, c, "(b, s, h)", "normed input of w1, w3"),
-        Saved("mlp.gate", n * f, c, "(b, s, f)", "w1 output (silu recomputed)"),
-        Saved("mlp.up", n * f, c, "(b, s, f)", "w3 output"),
-        Saved("mlp.down_input", n * f, c, "(b, s, f)", "silu(w1 x) · w3 x, w2's input")]
+    return compiled_block_saved(ctx)
 
 
 def chunk_tokens(ctx: RankContext) -> list[int]:
