@@ -184,6 +184,8 @@ def test_unmodelled_is_refused(bart_json: Any, cmd: str, extra: list[str], words
 
 @pytest.mark.parametrize(("args", "words"), [
     (["serve", "--model", "t5-base"], "serving encoder-decoder"),
+    # an encoder keeps no KV cache: vLLM serves BERT-style models with its pooling runner
+    (["serve", "--model", "bert-base"], "serving encoder-only"),
     (["size", "--model", "t5-base", "--tokens", "1e9", "--gpu", "H100"], "planner"),
     (["max", "--model", "bart-large", "--seq-len", "512"], "run `vramcalc trace`"),
 ])

@@ -143,6 +143,9 @@ def _validate(spec: ModelSpec, cfg: ServeConfig, cluster: Cluster, max_len: int)
     if spec.is_encoder_decoder:
         raise InputError(f"{spec.name}: serving encoder-decoder models (T5, BART: a "
                          "cross-attention cache per request) is not modelled")
+    if spec.is_encoder:
+        raise InputError(f"{spec.name}: serving encoder-only models (BERT, RoBERTa) is not "
+                         "modelled: engines run them as pooling models, with no KV cache")
     per_copy = cfg.tp * cfg.pp
     if cluster.num_gpus % per_copy:
         raise InputError(f"--tp {cfg.tp} × --pp {cfg.pp} = {per_copy} GPUs per model copy "
