@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from vramcalc.analytic import estimate
 from vramcalc.errors import InputError
 from vramcalc.options import OPTIONS_BY_NAME, build_scenario
-from vramcalc.yamlio import safe_load
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = REPO_ROOT.parent / "shared" / "calibration"
@@ -91,7 +92,7 @@ def load_records(calib_dir: Path) -> list[tuple[str, dict[str, Any]]]:
     for stem in ("megatron", "measured"):
         path = calib_dir / f"{stem}.yaml"
         if path.is_file():
-            data = safe_load(path.read_text(encoding="utf-8")) or {}
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
             out.extend((stem, case) for case in data.get("cases") or [])
     return out
 

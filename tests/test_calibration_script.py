@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from vramcalc.yamlio import safe_load
+import yaml
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "calibration.py"
 
@@ -150,7 +149,7 @@ def test_table_and_summary_structure(calib, sample: Path) -> None:
 
 
 def test_missing_mechanisms_are_named(calib) -> None:
-    case = safe_load(MEGATRON_YAML)["cases"][0]
+    case = yaml.safe_load(MEGATRON_YAML)["cases"][0]
     case["derived"].update(hidden_dropout=0.0, num_experts=4, moe_router_topk=1,
                            moe_ffn_hidden_size_effective=1024,
                            expert_tensor_parallel_size_effective=1,
@@ -165,7 +164,7 @@ def test_missing_mechanisms_are_named(calib) -> None:
 def test_expert_tensor_parallel_is_expressed(calib) -> None:
     # Megatron's --expert-tensor-parallel-size (derived: expert_tensor_parallel_size_effective)
     # becomes --etp when it differs from tp; equal to tp it is the profile's default
-    case = safe_load(MEGATRON_YAML)["cases"][0]
+    case = yaml.safe_load(MEGATRON_YAML)["cases"][0]
     tp = case["args"].get("tensor-model-parallel-size", 1)
     case["derived"].update(num_experts=4, moe_router_topk=1, moe_ffn_hidden_size_effective=1024,
                            expert_tensor_parallel_size_effective=tp)
@@ -179,7 +178,7 @@ def test_expert_tensor_parallel_is_expressed(calib) -> None:
 
 
 def test_moe_dispatcher_is_expressed(calib) -> None:
-    case = safe_load(MEGATRON_YAML)["cases"][0]
+    case = yaml.safe_load(MEGATRON_YAML)["cases"][0]
     case["derived"].update(num_experts=4, moe_router_topk=1, moe_ffn_hidden_size_effective=1024,
                            moe_token_dispatcher_type_effective="allgather")
     m = calib.megatron_mapping(case)
@@ -197,7 +196,7 @@ def test_moe_dispatcher_is_expressed(calib) -> None:
 
 
 def test_dropout_off_is_expressed_with_dropout_0(calib) -> None:
-    case = safe_load(MEGATRON_YAML)["cases"][0]
+    case = yaml.safe_load(MEGATRON_YAML)["cases"][0]
     assert "dropout" not in calib.megatron_mapping(case).flags  # Megatron's 0.1: the default
     case["derived"].update(hidden_dropout=0.0, attention_dropout=0.0)
     m = calib.megatron_mapping(case)

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vramcalc"
 # Layers from the bottom up: a module may import from its own layer or any layer below.
 # The first matching prefix wins (longest prefixes first where they nest).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("vramcalc.errors", "vramcalc.units", "vramcalc.yamlio", "vramcalc.safeio",
+    ("base", ("vramcalc.errors", "vramcalc.units", "vramcalc.safeio",
               "vramcalc.allocator",
               "vramcalc.qlora", "vramcalc.stack_rules",
               "vramcalc.hf_reader", "vramcalc.seq2seq_shapes")),
@@ -84,7 +84,7 @@ def _imports(module: str, path: Path) -> list[tuple[str, bool]]:
             base = package[: len(package) - (node.level - 1)] if node.level else []
             mod = ".".join(base + ([node.module] if node.module else []))
             names = [mod] + [f"{mod}.{a.name}" for a in node.names]
-            if mod == "vramcalc":  # `from vramcalc import yamlio` loads the submodule only
+            if mod == "vramcalc":  # `from vramcalc import safeio` loads the submodule only
                 names = [n for n in names[1:] if n in MODULES] or [mod]
         for name in names:
             if name in MODULES and name != module:

@@ -30,7 +30,6 @@ from pydantic import (
 )
 
 import vramcalc.safeio as safeio
-import vramcalc.yamlio as yamlio
 from vramcalc.errors import InputError, shown, shown_path
 
 ENV_VAR = "VRAMCALC_PROFILES"
@@ -264,7 +263,8 @@ def _profile_files(location: Path) -> list[Path]:
 def builtin_aliases() -> dict[str, list[str]]:
     """The shipped profiles' aliases by id, from the catalog's index file (a test checks it
     against the profiles themselves)."""
-    data = yamlio.safe_load((builtin_profiles_dir() / INDEX_FILE).read_text(encoding="utf-8"))
+    data = safeio.load_yaml((builtin_profiles_dir() / INDEX_FILE).read_text(encoding="utf-8"),
+                           INDEX_FILE)
     return {str(k): [str(a) for a in v] for k, v in data.items()}
 
 
