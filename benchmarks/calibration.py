@@ -349,6 +349,36 @@ _ALPACA_512 = (
     "to 512 with probability 7.3%, so the run's reserved high-water mark is set by a "
     "512-token batch after a few dozen steps (one optimizer step is 64 batches)")
 
+# PEFT's MetaMathQA benchmark (huggingface/peft 5d602fd method_comparison/MetaMathQA):
+# run.py trains its own loop (no Trainer) on get_model's bf16 model (dtype bfloat16,
+# use_amp false -> bf16 weights, gradients and AdamW states), use_gc false, sdpa
+# (attn_implementation null); utils.py get_optimizer_and_scheduler builds
+# torch.optim.AdamW(model.parameters(), **optimizer_kwargs) with neither `foreach` nor
+# `fused`, which torch 2.13 (the run's, meta_info) resolves to foreach on CUDA
+# (torch/optim/adam.py: _default_to_fused_or_foreach(..., use_fused=False))
+_PEFT_MC = {"model": "llama3.2-3b", "gpus": "1xL40S", "framework": "hf",
+            "precision": "bf16-pure", "optimizer": "adamw", "optimizer_impl": "foreach",
+            "attention": "flash", "recompute": "none", "seq_len": 768}
+_PEFT_MC_NOTES = [
+    "--seq-len 768, the longest batch the run's code allows: utils.py get_tokenizer sets "
+    "model_max_length to max_seq_length 768 and data.py tokenize_with_answer cuts every "
+    "sample there; data.py's CHAR_LIMIT comment puts the 1300-character query + response "
+    "filter where samples reach that 768-token limit; BucketIterator pads each batch of 4 "
+    "to its longest sample. The 5000 steps read the first 20000 filtered MetaMathQA samples "
+    "in order (no shuffle; mean 210 tokens per sample from the results' 'train total "
+    "tokens'); whether one of them reaches 768 tokens is not logged, so the estimate is "
+    "the bound",
+    "run.py `evaluate` (every 250 steps and at the end) generates at batch_size_eval 50 "
+    "to max_length min(prompt + 300, 800) with transformers' default DynamicCache while the "
+    "last step's gradients and AdamW states stay allocated (optimizer.zero_grad() runs at "
+    "the start of each step); even taking every prompt as 800 tokens, `vramcalc serve --engine hf "
+    "--hf-cache dynamic --max-model-len 800 --max-num-seqs 50` adds 4.27 GiB of cache and "
+    "a 2.75 GiB prefill peak to them: 30.96 GiB (full) and 13.14 GiB (LoRA), below the "
+    "training step, which therefore sets the reserved high-water mark",
+    "clip_grad_norm_ (grad_norm_clip 1.0) keeps one scalar norm per parameter; the "
+    "before/after wiki loss passes are forwards at batch 4 under inference_mode",
+]
+
 # LitGPT 8641822 lit_gpt/config.py "phi-1_5" (Config defaults otherwise: n_head 32,
 # intermediate 4·n_embd, bias, parallel_residual, LayerNorm, GptNeoxMLP with tanh GELU)
 _LITGPT_PHI15 = {
@@ -483,8 +513,14 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
                   "recompute": "full", "grad_accum": 128},
         "notes": [*_LITGPT_NOTES, "the record's gradient accumulation (not stated) is "
                   "finetune/lora.py's 128 // micro_batch_size"]},
-    "peft-mc-llama32-3b-full-ft-l40s": {"missing": [_DYNAMIC]},
-    "peft-mc-llama32-3b-lora-r32-qv-l40s": {"missing": [_DYNAMIC]},
+    "peft-mc-llama32-3b-full-ft-l40s": {"flags": _PEFT_MC, "notes": _PEFT_MC_NOTES},
+    "peft-mc-llama32-3b-lora-r32-qv-l40s": {
+        "flags": {**_PEFT_MC, "finetune": "lora", "lora_rank": 32, "lora_targets": "q,v",
+                  "lora_dropout": 0.0},
+        "notes": [*_PEFT_MC_NOTES, "results/lora--llama-3.2-3B-rank32.json peft_config: r 32 "
+                  "on q_proj and v_proj, lora_dropout 0.0; get_peft_model(..., "
+                  "autocast_adapter_dtype=True) keeps the adapters in fp32 (the hf "
+                  "profile's adapter dtype)"]},
     "gcp-openllama7b-lora-r16-seq256-a100": {
         "missing": ["LoRA targets, optimizer and checkpointing not stated"]},
     # the Hugging Face + FA2 column of Unsloth's README (000252c9): a largest-fitting

@@ -221,3 +221,80 @@ def test_absent_folder_is_one_line(calib, tmp_path: Path, capsys) -> None:
     assert calib.main(["--calibration-dir", str(tmp_path / "nope")]) == 0
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "no calibration folder" in out
+
+
+# PEFT's MetaMathQA benchmark (huggingface/peft 5d602fd method_comparison/MetaMathQA): the
+# two Llama-3.2-3B results and the counts their results JSON logs
+_PEFT_MC = {
+    "peft-mc-llama32-3b-full-ft-l40s": 38_868_615_168,
+    "peft-mc-llama32-3b-lora-r32-qv-l40s": 22_292_725_760,
+}
+_LLAMA32_3B_PARAMS = 3_212_749_824  # results JSON num_total_params of the full run
+_LORA_R32_QV_PARAMS = 9_175_040  # results JSON num_trainable_params of the LoRA run
+
+
+def _peft_mc_case(rid: str) -> dict:
+    return {"id": rid, "seq_len": "<=768 (dynamic padding, length-bucketed)",
+            "micro_batch": 4, "grad_accum": 1, "value_bytes": _PEFT_MC[rid],
+            "metric": "torch.cuda.max_memory_reserved() at end of run"}
+
+
+def test_padded_record_takes_the_entrys_length_bound(calib) -> None:
+    # the record states its length in words: the entry's 768 (the run's truncation) is used
+    for rid in _PEFT_MC:
+        m = calib.measured_mapping(_peft_mc_case(rid))
+        assert m.expressible and m.metric == calib.RESERVED, m.missing
+        assert m.flags["seq_len"] == 768 and m.flags["micro_batch_size"] == 4
+        assert m.flags["grad_accum"] == 1 and m.flags["recompute"] == "none"
+        assert any("768" in n and "CHAR_LIMIT" in n for n in m.notes)
+    # a record without such an entry is still refused
+    case = {**_peft_mc_case("peft-mc-llama32-3b-full-ft-l40s"),
+            "id": "litgpt-llama2-7b-lora-mb1-a100"}
+    assert not calib.measured_mapping(case).expressible
+
+
+def test_peft_metamathqa_counts_match_the_results_json(calib) -> None:
+    from vramcalc.analytic import estimate
+    from vramcalc.options import build_scenario
+
+    full = estimate(build_scenario(
+        calib.measured_mapping(_peft_mc_case("peft-mc-llama32-3b-full-ft-l40s")).flags))
+    # bf16 weights and torch AdamW's two states in the parameters' dtype (zeros_like)
+    assert full.terms.weights == 2 * _LLAMA32_3B_PARAMS
+    assert full.terms.optimizer_states == 2 * 2 * _LLAMA32_3B_PARAMS
+    lora = estimate(build_scenario(
+        calib.measured_mapping(_peft_mc_case("peft-mc-llama32-3b-lora-r32-qv-l40s")).flags))
+    # hand: 28 layers x r 32 x (q: 3072 + 3072, v: 3072 + 1024) = 9,175,040, the JSON's count
+    assert 28 * 32 * ((3072 + 3072) + (3072 + 1024)) == _LORA_R32_QV_PARAMS
+    assert lora.terms.optimizer_states == 2 * 4 * _LORA_R32_QV_PARAMS  # fp32 adapters
+
+
+def test_peft_metamathqa_eval_generation_stays_below_the_training_step(calib) -> None:
+    """run.py `evaluate` generates at batch_size_eval 50 to max_length <= 800 (DynamicCache)
+    while the last step's gradients and AdamW states are still allocated (zero_grad runs at
+    the start of a step): even with 800-token prompts that is below the training step, and
+    the figures the record notes quote are these."""
+    from vramcalc.analytic import estimate
+    from vramcalc.catalog import resolve_model
+    from vramcalc.hardware import parse_gpus
+    from vramcalc.options import build_scenario
+    from vramcalc.serve import ServeConfig, serve_estimate
+
+    gen = serve_estimate(resolve_model("llama3.2-3b")[0], parse_gpus("1xL40S"),
+                         ServeConfig(engine="hf", hf_cache="dynamic", max_model_len=800,
+                                     max_num_seqs=50))
+    # hand: 28 layers x (K, V) x 8 KV heads x head dim 128 x 2 B, 50 sequences x 800 tokens
+    kv = 28 * 2 * 8 * 128 * 2 * 50 * 800
+    assert gen.terms.kv_cache == kv == 4_587_520_000
+    held = {  # weights + gradients + AdamW states at the end of a step
+        "peft-mc-llama32-3b-full-ft-l40s": 2 * _LLAMA32_3B_PARAMS * 4,
+        "peft-mc-llama32-3b-lora-r32-qv-l40s": 2 * _LLAMA32_3B_PARAMS
+        + 4 * _LORA_R32_QV_PARAMS * 4,
+    }
+    for rid, held_bytes in held.items():
+        m = calib.measured_mapping(_peft_mc_case(rid))
+        train = estimate(build_scenario(m.flags))
+        assert train.phases["optimizer"] >= held_bytes  # the step holds at least these
+        bound = held_bytes + kv + gen.terms.activation_peak
+        assert bound < train.peak_allocated_bytes
+        assert any(f"{bound / 2**30:.2f} GiB" in n for n in m.notes)
