@@ -376,7 +376,10 @@ _PEFT_MC_NOTES = [
     "a 2.75 GiB prefill peak to them: 30.96 GiB (full) and 13.14 GiB (LoRA), below the "
     "training step, which therefore sets the reserved high-water mark",
     "clip_grad_norm_ (grad_norm_clip 1.0) keeps one scalar norm per parameter; the "
-    "before/after wiki loss passes are forwards at batch 4 under inference_mode",
+    "before/after wiki loss passes are forwards at batch 4 under inference_mode; a padded "
+    "batch's boolean attention mask (4 x 1 x 768 x 768, 2.4 MB) sends sdpa to its "
+    "memory-efficient kernel, which keeps the output and log-sum-exp as the flash kernel "
+    "does (--attention flash)",
 ]
 
 # LitGPT 8641822 lit_gpt/config.py "phi-1_5" (Config defaults otherwise: n_head 32,
