@@ -27,7 +27,8 @@ The source lines (vllm-project/vllm v0.6.4.post1, the release's sdist):
   max_num_batched_tokens = max(max_model_len, 2048); max_num_seqs 256 (arg_utils.py 123).
 - models/llama.py 338-341: the model's loop keeps `hidden_states` (the layer's input) while the
   layer runs; llama.py 93-95: the MLP's gate_up and activation.
-- sampler.py 269, 426-452: the fp32 logits and the top-k/top-p buffers.
+- sampler.py 269, 426-452: the fp32 logits and the top-k/top-p buffers; the sort's scratch
+  from pytorch/pytorch aten/src/ATen/native/cuda/SortStable.cu and cub's radix sort.
 """
 
 from __future__ import annotations
@@ -148,18 +149,40 @@ def test_defaults_and_refusals() -> None:
 
 def test_sampler_by_hand() -> None:
     """A short profiling run (512 tokens, 256 sequences: chunked prefill's default) peaks in
-    the sampler (sampler.py 269, 426-452): at the scatter, bf16 logits (2 B), their fp32 copy
-    (4), the sorted values (4) and int64 indices (8), the top-k mask (1), sorted probs (4)
-    and their cumsum (4), the top-p mask (1) and the scattered logits (4), per logit, beside
-    the forward's output and the inputs; plus the cuBLAS workspace."""
+    the sampler's sort (sampler.py 431; pytorch SortStable.cu `segmented_sort_pairs` for 128
+    rows or more): bf16 logits (2 B), their fp32 copy (4), the sorted values (4) and int64
+    indices (8), the int64 reverse indices (8) and cub's third key and value buffers (4 + 8)
+    per logit, beside the forward's output and the inputs; plus the cuBLAS workspace. The
+    later scatter holds 32 B per logit; 2 to 127 rows sort through two int2 arrays, a key
+    output and cub's buffers (50 B)."""
     spec = resolve_model("llama3.1-8b")[0]
     report = serve_estimate(spec, parse_gpus("RTX3090"),
                             ServeConfig(engine="vllm-v0", max_model_len=35000))
     assert report.max_num_batched_tokens == 512
-    by_hand = 256 * 128_256 * 32 + 512 * (4096 * 2 + 24) + 8_519_680
+    by_hand = 256 * 128_256 * (2 + 4 + 4 + 8 + 8 + 4 + 8) + 512 * (4096 * 2 + 24) + 8_519_680
     assert report.terms.activation_peak == by_hand
     assert report.terms.context_nccl == 0  # inside non-torch for V0
     assert report.terms.non_torch == parse_gpus("RTX3090").gpu.context_overhead_bytes
+    assert [vllm_v0.sampler_bytes_per_logit(r) for r in (1, 2, 127, 128)] == [38, 50, 50, 38]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_profile_peak_against_vllm_pr_10511(tp: int) -> None:
+    """vllm PR #10511 (youkaichao, 2024-12-13), `vllm serve meta-llama/Meta-Llama-3-8B` on
+    H100s (V0, the release after v0.6.4; its profile_run, sampler.py and llama.py forward are
+    unchanged from v0.6.4.post1, torch 2.5.1 in both): "PyTorch activation peak memory
+    1.26GiB" with -tp 1 and -tp 2 alike. 8,192 batched tokens, 256 sequences: the sampler's
+    sort (256 × 128,256 logits × 38 B) outweighs the forward, and the driver gathers the
+    whole vocabulary at TP 2 too, so the peak does not halve; plus H100's 32 MiB cuBLAS
+    workspace."""
+    spec = resolve_model("llama3-8b")[0]
+    report = serve_estimate(spec, parse_gpus(f"{tp}xH100"),
+                            ServeConfig(engine="vllm-v0", tp=tp))
+    by_hand = 256 * 128_256 * 38 + 8192 * (4096 * 2 + 24) + 32 * 2**20
+    assert report.terms.activation_peak == by_hand
+    assert round(by_hand / GiB, 2) == 1.26
+    # "model weights take 14.96GiB" / "7.48GiB", the rotary buffer (8192 × 128 × 2) included
+    assert round(report.terms.weights / GiB, 2) == {1: 14.96, 2: 7.48}[tp]
 
 
 def test_cli_json() -> None:

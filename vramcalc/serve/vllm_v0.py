@@ -34,11 +34,18 @@ profiling forward, R sequences sampled, h hidden size, V vocabulary, B = 2 bytes
   the caching allocator at the first matmul, so in the profile's peak; kept for CUDA ≥ 12.2
   by pytorch/pytorch PR #124250): the GPU profile's `blas_workspace_bytes`.
 - Sampler (vllm/model_executor/layers/sampler.py `Sampler.forward`, `_apply_top_k_top_p`),
-  R rows of V logits: the bf16 logits (held by `execute_model`), their fp32 copy, the sort's
-  fp32 values and int64 indices, the top-k mask (bool), the sorted softmax and its cumsum
-  (fp32), the top-p mask (bool) and the scattered-back fp32 logits are alive together at the
-  scatter: 2 + 4 + 4 + 8 + 1 + 4 + 4 + 1 + 4 = 32 B per logit, beside the forward's output
-  T·h·B and the inputs. The sort's own scratch space is not counted.
+  R rows of V logits, beside the forward's output T·h·B and the inputs: at the scatter the
+  bf16 logits (held by `execute_model`), their fp32 copy, the sort's fp32 values and int64
+  indices, the top-k mask (bool), the sorted softmax and its cumsum (fp32), the top-p mask
+  (bool) and the scattered-back fp32 logits are alive together, 2 + 4 + 4 + 8 + 1 + 4 + 4 + 1
+  + 4 = 32 B per logit. The sort itself (pytorch/pytorch aten/src/ATen/native/cuda/
+  SortStable.cu `launch_stable_sort_kernel`; rows of more than 4,096 take the stable sort)
+  adds scratch to the 2 + 4 + 4 + 8 B alive then: 128 rows or more
+  (`segmented_sort_pairs`) an int64 index per logit and cub's third key and value buffers
+  (cub DispatchSegmentedRadixSort, 4 + 8 B: the sort does not overwrite its input), so 38 B;
+  2 to 127 rows (`segmented_sort_pairs_by_full_sort`) two (index, segment) int2 arrays, a
+  key output (ATen/cuda/cub.cuh `radix_sort_pairs` with no key output) and cub's third key
+  and int2 value buffers, so 50 B; one row the index list and cub's buffers, 38 B.
 - Defaults (vllm/engine/arg_utils.py `EngineArgs.create_engine_config`, vllm/config.py
   `SchedulerConfig`): max_num_seqs 256; chunked prefill on by default when max_model_len
   exceeds 32,768 tokens (not for sliding-window models), then 512 batched tokens, else
@@ -62,7 +69,9 @@ MIN_BATCHED_TOKENS = 2048
 INPUT_BYTES_PER_TOKEN = 3 * 8  # input ids, positions, slot mapping (int64)
 # bf16 logits, fp32 copy, sorted values, int64 sort indices, top-k mask, sorted probs, their
 # cumsum, top-p mask, scattered logits
-SAMPLER_BYTES_PER_LOGIT = 2 + 4 + 4 + 8 + 1 + 4 + 4 + 1 + 4
+SAMPLER_SCATTER_BYTES = 2 + 4 + 4 + 8 + 1 + 4 + 4 + 1 + 4
+SORT_BYTES = 2 + 4 + 4 + 8  # bf16 logits, fp32 copy, the sort's values and int64 indices
+SORT_FULL_MAX_ROWS = 127  # `nsegments < 128`: the full-sort path
 GRAPH_BATCH_ALIGN = 8
 MAX_GRAPH_BATCH = 8 * 1024  # the last of _BATCH_SIZES_TO_CAPTURE
 
@@ -100,9 +109,18 @@ def forward_bytes(spec: ModelSpec, num_tokens: int, tp: int) -> int:
             + num_tokens * INPUT_BYTES_PER_TOKEN)
 
 
+def sampler_bytes_per_logit(num_rows: int) -> int:
+    """The larger of the scatter and the sort (with its scratch) per logit (docstring)."""
+    if 2 <= num_rows <= SORT_FULL_MAX_ROWS:
+        scratch = 8 + 8 + 4 + 4 + 8  # two int2 arrays, key output, cub's key and int2 buffers
+    else:
+        scratch = 8 + 4 + 8  # int64 indices, cub's key and int64 value buffers
+    return max(SAMPLER_SCATTER_BYTES, SORT_BYTES + scratch)
+
+
 def sampler_bytes(spec: ModelSpec, num_seqs: int, num_tokens: int) -> int:
     """The sampler's buffers over `num_seqs` rows beside the forward's output and inputs."""
-    return (num_seqs * spec.vocab_size * SAMPLER_BYTES_PER_LOGIT
+    return (num_seqs * spec.vocab_size * sampler_bytes_per_logit(num_seqs)
             + num_tokens * (spec.hidden_size * ACT_BYTES + INPUT_BYTES_PER_TOKEN))
 
 
