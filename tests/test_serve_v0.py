@@ -192,3 +192,16 @@ def test_cli_json() -> None:
     doc = json.loads(result.output)
     assert doc["engine"] == "vllm-v0" and doc["kv_capacity_blocks"] == v0(20000).kv_capacity_blocks
     assert "v0.6.4" in doc["engine_source"]
+
+
+def test_no_room_for_the_cache() -> None:
+    """worker.py 226-230: blocks = max(budget // block, 0); a budget below the torch peak and
+    the non-torch memory leaves none (worker.py 493 then refuses: "No available memory for the
+    cache blocks"); exit code 1."""
+    result = runner.invoke(app, ["serve", "--model", "llama3.1-8b", "--gpus", "RTX3090",
+                                 "--engine", "vllm-v0", "--gpu-memory-utilization", "0.5",
+                                 "--json"])
+    assert result.exit_code == 1
+    doc = json.loads(result.output)
+    assert doc["kv_capacity_blocks"] == 0
+    assert doc["reasons"][0].endswith("after weights and the profiling peak")

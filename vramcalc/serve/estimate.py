@@ -294,7 +294,7 @@ def _reasons(cfg: ServeConfig, total: int, context: int, budget: int, kv_mem: in
                    f"gpu_memory_utilization × total ({budget / 2**30:.2f} GiB)")
     if kv_mem <= 0:
         out.append("no memory left for the KV cache after weights"
-                   + (" and the profiling peak" if cfg.engine == "vllm" else ""))
+                   + (" and the profiling peak" if cfg.engine in ("vllm", "vllm-v0") else ""))
     elif concurrency < 1:
         out.append(f"the KV cache holds {concurrency:.2f} sequences of max-model-len "
                    f"{max_len}: lower --max-model-len or add GPUs")
