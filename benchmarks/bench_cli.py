@@ -39,6 +39,9 @@ COMMANDS: tuple[tuple[str, list[str], float], ...] = (
     ("serve --model deepseek-v3 --gpus 16xH100 --tp 8 --pp 2 --json",
      ["serve", "--model", "deepseek-v3", "--gpus", "16xH100", "--tp", "8", "--pp", "2",
       "--json"], 0.5),
+    ("serve --model llama3.1-8b --gpus RTX3090 --engine vllm-v0 --max-model-len 20000",
+     ["serve", "--model", "llama3.1-8b", "--gpus", "RTX3090", "--engine", "vllm-v0",
+      "--max-model-len", "20000"], 0.5),
     ("plan --model 70b --gpus 8xH100 (README main command)",
      ["plan", "--model", "70b", "--gpus", "8xH100"], 1.5),
 )

@@ -162,7 +162,8 @@ def command_lines(draw: st.DrawFn) -> list[str]:
             args += [draw(st.sampled_from(FLOATS)), draw(number)]
         elif cmd == "serve":
             args += [draw(st.sampled_from(SERVE_FLAGS)), draw(st.sampled_from(
-                NUMBERS + ["fp8", "auto", "awq", "gptq", "bnb-nf4", "vllm", "sglang", "hf"]))]
+                NUMBERS + ["fp8", "auto", "awq", "gptq", "bnb-nf4", "vllm", "vllm-v0", "sglang",
+                          "hf"]))]
         elif cmd == "max":
             args += [draw(st.sampled_from(["--maximize", "--step"])), draw(st.sampled_from(
                 NUMBERS + ["seq-len", "micro-batch", "batch"]))]

@@ -64,7 +64,8 @@ def serve_cmd(
     model: Optional[str] = typer.Option(None, "--model", help="Preset name or alias, or a "
                                         "path to a Hugging Face config.json / its directory."),
     gpus: str = typer.Option("1xH100", "--gpus", help="GPUs: H100, 8xH100, 2x8xA100-80GB."),
-    engine: str = typer.Option("vllm", "--engine", help="vllm | sglang | hf (transformers "
+    engine: str = typer.Option("vllm", "--engine", help="vllm (the V1 engine) | vllm-v0 "
+                               "(the V0 engine of v0.6.4) | sglang | hf (transformers "
                                "generate)."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel size per model copy."),
     pp: int = typer.Option(1, "--pp", help="Pipeline-parallel size per model copy."),
@@ -73,12 +74,13 @@ def serve_cmd(
                                                 "max_position_embeddings)."),
     max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Sequences per "
                                                "batch (vLLM default 1024 on GPUs of 70 GiB "
-                                               "or more except A100, else 256; SGLang: "
-                                               "CUDA-graph batch 160; hf: the generate "
-                                               "batch, 1)."),
+                                               "or more except A100, else 256; vllm-v0 256; "
+                                               "SGLang: CUDA-graph batch 160; hf: the "
+                                               "generate batch, 1)."),
     max_num_batched_tokens: Optional[int] = typer.Option(
         None, "--max-num-batched-tokens", help="Tokens per forward (profiling run, chunked "
-        "prefill; vLLM default 8192 on GPUs of 70 GiB or more except A100, else 2048; SGLang "
+        "prefill; vLLM default 8192 on GPUs of 70 GiB or more except A100, else 2048; "
+        "vllm-v0: max(max-model-len, 2048), 512 above 32,768 (chunked prefill); SGLang "
         "8192, 2048 under 25,000 MB; hf: the prompt length, default max-model-len)."),
     kv_cache_dtype: str = typer.Option("auto", "--kv-cache-dtype", help="auto (the model's "
                                        "bf16) | fp8 | fp16."),
@@ -86,8 +88,8 @@ def serve_cmd(
                                      help=" | ".join(QUANTIZATIONS) + " (weights layout)."),
     gpu_memory_utilization: Optional[float] = typer.Option(
         None, "--gpu-memory-utilization", help="vLLM: share of the GPU for weights, "
-        "activations and KV cache (default 0.9); SGLang: mem_fraction_static (default by TP: "
-        "0.88, 0.87, 0.85, 0.81, 0.79)."),
+        "activations and KV cache (default 0.9; vllm-v0: also the CUDA context); SGLang: "
+        "mem_fraction_static (default by TP: 0.88, 0.87, 0.85, 0.81, 0.79)."),
     expert_parallel: bool = typer.Option(False, "--expert-parallel", help="MoE: whole "
                                          "experts spread over the TP ranks (EP = TP)."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="No CUDA graphs."),

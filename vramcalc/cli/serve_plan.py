@@ -34,7 +34,7 @@ SERVE_PLAN_PARAMS = [
          "sequences to hold (default 1)."),
     _opt("max_model_len", Optional[int], None, "--max-model-len", "--serve: context length "
          "per sequence (default: the model's max_position_embeddings)."),
-    _opt("engine", str, "vllm", "--engine", "--serve: vllm | sglang | hf."),
+    _opt("engine", str, "vllm", "--engine", "--serve: vllm | vllm-v0 | sglang | hf."),
     _opt("quantization", str, "none", "--quantization", "--serve: none | fp8 | int8 | awq | "
          "gptq | bnb-nf4."),
     _opt("kv_cache_dtype", str, "auto", "--kv-cache-dtype", "--serve: auto | fp8 | fp16."),

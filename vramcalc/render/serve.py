@@ -25,7 +25,8 @@ SERVE_LABELS = {
 
 def _header(r: ServeReport) -> list[str]:
     layout = f"TP {r.tp} × PP {r.pp}, {r.replicas} replica{'s' if r.replicas > 1 else ''}"
-    budget = {"vllm": "gpu_memory_utilization", "sglang": "mem_fraction_static"}.get(r.engine)
+    budget = {"vllm": "gpu_memory_utilization", "vllm-v0": "gpu_memory_utilization",
+              "sglang": "mem_fraction_static"}.get(r.engine)
     lines = [f"{r.model}: {r.num_params:,} parameters, served by {r.engine}",
              f"GPUs: {r.num_gpus} x {r.gpu} ({fmt_gb(r.memory_total_bytes)} = "
              f"{fmt_gib(r.memory_total_bytes)} each), {layout}",

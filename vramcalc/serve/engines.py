@@ -9,6 +9,9 @@ Each profile is data; vramcalc.serve.estimate applies the budget rule of `kind`:
   − (weights + torch activation peak + non-torch increase). The CUDA context and NCCL buffers
   predate the snapshot and sit outside that budget; CUDA graphs are captured afterwards
   (`compile_or_warm_up_model`) and are outside it too. KV blocks of 16 tokens.
+- vllm-v0 (the V0 engine of v0.6.4.post1, vramcalc.serve.vllm_v0): the same budget with the
+  CUDA context and NCCL counted as non-torch memory inside it, an eager profiling forward and
+  the top-k/top-p sampler over max_num_seqs sequences; one block spans every layer.
 - sglang (python/sglang/srt/model_executor/model_runner.py `profile_max_num_token`,
   server_args.py `__post_init__`, sgl-project/sglang, the v0.3/v0.4 line): the KV pool gets
   free-at-start × mem_fraction_static − weights; activations, CUDA graphs and workspaces
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 
 from vramcalc.units import GiB
 
-ENGINES = ("vllm", "sglang", "hf")
+ENGINES = ("vllm", "vllm-v0", "sglang", "hf")
 
 # vLLM: `non_torch_memory takes 0.16GiB` on one H100 (vllm-project/vllm#12126, TP 1) and on one
 # H100 serving Llama-2-7B (kubernetes-sigs/gateway-api-inference-extension#550); 0.20 GiB per
@@ -50,6 +53,11 @@ PROFILES: dict[str, EngineProfile] = {
     "vllm": EngineProfile("vllm", "vLLM (V1 engine)", 16,
                           "vllm-project/vllm @ 35d5cda1: vllm/v1/worker/gpu_worker.py, "
                           "vllm/v1/core/kv_cache_utils.py, vllm/v1/kv_cache_interface.py"),
+    # vLLM V0 as released in v0.6.4.post1 (vramcalc.serve.vllm_v0); blocks of 16 tokens
+    "vllm-v0": EngineProfile("vllm-v0", "vLLM (V0 engine, v0.6.4)", 16,
+                             "vllm-project/vllm v0.6.4.post1: vllm/worker/worker.py, "
+                             "vllm/worker/model_runner.py, vllm/worker/cache_engine.py, "
+                             "vllm/model_executor/layers/sampler.py"),
     "sglang": EngineProfile("sglang", "SGLang", 1,
                             "sgl-project/sglang: python/sglang/srt/server_args.py, "
                             "python/sglang/srt/model_executor/model_runner.py"),

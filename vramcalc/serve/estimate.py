@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+import vramcalc.serve.vllm_v0 as vllm_v0
 from vramcalc.errors import InputError
 from vramcalc.hardware import Cluster
 from vramcalc.model import ModelSpec
@@ -49,7 +50,7 @@ class ServeConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    engine: Literal["vllm", "sglang", "hf"] = "vllm"
+    engine: Literal["vllm", "vllm-v0", "sglang", "hf"] = "vllm"
     tp: int = Field(1, ge=1, le=4096)
     pp: int = Field(1, ge=1, le=4096)
     max_model_len: int | None = Field(None, gt=0, le=MAX_TOKENS)
@@ -166,9 +167,13 @@ def serve_estimate(spec: ModelSpec, cluster: Cluster, cfg: ServeConfig) -> Serve
     total = gpu.memory_total_bytes
     max_len = cfg.max_model_len or spec.max_position_embeddings
     replicas = _validate(spec, cfg, cluster, max_len)
-    default_seqs, default_tokens = batch_defaults(cfg.engine, gpu.name, total, cfg.tp, max_len)
+    v0 = cfg.engine == "vllm-v0"
+    default_seqs, default_tokens = (vllm_v0.batch_defaults(spec, max_len) if v0 else
+                                    batch_defaults(cfg.engine, gpu.name, total, cfg.tp, max_len))
     seqs = cfg.max_num_seqs or default_seqs
     batched = cfg.max_num_batched_tokens or default_tokens
+    if v0:
+        vllm_v0.check(spec, seqs, batched)
     kv_b = _kv_dtype_bytes(cfg)
     context = gpu.context_overhead_bytes + nccl_bytes(cfg.tp * cfg.pp)
     notes: list[str] = []
@@ -182,11 +187,21 @@ def serve_estimate(spec: ModelSpec, cluster: Cluster, cfg: ServeConfig) -> Serve
         w = stage_weight_bytes(spec, cfg.tp, first, count, cfg.pp, s, cfg.quantization,
                                cfg.expert_parallel).total
         layout = kv_layout(spec, cfg.tp, first, count, kv_b)
-        act = forward_peak_bytes(spec, batched, cfg.tp)
-        if s == cfg.pp - 1:
-            act = max(act, sampler_peak_bytes(spec, min(seqs, batched), batched))
+        if v0:
+            w += vllm_v0.rotary_cache_bytes(spec)
+            act = vllm_v0.profile_peak_bytes(spec, batched, seqs, cfg.tp, s == cfg.pp - 1,
+                                             gpu.blas_workspace_bytes)
+        else:
+            act = forward_peak_bytes(spec, batched, cfg.tp)
+            if s == cfg.pp - 1:
+                act = max(act, sampler_peak_bytes(spec, min(seqs, batched), batched))
         rows.append((w, act, layout))
-    if cfg.engine == "vllm":
+    if v0:  # the context and NCCL are V0's non-torch memory, inside the budget
+        fraction = cfg.gpu_memory_utilization or 0.9
+        budget = int(total * fraction)
+        non_torch, context = context, 0
+        graph_tokens = vllm_v0.graph_batch(seqs)
+    elif cfg.engine == "vllm":
         fraction = cfg.gpu_memory_utilization or 0.9
         budget = int(total * fraction)
         non_torch = VLLM_NON_TORCH_BYTES_TP1 if cfg.tp * cfg.pp == 1 else VLLM_NON_TORCH_BYTES_TP
@@ -196,10 +211,14 @@ def serve_estimate(spec: ModelSpec, cluster: Cluster, cfg: ServeConfig) -> Serve
         budget = int((total - context) * fraction)
         non_torch = 0
         graph_tokens = min(seqs, sglang_graph_max_bs(cfg.tp, total))
-    graphs = 0 if cfg.enforce_eager else forward_peak_bytes(spec, graph_tokens, cfg.tp)
+    graph_bytes = vllm_v0.forward_bytes if v0 else forward_peak_bytes
+    graphs = 0 if cfg.enforce_eager else graph_bytes(spec, graph_tokens, cfg.tp)
     for s, (w, act, layout) in enumerate(rows):
         groups = block_groups(layout)
-        if cfg.engine == "vllm":
+        if v0:  # every layer of the stage in one block, sliding layers at full length
+            kv_mem = budget - w - act - non_torch
+            slot = layout.layer_token_bytes * prof.block_tokens * layout.num_layers
+        elif cfg.engine == "vllm":
             kv_mem = budget - w - act - non_torch
             slot = layout.layer_token_bytes * prof.block_tokens * groups.group_size
         else:  # SGLang: one cell per token holds every layer (v0.3/v0.4 pools, no SWA pool)
@@ -212,7 +231,10 @@ def serve_estimate(spec: ModelSpec, cluster: Cluster, cfg: ServeConfig) -> Serve
     blocks, s, kv_mem, slot = best
     w, act, layout = rows[s]
     groups = block_groups(layout)
-    if cfg.engine == "vllm":
+    if v0:  # gpu_executor.py: blocks × block size / max_model_len
+        tokens = blocks * prof.block_tokens
+        concurrency = tokens / max_len
+    elif cfg.engine == "vllm":
         per_req = blocks_per_request(layout, groups, max_len, batched, prof.block_tokens)
         concurrency = blocks / per_req
         tokens = blocks * prof.block_tokens if groups.num_groups == 1 else int(
@@ -223,7 +245,7 @@ def serve_estimate(spec: ModelSpec, cluster: Cluster, cfg: ServeConfig) -> Serve
         tokens = blocks
     kv_bytes = blocks * slot
     used = w + act + non_torch + kv_bytes
-    if cfg.engine == "vllm":
+    if cfg.engine in ("vllm", "vllm-v0"):
         unused = max(budget - used, 0)
     else:
         unused = max(int(total - context) - used - graphs, 0)
@@ -235,7 +257,10 @@ def serve_estimate(spec: ModelSpec, cluster: Cluster, cfg: ServeConfig) -> Serve
     if layout.num_sliding_layers and cfg.engine == "sglang":
         notes.append("SGLang's v0.3/v0.4 pool keeps every layer at full length; newer "
                      "releases add a separate sliding-window pool")
-    if cfg.engine == "vllm" and not cfg.enforce_eager:
+    if v0:
+        notes.append("V0 counts the CUDA context (and NCCL) as non-torch memory, inside "
+                     "gpu_memory_utilization")
+    if cfg.engine in ("vllm", "vllm-v0") and not cfg.enforce_eager:
         notes.append("CUDA graphs are captured after the KV cache is allocated: outside "
                      "gpu_memory_utilization, on top of it")
     return ServeReport(
@@ -269,7 +294,7 @@ def _reasons(cfg: ServeConfig, total: int, context: int, budget: int, kv_mem: in
                    f"gpu_memory_utilization × total ({budget / 2**30:.2f} GiB)")
     if kv_mem <= 0:
         out.append("no memory left for the KV cache after weights"
-                   + (" and the profiling peak" if cfg.engine == "vllm" else ""))
+                   + (" and the profiling peak" if cfg.engine in ("vllm", "vllm-v0") else ""))
     elif concurrency < 1:
         out.append(f"the KV cache holds {concurrency:.2f} sequences of max-model-len "
                    f"{max_len}: lower --max-model-len or add GPUs")
