@@ -429,12 +429,14 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
         "flags": {"model": "llama2-7b", **_TUNE, "gpus": "2xRTX4090", "recompute": "none",
                   "seq_len": 512, "optimizer_impl": "foreach", "finetune": "lora",
                   "lora_rank": 8, "lora_targets": "q,v", "lora_dropout": 0.05,
-                  "fsdp": "full"},
+                  "fsdp": "full", "fsdp_impl": "fsdp1"},
         "notes": [_ALPACA_512, "torchtune fef3ed10 7B_lora.yaml (lora_finetune_distributed): "
                   "enable_activation_checkpointing False, batch 2 per GPU, torch.optim.AdamW "
-                  "(foreach); its FSDP1 wraps each LoRA A and B in a unit of its own, so no "
-                  "flat parameter mixes frozen and trained weights and FSDP2's per-parameter "
-                  "sharding (--fsdp full) holds the same bytes"]},
+                  "(foreach); FSDP1 (--fsdp-impl fsdp1) with lora_fsdp_wrap_policy: each LoRA "
+                  "A and B a unit of its own, the blocks' flat parameters frozen and resharded "
+                  "in backward, so the bytes are FSDP2's (the trace runs FSDP2 in its place); "
+                  "the remaining gap is not explained by the recipe's FSDP1 (docs/"
+                  "methodology.md section 16)"]},
     # optimizer_in_bwd is modelled (--optimizer-in-backward); its paged AdamW too
     "torchtune-readme-apr24-llama2-7b-full-lowmem-1x4090": {"missing": [
         _DYNAMIC + ": torchtune's alpaca_dataset (tatsu-lab/alpaca, truncation at 512) — "

@@ -185,3 +185,130 @@ def test_plan_with_fsdp1() -> None:
         par = e.scenario.parallel
         assert par.tp == par.pp == par.cp == 1
         assert fsdp1.flat(RankContext(e.scenario.model, e.scenario.training, par, 0))
+
+
+def _lora_fsdp_wrap_policy(block: type) -> object:
+    """torchtune fef3ed10 torchtune/utils/_distributed.py `lora_fsdp_wrap_policy`, restated:
+    a module whose `weight` requires grad (LoRA's A and B nn.Linear) is a unit of its own,
+    then each block."""
+    def policy(module: object, recurse: bool, **_: object) -> bool:
+        if recurse:
+            return True
+        weight = getattr(module, "weight", None)
+        if weight is not None and weight.requires_grad:
+            return True
+        return isinstance(module, block)
+    return policy
+
+
+def test_real_fsdp1_torchtune_wrap_policy_frozen_blocks() -> None:
+    """torchtune's FSDP1 LoRA recipe (fef3ed10 recipes/lora_finetune_distributed.py
+    `_setup_model`: FULL_SHARD, use_orig_params left False, lora_fsdp_wrap_policy) run for
+    real: each block's flat parameter is frozen and gets no gradient, each LoRA matrix gets
+    one shard of its own gradient, and a block's all-gathered parameters are freed once its
+    backward is done (_runtime_utils.py `_register_post_backward_reshard_only_hook`: a
+    multi-grad hook on the block's inputs), the next block's prefetched (BACKWARD_PRE); the
+    first block, whose input needs no gradient, and the root wait for the end of backward."""
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    from torch import nn
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from vramcalc.trace.distributed import fake_process_group
+
+    class LoRALinear(nn.Module):  # torchtune's: frozen weight + lora_b(lora_a(x))
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(16, 16))
+            self.lora_a = nn.Linear(16, 2, bias=False)  # 32
+            self.lora_b = nn.Linear(2, 16, bias=False)  # 32
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(x, self.weight) + self.lora_b(self.lora_a(x))
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = LoRALinear()
+            self.up = nn.Linear(16, 32, bias=False)
+            self.down = nn.Linear(32, 16, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(nn.functional.gelu(self.up(self.q(x))))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 16)
+            self.layers = nn.ModuleList(Block() for _ in range(3))
+            self.out = nn.Linear(16, 10, bias=False)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            h = self.emb(t)
+            for layer in self.layers:
+                h = layer(h)
+            return self.out(h)
+
+    model = Model()
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora" in name)
+    seen: list[tuple[str, list[str]]] = []
+    with fake_process_group(2), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fsdp = FSDP(model, auto_wrap_policy=_lora_fsdp_wrap_policy(Block),
+                    sharding_strategy=ShardingStrategy.FULL_SHARD,
+                    device_id=torch.device("cpu"))
+        units = {n.replace("_fsdp_wrapped_module.", "") or "root": m for n, m in
+                 fsdp.named_modules() if isinstance(m, FSDP) and m._handle is not None}
+
+        def alive() -> list[str]:
+            return sorted(n for n, m in units.items() if "lora" not in n and
+                          m._handle.flat_param._full_param_padded.untyped_storage().size())
+
+        for i in range(3):
+            units[f"layers.{i}"].register_full_backward_hook(
+                lambda *_, i=i: seen.append((f"layers.{i}", alive())))
+        fsdp(torch.randint(0, 10, (4, 8))).sum().backward()
+        after = alive()
+        frozen = {n: m._handle.flat_param for n, m in units.items() if "lora" not in n}
+        lora = {n: m._handle.flat_param for n, m in units.items() if "lora" in n}
+    # the block's unit: q's frozen weight, up, down (16·16 + 2·16·32 = 1280), no adapters
+    assert frozen["layers.0"]._unpadded_unsharded_size.numel() == 16 * 16 + 2 * 16 * 32
+    assert all(not p.requires_grad and p.grad is None for p in frozen.values())
+    assert len(lora) == 6 and all(p.grad is not None and p.grad.numel() == 16 for p in
+                                  lora.values())  # ceil(32 / 2)
+    assert seen == [("layers.2", ["layers.1", "root"]), ("layers.1", ["layers.0", "root"]),
+                    ("layers.0", ["layers.0", "root"])]
+    assert after == []
+
+
+def test_torchtune_fsdp1_lora_is_per_parameter_sharding() -> None:
+    """Hand derivation for the README run (2 x RTX 4090, Llama-2-7B LoRA r8 on q, v): each
+    of the 4·32 LoRA matrices (8·4096 = 32,768 elements) is a unit of its own, one shard of
+    16,384 bf16 gradients each = 32,768 B (a multiple of 512): 128 · 32,768 = 4,194,304 B,
+    and the blocks get none. The whole estimate is FSDP2's."""
+    kw = {"framework": "torchtune", "gpus": "2xRTX4090", "seq_len": 512, "recompute": "none",
+          "micro_batch_size": 2, "grad_accum": 32}
+    one = _ctx(fsdp_impl="fsdp1", **kw)
+    assert fsdp1.wrapped_adapters(one) and not fsdp1.flat(one) and not fsdp1.mixed_units(one)
+    assert gradients_bytes(one) == 4 * LAYERS * 16384 * 2 == 4_194_304
+    lightning = _ctx(framework="lightning", fsdp_impl="fsdp1", grad_accum=1)
+    assert fsdp1.mixed_units(lightning) and not fsdp1.wrapped_adapters(lightning)
+    full = _ctx(framework="torchtune", fsdp_impl="fsdp1", finetune="full")
+    assert fsdp1.flat(full) and not fsdp1.wrapped_adapters(full)
+
+    def report(impl: str) -> dict[str, object]:
+        res = CliRunner().invoke(app, [
+            "estimate", "--model", "llama2-7b", "--framework", "torchtune", "--gpus",
+            "2xRTX4090", "--precision", "bf16-pure", "--recompute", "none", "--seq-len",
+            "512", "--finetune", "lora", "--lora-targets", "q,v", "--fsdp", "full",
+            "--fsdp-impl", impl, "--json"])
+        assert res.exit_code == 0, res.output
+        out: dict[str, object] = json.loads(res.output)
+        return out
+
+    r1, r2 = report("fsdp1"), report("fsdp2")
+    assert r1["terms"] == r2["terms"] and r1["peak_reserved_bytes"] == r2["peak_reserved_bytes"]
+    assert any("lora_fsdp_wrap_policy" in str(n) for n in r1["notes"])  # type: ignore[union-attr]

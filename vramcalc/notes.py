@@ -39,10 +39,18 @@ def scenario_notes(scn: Scenario) -> list[str]:
     ctx = RankContext(scn.model, scn.training, scn.parallel, 0)
     if fsdp1.flat(ctx):
         notes.append(_fsdp1_note(ctx))
+    elif fsdp1.wrapped_adapters(ctx):
+        notes.append(_WRAPPED_ADAPTERS)
     notes += finetune_notes(ctx)
     if low_precision(scn.training):
         notes += lowprec_notes(ctx, scn.cluster.gpu if scn.cluster else None)
     return notes
+
+
+_WRAPPED_ADAPTERS = (
+    "FSDP1 with torchtune's lora_fsdp_wrap_policy: each LoRA A and B is a unit of its own, "
+    "each block's flat parameter is frozen (no gradient, resharded after the block's "
+    "backward), so the bytes are per-parameter sharding's (vramcalc/terms/fsdp1.py)")
 
 
 def _fsdp1_note(ctx: RankContext) -> str:

@@ -29,6 +29,18 @@ src/lightning/fabric/strategies/fsdp.py, LitGPT 8641822 finetune/lora.py.
   `_FSDPBackwardSyncControl`): with --grad-accum > 1 the lightning profile holds the
   unsharded gradients of all trained units, N_u per unit, until the last micro-batch of the
   step reduce-scatters them. Other profiles are modelled reducing every micro-batch.
+- **Adapters in units of their own (torchtune).** torchtune's FSDP1 recipe
+  (fef3ed10 recipes/lora_finetune_distributed.py `_setup_model`: FullyShardedDataParallel
+  with FULL_SHARD, no mixed precision, the default `use_orig_params=False`) wraps with
+  `lora_fsdp_wrap_policy` (torchtune/utils/_distributed.py): every module whose `weight`
+  requires grad, i.e. each LoRA A and B `nn.Linear`, becomes a unit of its own before the
+  TransformerDecoderLayer units. A block's flat parameter then holds only frozen tensors
+  (`use_orig_params=False` demands uniform requires_grad) and does not require grad: no
+  gradient, no linear input kept, and FSDP1 reshards it once the gradient of the block's
+  input is computed (_runtime_utils.py `_register_post_backward_reshard_only_hook`, a
+  multi-grad hook on the block's inputs). Every trained tensor is one flat parameter, so the
+  gradients are FSDP2's per-parameter shards: the scenario is counted as FSDP2
+  (`flat` is false; `wrapped_adapters` says why).
 - **Unsharded parameters.** The root unit is not resharded after forward (it is needed first
   in backward), each block is all-gathered for its forward and again for its backward,
   with the next block prefetched (BACKWARD_PRE, the default) and at most two all-gathers
@@ -42,15 +54,30 @@ gradient under no_sync stays in the dtype autograd produced it in, the compute d
 from __future__ import annotations
 
 from vramcalc.features import finetunes
+from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
+from vramcalc.training import TrainingConfig
 from vramcalc.units import alloc, ceil_div
 
 _BLOCK = ("layer", "expert")
 
 
+def wraps_adapters(training: TrainingConfig, parallel: ParallelConfig) -> bool:
+    """FSDP1 with each LoRA matrix in a unit of its own (torchtune's `lora_fsdp_wrap_policy`):
+    the blocks' flat parameters are frozen, the trained ones one tensor each."""
+    return (parallel.flat_fsdp(training.framework) and training.framework == "torchtune"
+            and finetunes(training))
+
+
+def wrapped_adapters(ctx: RankContext) -> bool:
+    """`wraps_adapters` for this rank's scenario."""
+    return wraps_adapters(ctx.training, ctx.parallel)
+
+
 def flat(ctx: RankContext) -> bool:
-    """Whether this rank runs FSDP1 flat parameters."""
-    return ctx.parallel.flat_fsdp(ctx.training.framework)
+    """Whether this rank's gradients are FSDP1 flat ones (whole units): FSDP1, except where
+    every trained tensor is a unit of its own (`wrapped_adapters`)."""
+    return ctx.parallel.flat_fsdp(ctx.training.framework) and not wrapped_adapters(ctx)
 
 
 def no_sync(ctx: RankContext) -> bool:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from vramcalc.errors import InputError
 from vramcalc.report import MemoryReport
 from vramcalc.scenario import Scenario
+from vramcalc.terms.fsdp1 import wraps_adapters
 from vramcalc.terms.transients import cublas_workspace_bytes
 from vramcalc.trace.engine import (
     ITERATIONS,
@@ -77,7 +78,8 @@ def check_distributed(scn: Scenario) -> Scenario:
     if tr.framework in ("megatron", "lightning", "unsloth"):
         raise InputError(f"trace runs the reference, hf and torchtitan profiles, not "
                          f"{tr.framework}")
-    if par.flat_fsdp(tr.framework):
+    # torchtune's FSDP1 LoRA units hold per-parameter sharding's bytes: FSDP2 stands in
+    if par.flat_fsdp(tr.framework) and not wraps_adapters(tr, par):
         raise InputError("the distributed trace runs FSDP2 (fully_shard); FSDP1's flat "
                          "parameters are modelled analytically (use --fsdp-impl fsdp2)")
     if par.dp_degree < 2:
