@@ -484,9 +484,11 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
         "notes": ["per-block torch.compile and torchao Float8Linear (--compile --float8: "
                   "the min-cut partition's saved set); float8 flags not stated, torchtitan's "
                   "defaults (dynamic scaling, bf16 FSDP all-gathers)",
-                  "the trace engine runs eager blocks, so the analytic reserved floor is "
-                  "compared (the eager bf16 trace of this layout replays 80.18 GiB "
-                  "reserved; the compiled blocks' allocation order is not replayed)"]},
+                  "the trace engine runs eager blocks, so the analytic reserved peak is "
+                  "compared: the packing floor + the loss's cached bf16 logits (train.py "
+                  "`del pred` before backward; the loss is not compiled at 9dec370); the "
+                  "eager bf16 trace of this layout replays 80.18 GiB reserved, the compiled "
+                  "blocks' allocation order is not replayed"]},
     "torchtitan-llama31-70b-fsdp32-tp8-fullac-h100": {"missing": [
         "torch.compile under TP 8: what a compiled block keeps around DTensor collectives, "
         "and torchao's Float8ColwiseParallel / Float8RowwiseParallel fp8 input all-gathers "

@@ -134,9 +134,9 @@ def candidate_stages(scn: Scenario) -> list[int]:
 
 
 def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
-                  ) -> tuple[list[Phase], int, int]:
-    """Phases (steady state) of one stage, plus the first-step peak and the reserved-minus-
-    allocated estimate at the peak (vramcalc/terms/reserved.py)."""
+                  ) -> tuple[list[Phase], int, tuple[int, int]]:
+    """Phases (steady state) of one stage, the first-step peak, and reserved minus allocated
+    at the peak: the packing floor and the cached blocks above it (terms/reserved.py)."""
     ctx = RankContext(scn.model, scn.training, scn.parallel, stage)
     train = scn.training
     w_parts = weight_parts(ctx)  # {"weights": W}, or fine-tuning's sub-terms
@@ -354,7 +354,8 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     peak = max(phases, key=lambda p: p.total)
     pad = reserved_pad_bytes(ctx, peak.name, peak.grads, *((0, 0, 0) if peak.name == "load"
                                                            else (opt["states"], opt["master"], k)))
-    return phases, first, pad
+    # reserved beyond the fit floor: blocks cached at the loss that an OOM retry would free
+    return phases, first, (pad, max(loss_bwd.total + P.logits_freed - peak.total - pad, 0))
 
 
 def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:
@@ -405,12 +406,12 @@ def _assemble(scn: Scenario, fields: dict[str, Any], strategy: dict[str, object]
 class _StageRun:
     """One pipeline stage's phases (steady state), first-step peak and overhead."""
 
-    __slots__ = ("stage", "num_layers", "phases", "first", "overhead")
+    __slots__ = ("stage", "num_layers", "phases", "first", "overhead", "cached")
 
     def __init__(self, stage: int, num_layers: int, phases: list[Phase], first: int,
-                 overhead: dict[str, int]) -> None:
+                 overhead: dict[str, int], cached: int) -> None:
         self.stage, self.num_layers, self.phases, self.first = stage, num_layers, phases, first
-        self.overhead = overhead
+        self.overhead, self.cached = overhead, cached  # cached: reserved above the fit floor
 
 
 def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
@@ -425,18 +426,17 @@ def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
     stages = list(range(scn.parallel.pp)) if every_stage else candidate_stages(scn)
     runs = []
     for st in stages:
-        phases, first, pad = stage_phases(scn, st, gpu)
+        phases, first, (pad, cached) = stage_phases(scn, st, gpu)
         ovh = overhead_split(gpu.context_overhead_bytes if gpu else 0, scn.world_size, pad)
         ctx = RankContext(scn.model, scn.training, scn.parallel, st)
         ovh.update(paged_overhead(ctx))
-        runs.append(_StageRun(st, ctx.num_layers, phases, first, ovh))
+        runs.append(_StageRun(st, ctx.num_layers, phases, first, ovh, cached))
     common = {"model": model_info(scn), "gpu": gpu_info(scn), "notes": scenario_notes(scn)}
     return scn, _fields(scn, runs, _pick(runs), common)
 
 
 def _pick(runs: list[_StageRun]) -> tuple[tuple[int, ...], int]:
-    """Each stage's peak phase (the first largest) and the worst stage (the first with the
-    largest device total)."""
+    """Each stage's (first largest) peak phase; the (first) worst stage by device total."""
     peaks: list[int] = []
     worst, worst_total = 0, None
     for i, run in enumerate(runs):
@@ -459,8 +459,8 @@ def _fields(scn: Scenario, runs: list[_StageRun], pick: tuple[tuple[int, ...], i
         t = phase.terms()
         t["overhead"] = sum(run.overhead.values())
         stage_rows.append({"stage": run.stage, "num_layers": run.num_layers, "terms": t,
-                           "peak_allocated_bytes": phase.total,
-                           "peak_reserved_bytes": phase.total + run.overhead["fragmentation"],
+                           "peak_allocated_bytes": phase.total, "peak_reserved_bytes":
+                           phase.total + run.overhead["fragmentation"] + run.cached,
                            "device_total_bytes": phase.total + sum(run.overhead.values())})
     run = runs[worst]
     peak_phase = run.phases[peaks[worst]]
@@ -481,7 +481,7 @@ def _fields(scn: Scenario, runs: list[_StageRun], pick: tuple[tuple[int, ...], i
         "phases": {p.name: p.total for p in run.phases},
         "peak_phase": peak_phase.name,
         "peak_allocated_bytes": peak_phase.total,
-        "peak_reserved_bytes": peak_phase.total + run.overhead["fragmentation"],
+        "peak_reserved_bytes": peak_phase.total + run.overhead["fragmentation"] + run.cached,
         "first_step_peak_bytes": run.first,
         "device_total_bytes": peak_phase.total + sum(run.overhead.values()),
         "host_bytes_per_node": host_nvme[0],

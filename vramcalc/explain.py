@@ -138,10 +138,13 @@ def explain(scn: Scenario) -> dict[str, Any]:
                                        report.terms.as_dict().items() if k != "overhead"),
         "Sub-terms: " + ", ".join(f"{k} {_gb(v)}" for k, v in sorted(report.subterms.items())),
         f"Peak reserved = peak + the caching allocator's segment packing of the tensors live "
-        f"at the peak = {_gb(report.peak_reserved_bytes)} (vramcalc/terms/reserved.py) — "
-        "comparable with torch.cuda.max_memory_reserved().",
-        f"Device total = reserved + CUDA context + NCCL buffers (overhead "
-        f"{_gb(report.terms.overhead)}) = {_gb(report.device_total_bytes)}.",
+        f"at the peak + blocks cached beside the loss backward (the freed logits) = "
+        f"{_gb(report.peak_reserved_bytes)} (vramcalc/terms/reserved.py, terms/logits.py) — "
+        "comparable with torch.cuda.max_memory_reserved() on a GPU with room to spare.",
+        f"Device total = peak + packing + CUDA context + NCCL buffers (overhead "
+        f"{_gb(report.terms.overhead)}) = {_gb(report.device_total_bytes)}: cached blocks "
+        "are not counted, since the allocator frees them and retries before it reports an "
+        "out-of-memory error.",
     ]})
     if report.gpu is not None and report.usable_bytes is not None:
         sections.append({"title": "Fit", "lines": [
@@ -327,8 +330,7 @@ def overhead_lines(scn: Scenario, report: MemoryReport) -> list[str]:
     return [
         f"CUDA context ({ctx_src}): {_gb(sub.get('overhead/context', 0))}; {nccl}: "
         f"{_gb(sub.get('overhead/nccl', 0))}.",
-        f"Allocator fragmentation = peak reserved − peak allocated = "
-        f"{_gb(report.peak_reserved_bytes)} − {_gb(report.peak_allocated_bytes)} = "
+        f"Allocator fragmentation = the packing of the blocks live at the peak into segments = "
         f"{_gb(sub.get('overhead/fragmentation', 0))} (vramcalc/terms/reserved.py).",
         f"Overhead = {_gb(report.terms.overhead)}: counted for the fit check (device total), "
         "not in the allocated peak.",

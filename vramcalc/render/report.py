@@ -104,9 +104,14 @@ def report_table(report: MemoryReport) -> Table:
     table.add_row("peak allocated", f"{report.peak_allocated_bytes / GB:,.2f}",
                   f"{report.peak_allocated_bytes / GiB:,.2f}", "", f"({report.peak_phase} phase)")
     expandable = report.strategy.get("expandable_segments")
+    # cached blocks above the fit floor (freed by the allocator before an out-of-memory)
+    cached = (report.peak_reserved_bytes - report.peak_allocated_bytes
+              - report.subterms.get("overhead/fragmentation", 0))
     table.add_row("peak reserved", f"{report.peak_reserved_bytes / GB:,.2f}",
                   f"{report.peak_reserved_bytes / GiB:,.2f}", "",
-                  "(caching allocator" + (", expandable segments)" if expandable else ")"))
+                  "(caching allocator" + (", expandable segments" if expandable else "")
+                  + (f"; {cached / GB:,.2f} GB cached, freed before an OOM)" if cached > 0
+                     else ")"))
     table.add_row(Text("device total", style="bold"), f"{report.device_total_bytes / GB:,.2f}",
                   f"{report.device_total_bytes / GiB:,.2f}", "", "")
     return table

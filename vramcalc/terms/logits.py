@@ -288,6 +288,26 @@ def head_forward_extra_bytes(ctx: RankContext) -> int:
     return alloc(x.T * x.h, x.r)
 
 
+def freed_logits_bytes(ctx: RankContext) -> int:
+    """Reserved but not allocated at the loss backward: the c-typed logits' block, freed
+    before backward (the reference model after the upcast, torchtitan's `del pred`,
+    transformers' output dropped by the training loop), is too small for the fp32 buffers
+    that backward allocates next (dL/dlogprobs, dL/dlogits: twice its size each), so the
+    caching allocator maps new memory beside it. The plain `F.cross_entropy(logits.float())`
+    path only (reference, hf, torchtitan, deepspeed), with c narrower than fp32 and the
+    block in the large pool (> 1 MiB; smaller blocks serve the backward's small requests).
+    Source: the allocator's best fit over cached blocks that are at least the request
+    (vramcalc/allocator.py, c10/cuda/CUDACachingAllocator.cpp `get_free_block`); checked
+    against the trace engine's replay (tests/test_reserved_hole.py)."""
+    tr = ctx.training
+    if (not ctx.is_last_stage or ctx.spec.is_encoder or chunks_loss(tr)
+            or tr.framework not in ("reference", "hf", "torchtitan", "deepspeed")
+            or tr.compute_dtype == "fp32"):
+        return 0
+    size = alloc(_nv(ctx), tr.compute_dtype)
+    return size if size > 1 << 20 else 0
+
+
 def loss_root_bytes(ctx: RankContext) -> int:
     """0-dim tensors alive through the whole backward: the loss, the loss scaled by
     1/grad_accum, and the root gradient (ones_like) that backward() seeds."""

@@ -44,6 +44,7 @@ class Profile:
     logits_keep: int
     logits_forward: int
     logits_backward: int
+    logits_freed: int  # reserved beside the loss backward (terms/logits.py)
     head_forward_extra: int
     loss_root: int
     autocast_cache_layer: int  # vramcalc.terms.transients, cached here with the rest
@@ -103,6 +104,7 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
         logits_keep=lg.logits_saved_bytes(ctx),
         logits_forward=lg.logits_forward_peak_bytes(ctx),
         logits_backward=lg.logits_backward_peak_bytes(ctx),
+        logits_freed=lg.freed_logits_bytes(ctx),
         head_forward_extra=lg.head_forward_extra_bytes(ctx),
         loss_root=lg.loss_root_bytes(ctx),
         autocast_cache_layer=tr._autocast_cache_layer_bytes(ctx),

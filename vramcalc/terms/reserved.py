@@ -30,6 +30,10 @@ micro-batch size, which the planner's dominance assumes, and costs ~50× an esti
 docs/validation.md.)
 `expandable_segments` packs the same blocks into pages of the same sizes, so the floor is
 the same.
+
+The reported reserved peak adds one cached block to this floor: the loss's freed c-typed
+logits (vramcalc/terms/logits.py `freed_logits_bytes`, vramcalc/analytic.py). The fit check
+leaves it out: the allocator frees cached blocks and retries before an out-of-memory error.
 """
 
 from __future__ import annotations
