@@ -48,7 +48,7 @@ from vramcalc.terms.gradients import (
     late_gradient_bytes,
     layer_gradient_bytes,
 )
-from vramcalc.terms.load import load_parts
+from vramcalc.terms.load import init_reserved_bytes, load_parts
 from vramcalc.terms.lowprec import check_lowprec
 from vramcalc.terms.modifiers import persistent_parts
 from vramcalc.terms.optim_in_bwd import in_backward, states_made
@@ -352,8 +352,8 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     first = max(forward.total - S, optimizer.total, backward.total - S if not ib else max(
         c.total - S + (S if c.made is None else c.made) for c in candidates))
     peak = max(phases, key=lambda p: p.total)
-    pad = reserved_pad_bytes(ctx, peak.name, peak.grads, *((0, 0, 0) if peak.name == "load"
-                                                           else (opt["states"], opt["master"], k)))
+    pad = max(reserved_pad_bytes(ctx, peak.name, peak.grads, *((0, 0, 0) if peak.name == "load"
+              else (opt["states"], opt["master"], k))), init_reserved_bytes(ctx) - peak.total)
     return phases, first, pad
 
 

@@ -48,10 +48,12 @@ from vramcalc.finetune import shapes_for
 from vramcalc.qlora import NF4_BLOCK, TORCHAO_CHUNK, TORCHAO_CHUNKED_QUANTIZE, NF4Layout
 from vramcalc.rank import RankContext
 from vramcalc.sharding import RankShapes
+from vramcalc.terms.tune_init import init_replay, init_reserved_bytes
 from vramcalc.terms.weights import weight_parts
 from vramcalc.units import alloc, ceil_div
 
 LOADS: tuple[str, ...] = ("none", "hf", "hf-fp32", "torchtune", "meta")
+__all__ = ["LOADS", "check_load", "init_reserved_bytes", "load_parts"]
 
 
 def torchao_quantize_bytes(n: int, layout: NF4Layout) -> int:
@@ -124,5 +126,8 @@ def load_parts(ctx: RankContext) -> dict[str, int] | None:
         src = alloc(n, "bf16")  # the 16-bit checkpoint tensor on the device
         inflight = src + (torchao_quantize_bytes(n, tr.nf4) if tr.load == "torchtune"
                           else bnb_quantize_bytes(n, tr.nf4))
+        replay = init_replay(ctx)  # torchtune's whole init, where replayed (tune_init.py)
+        if replay is not None:
+            inflight = replay.peak_allocated - sum(parts.values())
     parts["transients/load"] = inflight
     return parts
