@@ -70,8 +70,8 @@ from functools import lru_cache
 
 from vramcalc.allocator import CachingAllocator
 from vramcalc.finetune import adapted_linears
-from vramcalc.qlora import NF4_BLOCK, NF4_CODE_ELEMS, NF4_SCALER_BLOCK, TORCHAO_CHUNKED_QUANTIZE
 from vramcalc.model import ModelSpec
+from vramcalc.qlora import NF4_BLOCK, NF4_CODE_ELEMS, NF4_SCALER_BLOCK, TORCHAO_CHUNKED_QUANTIZE
 from vramcalc.rank import RankContext
 from vramcalc.units import alloc, ceil_div
 
