@@ -270,13 +270,16 @@ def _clone(heap: _Heap, m: _Model) -> tuple[list[int], list[tuple[int, int]]]:
 
 def replayable(ctx: RankContext) -> bool:
     """The runs `init_replay` covers (module docstring)."""
-    tr = ctx.training
+    tr, s = ctx.training, ctx.spec
+    llama_like = (not s.is_encoder and s.num_local_experts == 0 and not s.is_mla
+                  and s.mlp_kind == "gated" and s.norm_kind == "rmsnorm"
+                  and s.num_layer_norms == 2 and not s.qk_norm
+                  and s.position_embedding == "rope" and not (
+                      s.attention_bias or s.attention_out_bias or s.mlp_bias))
     return (tr.load == "torchtune" and tr.finetune == "qlora" and tr.nf4.impl == "torchao"
-            and tr.nf4.version < TORCHAO_CHUNKED_QUANTIZE and ctx.param_shard == 1
-            and not ctx.spec.is_encoder and ctx.spec.num_local_experts == 0
-            and not ctx.spec.is_mla and ctx.spec.mlp_kind == "gated"
-            and ctx.spec.position_embedding == "rope" and ctx.parallel.tp == 1
-            and ctx.parallel.pp == 1)
+            and tr.nf4.version < TORCHAO_CHUNKED_QUANTIZE and tr.weight_dtype == "bf16"
+            and llama_like and ctx.parallel.tp == 1 and ctx.parallel.pp == 1
+            and ctx.param_shard == 1)
 
 
 def init_replay(ctx: RankContext) -> InitReplay | None:
@@ -293,9 +296,10 @@ def _replay(m: _Model) -> InitReplay:
     """`init_replay` (~0.1 s for a 7B model; cached in memory per model and adapters)."""
     s, heap = m.spec, _Heap()
     template = _template(heap, m)
-    emb = heap.new(s.vocab_size * s.hidden_size, "bf16")
-    head = [] if s.tie_word_embeddings else [heap.new(s.hidden_size * s.vocab_size, "bf16")]
-    norm = heap.new(s.hidden_size, "bf16")
+    heap.new(s.vocab_size * s.hidden_size, "bf16")  # tok_embeddings, kept
+    if not s.tie_word_embeddings:
+        heap.new(s.hidden_size * s.vocab_size, "bf16")  # output, kept
+    heap.new(s.hidden_size, "bf16")  # final norm, kept
     layers = [_clone(heap, m) for _ in range(m.layers)]
     heap.drop(*template)
     for storages, nf4 in layers:  # load_state_dict, module order
@@ -305,10 +309,8 @@ def _replay(m: _Model) -> InitReplay:
             heap.drop(src)
             heap.drop(*storages[at:at + 5])
             storages[at:at + 5] = fresh
-    end = heap.alloc.allocated
-    del emb, head, norm
-    return InitReplay(heap.alloc.peak_allocated, heap.alloc.peak_reserved, end,
-                      heap.peak_requested)
+    return InitReplay(heap.alloc.peak_allocated, heap.alloc.peak_reserved,
+                      heap.alloc.allocated, heap.peak_requested)
 
 
 def init_reserved_bytes(ctx: RankContext) -> int:
