@@ -387,8 +387,11 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
                   "lora_dropout": 0.05, "qlora_impl": "torchao", "torchao_version": "0.1",
                   "load": "torchtune"},
         "notes": [_ALPACA_512, "torchtune 0914d5cf 7B_qlora_single_device.yaml: "
-                  "qlora_llama2_7b (lora_llama2_7b with quantize_base: the same lora_dropout "
-                  "0.05) on q, k, v, output_proj and the MLP, torch.optim.AdamW without "
+                  "qlora_llama2_7b (lora_llama2_7b with quantize_base) on q, k, v, "
+                  "output_proj and the MLP; lora_dropout 0.05 reaches the attention adapters "
+                  "only (lora_llama2 does not pass it to lora_llama2_mlp), so --lora-dropout "
+                  "0.05 counts MLP masks the run lacked (0.04 GB on the backward peak, none "
+                  "on the reserved reading); torch.optim.AdamW without "
                   "`fused` (foreach); torchao==0.1 NF4Tensor (--qlora-impl torchao "
                   "--torchao-version 0.1); the recipe builds the model on the GPU and "
                   "quantizes each weight (--load torchtune): the init (a template layer "
