@@ -420,11 +420,19 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
                   "lora_dropout": 0.05, "qlora_impl": "torchao", "torchao_version": "0.1",
                   "load": "torchtune"},
         "notes": [_ALPACA_512, "torchtune 0914d5cf 7B_qlora_single_device.yaml: "
-                  "qlora_llama2_7b (lora_llama2_7b with quantize_base: the same lora_dropout "
-                  "0.05) on q, k, v, output_proj and the MLP, torch.optim.AdamW without "
+                  "qlora_llama2_7b (lora_llama2_7b with quantize_base) on q, k, v, "
+                  "output_proj and the MLP; lora_dropout 0.05 reaches the attention adapters "
+                  "only (lora_llama2 does not pass it to lora_llama2_mlp), so --lora-dropout "
+                  "0.05 counts MLP masks the run lacked (0.04 GB on the backward peak, none "
+                  "on the reserved reading); torch.optim.AdamW without "
                   "`fused` (foreach); torchao==0.1 NF4Tensor (--qlora-impl torchao "
                   "--torchao-version 0.1); the recipe builds the model on the GPU and "
-                  "quantizes each weight (--load torchtune)"]},
+                  "quantizes each weight (--load torchtune): the init (a template layer "
+                  "deep-copied per layer, each NF4 clone dequantized and re-quantized, then "
+                  "load_state_dict) is replayed through the allocator model, and its "
+                  "reserved segments stay in the training reading (memory_stats_log resets "
+                  "the peaks to the current values after init); the record's model-init "
+                  "reading is 9.13 GB reserved"]},
     "torchtune-readme-apr24-llama2-7b-lora-fsdp-2x4090": {
         "flags": {"model": "llama2-7b", **_TUNE, "gpus": "2xRTX4090", "recompute": "none",
                   "seq_len": 512, "optimizer_impl": "foreach", "finetune": "lora",

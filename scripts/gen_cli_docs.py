@@ -30,7 +30,8 @@ COMMANDS: list[tuple[str, str, list[str]]] = [
      ["estimate", "--model", "llama2-7b", "--gpus", "4090", "--finetune", "qlora",
       "--optimizer", "paged-adamw-8bit", "--seq-len", "1024"]),
     ("torchtune's QLoRA recipe with torchao 0.1: the load phase is the peak",
-     "torchao before 0.2 quantizes each weight at once while the model loads (`--load`).",
+     "torchao before 0.2 quantizes each weight at once while the model loads (`--load`); "
+     "the segments the init reserves stay cached through training.",
      ["estimate", "--model", "llama2-7b", "--gpus", "4090", "--finetune", "qlora",
       "--lora-targets", "all-linear", "--precision", "bf16-pure", "--recompute", "full",
       "--seq-len", "512", "--micro-batch-size", "2", "--qlora-impl", "torchao",

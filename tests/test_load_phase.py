@@ -22,6 +22,8 @@ import pytest
 from vramcalc.analytic import estimate
 from vramcalc.cli import main
 from vramcalc.options import build_scenario
+from vramcalc.rank import RankContext
+from vramcalc.terms.tune_init import init_replay
 
 R = 512
 
@@ -49,9 +51,16 @@ def _weights(flags: dict[str, object]) -> int:
 
 
 def test_torchtune_torchao_0_1_quantizes_a_whole_weight_at_once() -> None:
-    load, extra, peak = _load_extra(**QLORA, qlora_impl="torchao", torchao_version="0.1",
-                                    load="torchtune")
-    assert extra == rnd(2 * N_MLP) + rnd(2 * N_MLP) + 2 * rnd(32 * N_MLP)
+    flags = dict(**QLORA, qlora_impl="torchao", torchao_version="0.1", load="torchtune")
+    load, extra, peak = _load_extra(**flags)
+    one_weight = rnd(2 * N_MLP) + rnd(2 * N_MLP) + 2 * rnd(32 * N_MLP)
+    scn = build_scenario(flags).resolved()
+    replay = init_replay(RankContext(scn.model, scn.training, scn.parallel))
+    assert replay is not None  # the whole init is replayed (tests/test_tune_init.py) ...
+    assert load == replay.peak_allocated
+    # ... and holds more than one weight's quantization: the template layer deep-copied
+    # per layer (a dequantized weight in flight) and the layers' rotary caches
+    assert extra > one_weight
     assert peak == "load"  # ~3 GB of search tensors over a 4 GB model
 
 

@@ -48,7 +48,7 @@ from vramcalc.terms.gradients import (
     late_gradient_bytes,
     layer_gradient_bytes,
 )
-from vramcalc.terms.load import load_parts
+from vramcalc.terms.load import init_reserved_bytes, load_parts
 from vramcalc.terms.lowprec import check_lowprec
 from vramcalc.terms.modifiers import persistent_parts
 from vramcalc.terms.optim_in_bwd import in_backward, states_made
@@ -354,8 +354,8 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     peak = max(phases, key=lambda p: p.total)
     pad = reserved_pad_bytes(ctx, peak.name, peak.grads, *((0, 0, 0) if peak.name == "load"
                                                            else (opt["states"], opt["master"], k)))
-    # reserved beyond the fit floor: blocks cached at the loss that an OOM retry would free
-    return phases, first, (pad, max(loss_bwd.total + P.logits_freed - peak.total - pad, 0))
+    high = max(loss_bwd.total + P.logits_freed, init_reserved_bytes(ctx))  # cached: OOM frees
+    return phases, first, (pad, max(high - peak.total - pad, 0))  # (logits.py, tune_init.py)
 
 
 def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:

@@ -39,6 +39,7 @@ from vramcalc.terms.transients import (
     optimizer_step_parts,
     optimizer_step_temp_bytes,
 )
+from vramcalc.terms.tune_init import init_replay
 from vramcalc.terms.unsloth import chunk_logits_bytes, num_chunks
 from vramcalc.terms.weights import finetune_weight_parts, weights_by_group
 from vramcalc.units import DTYPE_BITS, GB, fmt_gb
@@ -166,10 +167,12 @@ def explain_weight_lines(ctx: RankContext) -> list[str]:
     lines = [f"{tr.finetune}: the base is frozen; {fs.frozen.numel():,} parameters stay in "
              f"{tr.weight_dtype}: {fmt_gb(parts['weights/frozen'])}."]
     if fs.quantized.tensors:
+        bits = 8 * (parts["weights/nf4"] + parts["weights/nf4_constants"]) / fs.quantized.numel()
         lines.append(f"{fs.quantized.numel():,} layer-linear parameters in NF4: 4 bits each "
-                     f"({fmt_gb(parts['weights/nf4'])}) + absmax per 64, double-quantized, and "
-                     f"per-tensor codes ({fmt_gb(parts['weights/nf4_constants'])}): 4.127 "
-                     "bits/param (Dettmers et al. 2023).")
+                     f"({fmt_gb(parts['weights/nf4'])}) + absmax per 64 and per-tensor "
+                     f"constants ({fmt_gb(parts['weights/nf4_constants'])}, {tr.nf4.impl}'s "
+                     f"layout, vramcalc/qlora.py): {bits:.3f} bits/param (Dettmers et al. "
+                     "2023).")
     lines.append(f"Adapters: {fs.adapters.numel():,} trained parameters (r={tr.lora_rank} on "
                  f"{tr.lora_targets}: r·(in + out) per linear) in {a_dt}: "
                  f"{fmt_gb(parts['weights/adapters'])}.")
@@ -327,9 +330,18 @@ def overhead_lines(scn: Scenario, report: MemoryReport) -> list[str]:
             f"NCCL communicator buffers for {world} ranks (aiconfigurator misc.nccl_mem: "
             f"{NCCL_BYTES_TWO_GPU / 1e6:.0f} MB at 2 GPUs, {NCCL_BYTES_MULTI_GPU / 1e6:.0f} MB "
             "from 4 on)")
+    init = init_replay(RankContext(scn.model, scn.training, scn.parallel))
+    init_line = [] if init is None else [
+        f"Model init replayed through the allocator model (torchtune's template layer "
+        f"deep-copied per layer, torchao {'.'.join(map(str, scn.training.nf4.version))} "
+        f"to_nf4 per weight; vramcalc/terms/tune_init.py): {_gb(init.peak_allocated)} "
+        f"allocated, {_gb(init.peak_reserved)} reserved at its high-water mark; the reserved "
+        "segments stay cached after torchtune resets the peaks, so the peak reserved is at "
+        "least that."]
     return [
         f"CUDA context ({ctx_src}): {_gb(sub.get('overhead/context', 0))}; {nccl}: "
         f"{_gb(sub.get('overhead/nccl', 0))}.",
+        *init_line,
         f"Allocator fragmentation = the packing of the blocks live at the peak into segments = "
         f"{_gb(sub.get('overhead/fragmentation', 0))} (vramcalc/terms/reserved.py).",
         f"Overhead = {_gb(report.terms.overhead)}: counted for the fit check (device total), "

@@ -4,15 +4,16 @@ The load phase holds the rank's weights as they are being loaded (no gradients, 
 optimizer states, no activations) plus what the loader keeps in flight: `transients/load`.
 It is reported beside forward, backward and optimizer step, and is the peak when it is the
 largest (a `max_memory_allocated` read that was never reset includes it; torchtune resets
-the peak after model init, `memory_stats_log(reset_stats=True)`, so its training figures
-exclude it).
+the peaks after model init, `memory_stats_log(reset_stats=True)`, so its training figures
+exclude the allocated peak — but not the segments the init left reserved, which
+vramcalc/terms/tune_init.py replays where it can).
 
 | --load    | what is on the device while loading | in flight (transients/load) |
 |-----------|-------------------------------------|-----------------------------|
 | none      | not modelled (default)              | |
 | hf        | the training weights (transformers 5 `from_pretrained(dtype="auto")`: the checkpoint's dtype; LoRA/PEFT wrap afterwards) | QLoRA: one 16-bit checkpoint weight on the device and bitsandbytes' fp32 absmax (plus its `absmax − mean` copy with double quantization) while it is quantized, one weight at a time |
 | hf-fp32   | every weight in fp32 (transformers 4.x `from_pretrained` without `torch_dtype`: "the model will get loaded in torch.float (fp32)"), moved to the GPU before any cast | — |
-| torchtune | the training weights, built on the device (`with set_default_dtype(dtype), device: config.instantiate(model)`) | QLoRA: `to_nf4` of one weight: the bf16 source on the device and torchao's quantization temporaries (`torchao_quantize_bytes`) |
+| torchtune | the training weights, built on the device (`with set_default_dtype(dtype), device: config.instantiate(model)`) | QLoRA: torchao before v0.2: the whole init replayed (vramcalc/terms/tune_init.py: template layer, deep copies, load); from v0.2: `to_nf4` of one weight: the bf16 source on the device and torchao's quantization temporaries (`torchao_quantize_bytes`) |
 | meta      | this rank's shards (FSDP2 `fully_shard` on the meta device, `to_empty`, then the full state dict loaded parameter by parameter) | the largest full parameter and its local shard copy |
 
 Sources:
@@ -48,10 +49,12 @@ from vramcalc.finetune import shapes_for
 from vramcalc.qlora import NF4_BLOCK, TORCHAO_CHUNK, TORCHAO_CHUNKED_QUANTIZE, NF4Layout
 from vramcalc.rank import RankContext
 from vramcalc.sharding import RankShapes
+from vramcalc.terms.tune_init import init_replay, init_reserved_bytes
 from vramcalc.terms.weights import weight_parts
 from vramcalc.units import alloc, ceil_div
 
 LOADS: tuple[str, ...] = ("none", "hf", "hf-fp32", "torchtune", "meta")
+__all__ = ["LOADS", "check_load", "init_reserved_bytes", "load_parts"]
 
 
 def torchao_quantize_bytes(n: int, layout: NF4Layout) -> int:
@@ -124,5 +127,8 @@ def load_parts(ctx: RankContext) -> dict[str, int] | None:
         src = alloc(n, "bf16")  # the 16-bit checkpoint tensor on the device
         inflight = src + (torchao_quantize_bytes(n, tr.nf4) if tr.load == "torchtune"
                           else bnb_quantize_bytes(n, tr.nf4))
+        replay = init_replay(ctx)  # torchtune's whole init, where replayed (tune_init.py)
+        if replay is not None:
+            inflight = replay.peak_allocated - sum(parts.values())
     parts["transients/load"] = inflight
     return parts
