@@ -173,5 +173,6 @@ def test_load_only_text_and_refusals() -> None:
     assert code == 0 and "right after loading" in out and "load hf-fp32 only" in out
     _refused(["estimate", "--model", "bert-large", "--seq-len", "512", "--load-only"],
              "--load")
-    _refused(["trace", "--model", "bert-large", "--seq-len", "512", "--load", "hf-fp32",
-              "--load-only"], "--load-only")
+    for cmd in ("trace", "plan", "max"):
+        _refused([cmd, "--model", "bert-large", "--seq-len", "512", "--gpus", "1xV100-16GB",
+                  "--load", "hf-fp32", "--load-only"], "--load-only")
