@@ -10,8 +10,10 @@ compares the figure the record measured:
 - megatron.yaml: `allocated_bytes.all.peak` of the last rank (last pipeline stage), steady
   state (`max_allocated_all_iters`) -> the last stage's allocated peak;
 - measured.yaml: `max_memory_allocated` -> allocated peak; NVML / nvidia-smi -> device total
-  (`device_total_bytes`, CUDA context included); `max_memory_reserved` -> the reserved
-  peak (`peak_reserved_bytes`, the caching allocator's segments; vramcalc/terms/reserved.py).
+  (the reserved pool plus the CUDA context); `max_memory_reserved` -> the reserved peak
+  (`peak_reserved_bytes`, the caching allocator's segments; vramcalc/terms/reserved.py).
+  Both reserved readings take the trace engine's allocator replay where the trace runs the
+  record, else the analytic packing floor.
 
 A record that needs a mechanism vramcalc lacks is printed as "not expressible" with the
 missing feature; no flag or constant is ever adjusted to move a number. The mapping is the
@@ -582,7 +584,15 @@ def estimate_row(m: Mapping, model_dir: Path) -> Row:
     if metric_only:
         row.allocated_bytes = report.peak_allocated_bytes
     elif m.metric == DEVICE:
-        row.estimate_bytes = report.device_total_bytes
+        # NVML's used memory is the caching allocator's pool plus the CUDA context (and
+        # NCCL): the pool's high-water mark from the trace's allocator replay where it runs,
+        # as for max_memory_reserved below; the analytic device total elsewhere
+        traced = trace_reserved(build_scenario(values))
+        outside = report.device_total_bytes - report.peak_reserved_bytes
+        if traced is not None:
+            row.estimate_bytes, row.engine = traced + outside, "trace"
+        else:
+            row.estimate_bytes = report.device_total_bytes
     elif m.metric == RESERVED:
         # the reserved high-water mark depends on the order of allocations and frees: the
         # trace engine replays its own through the caching-allocator model; the analytic
