@@ -10,8 +10,10 @@ compares the figure the record measured:
 - megatron.yaml: `allocated_bytes.all.peak` of the last rank (last pipeline stage), steady
   state (`max_allocated_all_iters`) -> the last stage's allocated peak;
 - measured.yaml: `max_memory_allocated` -> allocated peak; NVML / nvidia-smi -> device total
-  (`device_total_bytes`, CUDA context included); `max_memory_reserved` -> the reserved
-  peak (`peak_reserved_bytes`, the caching allocator's segments; vramcalc/terms/reserved.py).
+  (the reserved pool plus the CUDA context); `max_memory_reserved` -> the reserved peak
+  (`peak_reserved_bytes`, the caching allocator's segments; vramcalc/terms/reserved.py).
+  Both reserved readings take the trace engine's allocator replay where the trace runs the
+  record, else the analytic packing floor.
 
 A record that needs a mechanism vramcalc lacks is printed as "not expressible" with the
 missing feature; no flag or constant is ever adjusted to move a number. The mapping is the
@@ -300,16 +302,24 @@ def value_bytes(case: dict[str, Any]) -> int | None:
 # -> --optimizer-impl loop); the Trainer's `model.zero_grad()` (trainer.py
 # `_inner_training_loop`) on the torch of that time (< 2.0: set_to_none=False by default,
 # pytorch/pytorch#92731 switched it for 2.0) keeps zeroed gradients -> --no-set-to-none
-_BERT = {"model": "bert-large", "task": "sequence-classification", "gpus": "1xV100-16GB",
-         "framework": "hf", "precision": "fp32", "optimizer": "adamw",
-         "optimizer_impl": "loop", "attention": "eager", "recompute": "none",
-         "set_to_none": False}
+# The runs' torch: the page's nvidia-smi output is dated Tue Jan 11 2022 (driver 460.91.03,
+# CUDA 11.2), before torch 1.11 (March 2022) -> --torch-version 1.10: softmax and
+# log_softmax keep their input (pytorch/pytorch#64000, fixed by #66018 for 1.11), and the
+# CUDA context loads every kernel (a CUDA 11.2 driver has no lazy loading, which needs 11.7)
+_BERT_LOAD = {"model": "bert-large", "task": "sequence-classification",
+              "gpus": "1xV100-16GB", "framework": "hf", "precision": "fp32",
+              "torch_version": "1.10"}
+_BERT = {**_BERT_LOAD, "optimizer": "adamw", "optimizer_impl": "loop", "attention": "eager",
+         "recompute": "none", "set_to_none": False}
+_TORCH_NOTE = ("nvidia-smi output dated Jan 11 2022 (driver 460.91.03, CUDA 11.2): torch "
+               "1.10 (1.11 came in March 2022) -> --torch-version 1.10: softmax and "
+               "log_softmax keep their input (pytorch/pytorch#64000; 1.11 keeps the output "
+               "only) and the CUDA context loads every kernel (no lazy loading before CUDA "
+               "11.7): the V100 profile's context_eager_bytes, 1 GB (pytorch/pytorch#107667)")
 _BERT_NOTES = ["transformers v4.20 BERT: eager attention, dropout 0.1 (masks kept); Trainer "
                "adamw_hf -> --optimizer-impl loop",
                "Trainer's model.zero_grad() on torch < 2.0 (set_to_none=False, the default "
-               "until pytorch/pytorch#92731) -> --no-set-to-none",
-               "NVML reading: device total with the V100 profile's CUDA context (500 MiB "
-               "planning default; the same doc measured 1343 MiB after a 1x1 tensor)"]
+               "until pytorch/pytorch#92731) -> --no-set-to-none", _TORCH_NOTE]
 _DYNAMIC = "sequence length not fixed (batches padded to their longest sample)"
 # LitGPT 8641822 finetune/lora.py on Lightning 2.1: --precision bf16-true (Fabric's
 # HalfPrecision: bf16 weights, no master copy) = bf16-pure; torch.optim.AdamW on the LoRA
@@ -398,8 +408,9 @@ _LITGPT_PHI15 = {
 # from the record (`metric_kind`); an unstated metric is missing on its own.
 MEASURED_TABLE: dict[str, dict[str, Any]] = {
     "hf-bertlarge-weights-only-v100": {
-        "missing": ["model load only, no training step (vramcalc reports training steps; no "
-                    "load-phase reading)"]},
+        "flags": {**_BERT_LOAD, "load": "hf-fp32", "load_only": True},
+        "notes": [_TORCH_NOTE, "from_pretrained(...) without torch_dtype (fp32), then "
+                  ".to('cuda'), read before any step -> --load hf-fp32 --load-only"]},
     "hf-bertlarge-bs4-fp32-adamw-v100": {"flags": _BERT, "notes": _BERT_NOTES},
     "hf-bertlarge-bs1-ga4-gc-fp32-adamw-v100": {
         "flags": {**_BERT, "recompute": "full"},
@@ -575,8 +586,9 @@ def measured_mapping(case: dict[str, Any]) -> Mapping:
         return m
     flags = dict(entry["flags"])
     m.model_fields = entry.get("model_fields")
+    steps = not entry["flags"].get("load_only")  # a reading after loading has no batch
     for key, rec_key in (("seq_len", "seq_len"), ("micro_batch_size", "micro_batch"),
-                         ("grad_accum", "grad_accum")):
+                         ("grad_accum", "grad_accum")) if steps else ():
         value = case.get(rec_key)
         if key in entry["flags"]:  # established by the entry (its notes say how)
             continue
@@ -623,7 +635,15 @@ def estimate_row(m: Mapping, model_dir: Path) -> Row:
     if metric_only:
         row.allocated_bytes = report.peak_allocated_bytes
     elif m.metric == DEVICE:
-        row.estimate_bytes = report.device_total_bytes
+        # NVML's used memory is the caching allocator's pool plus the CUDA context (and
+        # NCCL): the pool's high-water mark from the trace's allocator replay where it runs,
+        # as for max_memory_reserved below; the analytic device total elsewhere
+        traced = trace_reserved(build_scenario(values))
+        outside = report.device_total_bytes - report.peak_reserved_bytes
+        if traced is not None:
+            row.estimate_bytes, row.engine = traced + outside, "trace"
+        else:
+            row.estimate_bytes = report.device_total_bytes
     elif m.metric == RESERVED:
         # the reserved high-water mark depends on the order of allocations and frees: the
         # trace engine replays its own through the caching-allocator model; the analytic

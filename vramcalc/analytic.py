@@ -53,7 +53,7 @@ from vramcalc.terms.lowprec import check_lowprec
 from vramcalc.terms.modifiers import persistent_parts
 from vramcalc.terms.optim_in_bwd import in_backward, states_made
 from vramcalc.terms.optimizer_states import optimizer_state_split, paged_overhead
-from vramcalc.terms.overhead import overhead_split
+from vramcalc.terms.overhead import context_bytes, overhead_split
 from vramcalc.terms.profile import profile
 from vramcalc.terms.reserved import reserved_pad_bytes
 from vramcalc.terms.saved import Moment
@@ -344,17 +344,17 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
         "transients/optimizer_step": 0 if ib else P.optimizer_step,
     })
     load = load_parts(ctx)  # the model being loaded and prepared (terms/load.py)
-    phases = [forward, backward, optimizer] + ([Phase("load", StageBase({}, {}), 0, load)]
-                                               if load else [])
-
-    # first step: no optimizer states in forward/backward (made by the step, or in backward)
-    S = opt["states"]
-    first = max(forward.total - S, optimizer.total, backward.total - S if not ib else max(
-        c.total - S + (S if c.made is None else c.made) for c in candidates))
+    phases = ([] if load and ctx.training.load_only else [forward, backward, optimizer]) + (
+        [Phase("load", StageBase({}, {}), 0, load)] if load else [])
+    S = opt["states"]  # first step: no states in forward/backward (made by the step or in it)
+    first = phases[0].total if len(phases) == 1 else max(
+        forward.total - S, optimizer.total, backward.total - S if not ib else max(
+            c.total - S + (S if c.made is None else c.made) for c in candidates))
     peak = max(phases, key=lambda p: p.total)
     pad = reserved_pad_bytes(ctx, peak.name, peak.grads, *((0, 0, 0) if peak.name == "load"
                                                            else (opt["states"], opt["master"], k)))
-    high = max(loss_bwd.total + P.logits_freed, init_reserved_bytes(ctx))  # cached: OOM frees
+    high = max(0 if len(phases) == 1 else loss_bwd.total + P.logits_freed,  # cached: OOM frees
+               init_reserved_bytes(ctx))
     return phases, first, (pad, max(high - peak.total - pad, 0))  # (logits.py, tune_init.py)
 
 
@@ -427,7 +427,7 @@ def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
     runs = []
     for st in stages:
         phases, first, (pad, cached) = stage_phases(scn, st, gpu)
-        ovh = overhead_split(gpu.context_overhead_bytes if gpu else 0, scn.world_size, pad)
+        ovh = overhead_split(context_bytes(gpu, scn.training), scn.world_size, pad)
         ctx = RankContext(scn.model, scn.training, scn.parallel, st)
         ovh.update(paged_overhead(ctx))
         runs.append(_StageRun(st, ctx.num_layers, phases, first, ovh, cached))

@@ -326,6 +326,9 @@ def overhead_lines(scn: Scenario, report: MemoryReport) -> list[str]:
     gpu = scn.cluster.gpu if scn.cluster else None
     world = scn.world_size
     ctx_src = f"{gpu.name}'s profile" if gpu else "the no-GPU default"
+    if gpu and scn.training.eager_module_loading:
+        ctx_src += (f", context_eager_bytes: torch {scn.training.torch_version} loads every "
+                    "kernel at start")
     nccl = ("NCCL buffers (none: one rank)" if world <= 1 else
             f"NCCL communicator buffers for {world} ranks (aiconfigurator misc.nccl_mem: "
             f"{NCCL_BYTES_TWO_GPU / 1e6:.0f} MB at 2 GPUs, {NCCL_BYTES_MULTI_GPU / 1e6:.0f} MB "

@@ -108,6 +108,9 @@ class GPUProfile(BaseModel):
     # kernel does (V100, T4: Dao-AILab/flash-attention README, "Ampere, Ada, or Hopper GPUs")
     flash_attention_2: bool = True
     context_overhead_bytes: int = Field(ge=0, le=MAX_BYTES)
+    # the CUDA context when every kernel image is loaded at start (eager module loading:
+    # torch < 1.13, or a CUDA runtime < 11.7); None where no torch of that era ran on the GPU
+    context_eager_bytes: int | None = Field(None, ge=0, le=MAX_BYTES)
     # BLAS workspace PyTorch allocates through the caching allocator (counted in
     # max_memory_allocated). Default: the CUDA default before sm90, CUBLAS_WORKSPACE_CONFIG
     # ":4096:2:16:8" = 2 x 4 MiB + 8 x 16 KiB (aten/src/ATen/cuda/CublasHandlePool.cpp).
@@ -140,10 +143,9 @@ class GPUProfile(BaseModel):
                                  f"and {MAX_TFLOPS:g}")
         if any(not s.strip() for s in self.sources):
             raise ValueError("sources: sources must not contain empty strings")
-        if self.context_overhead_bytes >= self.memory_total_bytes:
-            raise ValueError(
-                "context_overhead_bytes must be smaller than memory_total_bytes"
-            )
+        for key in ("context_overhead_bytes", "context_eager_bytes"):
+            if (getattr(self, key) or 0) >= self.memory_total_bytes:
+                raise ValueError(f"{key} must be smaller than memory_total_bytes")
         if self.bf16_supported and "bf16" not in self.dense_tflops:
             raise ValueError(
                 "bf16_supported is true but dense_tflops has no bf16 entry"

@@ -68,7 +68,9 @@ def capability_notes(spec: ModelSpec, tr: TrainingConfig, gpu: GPUProfile | None
     run as counted are refused by vramcalc/scenario.py `capability_problem`): a sequence past
     the model's trained context, bf16 on a GPU without BF16, flash attention where only
     PyTorch SDPA's memory-efficient kernel runs."""
-    out = []
+    out: list[str] = []
+    if tr.load_only:  # no training step: the sequence and the kernels do not run
+        return out
     limit = spec.max_position_embeddings
     if spec.position_embedding == "learned" and tr.seq_len > limit:
         out.append(f"warning: --seq-len {tr.seq_len:,} exceeds {spec.name}'s learned position "

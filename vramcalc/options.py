@@ -207,6 +207,14 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "torchtune (model built on the GPU; QLoRA: torchao to_nf4 per weight) | meta "
         "(FSDP shards materialised from the meta device, one full parameter in flight).",
         ("none", "hf", "hf-fp32", "torchtune", "meta")),
+    Opt("load_only", bool, False, "Report the memory right after the model is loaded, "
+        "before any training step: the --load phase alone (weights, the loader's buffers in "
+        "flight) and the CUDA context, e.g. --load hf-fp32 --load-only for "
+        "from_pretrained(...).to('cuda'). Needs --load."),
+    Opt("torch_version", str, None, "PyTorch release of the run, e.g. 1.10: before 1.11 "
+        "softmax and log_softmax keep their input for backward too (encoder models); before "
+        "1.13 the CUDA context loads every kernel at start (the GPU profile's "
+        "context_eager_bytes). Default: a current release (lazy loading)."),
     Opt("dp", int, None, "Data-parallel degree (default: GPUs / (tp x pp x cp)).", group="parallel"),
     Opt("tp", int, 1, "Tensor-parallel degree.", group="parallel"),
     Opt("pp", int, 1, "Pipeline-parallel degree.", group="parallel"),
@@ -257,7 +265,7 @@ _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "pr
                   "activation_offload", "qat", "expandable_segments",
                   "optimizer_in_backward", "compile", "float8", "qlora_impl", "bnb_version",
                   "torchao_version", "nf4_double_quant", "quantize_head", "load",
-                  "set_to_none")
+                  "set_to_none", "torch_version", "load_only")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",
                   "fsdp_impl", "shard_group", "offload_device", "pp_schedule", "virtual_stages",
                   "first_stage_layers", "last_stage_layers", "embedding_in_split",

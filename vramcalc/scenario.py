@@ -41,7 +41,7 @@ def encoder_unsupported(scn: Scenario) -> str | None:
     # RoBERTa numbers positions from padding_idx + 1 = 2 (create_position_ids_from_input_ids)
     positions = spec.max_position_embeddings - (2 if spec.model_type in ROBERTA_TYPES else 0)
     lengths = (("--seq-len", tr.seq_len), ("--target-len", tr.target_len or 0))
-    for flag, n in lengths if spec.position_embedding == "learned" else ():
+    for flag, n in lengths if spec.position_embedding == "learned" and not tr.load_only else ():
         if n > positions:
             return (f"{flag} {n} (its learned positions cover {positions} tokens: "
                     f"give {flag} {positions} or less)")
@@ -144,6 +144,10 @@ class Scenario(BaseModel):
         if tr.target_len is not None and not self.model.is_encoder_decoder:
             raise InputError(f"--target-len: {self.model.name} is not an encoder-decoder "
                              "(t5, bart); its sequences are --seq-len long")
+        if tr.softmax_keeps_input and not self.model.is_encoder:
+            raise InputError(f"--torch-version {tr.torch_version}: what torch before 1.11 "
+                             "keeps for softmax and log_softmax is modelled for encoder "
+                             "models (bert, roberta) so far; give 1.11 or later")
         if self.model.is_encoder or self.model.is_encoder_decoder:
             missing = encoder_unsupported(self)
             if missing:

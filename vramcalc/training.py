@@ -221,7 +221,8 @@ class TrainingConfig(BaseModel):
     @model_validator(mode="after")
     def _qlora_layout_valid(self) -> TrainingConfig:
         for flag, text in (("--bnb-version", self.bnb_version),
-                           ("--torchao-version", self.torchao_version)):
+                           ("--torchao-version", self.torchao_version),
+                           ("--torch-version", self.torch_version)):
             if text is not None:
                 try:
                     parse_version(text)
@@ -245,6 +246,29 @@ class TrainingConfig(BaseModel):
     # default), e.g. HF Trainer's `model.zero_grad()` on torch 1.x. One GPU or DDP
     # (vramcalc/terms/gradients.py `gradients_persistent`); left out of dumps when True
     set_to_none: bool = Field(True, exclude_if=lambda v: v)
+    # the PyTorch release of the run (None: a current one); what it changes: softmax and
+    # log_softmax keep their input before 1.11, the CUDA context loads every kernel before
+    # 1.13 (`softmax_keeps_input`, `eager_module_loading`); left out of dumps when None
+    torch_version: str | None = Field(None, exclude_if=lambda v: v is None)
+    # report the memory right after the model is loaded (the load phase alone, --load-only)
+    load_only: bool = Field(False, exclude_if=lambda v: not v)
+
+    @property
+    def softmax_keeps_input(self) -> bool:
+        """torch < 1.11: softmax's and log_softmax's autograd nodes keep their input as well
+        as their output (the formula `_softmax_backward_data(grad, result, dim, self)`,
+        pytorch/pytorch#64000; pytorch/pytorch#66018 passes the input's dtype instead, first
+        released in 1.11: transformers v4.20.0 pytorch_utils.py `softmax_backward_data`
+        passes the input tensor when `is_torch_less_than_1_11`)."""
+        return self.torch_version is not None and parse_version(self.torch_version) < (1, 11, 0)
+
+    @property
+    def eager_module_loading(self) -> bool:
+        """torch < 1.13: CUDA_MODULE_LOADING is left unset, so the CUDA runtime loads every
+        kernel of the libraries at context creation (pytorch/pytorch#86509 sets it to LAZY
+        from 1.13; CUDA enables lazy loading by default only from 12.2, NVIDIA CUDA
+        Programming Guide §4.7 "Lazy Loading")."""
+        return self.torch_version is not None and parse_version(self.torch_version) < (1, 13, 0)
 
     @property
     def reentrant(self) -> bool:

@@ -164,6 +164,9 @@ def most_that_fits(base: Scenario, dimension: str, step: int = 1,
         raise InputError(f"--maximize must be one of {', '.join(DIMENSIONS)}, got {dimension!r}")
     if base.cluster is None or base.usable_bytes is None:
         raise InputError("--gpus is required: the most that fits is measured against a GPU")
+    if base.training.load_only:
+        raise InputError("--load-only: no training step runs, so no sequence or batch is "
+                         "held; the most that fits is a training question")
     step = seq_step(base, step) if dimension == "seq-len" else 1
     probe = _Probe(base, dimension)
     values = _values(base, dimension, step)

@@ -99,6 +99,9 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
     if values.get("framework") == "torchtune":
         values["fsdp"] = "full"  # the same: torchtune's data parallelism is FSDP2's
     base = build_scenario(values, profile_dirs, deepspeed)
+    if base.training.load_only:
+        raise InputError("--load-only is a reading right after loading, not a training "
+                         "layout to plan: use vramcalc estimate")
     if pinned.get("recompute") not in (None, *recomputes_of(base.training.framework)):
         raise InputError(f"--recompute {pinned['recompute']}: the {base.training.framework} "
                          "profile runs none or full (torchtune checkpoints whole layers)")

@@ -32,6 +32,10 @@ def _bar(frac: float) -> str:
 def strategy_line(strategy: dict[str, Any]) -> str:
     """A compact one-line description of a strategy."""
     s = strategy
+    if s.get("load_only"):  # no training step: how the model is loaded is the strategy
+        return ", ".join([f"load {s['load']} only", s["precision"]] + (
+            [f"profile {s['framework']}"] if s.get("framework", "reference") != "reference"
+            else []) + ([f"torch {s['torch_version']}"] if s.get("torch_version") else []))
     parts = [f"seq {s['seq_len']}", f"mbs {s['micro_batch_size']}"]
     if s.get("target_len"):  # encoder-decoders: the decoder's tokens
         parts[0] += f", target {s['target_len']}"
@@ -67,6 +71,8 @@ def strategy_line(strategy: dict[str, Any]) -> str:
         parts.append(ft)
     if s.get("qat", "none") != "none":
         parts.append(f"qat {s['qat']}")
+    if s.get("torch_version"):
+        parts.append(f"torch {s['torch_version']}")
     return ", ".join(parts)
 
 
@@ -143,7 +149,10 @@ def print_report(console: Console, report: MemoryReport) -> None:
     console.print(report_table(report))
     console.print()
     ph = ", ".join(f"{k} {v / GB:,.2f}" for k, v in report.phases.items())
-    console.print(f"Phase peaks (GB, steady state): {ph}; first step {report.first_step_peak_bytes / GB:,.2f}")
+    if list(report.phases) == ["load"]:  # --load-only: the reading right after loading
+        console.print(f"Phase peaks (GB): {ph} (right after loading; no training step)")
+    else:
+        console.print(f"Phase peaks (GB, steady state): {ph}; first step {report.first_step_peak_bytes / GB:,.2f}")
     if report.stages:
         rows = "; ".join(f"stage {s.stage} ({s.num_layers} layers) {s.device_total_bytes / GB:,.2f}"
                          for s in report.stages)

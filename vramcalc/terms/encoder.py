@@ -20,6 +20,10 @@ Dropout is ATen's fused `native_dropout` on CUDA (aten/src/ATen/native/Dropout.c
 and offset instead (vramcalc/trace/hf_models.py `encoder_config`). Under autocast
 LayerNorm and softmax run in fp32 (CUDA's fp32 lists): the residual stream is fp32 and each
 linear keeps its own 16-bit cast of its input.
+
+Before torch 1.11 (`--torch-version`, TrainingConfig.softmax_keeps_input) softmax's and
+log_softmax's autograd nodes keep their input beside their output: eager attention keeps the
+masked scores (b, a, s, s) in the probabilities' dtype, and the loss its logits.
 """
 
 from __future__ import annotations
@@ -84,6 +88,9 @@ def layer_saved(ctx: RankContext) -> list[Saved]:
         out += [Saved("attn.q", bsad, c, "(b, a, s, d)", "contiguous q for q @ kᵀ"),
                 Saved("attn.k", bsad, c, "(b, a, d, s)", "contiguous kᵀ"),
                 Saved("attn.probs", probs, p_dt, "(b, a, s, s)", "softmax output")]
+        if ctx.training.softmax_keeps_input:  # torch < 1.11 (TrainingConfig)
+            out.append(Saved("attn.probs_input", probs, p_dt, "(b, a, s, s)",
+                             "softmax input (scores + mask; fp32 under autocast)"))
         out += _mask("attn.probs_mask", probs, "(b, a, s, s)", att)
         if att or p_dt != c:
             out.append(Saved("attn.probs_c", probs, c, "(b, a, s, s)",
@@ -172,11 +179,21 @@ def _rows(ctx: RankContext) -> tuple[int, int]:
     return x.b * x.s, x.V
 
 
+def _loss_input_kept(ctx: RankContext) -> int:
+    """torch < 1.11: log_softmax keeps its input too, the logits (their fp32 copy under
+    autocast), alive at the loss's forward peak anyway (TrainingConfig.softmax_keeps_input)."""
+    if not ctx.training.softmax_keeps_input:
+        return 0
+    n, k = _rows(ctx)
+    return alloc(n * k, "fp32" if dims(ctx).amp else ctx.training.compute_dtype)
+
+
 def logits_saved_bytes(ctx: RankContext) -> int:
     """CrossEntropyLoss on the logits (modeling_bert.py): log_softmax keeps its fp32 output
-    (fp32 under autocast, CUDA's list), nll_loss the loss and its total weight (0-dim)."""
+    (fp32 under autocast, CUDA's list), nll_loss the loss and its total weight (0-dim);
+    before torch 1.11 log_softmax's input as well (`_loss_input_kept`)."""
     n, k = _rows(ctx)
-    return alloc(n * k, "fp32") + 2 * ALLOC_ROUND_BYTES
+    return alloc(n * k, "fp32") + 2 * ALLOC_ROUND_BYTES + _loss_input_kept(ctx)
 
 
 def logits_forward_peak_bytes(ctx: RankContext) -> int:
@@ -184,14 +201,14 @@ def logits_forward_peak_bytes(ctx: RankContext) -> int:
     fp32 copy log_softmax(dtype=fp32) converts under autocast)."""
     n, k = _rows(ctx)
     c = ctx.training.compute_dtype
-    return (logits_saved_bytes(ctx) + alloc(n * k, "fp32")
+    return (logits_saved_bytes(ctx) - _loss_input_kept(ctx) + alloc(n * k, "fp32")
             + (alloc(n * k, c) if c != "fp32" else 0))
 
 
 def logits_backward_peak_bytes(ctx: RankContext) -> int:
     """Loss backward: saved log-probabilities + dL/dlogprobs + dL/dlogits (fp32) + 3 scalars."""
     n, k = _rows(ctx)
-    return 3 * alloc(n * k, "fp32") + 3 * ALLOC_ROUND_BYTES
+    return 3 * alloc(n * k, "fp32") + 3 * ALLOC_ROUND_BYTES + _loss_input_kept(ctx)
 
 
 # ---- instants inside a layer -------------------------------------------------------------

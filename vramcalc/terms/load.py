@@ -112,6 +112,9 @@ def load_parts(ctx: RankContext) -> dict[str, int] | None:
     ("weights…" keys) and `transients/load` (module docstring)."""
     tr = ctx.training
     if tr.load == "none":
+        if tr.load_only:
+            raise InputError("--load-only reports the load phase: say how the model is "
+                             "loaded with --load (hf, hf-fp32, torchtune or meta)")
         return None
     check_load(ctx)
     parts = dict(weight_parts(ctx))

@@ -34,7 +34,7 @@ from vramcalc.report import (
     strategy_dict,
 )
 from vramcalc.scenario import Scenario, check_capabilities
-from vramcalc.terms.overhead import overhead_split
+from vramcalc.terms.overhead import context_bytes, overhead_split
 from vramcalc.terms.transients import cublas_workspace_bytes
 
 ITERATIONS = 2  # the second iteration is the steady state (optimizer states exist)
@@ -94,6 +94,9 @@ def check_traceable(scn: Scenario) -> Scenario:
         raise InputError(
             "trace supports single-rank layouts; got " + ", ".join(multi)
             + " (trace one GPU, e.g. --gpus 1xH100, without parallel options)")
+    if tr.load_only:
+        raise InputError("--load-only: the trace engine runs training steps; the reading "
+                         "right after loading is the analytic engine's (vramcalc estimate)")
     if tr.framework in ("megatron", "torchtune", "lightning", "unsloth"):
         raise InputError(f"trace runs the reference, hf and torchtitan profiles; "
                          f"{tr.framework} has no traceable model (use --framework reference "
@@ -213,7 +216,12 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
         framework_ctx = real_device_behaviour(
             dropout=scn.model.is_encoder or scn.model.is_encoder_decoder)
     fake = FakeTensorMode()
-    with framework_ctx, cuda_autocast_rules(), fake, tracker:
+    old_torch: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if tr.softmax_keeps_input:  # torch < 1.11 (vramcalc/trace/old_torch.py)
+        from vramcalc.trace.old_torch import keep_softmax_input
+
+        old_torch = keep_softmax_input()
+    with framework_ctx, old_torch, cuda_autocast_rules(), fake, tracker:
         model = build_model(scn)
         model.train()
         all_params = list(model.parameters())
@@ -362,7 +370,7 @@ def _result(scn: Scenario, tracker: Any, param_bytes: int, iterations: int) -> T
     peak = phases[peak_name]
     # the allocator replay's high-water mark (vramcalc/allocator.py; the workspace included)
     reserved = max(tracker.allocator.peak_reserved, peak.total)
-    ovh = overhead_split(gpu.context_overhead_bytes if gpu else 0, scn.world_size,
+    ovh = overhead_split(context_bytes(gpu, scn.training), scn.world_size,
                          reserved - peak.total)
     terms = peak.terms()
     terms["overhead"] = sum(ovh.values())
