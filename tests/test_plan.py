@@ -13,6 +13,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+from tests.test_moe_layers import SCOUT_TEXT
 from vramcalc.analytic import estimate
 from vramcalc.cli import app, main
 from vramcalc.cli.plan import prepare_plan
@@ -28,6 +29,7 @@ from vramcalc.planner import (
     search,
     suggest_changes,
 )
+from vramcalc.planner.bound import states_key
 from vramcalc.speed import scenario_speed
 
 CANDIDATE_KEYS = {"strategy", "fits", "peak_allocated_bytes", "device_total_bytes",
@@ -210,6 +212,51 @@ def test_bound_covers_the_matrix() -> None:
         kinds |= {("fsdp", c.fsdp) for c in cands} | {("ft", c.ft) for c in cands}
     assert {("pp", True), ("ep", True), ("fsdp", "full"), ("fsdp", "hybrid"),
             ("ft", "lora"), ("ft", "qlora"), ("ft", "dora")} <= kinds
+
+
+# Llama-4-Scout's text model with MoE layers only at 0, 5 and 7 (tests/test_moe_layers.py):
+# 1F1B and interleaved schedules put different numbers of MoE layers on a stage
+SCOUT_LISTED = {**SCOUT_TEXT, "moe_layers": [0, 5, 7]}
+
+
+@pytest.mark.parametrize("case", [
+    {"model": "70b", "gpus": "2x8xH100", "allow": "offload,finetune,optimizer"},
+    {"model": "scout-listed", "gpus": "16xH100", "allow": "finetune"},
+], ids=lambda c: c["model"])
+def test_bound_states_shared_across_schedules(case: dict, tmp_path) -> None:  # noqa: ANN001
+    """The bound computes the model states of a layout once per split of layers (and MoE
+    layers) over the stages, not once per pipeline schedule: what an interleaved layout gets
+    after its 1F1B twin was computed equals what the term functions give on its own layout,
+    and the bound stays under the estimate on interleaved candidates."""
+    values = {k: v for k, v in case.items() if k != "allow"}
+    if values["model"] == "scout-listed":
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(SCOUT_LISTED))
+        values["model"] = str(path)
+    base, req, _ = prepare_plan(values, allow=case["allow"])
+    cands, _, _ = enumerate_candidates(base, req)
+    inter = sorted({states_key(c) for c in cands if c.sched == "interleaved"})
+    assert inter
+    shared = MemoryBound(base)
+    differ = 0
+    for key in random.Random(3).sample(inter, min(80, len(inter))):
+        twin = (*key[:8], "1f1b", 1, *key[10:])
+        first = shared.states(twin)  # computed first: the interleaved key may reuse it
+        alone = MemoryBound(base).states(key)  # the interleaved layout's own terms
+        assert shared.states(key) == alone, key
+        differ += first != alone
+    # dense: the schedule never changes the states; the listed MoE layers: it does
+    assert (differ > 0) == (case["model"] == "scout-listed")
+    context = base.cluster.gpu.context_overhead_bytes
+    bound, checked = MemoryBound(base), 0
+    for c in random.Random(4).sample([c for c in cands if c.sched == "interleaved"], 40):
+        key = states_key(c)
+        bound.states((*key[:8], "1f1b", 1, *key[10:]))  # the twin first, as in a search
+        e = estimate_candidate(c, base, req)
+        if e is not None:
+            assert bound.total(c) + context <= e.report.device_total_bytes, c
+            checked += 1
+    assert checked > 10
 
 
 def test_pinned_options_are_respected() -> None:

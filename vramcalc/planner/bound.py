@@ -26,6 +26,10 @@ may report as the worst (`analytic.candidate_stages`), on the candidate's `RankC
                                            candidates with the same activation shapes taught
     bound = max(step, fwd, act)
 
+The pipeline schedule changes the model states only through how many layers (and MoE
+layers) each stage holds (`sharding.pipeline_chunks`): a 1F1B layout and its interleaved
+twin with the same split share one computation.
+
 The activation floor counts, on the first stage, per layer and token, what every profile
 saves: under full recompute, or LoRA/QLoRA/DoRA (frozen weights need no saved inputs), the
 layer input (h, ÷tp under sequence parallelism); otherwise every input a weight gradient
@@ -62,6 +66,7 @@ from vramcalc.planner.candidates import (
 from vramcalc.rank import RankContext
 from vramcalc.report import MemoryReport
 from vramcalc.scenario import Scenario
+from vramcalc.sharding import moe_layers_on_stage, pipeline_chunks
 from vramcalc.terms.gradients import (
     gradients_at_step_bytes,
     gradients_bytes,
@@ -119,6 +124,7 @@ class MemoryBound:
         self.acts: dict[tuple, dict[tuple[int, int], float]] = {}
         self.opt_phase: dict[StatesKey, float] = {}
         self._states: dict[StatesKey, ModelStates | None] = {}
+        self._shared: dict[tuple, ModelStates | None] = {}  # by stage split, not schedule
         self._trainings: dict[tuple[str, str, str | None], TrainingConfig] = {}
         self._parallels: dict[tuple, ParallelConfig] = {}
         d = spec.head_size
@@ -155,6 +161,18 @@ class MemoryBound:
         if parallel is None:
             parallel = self._parallels[layout] = parallel_for(
                 self.base, dp, tp, pp, cp, ep, sp, sharding, off, sched, v)
+        # the schedule reaches the model states only through the layers (and MoE layers) of
+        # each stage: 1F1B and interleaved layouts with the same split share their states
+        chunks = pipeline_chunks(self.spec, parallel)
+        split = tuple((sum(row[st] for row in chunks),
+                       moe_layers_on_stage(self.spec, chunks, st)) for st in range(pp))
+        shared = (*key[:8], split, *key[10:])
+        if shared not in self._shared:
+            self._shared[shared] = self._compute(training, parallel)
+        out = self._states[key] = self._shared[shared]
+        return out
+
+    def _compute(self, training: TrainingConfig, parallel: ParallelConfig) -> ModelStates | None:
         scn = self.base.model_copy(update={"training": training, "parallel": parallel})
         out: ModelStates | None
         try:
@@ -168,7 +186,6 @@ class MemoryBound:
             out = ModelStates(step=max(r[0] + r[2] for r in rows), first=first[0] + first[4],
                               first_grads=first[1], first_kept=first[3],
                               base_min=min(r[0] for r in rows))
-        self._states[key] = out
         return out
 
     # ---- activations ------------------------------------------------------------------------
