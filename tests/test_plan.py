@@ -9,6 +9,7 @@ import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -220,14 +221,15 @@ SCOUT_LISTED = {**SCOUT_TEXT, "moe_layers": [0, 5, 7]}
 
 
 @pytest.mark.parametrize("case", [
-    {"model": "70b", "gpus": "2x8xH100", "allow": "offload,finetune,optimizer"},
-    {"model": "scout-listed", "gpus": "16xH100", "allow": "finetune"},
+    {"model": "70b", "gpus": "2x8xH100", "allow": "precision,offload,finetune,optimizer"},
+    {"model": "scout-listed", "gpus": "16xH100", "allow": "finetune,optimizer"},
 ], ids=lambda c: c["model"])
-def test_bound_states_shared_across_schedules(case: dict, tmp_path) -> None:  # noqa: ANN001
-    """The bound computes the model states of a layout once per split of layers (and MoE
-    layers) over the stages, not once per pipeline schedule: what an interleaved layout gets
-    after its 1F1B twin was computed equals what the term functions give on its own layout,
-    and the bound stays under the estimate on interleaved candidates."""
+def test_bound_states_shared_across_schedules_and_optimizers(case: dict, tmp_path: Path) -> None:
+    """The bound computes a layout's model states once per split of layers (and MoE layers)
+    over the stages, not per pipeline schedule, and all but the optimizer states once for
+    every optimizer: what a layout gets after its twins (1F1B, other optimizers) were
+    computed equals what the term functions give on its own layout, and the bound stays
+    under the estimate on interleaved candidates."""
     values = {k: v for k, v in case.items() if k != "allow"}
     if values["model"] == "scout-listed":
         path = tmp_path / "config.json"
@@ -235,17 +237,20 @@ def test_bound_states_shared_across_schedules(case: dict, tmp_path) -> None:  # 
         values["model"] = str(path)
     base, req, _ = prepare_plan(values, allow=case["allow"])
     cands, _, _ = enumerate_candidates(base, req)
-    inter = sorted({states_key(c) for c in cands if c.sched == "interleaved"})
-    assert inter
-    shared = MemoryBound(base)
-    differ = 0
-    for key in random.Random(3).sample(inter, min(80, len(inter))):
-        twin = (*key[:8], "1f1b", 1, *key[10:])
-        first = shared.states(twin)  # computed first: the interleaved key may reuse it
-        alone = MemoryBound(base).states(key)  # the interleaved layout's own terms
+    variants = sorted({(c.prec, c.opt, c.ft) for c in cands})
+    assert {v[1] for v in variants} == {"adamw", "adamw-8bit"}
+    assert any(c.sched == "interleaved" for c in cands)
+    keys = sorted({states_key(c) for c in cands})
+    differ, shared = 0, MemoryBound(base)
+    for key in random.Random(3).sample(keys, min(60, len(keys))):
+        for sched, v in (("1f1b", 1), key[8:10]):  # twins first: `key` may reuse them
+            for var in variants:
+                shared.states((*key[:8], sched, v, *var))
+        alone = MemoryBound(base).states(key)  # the layout's own terms
         assert shared.states(key) == alone, key
-        differ += first != alone
-    # dense: the schedule never changes the states; the listed MoE layers: it does
+        differ += key[8] == "interleaved" and shared.states(
+            (*key[:8], "1f1b", 1, *key[10:])) != alone
+    # dense: the schedule never changes the states; the listed MoE layers: it can
     assert (differ > 0) == (case["model"] == "scout-listed")
     context = base.cluster.gpu.context_overhead_bytes
     bound, checked = MemoryBound(base), 0
