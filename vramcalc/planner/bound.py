@@ -127,6 +127,7 @@ class MemoryBound:
         self._states: dict[StatesKey, ModelStates | None] = {}
         self._shared: dict[tuple, ModelStates | None] = {}  # by stage split, not schedule
         self._helds: dict[tuple, list[tuple[int, tuple]]] = {}  # … and not optimizer
+        self._group_states: dict[tuple, list[list]] = {}  # for `admitted`
         self._trainings: dict[tuple[str, str, str | None], TrainingConfig] = {}
         self._parallels: dict[tuple, ParallelConfig] = {}
         d = spec.head_size
@@ -248,30 +249,37 @@ class MemoryBound:
         d[k] = max(d.get(k, 0.0), act)
 
     # ---- the bound ----------------------------------------------------------------------------
-    def admitted(self, key: tuple, b: int, m: int, rec: str, limit: float,
-                 variants: list) -> tuple[list, int, int]:
-        """(the variants (optimizer, fine-tuning, …) of the settings `key` whose model states
-        and activation floor may fit in `limit` bytes, how many the engine refuses, how many
-        the bound prunes)."""
-        tp, pp, cp, _, _, sp, _, _, _, _, prec = key
-        keep, refused, pruned = [], 0, 0
-        floors: dict[str | None, float] = {}
-        for var in variants:
-            st = self.states((*key, var[0], var[1]))
-            if st is None:
-                refused += 1
-                continue
-            if st.step <= limit:
-                ft = var[1]
-                floor = floors.get(ft)
-                if floor is None:
-                    floor = floors[ft] = LOWER_BOUND_MARGIN * self.floor(
-                        tp, pp, cp, sp, b, m, rec, prec, ft)
-                if st.forward(m) + floor <= limit:
-                    keep.append(var)
+    def admitted(self, g: tuple, shardings: list, pkey: tuple, sched: str, v: int, b: int,
+                 m: int, rec: str, limit: float, variants: list) -> tuple[list[list], int, int]:
+        """Per (sharding, offload) of layout group `g`, its `variants` (optimizer, …) at
+        precision and fine-tuning method `pkey` whose model states and activation floor may
+        fit in `limit` bytes; how many the engine refuses; how many the bound prunes. The
+        states are looked up once per group, not per recompute mode and micro-batch."""
+        tp, pp, cp, dp, sp, ep = g[:6]
+        prec, ft = pkey
+        sts = self._group_states.get((g[:6], pkey, sched, v))
+        if sts is None:
+            sts = self._group_states[(g[:6], pkey, sched, v)] = [
+                [(var, self.states((tp, pp, cp, ep, dp, sp, sh, off, sched, v, prec, var[0],
+                                    var[1]))) for var in variants] for sh, off in shardings]
+        keeps, refused, pruned = [], 0, 0
+        floor = None
+        for var_states in sts:
+            keep = []
+            for var, st in var_states:
+                if st is None:
+                    refused += 1
                     continue
-            pruned += 1
-        return keep, refused, pruned
+                if st.step <= limit:
+                    if floor is None:
+                        floor = LOWER_BOUND_MARGIN * self.floor(tp, pp, cp, sp, b, m, rec, prec,
+                                                                ft)
+                    if st.forward(m) + floor <= limit:
+                        keep.append(var)
+                        continue
+                pruned += 1
+            keeps.append(keep)
+        return keeps, refused, pruned
 
     def total(self, c: Candidate) -> float:
         """The bound of a candidate (module docstring); infinite when the engine refuses it."""
