@@ -471,9 +471,8 @@ class Enumerator:
                             self.dominance and m > 1) else []
                         sched, v, (zero, fsdp, group, stage), off = key
                         for opt, ft, changed in keep_v:
-                            dom = tuple(index[d] for d in
-                                        [(bb, key, opt, ft) for bb in bdoms] if d in index
-                                        ) if bdoms else ()
+                            dom = tuple(i for bb in bdoms
+                                        if (i := index.get((bb, key, opt, ft))) is not None)
                             idx = self.next_idx
                             self.next_idx += 1
                             index[(b, key, opt, ft)] = idx
