@@ -9,10 +9,12 @@ import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from tests.test_moe_layers import SCOUT_TEXT
 from vramcalc.analytic import estimate
 from vramcalc.cli import app, main
 from vramcalc.cli.plan import prepare_plan
@@ -28,6 +30,7 @@ from vramcalc.planner import (
     search,
     suggest_changes,
 )
+from vramcalc.planner.bound import states_key
 from vramcalc.speed import scenario_speed
 
 CANDIDATE_KEYS = {"strategy", "fits", "peak_allocated_bytes", "device_total_bytes",
@@ -210,6 +213,55 @@ def test_bound_covers_the_matrix() -> None:
         kinds |= {("fsdp", c.fsdp) for c in cands} | {("ft", c.ft) for c in cands}
     assert {("pp", True), ("ep", True), ("fsdp", "full"), ("fsdp", "hybrid"),
             ("ft", "lora"), ("ft", "qlora"), ("ft", "dora")} <= kinds
+
+
+# Llama-4-Scout's text model with MoE layers only at 0, 5 and 7 (tests/test_moe_layers.py):
+# 1F1B and interleaved schedules put different numbers of MoE layers on a stage
+SCOUT_LISTED = {**SCOUT_TEXT, "moe_layers": [0, 5, 7]}
+
+
+@pytest.mark.parametrize("case", [
+    {"model": "70b", "gpus": "2x8xH100", "allow": "precision,offload,finetune,optimizer"},
+    {"model": "scout-listed", "gpus": "16xH100", "allow": "finetune,optimizer"},
+], ids=lambda c: c["model"])
+def test_bound_states_shared_across_schedules_and_optimizers(case: dict, tmp_path: Path) -> None:
+    """The bound computes a layout's model states once per split of layers (and MoE layers)
+    over the stages, not per pipeline schedule, and all but the optimizer states once for
+    every optimizer: what a layout gets after its twins (1F1B, other optimizers) were
+    computed equals what the term functions give on its own layout, and the bound stays
+    under the estimate on interleaved candidates."""
+    values = {k: v for k, v in case.items() if k != "allow"}
+    if values["model"] == "scout-listed":
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(SCOUT_LISTED))
+        values["model"] = str(path)
+    base, req, _ = prepare_plan(values, allow=case["allow"])
+    cands, _, _ = enumerate_candidates(base, req)
+    variants = sorted({(c.prec, c.opt, c.ft) for c in cands})
+    assert {v[1] for v in variants} == {"adamw", "adamw-8bit"}
+    assert any(c.sched == "interleaved" for c in cands)
+    keys = sorted({states_key(c) for c in cands})
+    differ, shared = 0, MemoryBound(base)
+    for key in random.Random(3).sample(keys, min(60, len(keys))):
+        for sched, v in (("1f1b", 1), key[8:10]):  # twins first: `key` may reuse them
+            for var in variants:
+                shared.states((*key[:8], sched, v, *var))
+        alone = MemoryBound(base).states(key)  # the layout's own terms
+        assert shared.states(key) == alone, key
+        differ += key[8] == "interleaved" and shared.states(
+            (*key[:8], "1f1b", 1, *key[10:])) != alone
+    # dense: the schedule never changes the states; the listed MoE layers: it can
+    assert (differ > 0) == (case["model"] == "scout-listed")
+    context = base.cluster.gpu.context_overhead_bytes
+    bound, checked = MemoryBound(base), 0
+    for c in random.Random(4).sample([c for c in cands if c.sched == "interleaved"], 40):
+        key = states_key(c)
+        bound.states((*key[:8], "1f1b", 1, *key[10:]))  # the twin first, as in a search
+        e = estimate_candidate(c, base, req)
+        if e is not None:
+            assert bound.total(c) + context <= e.report.device_total_bytes, c
+            checked += 1
+    assert checked > 10
 
 
 def test_pinned_options_are_respected() -> None:

@@ -393,17 +393,18 @@ class SpeedModel:
                 t_dp = m * (_hidden(ag, t_fwd) + _hidden(ag + red, t_bwd))
                 shard_bytes = (self.grad_b[0] / div_d + self.grad_b[1] / div_e) / S
                 t_dp += _hidden(2 * _ring(dp // S * cp) * shard_bytes / bw, t_bwd)
-            else:
-                ag = moved(self.gather_b, d_d, d_e) / bw
+            else:  # each stage moves only some of: gathers, reductions, updated shards
                 red = moved(self.grad_b, d_d, d_e) / bw
-                upd = moved(self.update_b, d_d, d_e) / bw
                 if stage == 0:
                     t_dp = _hidden(2 * red, t_bwd)
                 elif stage == 1:
+                    upd = moved(self.update_b, d_d, d_e) / bw
                     t_dp = _hidden(red, t_bwd) + _hidden(upd, t_fwd)
                 elif stage == 2:
+                    upd = moved(self.update_b, d_d, d_e) / bw
                     t_dp = m * _hidden(red, t_bwd) + _hidden(upd, t_fwd)
                 else:
+                    ag = moved(self.gather_b, d_d, d_e) / bw
                     t_dp = m * (_hidden(ag, t_fwd) + _hidden(ag + red, t_bwd))
         t_off = 0.0
         if offload:

@@ -26,6 +26,11 @@ may report as the worst (`analytic.candidate_stages`), on the candidate's `RankC
                                            candidates with the same activation shapes taught
     bound = max(step, fwd, act)
 
+Computed once per split of the layers over the stages, not per pipeline schedule (the
+schedule reaches the model states only through how many layers and MoE layers each stage
+holds, `sharding.pipeline_chunks`), and W_s, X_s, gradients and gather buffers once for
+every optimizer (only O_s depends on it).
+
 The activation floor counts, on the first stage, per layer and token, what every profile
 saves: under full recompute, or LoRA/QLoRA/DoRA (frozen weights need no saved inputs), the
 layer input (h, ÷tp under sequence parallelism); otherwise every input a weight gradient
@@ -62,6 +67,7 @@ from vramcalc.planner.candidates import (
 from vramcalc.rank import RankContext
 from vramcalc.report import MemoryReport
 from vramcalc.scenario import Scenario
+from vramcalc.sharding import moe_layers_on_stage, pipeline_chunks
 from vramcalc.terms.gradients import (
     gradients_at_step_bytes,
     gradients_bytes,
@@ -119,6 +125,9 @@ class MemoryBound:
         self.acts: dict[tuple, dict[tuple[int, int], float]] = {}
         self.opt_phase: dict[StatesKey, float] = {}
         self._states: dict[StatesKey, ModelStates | None] = {}
+        self._shared: dict[tuple, ModelStates | None] = {}  # by stage split, not schedule
+        self._helds: dict[tuple, list[tuple[int, tuple]]] = {}  # … and not optimizer
+        self._group_states: dict[tuple, list[list]] = {}  # for `admitted`
         self._trainings: dict[tuple[str, str, str | None], TrainingConfig] = {}
         self._parallels: dict[tuple, ParallelConfig] = {}
         d = spec.head_size
@@ -134,12 +143,12 @@ class MemoryBound:
             tr = self._trainings[key] = training_for(self.base, prec, opt, ft)
         return tr
 
-    def _stage(self, ctx: RankContext) -> tuple[int, int, int, bool, int]:
-        """(base, gradients, gradients at the step, gradients persistent, gather buffers)."""
-        base = (sum(weight_parts(ctx).values()) + sum(optimizer_state_split(ctx).values())
-                + sum(persistent_parts(ctx, self.gpu).values())
+    def _held(self, ctx: RankContext) -> tuple[int, int, int, bool, int]:
+        """(W_s + X_s, gradients, gradients at the step, gradients persistent, gather
+        buffers): what the rank holds besides its optimizer states."""
+        held = (sum(weight_parts(ctx).values()) + sum(persistent_parts(ctx, self.gpu).values())
                 + cublas_workspace_bytes(self.gpu) + persistent_buffer_bytes(ctx))
-        return (base, gradients_bytes(ctx), gradients_at_step_bytes(ctx),
+        return (held, gradients_bytes(ctx), gradients_at_step_bytes(ctx),
                 gradients_persistent(ctx), gather_buffer_bytes(ctx))
 
     def states(self, key: StatesKey) -> ModelStates | None:
@@ -149,27 +158,41 @@ class MemoryBound:
         if hit is not _UNSEEN:
             return hit  # type: ignore[return-value]
         tp, pp, cp, ep, dp, sp, sharding, off, sched, v, prec, opt, ft = key
-        training = self._training(prec, opt, ft)
         layout = key[:10]  # the same layout under every training variant: built once
         parallel = self._parallels.get(layout)
         if parallel is None:
             parallel = self._parallels[layout] = parallel_for(
                 self.base, dp, tp, pp, cp, ep, sp, sharding, off, sched, v)
+        chunks = pipeline_chunks(self.spec, parallel)
+        split = tuple((sum(row[st] for row in chunks),
+                       moe_layers_on_stage(self.spec, chunks, st)) for st in range(pp))
+        shared = (*key[:8], split, prec, opt, ft)  # the schedule only through `split`
+        if shared not in self._shared:
+            self._shared[shared] = self._compute(shared, self._training(prec, opt, ft),
+                                                 parallel)
+        out = self._states[key] = self._shared[shared]
+        return out
+
+    def _compute(self, shared: tuple, training: TrainingConfig, parallel: ParallelConfig
+                 ) -> ModelStates | None:
         scn = self.base.model_copy(update={"training": training, "parallel": parallel})
-        out: ModelStates | None
         try:
             check_lowprec(scn)  # FP8 / QAT combinations the engine does not model
-            rows = [self._stage(RankContext(self.spec, training, parallel, st))
+            held_key = shared[:-2] + shared[-1:]  # the same under every optimizer
+            held = self._helds.get(held_key)
+            if held is None:
+                held = self._helds[held_key] = [
+                    (st, self._held(RankContext(self.spec, training, parallel, st)))
                     for st in candidate_stages(scn)]
+            rows = [(h[0] + sum(optimizer_state_split(
+                RankContext(self.spec, training, parallel, st)).values()), *h[1:])
+                for st, h in held]
         except (InputError, ValueError):
-            out = None
-        else:
-            first = rows[0]
-            out = ModelStates(step=max(r[0] + r[2] for r in rows), first=first[0] + first[4],
-                              first_grads=first[1], first_kept=first[3],
-                              base_min=min(r[0] for r in rows))
-        self._states[key] = out
-        return out
+            return None
+        first = rows[0]
+        return ModelStates(step=max(r[0] + r[2] for r in rows), first=first[0] + first[4],
+                           first_grads=first[1], first_kept=first[3],
+                           base_min=min(r[0] for r in rows))
 
     # ---- activations ------------------------------------------------------------------------
     def floor(self, tp: int, pp: int, cp: int, sp: bool, b: int, m: int, rec: str, prec: str,
@@ -226,30 +249,37 @@ class MemoryBound:
         d[k] = max(d.get(k, 0.0), act)
 
     # ---- the bound ----------------------------------------------------------------------------
-    def admitted(self, key: tuple, b: int, m: int, rec: str, limit: float,
-                 variants: list) -> tuple[list, int, int]:
-        """(the variants (optimizer, fine-tuning, …) of the settings `key` whose model states
-        and activation floor may fit in `limit` bytes, how many the engine refuses, how many
-        the bound prunes)."""
-        tp, pp, cp, _, _, sp, _, _, _, _, prec = key
-        keep, refused, pruned = [], 0, 0
-        floors: dict[str | None, float] = {}
-        for var in variants:
-            st = self.states((*key, var[0], var[1]))
-            if st is None:
-                refused += 1
-                continue
-            if st.step <= limit:
-                ft = var[1]
-                floor = floors.get(ft)
-                if floor is None:
-                    floor = floors[ft] = LOWER_BOUND_MARGIN * self.floor(
-                        tp, pp, cp, sp, b, m, rec, prec, ft)
-                if st.forward(m) + floor <= limit:
-                    keep.append(var)
+    def admitted(self, g: tuple, shardings: list, pkey: tuple, sched: str, v: int, b: int,
+                 m: int, rec: str, limit: float, variants: list) -> tuple[list[list], int, int]:
+        """Per (sharding, offload) of layout group `g`, its `variants` (optimizer, …) at
+        precision and fine-tuning method `pkey` whose model states and activation floor may
+        fit in `limit` bytes; how many the engine refuses; how many the bound prunes. The
+        states are looked up once per group, not per recompute mode and micro-batch."""
+        tp, pp, cp, dp, sp, ep = g[:6]
+        prec, ft = pkey
+        sts = self._group_states.get((g[:6], pkey, sched, v))
+        if sts is None:
+            sts = self._group_states[(g[:6], pkey, sched, v)] = [
+                [(var, self.states((tp, pp, cp, ep, dp, sp, sh, off, sched, v, prec, var[0],
+                                    var[1]))) for var in variants] for sh, off in shardings]
+        keeps, refused, pruned = [], 0, 0
+        floor = None
+        for var_states in sts:
+            keep = []
+            for var, st in var_states:
+                if st is None:
+                    refused += 1
                     continue
-            pruned += 1
-        return keep, refused, pruned
+                if st.step <= limit:
+                    if floor is None:
+                        floor = LOWER_BOUND_MARGIN * self.floor(tp, pp, cp, sp, b, m, rec, prec,
+                                                                ft)
+                    if st.forward(m) + floor <= limit:
+                        keep.append(var)
+                        continue
+                pruned += 1
+            keeps.append(keep)
+        return keeps, refused, pruned
 
     def total(self, c: Candidate) -> float:
         """The bound of a candidate (module docstring); infinite when the engine refuses it."""

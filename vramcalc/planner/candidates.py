@@ -307,8 +307,8 @@ class Pruner(Protocol):
     which variants of some settings may fit in `limit` bytes, and how many the engine
     refuses and the bound prunes."""
 
-    def admitted(self, key: tuple, b: int, m: int, rec: str, limit: float,
-                 variants: list) -> tuple[list, int, int]:
+    def admitted(self, g: Group, shardings: list, pkey: tuple, sched: str, v: int, b: int,
+                 m: int, rec: str, limit: float, variants: list) -> tuple[list[list], int, int]:
         ...
 
 
@@ -427,13 +427,14 @@ class Enumerator:
             best = max(best, tokens / (comp + bubble + ttp + tcp + tep + tpp))
         return best * (1 + 1e-9)
 
-    def _admitted(self, key: tuple, b: int, m: int, rec: str, vlist: list) -> list:
-        """The variants of `vlist` the pruner admits at this key (counting the others)."""
+    def _admitted(self, g: Group, pkey: tuple, sched: str, v: int, b: int, m: int, rec: str,
+                  vlist: list) -> list[list]:
+        """Per (sharding, offload) of `g`, the variants of `vlist` the pruner admits."""
         assert self.pruner is not None
-        keep, refused, pruned = self.pruner.admitted(key, b, m, rec, self.limit, vlist)
-        self.refused += refused
-        self.pruned += pruned
-        return keep
+        keeps, refused, pruned = self.pruner.admitted(g, self.shardings(g), pkey, sched, v, b,
+                                                      m, rec, self.limit, vlist)
+        self.refused, self.pruned = self.refused + refused, self.pruned + pruned
+        return keeps
 
     def expand(self, g: Group) -> list[Candidate]:
         tp, pp, cp, dp, sp, ep, batches = g
@@ -453,10 +454,9 @@ class Enumerator:
                         comp, bub, ttp, tcp, tep, tpp, t_fwd, t_bwd = sm.base_parts(
                             dp, tp, pp, cp, ep, sp, b, m, rec, v)
                         fixed = comp + bub + ttp + tcp + tep + tpp
-                        for sh, off in shardings:
-                            keep_v = vlist if self.pruner is None else self._admitted(
-                                (tp, pp, cp, ep, dp, sp, sh, off, sched, v, prec), b, m, rec,
-                                vlist)
+                        keeps = [vlist] * len(shardings) if self.pruner is None else (
+                            self._admitted(g, pkey, sched, v, b, m, rec, vlist))
+                        for (sh, off), keep_v in zip(shardings, keeps, strict=True):
                             if not keep_v:
                                 continue
                             tdp, toff = sm.sharding_parts(dp, tp, pp, cp, ep, m, sh[3], sh[2],
@@ -471,9 +471,8 @@ class Enumerator:
                             self.dominance and m > 1) else []
                         sched, v, (zero, fsdp, group, stage), off = key
                         for opt, ft, changed in keep_v:
-                            dom = tuple(index[d] for d in
-                                        [(bb, key, opt, ft) for bb in bdoms] if d in index
-                                        ) if bdoms else ()
+                            dom = tuple(i for bb in bdoms
+                                        if (i := index.get((bb, key, opt, ft))) is not None)
                             idx = self.next_idx
                             self.next_idx += 1
                             index[(b, key, opt, ft)] = idx

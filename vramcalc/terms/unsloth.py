@@ -80,9 +80,10 @@ def offloads_checkpoints(ctx: RankContext) -> bool:
     """Whether Unsloth's checkpointing moves the layer inputs to the host: the unsloth
     profile with --recompute full (use_gradient_checkpointing="unsloth") and inputs over
     MINIMUM_SIZE elements."""
+    if not unsloth(ctx) or ctx.training.recompute != "full" or ctx.spec.is_encoder:
+        return False
     x = dims(ctx)
-    return (unsloth(ctx) and ctx.training.recompute == "full" and not ctx.spec.is_encoder
-            and x.T * x.h > MINIMUM_NUMEL)
+    return x.T * x.h > MINIMUM_NUMEL
 
 
 def reload_buffer_bytes(ctx: RankContext) -> int:

@@ -66,7 +66,8 @@ def finetune_weight_parts(ctx: RankContext) -> dict[str, int]:
     out = {"weights/frozen": fs.frozen.nbytes(tr.weight_dtype, shard, es, layout, None, keep)}
     if fs.quantized.tensors:
         out["weights/nf4"] = fs.quantized.nbytes("nf4", shard, es, layout, None, keep)
-        out["weights/nf4_constants"] = sum(t.count * nf4_constant_bytes(t.numel, tr.nf4)
+        nf4 = tr.nf4
+        out["weights/nf4_constants"] = sum(t.count * nf4_constant_bytes(t.numel, nf4)
                                            for t in fs.quantized.tensors)
     out["weights/adapters"] = fs.adapters.nbytes(
         adapter_dtype(tr.framework, tr.weight_dtype), shard, es, layout, None, keep)
