@@ -222,3 +222,19 @@ def test_the_traces_refuse_packing(capsys: pytest.CaptureFixture[str]) -> None:
         errors.append(err)
     assert "--packed: the traces build unpacked batches" in errors[0]
     assert "torchtune has no traceable model" in errors[1]
+
+
+def test_compute_capabilities_agree_with_what_the_profiles_say_otherwise() -> None:
+    # NVIDIA's capability table against facts the profiles cite from other sources: BF16
+    # needs compute capability >= 8.0 (TransformerEngine's support docs), FlashAttention-2
+    # runs on Ampere and newer (flash-attention README), FP8 tensor cores from 8.9 on
+    from vramcalc.hardware import load_profiles
+
+    cuda = [g for g in load_profiles().values() if g.memory_api == "cuda"]
+    assert cuda and all(g.cuda_capability is not None for g in cuda)
+    for g in cuda:
+        cap = tuple(int(v) for v in str(g.cuda_capability).split("."))
+        assert g.bf16_supported == (cap >= (8, 0)), g.id
+        assert g.flash_attention_2 == (cap >= (8, 0)), g.id
+        if g.peak_tflops("fp8") is not None:
+            assert cap >= (8, 9), g.id
