@@ -347,9 +347,12 @@ _LLAMA32_3B = {"name": "llama3.2-3b", "model_type": "llama", "hidden_size": 3072
                "max_position_embeddings": 131072, "mlp_kind": "gated", "hidden_act": "silu",
                "norm_kind": "rmsnorm", "position_embedding": "rope",
                "tie_word_embeddings": True}
-_PACKED = ("packed to 4096 tokens (every batch is 2 x 4096) with flex attention's document "
-           "mask on the A100 (torch >= 2.5): it keeps what SDPA's flash kernel keeps; "
-           "--chunked-ce 8 is CEWithChunkedOutputLoss's num_output_chunks")
+_PACKED = ("--packed: dataset.packed True, PackedDataset pads every pack to max_seq_len, so "
+           "every batch is 2 x 4096 tokens (--seq-len 4096 is the pack size); on the A100 "
+           "(compute capability 8.0 >= 7.5) torchtune builds flex attention's BlockMask, "
+           "which keeps what SDPA's flash kernel keeps, and each compiled layer keeps its "
+           "RoPE cache[input_pos] gather; --chunked-ce 8 is CEWithChunkedOutputLoss's "
+           "num_output_chunks")
 _ALPACA_512 = (
     "--seq-len 512: batches are padded to their longest sample, truncated at "
     "alpaca_cleaned_dataset's max_seq_len 512; of the first 1000 samples of "
@@ -470,7 +473,7 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
         "model_fields": _LLAMA32_3B,
         "flags": {"model": "llama3.2-3b.yaml", **_TUNE, "gpus": "1xA100-80GB",
                   "optimizer_impl": "foreach", "chunked_ce": 8, "compile": True,
-                  "optimizer_in_backward": True},
+                  "optimizer_in_backward": True, "packed": True},
         "notes": [_PACKED, "README (1814feb) optimization flags: torch.optim.AdamW replaces "
                   "the config's PagedAdamW8bit with no `fused` key (foreach, one optimizer "
                   "per parameter in backward)"]},
@@ -478,7 +481,8 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
         "model_fields": _LLAMA32_3B,
         "flags": {"model": "llama3.2-3b.yaml", **_TUNE, "gpus": "1xA100-80GB",
                   "chunked_ce": 8, "compile": True, "activation_offload": True,
-                  "finetune": "lora", "lora_rank": 64, "lora_targets": "q,v,o,gate,up,down"},
+                  "finetune": "lora", "lora_rank": 64, "lora_targets": "q,v,o,gate,up,down",
+                  "packed": True},
         "notes": [_PACKED, "torchtune 1814feb 3B_lora_single_device.yaml: AdamW fused=True "
                   "(the profile's default), lora_dropout 0.0, q/v/output_proj + MLP"]},
     # torchtitan 9dec370 train_configs/llama3_8b.toml (selective_ac_option 'op', rmsnorm,

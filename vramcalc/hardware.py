@@ -119,6 +119,9 @@ class GPUProfile(BaseModel):
     # runs non-TN FP8 GEMMs: sm100/sm103, TE is_non_tn_fp8_gemm_supported)
     fp8_separate_transpose: bool = True
     memory_api: Literal["cuda", "rocm", "npu", "hpu"]
+    # torch.cuda.get_device_capability() as "major.minor" (NVIDIA's compute capability);
+    # None where not given. Stacks pick kernels by it (torchtune's flex attention: >= 7.5)
+    cuda_capability: str | None = Field(None, pattern=r"^[0-9]{1,2}\.[0-9]$")
     mfu_fraction: float = Field(ge=MIN_MFU, le=1)
     price_usd_per_hour: float | None = Field(None, gt=0, le=1e6)
     sources: tuple[str, ...] = Field(min_length=1)

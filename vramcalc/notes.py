@@ -146,6 +146,8 @@ def finetune_notes(ctx: RankContext) -> list[str]:
                        "memory (host RAM above); each comes back when its backward node runs")
     if tr.framework == "unsloth":
         out.extend(unsloth_notes(ctx))  # vramcalc/terms/unsloth.py
+    if tr.packed:
+        out.append(_packed_note(tr))
     if chunks_loss(tr) and tr.framework == "torchtune":
         kept = ("each chunk's 16-bit logits and two fp32 numbers per token are kept "
                 "(compiled)" if tr.compile else "the fp32 log-probabilities are all kept")
@@ -198,3 +200,14 @@ def _qlora_note(tr: TrainingConfig) -> str:
         text += ("; bitsandbytes before 0.43.2 also holds each 4-bit linear's input until "
                  "the graph is freed")
     return text
+
+
+def _packed_note(tr: TrainingConfig) -> str:
+    """What --packed counts (vramcalc/terms/packed.py)."""
+    mask = ("flex attention's BlockMask (a CUDA GPU of compute capability >= 7.5): "
+            "attention keeps what the flash kernel keeps" if tr.packed_mask != "dense" else
+            "a dense (b, s, s) bool mask (no flex attention on this GPU): SDPA runs its "
+            "memory-efficient kernel and every layer keeps a (b, 1, s, s) additive copy")
+    return (f"packed: every batch is a full pack of {tr.seq_len:,} tokens (--seq-len is the "
+            f"pack size) with input_pos and {mask}; RoPE keeps its cache[input_pos] gather "
+            "per call")

@@ -182,6 +182,12 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "and two fp32 numbers per token instead of fp32 log-probabilities. torchtitan's "
         "--training.compile (torchtitan profile): each block compiled, the loss eager; "
         "with --recompute none or full, no TP or CP."),
+    Opt("packed", bool, False, "torchtune's dataset.packed: True (torchtune profile): every "
+        "batch is a full pack of --seq-len tokens (give the pack size), with input_pos and a "
+        "block-causal document mask: flex attention's BlockMask on CUDA GPUs of compute "
+        "capability >= 7.5, else a dense (b, s, s) bool mask that sends SDPA to its "
+        "memory-efficient kernel (each layer keeps an additive copy). RoPE gathers "
+        "cache[input_pos] per call (kept for backward)."),
     Opt("float8", bool, False, "torchtitan's --float8.enable_float8_linear (torchtitan "
         "profile, with --compile): torchao's Float8Linear, dynamic tensorwise scaling, for "
         "every linear but the output projection; bf16 FSDP2 all-gathers."),
@@ -263,7 +269,7 @@ _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "pr
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "lora_embedding", "lora_head", "modules_to_save", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
-                  "optimizer_in_backward", "compile", "float8", "qlora_impl", "bnb_version",
+                  "optimizer_in_backward", "compile", "packed", "float8", "qlora_impl", "bnb_version",
                   "torchao_version", "nf4_double_quant", "quantize_head", "load",
                   "set_to_none", "torch_version", "load_only")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",

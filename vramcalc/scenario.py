@@ -9,7 +9,11 @@ from vramcalc.hardware import Cluster, GPUProfile
 from vramcalc.hf_config import ROBERTA_TYPES
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig, resolve_layout
-from vramcalc.stack_rules import optimizer_in_backward_problem
+from vramcalc.stack_rules import (
+    optimizer_in_backward_problem,
+    torchtune_packed_mask,
+    torchtune_training_problem,
+)
 from vramcalc.training import COMPUTE_DTYPE, TORCH_STEPPED, TrainingConfig
 
 
@@ -171,7 +175,21 @@ class Scenario(BaseModel):
             tr = tr.model_copy(update={"optimizer_impl": tr.step_impl})
         if tr.expandable_segments is None:
             tr = tr.model_copy(update={"expandable_segments": tr.expandable})
+        if tr.packed and tr.packed_mask is None:
+            tr = _with_packed_mask(tr, self.cluster.gpu if self.cluster else None)
         return self.model_copy(update={"parallel": par, "training": tr})
+
+
+def _with_packed_mask(tr: TrainingConfig, gpu: GPUProfile | None) -> TrainingConfig:
+    """--packed with the mask kind torchtune builds on `gpu` (stack_rules
+    `torchtune_packed_mask`), refused where it is not modelled."""
+    mask, problem = torchtune_packed_mask(gpu)
+    if problem is None:
+        tr = tr.model_copy(update={"packed_mask": mask})
+        problem = torchtune_training_problem(tr)
+    if problem is not None:
+        raise InputError(problem)
+    return tr
 
 
 def _check_optimizer_in_backward(tr: TrainingConfig, par: ParallelConfig) -> None:

@@ -121,6 +121,10 @@ def torchtune_training_problem(tr: Any) -> str | None:
         if tr.float8 and tr.framework != "torchtitan":
             flag = (f"--float8: torchao's Float8Linear is modelled for the torchtitan profile "
                     f"only, not {tr.framework} (use --framework torchtitan)")
+        elif tr.packed:
+            flag = (f"--packed: packed sequences are modelled for the torchtune profile only "
+                    f"(PackedDataset's input_pos and document mask), not {tr.framework} (use "
+                    "--framework torchtune, or leave it out)")
         elif tr.compile and tr.framework != "torchtitan":
             flag = (f"--compile: only the torchtune and torchtitan profiles model "
                     f"torch.compile; not the {tr.framework} profile (use --framework "
@@ -141,4 +145,36 @@ def torchtune_training_problem(tr: Any) -> str | None:
     elif tr.recompute == "selective":
         flag = ("--recompute selective: torchtune's recipes checkpoint whole layers "
                 "(enable_activation_checkpointing: use --recompute full or none)")
+    elif tr.packed and tr.packed_mask == "dense" and tr.compile:
+        flag = ("--packed --compile on a GPU without flex attention: what a compiled layer "
+                "keeps around SDPA with a dense block-causal mask is not modelled (leave "
+                "--compile out)")
     return None if flag is None else flag + " (torchtune profile)"
+
+
+# torchtune 1814feb torchtune/utils/_import_guard.py: `_SUPPORTS_FLEX_ATTENTION =
+# torch.cuda.is_available() and torch.cuda.get_device_capability() >= (7, 5)` (the torch >= 2.5
+# check was removed in 65d07c9, "remove PyTorch 2.5.0 checks": 1814feb needs torch >= 2.5)
+FLEX_MIN_CAPABILITY = (7, 5)
+
+
+def torchtune_packed_mask(gpu: Any) -> tuple[str | None, str | None]:
+    """(mask kind, problem) for torchtune's packed batches on `gpu` (a GPUProfile, or None
+    for no GPU: flex, the usual case). torchtune/modules/attention_utils.py
+    `packed_block_causal_mask` returns a flex-attention BlockMask when
+    `_SUPPORTS_FLEX_ATTENTION` (a CUDA device of compute capability >= 7.5), else a dense
+    (b, s, s) bool block-causal mask for SDPA. torch.cuda is not available on NPU / HPU
+    runtimes (dense mask into the vendor's SDPA: not modelled); a CUDA or ROCm profile
+    without `cuda_capability` cannot be placed."""
+    if gpu is None:
+        return "flex", None
+    if gpu.memory_api not in ("cuda", "rocm"):
+        return None, (f"--packed on {gpu.name}: torch.cuda is not available there, so "
+                      "torchtune passes a dense block-causal mask to the device's own SDPA, "
+                      "which is not modelled")
+    if gpu.cuda_capability is None:
+        return None, (f"--packed on {gpu.name}: its GPU profile gives no cuda_capability, "
+                      "which decides between torchtune's flex-attention BlockMask (>= 7.5) "
+                      "and a dense mask (add cuda_capability to the profile)")
+    major, minor = (int(v) for v in gpu.cuda_capability.split("."))
+    return ("flex" if (major, minor) >= FLEX_MIN_CAPABILITY else "dense"), None

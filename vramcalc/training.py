@@ -201,6 +201,12 @@ class TrainingConfig(BaseModel):
     # torchtune's `compile: True` (torchtune profile): each transformer layer and the loss's
     # cross entropy compiled (vramcalc/terms/torchtune.py); left out of dumps when off
     compile: bool = Field(False, exclude_if=lambda v: not v)
+    # torchtune's `dataset.packed: True` (torchtune profile): every batch is a full pack of
+    # seq_len tokens with input_pos and a document mask (vramcalc/terms/packed.py); the mask
+    # kind, "flex" (BlockMask) or "dense" ((b, s, s) bool to SDPA), follows the GPU
+    # (Scenario.resolved: stack_rules.torchtune_packed_mask). Left out of dumps when off
+    packed: bool = Field(False, exclude_if=lambda v: not v)
+    packed_mask: Literal["flex", "dense"] | None = Field(None, exclude_if=lambda v: v is None)
     # torchtitan's --float8.enable_float8_linear (torchtitan profile): torchao Float8Linear
     # for every block linear, compiled (vramcalc/terms/torchtitan_compile.py); left out of
     # dumps when off
@@ -323,6 +329,12 @@ class TrainingConfig(BaseModel):
                              "profile models Megatron-LM's token dispatchers; the "
                              f"{self.framework} profile routes tokens its own way (leave it "
                              "out, or use --framework megatron)")
+        return self
+
+    @model_validator(mode="after")
+    def _packed_mask_needs_packing(self) -> TrainingConfig:
+        if self.packed_mask is not None and not self.packed:
+            raise ValueError(f"packed_mask {self.packed_mask}: only with --packed")
         return self
 
     @model_validator(mode="after")

@@ -11,6 +11,7 @@ hold, as explicit objects (vramcalc.terms.saved.Modifier), in the order their ho
 | `UnslothCheckpointing` | unsloth profile, full recompute (offloaded checkpoints) | vramcalc/terms/unsloth.py |
 | `UnslothLoraKernels` | unsloth profile, dense gated MLP | vramcalc/terms/unsloth.py |
 | `UnslothDequantBuffer` | unsloth profile, QLoRA | vramcalc/terms/unsloth.py |
+| `PackedBatch` | torchtune profile, packed sequences | vramcalc/terms/packed.py |
 
 (vramcalc.features has the predicates.) Fine-tuning adjusts a layer's saved list before low
 precision does, and activation offload sees the backward moments both have adjusted.
@@ -24,6 +25,7 @@ from vramcalc.terms.ds_checkpointing import DeepSpeedCheckpointing
 from vramcalc.terms.finetune_modifier import FinetuneActivations
 from vramcalc.terms.lowmem import ActivationOffload, ChunkedLoss
 from vramcalc.terms.lowprec import LowPrecision
+from vramcalc.terms.packed import PackedBatch
 from vramcalc.terms.saved import Modifier
 from vramcalc.terms.unsloth import (
     UnslothCheckpointing,
@@ -34,7 +36,7 @@ from vramcalc.terms.unsloth import (
 MODIFIERS: tuple[Modifier, ...] = (FinetuneActivations(), LowPrecision(), ActivationOffload(),
                                    ChunkedLoss(), DeepSpeedCheckpointing(),
                                    UnslothLoraKernels(), UnslothCheckpointing(),
-                                   UnslothDequantBuffer())
+                                   UnslothDequantBuffer(), PackedBatch())
 
 
 def modifiers(ctx: RankContext) -> tuple[Modifier, ...]:

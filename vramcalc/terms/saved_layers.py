@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from vramcalc.rank import RankContext
 from vramcalc.terms import encoder as enc
+from vramcalc.terms.packed import packed_batch_saved
 from vramcalc.terms.saved import Dims, Saved, bsh, dims, hf_family
 from vramcalc.units import ceil_div
 
@@ -410,6 +411,8 @@ def embedding_saved(ctx: RankContext) -> list[Saved]:
     hf = tr.framework == "hf"
     out = [Saved("input_ids", x.b * x.s, "int64", "(b, s)", "kept by the embedding"),
            Saved("labels", x.b * x.s, "int64", "(b, s)", "the loader's batch")]
+    if tr.packed:  # torchtune's input_pos and document mask (vramcalc/terms/packed.py)
+        out += packed_batch_saved(ctx)
     if tr.lora_embedding and ctx.is_first_stage:
         # PEFT lora.Embedding: after_A = F.embedding(ids, Aᵀ) (T, r) in the adapters' fp32,
         # kept by after_A @ Bᵀ (under autocast its 16-bit cast is what the matmul keeps)

@@ -12,7 +12,7 @@ the Python RMSNorm's `x.float()` copy, rstd and x̂; k and v expanded to a heads
 four (N, f) tensors). RoPE's `x.float()` copy is not kept: the rotation multiplies it by
 the cache, which needs no gradient, so the products keep only the cache's slices (views
 of the buffer; with packed sequences `cache[input_pos]` gathers a (b, s, d/2, 2) fp32 copy
-per call, 8 MiB per layer at b·s = 8192, d = 128, not counted).
+per call, which they keep: vramcalc/terms/packed.py).
 
 The loss (recipes/full_finetune_single_device.py `_loss_step`, modules/loss/
 ce_chunked_output_loss.py `CEWithChunkedOutputLoss`, transformer.py `chunked_output`),

@@ -111,37 +111,70 @@ def _rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float = 1e-5) -> torch.
     return normed * scale
 
 
-def _rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """torchtune/modules/position_embeddings.py `RotaryPositionalEmbeddings.forward`
-    (input_pos None: the cache's first s rows)."""
+def _rope(x: torch.Tensor, cache: torch.Tensor,
+          input_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """torchtune/modules/position_embeddings.py `RotaryPositionalEmbeddings.forward`: the
+    cache's first s rows, or with input_pos (packed batches) the gather `cache[input_pos]`."""
     xshaped = x.float().reshape(*x.shape[:-1], -1, 2)
-    rope = cache[: x.size(1)].view(-1, xshaped.size(1), 1, xshaped.size(3), 2)
+    rows = cache[: x.size(1)] if input_pos is None else cache[input_pos]
+    rope = rows.view(-1, xshaped.size(1), 1, xshaped.size(3), 2)
     out = torch.stack([xshaped[..., 0] * rope[..., 0] - xshaped[..., 1] * rope[..., 1],
                        xshaped[..., 1] * rope[..., 0] + xshaped[..., 0] * rope[..., 1]], -1)
     return out.flatten(3).type_as(x)
 
 
+def _qkv(x: torch.Tensor, n1: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+         wv: torch.Tensor, heads: int, kv_heads: int, *rope: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attention.py `MultiHeadAttention.forward` up to `_attention_call`: the normed input's
+    projections, RoPE on q and k, k and v expanded to `heads` (b, heads, s, d)."""
+    b, s, _ = x.shape
+    d = wq.shape[0] // heads
+    y = _rms_norm(x, n1)
+    q = _rope(F.linear(y, wq).view(b, s, heads, d), *rope).transpose(1, 2)
+    k = _rope(F.linear(y, wk).view(b, s, kv_heads, d), *rope).transpose(1, 2)
+    v = F.linear(y, wv).view(b, s, kv_heads, d).transpose(1, 2)
+    if heads != kv_heads:
+        shape = (b, kv_heads, heads // kv_heads, s, d)
+        k = k.unsqueeze(2).expand(shape).flatten(1, 2)
+        v = v.unsqueeze(2).expand(shape).flatten(1, 2)
+    return q, k, v
+
+
+def _after_attention(x: torch.Tensor, out: torch.Tensor, wo: torch.Tensor, n2: torch.Tensor,
+                     w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """The layer after `_attention_call`: output_proj, residual, the MLP's norm and SwiGLU."""
+    b, s, _ = x.shape
+    h = x + F.linear(out.transpose(1, 2).contiguous().view(b, s, -1), wo)
+    z = _rms_norm(h, n2)
+    return h + F.linear(F.silu(F.linear(z, w1)) * F.linear(z, w3), w2)
+
+
 def torchtune_layer(heads: int, kv_heads: int) -> Callable[..., torch.Tensor]:
     """A `TransformerSelfAttentionLayer` of torchtune's Llama (modules/transformer.py,
     attention.py `MultiHeadAttention.forward` without a mask or KV cache, feed_forward.py
-    SwiGLU), as a function of (x, the weights, the rope cache)."""
+    SwiGLU), as a function of (x, the weights, the rope cache[, input_pos])."""
 
     def layer(x: torch.Tensor, n1: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
               wv: torch.Tensor, wo: torch.Tensor, n2: torch.Tensor, w1: torch.Tensor,
-              w2: torch.Tensor, w3: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        d = wq.shape[0] // heads
-        y = _rms_norm(x, n1)
-        q = _rope(F.linear(y, wq).view(b, s, heads, d), cache).transpose(1, 2)
-        k = _rope(F.linear(y, wk).view(b, s, kv_heads, d), cache).transpose(1, 2)
-        v = F.linear(y, wv).view(b, s, kv_heads, d).transpose(1, 2)
-        if heads != kv_heads:
-            shape = (b, kv_heads, heads // kv_heads, s, d)
-            k = k.unsqueeze(2).expand(shape).flatten(1, 2)
-            v = v.unsqueeze(2).expand(shape).flatten(1, 2)
+              w2: torch.Tensor, w3: torch.Tensor, *rope: torch.Tensor) -> torch.Tensor:
+        q, k, v = _qkv(x, n1, wq, wk, wv, heads, kv_heads, *rope)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        h = x + F.linear(out.transpose(1, 2).contiguous().view(b, s, -1), wo)
-        z = _rms_norm(h, n2)
-        return h + F.linear(F.silu(F.linear(z, w1)) * F.linear(z, w3), w2)
+        return _after_attention(x, out, wo, n2, w1, w2, w3)
 
     return layer
+
+
+def torchtune_layer_parts(heads: int, kv_heads: int
+                          ) -> tuple[Callable[..., Any], Callable[..., torch.Tensor]]:
+    """The two graphs of a compiled torchtune layer on packed batches with flex attention:
+    attention_utils.py `compile_friendly_flex_attention` is `torch.compiler.disable`d, so
+    the compiled layer breaks there. The first maps (x, n1, wq, wk, wv, cache, input_pos)
+    to (q, k, v); the second (x, the attention output, wo, n2, w1, w2, w3) to the layer's
+    output."""
+
+    def before(x: torch.Tensor, n1: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+               wv: torch.Tensor, cache: torch.Tensor, input_pos: torch.Tensor) -> Any:
+        return _qkv(x, n1, wq, wk, wv, heads, kv_heads, cache, input_pos)
+
+    return before, _after_attention
