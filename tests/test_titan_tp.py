@@ -270,3 +270,22 @@ def test_float8_without_tp_keeps_no_gathered_input() -> None:
     names = {t.name for t in compiled_block_saved(ctx)}
     assert "attn.input" not in names and "mlp.input" not in names
     assert ttp.gathered_input_dtype(ctx) == "bf16"
+
+
+def test_mlp_backward_gradients_are_gathered_rows_under_tp() -> None:
+    # the act · up backward of a TP block: dL/d(act·up), d act, d up are (N, f/t) (w1 and
+    # w3 are ColwiseParallel on the all-gathered input), beside dL/d residual (T, h)
+    from vramcalc.terms.activations import layer_backward_moments
+
+    b, s, t, h, f = 2, 64, 2, 256, 768 // 2
+    mlp = next(m for m in layer_backward_moments(_ctx(compile=True)) if m.name == "mlp")
+    assert mlp.work == alloc(b * s // t * h, "bf16") + 3 * alloc(b * s * f, "bf16")
+
+
+def test_explain_names_loss_parallel(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["explain", "--model", "llama3-8b", "--gpus", "8xH100", "--framework",
+                 "torchtitan", "--precision", "amp-bf16", "--fsdp", "full", "--tp", "8",
+                 "--sequence-parallel", "--seq-len", "1024", "--micro-batch-size", "1"])
+    out = capsys.readouterr().out
+    nv = 1024 * (128256 // 8)
+    assert code == 0 and "loss parallel" in out and f"{nv:,} x 16 B" in out
