@@ -20,9 +20,9 @@ Source: pytorch/torchtitan 9dec370ad26b5f8e9a7333a0e36165018262644b (Dec 2024):
   --training.disable_loss_parallel (a store_true flag, off by default); train.py runs the
   loss under `loss_parallel()` (utils.get_train_context), `del pred` before backward.
 
-Loss parallel (pytorch/pytorch torch/distributed/tensor/parallel/loss.py, the same
-`_log_softmax` and `_nll_loss_and_log_softmax_backward` from the torch of the Dec 2024
-runs through 2.13) computes on each rank's (N, V') shard:
+Loss parallel (pytorch/pytorch torch/distributed/tensor/parallel/loss.py: `_log_softmax`
+and `_nll_loss_and_log_softmax_backward` allocate the same in the torch 2.3-era file and in
+torch 2.13, so also at the runs' torch 1963fc8) computes on each rank's (N, V') shard:
 
 | moment | live (N, V') tensors | B per logit |
 |---|---|---|
