@@ -512,11 +512,21 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
                   "`del pred` before backward; the loss is not compiled at 9dec370); the "
                   "eager bf16 trace of this layout replays 80.18 GiB reserved, the compiled "
                   "blocks' allocation order is not replayed"]},
-    "torchtitan-llama31-70b-fsdp32-tp8-fullac-h100": {"missing": [
-        "torch.compile under TP 8: what a compiled block keeps around DTensor collectives, "
-        "and torchao's Float8ColwiseParallel / Float8RowwiseParallel fp8 input all-gathers "
-        "(torchtitan 9dec370 parallelize_llama.py `apply_tp` with enable_float8), are not "
-        "modelled"]},
+    # the same table, Table 4 (2D): train_configs/llama3_70b.toml (AdamW, rmsnorm, seq 8192,
+    # tensor_parallel_degree 8, data_parallel_shard_degree -1 -> 32 of 256 GPUs, AC 'full')
+    # with the row's torch.compile + Float8 and local batch 16; loss parallel and bf16 FSDP2
+    # all-gathers by default (--training.disable_loss_parallel and
+    # --float8.enable_fsdp_float8_all_gather are store_true flags), async TP off (the record)
+    "torchtitan-llama31-70b-fsdp32-tp8-fullac-h100": {
+        "flags": {"model": "llama3.1-70b", "gpus": "256xH100", "framework": "torchtitan",
+                  "precision": "amp-bf16", "fsdp": "full", "tp": 8,
+                  "sequence_parallel": True, "recompute": "full", "optimizer": "adamw",
+                  "attention": "flash", "compile": True, "float8": True},
+        "notes": ["FSDP 32 x TP 8 with sequence-parallel norms; compiled checkpointed blocks "
+                  "keep their (s/8, h) input; torch's loss parallel on the (N, V/8) logits "
+                  "shard and the all-gathered head input (vramcalc/terms/torchtitan_tp.py)",
+                  "the trace engine runs no TP layout: the analytic reserved peak is "
+                  "compared"]},
     "litgpt-phi15-lora-mb1-a100": {
         "flags": {"model": "phi-1.5.yaml", **_LITGPT}, "model_fields": _LITGPT_PHI15,
         "notes": _LITGPT_NOTES},

@@ -298,3 +298,21 @@ def test_peft_metamathqa_eval_generation_stays_below_the_training_step(calib) ->
         bound = held_bytes + kv + gen.terms.activation_peak
         assert bound < train.peak_allocated_bytes
         assert any(f"{bound / 2**30:.2f} GiB" in n for n in m.notes)
+
+
+def test_torchtitan_70b_2d_record_is_expressed_as_its_config(calib) -> None:
+    # torchtitan 9dec370 train_configs/llama3_70b.toml: tensor_parallel_degree 8,
+    # data_parallel_shard_degree -1 (the rest of the world: 256 / 8 = 32), AC 'full', seq
+    # 8192, AdamW; the benchmark row (Table 4, 2D): torch.compile + Float8, local batch 16
+    from vramcalc.options import build_scenario
+
+    case = {"id": "torchtitan-llama31-70b-fsdp32-tp8-fullac-h100", "seq_len": 8192,
+            "micro_batch": 16, "grad_accum": 1, "value": "71.9 GiB",
+            "metric": "max_reserved_gib (torch.cuda.max_memory_reserved / 2**30)"}
+    m = calib.measured_mapping(case)
+    assert m.expressible and m.metric == calib.RESERVED and m.family == "torchtitan"
+    scn = build_scenario(m.flags)
+    par, tr = scn.parallel, scn.training
+    assert (par.tp, par.dp_degree, par.fsdp, par.sequence_parallel) == (8, 32, "full", True)
+    assert (tr.recompute, tr.compile, tr.float8, tr.seq_len, tr.micro_batch_size) == (
+        "full", True, True, 8192, 16)

@@ -33,6 +33,7 @@ from vramcalc.terms.megatron_layer import megatron_layer_tensors
 from vramcalc.terms.optimizer_states import optimizer_state_split
 from vramcalc.terms.overhead import NCCL_BYTES_MULTI_GPU, NCCL_BYTES_TWO_GPU
 from vramcalc.terms.saved import dims, mostly_moe
+from vramcalc.terms.torchtitan_tp import loss_parallel
 from vramcalc.terms.transients import (
     autocast_cache_layer_bytes,
     gather_buffer_bytes,
@@ -256,6 +257,13 @@ def logits_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
                    f"logits into the softmax in place and writes the gradient into it: "
                    f"(4 + {c}) B per logit at both peaks = {nv:,} x {4 + c} B "
                    f"= {_gb(nv * (4 + c))}.")
+    elif loss_parallel(ctx):  # vramcalc/terms/torchtitan_tp.py
+        c = DTYPE_BITS[tr.compute_dtype] // 8
+        out.append(f"torchtitan's loss parallel (torch's loss_parallel on each rank's vocabulary "
+                   f"shard): forward, the {tr.compute_dtype} logits + their fp32 copy + "
+                   f"x - max + its exp: {nv:,} x {c + 12} B = {_gb(nv * (c + 12))}; backward, "
+                   f"the kept fp32 log-probabilities + zeros_like grad + exp + their sum: "
+                   f"{nv:,} x 16 B = {_gb(16 * nv)}.")
     else:
         out.append(f"Forward: fp32 upcast of the logits + fp32 log-probabilities (kept for "
                    f"backward): 2 x {nv:,} x 4 B = {_gb(8 * nv)}.")
@@ -264,7 +272,7 @@ def logits_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
     out.append(f"This scenario: kept {_gb(saved)}, forward peak {_gb(fwd)}, backward peak "
                f"{_gb(bwd)} (each tensor rounded to 512 B blocks; vramcalc/terms/logits.py).")
     if tr.framework in ("hf", "torchtitan") and tr.compute_dtype != "fp32" and not \
-            chunks_loss(tr):
+            chunks_loss(tr) and not loss_parallel(ctx):
         out.append(f"The {tr.framework} profile also keeps the {tr.compute_dtype} logits "
                    f"({nv:,} x {DTYPE_BITS[tr.compute_dtype] // 8} B) until the loss returns.")
     out.append(f"At the peak ({report.peak_phase}) the report counts "

@@ -384,7 +384,9 @@ def _check_torchtitan(spec: ModelSpec, training: TrainingConfig, par: ParallelCo
     parallelism"), no DeepSpeed ZeRO; TP always with sequence-parallel norms (`apply_tp`);
     FSDP2 blocks keep their parameters unsharded after forward only under PP
     (`reshard_after_forward = False` when pp_enabled, grad-op); bf16 compute only through
-    FSDP2's MixedPrecisionPolicy; no expert parallelism (no MoE model)."""
+    FSDP2's MixedPrecisionPolicy; no expert parallelism (no MoE model). torch.compile
+    under TP is modelled with full AC only (`apply_ac` wraps each block before
+    `apply_compile`: the compiled region keeps the block's (T, h) input), not under CP."""
     llama = (not spec.is_moe and spec.norm_kind == "rmsnorm" and spec.mlp_kind == "gated"
              and spec.position_embedding == "rope" and spec.hidden_act in ("silu", "swish")
              and not (spec.attention_bias or spec.attention_out_bias or spec.mlp_bias
@@ -403,9 +405,13 @@ def _check_torchtitan(spec: ModelSpec, training: TrainingConfig, par: ParallelCo
     elif par.fsdp == "none" and training.precision != "fp32":
         problem = (f"--precision {training.precision}: torchtitan computes in bf16 only "
                    "through FSDP2's MixedPrecisionPolicy (add --fsdp full, or use fp32)")
-    elif training.compile and (par.tp > 1 or par.cp > 1):
-        problem = ("--compile with --tp or --cp: what a compiled block keeps around DTensor "
-                   "collectives (and torchao's float8 TP all-gathers) is not modelled")
+    elif training.compile and par.cp > 1:
+        problem = ("--compile with --cp: what a compiled block keeps around context-parallel "
+                   "SDPA is not modelled")
+    elif training.compile and par.tp > 1 and training.recompute != "full":
+        problem = ("--compile with --tp needs --recompute full: a checkpointed compiled block "
+                   "keeps only its input, but what the partitioner keeps around DTensor "
+                   "collectives without full AC is not modelled")
     elif par.tp > 1 and not par.sequence_parallel:
         problem = "torchtitan's tensor parallelism always shards the norms over the sequence "\
             "(add --sequence-parallel)"

@@ -19,6 +19,9 @@ log_softmax saves `result`, its backward returns a new tensor; nll_loss backward
 a zero grad of the input's shape); transformers loss/loss_utils.py ForCausalLMLoss. Checked
 against the trace engine (tests/test_trace.py).
 
+torchtitan under TP runs torch's loss parallel (vramcalc/terms/torchtitan_tp.py): c + 12
+bytes per logit in forward, 16 in backward.
+
 The `megatron` profile runs Megatron-LM's vocab-parallel cross entropy instead (NVIDIA/
 Megatron-LM d98e8a64, megatron/core/tensor_parallel/cross_entropy.py
 `_VocabParallelCrossEntropy`, the default: `cross_entropy_loss_fusion = False` in
@@ -32,6 +35,7 @@ from vramcalc.features import chunks_loss, finetunes
 from vramcalc.qlora import dequant_backward_bytes, dequant_matmul_bytes
 from vramcalc.rank import RankContext
 from vramcalc.terms import encoder as enc
+from vramcalc.terms import torchtitan_tp as ttp
 from vramcalc.terms import torchtune as ttn
 from vramcalc.terms import unsloth as uns
 from vramcalc.terms.lowmem import (
@@ -195,6 +199,8 @@ def _loss_forward_peak_bytes(ctx: RankContext) -> int:
         return chunked_forward_peak_bytes(ctx)
     if ctx.training.framework == "megatron":
         return _megatron_forward_peak_bytes(ctx)
+    if ttp.loss_parallel(ctx):  # torchtitan's loss parallel (terms/torchtitan_tp.py)
+        return ttp.loss_parallel_forward_peak_bytes(ctx)
     nv, c = _nv(ctx), ctx.training.compute_dtype
     out = 2 * alloc(nv, "fp32") + 2 * ALLOC_ROUND_BYTES  # fp32 logits + log-probs + scalars
     if ctx.training.framework == "torchtitan" and c != "fp32":
@@ -263,6 +269,8 @@ def _loss_backward_peak_bytes(ctx: RankContext) -> int:
         return chunked_backward_peak_bytes(ctx)
     if ctx.training.framework == "megatron":
         return _megatron_backward_peak_bytes(ctx)
+    if ttp.loss_parallel(ctx):
+        return ttp.loss_parallel_backward_peak_bytes(ctx)
     return 3 * alloc(_nv(ctx), "fp32") + 3 * ALLOC_ROUND_BYTES
 
 

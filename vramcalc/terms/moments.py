@@ -96,7 +96,11 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
             out.append(Moment("moe", total + extra - combined, work, "shared"))
     else:
         f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
-        bsf = alloc(x.T * f, c)
+        # torchtitan's ColwiseParallel w1/w3 run on the all-gathered (N, h) input: their
+        # outputs and gradients are (N, f/t), not the sequence shard's (vramcalc/terms/
+        # torchtitan_tp.py)
+        rows = x.b * x.s if tr.framework == "torchtitan" and ctx.parallel.tp > 1 else x.T
+        bsf = alloc(rows * f, c)
         kind = ctx.spec.mlp_kind
         gone: tuple[str, ...]
         if kind == "gated":  # act · up backward: d(act·up), d act, d up

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from vramcalc.rank import RankContext
 from vramcalc.terms import encoder as enc
+from vramcalc.terms import torchtitan_tp as ttp
 from vramcalc.terms.packed import packed_batch_saved
 from vramcalc.terms.saved import Dims, Saved, bsh, dims, hf_family
 from vramcalc.units import ceil_div
@@ -447,5 +448,8 @@ def plain_head_saved(ctx: RankContext) -> list[Saved]:
     out: list[Saved] = []
     if ctx.spec.final_norm:
         out += norm_saved(ctx, x, "final_norm", x.T, x.h, "(b, s, h)")
+    if ttp.loss_parallel(ctx):  # torchtitan's ColwiseParallel head saves the gathered input
+        return out + [Saved("lm_head.input", ttp.head_input_numel(ctx), x.c, "(b, s, h)",
+                            "all-gathered normed input of the vocab-parallel head")]
     out += _linear_inputs(x, "lm_head.input", bsh(x), 1, "(b, s, h) normed")
     return out

@@ -50,6 +50,7 @@ from vramcalc.terms.megatron_recompute import LayerPlan
 from vramcalc.terms.saved import Dims, Saved, bsh, dims
 from vramcalc.terms.saved_layers import checkpoint_saved, mlp_saved, norm_saved
 from vramcalc.terms.torchtitan_compile import compiled_block_saved
+from vramcalc.terms.torchtitan_tp import gathered_input_dtype
 from vramcalc.units import alloc, ceil_div, round_alloc
 
 
@@ -156,7 +157,8 @@ def checkpointed_forward_work(ctx: RankContext) -> int:
     """The top block's forward, when it is checkpointed (full AC, or per-layer SAC wrapping
     it): nothing is saved, so at `silu(w1 x) * w3 x` the block holds h (T, h) r, the MLP
     input (N, h) c, silu's and w3's outputs and the product (N, f) c each (w1's output is
-    gone once silu ran); 0 when the top block is not checkpointed whole."""
+    gone once silu ran; under TP the MLP input is the all-gathered (N, h), fp8 with
+    --float8); 0 when the top block is not checkpointed whole."""
     tr = ctx.training
     marks = checkpointed(ctx) if tr.recompute == "selective" and tr.recompute_every else ()
     if not (tr.recompute == "full" or (marks and marks[-1])):
@@ -164,7 +166,9 @@ def checkpointed_forward_work(ctx: RankContext) -> int:
     x = dims(ctx)
     n = x.b * x.s
     f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
-    return alloc(bsh(x), x.r) + alloc(n * x.h, x.c) + 3 * alloc(n * f, x.c)
+    # the MLP input: all-gathered under TP, in fp8 with torchao's float8 TP styles
+    return alloc(bsh(x), x.r) + alloc(n * x.h, gathered_input_dtype(ctx)) + 3 * alloc(
+        n * f, x.c)
 
 
 def freqs_cis_bytes(ctx: RankContext) -> int:

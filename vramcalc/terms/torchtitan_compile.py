@@ -32,7 +32,12 @@ titan_float8.py's Float8Linear) through that partitioner under FakeTensorMode
 
 The kept bf16 weights are the all-gathered parameters FSDP2 holds anyway. Under full AC
 (`ptd_checkpoint_wrapper` inside the compiled region) the partitioner recomputes the whole
-block in the backward graph: the forward keeps the block input alone (the same test). In
+block in the backward graph: the forward keeps the block input alone (the same test).
+Under TP (full AC only: vramcalc/parallel.py) the table is the rank's: (b, s, h) tensors of
+the residual stream are the (T, h) sequence shard, the linears' inputs the all-gathered
+(N, h), heads and ffn columns ÷ t; with float8 the gathered inputs exist only in fp8
+(torchao's Float8ColwiseParallel casts before the all-gather, vramcalc/terms/
+torchtitan_tp.py), so the recomputed block is taken to hold those two (N, h) fp8 tensors. In
 backward, as for torchtune's compiled layers (vramcalc/terms/torchtune.py), the recomputed
 block is taken to hold the table's set while its gradients run; the forward working set of
 a checkpointed block and the gradient temporaries are the eager block's
@@ -51,14 +56,20 @@ def compiled_block_saved(ctx: RankContext) -> list[Saved]:
     """What a compiled torchtitan block's forward keeps for backward (module table)."""
     x = dims(ctx)
     c, n = x.c, x.b * x.s
-    f = ctx.spec.intermediate_size
+    f = x.f  # the rank's ffn columns (÷ t under TP)
     kv = x.a if x.g < x.a else x.g  # repeat_kv copies when g < a
     f8 = ctx.training.float8
+    # float8 under TP: the norms' outputs are cast on their (T, h) shard and all-gathered
+    # in fp8 (vramcalc/terms/torchtitan_tp.py); the fp8 mm keeps that gathered input
+    f8_gathered = f8 and ctx.parallel.tp > 1
     out = [Saved("input_norm.input", x.T * x.h, x.r, "(b, s, h)", "block input (graph "
                  "input)"),
            Saved("input_norm.rstd", x.T, "fp32", "(b, s, 1)", "rsqrt output")]
     if not f8:
         out.append(Saved("attn.input", n * x.h, c, "(b, s, h)", "normed input of wq, wk, wv"))
+    elif f8_gathered:
+        out.append(Saved("attn.input", n * x.h, "fp8", "(b, s, h)", "all-gathered fp8 input "
+                         "of wq, wk, wv"))
     out += [Saved("attn.q", n * x.a * x.d, c, "(b, s, a, d)", "rotated q, SDPA input"),
             Saved("attn.k", n * kv * x.d, c, "(b, s, a, d)", "rotated k (repeat_kv copy)"),
             Saved("attn.v", n * kv * x.d, c, "(b, s, a, d)", "v (repeat_kv copy)"),
@@ -69,6 +80,9 @@ def compiled_block_saved(ctx: RankContext) -> list[Saved]:
             Saved("post_norm.rstd", x.T, "fp32", "(b, s, 1)", "rsqrt output")]
     if not f8:
         out.append(Saved("mlp.input", n * x.h, c, "(b, s, h)", "normed input of w1, w3"))
+    elif f8_gathered:
+        out.append(Saved("mlp.input", n * x.h, "fp8", "(b, s, h)", "all-gathered fp8 input "
+                         "of w1, w3"))
     out += [Saved("mlp.gate", n * f, c, "(b, s, f)", "w1 output (silu recomputed)"),
             Saved("mlp.up", n * f, c, "(b, s, f)", "w3 output")]
     if f8:
