@@ -156,9 +156,8 @@ class TrainingConfig(BaseModel):
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = Field(None, gt=0, le=100_000)
     # torchtitan's selective_ac_option = N (torchtitan profile, --recompute selective): every
-    # N-th transformer block is checkpointed whole, the others keep everything
-    # (vramcalc/terms/torchtitan.py). None: torchtitan's per-op SAC ('op')
-    # (left out of dumps when None, so reports of the other profiles keep their keys)
+    # N-th block checkpointed whole, the others keep everything (vramcalc/terms/torchtitan.py).
+    # None: torchtitan's per-op SAC ('op'), left out of dumps
     recompute_every: int | None = Field(None, gt=0, le=100_000, exclude_if=lambda v: v is None)
     framework: Literal["reference", "hf", "megatron", "torchtitan", "torchtune",
                        "lightning", "unsloth"] = "reference"
@@ -168,11 +167,9 @@ class TrainingConfig(BaseModel):
     lora_targets: str = DEFAULT_TARGETS  # canonical, see parse_targets
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     # PEFT's LoraConfig(modules_to_save=[...]) (hf profile): trained copies of whole modules,
-    # "lm_head" and/or "embed_tokens" (canonical, comma-separated; vramcalc/finetune.py).
-    # Left out of dumps when empty
+    # "lm_head" and/or "embed_tokens" (comma-separated; vramcalc/finetune.py); dumped if set
     modules_to_save: str = Field("", exclude_if=lambda v: not v)
-    # PEFT target_modules beyond the layers' linears (hf profile): "embed_tokens" (PEFT's
-    # lora.Embedding). Left out of dumps when empty
+    # PEFT target_modules beyond the layers' linears (hf): "embed_tokens" (lora.Embedding)
     lora_embedding: bool = Field(False, exclude_if=lambda v: not v)
     # ... and "lm_head" (PEFT's lora.Linear on the output head). Left out of dumps when off
     lora_head: bool = Field(False, exclude_if=lambda v: not v)
@@ -194,9 +191,8 @@ class TrainingConfig(BaseModel):
     # (vramcalc/allocator.py); None: the stack's launcher (see `expandable`). Changes
     # reserved memory only
     expandable_segments: bool | None = None
-    # torchtune's optimizer_in_bwd: one optimizer per parameter, stepped by its
-    # post-accumulate-grad hook inside backward (vramcalc/terms/optim_in_bwd.py); left out
-    # of dumps when off, so other reports keep their keys
+    # torchtune's optimizer_in_bwd: one optimizer per parameter, stepped by its post-
+    # accumulate-grad hook inside backward (vramcalc/terms/optim_in_bwd.py); dumped if on
     optimizer_in_backward: bool = Field(False, exclude_if=lambda v: not v)
     # torchtune's `compile: True` (torchtune profile): each transformer layer and the loss's
     # cross entropy compiled (vramcalc/terms/torchtune.py); left out of dumps when off
@@ -208,8 +204,7 @@ class TrainingConfig(BaseModel):
     packed: bool = Field(False, exclude_if=lambda v: not v)
     packed_mask: Literal["flex", "dense"] | None = Field(None, exclude_if=lambda v: v is None)
     # torchtitan's --float8.enable_float8_linear (torchtitan profile): torchao Float8Linear
-    # for every block linear, compiled (vramcalc/terms/torchtitan_compile.py); left out of
-    # dumps when off
+    # for every block linear (vramcalc/terms/torchtitan_compile.py); dumped if on
     float8: bool = Field(False, exclude_if=lambda v: not v)
     # QLoRA's 4-bit implementation and release (vramcalc/qlora.py): None = bitsandbytes at
     # its current release, double-quantized, lm_head kept in the policy dtype; left out of

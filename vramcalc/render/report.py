@@ -117,9 +117,10 @@ def report_table(report: MemoryReport) -> Table:
               - report.subterms.get("overhead/fragmentation", 0))
     table.add_row("peak reserved", f"{report.peak_reserved_bytes / GB:,.2f}",
                   f"{report.peak_reserved_bytes / GiB:,.2f}", "",
-                  "(caching allocator" + (", expandable segments" if expandable else "")
-                  + (f"; {cached / GB:,.2f} GB cached, freed before an OOM)" if cached > 0
-                     else ")"))
+                  "(caching allocator" + (", expandable segments)" if expandable else ")"))
+    if cached > 0:
+        table.add_row("  of it cached", f"{cached / GB:,.2f}", f"{cached / GiB:,.2f}", "",
+                      "(an OOM retry frees it)")
     table.add_row(Text("device total", style="bold"), f"{report.device_total_bytes / GB:,.2f}",
                   f"{report.device_total_bytes / GiB:,.2f}", "", "")
     return table
