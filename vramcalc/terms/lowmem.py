@@ -138,7 +138,7 @@ def offload_forward_working_bytes(ctx: RankContext) -> int:
     f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
     n_f = 3 if ctx.spec.mlp_kind == "gated" else 2
     residual = alloc(x.T * x.h, x.r)
-    mlp = residual + alloc(x.T * x.h, x.r) + n_f * alloc(x.T * f, x.c)
+    mlp = residual + alloc(x.T * x.h, x.r) + n_f * alloc(x.N * f, x.c)
     end = residual + alloc(x.T * x.h, x.c) + alloc(x.T * x.h, x.r)
     return max(mlp, end)
 

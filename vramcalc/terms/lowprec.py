@@ -293,9 +293,9 @@ def forward_working_bytes(ctx: RankContext) -> int:
     x = dims(ctx)
     f = next((cols for name, _rows, cols, _ in block_linears(ctx)
               if name.endswith(("down_proj", "mlp.proj"))), x.h)
-    work = alloc(x.T * f, x.c) + alloc(x.T * x.h, x.c)
-    if ctx.training.precision == "fp8":
-        work += alloc(x.T * f, "fp8")
+    work = alloc(x.N * f, x.c) + alloc(x.N * x.h, x.c)  # row-parallel: (N, h) before its
+    if ctx.training.precision == "fp8":  # reduce(-scatter)
+        work += alloc(x.N * f, "fp8")
     return work
 
 

@@ -29,7 +29,7 @@ def plain_forward_working_bytes(ctx: RankContext) -> int:
     if ctx.training.recompute == "full":
         f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
         n = 4 if ctx.spec.mlp_kind == "gated" else 2
-        out = max(out, alloc(bsh(x), x.c) + n * alloc(x.T * f, x.c))
+        out = max(out, alloc(bsh(x), x.c) + n * alloc(x.N * f, x.c))
     return out
 
 
@@ -99,7 +99,7 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
         # torchtitan's ColwiseParallel w1/w3 run on the all-gathered (N, h) input: their
         # outputs and gradients are (N, f/t), not the sequence shard's (vramcalc/terms/
         # torchtitan_tp.py)
-        rows = x.b * x.s if tr.framework == "torchtitan" and ctx.parallel.tp > 1 else x.T
+        rows = x.N  # the column-parallel outputs: every token (vramcalc/terms/saved.py)
         bsf = alloc(rows * f, c)
         kind = ctx.spec.mlp_kind
         gone: tuple[str, ...]

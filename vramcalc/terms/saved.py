@@ -78,6 +78,14 @@ class Dims:
         return self.b * ceil_div(self.s, self.sp_div)
 
     @property
+    def N(self) -> int:
+        """Rows of a tensor-parallel region's tensors ((b·s, f/t), (b·s, V/t)): every token of
+        the micro-batch, also under sequence parallelism, whose all-gather feeds the
+        column-parallel linears (Korthikanti et al. 2022 §4.2.2: only the norm and dropout
+        regions are split over the sequence)."""
+        return self.b * self.s
+
+    @property
     def amp(self) -> bool:
         return self.r != self.c
 

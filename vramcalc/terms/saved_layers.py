@@ -244,9 +244,10 @@ def _hf_eager_qkv(ctx: RankContext, x: Dims, fam: str) -> list[Saved]:
 
 
 def mlp_saved(ctx: RankContext, x: Dims, tokens: int, ffn: int, name: str = "mlp",
-               readers_input: bool = True) -> list[Saved]:
-    """A dense MLP on `tokens` rows (input included when `readers_input`)."""
-    c, bsf = x.c, tokens * ffn
+               readers_input: bool = True, rows: int | None = None) -> list[Saved]:
+    """A dense MLP on `tokens` rows (input included when `readers_input`); its (·, ffn)
+    intermediates on `rows` (default `tokens`; the dense layer's under TP: `Dims.N`)."""
+    c, bsf = x.c, (tokens if rows is None else rows) * ffn
     hf = ctx.training.framework == "hf"
     fam = hf_family(ctx) if hf else "reference"
     out: list[Saved] = []
@@ -382,7 +383,8 @@ def plain_layer_saved(ctx: RankContext, moe: bool) -> list[Saved]:
     if moe:
         out += _moe_saved(ctx, x)
     else:
-        out += mlp_saved(ctx, x, x.T, ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp))
+        out += mlp_saved(ctx, x, x.T, ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp),
+                         rows=x.N)
     return out
 
 
@@ -393,7 +395,7 @@ def _parallel_mlp_saved(ctx: RankContext, x: Dims) -> list[Saved]:
     Two norms (GPT-NeoX use_parallel_residual): the second norm's input is the block input
     the first already keeps; its statistics are its own."""
     f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
-    mlp = mlp_saved(ctx, x, x.T, f)
+    mlp = mlp_saved(ctx, x, x.T, f, rows=x.N)
     if ctx.spec.num_layer_norms == 1:
         return [t for t in mlp if x.amp or t.name != "mlp.input"]
     norm = norm_saved(ctx, x, "post_norm", x.T, x.h, "(b, s, h)")
