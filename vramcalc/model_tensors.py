@@ -66,7 +66,7 @@ def param_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
         if spec.qk_norm:
             norm("attn.q_norm", d, L, "layer")
             norm("attn.k_norm", d, L, "layer")
-    norm("input_layernorm", h, L, "layer")
+    norm("input_layernorm", h, L - (spec.model_type == "modernbert"), "layer")  # layer 0: none
     if spec.num_layer_norms >= 2:
         norm("post_attention_layernorm", h, L, "layer")
     for i in range(spec.num_layer_norms - 2):

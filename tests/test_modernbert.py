@@ -1,0 +1,98 @@
+"""ModernBERT (transformers 5.24 models/modernbert): config.json import, exact parameter
+counts against transformers' own `numel` on the meta device, the configurations vramcalc
+refuses, and agreement of the analytic tables (vramcalc/terms/modernbert.py) with the trace
+engine running transformers' ModernBERT."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.test_encoder import _run, transformers_numel
+from vramcalc.hf_config import from_hf_config, with_task
+from vramcalc.model_tensors import param_tensors
+
+# answerdotai/ModernBERT-base and -large config.json (Hugging Face hub)
+BASE: dict[str, Any] = {
+    "architectures": ["ModernBertForMaskedLM"], "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 50281, "classifier_activation": "gelu",
+    "classifier_bias": False, "classifier_dropout": 0.0, "classifier_pooling": "mean",
+    "cls_token_id": 50281, "decoder_bias": True, "deterministic_flash_attn": False,
+    "embedding_dropout": 0.0, "eos_token_id": 50282, "global_attn_every_n_layers": 3,
+    "global_rope_theta": 160000.0, "gradient_checkpointing": False,
+    "hidden_activation": "gelu", "hidden_size": 768, "initializer_cutoff_factor": 2.0,
+    "initializer_range": 0.02, "intermediate_size": 1152, "layer_norm_eps": 1e-05,
+    "local_attention": 128, "local_rope_theta": 10000.0, "max_position_embeddings": 8192,
+    "mlp_bias": False, "mlp_dropout": 0.0, "model_type": "modernbert", "norm_bias": False,
+    "norm_eps": 1e-05, "num_attention_heads": 12, "num_hidden_layers": 22,
+    "pad_token_id": 50283, "position_embedding_type": "absolute", "sep_token_id": 50282,
+    "tie_word_embeddings": True, "torch_dtype": "float32", "vocab_size": 50368}
+LARGE = {**BASE, "hidden_size": 1024, "intermediate_size": 2624, "num_attention_heads": 16,
+         "num_hidden_layers": 28}
+CLS = {"architectures": ["ModernBertForSequenceClassification"]}
+CONFIGS = {
+    "base-mlm": BASE, "large-mlm": LARGE, "base-cls": {**BASE, **CLS},
+    "large-cls-3labels": {**LARGE, **CLS, "id2label": {"0": "a", "1": "b", "2": "c"}},
+    "biases-mlm": {**BASE, "norm_bias": True, "attention_bias": True, "mlp_bias": True,
+                   "classifier_bias": True, "num_hidden_layers": 4},
+    "biases-cls": {**BASE, **CLS, "norm_bias": True, "attention_bias": True,
+                   "mlp_bias": True, "classifier_bias": True, "num_hidden_layers": 4},
+    "no-decoder-bias-untied": {**BASE, "decoder_bias": False, "tie_word_embeddings": False,
+                               "num_hidden_layers": 2},
+    "one-layer": {**BASE, "num_hidden_layers": 1},
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_counts_match_transformers(name: str) -> None:
+    spec = from_hf_config(CONFIGS[name], f"{name}/config.json")
+    assert spec.is_encoder and spec.model_type == "modernbert"
+    assert spec.num_params == transformers_numel(CONFIGS[name])
+    assert sum(t.numel * t.count for t in param_tensors(spec)) == spec.num_params
+
+
+def test_presets_and_task_switch_match_transformers() -> None:
+    from vramcalc.catalog import resolve_model
+
+    for name, cfg in (("modernbert-base", BASE), ("modernbert-large", LARGE)):
+        spec, _ = resolve_model(name)
+        assert spec.num_params == transformers_numel({**cfg, **CLS})
+        assert with_task(spec, "masked-lm").num_params == transformers_numel(cfg)
+
+
+def test_published_sizes() -> None:
+    # the model card (answerdotai/ModernBERT-base README): base 149M, large 395M parameters
+    from vramcalc.catalog import resolve_model
+
+    for name, published in (("modernbert-base", 149e6), ("modernbert-large", 395e6)):
+        n = with_task(resolve_model(name)[0], "masked-lm").num_params
+        assert abs(n - published) / published < 0.005, (name, n)
+
+
+def test_layer_pattern_follows_transformers() -> None:
+    """ModernBertConfig.__post_init__: layer i is sliding when i % global_attn_every_n_layers."""
+    tf = pytest.importorskip("transformers")
+    for every in (1, 2, 3, 5):
+        cfg = {**BASE, "num_hidden_layers": 7, "global_attn_every_n_layers": every}
+        spec = from_hf_config(cfg, "c.json")
+        theirs = tf.ModernBertConfig(**{k: v for k, v in cfg.items()
+                                        if k not in ("architectures", "model_type")})
+        assert [spec.layer_is_sliding(i) for i in range(7)] == [
+            t == "sliding_attention" for t in theirs.layer_types]
+    types = ["full_attention", "sliding_attention"] * 2
+    spec = from_hf_config({**BASE, "num_hidden_layers": 4, "layer_types": types}, "c.json")
+    assert [spec.layer_is_sliding(i) for i in range(4)] == [False, True, False, True]
+
+
+@pytest.mark.parametrize("change", [
+    {"mlp_dropout": 0.1}, {"attention_dropout": 0.1}, {"embedding_dropout": 0.1},
+    {"classifier_dropout": 0.2}, {"sparse_prediction": True}, {"classifier_pooling": "max"},
+    {"layer_types": ["sliding_attention", "full_attention"], "num_hidden_layers": 2},
+])
+def test_unmodelled_configs_are_refused(tmp_path: Any, change: dict[str, Any]) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**BASE, **change}))
+    code, err = _run(["estimate", "--model", str(path), "--seq-len", "512"])
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error: ")
