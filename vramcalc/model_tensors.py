@@ -66,7 +66,10 @@ def param_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
         if spec.qk_norm:
             norm("attn.q_norm", d, L, "layer")
             norm("attn.k_norm", d, L, "layer")
-    norm("input_layernorm", h, L - (spec.model_type == "modernbert"), "layer")  # layer 0: none
+    if spec.model_type == "modernbert":  # layer 0's attn_norm is nn.Identity: L - 1 of them,
+        norm("attn_norm", h, L - 1, "final")  # held beside the final norm (per-layer counts
+    else:  # must divide by L, vramcalc/sharding.py); encoders run on one pipeline stage
+        norm("input_layernorm", h, L, "layer")
     if spec.num_layer_norms >= 2:
         norm("post_attention_layernorm", h, L, "layer")
     for i in range(spec.num_layer_norms - 2):
