@@ -96,3 +96,95 @@ def test_unmodelled_configs_are_refused(tmp_path: Any, change: dict[str, Any]) -
     path.write_text(json.dumps({**BASE, **change}))
     code, err = _run(["estimate", "--model", str(path), "--seq-len", "512"])
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error: ")
+
+
+@pytest.mark.parametrize("name", ["base-cls", "biases-mlm", "no-decoder-bias-untied"])
+def test_tensor_list_matches_transformers(name: str) -> None:
+    """One entry per real tensor (the fused Wqkv and Wi included): optimizer states and
+    per-tensor allocator rounding depend on the tensor count, not only the total."""
+    from collections import Counter
+
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+    cfg = CONFIGS[name]
+    config = tf.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    auto = (tf.AutoModelForSequenceClassification
+            if cfg["architectures"][0].endswith("ForSequenceClassification")
+            else tf.AutoModelForMaskedLM)
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    theirs = Counter(p.numel() for p in model.parameters())
+    ours: Counter[int] = Counter()
+    for t in param_tensors(from_hf_config(cfg, "c.json")):
+        ours[t.numel] += t.count
+    assert ours == theirs
+
+
+# ---- the trace engine as referee ------------------------------------------------------------
+def _small(task: str, **update: Any) -> Any:
+    from vramcalc.catalog import resolve_model
+
+    spec = resolve_model("modernbert-base")[0].model_copy(update={
+        "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 384,
+        "num_hidden_layers": 4, "vocab_size": 1000, **update})
+    return with_task(spec, task)
+
+
+@pytest.mark.parametrize(("task", "kw", "update"), [
+    ("sequence-classification", {"precision": "amp-bf16", "attention": "eager"}, {}),
+    ("sequence-classification", {"precision": "fp32", "attention": "flash"},
+     {"classifier_pooling": "cls"}),
+    ("sequence-classification", {"precision": "amp-bf16", "attention": "flash"},
+     {"classifier_pooling": "cls"}),
+    ("masked-lm", {"precision": "fp32", "attention": "eager"}, {}),
+    ("masked-lm", {"precision": "bf16", "attention": "flash", "grad_accum": 2}, {}),
+])
+def test_trace_agrees(task: str, kw: dict[str, Any], update: dict[str, Any]) -> None:
+    """The analytic tables against transformers' ModernBERT run under the trace engine:
+    saved activations exact, weights / gradients / optimizer states exact, peak within 3 %.
+    4 layers (global, local, local, global) at s = 512: the local layers' mask is built."""
+    pytest.importorskip("transformers")
+    from vramcalc.analytic import estimate
+    from vramcalc.rank import RankContext
+    from vramcalc.scenario import Scenario
+    from vramcalc.terms import activations as act
+    from vramcalc.trace.engine import trace
+    from vramcalc.training import TrainingConfig
+
+    scn = Scenario(model=_small(task, **update), training=TrainingConfig(
+        framework="hf", seq_len=512, micro_batch_size=4, **kw))
+    traced, analytic = trace(scn), estimate(scn)
+    fwd = traced.marks["end_forward"].terms()
+    r = scn.resolved()
+    ctx = RankContext(r.model, r.training, r.parallel, 0)
+    assert act.microbatch_activation_bytes(ctx) == fwd["activations"]
+    assert analytic.terms.weights == fwd["weights"] + fwd.get("weights/buffers", 0)
+    step = traced.marks["end_step"].terms()
+    states = sum(v for k, v in step.items() if k.startswith("optimizer_states"))
+    assert analytic.terms.optimizer_states == states
+    rel = analytic.peak_allocated_bytes / traced.report.peak_allocated_bytes - 1
+    assert abs(rel) < 0.03, rel
+
+
+def test_local_bias_per_local_layer_hand_derived() -> None:
+    """Under SDPA each local layer keeps a c-typed (b, 1, s, s) bias once s >= local_attention
+    // 2 (masking_utils `_ignore_bidirectional_mask_sdpa`; ATen's convert_boolean_attn_mask):
+    4 layers with every 3rd global from layer 0 have 2 local layers."""
+    from vramcalc.rank import RankContext
+    from vramcalc.scenario import Scenario
+    from vramcalc.terms import activations as act
+    from vramcalc.training import TrainingConfig
+    from vramcalc.units import round_alloc
+
+    def saved(s: int, every: int) -> int:
+        spec = _small("masked-lm", sliding_window_pattern=every)
+        scn = Scenario(model=spec, training=TrainingConfig(
+            framework="hf", seq_len=s, micro_batch_size=2, precision="bf16")).resolved()
+        return act.microbatch_activation_bytes(RankContext(scn.model, scn.training,
+                                                           scn.parallel, 0))
+
+    # every=3 -> layers 1, 2 local; every=4 -> layers 1, 2, 3 local: one bias more, and the
+    # rest of the table is the same
+    assert saved(256, 4) - saved(256, 3) == round_alloc(2 * 2 * 256 * 256)
+    # below the half window no mask is built: the two patterns save the same
+    assert saved(32, 4) == saved(32, 3)

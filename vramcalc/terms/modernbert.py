@@ -36,7 +36,8 @@ alike (layer 0's Wqkv keeps the embedding norm's output instead of an attn_norm 
 from __future__ import annotations
 
 from vramcalc.rank import RankContext
-from vramcalc.terms.encoder import _layer_norm, _linear_input, head_saved as bert_head_saved
+from vramcalc.terms.encoder import _layer_norm, _linear_input
+from vramcalc.terms.encoder import head_saved as bert_head_saved
 from vramcalc.terms.saved import Dims, Moment, Saved, bsh, dims
 from vramcalc.units import alloc
 
