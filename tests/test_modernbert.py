@@ -138,11 +138,15 @@ def _small(task: str, **update: Any) -> Any:
      {"classifier_pooling": "cls"}),
     ("masked-lm", {"precision": "fp32", "attention": "eager"}, {}),
     ("masked-lm", {"precision": "bf16", "attention": "flash", "grad_accum": 2}, {}),
+    ("sequence-classification", {"precision": "bf16", "attention": "flash",
+                                 "recompute": "full"}, {}),
+    ("masked-lm", {"precision": "amp-bf16", "attention": "eager", "recompute": "full"}, {}),
 ])
 def test_trace_agrees(task: str, kw: dict[str, Any], update: dict[str, Any]) -> None:
     """The analytic tables against transformers' ModernBERT run under the trace engine:
     saved activations exact, weights / gradients / optimizer states exact, peak within 3 %.
-    4 layers (global, local, local, global) at s = 512: the local layers' mask is built."""
+    4 layers (global, local, local, global) at s = 512: the local layers' mask is built;
+    under full recompute the checkpoints keep the layer inputs and the model's mask."""
     pytest.importorskip("transformers")
     from vramcalc.analytic import estimate
     from vramcalc.rank import RankContext

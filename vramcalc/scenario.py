@@ -51,8 +51,6 @@ def encoder_unsupported(scn: Scenario) -> str | None:
               ("offload", bool(par.offload)), (f"--finetune {tr.finetune}", tr.finetune != "full"),
               ("FP8 / QAT", tr.precision == "fp8" or tr.qat != "none"),
               ("--recompute selective", tr.recompute == "selective"),
-              ("--recompute full (ModernBERT's checkpointed layers are not tabled yet)",
-               tr.recompute == "full" and spec.model_type == "modernbert"),
               ("--chunked-ce", tr.chunked_ce > 1), ("--activation-offload", tr.activation_offload),
               ("--optimizer-in-backward", tr.optimizer_in_backward))
     return next((piece for piece, on in pieces if on), None)

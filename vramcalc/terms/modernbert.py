@@ -101,11 +101,23 @@ def embedding_saved(ctx: RankContext) -> list[Saved]:
     types = 2 if num_local_layers(ctx) else 1
     out.append(Saved("rope.cos_sin", x.s * x.d, x.r, "(1, s, d)",
                      "rotary tables, two per layer type", 2 * types))
-    if local_mask_built(ctx) and ctx.training.attention != "eager":
+    if not local_mask_built(ctx):
+        return out
+    if ctx.training.recompute == "full":  # the checkpoints keep the model's mask instead
+        out.append(_mask_saved(ctx, x))
+    elif ctx.training.attention != "eager":
         out.append(Saved("attn.local_bias", x.b * x.s * x.s, x.c, "(b, 1, s, s)",
                          "SDPA's bias from the bool mask, one per local layer",
                          num_local_layers(ctx)))
     return out
+
+
+def _mask_saved(ctx: RankContext, x: Dims) -> Saved:
+    """The model's local-layer mask: SDPA's bool mask (sdpa_mask expands a (1, 1, s, s)
+    storage to the batch), eager's float (b, 1, s, s) in r (torch.where materialises it)."""
+    if ctx.training.attention == "eager":
+        return Saved("attn.mask", x.b * x.s * x.s, x.r, "(b, 1, s, s)", "eager's float mask")
+    return Saved("attn.mask", x.s * x.s, "bool", "(1, 1, s, s)", "SDPA's bool mask")
 
 
 def head_saved(ctx: RankContext) -> list[Saved]:
@@ -118,10 +130,12 @@ def head_saved(ctx: RankContext) -> list[Saved]:
     dense, gelu, LayerNorm (fp32 copy of the gelu output under autocast) and the classifier's
     input."""
     x = dims(ctx)
+    # under full recompute the last layer's checkpoint drops its `next_norm` row: final_norm
+    # keeps its input and statistics itself
+    out = _layer_norm(x, "final_norm", x.T) if ctx.training.recompute == "full" else []
     if ctx.spec.task == "masked_lm":
-        return bert_head_saved(ctx)
+        return out + bert_head_saved(ctx)
     b, h, c = x.b, x.h, x.c
-    out: list[Saved] = []
     if ctx.spec.classifier_pooling == "mean":
         out += [Saved("pool.mask", b * x.s, "bool", "(b, s)", "all-ones mask, kept by y · mask"),
                 Saved("pool.count", b, "int64", "(b, 1)", "mask sum, kept by the division")]
@@ -141,19 +155,21 @@ def head_saved(ctx: RankContext) -> list[Saved]:
 
 # ---- instants ------------------------------------------------------------------------------
 def _mask_bytes(ctx: RankContext, x: Dims) -> int:
-    """The model's masks, alive through its forward: SDPA's bool (b, 1, s, s) local mask
-    (sdpa_mask expands a (1, 1, s, s)-broadcast index mask), eager's float one in r."""
-    if not local_mask_built(ctx):
-        return 0
-    n = x.b * x.s * x.s
-    return alloc(n, x.r) if ctx.training.attention == "eager" else alloc(n, "bool")
+    """The model's local-layer mask (`_mask_saved`), alive through its forward."""
+    return _mask_saved(ctx, x).nbytes if local_mask_built(ctx) else 0
 
 
 def forward_working_bytes(ctx: RankContext) -> int:
     """The top layer's forward at its end: Wo'(.) (T·h in c), the new residual (T·h in r),
-    beside the model's masks."""
+    beside the model's masks. Under full recompute (a checkpointed layer keeps nothing) the
+    MLP's product can be larger: Wi's output, gelu(i) and the product (4·T·f in c) beside
+    h1 and mlp_norm's output (T·h in r each; under autocast also Wi's c cast)."""
     x = dims(ctx)
-    return alloc(bsh(x), x.c) + alloc(bsh(x), x.r) + _mask_bytes(ctx, x)
+    end = alloc(bsh(x), x.c) + alloc(bsh(x), x.r)
+    if ctx.training.recompute == "full":
+        mlp = alloc(x.T * 2 * x.f, x.c) + 2 * alloc(x.T * x.f, x.c) + 2 * alloc(bsh(x), x.r)
+        end = max(end, mlp + (alloc(bsh(x), x.c) if x.amp else 0))
+    return end + _mask_bytes(ctx, x)
 
 
 def _held(saved: list[Saved], prefixes: tuple[str, ...]) -> int:
@@ -174,6 +190,10 @@ def backward_moments(ctx: RankContext, saved: list[Saved], extra: int) -> list[M
     x = dims(ctx)
     c = x.c
     g_res = alloc(bsh(x), x.r)
+    extra = 0  # the recomputed row holds the layer's input where the table has its output
+    if ctx.training.recompute == "full" and local_mask_built(ctx) and (
+            ctx.training.attention != "eager"):
+        extra = alloc(x.b * x.s * x.s, c)  # a local layer's recomputed SDPA bias
     mlp_held = extra + _held(saved, ("attn.", "mlp_norm.", "mlp.input", "mlp.wi"))
     out = [Moment("mlp", mlp_held, g_res + 2 * alloc(x.T * x.f, c) + alloc(x.T * 2 * x.f, c),
                   "down")]
@@ -190,6 +210,9 @@ def backward_moments(ctx: RankContext, saved: list[Saved], extra: int) -> list[M
         held += alloc(bsh(x), c)  # SDPA's output, kept by the kernel's backward
         work = g_res + 4 * bsad + scratch
     out.append(Moment("attention", held, work, "mlp+o"))
+    if ctx.training.recompute == "full":  # the end of the layer's recomputed forward
+        out.append(Moment("recompute", extra + sum(t.nbytes for t in saved),
+                          alloc(bsh(x), c) + alloc(bsh(x), x.r), "none"))
     return out
 
 
@@ -212,4 +235,6 @@ def eager_forward_moment(ctx: RankContext, saved: list[Saved]) -> tuple[int, int
     pre = _held(saved, ("attn.input", "attn.q", "attn.k"))
     locals_ = alloc(x.T * 3 * x.h, x.c) + 2 * alloc(bsh(x), x.c) + _forward_locals(x)
     work = alloc(probs, x.c) + (alloc(probs, "fp32") if x.c != "fp32" else 0)
+    if ctx.training.recompute == "full":  # a checkpointed layer keeps nothing
+        return 0, pre + work + alloc(probs, "fp32") + locals_ + _mask_bytes(ctx, x)
     return pre, work + alloc(probs, "fp32") + locals_ + _mask_bytes(ctx, x)

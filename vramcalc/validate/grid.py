@@ -117,6 +117,10 @@ def encoder_grid() -> list[tuple[str, Scenario]]:
         ("modernbert", {"precision": "bf16", "seq_len": 512, "micro_batch_size": 4}),
         ("modernbert-mlm", {"precision": "amp-bf16", "seq_len": 512}),
         ("modernbert-mlm", {"precision": "fp32", "attention": "eager", "seq_len": 256}),
+        ("modernbert", {"precision": "amp-bf16", "recompute": "full", "seq_len": 1024,
+                        "grad_accum": 2}),
+        ("modernbert-mlm", {"precision": "fp32", "attention": "eager", "recompute": "full",
+                            "seq_len": 512}),
     ]
     for shape, kw in cases:
         out.append(scenario_for(shape, framework="hf", **kw))
