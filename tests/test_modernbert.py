@@ -192,3 +192,37 @@ def test_local_bias_per_local_layer_hand_derived() -> None:
     assert saved(256, 4) - saved(256, 3) == round_alloc(2 * 2 * 256 * 256)
     # below the half window no mask is built: the two patterns save the same
     assert saved(32, 4) == saved(32, 3)
+
+
+def test_estimate_runs_from_a_config_json(tmp_path: Any) -> None:
+    """`vramcalc estimate --model <ModernBERT config.json> --task ...`: both heads, the
+    task switch changes the parameter count as transformers' heads do."""
+    path = tmp_path / "ModernBERT-base" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(BASE))
+    counts = {}
+    for task in ("masked-lm", "sequence-classification"):
+        import contextlib
+        import io
+
+        from vramcalc.cli import main
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = main(["estimate", "--model", str(path), "--task", task, "--seq-len", "1024",
+                         "--micro-batch-size", "8", "--gpus", "A100", "--json"])
+        assert code in (0, 1)
+        counts[task] = json.loads(out.getvalue())["model"]["num_params"]
+    assert counts["masked-lm"] == transformers_numel(BASE)
+    assert counts["sequence-classification"] == transformers_numel({**BASE, **CLS})
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    (["--tp", "2", "--gpus", "2xA100"], "tp=2"), (["--finetune", "lora"], "lora"),
+    (["--recompute", "selective"], "selective"),
+])
+def test_unmodelled_combinations_are_refused(extra: list[str], words: str) -> None:
+    code, err = _run(["estimate", "--model", "modernbert-base", "--seq-len", "512", *extra])
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ")
+    assert words in lines[0]
