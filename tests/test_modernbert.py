@@ -5,12 +5,15 @@ engine running transformers' ModernBERT."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from typing import Any
 
 import pytest
 
 from tests.test_encoder import _run, transformers_numel
+from vramcalc.cli import main
 from vramcalc.hf_config import from_hf_config, with_task
 from vramcalc.model_tensors import param_tensors
 
@@ -202,11 +205,6 @@ def test_estimate_runs_from_a_config_json(tmp_path: Any) -> None:
     path.write_text(json.dumps(BASE))
     counts = {}
     for task in ("masked-lm", "sequence-classification"):
-        import contextlib
-        import io
-
-        from vramcalc.cli import main
-
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             code = main(["estimate", "--model", str(path), "--task", task, "--seq-len", "1024",
