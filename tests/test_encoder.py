@@ -240,8 +240,8 @@ def test_kept_gradients_refused_where_not_modelled(extra: list[str]) -> None:
 
 
 @pytest.mark.parametrize("cfg", [
-    {"model_type": "modernbert", "hidden_size": 768, "num_hidden_layers": 22,
-     "num_attention_heads": 12, "intermediate_size": 1152, "vocab_size": 50368},
+    {"model_type": "deberta-v2", "hidden_size": 768, "num_hidden_layers": 12,
+     "num_attention_heads": 12, "intermediate_size": 3072, "vocab_size": 128100},
     {"model_type": "umt5", "d_model": 512, "num_layers": 6, "num_heads": 8, "d_ff": 2048,
      "vocab_size": 32128, "is_encoder_decoder": True},
     {"model_type": "my_encoder", "architectures": ["MyEncoderForMaskedLM"], "hidden_size": 64,

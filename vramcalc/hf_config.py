@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from vramcalc.errors import InputError
+from vramcalc.hf_modernbert import MODERNBERT_TYPES, modernbert_fields
 from vramcalc.hf_reader import Cfg as _Cfg
 from vramcalc.hf_reader import name_from_source as _name_from_source
 from vramcalc.hf_seq2seq import SEQ2SEQ_TYPES, seq2seq_fields
@@ -78,11 +79,12 @@ ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
 _ENCODER_TASKS = {"ForSequenceClassification": "sequence_classification",
                   "ForMaskedLM": "masked_lm"}
 # encoder-only and encoder-decoder types not modelled yet (`_refuse_other_encoders`)
-_OTHER_ENCODERS = ("modernbert", "distilbert", "albert", "electra", "deberta", "deberta-v2",
+_OTHER_ENCODERS = ("distilbert", "albert", "electra", "deberta", "deberta-v2",
                    "mpnet", "longformer", "umt5",
                    "mbart", "pegasus", "marian", "led", "xlm", "flaubert", "funnel",
                    "roformer", "squeezebert", "nomic_bert", "jina_bert", "ernie", "megatron-bert")
-SUPPORTED_MODEL_TYPES = ("gpt2", *_DEFAULTS, *_ENCODER_DEFAULTS, *SEQ2SEQ_TYPES)
+SUPPORTED_MODEL_TYPES = ("gpt2", *_DEFAULTS, *_ENCODER_DEFAULTS, *MODERNBERT_TYPES,
+                         *SEQ2SEQ_TYPES)
 
 
 def _decoder_fields(c: _Cfg, model_type: str, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -153,7 +155,8 @@ def _refuse_other_encoders(c: _Cfg, model_type: str) -> None:
             or model_type in _OTHER_ENCODERS):
         raise InputError(
             f"{c.source}: model_type '{model_type}' is an encoder or encoder-decoder model "
-            f"vramcalc does not model yet (encoders: {', '.join(_ENCODER_DEFAULTS)}; "
+            f"vramcalc does not model yet (encoders: "
+            f"{', '.join((*_ENCODER_DEFAULTS, *MODERNBERT_TYPES))}; "
             f"encoder-decoders: {', '.join(SEQ2SEQ_TYPES)})")
 
 
@@ -164,7 +167,7 @@ def with_task(spec: ModelSpec, task: str) -> ModelSpec:
     if not spec.is_encoder:
         kind = "an encoder-decoder" if spec.is_encoder_decoder else "a decoder (causal LM)"
         raise InputError(f"--task {task}: {spec.name} is {kind}; --task picks "
-                         "an encoder's head (bert, roberta)")
+                         "an encoder's head (bert, roberta, modernbert)")
     name = task.replace("-", "_")
     return spec.model_copy(update={"task": name,
                                    "tie_word_embeddings": name == "masked_lm"})
@@ -375,7 +378,7 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
     """Map a Hugging Face `config.json` dict to a ModelSpec.
 
     Supported model_type: bert, roberta, xlm-roberta, camembert (encoders,
-    `_encoder_fields`), t5, bart (encoder-decoders, vramcalc/hf_seq2seq.py), gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
+    `_encoder_fields`), modernbert (vramcalc/hf_modernbert.py), t5, bart (encoder-decoders, vramcalc/hf_seq2seq.py), gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3,
     qwen3_moe, llama4 / llama4_text (the language model of a Llama-4 checkpoint), phi (phi-1,
     phi-1.5, phi-2), phi3, deepseek_v2, deepseek_v3 (multi-latent attention), gemma (gemma2 / gemma3_text need 4 norms per layer, see `_four_norms`);
     any other model_type is read as a llama-like decoder from the generic keys
@@ -409,6 +412,8 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
         fields = _gpt2_fields(c)
     elif model_type in _ENCODER_DEFAULTS:
         fields = _encoder_fields(c, model_type)
+    elif model_type in MODERNBERT_TYPES:  # vramcalc/hf_modernbert.py
+        fields = {**modernbert_fields(c), "task": encoder_task(c.cfg)}
     else:
         defaults = _DEFAULTS.get(model_type, _GENERIC_DEFAULTS)
         fields = _decoder_fields(c, model_type or "(none)", defaults)

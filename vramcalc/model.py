@@ -10,7 +10,8 @@ E = num_local_experts, fe = moe_intermediate_size.
 Multi-latent attention (DeepSeek-V2/V3, `kv_lora_rank` set): qr = q_lora_rank (None: a plain
 q projection), kr = kv_lora_rank, dn = qk_nope_head_dim, dr = qk_rope_head_dim,
 dv = v_head_dim; q/k heads are dn + dr wide (head_dim), v heads dv.
-Encoders (BERT, RoBERTa): T = type_vocab_size, n = num_labels (see `encoder_tensors`).
+Encoders (BERT, RoBERTa, ModernBERT): T = type_vocab_size, n = num_labels (see
+`encoder_tensors`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from vramcalc.encoder_shapes import encoder_rows
 from vramcalc.errors import InputError
 from vramcalc.seq2seq_shapes import seq2seq_num_params
 
@@ -103,6 +105,10 @@ class ModelSpec(BaseModel):
     type_vocab_size: int = Field(0, ge=0, le=MAX_DIM)
     hidden_dropout_prob: float = Field(0.0, ge=0.0, lt=1.0)
     attention_probs_dropout_prob: float = Field(0.0, ge=0.0, lt=1.0)
+    # ModernBERT's heads (vramcalc/encoder_shapes.py); left out of dumps at their defaults
+    classifier_pooling: Literal["cls", "mean"] = Field("cls", exclude_if=lambda v: v == "cls")
+    classifier_bias: bool = Field(False, exclude_if=lambda v: not v)
+    decoder_bias: bool = Field(True, exclude_if=lambda v: v)
     source: str = "custom"  # where the spec came from (preset, file path)
 
     @model_validator(mode="before")
@@ -167,11 +173,18 @@ class ModelSpec(BaseModel):
         if self.is_encoder == (self.task == "causal_lm") or dropout and not self.is_encoder:
             raise InputError("encoders take task sequence_classification or masked_lm, decoders "
                              "causal_lm; dropout probabilities are modelled for encoders only")
-        if self.is_encoder and (self.is_moe or self.is_mla or self.mlp_kind != "standard"
-                or self.norm_kind != "layernorm" or self.position_embedding != "learned"
-                or self.final_norm or self.qk_norm or self.num_layer_norms != 2):
-            raise InputError("encoders are BERT-style: a 2-matrix MLP, LayerNorm, learned "
-                             "positions, no final norm, no MoE / MLA / qk_norm")
+        modern = self.model_type == "modernbert"
+        if self.is_encoder and (self.is_moe or self.is_mla or self.norm_kind != "layernorm"
+                or self.qk_norm or self.num_layer_norms != 2 or (self.mlp_kind, (
+                    self.position_embedding), self.final_norm) != (
+                    ("gated", "rope", True) if modern else ("standard", "learned", False))):
+            raise InputError("encoders are BERT-style (a 2-matrix MLP, learned positions, no "
+                             "final norm) or ModernBERT-style (GeGLU, RoPE, a final norm): "
+                             "LayerNorm, no MoE / MLA / qk_norm")
+        if not modern and (self.classifier_pooling != "cls" or self.classifier_bias
+                           or not self.decoder_bias):
+            raise InputError("classifier_pooling, classifier_bias and decoder_bias are "
+                             "ModernBERT's (model_type modernbert)")
 
     def _check_mla(self) -> None:
         mla = (self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
@@ -219,8 +232,8 @@ class ModelSpec(BaseModel):
         """Whether layer i (0-based) attends only to the last `sliding_window` tokens."""
         if self.sliding_window is None:
             return False
-        n = self.sliding_window_pattern
-        return n == 0 or (i + 1) % n != 0
+        n = self.sliding_window_pattern  # ModernBERT: layer i global when i % n == 0
+        return n == 0 or (i + (self.model_type != "modernbert")) % n != 0
 
     @property
     def num_sliding_layers(self) -> int:
@@ -367,7 +380,8 @@ class ModelSpec(BaseModel):
             + self.num_moe_layers * self.moe_layer_params
             + self.final_norm_params
             + self.head_params
-        )
+            - (self._norm_params(self.hidden_size) if self.model_type == "modernbert" else 0)
+        )  # ModernBERT's layer 0 has no attn_norm (nn.Identity)
 
     @cached_property
     def num_active_params(self) -> int:
@@ -470,29 +484,7 @@ def mla_tensors(spec: ModelSpec) -> tuple[tuple[str, int, int, bool], ...]:
 
 @lru_cache(maxsize=256)
 def encoder_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
-    """An encoder's parameters outside its layers (none for a decoder). transformers 5.24
-    modeling_bert.py (modeling_roberta.py alike): BertEmbeddings' token_type_embeddings (T, h)
-    and LayerNorm; BertForSequenceClassification's pooler dense (h->h) and classifier (h->n)
-    (RobertaClassificationHead's dense and out_proj: the same counts); BertForMaskedLM's
-    transform dense (h->h) and LayerNorm, `cls.predictions.bias` (V), the decoder tied to the
-    word embedding and sharing that bias (untied: its own V·h weight and V bias)."""
-    if not spec.is_encoder:
-        return ()
-    h, V, T = spec.hidden_size, spec.vocab_size, spec.type_vocab_size
-
-    def t(name: str, numel: int, group: str, rows: int = 0) -> ParamTensor:
-        return ParamTensor(name, numel, 1, group, tp_split=False, rows=rows)
-
-    out = [t("embed_token_types", T * h, "embedding", T)] if T else []
-    out += [t("embed_norm.weight", h, "embedding"), t("embed_norm.bias", h, "embedding")]
-    if spec.task == "sequence_classification":
-        n = spec.num_labels
-        out += [t("pooler.dense.weight", h * h, "head", h), t("pooler.dense.bias", h, "head"),
-                t("classifier.weight", n * h, "head", n), t("classifier.bias", n, "head")]
-    else:
-        out += [t("mlm.transform.weight", h * h, "head", h), t("mlm.transform.bias", h, "head"),
-                t("mlm.norm.weight", h, "head"), t("mlm.norm.bias", h, "head"),
-                t("mlm.bias", V, "head")]
-        if not spec.tie_word_embeddings:  # the decoder's own weight and bias
-            out += [t("lm_head.weight", V * h, "head", V), t("lm_head.bias", V, "head")]
-    return tuple(out)
+    """An encoder's parameters outside its layers (none for a decoder):
+    vramcalc/encoder_shapes.py `encoder_rows`."""
+    return tuple(ParamTensor(name, numel, 1, group, tp_split=False, rows=rows)
+                 for name, numel, group, rows in encoder_rows(spec))

@@ -5,6 +5,8 @@ checks)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vramcalc.model import ModelSpec, ParamTensor, encoder_tensors, mla_tensors
 from vramcalc.seq2seq_shapes import seq2seq_rows
 
@@ -44,6 +46,8 @@ def param_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
                                        group=group, tp_split=width == ffn))
 
     L = spec.num_hidden_layers
+    if spec.model_type == "modernbert":  # fused Wqkv (h->3h) and Wi (h->2f), one tensor each
+        return _modernbert_tensors(spec, out, norm)
     if spec.is_mla:
         out += [ParamTensor(name=f"attn.{n}", numel=numel, count=L, group="layer", rows=rows,
                             tp_split=split) for n, numel, rows, split in mla_tensors(spec)]
@@ -98,3 +102,26 @@ def param_tensors(spec: ModelSpec) -> tuple[ParamTensor, ...]:
         out.append(ParamTensor(name="lm_head.bias", numel=spec.vocab_size, count=1,
                                group="head", rows=spec.vocab_size))
     return tuple(out)
+
+
+def _modernbert_tensors(spec: ModelSpec, out: list[ParamTensor],
+                        norm: Callable[[str, int, int, str], None]) -> tuple[ParamTensor, ...]:
+    """ModernBERT's layers (modeling_modernbert.py): Wqkv (h->3h) and Wo, Wi (h->2f) and the
+    MLP's Wo, each with a bias when attention_bias / mlp_bias; mlp_norm in every layer,
+    attn_norm in all but layer 0 (nn.Identity); the final norm; then the encoder's rows."""
+    h, f, L = spec.hidden_size, spec.intermediate_size, spec.num_hidden_layers
+    mats = [("attn.Wqkv", 3 * h, h, spec.attention_bias), ("attn.o_proj", h, h,
+            spec.attention_bias), ("mlp.Wi", 2 * f, h, spec.mlp_bias),
+            ("mlp.down_proj", h, f, spec.mlp_bias)]
+    for name, rows, cols, bias in mats:
+        out.append(ParamTensor(name=f"{name}.weight", numel=rows * cols, count=L,
+                               group="layer", rows=rows))
+        if bias:
+            out.append(ParamTensor(name=f"{name}.bias", numel=rows, count=L, group="layer",
+                                   tp_split=False))
+    norm("mlp_norm", h, L, "layer")
+    # L - 1 attn_norms: held beside the final norm (per-layer counts must divide by L,
+    # vramcalc/sharding.py); encoders run on one pipeline stage
+    norm("attn_norm", h, L - 1, "final")
+    norm("norm", h, 1, "final")
+    return tuple(out) + encoder_tensors(spec)

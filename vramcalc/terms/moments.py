@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from vramcalc.rank import RankContext
 from vramcalc.terms import encoder as enc
+from vramcalc.terms import modernbert as mb
 from vramcalc.terms.saved import Moment, Saved, bsh, dims, hf_family
 from vramcalc.terms.torchtitan import checkpointed_forward_work as tt_checkpointed_forward_work
 from vramcalc.terms.torchtitan import recompute_extra as tt_recompute_extra
@@ -21,7 +22,7 @@ def plain_forward_working_bytes(ctx: RankContext) -> int:
     layer is kept, and its MLP runs with every intermediate alive at once: the normed input,
     gate, up, act and act·up (T·h + 4·T·f), or fc and act (T·h + 2·T·f)."""
     if ctx.spec.is_encoder:  # vramcalc/terms/encoder.py
-        return enc.forward_working_bytes(ctx)
+        return (mb if mb.is_modernbert(ctx) else enc).forward_working_bytes(ctx)
     x = dims(ctx)
     out = alloc(bsh(x), x.c) + alloc(bsh(x), x.r)
     if ctx.training.framework == "torchtitan":
@@ -65,7 +66,7 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
     if ctx.spec.is_encoder:  # vramcalc/terms/encoder.py; the checkpoint keeps x itself
         x = dims(ctx)
         extra = alloc(bsh(x), x.r) if tr.recompute == "full" and x.amp else 0
-        return enc.backward_moments(ctx, saved, extra)
+        return (mb if mb.is_modernbert(ctx) else enc).backward_moments(ctx, saved, extra)
     c, r = x.c, x.r
     g_res = alloc(bsh(x), r)
     out: list[Moment] = []
@@ -187,7 +188,7 @@ def eager_forward_moment(ctx: RankContext, saved: list[Saved]) -> tuple[int, int
     (probs, in the softmax dtype) coexist; under autocast CUDA's fp32 rule adds the fp32
     copy of the input. `saved`: a dense layer's saved list without recompute."""
     if ctx.spec.is_encoder:  # vramcalc/terms/encoder.py
-        return enc.eager_forward_moment(ctx, saved)
+        return (mb if mb.is_modernbert(ctx) else enc).eager_forward_moment(ctx, saved)
     x = dims(ctx)
     tr = ctx.training
     pre: tuple[str, ...] = ("attn.input", "attn.input.cast", "attn.q", "attn.k",

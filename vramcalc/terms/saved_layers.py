@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from vramcalc.rank import RankContext
 from vramcalc.terms import encoder as enc
+from vramcalc.terms import modernbert as mb
 from vramcalc.terms import torchtitan_tp as ttp
 from vramcalc.terms.packed import packed_batch_saved
 from vramcalc.terms.saved import Dims, Saved, bsh, dims, hf_family
@@ -373,7 +374,7 @@ def plain_layer_saved(ctx: RankContext, moe: bool) -> list[Saved]:
     post-attention norm, then the dense MLP or the mixture of experts (`moe`); an encoder's
     post-LayerNorm layer (vramcalc/terms/encoder.py)."""
     if ctx.spec.is_encoder:
-        return enc.layer_saved(ctx)
+        return (mb if mb.is_modernbert(ctx) else enc).layer_saved(ctx)
     x = dims(ctx)
     out = norm_saved(ctx, x, "input_norm", x.T, x.h, "(b, s, h)")
     out += _attention_saved(ctx, x)
@@ -408,7 +409,7 @@ def embedding_saved(ctx: RankContext) -> list[Saved]:
     if not (ctx.is_first_stage or ctx.is_last_stage):
         return []
     if ctx.spec.is_encoder:  # vramcalc/terms/encoder.py
-        return enc.embedding_saved(ctx)
+        return (mb if mb.is_modernbert(ctx) else enc).embedding_saved(ctx)
     x = dims(ctx)
     spec, tr = ctx.spec, ctx.training
     hf = tr.framework == "hf"
@@ -445,7 +446,7 @@ def plain_head_saved(ctx: RankContext) -> list[Saved]:
     """Last stage, full training: final norm input/statistics and the lm_head input (an
     encoder's head: vramcalc/terms/encoder.py)."""
     if ctx.spec.is_encoder:
-        return enc.head_saved(ctx)
+        return (mb if mb.is_modernbert(ctx) else enc).head_saved(ctx)
     x = dims(ctx)
     out: list[Saved] = []
     if ctx.spec.final_norm:

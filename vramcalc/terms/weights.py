@@ -43,6 +43,10 @@ def weight_parts(ctx: RankContext) -> dict[str, int]:
     groups = weights_by_group(ctx)
     if ctx.training.framework == "torchtitan":  # + the freqs_cis buffer, on every rank
         return {"weights": sum(groups.values()), "weights/buffers": freqs_cis_bytes(ctx)}
+    if ctx.spec.model_type == "modernbert":  # inv_freq, original_inv_freq (d/2) per type
+        types = 2 if ctx.spec.num_sliding_layers else 1
+        return {"weights": sum(groups.values()),
+                "weights/buffers": 2 * types * alloc(ctx.spec.head_size // 2, "fp32")}
     if ctx.spec.is_encoder:  # BertEmbeddings' position_ids and token_type_ids (1, P) int64
         return {"weights": sum(groups.values()),
                 "weights/buffers": 2 * alloc(ctx.spec.max_position_embeddings, "int64")}

@@ -14,7 +14,7 @@ the spec's parameters (checked against ModelSpec.num_params by the tests):
 | q/k/v biases without an o bias                | Qwen2Config      |
 | anything else Llama-like                      | LlamaConfig      |
 
-Encoders (`spec.is_encoder`) map to BertConfig / RobertaConfig and are built with
+Encoders (`spec.is_encoder`) map to BertConfig / RobertaConfig / ModernBertConfig and are built with
 AutoModelForSequenceClassification or AutoModelForMaskedLM (`spec.task`), dropout from the
 spec (vramcalc.terms.encoder `encoder_dropout`).
 
@@ -59,6 +59,8 @@ def _unsupported(spec: ModelSpec, why: str) -> InputError:
 def hf_family(spec: ModelSpec) -> str:
     """The transformers architecture that matches the spec's parameters (see module doc)."""
     if spec.is_encoder:
+        if spec.model_type == "modernbert":
+            return "modernbert"
         return "roberta" if spec.model_type in ROBERTA_TYPES else "bert"
     if spec.is_encoder_decoder:  # vramcalc/trace/hf_seq2seq.py
         return spec.model_type
@@ -118,6 +120,8 @@ def encoder_config(spec: ModelSpec, training: TrainingConfig | None = None) -> A
     from vramcalc.terms.encoder import encoder_dropout
 
     tf = _transformers()
+    if spec.model_type == "modernbert":
+        return modernbert_config(tf, spec)
     hidden, attn = encoder_dropout(spec, training)
     if training is not None and training.attention == "flash":
         attn = 0.0
@@ -130,6 +134,23 @@ def encoder_config(spec: ModelSpec, training: TrainingConfig | None = None) -> A
                type_vocab_size=spec.type_vocab_size, hidden_dropout_prob=hidden,
                attention_probs_dropout_prob=attn, num_labels=spec.num_labels,
                tie_word_embeddings=spec.tie_word_embeddings)
+
+
+def modernbert_config(tf: Any, spec: ModelSpec) -> Any:
+    """ModernBertConfig with the spec's shapes, biases, head and layer pattern (every dropout
+    0, vramcalc/hf_modernbert.py); sliding_window is local_attention // 2 in transformers."""
+    every = spec.sliding_window_pattern if spec.sliding_window else 1
+    return tf.ModernBertConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads, hidden_activation=spec.hidden_act,
+        max_position_embeddings=spec.max_position_embeddings, norm_bias=spec.norm_bias,
+        attention_bias=spec.attention_bias, mlp_bias=spec.mlp_bias,
+        decoder_bias=spec.decoder_bias, classifier_bias=spec.classifier_bias,
+        classifier_pooling=spec.classifier_pooling, num_labels=spec.num_labels,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        local_attention=spec.sliding_window or 128, global_attn_every_n_layers=every,
+        cls_token_id=None, sep_token_id=None, **NO_TOKENS)
 
 
 def to_hf_config(spec: ModelSpec) -> Any:
@@ -272,6 +293,28 @@ def real_device_behaviour(dropout: bool = False) -> Iterator[None]:
         masking.is_tracing = original
 
 
+@contextlib.contextmanager
+def _untruncated_init() -> Iterator[None]:
+    """ModernBERT initialises with `init.trunc_normal_`, whose rejection loop in torch
+    (nn/init.py `_no_grad_trunc_normal_`: `while mask.any()`) never ends on fake tensors (the
+    tracker answers data reads with True). Initial values take no memory of their own: an
+    in-place normal_ stands in while the model is built."""
+    import torch
+    import transformers.initialization as init
+
+    original = init.trunc_normal_
+
+    def normal(tensor: Any, mean: float = 0.0, std: float = 1.0, *args: Any, **kw: Any) -> Any:
+        with torch.no_grad():
+            return tensor.normal_(mean, std)
+
+    init.trunc_normal_ = normal
+    try:
+        yield
+    finally:
+        init.trunc_normal_ = original
+
+
 def build_hf_model(spec: ModelSpec, training: TrainingConfig, dtype: Any) -> Any:
     """AutoModelForCausalLM.from_config for the spec, ready to train (call inside fake mode)."""
     tf = _transformers()
@@ -289,7 +332,8 @@ def build_hf_model(spec: ModelSpec, training: TrainingConfig, dtype: Any) -> Any
     auto = {"sequence_classification": tf.AutoModelForSequenceClassification,
             "masked_lm": tf.AutoModelForMaskedLM,
             "seq2seq_lm": tf.AutoModelForSeq2SeqLM}.get(spec.task, tf.AutoModelForCausalLM)
-    model = auto.from_config(cfg, attn_implementation=attn, dtype=dtype)
+    with _untruncated_init():
+        model = auto.from_config(cfg, attn_implementation=attn, dtype=dtype)
     if training.recompute == "full" and not training.kbit_prepare:  # PEFT's prepare enables it
         enable = getattr(model, "activation_checkpointing_enable", None) or (
             model.gradient_checkpointing_enable)  # renamed in transformers 5.x

@@ -94,7 +94,8 @@ def default_grid() -> list[tuple[str, Scenario]]:
 
 
 def encoder_grid() -> list[tuple[str, Scenario]]:
-    """Encoders (vramcalc/terms/encoder.py), transformers' BERT / RoBERTa with dropout 0.1:
+    """Encoders (vramcalc/terms/encoder.py), transformers' BERT / RoBERTa with dropout 0.1
+    and ModernBERT (vramcalc/terms/modernbert.py, no dropout):
     both attention kernels, fp32, autocast and 16-bit weights, full recompute with gradient
     accumulation, classification and masked-LM heads; and zero_grad(set_to_none=False)."""
     out: list[tuple[str, Scenario]] = []
@@ -109,6 +110,17 @@ def encoder_grid() -> list[tuple[str, Scenario]]:
         ("bert", {"precision": "bf16", "seq_len": 512}),
         ("roberta-mlm", {"precision": "amp-bf16", "seq_len": 512}),
         ("roberta-mlm", {"precision": "fp32", "attention": "eager", "seq_len": 256}),
+        # ModernBERT (vramcalc/terms/modernbert.py): local layers' SDPA bias and eager mask
+        ("modernbert", {"precision": "fp32", "attention": "eager", "seq_len": 512,
+                        "micro_batch_size": 4}),
+        ("modernbert", {"precision": "amp-bf16", "seq_len": 1024, "micro_batch_size": 2}),
+        ("modernbert", {"precision": "bf16", "seq_len": 512, "micro_batch_size": 4}),
+        ("modernbert-mlm", {"precision": "amp-bf16", "seq_len": 512}),
+        ("modernbert-mlm", {"precision": "fp32", "attention": "eager", "seq_len": 256}),
+        ("modernbert", {"precision": "amp-bf16", "recompute": "full", "seq_len": 1024,
+                        "grad_accum": 2}),
+        ("modernbert-mlm", {"precision": "fp32", "attention": "eager", "recompute": "full",
+                            "seq_len": 512}),
     ]
     for shape, kw in cases:
         out.append(scenario_for(shape, framework="hf", **kw))

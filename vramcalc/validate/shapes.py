@@ -9,6 +9,12 @@ from vramcalc.parallel import ParallelConfig
 from vramcalc.scenario import Scenario
 from vramcalc.training import TrainingConfig
 
+_MODERNBERT: dict[str, Any] = {
+    "hidden_size": 768, "num_hidden_layers": 4, "num_attention_heads": 12,
+    "intermediate_size": 1152, "vocab_size": 50368, "max_position_embeddings": 8192,
+    "mlp_kind": "gated", "hidden_act": "gelu", "norm_kind": "layernorm",
+    "position_embedding": "rope", "final_norm": True, "sliding_window": 128,
+    "sliding_window_pattern": 3}
 _ENCODER: dict[str, Any] = {
     "mlp_kind": "standard", "hidden_act": "gelu", "norm_kind": "layernorm", "norm_bias": True,
     "attention_bias": True, "attention_out_bias": True, "mlp_bias": True,
@@ -76,6 +82,14 @@ SHAPES: dict[str, ModelSpec] = {
                              num_attention_heads=12, intermediate_size=3072, vocab_size=50265,
                              max_position_embeddings=514, type_vocab_size=1,
                              tie_word_embeddings=True, **_ENCODER),
+    # ModernBERT-base widths, 4 layers: global, local, local, global (every 3rd from layer 0,
+    # 128-token local window); mean-pooled classification head, and the tied masked-LM head
+    "modernbert": ModelSpec(name="modernbert", model_type="modernbert", architecture="encoder",
+                            task="sequence_classification", classifier_pooling="mean",
+                            **_MODERNBERT),
+    "modernbert-mlm": ModelSpec(name="modernbert-mlm", model_type="modernbert",
+                                architecture="encoder", task="masked_lm",
+                                tie_word_embeddings=True, **_MODERNBERT),
     # Qwen3-MoE with decoder_sparse_step 2 (Llama-4 Maverick's interleave_moe_layer_step 2
     # likewise): dense and MoE layers alternate, the top layer MoE; a small vocabulary puts
     # the peak in the layers' backward
