@@ -52,7 +52,9 @@ def seq2seq_unsupported(scn: Scenario) -> str | None:
                spec.model_type != "bart" and not tr_.is_autocast and tr_.precision != "fp32"),
               ("a gated feed-forward (T5 v1.1, mT5: gelu_new's saved tensors)",
                spec.mlp_kind == "gated"),
-              ("--optimizer-in-backward", tr_.optimizer_in_backward))
+              ("--optimizer-in-backward", tr_.optimizer_in_backward),
+              ("tie_word_embeddings false (BART's unused `shared` keeps no gradient)",
+               not spec.tie_word_embeddings))
     return next((piece for piece, on in pieces if on), None)
 
 
@@ -88,6 +90,15 @@ def _layer_grads(ctx: RankContext, dtype: str, linear: bool = False) -> tuple[in
             enc, dec = enc + one, dec + one
     x = s2.s2s_dims(ctx)
     return enc, dec, gradients_bytes(ctx) - x.Le * enc - x.Ld * dec
+
+
+def _part(ctx: RankContext, prefixes: tuple[str, ...], dtype: str, casts: bool = False) -> int:
+    """One layer's copy of the tensors named `prefixes` in `dtype`; `casts`: autocast's
+    copies, linears' parameters only (0 without autocast)."""
+    if casts and not ctx.training.is_autocast:
+        return 0
+    return sum(alloc(t.numel, dtype) for t in ctx.tensors if t.group == "layer"
+               and t.name.startswith(prefixes) and not (casts and "norm" in t.name))
 
 
 def _autocast_cache(ctx: RankContext) -> int:
@@ -155,6 +166,13 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
     forward = Phase("forward", B, g_acc, {
         "activations": A + refs, "transients/autocast_cache": cache,
         "logits": s2.logits_forward_peak_bytes(x)})
+    # or at the top decoder layer's wo, before its output dropout and residual exist
+    top_ff_tail = _bytes(dec_top, ("ff.out_mask", "ff.residual", "ff.sum", "ff.norm."))
+    layer_end = Phase("forward", B, g_acc, {
+        "activations": A - head - top_ff_tail + s2.decoder_forward_locals(x),
+        "transients/autocast_cache": cache - (alloc(x.V * x.h, x.c) if cache else 0),
+        "transients/layer_forward": alloc(x.b * x.t * x.h, x.c)})
+    forward = max(forward, layer_end, key=lambda p: p.total)
     loss_bwd = Phase("backward", B, g_acc, {
         "activations": A, "transients/autocast_cache": cache,
         "logits": s2.logits_backward_peak_bytes(x)}, 0)
@@ -177,12 +195,18 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
             "transients/layer_backward": work, "logits": root})
 
     cands = [loss_bwd]
-    # the top decoder layer: its FF, then its cross-attention core (FF and norm freed)
+    # the top decoder layer: its FF activation's backward (wo's done), then its
+    # cross-attention core (the FF, the cross block's output side and p' @ v done; e's
+    # gradient comes with its k, v projections, after the core)
+    wo, ff = ("mlp.wo.",), ("mlp.", "layer_norm")
     dec_held = A - head
-    ff_top = _bytes(dec_top, ("ff.",))
-    cands.append(point(head_grads, dec_held, tied + _ff_work(x, x.b * x.t), body_cast))
-    core = _core_work(x, x.t, x.s) + tied + e_grad
-    cands.append(point(head_grads + g_dec // 2, dec_held - ff_top, core, body_cast))
+    gone = _bytes(dec_top, ("ff.", "cross.residual", "cross.out_mask", "cross.o_input",
+                            "cross.probs_c", "cross.v"))
+    cands.append(point(head_grads + _part(ctx, wo, train.grad_dtype), dec_held,
+                       tied + _ff_work(x, x.b * x.t), body_cast - _part(ctx, wo, x.c, True)))
+    o_ff = (*ff, "attn.o.")
+    cands.append(point(head_grads + _part(ctx, o_ff, train.grad_dtype), dec_held - gone,
+                       tied + _core_work(x, x.t, x.s), body_cast - _part(ctx, o_ff, x.c, True)))
     # the decoder embedding's backward: every decoder gradient; the encoder's activations
     # and e's gradient held; tied: the buffer, the embedding's own (V, h) share and their
     # sum (3 copies of V·h); untied, its own weight gradient

@@ -277,6 +277,28 @@ def microbatch_activation_bytes(x: S2S) -> int:
     return layers + sum(t.nbytes for t in edges_saved(x))
 
 
+def decoder_forward_locals(x: S2S) -> int:
+    """Held only by the decoder stack's forward locals while its layers run: under autocast
+    the encoder output e (b, s, h; fp32 runs save it), the stack's input embeddings (b, t, h)
+    and its additive causal mask (b, 1, t, t), in r; T5 also the shared position biases
+    (T5Stack L179-199: the self-attention's (1, a, t, t) from compute_bias in r, and the
+    cross-attention's zeros (1, a, t, s) in q's dtype, T5Attention L356-362); BART its
+    positions (t, h). Inside the top layer's FF, under autocast: the block's `_`, the
+    cross-attention's fp32 attention weights p' where dropout made them a tensor of their
+    own (T5Block L421-437, BartDecoderLayer); T5's normed FF input (`forwarded_states`, fp32)
+    and the fp32 `.to(wo.weight.dtype)` copy of wo's input (n·f); BART's `residual`, the
+    cross block's fp32 LN output."""
+    out = alloc(x.b * x.s * x.h, x.r) if x.amp else 0
+    out += alloc(x.b * x.t * x.h, x.r) + alloc(x.b * x.t * x.t, x.r)
+    n = x.b * x.t
+    if x.amp:
+        out += alloc(n * x.h, x.r) + (alloc(x.b * x.a * x.t * x.s, "fp32") if x.att else 0)
+    if x.t5:
+        out += alloc(n * x.f, x.r) if x.amp else 0
+        return out + alloc(x.a * x.t * x.t, x.r) + alloc(x.a * x.t * x.s, x.c)
+    return out + alloc(x.t * x.h, x.r)
+
+
 # ---- loss ----------------------------------------------------------------------------------
 def logits_dtype(x: S2S) -> str:
     """The logits' dtype: lm_head's output (c), BART's plus the fp32 final_logits_bias
