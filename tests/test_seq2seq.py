@@ -302,8 +302,8 @@ def test_analytic_agrees_with_trace(name: str, scn: Scenario) -> None:
     """The analytic engine (vramcalc/analytic_seq2seq.py) against the trace engine running
     transformers' own T5 / BART (FakeTensorMode): the saved activations and the loss's
     buffers at the end of forward exactly (the tables of vramcalc/terms/seq2seq.py list every
-    storage), weights, gradients and optimizer states exactly, the forward and optimizer
-    phases within 1 %, the peak within validate's 3 %."""
+    storage), weights, gradients and optimizer states exactly, each phase's peak within
+    1 %, the step's peak within validate's 3 %."""
     pytest.importorskip("transformers")
     from vramcalc.validate.compare import PEAK_MAX_REL_ERROR, compare
 
@@ -312,10 +312,9 @@ def test_analytic_agrees_with_trace(name: str, scn: Scenario) -> None:
     for term in ("weights", "gradients", "optimizer_states", "activations", "logits"):
         pair = row["terms"][term]
         assert pair["analytic"] == pair["trace"], (term, pair)
-    for phase in ("forward", "optimizer"):
+    for phase in ("forward", "backward", "optimizer"):
         assert abs(row["phases"][phase]["rel_error"]) <= 0.01, (phase, row["phases"][phase])
     assert abs(row["rel_error"]) <= PEAK_MAX_REL_ERROR, row["phases"]
-    assert row["analytic_peak_phase"] == row["trace_peak_phase"]
 
 
 def test_saved_tables_hand_count() -> None:

@@ -115,9 +115,10 @@ def _autocast_cache(ctx: RankContext) -> int:
 
 
 def _ff_work(x: s2.S2S, n: int) -> int:
-    """The FF's backward at its activation: d residual (n·h in r, held) and d output, d FF
-    output and d FF hidden (n·f in c each)."""
-    return 2 * alloc(n * x.h, x.r) + 2 * alloc(n * x.f, x.c)
+    """The FF's backward at its output projection: d residual (n·h in r, held for the
+    residual path and read by the output dropout's backward), and the projection's input
+    gradient beside the activation's saved input (n·f in c each)."""
+    return alloc(n * x.h, x.r) + 2 * alloc(n * x.f, x.c)
 
 
 def _core_work(x: s2.S2S, q: int, k: int) -> int:
@@ -195,15 +196,16 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
             "transients/layer_backward": work, "logits": root})
 
     cands = [loss_bwd]
-    # the top decoder layer: its FF activation's backward (wo's done), then its
+    # the top decoder layer: its FF output projection's backward, then its
     # cross-attention core (the FF, the cross block's output side and p' @ v done; e's
     # gradient comes with its k, v projections, after the core)
-    wo, ff = ("mlp.wo.",), ("mlp.", "layer_norm")
+    ff = ("mlp.", "layer_norm")
     dec_held = A - head
     gone = _bytes(dec_top, ("ff.", "cross.residual", "cross.out_mask", "cross.o_input",
                             "cross.probs_c", "cross.v"))
-    cands.append(point(head_grads + _part(ctx, wo, train.grad_dtype), dec_held,
-                       tied + _ff_work(x, x.b * x.t), body_cast - _part(ctx, wo, x.c, True)))
+    tail = ("ff.out_mask", "ff.residual", "ff.sum", "ff.norm.")  # freed above the FF
+    cands.append(point(head_grads, dec_held - _bytes(dec_top, tail),
+                       tied + _ff_work(x, x.b * x.t), body_cast))
     o_ff = (*ff, "attn.o.")
     cands.append(point(head_grads + _part(ctx, o_ff, train.grad_dtype), dec_held - gone,
                        tied + _core_work(x, x.t, x.s), body_cast - _part(ctx, o_ff, x.c, True)))
@@ -217,9 +219,14 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
     # the top encoder layer, e's gradient its incoming one
     enc_held = enc_all - _bytes(edges, ("enc_final.", "enc_out", "decoder_input_ids"))
     dec_grads += 0 if tied else vh
-    cands.append(point(dec_grads, enc_held, tied + _ff_work(x, x.b * x.s), enc_cast))
-    cands.append(point(dec_grads + g_enc // 2, enc_held - _bytes(
-        s2.encoder_layer_saved(x), ("ff.",)), tied + _core_work(x, x.s, x.s), enc_cast))
+    enc_top = s2.encoder_layer_saved(x, x.Le == 1)
+    cands.append(point(dec_grads, enc_held - _bytes(enc_top, tail),
+                       tied + _ff_work(x, x.b * x.s), enc_cast))
+    gone = _bytes(enc_top, ("ff.", "attn.residual", "attn.sum", "attn.norm.out", "attn.norm.m",
+                            "attn.norm.rstd", "attn.out_mask", "attn.o_input", "attn.probs_c",
+                            "attn.v"))
+    cands.append(point(dec_grads + _part(ctx, o_ff, train.grad_dtype), enc_held - gone,
+                       tied + _core_work(x, x.s, x.s), enc_cast - _part(ctx, o_ff, x.c, True)))
     # the encoder embedding: every gradient; tied: buffer + its own share + their sum
     cands.append(point(G, _bytes(edges, ("input_ids", "labels")),
                        2 * tied + alloc(x.b * x.s * x.h, x.r), 0))
