@@ -50,8 +50,6 @@ def seq2seq_unsupported(scn: Scenario) -> str | None:
                "kernel, not CUDA's fused one, so it cannot referee it)", tr_.attention != "eager"),
               (f"--precision {tr_.precision} (16-bit weights: T5LayerNorm's casts)",
                spec.model_type != "bart" and not tr_.is_autocast and tr_.precision != "fp32"),
-              ("a gated feed-forward (T5 v1.1, mT5: gelu_new's saved tensors)",
-               spec.mlp_kind == "gated"),
               ("--optimizer-in-backward", tr_.optimizer_in_backward),
               ("tie_word_embeddings false (BART's unused `shared` keeps no gradient)",
                not spec.tie_word_embeddings))

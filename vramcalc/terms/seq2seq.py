@@ -85,6 +85,7 @@ class S2S:
     act: bool  # dropout after the FF activation (T5 dropout_rate, BART activation_dropout)
     Le: int
     Ld: int
+    gated: bool = False  # T5 v1.1 / mT5 gated-gelu FF
 
     @property
     def amp(self) -> bool:
@@ -103,7 +104,8 @@ def s2s_dims(ctx: RankContext) -> S2S:
                h=spec.hidden_size, a=spec.num_attention_heads, d=spec.head_size,
                f=spec.intermediate_size, V=spec.vocab_size, c=tr.compute_dtype,
                r=tr.weight_dtype, t5=t5, eager=tr.attention == "eager", hid=hid, att=att,
-               act=act, Le=spec.num_hidden_layers, Ld=spec.num_decoder_layers)
+               act=act, Le=spec.num_hidden_layers, Ld=spec.num_decoder_layers,
+               gated=spec.mlp_kind == "gated")
 
 
 def _mask(x: S2S, name: str, numel: int, shape: str, on: bool) -> list[Saved]:
@@ -174,7 +176,32 @@ def _t5_attention(x: S2S, name: str, n: int, kv: int, cross: bool, first: bool
     return out
 
 
+def _t5_gated_ff(x: S2S, n: int) -> list[Saved]:
+    """T5DenseGatedActDense (L98-122) with gelu_new (activations.py NewGELUActivation,
+    0.5·u·(1 + tanh(√(2/π)·(u + 0.044715·u³))), u = wi_0(n)): 0.5·u (c), tanh's output, 1 +
+    tanh and the GELU output (kept by the products), u kept by pow (under autocast pow is
+    on CUDA's fp32 list: an fp32 copy of u, and the tanh chain and GELU output are fp32),
+    wi_1's output (c), the dropout mask and wo's input (the fp32 product's c cast under
+    autocast)."""
+    w = "fp32" if x.amp else x.c
+    out = _t5_norm(x, "ff.norm", n, 2)
+    out += [Saved("ff.u", n * x.f, w, "(T, f)", "wi_0 output (autocast: fp32 copy), pow"),
+            Saved("ff.half_u", n * x.f, x.c, "(T, f)", "0.5·u, kept by · (1 + tanh)"),
+            Saved("ff.tanh", n * x.f, w, "(T, f)", "tanh output"),
+            Saved("ff.one_plus", n * x.f, w, "(T, f)", "1 + tanh, kept by 0.5·u ·"),
+            Saved("ff.gelu", n * x.f, w, "(T, f)", "GELU output, kept by · wi_1 output"),
+            Saved("ff.linear", n * x.f, x.c, "(T, f)", "wi_1 output, kept by the product")]
+    out += _mask(x, "ff.act_mask", n * x.f, "(T, f)", x.act)
+    out.append(Saved("ff.wo_input", n * x.f, x.c, "(T, f)",
+                     "the (dropped) product (autocast: wo's c cast), kept by wo"))
+    out += _mask(x, "ff.out_mask", n * x.h, "(T, h)", x.hid)
+    out.append(Saved("ff.residual", n * x.h, x.r, "(T, h)", "x + dropout(wo(...))"))
+    return out
+
+
 def _t5_ff(x: S2S, n: int) -> list[Saved]:
+    if x.gated:
+        return _t5_gated_ff(x, n)
     out = _t5_norm(x, "ff.norm", n, 1)
     out.append(Saved("ff.relu", n * x.f, x.c, "(T, f)", "relu output (threshold_backward)"))
     out += _mask(x, "ff.act_mask", n * x.f, "(T, f)", x.act)

@@ -106,7 +106,8 @@ def scenario_for(shape: str, framework: str = "reference", **kw: Any) -> tuple[s
 
 
 # Encoder-decoders (vramcalc/terms/seq2seq.py) from config.json keys: google-t5/t5-small's
-# widths (relu FF, dropout_rate 0.1) and facebook/bart-base's (dropout, attention_dropout
+# widths (relu FF, dropout_rate 0.1), google/t5-v1_1-small's (gated-gelu, d_ff 1024, 6
+# heads) and facebook/bart-base's (dropout, attention_dropout
 # and activation_dropout 0.1 as bart-large's config.json sets them), two layers per stack;
 # "-v1k" variants with a 1,024-token vocabulary put the peak in the layers
 _T5: dict[str, Any] = {"model_type": "t5", "d_model": 512, "d_kv": 64, "d_ff": 2048,
@@ -118,5 +119,7 @@ _BART: dict[str, Any] = {
     "activation_dropout": 0.1}
 SEQ2SEQ_SHAPES: dict[str, ModelSpec] = {
     name: from_hf_config(cfg, f"{name}/config.json").model_copy(update={"name": name})
-    for name, cfg in (("t5", _T5), ("t5-v1k", {**_T5, "vocab_size": 1024}), ("bart", _BART),
+    for name, cfg in (("t5", _T5), ("t5-v1k", {**_T5, "vocab_size": 1024}),
+                      ("t5-v11", {**_T5, "feed_forward_proj": "gated-gelu", "d_ff": 1024,
+                                  "num_heads": 6}), ("bart", _BART),
                       ("bart-v1k", {**_BART, "vocab_size": 1024}))}
