@@ -6,18 +6,24 @@ transformers' own T5ForConditionalGeneration / BartForConditionalGeneration.
 Forward: the encoder's Le layers at s tokens, then the decoder's Ld layers at t tokens, each
 reading the encoder output e (b, s, h) in its cross-attention; the peak is at the loss
 (every saved tensor, the logits and the loss's fp32 buffers, and what the model's output
-object still references: e, and T5's unscaled decoder output).
+object still references: e, and T5's unscaled decoder output), or, with a small
+vocabulary, at the top decoder layer's FF output projection (the decoder stack's locals:
+vramcalc.terms.seq2seq `decoder_forward_locals`).
 
 Backward runs the decoder top-down, then the encoder (autograd's order: e's gradient, which
 every decoder layer's cross-attention k, v add into, is complete only when the decoder's
 bottom layer is done). Its instants:
 
 - the loss backward (every activation and three fp32 (b·t, V) buffers);
-- the top decoder layer, at its FF (d of the FF output, d FF hidden) and at its
-  cross-attention core (eager: d p', d p at (b, a, t, s)): every activation but the head's,
-  the lm_head's weight gradient (tied: waiting in autograd's input buffer for the two
-  embeddings' shares, transformers ties lm_head, encoder and decoder embed_tokens to
-  `shared`) and the encoder output's gradient (b, s, h);
+- the top decoder layer, at its FF output projection (d residual, d FF hidden beside the
+  saved input) and at its cross-attention core (eager: d p', d p at (b, a, t, s)), with
+  what lies above each freed: every activation but the head's, and the lm_head's weight
+  gradient waiting in autograd's input buffer for the two embeddings' shares
+  (transformers ties lm_head, encoder and decoder embed_tokens to `shared`);
+- the decoder embedding's backward: the encoder's activations, every decoder gradient, the
+  encoder output's gradient (b, s, h; every cross-attention's k, v added into it) and
+  3·V·h (the buffer, the embedding's share and their sum): with a large vocabulary the
+  backward's peak;
 - the top encoder layer, likewise at s tokens: the encoder's activations, every decoder
   gradient and the tied buffer;
 - the encoder embedding's backward: every gradient, the tied buffer, the embedding's own
@@ -46,8 +52,9 @@ def seq2seq_unsupported(scn: Scenario) -> str | None:
     """What of this (resolved) scenario the encoder-decoder tables do not model, or None."""
     tr_, spec = scn.training, scn.model
     pieces = ((f"--recompute {tr_.recompute}", tr_.recompute != "none"),
-              ("--attention flash (transformers' SDPA path: the trace runs PyTorch's math "
-               "kernel, not CUDA's fused one, so it cannot referee it)", tr_.attention != "eager"),
+              ("--attention flash (give --attention eager; transformers' SDPA path runs in "
+               "the trace as PyTorch's math kernel, not CUDA's fused one, so nothing referees "
+               "it)", tr_.attention != "eager"),
               (f"--precision {tr_.precision} (16-bit weights: T5LayerNorm's casts)",
                spec.model_type != "bart" and not tr_.is_autocast and tr_.precision != "fp32"),
               ("--optimizer-in-backward", tr_.optimizer_in_backward),
@@ -178,8 +185,7 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
 
     g_enc, g_dec, g_rest = _layer_grads(ctx, train.grad_dtype)
     vh = alloc(x.V * x.h, train.grad_dtype)
-    tied = vh if scn.model.tie_word_embeddings else 0  # waiting in autograd's input buffer
-    head_grads = 0 if tied else vh  # an untied lm_head's .grad
+    tied = vh  # lm_head's share of `shared`'s gradient, waiting in autograd's input buffer
     e_grad = alloc(x.b * x.s * x.h, x.r)
     root = 2 * 512  # the loss and its gradient (0-dim)
 
@@ -202,21 +208,20 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
     gone = _bytes(dec_top, ("ff.", "cross.residual", "cross.out_mask", "cross.o_input",
                             "cross.probs_c", "cross.v"))
     tail = ("ff.out_mask", "ff.residual", "ff.sum", "ff.norm.")  # freed above the FF
-    cands.append(point(head_grads, dec_held - _bytes(dec_top, tail),
+    cands.append(point(0, dec_held - _bytes(dec_top, tail),
                        tied + _ff_work(x, x.b * x.t), body_cast))
     o_ff = (*ff, "attn.o.")
-    cands.append(point(head_grads + _part(ctx, o_ff, train.grad_dtype), dec_held - gone,
+    cands.append(point(_part(ctx, o_ff, train.grad_dtype), dec_held - gone,
                        tied + _core_work(x, x.t, x.s), body_cast - _part(ctx, o_ff, x.c, True)))
     # the decoder embedding's backward: every decoder gradient; the encoder's activations
-    # and e's gradient held; tied: the buffer, the embedding's own (V, h) share and their
-    # sum (3 copies of V·h); untied, its own weight gradient
+    # and e's gradient held; the buffer, the embedding's own (V, h) share and their sum
+    # (3 copies of V·h)
     stack_extra = max(g_rest - vh, 0) // 2  # T5's bias and final norm, BART's positions
-    dec_grads = head_grads + x.Ld * g_dec + stack_extra
+    dec_grads = x.Ld * g_dec + stack_extra
     enc_all = enc_layers + enc_edges + _bytes(edges, ("labels", "decoder_input_ids"))
-    cands.append(point(dec_grads, enc_all, (3 * tied or vh) + e_grad, enc_cast))
+    cands.append(point(dec_grads, enc_all, 3 * tied + e_grad, enc_cast))
     # the top encoder layer, e's gradient its incoming one
     enc_held = enc_all - _bytes(edges, ("enc_final.", "enc_out", "decoder_input_ids"))
-    dec_grads += 0 if tied else vh
     enc_top = s2.encoder_layer_saved(x, x.Le == 1)
     cands.append(point(dec_grads, enc_held - _bytes(enc_top, tail),
                        tied + _ff_work(x, x.b * x.s), enc_cast))
@@ -225,7 +230,7 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
                             "attn.v"))
     cands.append(point(dec_grads + _part(ctx, o_ff, train.grad_dtype), enc_held - gone,
                        tied + _core_work(x, x.s, x.s), enc_cast - _part(ctx, o_ff, x.c, True)))
-    # the encoder embedding: every gradient; tied: buffer + its own share + their sum
+    # the encoder embedding: every gradient; the buffer, its own share and their sum
     cands.append(point(G, _bytes(edges, ("input_ids", "labels")),
                        2 * tied + alloc(x.b * x.s * x.h, x.r), 0))
     backward = max(cands, key=lambda p: p.total)
