@@ -169,7 +169,7 @@ def bart_json(tmp_path: Any) -> Any:
 
 @pytest.mark.parametrize(("cmd", "extra", "words"), [
     ("estimate", [], "run `vramcalc trace`"),
-    ("estimate", ["--attention", "eager", "--recompute", "full"], "--recompute full"),
+    ("estimate", ["--attention", "eager", "--recompute", "selective"], "--recompute selective"),
     ("plan", [], "planner does not search encoder-decoder"),
     ("estimate", ["--tp", "2", "--gpus", "2xA100"], "tp=2"),
     ("trace", ["--pp", "2", "--gpus", "2xA100"], "pp=2"),
@@ -302,8 +302,9 @@ def test_analytic_agrees_with_trace(name: str, scn: Scenario) -> None:
     """The analytic engine (vramcalc/analytic_seq2seq.py) against the trace engine running
     transformers' own T5 / BART (FakeTensorMode): the saved activations and the loss's
     buffers at the end of forward exactly (the tables of vramcalc/terms/seq2seq.py list every
-    storage), weights, gradients and optimizer states exactly, each phase's peak within
-    1 %, the step's peak within validate's 3 %."""
+    storage, the checkpoints under recompute), weights, gradients and optimizer states
+    exactly, each phase's peak within 1 % (without recompute), the step's peak within
+    validate's 3 %."""
     pytest.importorskip("transformers")
     from vramcalc.validate.compare import PEAK_MAX_REL_ERROR, compare
 
@@ -312,7 +313,11 @@ def test_analytic_agrees_with_trace(name: str, scn: Scenario) -> None:
     for term in ("weights", "gradients", "optimizer_states", "activations", "logits"):
         pair = row["terms"][term]
         assert pair["analytic"] == pair["trace"], (term, pair)
-    for phase in ("forward", "backward", "optimizer"):
+    # without recompute every phase within 1 %; with it the re-run layer's instants are
+    # modelled more coarsely (methodology §22): the step's peak within validate's 3 %
+    phases = ("forward", "backward", "optimizer") if scn.training.recompute == "none" else (
+        "optimizer",)
+    for phase in phases:
         assert abs(row["phases"][phase]["rel_error"]) <= 0.01, (phase, row["phases"][phase])
     assert abs(row["rel_error"]) <= PEAK_MAX_REL_ERROR, row["phases"]
 

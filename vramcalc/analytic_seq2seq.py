@@ -1,5 +1,5 @@
 """The analytic engine for encoder-decoder models (T5, mT5, BART; `--framework hf`, one GPU or
-DDP, full training, no recompute): the step's phases from the saved-tensor tables of
+DDP, full training, no or full recompute): the step's phases from the saved-tensor tables of
 vramcalc/terms/seq2seq.py (legend there), refereed by the trace engine, which runs
 transformers' own T5ForConditionalGeneration / BartForConditionalGeneration.
 
@@ -51,7 +51,7 @@ from vramcalc.units import alloc
 def seq2seq_unsupported(scn: Scenario) -> str | None:
     """What of this (resolved) scenario the encoder-decoder tables do not model, or None."""
     tr_, spec = scn.training, scn.model
-    pieces = ((f"--recompute {tr_.recompute}", tr_.recompute != "none"),
+    pieces = ((f"--recompute {tr_.recompute}", tr_.recompute == "selective"),
               ("--attention flash (give --attention eager; transformers' SDPA path runs in "
                "the trace as PyTorch's math kernel, not CUDA's fused one, so nothing referees "
                "it)", tr_.attention != "eager"),
@@ -68,7 +68,7 @@ def check_seq2seq(scn: Scenario) -> None:
     missing = seq2seq_unsupported(scn)
     if missing:
         raise InputError(f"{scn.model.name}: the analytic engine models encoder-decoder (T5, "
-                         f"BART) training with eager attention, no recompute, fp32 or "
+                         f"BART) training with eager attention, no or full recompute, fp32 or "
                          f"autocast, so far; not {missing}: run `vramcalc trace` with the same "
                          "options to measure it")
 
@@ -135,6 +135,23 @@ def _core_work(x: s2.S2S, q: int, k: int) -> int:
             + 2 * alloc(probs, p_dt))
 
 
+def _checkpointed_attention(x: s2.S2S) -> int:
+    """Under gradient checkpointing a layer's forward saves nothing: at the top encoder
+    layer's attention dropout its live tensors are q, k, v (b·s·a·d, c), the softmax output
+    p and the dropout's output and mask (b·a·s², p in fp32 under autocast), then under
+    autocast p' with its c cast for p' @ v; T5 also its normed input (a local of
+    T5LayerSelfAttention, r) and, with one layer, the (1, a, s, s) bias values."""
+    probs = x.b * x.a * x.s * x.s
+    p_dt = "fp32" if x.amp else x.c
+    drop = alloc(probs, p_dt) + alloc(probs, "bool") if x.att else 0
+    core = alloc(probs, p_dt) + max(drop, drop + (alloc(probs, x.c) - alloc(probs, p_dt)
+                                                  if x.amp else 0))
+    out = 3 * alloc(x.b * x.s * x.a * x.d, x.c) + core
+    if x.t5:
+        out += alloc(x.b * x.s * x.h, x.r) + (alloc(x.s * x.s * x.a, x.r) if x.Le == 1 else 0)
+    return out
+
+
 def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
                          ) -> tuple[list[Phase], int, tuple[int, int]]:
     """Phases (steady state), the first-step peak, and reserved minus allocated at the peak
@@ -163,11 +180,27 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
     head = _bytes(edges, ("dec_final.", "lm_head."))
     enc_edges = _bytes(edges, ("input_ids", "enc_embed.", "enc_final.", "enc_out"))
     A = enc_layers + dec_layers + _bytes(edges)
+    enc_all = enc_layers + enc_edges + _bytes(edges, ("labels", "decoder_input_ids"))
+    dec_held = A - head  # below the head, in the decoder's backward
+    enc_held = enc_all - _bytes(edges, ("enc_final.", "enc_out", "decoder_input_ids"))
     cache = _autocast_cache(ctx)
+    enc_cast = x.Le * _layer_grads(ctx, x.c, True)[0] if cache else 0
+    body_cast = cache - alloc(x.V * x.h, x.c) if cache else 0
+    ck = s2.checkpoint_saved(x) if x.full else []
+    if x.full:  # checkpoints only; a layer holds its whole set again once re-run
+        A, head = _bytes(ck), _bytes(ck, ("dec_final.", "lm_head."))
+        top_out = alloc(x.b * x.t * x.h, x.r) if x.t5 or not x.amp else 0  # read by the head
+        dec_held = A - head - top_out + _bytes(dec_top)
+        enc_all = _bytes(ck, ("input_ids", "labels", "decoder_input_ids", "enc_embed.",
+                              "enc_final.", "enc_out", "enc."))
+        enc_held = enc_all - _bytes(ck, ("enc_final.", "enc_out", "decoder_input_ids")) - (
+            alloc(x.b * x.s * x.h, x.r)) + _bytes(s2.encoder_layer_saved(x, x.Le == 1))
+        enc_cast //= max(x.Le, 1)  # the re-run layer's casts only
+        body_cast = _layer_grads(ctx, x.c, True)[1] if cache else 0
 
     # forward: at the loss, the model's output still references e (and T5's decoder output
     # before the d_model^-0.5 scaling) where no saved tensor is that storage
-    refs = (alloc(x.b * x.s * x.h, x.r) if x.amp else 0) + (
+    refs = (alloc(x.b * x.s * x.h, x.r) if x.amp and not x.full else 0) + (
         alloc(x.b * x.t * x.h, x.r) if x.t5 else 0)
     forward = Phase("forward", B, g_acc, {
         "activations": A + refs, "transients/autocast_cache": cache,
@@ -178,9 +211,18 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
         "activations": A - head - top_ff_tail + s2.decoder_forward_locals(x),
         "transients/autocast_cache": cache - (alloc(x.V * x.h, x.c) if cache else 0),
         "transients/layer_forward": alloc(x.b * x.t * x.h, x.c)})
-    forward = max(forward, layer_end, key=lambda p: p.total)
+    if not x.full:
+        forward = max(forward, layer_end, key=lambda p: p.total)
+    else:  # inside the top encoder layer's (unsaved) attention: `_checkpointed_attention`
+        so_far = _bytes(ck, ("input_ids", "labels", "enc_embed.", "enc.bias")) + (
+            x.Le - 1) * alloc(x.b * x.s * x.h, x.r)
+        inner = Phase("forward", B, g_acc, {
+            "activations": so_far + _checkpointed_attention(x),
+            "transients/autocast_cache": x.Le * _layer_grads(ctx, x.c, True)[0] if cache else 0})
+        forward = max(forward, inner, key=lambda p: p.total)
     loss_bwd = Phase("backward", B, g_acc, {
-        "activations": A, "transients/autocast_cache": cache,
+        "activations": A, "transients/autocast_cache": cache if not x.full else (
+            cache - body_cast * x.Ld - enc_cast * x.Le),
         "logits": s2.logits_backward_peak_bytes(x)}, 0)
 
     g_enc, g_dec, g_rest = _layer_grads(ctx, train.grad_dtype)
@@ -190,9 +232,7 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
     root = 2 * 512  # the loss and its gradient (0-dim)
 
     # autocast's casts live on in the matmuls that saved them: freed with each layer's
-    # backward (the lm_head's first)
-    enc_cast = x.Le * _layer_grads(ctx, x.c, True)[0] if cache else 0
-    body_cast = cache - alloc(x.V * x.h, x.c) if cache else 0
+    # backward (the lm_head's first); under recompute the re-run layer's own
 
     def point(grads: int, act: int, work: int, casts: int) -> Phase:
         return Phase("backward", B, G if keep_grads else min(grads, G), {
@@ -204,7 +244,6 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
     # cross-attention core (the FF, the cross block's output side and p' @ v done; e's
     # gradient comes with its k, v projections, after the core)
     ff = ("mlp.", "layer_norm")
-    dec_held = A - head
     gone = _bytes(dec_top, ("ff.", "cross.residual", "cross.out_mask", "cross.o_input",
                             "cross.probs_c", "cross.v"))
     tail = ("ff.out_mask", "ff.residual", "ff.sum", "ff.norm.")  # freed above the FF
@@ -218,10 +257,8 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
     # (3 copies of V·h)
     stack_extra = max(g_rest - vh, 0) // 2  # T5's bias and final norm, BART's positions
     dec_grads = x.Ld * g_dec + stack_extra
-    enc_all = enc_layers + enc_edges + _bytes(edges, ("labels", "decoder_input_ids"))
-    cands.append(point(dec_grads, enc_all, 3 * tied + e_grad, enc_cast))
+    cands.append(point(dec_grads, enc_all, 3 * tied + e_grad, 0 if x.full else enc_cast))
     # the top encoder layer, e's gradient its incoming one
-    enc_held = enc_all - _bytes(edges, ("enc_final.", "enc_out", "decoder_input_ids"))
     enc_top = s2.encoder_layer_saved(x, x.Le == 1)
     cands.append(point(dec_grads, enc_held - _bytes(enc_top, tail),
                        tied + _ff_work(x, x.b * x.s), enc_cast))
@@ -230,6 +267,33 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
                             "attn.v"))
     cands.append(point(dec_grads + _part(ctx, o_ff, train.grad_dtype), enc_held - gone,
                        tied + _core_work(x, x.s, x.s), enc_cast - _part(ctx, o_ff, x.c, True)))
+    # the bottom encoder layer (every other gradient exists): at its attention core, and
+    # under recompute inside its re-run forward, at the FF output projection (the block's
+    # locals as in `decoder_forward_locals`); T5: the position bias's gradient (1, a, s, s)
+    # summed from every layer's scores, and under recompute the re-run bias (s, s, a)
+    src = ck if x.full else edges
+    enc0 = s2.encoder_layer_saved(x, True)
+    base = _bytes(src, ("input_ids", "labels", "enc_embed."))
+    below = dec_grads + (x.Le - 1) * g_enc
+    bias = alloc(x.a * x.s * x.s, "fp32") if x.t5 else 0
+    rebias = alloc(x.s * x.s * x.a, x.r) if x.t5 else 0  # the re-run bias, in its forward
+    casts0 = enc_cast if x.full else enc_cast // max(x.Le, 1)
+    gone0 = _bytes(enc0, ("ff.", "attn.residual", "attn.sum", "attn.norm.out", "attn.norm.m",
+                          "attn.norm.rstd", "attn.out_mask", "attn.o_input", "attn.probs_c",
+                          "attn.v"))
+    if x.full and x.t5:  # the zeros cross-attention bias, a leaf: its .grad (1, a, t, s)
+        bias += alloc(x.a * x.t * x.s, x.c)
+    cands.append(point(below + _part(ctx, o_ff, train.grad_dtype), base + _bytes(enc0) - gone0,
+                       tied + bias + _core_work(x, x.s, x.s), casts0))
+    cands.append(point(below, base + _bytes(enc0) - _bytes(enc0, tail), tied + bias + _ff_work(
+        x, x.b * x.s) + alloc(x.h * x.f, train.grad_dtype), casts0))
+    if x.full:
+        n = x.b * x.s
+        locals_ = (alloc(n * x.h, x.r) + (alloc(x.b * x.a * x.s * x.s, "fp32") if x.att else 0)
+                   + (alloc(n * x.f, x.r) if x.t5 else 0)) if x.amp else 0
+        cands.append(point(below, base + _bytes(enc0) - _bytes(enc0, tail) + locals_,
+                           tied + bias + rebias + alloc(n * x.h, x.r) + alloc(n * x.h, x.c),
+                           casts0))
     # the encoder embedding: every gradient; the buffer, its own share and their sum
     cands.append(point(G, _bytes(edges, ("input_ids", "labels")),
                        2 * tied + alloc(x.b * x.s * x.h, x.r), 0))

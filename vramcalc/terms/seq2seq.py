@@ -86,6 +86,7 @@ class S2S:
     Le: int
     Ld: int
     gated: bool = False  # T5 v1.1 / mT5 gated-gelu FF
+    full: bool = False  # gradient checkpointing (--recompute full): `checkpoint_saved`
 
     @property
     def amp(self) -> bool:
@@ -105,7 +106,7 @@ def s2s_dims(ctx: RankContext) -> S2S:
                f=spec.intermediate_size, V=spec.vocab_size, c=tr.compute_dtype,
                r=tr.weight_dtype, t5=t5, eager=tr.attention == "eager", hid=hid, att=att,
                act=act, Le=spec.num_hidden_layers, Ld=spec.num_decoder_layers,
-               gated=spec.mlp_kind == "gated")
+               gated=spec.mlp_kind == "gated", full=tr.recompute == "full")
 
 
 def _mask(x: S2S, name: str, numel: int, shape: str, on: bool) -> list[Saved]:
@@ -294,9 +295,43 @@ def edges_saved(x: S2S) -> list[Saved]:
     return out
 
 
+def checkpoint_saved(x: S2S) -> list[Saved]:
+    """Under gradient checkpointing (each T5Block / Bart*Layer is a
+    GradientCheckpointingLayer; torch's non-reentrant checkpoint keeps only its tensor
+    inputs): every layer's output (the next layer's input, the last one's kept by what
+    follows), the stacks' edges as without recompute (the embeddings, T5's final norms, the
+    lm_head input), e (fp32: a checkpoint input of every decoder layer), the decoder's
+    additive causal mask (b, 1, t, t); T5's position biases computed inside layer 0 and
+    passed on ((s, s, a) and (t, t, a) in r, where a later layer takes them), and the
+    cross-attention's zeros bias (1, a, t, s) in q's dtype, a leaf made to require grad
+    under checkpointing (modeling_t5.py L356-362) that the graph holds."""
+    bs, bt = x.b * x.s, x.b * x.t
+    out = [t for t in edges_saved(x) if t.name != "lm_head.input.cast" or x.t5]
+    out += [Saved("enc.layer_out", bs * x.h, x.r, "(b, s, h)", "checkpoint input", x.Le),
+            Saved("dec.layer_out", bt * x.h, x.r, "(b, t, h)", "checkpoint input",
+                  x.Ld - (1 if x.amp and not x.t5 else 0)),
+            Saved("dec.causal_mask", bt * x.t, x.r, "(b, 1, t, t)", "checkpoint input")]
+    if not x.t5:  # BART: the encoder's last output is e; under autocast lm_head's cast,
+        # and the embeddings' outputs, checkpoint inputs (no linear casts them outside)
+        return out + ([Saved("lm_head.input.cast", bt * x.h, x.c, "(T, h)", "kept by lm_head"),
+                       Saved("enc_embed.out", bs * x.h, x.r, "(T, h)", "checkpoint input"),
+                       Saved("dec_embed.out", bt * x.h, x.r, "(T, h)", "checkpoint input")]
+                      if x.amp else [])
+    if x.amp:
+        out.append(Saved("enc_out", bs * x.h, x.r, "(b, s, h)", "checkpoint input"))
+    if x.Le > 1:
+        out.append(Saved("enc.bias", x.s * x.s * x.a, x.r, "(s, s, a)", "checkpoint input"))
+    if x.Ld > 1:
+        out.append(Saved("dec.bias", x.t * x.t * x.a, x.r, "(t, t, a)", "checkpoint input"))
+    out.append(Saved("cross.bias", x.a * x.t * x.s, x.c, "(1, a, t, s)", "zeros, a leaf"))
+    return out
+
+
 def microbatch_activation_bytes(x: S2S) -> int:
     """Everything one micro-batch keeps for backward at the end of its forward (the
     loss's log-probabilities apart: `logits_saved_bytes`)."""
+    if x.full:
+        return sum(t.nbytes for t in checkpoint_saved(x))
     layers = (sum(t.nbytes for t in encoder_layer_saved(x)) * (x.Le - 1)
               + sum(t.nbytes for t in encoder_layer_saved(x, True))
               + sum(t.nbytes for t in decoder_layer_saved(x)) * (x.Ld - 1)
