@@ -55,8 +55,8 @@ def seq2seq_unsupported(scn: Scenario) -> str | None:
               ("--attention flash (give --attention eager; transformers' SDPA path runs in "
                "the trace as PyTorch's math kernel, not CUDA's fused one, so nothing referees "
                "it)", tr_.attention != "eager"),
-              (f"--precision {tr_.precision} (16-bit weights: T5LayerNorm's casts)",
-               spec.model_type != "bart" and not tr_.is_autocast and tr_.precision != "fp32"),
+              (f"--precision {tr_.precision} (fp16 weights: T5's inf clamps)",
+               spec.model_type != "bart" and tr_.weight_dtype == "fp16"),
               ("--optimizer-in-backward", tr_.optimizer_in_backward),
               ("tie_word_embeddings false (BART's unused `shared` keeps no gradient)",
                not spec.tie_word_embeddings))
@@ -68,8 +68,8 @@ def check_seq2seq(scn: Scenario) -> None:
     missing = seq2seq_unsupported(scn)
     if missing:
         raise InputError(f"{scn.model.name}: the analytic engine models encoder-decoder (T5, "
-                         f"BART) training with eager attention, no or full recompute, fp32 or "
-                         f"autocast, so far; not {missing}: run `vramcalc trace` with the same "
+                         f"BART) training with eager attention, no or full recompute, so far; "
+                         f"not {missing}: run `vramcalc trace` with the same "
                          "options to measure it")
 
 

@@ -123,11 +123,18 @@ def _inputs(x: S2S, name: str, numel: int, readers: int, shape: str, stored: boo
     return [] if stored else [Saved(name, numel, x.r, shape, "read by the linear(s)")]
 
 
+def t5_stats(x: S2S, name: str, n: int) -> list[Saved]:
+    """T5LayerNorm's statistics over n tokens: fp32 rsqrt and x̂ (fp32 residuals); with
+    16-bit weights, the fp32 copy of x that pow keeps and x̂'s cast to the weights' dtype."""
+    out = [Saved(f"{name}.rstd", n, "fp32", "(T, 1)", "rsqrt, kept by x · rsqrt")]
+    if x.r != "fp32":
+        out.append(Saved(f"{name}.x32", n * x.h, "fp32", "(T, h)", "x.to(fp32), kept by pow"))
+    return out + [Saved(f"{name}.xhat", n * x.h, x.r, "(T, h)", "x̂, kept by weight ·")]
+
+
 def _t5_norm(x: S2S, name: str, n: int, readers: int) -> list[Saved]:
-    """T5LayerNorm over n tokens: fp32 rsqrt and x̂, its output read by `readers` linears."""
-    return [Saved(f"{name}.rstd", n, "fp32", "(T, 1)", "rsqrt, kept by x · rsqrt"),
-            Saved(f"{name}.xhat", n * x.h, "fp32", "(T, h)", "x̂, kept by weight ·")
-            ] + _inputs(x, f"{name}.out", n * x.h, readers, "(T, h)", False)
+    """T5LayerNorm over n tokens (`t5_stats`), its output read by `readers` linears."""
+    return t5_stats(x, name, n) + _inputs(x, f"{name}.out", n * x.h, readers, "(T, h)", False)
 
 
 def _layer_norm(x: S2S, name: str, n: int) -> list[Saved]:
@@ -280,13 +287,11 @@ def edges_saved(x: S2S) -> list[Saved]:
     out += _embedding(x, "enc_embed", bs, bs)
     out += _embedding(x, "dec_embed", bt, x.t)
     if x.t5:
-        out += [Saved("enc_final.rstd", bs, "fp32", "(T, 1)", "rsqrt"),
-                Saved("enc_final.xhat", bs * x.h, "fp32", "(T, h)", "x̂")]
+        out += t5_stats(x, "enc_final", bs)
         out += _mask(x, "enc_final.mask", bs * x.h, "(T, h)", x.hid)
         if not x.amp:  # (autocast: the cross-attentions keep c casts of it instead)
             out.append(Saved("enc_out", bs * x.h, x.r, "(b, s, h)", "read by k, v"))
-        out += [Saved("dec_final.rstd", bt, "fp32", "(T, 1)", "rsqrt"),
-                Saved("dec_final.xhat", bt * x.h, "fp32", "(T, h)", "x̂")]
+        out += t5_stats(x, "dec_final", bt)
         out += _mask(x, "dec_final.mask", bt * x.h, "(T, h)", x.hid)
         out.append(Saved("lm_head.input", bt * x.h, x.c, "(T, h)",
                          "scaled output (autocast: its c cast), kept by lm_head"))
@@ -363,25 +368,33 @@ def decoder_forward_locals(x: S2S) -> int:
 
 # ---- loss ----------------------------------------------------------------------------------
 def logits_dtype(x: S2S) -> str:
-    """The logits' dtype: lm_head's output (c), BART's plus the fp32 final_logits_bias
-    buffer promotes to fp32 under autocast."""
-    return "fp32" if not x.t5 else x.c
+    """The logits' dtype: lm_head's output (c); BART's sum with final_logits_bias, a
+    buffer in the weights' dtype, is in r (fp32 under autocast)."""
+    return x.c if x.t5 else x.r
+
+
+def _lsm_dtype(x: S2S) -> str:
+    """log_softmax's dtype: CrossEntropyLoss on the logits as they are (no `.float()`):
+    fp32 under autocast (CUDA's fp32 list) or for fp32 logits, else the logits'."""
+    return "fp32" if x.amp else logits_dtype(x)
 
 
 def logits_saved_bytes(x: S2S) -> int:
-    """CrossEntropyLoss over (b·t, V): log_softmax keeps its fp32 output (CUDA's autocast
-    fp32 list), nll_loss the loss and its total weight (0-dim)."""
-    return alloc(x.b * x.t * x.V, "fp32") + 2 * ALLOC_ROUND_BYTES
+    """CrossEntropyLoss over (b·t, V): log_softmax keeps its output, nll_loss the loss and
+    its total weight (0-dim)."""
+    return alloc(x.b * x.t * x.V, _lsm_dtype(x)) + 2 * ALLOC_ROUND_BYTES
 
 
 def logits_forward_peak_bytes(x: S2S) -> int:
     """The loss's forward: log-probabilities and scalars, the logits, and the fp32 copy
-    log_softmax makes of 16-bit logits."""
+    log_softmax makes of 16-bit logits under autocast."""
     n = x.b * x.t * x.V
     dt = logits_dtype(x)
-    return logits_saved_bytes(x) + alloc(n, dt) + (alloc(n, "fp32") if dt != "fp32" else 0)
+    return logits_saved_bytes(x) + alloc(n, dt) + (
+        alloc(n, "fp32") if dt != _lsm_dtype(x) else 0)
 
 
 def logits_backward_peak_bytes(x: S2S) -> int:
-    """Loss backward: log-probabilities + d log-probabilities + d logits in fp32, 3 scalars."""
-    return 3 * alloc(x.b * x.t * x.V, "fp32") + 3 * ALLOC_ROUND_BYTES
+    """Loss backward: log-probabilities + d log-probabilities + d logits in log_softmax's
+    dtype, 3 scalars."""
+    return 3 * alloc(x.b * x.t * x.V, _lsm_dtype(x)) + 3 * ALLOC_ROUND_BYTES

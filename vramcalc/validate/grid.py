@@ -97,12 +97,13 @@ def default_grid() -> list[tuple[str, Scenario]]:
 def seq2seq_grid() -> list[tuple[str, Scenario]]:
     """Encoder-decoders (vramcalc/terms/seq2seq.py, vramcalc/analytic_seq2seq.py):
     transformers' T5 and BART with their dropout, 512 source and 128 target tokens, eager
-    attention; fp32 and autocast, gradient accumulation, T5 v1.1's gated-gelu FF, full
+    attention; fp32, bf16 weights and autocast, gradient accumulation, T5 v1.1's gated-gelu FF, full
     recompute, and small vocabularies that move the peak from the tied embedding's backward
     into the layers."""
     cases: list[tuple[str, dict[str, Any]]] = [
         ("t5", {"precision": "fp32"}), ("t5", {"precision": "amp-bf16"}),
         ("t5", {"precision": "fp32", "grad_accum": 2}), ("t5-v1k", {"precision": "amp-bf16"}),
+        ("t5", {"precision": "bf16"}), ("bart-v1k", {"precision": "bf16"}),
         ("t5-v11", {"precision": "amp-bf16"}), ("t5-v11", {"precision": "fp32"}),
         ("bart", {"precision": "amp-bf16"}), ("bart", {"precision": "fp32"}),
         ("bart-v1k", {"precision": "amp-fp16"}),
