@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from vramcalc.analytic_seq2seq import seq2seq_stage_phases
 from vramcalc.features import low_precision
 from vramcalc.hardware import GPUProfile
 from vramcalc.notes import scenario_notes
 from vramcalc.offload import host_bytes_per_node, nvme_bytes_per_node
+from vramcalc.phases import Phase, StageBase
 from vramcalc.rank import RankContext
 from vramcalc.report import (
     MemoryReport,
@@ -35,7 +37,6 @@ from vramcalc.report import (
     strategy_dict,
 )
 from vramcalc.scenario import Scenario, check_capabilities
-from vramcalc.seq2seq_shapes import check_analytic
 from vramcalc.sharding import moe_layers_on_stage, pipeline_chunks
 from vramcalc.terms import activations as act
 from vramcalc.terms import comm
@@ -59,51 +60,6 @@ from vramcalc.terms.reserved import reserved_pad_bytes
 from vramcalc.terms.saved import Moment
 from vramcalc.terms.schedule import in_flight_microbatches
 from vramcalc.terms.weights import weight_parts
-
-
-class StageBase:
-    """What every moment of a stage holds besides its gradients and its own parts: weights,
-    optimizer states (+ master), cuBLAS workspace, persistent comm buffers."""
-
-    __slots__ = ("head", "tail", "total", "terms")
-
-    def __init__(self, head: dict[str, int], tail: dict[str, int]) -> None:
-        self.head, self.tail = head, tail
-        self.total = sum(head.values()) + sum(tail.values())
-        self.terms = _add_terms({}, head)
-        _add_terms(self.terms, tail)
-
-
-def _add_terms(out: dict[str, int], parts: dict[str, int]) -> dict[str, int]:
-    """Add sub-term bytes ("term/detail" keys) into `out` by term."""
-    for key, val in parts.items():
-        term = key.split("/", 1)[0]
-        out[term] = out.get(term, 0) + val
-    return out
-
-
-class Phase:
-    """Composition of allocated memory at one moment: the stage's base, `grads` bytes of
-    gradients and the moment's own parts. The total is summed once; the full composition
-    (`parts`) is only assembled for the moments a report shows (the planner evaluates
-    thousands of moments per second)."""
-
-    __slots__ = ("name", "base", "grads", "own", "total", "made")
-
-    def __init__(self, name: str, base: StageBase, grads: int, own: dict[str, int],
-                 made: int | None = None) -> None:
-        self.name, self.base, self.grads, self.own = name, base, grads, own
-        self.made = made  # first step, optimizer in backward: states created (None: all)
-        self.total = base.total + grads + sum(own.values())
-
-    @property
-    def parts(self) -> dict[str, int]:
-        return {**self.base.head, "gradients": self.grads, **self.base.tail, **self.own}
-
-    def terms(self) -> dict[str, int]:
-        out = dict(self.base.terms)
-        out["gradients"] = out.get("gradients", 0) + self.grads
-        return _add_terms(out, self.own)
 
 
 def candidate_stages(scn: Scenario) -> list[int]:
@@ -137,6 +93,8 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
                   ) -> tuple[list[Phase], int, tuple[int, int]]:
     """Phases (steady state) of one stage, the first-step peak, and reserved minus allocated
     at the peak: the packing floor and the cached blocks above it (terms/reserved.py)."""
+    if scn.model.is_encoder_decoder:  # T5, BART: two stacks (vramcalc/analytic_seq2seq.py)
+        return seq2seq_stage_phases(scn, gpu)
     ctx = RankContext(scn.model, scn.training, scn.parallel, stage)
     train = scn.training
     w_parts = weight_parts(ctx)  # {"weights": W}, or fine-tuning's sub-terms
@@ -418,7 +376,6 @@ def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
     """The resolved scenario, and everything a report holds but the strategy and the fit
     verdict, as plain values."""
     scn = scn.resolved()
-    check_analytic(scn.model)  # encoder-decoders: traced only (InputError)
     check_capabilities(scn)  # what the GPU cannot run as counted: InputError
     if low_precision(scn.training):
         check_lowprec(scn)  # FP8 / QAT combinations not modelled: InputError

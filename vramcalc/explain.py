@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from vramcalc.analytic import estimate
+from vramcalc.errors import InputError
 from vramcalc.features import chunks_loss, finetunes, low_precision
 from vramcalc.finetune import adapter_dtype, shapes_for
 from vramcalc.hardware import GPUProfile
@@ -57,6 +58,9 @@ def _etp_text(etp: int | None) -> str:
 def explain(scn: Scenario) -> dict[str, Any]:
     """Sections {title, lines} explaining where each number of the estimate comes from."""
     scn = scn.resolved()
+    if scn.model.is_encoder_decoder:  # its tables: vramcalc/terms/seq2seq.py, docs §22
+        raise InputError(f"{scn.model.name}: explain does not write out the encoder-decoder "
+                         "(T5, BART) tables yet; `vramcalc estimate` gives the breakdown")
     report = estimate(scn)
     spec, tr, par = scn.model, scn.training, scn.parallel
     stage = max(report.stages, key=lambda s: s.device_total_bytes).stage if report.stages else 0

@@ -134,7 +134,7 @@ FUSED_GATE_UP = ("gate", "up")
 def fused_family(spec: ModelSpec, framework: str) -> str | None:
     """'gpt2' or 'phi3' when the hf profile builds this model with fused projections
     (vramcalc.terms.saved.hf_family), else None (encoders: separate q, k, v)."""
-    if framework != "hf" or spec.is_encoder:
+    if framework != "hf" or spec.is_encoder or spec.is_encoder_decoder:
         return None
     if spec.norm_kind == "layernorm" or spec.mlp_kind == "standard":
         return "gpt2"

@@ -284,6 +284,8 @@ def _stage_count(t: ParamTensor, spec: ModelSpec, n_layers: int, n_moe: int, fir
         return 0
     if t.group in ("final", "head"):
         return t.count if last else 0
+    if spec.is_encoder_decoder:  # one stage (pp = 1), two stacks: every tensor as listed
+        return t.count
     # per-layer tensors: t.count is a multiple of the number of layers holding them
     if t.name.startswith(("experts.", "router", "shared_expert")):
         return t.count // max(spec.num_moe_layers, 1) * n_moe

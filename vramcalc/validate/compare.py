@@ -32,6 +32,7 @@ from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.terms import activations as act
 from vramcalc.terms import logits as lg
+from vramcalc.terms import seq2seq as s2
 
 PEAK_MEDIAN_REL_ERROR = 0.01  # median |error| of the peak over the grid
 PEAK_MAX_REL_ERROR = 0.03  # every scenario's peak
@@ -66,12 +67,17 @@ def analytic_points(scn: Scenario) -> dict[str, int]:
     # freqs_cis is a weights sub-term of the analytic report)
     buffers = next(p.parts for p in phases if p.name == "optimizer").get("weights/buffers", 0)
     ctx = RankContext(scn.model, scn.training, scn.parallel, 0)
+    if scn.model.is_encoder_decoder:  # vramcalc/terms/seq2seq.py
+        x = s2.s2s_dims(ctx)
+        activations, logits = s2.microbatch_activation_bytes(x), s2.logits_saved_bytes(x)
+    else:
+        activations, logits = act.microbatch_activation_bytes(ctx), lg.logits_saved_bytes(ctx)
     return {
         "weights": by_name["optimizer"].get("weights", 0) - buffers,
         "gradients": by_name["optimizer"].get("gradients", 0),
         "optimizer_states": by_name["optimizer"].get("optimizer_states", 0),
-        "activations": act.microbatch_activation_bytes(ctx),
-        "logits": lg.logits_saved_bytes(ctx),
+        "activations": activations,
+        "logits": logits,
     }
 
 

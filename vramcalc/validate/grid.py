@@ -90,7 +90,30 @@ def default_grid() -> list[tuple[str, Scenario]]:
     grid += fsdp_grid()
     grid += titan_grid()
     grid += encoder_grid()
+    grid += seq2seq_grid()
     return grid
+
+
+def seq2seq_grid() -> list[tuple[str, Scenario]]:
+    """Encoder-decoders (vramcalc/terms/seq2seq.py, vramcalc/analytic_seq2seq.py):
+    transformers' T5 and BART with their dropout, 512 source and 128 target tokens, eager
+    attention; fp32, bf16 weights and autocast, gradient accumulation, T5 v1.1's gated-gelu FF, full
+    recompute, and small vocabularies that move the peak from the tied embedding's backward
+    into the layers."""
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("t5", {"precision": "fp32"}), ("t5", {"precision": "amp-bf16"}),
+        ("t5", {"precision": "fp32", "grad_accum": 2}), ("t5-v1k", {"precision": "amp-bf16"}),
+        ("t5", {"precision": "bf16"}), ("bart-v1k", {"precision": "bf16"}),
+        ("t5-v11", {"precision": "amp-bf16"}), ("t5-v11", {"precision": "fp32"}),
+        ("bart", {"precision": "amp-bf16"}), ("bart", {"precision": "fp32"}),
+        ("bart-v1k", {"precision": "amp-fp16"}),
+        # gradient checkpointing (transformers' GradientCheckpointingLayer, non-reentrant)
+        ("t5", {"precision": "fp32", "recompute": "full"}),
+        ("t5-v1k", {"precision": "amp-bf16", "recompute": "full"}),
+        ("bart", {"precision": "amp-bf16", "recompute": "full"}),
+        ("bart-v1k", {"precision": "fp32", "recompute": "full"})]
+    return [scenario_for(shape, framework="hf", seq_len=512, target_len=128,
+                         attention="eager", **kw) for shape, kw in cases]
 
 
 def encoder_grid() -> list[tuple[str, Scenario]]:

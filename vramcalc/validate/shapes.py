@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vramcalc.hf_config import from_hf_config
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
 from vramcalc.scenario import Scenario
@@ -112,5 +113,27 @@ def scenario_for(shape: str, framework: str = "reference", **kw: Any) -> tuple[s
             + (f"/{tr.optimizer_impl}" if tr.optimizer_impl else "")
             + (f"/{tr.hf_optim}" if tr.hf_optim else "")
             + ("/reentrant" if tr.use_reentrant else "")
-            + ("/kbit-prepare" if tr.kbit_prepare else ""))
-    return name, Scenario(model=SHAPES[shape], training=tr, parallel=ParallelConfig())
+            + ("/kbit-prepare" if tr.kbit_prepare else "")
+            + (f"/t{tr.target_len}" if tr.target_len else ""))
+    model = SHAPES[shape] if shape in SHAPES else SEQ2SEQ_SHAPES[shape]
+    return name, Scenario(model=model, training=tr, parallel=ParallelConfig())
+
+
+# Encoder-decoders (vramcalc/terms/seq2seq.py) from config.json keys: google-t5/t5-small's
+# widths (relu FF, dropout_rate 0.1), google/t5-v1_1-small's (gated-gelu, d_ff 1024, 6
+# heads) and facebook/bart-base's (dropout, attention_dropout
+# and activation_dropout 0.1 as bart-large's config.json sets them), two layers per stack;
+# "-v1k" variants with a 1,024-token vocabulary put the peak in the layers
+_T5: dict[str, Any] = {"model_type": "t5", "d_model": 512, "d_kv": 64, "d_ff": 2048,
+                       "num_heads": 8, "num_layers": 2, "vocab_size": 32128}
+_BART: dict[str, Any] = {
+    "model_type": "bart", "d_model": 768, "encoder_layers": 2, "decoder_layers": 2,
+    "encoder_attention_heads": 12, "decoder_attention_heads": 12, "encoder_ffn_dim": 3072,
+    "decoder_ffn_dim": 3072, "vocab_size": 50265, "dropout": 0.1, "attention_dropout": 0.1,
+    "activation_dropout": 0.1}
+SEQ2SEQ_SHAPES: dict[str, ModelSpec] = {
+    name: from_hf_config(cfg, f"{name}/config.json").model_copy(update={"name": name})
+    for name, cfg in (("t5", _T5), ("t5-v1k", {**_T5, "vocab_size": 1024}),
+                      ("t5-v11", {**_T5, "feed_forward_proj": "gated-gelu", "d_ff": 1024,
+                                  "num_heads": 6}), ("bart", _BART),
+                      ("bart-v1k", {**_BART, "vocab_size": 1024}))}
