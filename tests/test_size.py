@@ -94,6 +94,27 @@ def test_an_unreachable_deadline_recommends_a_bigger_batch() -> None:
     assert any(f"--global-batch-size {row.suggested_global_batch}" in n for n in row.notes)
 
 
+def test_405b_published_layout_needs_more_than_80gb_in_both_profiles() -> None:
+    """Meta's 405B layout (Llama 3 paper Table 4: tp 8, pp 16, 8k sequences, micro-batch 1;
+    126 layers, the first and last stage one layer short) on 1F1B without recompute: the
+    reference profile's per-layer tables and the megatron profile's Korthikanti Table 2
+    formula agree on the activations (within 5 %) and both exceed an 80 GB H100."""
+    from vramcalc.analytic import estimate
+    from vramcalc.options import build_scenario
+
+    acts = {}
+    for fw in ("reference", "megatron"):
+        scn = build_scenario({
+            "model": "405b", "gpus": "2048x8xH100", "tp": 8, "pp": 16, "first_stage_layers": 7,
+            "last_stage_layers": 7, "sequence_parallel": True, "zero": 1, "framework": fw,
+            "seq_len": 8192, "micro_batch_size": 1, "num_microbatches": 16,
+            "attention": "flash", "recompute": "none"})
+        rep = estimate(scn)
+        assert rep.fits is False
+        acts[fw] = rep.terms.activations
+    assert acts["reference"] == pytest.approx(acts["megatron"], rel=0.05)
+
+
 def test_nothing_fits_within_the_limit() -> None:
     base, req, _ = prepare_plan({"model": "405b", "gpus": "1xRTX4090"}, top=1)
     row = size_one(base, resolve_gpu("RTX4090"), 10**12, req, max_gpus=8)
@@ -119,6 +140,12 @@ def test_published_gpu_hours(model: str, gpu: str, tokens: float, seq: int,
     assert row.gpu_hours == pytest.approx(published, rel=0.25)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "with sequence parallelism counted as Korthikanti et al. Table 2 (the MLP's (b·s, f/t) "
+    "intermediates are not split over the sequence), no 80 GB layout of 405B at 8k trains "
+    "without recompute: the best plan is dp2048·tp8 ZeRO-3 with full recompute, 42.5M hours "
+    "(+38 %). Meta's run fits through pipeline-schedule tuning vramcalc does not model "
+    "(docs/planning.md); strict, so a change that brings it back within 25 % must remove this"))
 def test_llama31_405b_on_its_own_cluster() -> None:
     """Llama 3.1 405B: 30.84M H100-80GB hours for 15T+ tokens (meta-llama/llama-models
     models/llama3_1/MODEL_CARD.md), trained on up to 16,384 H100s with a 16M-token batch
