@@ -21,8 +21,13 @@ def mla_unsupported(scn: Scenario) -> str | None:
     """What of this scenario multi-latent attention's saved-tensor table
     (vramcalc/terms/saved_layers.py `mla_saved`) does not cover yet, or None."""
     tr, par = scn.training, scn.parallel
+    if tr.framework == "megatron":  # vramcalc/terms/megatron_mla.py: TE flash, any TP / SP
+        return next((piece for piece, on in (
+            (f"cp={par.cp}", par.cp > 1), ("--attention eager", tr.attention == "eager"),
+            ("fine-tuning", tr.finetune != "full"),
+            ("FP8 / quantization-aware training", tr.precision == "fp8" or tr.qat != "none"))
+            if on), None)
     why = {"hf": "transformers' DeepseekV3 attention is not traced yet",
-           "megatron": "megatron_layer.py has no MLA layer formula yet",
            "torchtitan": "the torchtitan model has no MLA"}
     if tr.framework in why:
         return f"the {tr.framework} profile ({why[tr.framework]})"
@@ -130,6 +135,11 @@ class Scenario(BaseModel):
         their own fused optimizers) and the allocator's expandable segments (the stack's)."""
         if self.model.is_mla:
             missing = mla_unsupported(self)
+            if missing and self.training.framework == "megatron":
+                raise InputError(f"{self.model.name}: multi-latent attention's activations are "
+                                 "modelled for --framework megatron with TE flash attention, "
+                                 "tensor and sequence parallelism, 16/32-bit full training, "
+                                 f"so far; not {missing}")
             if missing:
                 raise InputError(f"{self.model.name}: multi-latent attention's activations are "
                                  "modelled for --framework reference on one tensor/context-"
