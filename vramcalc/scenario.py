@@ -144,6 +144,15 @@ class Scenario(BaseModel):
                 raise InputError(f"{self.model.name}: multi-latent attention's activations are "
                                  "modelled for --framework reference on one tensor/context-"
                                  f"parallel rank, full training, so far; not {missing}")
+        mtp = self.parallel.mtp_layers
+        if mtp and (self.training.framework != "megatron" or self.model.is_encoder
+                    or self.model.is_encoder_decoder):
+            raise InputError(f"--mtp-layers {mtp}: multi-token prediction is modelled for "
+                             "Megatron-LM (--framework megatron) decoders only")
+        if mtp and self.training.recompute == "full":
+            raise InputError(f"--mtp-layers {mtp}: the MTP block's own full-recompute "
+                             "checkpoint is not modelled yet; give --recompute selective "
+                             "or none")
         if self.model.parallel_residual and self.training.framework not in (
                 "reference", "lightning"):
             raise InputError(f"{self.model.name}: parallel attention + MLP blocks are "
