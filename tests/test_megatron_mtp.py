@@ -106,3 +106,15 @@ def test_the_last_stage_grows_through_the_cli(capsys: Any) -> None:
     assert mtp[-1]["num_layers"] == base[-1]["num_layers"] + 1
     assert mtp[-1]["device_total_bytes"] > base[-1]["device_total_bytes"]
     assert mtp[:-1] == base[:-1]
+
+
+@pytest.mark.parametrize(("moe_layers", "moe_on_last"),
+                         [(tuple(range(3, 61)), 6), (tuple(range(3, 60)), 4)])
+def test_the_mtp_layer_is_of_the_last_layers_kind(moe_layers: tuple[int, ...],
+                                                  moe_on_last: int) -> None:
+    # gpt_builders.py: "Use spec of the last layer in decoder block as spec of the
+    # transformer layer in MTP"; stage 7 holds layers 56..60 and the MTP layer
+    spec = SPEC.model_copy(update={"first_k_dense_replace": 0, "moe_layers": moe_layers})
+    ctx = _ctx(7, 1)
+    ctx = RankContext(spec, ctx.training, ctx.parallel, 7)
+    assert ctx.num_layers == 6 and ctx.shapes.num_moe_layers == moe_on_last

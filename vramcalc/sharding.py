@@ -236,7 +236,17 @@ def moe_layers_on_stage(spec: ModelSpec, chunks: tuple[tuple[int, ...], ...], st
     """MoE layers on pipeline rank `stage` (ModelSpec.is_moe_layer)."""
     if not spec.is_moe:
         return 0
-    return sum(1 for i in stage_layer_indices(chunks, stage) if spec.is_moe_layer(i))
+    return sum(stage_moe_mask(spec, chunks, stage))
+
+
+def stage_moe_mask(spec: ModelSpec, chunks: tuple[tuple[int, ...], ...],
+                   stage: int) -> tuple[bool, ...]:
+    """Whether each layer of pipeline rank `stage` is an MoE layer, in order. An MTP depth's
+    layer (an index past the decoder's, `pipeline_chunks`) is of the decoder's last layer's
+    kind: Megatron-LM d98e8a64 gpt_builders.py "Use spec of the last layer in decoder block
+    as spec of the transformer layer in MTP"."""
+    last = spec.num_hidden_layers - 1
+    return tuple(spec.is_moe_layer(min(i, last)) for i in stage_layer_indices(chunks, stage))
 
 
 def rank_shapes(spec: ModelSpec, parallel: ParallelConfig, stage: int = 0) -> RankShapes:
