@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from megatron_models import GPT_SMALL
 from test_catalog import DEEPSEEK_V3
 
 from vramcalc.cli import main
@@ -33,6 +34,7 @@ from vramcalc.rank import RankContext
 from vramcalc.terms.activations import microbatch_activation_bytes
 from vramcalc.terms.logits import logits_saved_bytes
 from vramcalc.terms.megatron_layer import megatron_layer_bytes
+from vramcalc.terms.megatron_mtp import mtp_saved
 from vramcalc.training import TrainingConfig
 
 SPEC = from_hf_config(DEEPSEEK_V3, "DeepSeek-V3 config.json")
@@ -118,3 +120,18 @@ def test_the_mtp_layer_is_of_the_last_layers_kind(moe_layers: tuple[int, ...],
     ctx = _ctx(7, 1)
     ctx = RankContext(spec, ctx.training, ctx.parallel, 7)
     assert ctx.num_layers == 6 and ctx.shapes.num_moe_layers == moe_on_last
+
+
+def test_fp8_keeps_eh_projs_input_in_one_byte() -> None:
+    # the calibration's small GPT (h 512) under --precision fp8 (TE): `_concat_embeddings`
+    # runs in the FP8 context, so eh_proj keeps its (s, b, 2h) input as 1-byte FP8 + a
+    # (1,) fp32 scale (one 512-byte block)
+    def saved(precision: str) -> int:
+        tr = TrainingConfig(seq_len=1024, micro_batch_size=4, precision=precision,
+                            framework="megatron")
+        ctx = RankContext(GPT_SMALL, tr, ParallelConfig(dp=1, mtp_layers=1))
+        return sum(t.nbytes for t in mtp_saved(ctx))
+
+    sbh = 1024 * 4 * 512
+    assert saved("bf16") == 6 * sbh * 2
+    assert saved("bf16") - saved("fp8") == 2 * sbh - 512  # 2 B -> 1 B over 2h, + the scale

@@ -39,10 +39,17 @@ def mtp_saved(ctx: RankContext) -> list[Saved]:
         return []
     x = dims(ctx)
     T, h, c = x.T, x.h, x.c
+    # FP8: `_concat_embeddings` runs in the FP8 context, so eh_proj (a TE linear) keeps its
+    # 1-byte copy and a (1,) fp32 scale_inverse (vramcalc/terms/lowprec.py, TE's rule)
+    fp8 = ctx.training.precision == "fp8"
+    eh = [Saved("mtp.eh_proj.input", 2 * T * h, "fp8" if fp8 else c, "(s, b, 2h)",
+                "cat(enorm, hnorm)", n)]
+    if fp8:
+        eh.append(Saved("mtp.eh_proj.scale_inv", 1, "fp32", "(1,)", "FP8 scale_inverse", n))
     return [Saved("mtp.enorm.input", T * h, c, "(s, b, h)", "embedding of the rolled tokens",
                   n),
             Saved("mtp.hnorm.input", T * h, c, "(s, b, h)", "the previous depth's output", n),
-            Saved("mtp.eh_proj.input", 2 * T * h, c, "(s, b, 2h)", "cat(enorm, hnorm)", n),
+            *eh,
             Saved("mtp.final_layernorm.input", T * h, c, "(s, b, h)", "the layer's output", n),
             Saved("mtp.output_layer.input", T * h, c, "(s, b, h)",
                   "this depth's chunk of the cat of all outputs", n)]
