@@ -42,9 +42,9 @@ H, V, T8 = 7168, 129_280, 8
 S, B = 4096, 1
 
 
-def _ctx(stage: int, mtp: int) -> RankContext:
+def _ctx(stage: int, mtp: int, recompute: str = "selective") -> RankContext:
     tr = TrainingConfig(seq_len=S, micro_batch_size=B, precision="bf16", framework="megatron",
-                        recompute="selective")
+                        recompute=recompute)
     par = ParallelConfig(dp=8, tp=8, pp=8, ep=8, sequence_parallel=True, last_stage_layers=5,
                          mtp_layers=mtp)
     return RankContext(SPEC, tr, par, stage)
@@ -88,8 +88,12 @@ def test_one_more_loss_per_depth() -> None:
 
 @pytest.mark.parametrize(("extra", "needle"),
                          [(["--framework", "reference"], "--framework megatron"),
-                          (["--framework", "megatron", "--recompute", "full"],
-                           "full-recompute")])
+                          (["--framework", "megatron", "--recompute", "full",
+                            "--recompute-method", "block", "--recompute-num-layers", "1"],
+                           "each MTP depth alone"),
+                          (["--framework", "megatron", "--recompute", "full",
+                            "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+                           "each MTP depth alone")])
 def test_refusals_are_one_line(capsys: Any, extra: list[str], needle: str) -> None:
     assert main(["estimate", "--model", "8b", "--mtp-layers", "1", *extra]) == 2
     err = capsys.readouterr().err
@@ -135,3 +139,13 @@ def test_fp8_keeps_eh_projs_input_in_one_byte() -> None:
     sbh = 1024 * 4 * 512
     assert saved("bf16") == 6 * sbh * 2
     assert saved("bf16") - saved("fp8") == 2 * sbh - 512  # 2 B -> 1 B over 2h, + the scale
+
+
+def test_full_recompute_keeps_the_checkpoints_inputs_and_the_output_chunk() -> None:
+    # `_checkpointed_forward` (uniform, one layer): the checkpoint keeps the depth's hidden
+    # states and the embedding; the output layer its chunk of the cat: 3 (s/t, b, h) bf16
+    tokens = S * B // T8
+    full = microbatch_activation_bytes(_ctx(7, 1, "full"))
+    assert full - microbatch_activation_bytes(_ctx(7, 0, "full")) == 3 * tokens * H * 2
+    assert main(["estimate", "--model", "8b", "--framework", "megatron", "--recompute", "full",
+                 "--mtp-layers", "1"]) == 0

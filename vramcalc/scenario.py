@@ -149,10 +149,14 @@ class Scenario(BaseModel):
                     or self.model.is_encoder_decoder):
             raise InputError(f"--mtp-layers {mtp}: multi-token prediction is modelled for "
                              "Megatron-LM (--framework megatron) decoders only")
-        if mtp and self.training.recompute == "full":
-            raise InputError(f"--mtp-layers {mtp}: the MTP block's own full-recompute "
-                             "checkpoint is not modelled yet; give --recompute selective "
-                             "or none")
+        tr = self.training
+        if mtp and tr.recompute == "full" and (tr.recompute_method == "block" or (
+                tr.recompute_num_layers or 1) != 1):
+            # multi_token_prediction.py `_checkpointed_forward`: uniform asserts
+            # recompute_num_layers == 1; block skips the MTP layers' recompute
+            raise InputError(f"--mtp-layers {mtp}: Megatron-LM checkpoints each MTP depth "
+                             "alone (--recompute-method uniform, --recompute-num-layers 1); "
+                             "other full-recompute plans are not modelled with MTP")
         if self.model.parallel_residual and self.training.framework not in (
                 "reference", "lightning"):
             raise InputError(f"{self.model.name}: parallel attention + MLP blocks are "

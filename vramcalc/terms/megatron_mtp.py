@@ -32,6 +32,12 @@ def mtp_saved(ctx: RankContext) -> list[Saved]:
       the output layer keeps each chunk as its input, views of the one cat storage: T·h
       more per depth (the main loss's chunk replaces the decoder output it kept alone).
 
+    Under `--recompute full` (`forward`: recompute_granularity == 'full' ->
+    `_checkpointed_forward`, uniform with one layer) one `tensor_parallel.checkpoint` runs
+    `_proj_and_transformer_layer` (the concat, eh_proj, the layer and the final norm) and
+    keeps its inputs: the depth's hidden states (its layer's checkpoint input, counted in
+    the layer) and the embedding (enorm's input); the output layer still keeps its chunk.
+
     The norms' fp32 statistics and the embedding dropout's mask are not counted, as for the
     decoder (methodology §4)."""
     n = mtp_depths(ctx)
@@ -39,6 +45,11 @@ def mtp_saved(ctx: RankContext) -> list[Saved]:
         return []
     x = dims(ctx)
     T, h, c = x.T, x.h, x.c
+    out_chunk = Saved("mtp.output_layer.input", T * h, c, "(s, b, h)",
+                      "this depth's chunk of the cat of all outputs", n)
+    if ctx.training.recompute == "full":
+        return [Saved("mtp.checkpoint.decoder_input", T * h, c, "(s, b, h)",
+                      "embedding of the rolled tokens, a checkpoint input", n), out_chunk]
     # FP8: `_concat_embeddings` runs in the FP8 context, so eh_proj (a TE linear) keeps its
     # 1-byte copy and a (1,) fp32 scale_inverse (vramcalc/terms/lowprec.py, TE's rule)
     fp8 = ctx.training.precision == "fp8"
@@ -51,5 +62,4 @@ def mtp_saved(ctx: RankContext) -> list[Saved]:
             Saved("mtp.hnorm.input", T * h, c, "(s, b, h)", "the previous depth's output", n),
             *eh,
             Saved("mtp.final_layernorm.input", T * h, c, "(s, b, h)", "the layer's output", n),
-            Saved("mtp.output_layer.input", T * h, c, "(s, b, h)",
-                  "this depth's chunk of the cat of all outputs", n)]
+            out_chunk]
