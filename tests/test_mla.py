@@ -132,7 +132,7 @@ def _write(tmp_path: Path, cfg: dict[str, Any]) -> str:
 @pytest.mark.parametrize(
     ("extra", "missing"),
     [
-        (["--framework", "megatron"], "the megatron profile"),
+        (["--framework", "megatron", "--cp", "2", "--gpus", "2xH100"], "cp=2"),
         (["--framework", "hf"], "the hf profile"),
         (["--framework", "torchtitan", "--precision", "fp32"], "the torchtitan profile"),
         (["--tp", "2", "--gpus", "2xH100"], "tp=2"),

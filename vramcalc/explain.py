@@ -225,12 +225,13 @@ def megatron_tensor_lines(ctx: RankContext) -> list[str]:
     x = dims(ctx)
     moe = mostly_moe(ctx)
     sp = " with sequence parallelism" if ctx.parallel.sequence_parallel else ""
-    out = [f"  Korthikanti et al. 2022 Table 2 (s={x.s}, b={x.b}, h={x.h}, "
+    mla = " with Megatron-LM's multi-latent attention rows" if ctx.spec.is_mla else ""
+    out = [f"  Korthikanti et al. 2022 Table 2{mla} (s={x.s}, b={x.b}, h={x.h}, "
            f"a={ctx.spec.num_attention_heads}, t={ctx.parallel.tp}{sp}; sizes in bytes, 2 sbh "
            "= one 16-bit (s, b, h) tensor; replicated ones ÷t only with sequence "
            "parallelism):"]
     for name, size, nbytes in megatron_layer_tensors(ctx, moe):
-        out.append(f"  {name:<42} {size:<22} {nbytes / GB:,.3f} GB")
+        out.append(f"  {name:<44} {size:<22} {nbytes / GB:,.3f} GB")
     return out
 
 

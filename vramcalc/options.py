@@ -257,6 +257,11 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         group="parallel"),
     Opt("loss_in_split", bool, False, "Count the loss as one layer of the last pipeline "
         "stage (Megatron-LM --account-for-loss-in-pipeline-split).", group="parallel"),
+    Opt("mtp_layers", int, None, "Multi-token prediction depths (Megatron-LM "
+        "--mtp-num-layers; megatron profile): each adds one transformer layer, two norms, "
+        "the (2h -> h) eh_proj, a final norm and a second loss over the shared output layer "
+        "to the last pipeline stage, which also holds the embedding. Default 0.",
+        group="parallel"),
     Opt("num_microbatches", int, None, "Micro-batches per step for pipeline parallelism "
         "(default: --grad-accum).", group="parallel"),
     Opt("capacity_factor", float, 1.0, "MoE token capacity factor.", group="parallel"),
@@ -275,7 +280,7 @@ _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "pr
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",
                   "fsdp_impl", "shard_group", "offload_device", "pp_schedule", "virtual_stages",
                   "first_stage_layers", "last_stage_layers", "embedding_in_split",
-                  "loss_in_split", "num_microbatches", "capacity_factor")
+                  "loss_in_split", "mtp_layers", "num_microbatches", "capacity_factor")
 
 
 def check_choice(opt: Opt, value: str) -> str:

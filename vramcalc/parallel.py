@@ -61,6 +61,8 @@ class ParallelConfig(BaseModel):
     last_stage_layers: int | None = Field(None, gt=0, le=1_000_000)
     embedding_in_split: bool = False
     loss_in_split: bool = False
+    # Megatron-LM --mtp-num-layers: multi-token-prediction depths on the last pipeline stage
+    mtp_layers: int = Field(0, ge=0, le=64, exclude_if=lambda v: v == 0)
     num_microbatches: int | None = Field(None, gt=0, le=10_000_000)
     global_batch_size: int | None = Field(None, gt=0, le=1_000_000_000)
     capacity_factor: float = Field(1.0, gt=0, le=100)

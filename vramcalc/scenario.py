@@ -21,8 +21,13 @@ def mla_unsupported(scn: Scenario) -> str | None:
     """What of this scenario multi-latent attention's saved-tensor table
     (vramcalc/terms/saved_layers.py `mla_saved`) does not cover yet, or None."""
     tr, par = scn.training, scn.parallel
+    if tr.framework == "megatron":  # vramcalc/terms/megatron_mla.py: TE flash, any TP / SP
+        return next((piece for piece, on in (
+            (f"cp={par.cp}", par.cp > 1), ("--attention eager", tr.attention == "eager"),
+            ("fine-tuning", tr.finetune != "full"),
+            ("FP8 / quantization-aware training", tr.precision == "fp8" or tr.qat != "none"))
+            if on), None)
     why = {"hf": "transformers' DeepseekV3 attention is not traced yet",
-           "megatron": "megatron_layer.py has no MLA layer formula yet",
            "torchtitan": "the torchtitan model has no MLA"}
     if tr.framework in why:
         return f"the {tr.framework} profile ({why[tr.framework]})"
@@ -130,10 +135,28 @@ class Scenario(BaseModel):
         their own fused optimizers) and the allocator's expandable segments (the stack's)."""
         if self.model.is_mla:
             missing = mla_unsupported(self)
+            if missing and self.training.framework == "megatron":
+                raise InputError(f"{self.model.name}: multi-latent attention's activations are "
+                                 "modelled for --framework megatron with TE flash attention, "
+                                 "tensor and sequence parallelism, 16/32-bit full training, "
+                                 f"so far; not {missing}")
             if missing:
                 raise InputError(f"{self.model.name}: multi-latent attention's activations are "
                                  "modelled for --framework reference on one tensor/context-"
                                  f"parallel rank, full training, so far; not {missing}")
+        mtp = self.parallel.mtp_layers
+        if mtp and (self.training.framework != "megatron" or self.model.is_encoder
+                    or self.model.is_encoder_decoder):
+            raise InputError(f"--mtp-layers {mtp}: multi-token prediction is modelled for "
+                             "Megatron-LM (--framework megatron) decoders only")
+        tr = self.training
+        if mtp and tr.recompute == "full" and (tr.recompute_method == "block" or (
+                tr.recompute_num_layers or 1) != 1):
+            # multi_token_prediction.py `_checkpointed_forward`: uniform asserts
+            # recompute_num_layers == 1; block skips the MTP layers' recompute
+            raise InputError(f"--mtp-layers {mtp}: Megatron-LM checkpoints each MTP depth "
+                             "alone (--recompute-method uniform, --recompute-num-layers 1); "
+                             "other full-recompute plans are not modelled with MTP")
         if self.model.parallel_residual and self.training.framework not in (
                 "reference", "lightning"):
             raise InputError(f"{self.model.name}: parallel attention + MLP blocks are "

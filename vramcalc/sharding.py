@@ -203,8 +203,15 @@ def chunk_layers(num_layers: int, pp: int, v: int = 1, first: int | None = None,
 def pipeline_chunks(spec: ModelSpec, parallel: ParallelConfig) -> tuple[tuple[int, ...], ...]:
     """`chunk_layers` of a model under a layout (`out[j][r]`: chunk j of rank r)."""
     p = parallel
-    return chunk_layers(spec.num_hidden_layers, p.pp, p.pp_chunks, p.first_stage_layers,
-                        p.last_stage_layers, p.embedding_in_split, p.loss_in_split)
+    chunks = chunk_layers(spec.num_hidden_layers, p.pp, p.pp_chunks, p.first_stage_layers,
+                          p.last_stage_layers, p.embedding_in_split, p.loss_in_split)
+    if not p.mtp_layers:
+        return chunks
+    # Megatron-LM's MTP block is built on the last pipeline rank's last virtual chunk
+    # (multi_token_prediction.py `mtp_on_this_rank`), each depth one more transformer layer
+    # numbered after the decoder's (`get_mtp_layer_offset`)
+    last = chunks[-1][:-1] + (chunks[-1][-1] + p.mtp_layers,)
+    return chunks[:-1] + (last,)
 
 
 def stage_layers(spec: ModelSpec, parallel: ParallelConfig, stage: int) -> int:
@@ -229,18 +236,28 @@ def moe_layers_on_stage(spec: ModelSpec, chunks: tuple[tuple[int, ...], ...], st
     """MoE layers on pipeline rank `stage` (ModelSpec.is_moe_layer)."""
     if not spec.is_moe:
         return 0
-    return sum(1 for i in stage_layer_indices(chunks, stage) if spec.is_moe_layer(i))
+    return sum(stage_moe_mask(spec, chunks, stage))
+
+
+def stage_moe_mask(spec: ModelSpec, chunks: tuple[tuple[int, ...], ...],
+                   stage: int) -> tuple[bool, ...]:
+    """Whether each layer of pipeline rank `stage` is an MoE layer, in order. An MTP depth's
+    layer (an index past the decoder's, `pipeline_chunks`) is of the decoder's last layer's
+    kind: Megatron-LM d98e8a64 gpt_builders.py "Use spec of the last layer in decoder block
+    as spec of the transformer layer in MTP"."""
+    last = spec.num_hidden_layers - 1
+    return tuple(spec.is_moe_layer(min(i, last)) for i in stage_layer_indices(chunks, stage))
 
 
 def rank_shapes(spec: ModelSpec, parallel: ParallelConfig, stage: int = 0) -> RankShapes:
     """The tensors pipeline rank `stage` holds (cached on the degrees that matter)."""
     return _rank_shapes(spec, parallel.tp, pipeline_chunks(spec, parallel), parallel.ep, stage,
-                        parallel.expert_tp)
+                        parallel.expert_tp, parallel.mtp_layers)
 
 
 @lru_cache(maxsize=4096)
 def _rank_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ...], ep: int,
-                 stage: int, etp: int | None = None) -> RankShapes:
+                 stage: int, etp: int | None = None, mtp: int = 0) -> RankShapes:
     """Routed experts split over the expert-TP group (`etp`, Megatron-LM's
     --expert-tensor-parallel-size: moe/experts.py builds them on `pg_collection.expt_tp`),
     everything else (shared experts included) over `tp`."""
@@ -265,7 +282,30 @@ def _rank_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ...], 
         if count:
             out.append(RankTensor(name=t.name, numel=numel, count=count, group=t.group,
                                   rows=rows))
+    if mtp and last:
+        out += mtp_tensors(spec, tp, mtp, first)
     return RankShapes(tensors=tuple(out), num_layers=n_layers, num_moe_layers=n_moe)
+
+
+def mtp_tensors(spec: ModelSpec, tp: int, depths: int, first: bool) -> list[RankTensor]:
+    """The multi-token-prediction modules' own tensors on the last pipeline rank, beyond
+    their transformer layers (counted as layers of the stage, `pipeline_chunks`):
+    NVIDIA/Megatron-LM d98e8a64 multi_token_prediction.py MultiTokenPredictionLayer.__init__
+    builds per depth enorm and hnorm (h each), eh_proj (2h -> h, column-parallel: the h
+    output rows ÷ tp, no bias) and final_layernorm (h); the output layer is shared with the
+    main model's. gpt_model.py GPTModel.__init__ builds the embedding wherever
+    `pre_process or self.mtp_process`, so a last rank that is not the first holds its own
+    (V/tp, h) copy (untied models too; tied ones hold it already)."""
+    h = spec.hidden_size
+    norms = 3 * (2 if spec.norm_bias else 1)  # enorm, hnorm, final_layernorm (+ biases)
+    out = [RankTensor(name="mtp.norms", numel=h, count=norms * depths, group="head"),
+           RankTensor(name="mtp.eh_proj.weight", numel=ceil_div(h, tp) * 2 * h, count=depths,
+                      group="head", rows=ceil_div(h, tp))]
+    if not first and not spec.tie_word_embeddings:
+        rows = ceil_div(spec.vocab_size, tp)
+        out.append(RankTensor(name="embed_tokens", numel=rows * h, count=1, group="embedding",
+                              rows=rows))
+    return out
 
 
 def rank_tensors(spec: ModelSpec, parallel: ParallelConfig, stage: int = 0) -> tuple[RankTensor, ...]:

@@ -15,6 +15,7 @@ from vramcalc.terms import moments as mo
 from vramcalc.terms import torchtitan as tt
 from vramcalc.terms import torchtune as ttn
 from vramcalc.terms.megatron_layer import megatron_layer_bytes
+from vramcalc.terms.megatron_mtp import mtp_saved
 from vramcalc.terms.megatron_recompute import LayerPlan, layer_plan
 from vramcalc.terms.modifiers import modifiers
 from vramcalc.terms.saved import Moment, Saved, first_layer_moe, mostly_moe
@@ -188,7 +189,7 @@ def head_saved(ctx: RankContext) -> list[Saved]:
     out = plain_head_saved(ctx)
     for m in modifiers(ctx):
         out = m.head_saved(ctx, out)
-    return out
+    return out + mtp_saved(ctx)
 
 
 def microbatch_activation_bytes(ctx: RankContext) -> int:

@@ -45,6 +45,7 @@ from vramcalc.terms.lowmem import (
     chunked_saved_bytes,
     head_input_split,
 )
+from vramcalc.terms.megatron_mtp import mtp_depths
 from vramcalc.terms.saved import dims
 from vramcalc.units import ALLOC_ROUND_BYTES, alloc
 
@@ -96,9 +97,23 @@ def _megatron_c_logits_bytes(ctx: RankContext) -> int:
     return 0 if c == "fp32" else alloc(_nv(ctx), c)
 
 
-def _megatron_saved_bytes(ctx: RankContext) -> int:
+def _megatron_one_loss_bytes(ctx: RankContext) -> int:
     """fp32 softmax (N·V'·4) + the small (N) vectors + loss and token count (0-dim)."""
     return alloc(_nv(ctx), "fp32") + _megatron_small_bytes(ctx) + 2 * ALLOC_ROUND_BYTES
+
+
+def _megatron_mtp_losses_bytes(ctx: RankContext) -> int:
+    """What the multi-token-prediction losses keep (`--mtp-layers`): Megatron-LM d98e8a64
+    multi_token_prediction.py `process_mtp_loss` runs the shared output layer and
+    `compute_language_model_loss` (the same vocab-parallel cross entropy) once per depth
+    before the main loss and attaches each loss to the hidden states (MTPLossAutoScaler),
+    so every depth's saved set is held through the main loss's forward and backward."""
+    return mtp_depths(ctx) * _megatron_one_loss_bytes(ctx)
+
+
+def _megatron_saved_bytes(ctx: RankContext) -> int:
+    """The main loss's saved set and the MTP depths' (`_megatron_mtp_losses_bytes`)."""
+    return _megatron_one_loss_bytes(ctx) + _megatron_mtp_losses_bytes(ctx)
 
 
 def _megatron_forward_peak_bytes(ctx: RankContext) -> int:
@@ -117,6 +132,7 @@ def _megatron_backward_peak_bytes(ctx: RankContext) -> int:
     x = dims(ctx)
     n = x.b * x.s
     return (alloc(_nv(ctx), "fp32") + _megatron_c_logits_bytes(ctx)
+            + _megatron_mtp_losses_bytes(ctx)
             + _megatron_small_bytes(ctx) + 2 * alloc(n, "fp32") + alloc(n, "int64")
             + 3 * ALLOC_ROUND_BYTES)
 

@@ -5,7 +5,10 @@ The per-layer recompute plan is vramcalc/terms/megatron_recompute.py."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vramcalc.rank import RankContext
+from vramcalc.terms.megatron_mla import megatron_mla_tensors
 from vramcalc.terms.saved import dims
 from vramcalc.units import alloc, ceil_div
 
@@ -73,10 +76,16 @@ def megatron_layer_bytes(ctx: RankContext, moe: bool = False) -> int:
     2 -> 1 and fc2's input 2f/h -> f/h (sharded), each with a (1,) fp32 scale_inverse.
     The norms' inputs, Q, K, V, the core and the activation's input stay bf16.
 
+    Multi-latent attention (DeepSeek-V2/V3) swaps the attention rows for
+    vramcalc/terms/megatron_mla.py's (`megatron_layer_tensors`, summed here).
+
     Not modelled: grouped-query attention and RoPE keep Table 2's 6 sbh for Q, K and V
     (Megatron splits one fused (s, b, (a + 2g)·d) QKV output into views and rotates q and k
     into new tensors; which of those storages stay alive with fewer KV heads is not derived).
     """
+    if ctx.spec.is_mla and ctx.training.recompute != "full":
+        # multi-latent attention: vramcalc/terms/megatron_mla.py's rows with Table 2's MLP
+        return int(sum(nbytes for _, _, nbytes in megatron_layer_tensors(ctx, moe)))
     x = dims(ctx)
     s, b, h, t = x.s, x.b, x.h, ctx.parallel.tp
     a = ctx.spec.num_attention_heads
@@ -216,6 +225,9 @@ def megatron_layer_tensors(ctx: RankContext, moe: bool = False) -> list[tuple[st
     def shard(coef: float) -> float:
         return sbh * coef / t
 
+    if ctx.spec.is_mla:  # MLASelfAttention's rows (FP8 and the eager core are refused)
+        out = megatron_mla_tensors(ctx, drop) + _mlp_rows(ctx, moe, rep, shard, g8, drop)
+        return out
     out = [("input_layernorm input", "2 sbh", rep(2)),
            ("QKV GEMM input", f"{g8} sbh", rep(g8)),
            ("Q, K (QK^T inputs)", "4 sbh", shard(4)),
@@ -234,7 +246,20 @@ def megatron_layer_tensors(ctx: RankContext, moe: bool = False) -> list[tuple[st
     out.append(("output projection input", f"{g8} sbh", shard(g8)))
     if drop:
         out.append(("bias-dropout-add mask (attention)", "sbh", rep(1)))
-    out.append(("pre_mlp_layernorm input", "2 sbh", rep(2)))
+    out += _mlp_rows(ctx, moe, rep, shard, g8, drop)
+    if fp8:
+        out.append(("FP8 scale_inverse of the 4 GEMM inputs", "4 x (1,) fp32",
+                    float(4 * alloc(1, "fp32"))))
+    return out
+
+
+def _mlp_rows(ctx: RankContext, moe: bool, rep: Callable[[float], float],
+              shard: Callable[[float], float], g8: int,
+              drop: bool) -> list[tuple[str, str, float]]:
+    """Table 2's MLP rows (pre-MLP norm to the MLP's bias-dropout-add mask), or an MoE
+    layer's router input and `megatron_moe_bytes`."""
+    h = ctx.spec.hidden_size
+    out = [("pre_mlp_layernorm input", "2 sbh", rep(2))]
     if moe:
         out.append(("router input", "2 sbh", rep(2)))
     else:
@@ -250,7 +275,4 @@ def megatron_layer_tensors(ctx: RankContext, moe: bool = False) -> list[tuple[st
     if moe:
         out.append(("experts: router, dispatch, expert MLPs", "megatron_moe_bytes",
                     float(megatron_moe_bytes(ctx))))
-    if fp8:
-        out.append(("FP8 scale_inverse of the 4 GEMM inputs", "4 x (1,) fp32",
-                    float(4 * alloc(1, "fp32"))))
     return out

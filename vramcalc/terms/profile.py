@@ -10,7 +10,7 @@ from functools import lru_cache
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
-from vramcalc.sharding import pipeline_chunks, stage_layer_indices
+from vramcalc.sharding import pipeline_chunks, stage_moe_mask
 from vramcalc.terms import activations as act
 from vramcalc.terms import logits as lg
 from vramcalc.terms import moments as mo
@@ -83,8 +83,7 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
              stage: int) -> Profile:
     ctx = RankContext(spec, training, parallel, stage)
     n_dense, dense, n_moe, moe = act.stage_layer_bytes(ctx)
-    indices = stage_layer_indices(pipeline_chunks(spec, parallel), stage)
-    mask = tuple(spec.is_moe_layer(i) for i in indices)
+    mask = stage_moe_mask(spec, pipeline_chunks(spec, parallel), stage)
     top_moe, bottom_moe = bool(mask) and mask[-1], bool(mask) and mask[0]
     return Profile(
         n_dense=n_dense, dense_layer=dense, n_moe=n_moe, moe_layer=moe, moe_mask=mask,

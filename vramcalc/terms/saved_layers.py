@@ -101,8 +101,8 @@ def mla_saved(ctx: RankContext, x: Dims) -> list[Saved]:
 
     The rotary halves and `torch.cat` keep nothing (their backward needs only cos/sin and
     sizes); v (b, a, s, dv) is padded to d so the fused kernel runs with equal head dims, as
-    transformers' flash integration and Megatron-LM's MLA do, and the output is cropped
-    back to dv: the crop is strided, so o_proj's input is a copy."""
+    transformers' flash integration does (Megatron-LM pads only THD packing), and the
+    output is cropped back to dv: the crop is strided, so o_proj's input is a copy."""
     spec = ctx.spec
     T, c = x.T, x.c
     qr, kr = spec.q_lora_rank, spec.kv_lora_rank or 0
