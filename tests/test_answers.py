@@ -69,3 +69,24 @@ def test_tables_fit_the_terminal_and_never_cut_numbers(args: list[str], columns:
     out = _cli(args, columns)
     assert "…" not in out
     assert max(len(line) for line in out.splitlines()) <= columns
+
+
+def test_text_columns_fold_at_words_not_inside_them() -> None:
+    """Two text columns (layout, sharding) whose words all fit: folding them must split at
+    spaces, never inside 'dp2×tp2×pp8×cp2' or a number of the last column."""
+    from rich.console import Console
+
+    from vramcalc.render.tables import Column, fitted_table
+
+    cols = [Column("#"), Column("layout", wrap=True), Column("ZeRO/FSDP", wrap=True),
+            Column("recompute"), Column("free", "right")]
+    rows = [["1", "dp2×tp2×pp8×cp2 sp", "fsdp grad-op", "none", "2.2"],
+            ["2", "dp2×tp4×pp4×cp2 sp", "zero-1", "none", "9.1"]]
+    for width in range(50, 66):  # 50: the longest words and numbers side by side
+        table, dropped = fitted_table("t", cols, rows, width)
+        console = Console(width=width, record=True, color_system=None)
+        console.print(table)
+        out = console.export_text()
+        assert not dropped
+        assert "dp2×tp2×pp8×cp2" in out and "dp2×tp4×pp4×cp2" in out, (width, out)
+        assert " 2.2" in out and " 9.1" in out, (width, out)

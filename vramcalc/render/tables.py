@@ -54,10 +54,15 @@ def fitted_table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[
         keep.remove(i)
         dropped.append(columns[i].name)
     table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    # whole cells when they fit; else the text columns fold at their longest word, so rich
+    # never has to cut a number or fold a word
+    natural = sum(max([len(_plain(r[i])) for r in rows] + [len(columns[i].name)])
+                  for i in keep) + _GAP * (len(keep) - 1)
     for i in keep:
         c = columns[i]
-        table.add_column(c.name, justify=c.justify, no_wrap=not c.wrap,
-                         overflow="fold", min_width=None if c.wrap else widths[i])
+        table.add_column(c.name, justify=c.justify, no_wrap=not c.wrap, overflow="fold",
+                         min_width=widths[i] if not c.wrap or natural > width else None,
+                         max_width=widths[i] if c.wrap and natural > width else None)
     for r in rows:
         table.add_row(*(r[i] for i in keep))
     return table, dropped
