@@ -276,3 +276,23 @@ def test_plan_proposes_torchtitan_layouts_only() -> None:
         assert par.tp == 1 or par.sequence_parallel
         assert (par.fsdp == "grad-op") == (par.pp > 1)
         assert e.scenario.training.precision == "amp-bf16"
+
+
+def test_plan_defaults_to_torchtitans_own_run() -> None:
+    """Without --precision the stack's mixed precision (torchtitan 9dec370 config_manager.py:
+    mixed_precision_param bfloat16 over fp32 parameters); without pipelining its data
+    parallelism is FSDP2 full sharding (data_parallel_shard_degree -1), so `plan` must offer
+    dp8 with --fsdp full, also when --fsdp full is pinned."""
+    from vramcalc.cli.plan import prepare_plan
+    from vramcalc.planner import search
+
+    for pinned in ({}, {"fsdp": "full", "pp": 1}):
+        base, req, _ = prepare_plan({"model": "llama3.1-8b", "gpus": "8xH100",
+                                     "framework": "torchtitan", "seq_len": 4096, **pinned},
+                                    top=50)
+        entries = search(base, req).entries
+        assert base.training.precision == "amp-bf16"
+        assert any(e.scenario.parallel.fsdp == "full" and e.scenario.parallel.pp == 1
+                   and e.scenario.parallel.dp_degree == 8 for e in entries)
+    assert build_scenario({"model": "8b", "gpus": "1xA100-80GB",
+                           "framework": "torchtune"}).training.precision == "bf16-pure"

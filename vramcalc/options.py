@@ -75,9 +75,10 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "sequence, the labels the LM head scores. Default: --seq-len."),
     Opt("micro_batch_size", int, 1, "Sequences per micro-batch per data-parallel rank."),
     Opt("grad_accum", int, 1, "Gradient-accumulation micro-steps per optimizer step."),
-    Opt("precision", str, "bf16", "fp32 | amp-bf16 | amp-fp16 (autocast, fp32 weights) | "
+    Opt("precision", str, None, "fp32 | amp-bf16 | amp-fp16 (autocast, fp32 weights) | "
         "bf16 | fp16 (16-bit weights+grads, fp32 master) | bf16-pure | fp8 (Transformer "
-        "Engine FP8 block linears, bf16 weights + fp32 master; FP8-capable GPUs).", PRECISIONS),
+        "Engine FP8 block linears, bf16 weights + fp32 master; FP8-capable GPUs). Default: "
+        "the stack's (torchtitan amp-bf16, torchtune bf16-pure), else bf16.", PRECISIONS),
     Opt("optimizer", str, "adamw", "adamw | adam | sgd | sgd-momentum | lion | adafactor | "
         "adamw-8bit | paged-adamw | paged-adamw-8bit (bitsandbytes; paged states live in "
         "unified memory, reported as overhead).", OPTIMIZERS),
@@ -269,6 +270,11 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "(0.05 = 5%).", group="cluster"),
 )
 OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
+# a stack's precision when --precision is not given: torchtitan's FSDP2 mixed precision
+# (fp32 parameters, bf16 compute: torchtitan 9dec370 config_manager.py
+# mixed_precision_param bfloat16), torchtune's `dtype: bf16` (no fp32 master copy)
+STACK_PRECISION = {"torchtitan": "amp-bf16", "torchtune": "bf16-pure"}
+
 _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
                   "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "kbit_prepare", "recompute_method",
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "lora_embedding", "lora_head", "modules_to_save", "dropout",
@@ -374,6 +380,8 @@ def normalize_values(values: dict[str, Any]) -> dict[str, Any]:
         if v is not None and opt.choices:
             v = check_choice(opt, v)
         out[key] = v
+    if out.get("precision") is None:  # the stack's own default
+        out["precision"] = STACK_PRECISION.get(out.get("framework") or "reference", "bf16")
     for opt in SCENARIO_OPTIONS:
         out.setdefault(opt.name, parse_offload(opt.default) if opt.name == "offload"
                        else opt.default)

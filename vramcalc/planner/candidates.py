@@ -159,7 +159,7 @@ def _pick(pinned: Mapping[str, Any], key: str, values: Iterable[Any]) -> list[An
 
 
 def _shardings(dp: int, cp: int, tp: int, pp: int, ep: int, gpn: int,
-               pinned: Mapping[str, Any]) -> list[Sharding]:
+               pinned: Mapping[str, Any], fsdp_only: bool = False) -> list[Sharding]:
     """(zero, fsdp, shard_group, shard_stage) options for this data-parallel size.
 
     ZeRO 0-3 without pipelining; with pipelining ZeRO 0-1 and FSDP shard-grad-op / full
@@ -168,8 +168,8 @@ def _shardings(dp: int, cp: int, tp: int, pp: int, ep: int, gpn: int,
     """
     opts: list[Sharding] = [(0, "none", None, 0), (1, "none", None, 1)]  # dp 1: for offload
     if dp > 1:
-        if pp == 1:
-            opts += [(2, "none", None, 2), (3, "none", None, 3)]
+        if pp == 1:  # torchtitan (fsdp_only): FSDP2 full; its ZeRO stages are refused
+            opts += [(0, "full", None, 3)] if fsdp_only else [(2, "none", None, 2), (3, "none", None, 3)]
         else:
             opts += [(0, "grad-op", None, 2), (0, "full", None, 3)]
         per_node = gpn // (tp * cp) if tp * cp <= gpn else 0
@@ -392,7 +392,8 @@ class Enumerator:
         spec, training, cluster = self.base.model, self.base.training, self.base.cluster
         assert cluster is not None
         hit = []
-        for sh in _shardings(dp, cp, tp, pp, ep, cluster.gpus_per_node, self.req.pinned):
+        for sh in _shardings(dp, cp, tp, pp, ep, cluster.gpus_per_node, self.req.pinned,
+                             training.framework == "torchtitan"):
             for off in _offloads(sh[3], self.allow_off, self.req.pinned):
                 if dp == 1 and sh[0] == 1 and not off and not self.zero_pinned:
                     continue

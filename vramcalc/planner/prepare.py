@@ -92,7 +92,7 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
     if "offload" in pinned:
         pinned["offload"] = tuple(pinned["offload"])
     values.setdefault("headroom", DEFAULT_HEADROOM)
-    if values.get("framework") == "torchtitan" and "fsdp" not in searched:
+    if values.get("framework") == "torchtitan":
         # the base layout only has to be one torchtitan runs (its bf16 compute needs FSDP2);
         # the search varies the sharding anyway
         values["fsdp"] = "full"
