@@ -10,7 +10,8 @@ loss eager; float8.py `Float8Handler.convert_to_float8_training` swaps every nn.
 torchao/float8/float8_linear.py: dynamic tensorwise casts of input and weight to e4m3,
 `manual_float8_matmul_with_args_in_float8` saving both, the output's gradient cast to e5m2
 in backward), with `enable_fsdp_float8_all_gather` off by default (config_manager.py
---float8.enable_fsdp_float8_all_gather: store_true), so FSDP2 all-gathers bf16 weights.
+--float8.enable_fsdp_float8_all_gather: store_true), so FSDP2 all-gathers bf16 weights
+(--float8-all-gather: fp8 gathers, vramcalc/terms/float8_fsdp.py).
 
 Under torch.compile the forward keeps what AOTAutograd's min-cut partitioner picks, not
 what each autograd function saves eagerly. vramcalc/trace/compiled.py `compiled_saved`
