@@ -105,3 +105,86 @@ def test_refused_without_float8_fsdp_or_torchtitan(flags: list[str], words: str,
     code = main(args)
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and words in err and err.count("\n") == 1
+
+
+def _partitioned_gathered(kv_heads: int, s: int, b: int = 2) -> list[object]:
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    from tests.test_titan_compile import SMALL
+    from vramcalc.trace.compiled import compiled_saved
+    from vramcalc.trace.titan_float8 import convert_to_float8
+    from vramcalc.trace.titan_model import TransformerBlock
+
+    spec = SMALL.model_copy(update={"num_key_value_heads": kv_heads})
+    with FakeTensorMode():
+        blk = convert_to_float8(TransformerBlock(spec, "none", dtype=torch.bfloat16), True)
+        named = [*blk.named_parameters(), *blk.named_buffers()]
+        names = [n for n, _ in named]
+        x = torch.randn(b, s, spec.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        fc = torch.randn(s, spec.head_size // 2, dtype=torch.complex64)
+
+        def fn(x: object, fc: object, *ps: object) -> object:
+            return functional_call(blk, dict(zip(names, ps, strict=True)), (x, fc))
+
+        return compiled_saved(fn, x, fc, *[t for _, t in named])
+
+
+@pytest.mark.parametrize(("kv_heads", "s"), [(2, 64), (8, 64), (2, 256)])
+def test_compiled_block_with_gathered_fp8_weights_equals_the_partition(kv_heads: int,
+                                                                       s: int) -> None:
+    # the Float8Linear of vramcalc/trace/titan_float8.py fed the gathered fp8 data and scale
+    # (fsdp_post_all_gather's Float8Tensor: no weight cast): what torch's min-cut partition
+    # keeps, each its own 512 B block, the block input counted, freqs_cis a view
+    torch = pytest.importorskip("torch")
+    from tests.test_titan_compile import SMALL
+    from vramcalc.terms import torchtitan as tt
+    from vramcalc.units import alloc
+
+    b = 2
+    spec = SMALL.model_copy(update={"num_key_value_heads": kv_heads})
+    saved = _partitioned_gathered(kv_heads, s, b)
+    x_shape = (b, s, spec.hidden_size)
+    traced = sum(alloc(t.nbytes, "int8") for t in saved  # type: ignore[attr-defined]
+                 if (not t.is_input or t.shape == x_shape)  # type: ignore[attr-defined]
+                 and t.dtype != torch.complex64)  # type: ignore[attr-defined]
+    fp8 = [t for t in saved if t.dtype == torch.float8_e4m3fn]  # type: ignore[attr-defined]
+    assert len(fp8) == 7  # one column-major copy per Float8Linear weight
+    tr = TrainingConfig(framework="torchtitan", precision="amp-bf16", seq_len=s,
+                        micro_batch_size=b, compile=True, float8=True, recompute="none",
+                        float8_all_gather=True)
+    ctx = RankContext(spec, tr, ParallelConfig(dp=8, fsdp="full"), 0)
+    assert sum(t.nbytes for t in tt.plain_layer_saved(ctx)) == traced
+
+
+def test_compiled_checkpointed_block_with_gathered_fp8_weights_keeps_only_inputs() -> None:
+    # full AC (as torchtitan's float8 runs): torch.compile(checkpointed block) with the
+    # gathered fp8 weights keeps the graph inputs and the RNG state only: the column-major
+    # copies are made again inside the backward graph's recompute
+    torch = pytest.importorskip("torch")
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    from tests.test_titan_compile import SMALL
+    from vramcalc.trace.titan_float8 import convert_to_float8
+    from vramcalc.trace.titan_model import TransformerBlock
+
+    graphs: list[object] = []
+
+    def fw(gm: object, _inputs: object) -> object:
+        graphs.append(gm)
+        return gm
+
+    backend = aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, _i: gm,
+                           partition_fn=min_cut_rematerialization_partition,
+                           decompositions=select_decomp_table())
+    torch._dynamo.reset()
+    blk = convert_to_float8(TransformerBlock(SMALL, "full", dtype=torch.bfloat16), True)
+    x = torch.randn(2, 64, 256, dtype=torch.bfloat16, requires_grad=True)
+    fc = torch.randn(64, SMALL.head_size // 2, dtype=torch.complex64)
+    torch.compile(blk, backend=backend, fullgraph=True)(x, fc)
+    out = next(n for n in graphs[-1].graph.nodes if n.op == "output")  # type: ignore[attr-defined]
+    kept = [n for n in out.args[0][1:] if n.op != "placeholder"]
+    assert [n.args[0].name for n in kept] == ["run_and_save_rng_state"]
