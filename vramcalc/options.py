@@ -192,6 +192,10 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("float8", bool, False, "torchtitan's --float8.enable_float8_linear (torchtitan "
         "profile, with --compile): torchao's Float8Linear, dynamic tensorwise scaling, for "
         "every linear but the output projection; bf16 FSDP2 all-gathers."),
+    Opt("float8_all_gather", bool, False, "torchtitan's --float8.enable_fsdp_float8_all_gather "
+        "(with --float8 and FSDP over dp > 1): FSDP2 all-gathers the Float8Linear weights in "
+        "float8 (1 byte per element; norms and the root module stay bf16), and the forward "
+        "casts no weight."),
     Opt("qlora_impl", str, None, "QLoRA's 4-bit base (--finetune qlora): bnb (bitsandbytes "
         "Linear4bit: HF/PEFT, Lightning) | torchao (NF4Tensor: torchtune). Default: torchao "
         "under --framework torchtune, else bnb.",
@@ -280,7 +284,7 @@ _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "pr
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "lora_embedding", "lora_head", "modules_to_save", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
-                  "optimizer_in_backward", "compile", "packed", "float8", "qlora_impl", "bnb_version",
+                  "optimizer_in_backward", "compile", "packed", "float8", "float8_all_gather", "qlora_impl", "bnb_version",
                   "torchao_version", "nf4_double_quant", "quantize_head", "load",
                   "set_to_none", "torch_version", "load_only")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",

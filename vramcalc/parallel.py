@@ -407,6 +407,9 @@ def _check_torchtitan(spec: ModelSpec, training: TrainingConfig, par: ParallelCo
     elif par.fsdp == "none" and training.precision != "fp32":
         problem = (f"--precision {training.precision}: torchtitan computes in bf16 only "
                    "through FSDP2's MixedPrecisionPolicy (add --fsdp full, or use fp32)")
+    elif training.float8_all_gather and (par.fsdp == "none" or par.shard_degree // par.cp < 2):
+        problem = ("--float8-all-gather needs FSDP sharding over dp > 1: torchtitan enables "
+                   "it only when dp_shard > 1 (float8.py: parallel_dims.dp_shard_enabled)")
     elif training.compile and par.cp > 1:
         problem = ("--compile with --cp: what a compiled block keeps around context-parallel "
                    "SDPA is not modelled")

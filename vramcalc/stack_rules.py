@@ -20,7 +20,10 @@ def torchtitan_training_problem(tr: Any) -> str | None:
     wrapping: --compile, with full AC or none, vramcalc/terms/torchtitan_compile.py); no
     chunked loss or activation offload."""
     flag = None
-    if tr.float8 and not (tr.compile and tr.precision == "amp-bf16"):
+    if tr.float8_all_gather and not tr.float8:
+        flag = ("--float8-all-gather needs --float8: torchao's fp8 all-gather casts the "
+                "weights of Float8Linear layers (float8.py `Float8Handler`)")
+    elif tr.float8 and not (tr.compile and tr.precision == "amp-bf16"):
         flag = ("--float8 needs --compile and --precision amp-bf16: torchtitan runs torchao's "
                 "float8 linears under torch.compile in bf16 (float8.py: \"intended to be ran "
                 "under torch.compile\"); the eager Float8Linear's saved set is not modelled")
@@ -118,8 +121,9 @@ def torchtune_training_problem(tr: Any) -> str | None:
     torchtitan's."""
     flag = None
     if tr.framework != "torchtune":
-        if tr.float8 and tr.framework != "torchtitan":
-            flag = (f"--float8: torchao's Float8Linear is modelled for the torchtitan profile "
+        if (tr.float8 or tr.float8_all_gather) and tr.framework != "torchtitan":
+            name = "--float8" if tr.float8 else "--float8-all-gather"
+            flag = (f"{name}: torchao's Float8Linear is modelled for the torchtitan profile "
                     f"only, not {tr.framework} (use --framework torchtitan)")
         elif tr.packed:
             flag = (f"--packed: packed sequences are modelled for the torchtune profile only "
@@ -140,7 +144,7 @@ def torchtune_training_problem(tr: Any) -> str | None:
     elif tr.activation_offload and tr.recompute != "full":
         flag = ("--activation-offload: torchtune offloads activations only with activation "
                 "checkpointing on (add --recompute full)")
-    elif tr.float8:
+    elif tr.float8 or tr.float8_all_gather:
         flag = "--float8: torchao's Float8Linear is modelled for the torchtitan profile only"
     elif tr.recompute == "selective":
         flag = ("--recompute selective: torchtune's recipes checkpoint whole layers "

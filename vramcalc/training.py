@@ -203,9 +203,9 @@ class TrainingConfig(BaseModel):
     # (Scenario.resolved: stack_rules.torchtune_packed_mask). Left out of dumps when off
     packed: bool = Field(False, exclude_if=lambda v: not v)
     packed_mask: Literal["flex", "dense"] | None = Field(None, exclude_if=lambda v: v is None)
-    # torchtitan's --float8.enable_float8_linear (torchtitan profile): torchao Float8Linear
-    # for every block linear (vramcalc/terms/torchtitan_compile.py); dumped if on
+    # torchtitan's --float8.enable_float8_linear, .enable_fsdp_float8_all_gather (terms/float8_fsdp.py)
     float8: bool = Field(False, exclude_if=lambda v: not v)
+    float8_all_gather: bool = Field(False, exclude_if=lambda v: not v)
     # QLoRA's 4-bit implementation and release (vramcalc/qlora.py): None = bitsandbytes at
     # its current release, double-quantized, lm_head kept in the policy dtype; left out of
     # dumps at their defaults

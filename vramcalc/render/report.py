@@ -62,6 +62,8 @@ def strategy_line(strategy: dict[str, Any]) -> str:
     if s.get("framework", "reference") != "reference":
         parts.append(f"profile {s['framework']}")
     parts += [w for w in ("compile", "float8") if s.get(w)]
+    if s.get("float8_all_gather"):
+        parts.append("fp8 all-gather")
     if s.get("packed"):
         parts.append(f"packed ({s.get('packed_mask') or 'flex'} mask)")
     if s.get("dropout") is not None:

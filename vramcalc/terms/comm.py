@@ -67,6 +67,7 @@ from vramcalc.rank import RankContext
 from vramcalc.sharding import layer_param_numels
 from vramcalc.terms import activations as act
 from vramcalc.terms import fsdp1
+from vramcalc.terms.float8_fsdp import float8_gather, float8_gathered_layer_bytes
 from vramcalc.terms.gradients import grad_dtype, layer_gradient_bytes
 from vramcalc.units import DTYPE_BITS, alloc, ceil_div
 
@@ -144,7 +145,10 @@ def fsdp_root_bytes(ctx: RankContext) -> int:
 def fsdp_layer_bytes(ctx: RankContext) -> int:
     """One transformer block's parameters, unsharded, in the all-gather (compute) dtype;
     under LoRA/QLoRA/DoRA the frozen base + adapters, a QLoRA weight as its packed 4-bit
-    data (vramcalc.finetune.gathered_layer_bytes)."""
+    data (vramcalc.finetune.gathered_layer_bytes); with torchao's fp8 all-gather
+    (--float8-all-gather) the Float8Linear weights in fp8 (vramcalc/terms/float8_fsdp.py)."""
+    if float8_gather(ctx):
+        return float8_gathered_layer_bytes(ctx)
     if finetunes(ctx.training):
         return alloc(sum(gathered_layer_bytes(ctx, ctx.training.compute_dtype)), "uint8")
     return alloc(_layer_numel(ctx), ctx.training.compute_dtype)

@@ -10,7 +10,8 @@ loss eager; float8.py `Float8Handler.convert_to_float8_training` swaps every nn.
 torchao/float8/float8_linear.py: dynamic tensorwise casts of input and weight to e4m3,
 `manual_float8_matmul_with_args_in_float8` saving both, the output's gradient cast to e5m2
 in backward), with `enable_fsdp_float8_all_gather` off by default (config_manager.py
---float8.enable_fsdp_float8_all_gather: store_true), so FSDP2 all-gathers bf16 weights.
+--float8.enable_fsdp_float8_all_gather: store_true), so FSDP2 all-gathers bf16 weights
+(--float8-all-gather: fp8 gathers, vramcalc/terms/float8_fsdp.py).
 
 Under torch.compile the forward keeps what AOTAutograd's min-cut partitioner picks, not
 what each autograd function saves eagerly. vramcalc/trace/compiled.py `compiled_saved`
@@ -18,17 +19,17 @@ runs torchtitan's block (vramcalc/trace/titan_model.py, with vramcalc/trace/
 titan_float8.py's Float8Linear) through that partitioner under FakeTensorMode
 (tests/test_titan_compile.py):
 
-| tensor | bf16 linears | float8 linears |
-|---|---|---|
-| block input (T, h) r | kept (graph input) | kept |
-| each norm's rstd (T) fp32 | kept | kept |
-| normed input of wq/wk/wv and of w1/w3 (N, h) c | kept | recomputed from the input and rstd |
-| rotated q; k, v (expanded when g < a); SDPA output (N, a·d) c; logsumexp | kept | kept |
-| wo output (N, h) c (the residual is recomputed from it) | kept | kept |
-| w1 and w3 outputs (N, f) c | kept | kept |
-| w2's input silu(w1 x)·w3 x (N, f) c | kept | recomputed |
-| fp8 copies of inputs or weights | — | none: recast in backward from the kept bf16 tensors |
-| per-tensor amax (bf16) and 1/scale (fp32) scalars | — | 11 and 11 |
+| tensor | bf16 linears | float8 linears | float8, fp8 all-gather |
+|---|---|---|---|
+| block input (T, h) r | kept (graph input) | kept | kept |
+| each norm's rstd (T) fp32 | kept | kept | kept |
+| normed input of wq/wk/wv and of w1/w3 (N, h) c | kept | recomputed from the input and rstd | recomputed |
+| rotated q; k, v (expanded when g < a); SDPA output (N, a·d) c; logsumexp | kept | kept | kept |
+| wo output (N, h) c (the residual is recomputed from it) | kept | kept | kept |
+| w1 and w3 outputs (N, f) c | kept | kept | kept |
+| w2's input silu(w1 x)·w3 x (N, f) c | kept | recomputed | recomputed |
+| fp8 copies of inputs or weights | — | none: recast in backward from the kept bf16 tensors | each weight's column-major fp8 copy (the grad-input mm's operand, `preprocess_addmm`), made in forward |
+| per-tensor amax (bf16) and 1/scale (fp32) scalars | — | 11 and 11 | 4 and 11 (no weight amax) |
 
 The kept bf16 weights are the all-gathered parameters FSDP2 holds anyway. Under full AC
 (`ptd_checkpoint_wrapper` inside the compiled region) the partitioner recomputes the whole
@@ -47,9 +48,11 @@ a checkpointed block and the gradient temporaries are the eager block's
 from __future__ import annotations
 
 from vramcalc.rank import RankContext
+from vramcalc.terms.float8_fsdp import float8_gather
 from vramcalc.terms.saved import Saved, dims
 
 FLOAT8_SCALARS = 11  # amax and 1/scale scalars the partitioner keeps per block, each kind
+FLOAT8_GATHERED_AMAX = 4  # amax scalars kept with fp8 all-gather (no weight amax)
 
 
 def compiled_block_saved(ctx: RankContext) -> list[Saved]:
@@ -85,7 +88,20 @@ def compiled_block_saved(ctx: RankContext) -> list[Saved]:
                          "of w1, w3"))
     out += [Saved("mlp.gate", n * f, c, "(b, s, f)", "w1 output (silu recomputed)"),
             Saved("mlp.up", n * f, c, "(b, s, f)", "w3 output")]
-    if f8:
+    if f8 and float8_gather(ctx):
+        # fp8 all-gather: no weight cast; the partition saves each gathered weight's
+        # column-major fp8 copy for the grad-input mm (vramcalc/terms/float8_fsdp.py)
+        out += [Saved("float8.wq_wo_t", x.h * x.a * x.d, "fp8", "(h, a·d)", "column-major "
+                      "fp8 copy of a gathered weight", 2),
+                Saved("float8.wk_wv_t", x.h * x.g * x.d, "fp8", "(h, g·d)", "column-major "
+                      "fp8 copy of a gathered weight", 2),
+                Saved("float8.mlp_t", x.h * f, "fp8", "(h, f)", "column-major fp8 copy of a "
+                      "gathered weight", 3),
+                Saved("float8.amax", 1, "bf16", "()", "max(|x|) of an input cast",
+                      FLOAT8_GATHERED_AMAX),
+                Saved("float8.inv_scale", 1, "fp32", "()", "1/scale of a cast",
+                      FLOAT8_SCALARS)]
+    elif f8:
         out += [Saved("float8.amax", 1, "bf16", "()", "max(|x|) of a cast", FLOAT8_SCALARS),
                 Saved("float8.inv_scale", 1, "fp32", "()", "1/scale of a cast",
                       FLOAT8_SCALARS)]

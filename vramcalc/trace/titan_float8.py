@@ -46,6 +46,16 @@ def _scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Ten
                             out_dtype=out_dtype)
 
 
+def _mm_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_input, grad_weight (out, in)): grad_output cast to e5m2; float8_ops.py
+    `preprocess_addmm` makes the right operand column-major (`.t().contiguous().t()`)."""
+    x8, sx, w8t, sw = ctx.saved_tensors
+    g8, sg = to_float8(grad, E5M2)
+    grad_x = _scaled_mm(g8, sg, w8t.contiguous().t(), sw, ctx.out_dtype)
+    grad_w = _scaled_mm(g8.t().contiguous(), sg, x8.t().contiguous().t(), sx, ctx.out_dtype)
+    return grad_x, grad_w
+
+
 class _Float8MM(torch.autograd.Function):
     """`manual_float8_matmul_with_args_in_float8` with the e5m2 cast of the output's
     gradient (`NoopFwToFloat8BwDynamic`) folded into its backward."""
@@ -59,11 +69,7 @@ class _Float8MM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        x8, sx, w8t, sw = ctx.saved_tensors
-        g8, sg = to_float8(grad, E5M2)
-        grad_x = _scaled_mm(g8, sg, w8t.contiguous().t(), sw, ctx.out_dtype)
-        grad_w = _scaled_mm(g8.t().contiguous(), sg, x8.t().contiguous().t(), sx,
-                            ctx.out_dtype)
+        grad_x, grad_w = _mm_backward(ctx, grad)
         return grad_x, None, grad_w.t(), None, None
 
 
@@ -83,14 +89,50 @@ class Float8Linear(torch.nn.Linear):
         return float8_linear(input, self.weight)
 
 
-def convert_to_float8(model: torch.nn.Module) -> torch.nn.Module:
+class _GatheredFloat8MM(torch.autograd.Function):
+    """The mm when FSDP2 gathered the weight in fp8 (fsdp_utils.py `fsdp_post_all_gather`:
+    a Float8Tensor of the gathered data and the shard's scale): `cast_weight_to_float8_t`
+    returns `weight.t()` uncast. `weight` (the bf16 parameter) only carries the gradient, as
+    the Float8Tensor parameter does; the mm reads the fp8 data."""
+
+    @staticmethod
+    def forward(ctx: Any, x8: torch.Tensor, sx: torch.Tensor, w8: torch.Tensor,
+                sw: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x8, sx, w8.t(), sw)
+        ctx.out_dtype = weight.dtype
+        return _scaled_mm(x8, sx, w8.t(), sw, weight.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        grad_x, grad_w = _mm_backward(ctx, grad)
+        return grad_x, None, None, None, grad_w
+
+
+class GatheredFloat8Linear(torch.nn.Linear):
+    """Float8Linear under fp8 all-gather: buffers `weight_fp8` (out, in) e4m3 and
+    `weight_scale` (fp32) stand for the gathered Float8Tensor; no weight cast."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        shape = input.shape
+        x8, sx = to_float8(input.reshape(-1, shape[-1]), E4M3)
+        out = _GatheredFloat8MM.apply(x8, sx, self.weight_fp8, self.weight_scale, self.weight)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def convert_to_float8(model: torch.nn.Module, gathered: bool = False) -> torch.nn.Module:
     """Swap every nn.Linear but the one named `output` (torchtitan's module_filter_fn),
-    in place, keeping its parameter."""
+    in place, keeping its parameter; `gathered`: the fp8 all-gather variant."""
     for name, child in list(model.named_children()):
         if type(child) is torch.nn.Linear and name != "output":
-            new = Float8Linear.__new__(Float8Linear)
+            cls = GatheredFloat8Linear if gathered else Float8Linear
+            new = cls.__new__(cls)
             new.__dict__ = child.__dict__
+            if gathered:
+                w = child.weight
+                new.register_buffer("weight_fp8", torch.empty(w.shape, dtype=E4M3,
+                                                              device=w.device))
+                new.register_buffer("weight_scale", torch.ones((), device=w.device))
             setattr(model, name, new)
         else:
-            convert_to_float8(child)
+            convert_to_float8(child, gathered)
     return model
