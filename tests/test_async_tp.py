@@ -123,3 +123,30 @@ def test_refused(flags: list[str], words: str, capsys: pytest.CaptureFixture[str
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and words in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_plan_keeps_async_tp_and_refuses_tp1_layouts() -> None:
+    # the plan's base layout is tp 1: --async-tp is set after it, and the search's layout
+    # check (parallel._check_torchtitan) refuses every tp-1 layout
+    from vramcalc.errors import InputError
+    from vramcalc.parallel import ParallelConfig as Par
+    from vramcalc.parallel import resolve_layout
+    from vramcalc.planner.prepare import prepare_plan
+
+    base, _, _ = prepare_plan({"model": "llama3.1-8b", "gpus": "8xH100",
+                               "framework": "torchtitan", "precision": "amp-bf16",
+                               "recompute": "full", "compile": True, "async_tp": True})
+    assert base.training.async_tp and base.parallel.tp == 1
+    tr = base.training.model_copy(update={"recompute": "full"})  # as the search pins it
+    with pytest.raises(InputError, match="needs --tp > 1"):
+        resolve_layout(base.model, tr, Par(dp=8, fsdp="full"), 8)
+    resolve_layout(base.model, tr, Par(dp=4, tp=2, fsdp="full", sequence_parallel=True), 8)
+
+
+def test_plan_refuses_async_tp_without_compile() -> None:
+    from vramcalc.errors import InputError
+    from vramcalc.planner.prepare import prepare_plan
+
+    with pytest.raises((InputError, ValueError), match="needs --compile"):
+        prepare_plan({"model": "llama3.1-8b", "gpus": "8xH100", "framework": "torchtitan",
+                      "precision": "amp-bf16", "recompute": "full", "async_tp": True})
