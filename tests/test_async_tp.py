@@ -111,6 +111,8 @@ def test_report_counts_it_outside_the_allocator(capsys: pytest.CaptureFixture[st
     assert on["peak_reserved_bytes"] == off["peak_reserved_bytes"]
     assert on["device_total_bytes"] - off["device_total_bytes"] == 18 * MiB
     assert on["subterms"]["overhead/symm_mem_workspace"] == 18 * MiB
+    assert [n for n in on["notes"] if n.startswith("async TP: a 0.02 GB")]
+    assert not [n for n in off["notes"] if n.startswith("async TP")]
 
 
 @pytest.mark.parametrize(("flags", "words"), [
