@@ -59,6 +59,7 @@ from vramcalc.terms.profile import profile
 from vramcalc.terms.reserved import reserved_pad_bytes
 from vramcalc.terms.saved import Moment
 from vramcalc.terms.schedule import in_flight_microbatches
+from vramcalc.terms.torchtitan_tp import async_tp_overhead
 from vramcalc.terms.weights import weight_parts
 
 
@@ -387,6 +388,7 @@ def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
         ovh = overhead_split(context_bytes(gpu, scn.training), scn.world_size, pad)
         ctx = RankContext(scn.model, scn.training, scn.parallel, st)
         ovh.update(paged_overhead(ctx))
+        ovh.update(async_tp_overhead(ctx))
         runs.append(_StageRun(st, ctx.num_layers, phases, first, ovh, cached))
     common = {"model": model_info(scn), "gpu": gpu_info(scn), "notes": scenario_notes(scn)}
     return scn, _fields(scn, runs, _pick(runs), common)

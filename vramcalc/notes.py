@@ -21,6 +21,7 @@ from vramcalc.terms.lowprec import (
     persistent_parts,
 )
 from vramcalc.terms.optimizer_states import paged_state_bytes
+from vramcalc.terms.torchtitan_tp import async_tp_workspace_bytes
 from vramcalc.terms.unsloth import unsloth_notes
 from vramcalc.training import COMPUTE_DTYPE, TrainingConfig
 from vramcalc.units import fmt_gb
@@ -163,6 +164,12 @@ def finetune_notes(ctx: RankContext) -> list[str]:
                    "memory: invisible to torch.cuda.max_memory_allocated (not in the peak), "
                    "visible in nvidia-smi (counted in overhead/paged_optimizer_states); the "
                    "driver pages them to host RAM under memory pressure instead of failing")
+    symm = async_tp_workspace_bytes(ctx)
+    if symm:
+        out.append(f"async TP: a {fmt_gb(symm)} symmetric-memory workspace per GPU (the fused "
+                   "reduce-scatter's two output chunks), mapped outside the caching allocator: "
+                   "in nvidia-smi's total (overhead/symm_mem_workspace), not in "
+                   "torch.cuda.max_memory_allocated or max_memory_reserved")
     return out
 
 

@@ -196,6 +196,10 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "(with --float8 and FSDP over dp > 1): FSDP2 all-gathers the Float8Linear weights in "
         "float8 (1 byte per element; norms and the root module stay bf16), and the forward "
         "casts no weight."),
+    Opt("async_tp", bool, False, "torchtitan's --experimental.enable_async_tensor_parallel "
+        "(torchtitan profile, --tp > 1 with --compile): inductor's micro-pipelined TP; each "
+        "rank keeps a symmetric-memory workspace of 2·(b·s/tp)·h activation elements "
+        "outside the caching allocator (device total only)."),
     Opt("qlora_impl", str, None, "QLoRA's 4-bit base (--finetune qlora): bnb (bitsandbytes "
         "Linear4bit: HF/PEFT, Lightning) | torchao (NF4Tensor: torchtune). Default: torchao "
         "under --framework torchtune, else bnb.",
@@ -284,7 +288,7 @@ _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "pr
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "lora_embedding", "lora_head", "modules_to_save", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
-                  "optimizer_in_backward", "compile", "packed", "float8", "float8_all_gather", "qlora_impl", "bnb_version",
+                  "optimizer_in_backward", "compile", "packed", "float8", "float8_all_gather", "async_tp", "qlora_impl", "bnb_version",
                   "torchao_version", "nf4_double_quant", "quantize_head", "load",
                   "set_to_none", "torch_version", "load_only")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",

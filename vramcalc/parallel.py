@@ -417,6 +417,8 @@ def _check_torchtitan(spec: ModelSpec, training: TrainingConfig, par: ParallelCo
         problem = ("--compile with --tp needs --recompute full: a checkpointed compiled block "
                    "keeps only its input, but what the partitioner keeps around DTensor "
                    "collectives without full AC is not modelled")
+    elif training.async_tp and par.tp == 1:
+        problem = "--async-tp overlaps tensor-parallel collectives: it needs --tp > 1"
     elif par.tp > 1 and not par.sequence_parallel:
         problem = "torchtitan's tensor parallelism always shards the norms over the sequence "\
             "(add --sequence-parallel)"

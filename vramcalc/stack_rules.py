@@ -27,6 +27,9 @@ def torchtitan_training_problem(tr: Any) -> str | None:
         flag = ("--float8 needs --compile and --precision amp-bf16: torchtitan runs torchao's "
                 "float8 linears under torch.compile in bf16 (float8.py: \"intended to be ran "
                 "under torch.compile\"); the eager Float8Linear's saved set is not modelled")
+    elif tr.async_tp and not tr.compile:
+        flag = ("--async-tp needs --compile: torchtitan's async TP is inductor's micro-pipeline "
+                "pass (torch._inductor.config._micro_pipeline_tp), which eager mode never runs")
     elif tr.compile and tr.recompute == "selective":
         flag = ("--compile with --recompute selective: what the partitioner keeps under "
                 "torchtitan's SAC policy is not modelled (use --recompute full or none)")
@@ -125,6 +128,9 @@ def torchtune_training_problem(tr: Any) -> str | None:
             name = "--float8" if tr.float8 else "--float8-all-gather"
             flag = (f"{name}: torchao's Float8Linear is modelled for the torchtitan profile "
                     f"only, not {tr.framework} (use --framework torchtitan)")
+        elif tr.async_tp and tr.framework != "torchtitan":
+            flag = (f"--async-tp: async tensor parallelism is modelled for the torchtitan "
+                    f"profile only, not {tr.framework} (use --framework torchtitan)")
         elif tr.packed:
             flag = (f"--packed: packed sequences are modelled for the torchtune profile only "
                     f"(PackedDataset's input_pos and document mask), not {tr.framework} (use "

@@ -197,15 +197,15 @@ class TrainingConfig(BaseModel):
     # torchtune's `compile: True` (torchtune profile): each transformer layer and the loss's
     # cross entropy compiled (vramcalc/terms/torchtune.py); left out of dumps when off
     compile: bool = Field(False, exclude_if=lambda v: not v)
-    # torchtune's `dataset.packed: True` (torchtune profile): every batch is a full pack of
-    # seq_len tokens with input_pos and a document mask (vramcalc/terms/packed.py); the mask
-    # kind, "flex" (BlockMask) or "dense" ((b, s, s) bool to SDPA), follows the GPU
-    # (Scenario.resolved: stack_rules.torchtune_packed_mask). Left out of dumps when off
+    # torchtune's `dataset.packed: True`: full packs of seq_len tokens with input_pos and a
+    # document mask (terms/packed.py), "flex" or "dense" by the GPU (Scenario.resolved)
     packed: bool = Field(False, exclude_if=lambda v: not v)
     packed_mask: Literal["flex", "dense"] | None = Field(None, exclude_if=lambda v: v is None)
-    # torchtitan's --float8.enable_float8_linear, .enable_fsdp_float8_all_gather (terms/float8_fsdp.py)
+    # torchtitan, dumped if on: --float8.enable_float8_linear, .enable_fsdp_float8_all_gather
+    # (terms/float8_fsdp.py), --experimental.enable_async_tensor_parallel (torchtitan_tp.py)
     float8: bool = Field(False, exclude_if=lambda v: not v)
     float8_all_gather: bool = Field(False, exclude_if=lambda v: not v)
+    async_tp: bool = Field(False, exclude_if=lambda v: not v)
     # QLoRA's 4-bit implementation and release (vramcalc/qlora.py): None = bitsandbytes at
     # its current release, double-quantized, lm_head kept in the policy dtype; left out of
     # dumps at their defaults

@@ -98,7 +98,13 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
         values["fsdp"] = "full"
     if values.get("framework") == "torchtune":
         values["fsdp"] = "full"  # the same: torchtune's data parallelism is FSDP2's
+    # --async-tp is refused at tp 1 (the base layout): set it after, so that the search's
+    # layout check (vramcalc.parallel._check_torchtitan) keeps only tp > 1 layouts
+    async_tp = values.pop("async_tp", False) and values.get("framework") == "torchtitan"
     base = build_scenario(values, profile_dirs, deepspeed)
+    if async_tp:
+        tr = type(base.training).model_validate({**base.training.model_dump(), "async_tp": True})
+        base = base.model_copy(update={"training": tr})
     if base.training.load_only:
         raise InputError("--load-only is a reading right after loading, not a training "
                          "layout to plan: use vramcalc estimate")

@@ -61,7 +61,7 @@ def strategy_line(strategy: dict[str, Any]) -> str:
         parts.append(s["pp_schedule"])
     if s.get("framework", "reference") != "reference":
         parts.append(f"profile {s['framework']}")
-    parts += [w for w in ("compile", "float8") if s.get(w)]
+    parts += [w.replace("_", " ") for w in ("compile", "float8", "async_tp") if s.get(w)]
     if s.get("float8_all_gather"):
         parts.append("fp8 all-gather")
     if s.get("packed"):
@@ -86,7 +86,8 @@ _SUB_ROWS = {
     "transients": (("transients/fp8_weight_cache", "FP8 weight cache"),
                    ("transients/fp8_meta", "FP8 scales/amax"),
                    ("transients/qat_qparams", "QAT scales/zero pts")),
-    "overhead": (("overhead/paged_optimizer_states", "paged optimizer states"),),
+    "overhead": (("overhead/paged_optimizer_states", "paged optimizer states"),
+                 ("overhead/symm_mem_workspace", "async TP workspace")),
 }
 
 

@@ -36,13 +36,38 @@ beside them: forward, the all-reduced row max, sum of exps and its log (fp32); b
 the safe target, the masked target and `arange` (int64), the vocab-range mask (bool), the
 -1 update and the masked grad_output (fp32). tests/test_titan_tp.py runs torch's own
 functions under FakeTensorMode and a fake process group and counts these peaks.
+
+Async TP (--async-tp: --experimental.enable_async_tensor_parallel, with --training.compile):
+`apply_tp` sets `torch._inductor.config._micro_pipeline_tp = True` and
+`enable_symm_mem_for_group(tp group)`. Inductor's post-grad pass (torch/_inductor/fx_passes/
+post_grad.py, micro_pipeline_tp.py `micro_pipeline_tp_pass`) runs after AOTAutograd's
+partition, so what a compiled block keeps is unchanged; it swaps each all-gather → mm for
+`symm_mem.fused_all_gather_matmul` and each mm → reduce-scatter for
+`fused_matmul_reduce_scatter` (torch/distributed/_symmetric_memory/__init__.py). Both
+allocate through the caching allocator exactly what the unfused pair did: the gathered
+input `A_flat` (N, h) (kept when `return_A`, as the all-gather's output was) and the mm
+outputs; the reduce-scatter's `stacked_partials` (N, h) in the output dtype, then the (T, h)
+sum. New is one workspace per TP group, `get_symm_mem_workspace(group, min_size)`, grown to
+the largest request and kept: the all-gather asks the shard's bytes (T·h of the gathered
+dtype, `_pipelined_multi_all_gather_and_consume`), the reduce-scatter two output chunks,
+2·⌈N/t⌉·h of the output dtype c (`_pipelined_produce_and_all2all`: two p2p buffers). It is
+`_SymmetricMemory.empty_strided_p2p`: CUDASymmetricMemoryAllocator::alloc (c10d
+CUDASymmetricMemory.cu) appends a signal pad (2048 B in the Dec 2024 torch) to the size
+rounded to 16 B, rounds the block up to the driver's recommended granularity (2 MiB for
+device memory on NVIDIA GPUs) and maps it with cuMemCreate, outside the caching allocator:
+in nvidia-smi's device total, not in max_memory_allocated / max_memory_reserved.
 """
 
 from __future__ import annotations
 
 from vramcalc.rank import RankContext
 from vramcalc.terms.saved import dims
-from vramcalc.units import ALLOC_ROUND_BYTES, alloc
+from vramcalc.units import ALLOC_ROUND_BYTES, MiB, alloc, ceil_div, nbytes
+
+# c10d CUDASymmetricMemory.cu (torch of Dec 2024): `signal_pad_size = 2048` after the
+# buffer (rounded to 16 B), the block rounded to CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+SYMM_MEM_SIGNAL_PAD_BYTES = 2048
+SYMM_MEM_GRANULARITY_BYTES = 2 * MiB
 
 
 def loss_parallel(ctx: RankContext) -> bool:
@@ -85,3 +110,22 @@ def gathered_input_dtype(ctx: RankContext) -> str:
     torchao's float8 TP styles (--float8), else c."""
     x = dims(ctx)
     return "fp8" if ctx.training.float8 and ctx.parallel.tp > 1 else x.c
+
+
+def async_tp_workspace_bytes(ctx: RankContext) -> int:
+    """The symmetric-memory workspace async TP keeps per rank (0 when off): the largest
+    request of the fused ops, max(T·h of the gathered dtype, 2·⌈N/t⌉·h·c) = the
+    reduce-scatter's two output-chunk buffers, + the signal pad, rounded up to 2 MiB."""
+    if not (ctx.training.async_tp and ctx.parallel.tp > 1):
+        return 0
+    x = dims(ctx)
+    gather = nbytes(x.T * x.h, gathered_input_dtype(ctx))
+    scatter = 2 * nbytes(ceil_div(x.N, ctx.parallel.tp) * x.h, x.c)
+    size = ceil_div(max(gather, scatter), 16) * 16 + SYMM_MEM_SIGNAL_PAD_BYTES
+    return ceil_div(size, SYMM_MEM_GRANULARITY_BYTES) * SYMM_MEM_GRANULARITY_BYTES
+
+
+def async_tp_overhead(ctx: RankContext) -> dict[str, int]:
+    """Async TP's workspace as an overhead part (device memory outside the allocator)."""
+    ws = async_tp_workspace_bytes(ctx)
+    return {"symm_mem_workspace": ws} if ws else {}
