@@ -163,23 +163,12 @@ def test_compiled_checkpointed_block_with_gathered_fp8_weights_keeps_only_inputs
     # gathered fp8 weights keeps the graph inputs and the RNG state only: the column-major
     # copies are made again inside the backward graph's recompute
     torch = pytest.importorskip("torch")
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch._inductor.decomposition import select_decomp_table
 
-    from tests.test_titan_compile import SMALL
+    from tests.test_titan_compile import SMALL, recording_backend
     from vramcalc.trace.titan_float8 import convert_to_float8
     from vramcalc.trace.titan_model import TransformerBlock
 
-    graphs: list[object] = []
-
-    def fw(gm: object, _inputs: object) -> object:
-        graphs.append(gm)
-        return gm
-
-    backend = aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, _i: gm,
-                           partition_fn=min_cut_rematerialization_partition,
-                           decompositions=select_decomp_table())
+    backend, graphs = recording_backend()
     torch._dynamo.reset()
     blk = convert_to_float8(TransformerBlock(SMALL, "full", dtype=torch.bfloat16), True)
     x = torch.randn(2, 64, 256, dtype=torch.bfloat16, requires_grad=True)

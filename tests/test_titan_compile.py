@@ -29,6 +29,23 @@ SMALL = ModelSpec(name="small", hidden_size=256, num_hidden_layers=2, num_attent
 FSDP = ParallelConfig(dp=8, fsdp="full")
 
 
+def recording_backend() -> tuple[object, list[object]]:
+    """A torch.compile backend that partitions as inductor does (its decompositions, the
+    min-cut partitioner) and records each forward graph instead of generating code."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    graphs: list[object] = []
+
+    def fw(gm: object, _inputs: object) -> object:
+        graphs.append(gm)
+        return gm
+
+    return aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, _i: gm,
+                        partition_fn=min_cut_rematerialization_partition,
+                        decompositions=select_decomp_table()), graphs
+
 def _block(spec: ModelSpec, ac: str, float8: bool) -> object:
     from vramcalc.trace.titan_float8 import convert_to_float8
     from vramcalc.trace.titan_model import TransformerBlock
@@ -97,19 +114,8 @@ def test_compiled_checkpointed_block_keeps_only_its_inputs(float8: bool) -> None
     # torch.compile(checkpoint_wrapper(block)): dynamo's checkpoint region, partitioned by
     # the min-cut partitioner, hands the backward graph the graph inputs and nothing of the
     # tokens' size (the recompute runs inside the backward graph)
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch._inductor.decomposition import select_decomp_table
 
-    graphs: list[object] = []
-
-    def fw(gm: object, _inputs: object) -> object:
-        graphs.append(gm)
-        return gm
-
-    backend = aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, _i: gm,
-                           partition_fn=min_cut_rematerialization_partition,
-                           decompositions=select_decomp_table())
+    backend, graphs = recording_backend()
     torch._dynamo.reset()
     blk = _block(SMALL, "full", float8)
     x = torch.randn(2, 64, 256, dtype=torch.bfloat16, requires_grad=True)

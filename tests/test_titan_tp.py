@@ -143,9 +143,6 @@ def _tp_block(ac: str) -> list[tuple[str, tuple[int, ...]]]:
     """(op, shape) of what torch.compile's forward graph hands the backward, for
     torchtitan's block parallelized with apply_tp's layer plan (bf16 styles) on a fake
     2-rank TP mesh, b = 2, s = 64."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch._inductor.decomposition import select_decomp_table
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -156,18 +153,11 @@ def _tp_block(ac: str) -> list[tuple[str, tuple[int, ...]]]:
         parallelize_module,
     )
 
+    from tests.test_titan_compile import recording_backend
     from vramcalc.trace.distributed import fake_process_group
     from vramcalc.trace.titan_model import TransformerBlock
 
-    graphs: list[object] = []
-
-    def fw(gm: object, _inputs: object) -> object:
-        graphs.append(gm)
-        return gm
-
-    backend = aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, _i: gm,
-                           partition_fn=min_cut_rematerialization_partition,
-                           decompositions=select_decomp_table())
+    backend, graphs = recording_backend()
     with fake_process_group(2):
         mesh = init_device_mesh("cpu", (2,))
         blk = TransformerBlock(SMALL, ac, dtype=torch.bfloat16)
