@@ -62,10 +62,6 @@ class Preset(BaseModel):
 
 
 # ---- small helpers ------------------------------------------------------------------
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
 def _key(text: str) -> str:
     """Lookup key: lowercase, without `-`, `_`, `.` and spaces ("Llama_3.1-8B" -> "llama318b")."""
     return re.sub(r"[\s_.\-]+", "", text.lower())
