@@ -170,7 +170,7 @@ def bart_json(tmp_path: Any) -> Any:
 @pytest.mark.parametrize(("cmd", "extra", "words"), [
     ("estimate", [], "run `vramcalc trace`"),
     ("estimate", ["--attention", "eager", "--recompute", "selective"], "--recompute selective"),
-    ("plan", [], "planner does not search encoder-decoder"),
+    ("plan", ["--tp", "2", "--gpus", "2xA100"], "not tp=2"),
     ("estimate", ["--tp", "2", "--gpus", "2xA100"], "tp=2"),
     ("trace", ["--pp", "2", "--gpus", "2xA100"], "pp=2"),
     ("trace", ["--finetune", "lora"], "lora"),
@@ -187,7 +187,6 @@ def test_unmodelled_is_refused(bart_json: Any, cmd: str, extra: list[str], words
     (["serve", "--model", "t5-base"], "serving encoder-decoder"),
     # an encoder keeps no KV cache: vLLM serves BERT-style models with its pooling runner
     (["serve", "--model", "bert-base"], "serving encoder-only"),
-    (["size", "--model", "t5-base", "--tokens", "1e9", "--gpu", "H100"], "planner"),
     (["max", "--model", "bart-large", "--seq-len", "512"], "run `vramcalc trace`"),
 ])
 def test_other_commands_refuse(args: list[str], words: str) -> None:

@@ -77,6 +77,7 @@ from vramcalc.finetune import _finetune_shapes, adapter_dtype
 from vramcalc.hardware import GPUProfile
 from vramcalc.model import ModelSpec
 from vramcalc.scenario import Scenario
+from vramcalc.seq2seq_flops import seq2seq_flops
 from vramcalc.terms.torchtitan import op_sac_recompute_flops_per_token
 from vramcalc.training import TrainingConfig
 from vramcalc.units import DTYPE_BITS
@@ -276,7 +277,8 @@ class SpeedModel:
     def __init__(self, spec: ModelSpec, gpu: GPUProfile, gpus_per_node: int, seq_len: int,
                  precision: str = "bf16", efficiency: float | None = None,
                  capacity_factor: float = 1.0, peft: PeftCounts | None = None,
-                 selective: str | int = "core", float8: bool = False) -> None:
+                 selective: str | int = "core", float8: bool = False,
+                 target_len: int | None = None) -> None:
         self.spec, self.gpu, self.gpn, self.seq_len = spec, gpu, gpus_per_node, seq_len
         self.efficiency = efficiency if efficiency is not None else gpu.mfu_fraction
         c_dtype = _COMPUTE_DTYPE[precision]
@@ -294,6 +296,8 @@ class SpeedModel:
         self.f_hw = {r: self.f_model + recompute_flops_per_token(spec, seq_len, r, selective)
                      + (2.0 * n_ad if peft and r == "full" else 0.0)
                      for r in ("none", "selective", "full")}
+        if spec.is_encoder_decoder:  # two stacks over s and t tokens (seq2seq_flops.py)
+            self.f_model, self.f_hw = seq2seq_flops(spec, seq_len, target_len or seq_len)
         n_exp = spec.num_moe_layers * spec.num_local_experts * spec.expert_params
         self.n_exp = n_exp
         self.n_dense = spec.num_params - n_exp
@@ -464,14 +468,11 @@ def _hidden(comm: float, window: float) -> float:
 def estimate_speed(spec: ModelSpec, gpu: GPUProfile, gpus_per_node: int, layout: Layout,
                    seq_len: int, precision: str = "bf16", efficiency: float | None = None,
                    capacity_factor: float = 1.0, peft: PeftCounts | None = None,
-                   selective: str | int = "core", float8: bool = False) -> SpeedReport:
-    """Step time of `layout` on `layout.num_gpus` GPUs with `gpus_per_node` per node.
-
-    See the module docstring for every term. Seconds are per step; tokens/s are for the
-    whole cluster.
-    """
+                   selective: str | int = "core", float8: bool = False,
+                   target_len: int | None = None) -> SpeedReport:
+    """Step time of `layout` (module docstring); seconds per step, tokens/s of the cluster."""
     return SpeedModel(spec, gpu, gpus_per_node, seq_len, precision, efficiency,
-                      capacity_factor, peft, selective, float8).report(layout)
+                      capacity_factor, peft, selective, float8, target_len).report(layout)
 
 
 def scenario_speed(scn: Scenario, efficiency: float | None = None) -> SpeedReport:
@@ -489,7 +490,8 @@ def scenario_speed(scn: Scenario, efficiency: float | None = None) -> SpeedRepor
         offload_device=par.offload_device)
     return estimate_speed(scn.model, scn.cluster.gpu, scn.cluster.gpus_per_node, layout,
                           tr.seq_len, tr.precision, efficiency, par.capacity_factor,
-                          training_peft(scn.model, tr), tr.selective_kind, tr.float8)
+                          training_peft(scn.model, tr), tr.selective_kind, tr.float8,
+                          tr.target_len)
 
 
 def training_peft(spec: ModelSpec, tr: TrainingConfig) -> PeftCounts | None:

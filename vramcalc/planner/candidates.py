@@ -124,13 +124,12 @@ def speed_model(base: Scenario, prec: str, ft: str | None,
                 efficiency: float | None) -> SpeedModel:
     """The base scenario's speed model at precision `prec`, fine-tuning `ft` (None: base's)."""
     assert base.cluster is not None
-    tr = base.training
-    if ft is not None and ft != tr.finetune:
-        tr = tr.model_copy(update={"finetune": ft})
-    tr = tr.model_copy(update={"precision": prec}) if prec != tr.precision else tr
+    tr = base.training.model_copy(update={"finetune": ft or base.training.finetune,
+                                          "precision": prec})
     return SpeedModel(base.model, base.cluster.gpu, base.cluster.gpus_per_node, tr.seq_len,
                       prec, efficiency, base.parallel.capacity_factor,
-                      training_peft(base.model, tr), tr.selective_kind, tr.float8)
+                      training_peft(base.model, tr), tr.selective_kind, tr.float8,
+                      tr.target_len)
 
 
 # ---- the search space ------------------------------------------------------------------------

@@ -135,9 +135,6 @@ def check_searchable(base: Scenario, req: PlanRequest | None = None) -> None:
     if base.model.is_mla:
         raise InputError(f"{base.model.name}: the planner does not search multi-latent "
                          "attention models yet (estimate one layout with --framework reference)")
-    if base.model.is_encoder_decoder:
-        raise InputError(f"{base.model.name}: the planner does not search encoder-decoder "
-                         "models (T5, BART); `vramcalc trace` gives one layout's memory")
     if req is not None and base.cluster is not None and "precision" not in req.allow:
         problem = capability_problem(base.training, base.cluster.gpu)
         if problem:
