@@ -108,3 +108,11 @@ def test_size_answers_for_an_encoder_decoder() -> None:
     code, err = _run(["size", "--model", "t5-base", "--tokens", "1e9", "--gpu", "H100",
                       "--seq-len", "512", "--attention", "eager"])
     assert code == 0 and not err
+
+
+def test_a_batch_no_data_parallel_layout_divides_says_so() -> None:
+    """Encoders and encoder-decoders run data parallel only: a global batch the GPU count
+    does not divide leaves no layout, and the one error line says what to change."""
+    code, err = _run(["plan", "--model", "bert-base", "--gpus", "3xA100", "--seq-len", "512"])
+    assert code == 2 and err.count("\n") == 1
+    assert "not tp=3" in err and "global batch divisible by 3" in err

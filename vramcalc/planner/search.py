@@ -215,9 +215,11 @@ def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
         result.closest = closest(seen, bound, estimated, base, req)
         if result.closest is None:  # every layout refused: say why, not "nothing fits"
             reason = refusal(seen, base) or pinned_refusal(base, req.pinned)
-            raise InputError(f"no layout of {base.cluster.num_gpus} GPUs can run"
-                             f"{_pin_text(req.pinned)}: "
-                             f"{reason or 'the engine refused every layout'}")
+            W = base.cluster.num_gpus
+            hint = (f" (a global batch divisible by {W} would let every GPU be a "
+                    "data-parallel rank)" if B % W and req.pinned.get("dp") is None else "")
+            raise InputError(f"no layout of {W} GPUs can run{_pin_text(req.pinned)}: "
+                             f"{reason or 'the engine refused every layout'}{hint}")
     return result
 
 
