@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("terms", ("vramcalc.terms", "vramcalc.offload")),
     ("engine", ("vramcalc.analytic", "vramcalc.analytic_seq2seq", "vramcalc.phases",
                 "vramcalc.notes", "vramcalc.trace")),
-    ("use", ("vramcalc.planner", "vramcalc.serve", "vramcalc.speed", "vramcalc.size", "vramcalc.explain",
+    ("use", ("vramcalc.planner", "vramcalc.serve", "vramcalc.speed", "vramcalc.flops", "vramcalc.size", "vramcalc.explain",
              "vramcalc.check", "vramcalc.ds_json", "vramcalc.validate", "vramcalc.probe",
              "vramcalc.api")),
     # the package itself: the public names of vramcalc.api, loaded on first access

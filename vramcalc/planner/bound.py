@@ -35,8 +35,10 @@ The activation floor counts, on the first stage, per layer and token, what every
 saves: under full recompute, or LoRA/QLoRA/DoRA (frozen weights need no saved inputs), the
 layer input (h, ÷tp under sequence parallelism); otherwise every input a weight gradient
 needs: the attention and MLP inputs (2h, ÷tp under sequence parallelism), q, k, v and the
-attention output (2·a·d + 2·g·d, ÷tp) and the MLP down-projection input (f, ÷tp; not counted
-for MoE) — in the compute dtype (1 byte under FP8), for the min(pp, m) micro-batches 1F1B
+attention output ((a + g)·(d + dv), ÷tp: q a·d, k g·d, v g·dv, output a·dv, with dv = d but
+under multi-latent attention, whose v heads are v_head_dim wide and whose q/k heads
+qk_nope_head_dim + qk_rope_head_dim, g = a) and the MLP down-projection input (f, ÷tp; not
+counted for MoE) — in the compute dtype (1 byte under FP8), for the min(pp, m) micro-batches 1F1B
 keeps in flight there (Narayanan et al. 2021), over L/pp layers (one fewer under
 LoRA/QLoRA/DoRA, whose first layer keeps less: vramcalc/terms/finetune_activations.py
 `first_layer_unsaved_bytes`); none with activation offload. The margin 0.95 (`LOWER_BOUND_MARGIN`) applies to the activation parts
@@ -130,8 +132,9 @@ class MemoryBound:
         self._group_states: dict[tuple, list[list]] = {}  # for `admitted`
         self._trainings: dict[tuple[str, str, str | None], TrainingConfig] = {}
         self._parallels: dict[tuple, ParallelConfig] = {}
-        d = spec.head_size
-        self._sharded_inputs = (2 * spec.num_attention_heads * d + 2 * spec.kv_heads * d
+        a, g, d = spec.num_attention_heads, spec.kv_heads, spec.head_size
+        dv = spec.v_head_dim or d  # multi-latent attention: v heads dv wide, q/k heads d
+        self._sharded_inputs = ((a + g) * (d + dv)
                                 + (0 if spec.is_moe else spec.intermediate_size))
         self._compute_bytes: dict[str, float] = {}
 

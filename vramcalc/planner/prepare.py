@@ -13,7 +13,7 @@ from typing import Any
 from vramcalc.errors import InputError, suggest
 from vramcalc.hardware import MIN_MFU
 from vramcalc.options import OPTIONS_BY_NAME, build_scenario, check_bounds, normalize_values
-from vramcalc.planner.candidates import finetune_supported, given
+from vramcalc.planner.layouts import finetune_supported, given, mla_note
 from vramcalc.planner.request import DEFAULT_FINETUNE_BATCH, PlanRequest, recomputes_of
 from vramcalc.scenario import Scenario
 from vramcalc.units import parse_count
@@ -130,6 +130,8 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
         notes.append(f"fine-tuning: a global batch of {DEFAULT_FINETUNE_BATCH} sequences "
                      "(Stanford Alpaca's fine-tuning recipe), not a pretraining batch of "
                      "millions of tokens; --global-batch-size N to change it")
+    if (held := mla_note(base)) is not None:
+        notes.append(held)
     if tokens is not None:
         seq = base.training.seq_len
         batch = req.batch_for(seq)

@@ -36,7 +36,7 @@ from vramcalc.planner.candidates import (
 )
 from vramcalc.planner.request import PlanRequest, ProgressFn
 from vramcalc.report import MemoryReport
-from vramcalc.scenario import Scenario, capability_problem
+from vramcalc.scenario import Scenario, capability_problem, mla_problem
 from vramcalc.speed import SpeedReport
 
 
@@ -129,12 +129,16 @@ def usable_and_context(base: Scenario) -> tuple[float, int]:
 
 
 def check_searchable(base: Scenario, req: PlanRequest | None = None) -> None:
-    """Refuse models the planner cannot search yet (InputError): multi-latent attention,
-    whose activation table covers one tp/cp rank of the reference profile and whose v heads
-    the bounds and speed model do not know (docs/methodology.md §1a)."""
+    """Refuse what the planner cannot search (InputError): a multi-latent attention model
+    whose training setup the profile's MLA activations do not cover on any layout (the
+    estimate's own message, vramcalc/scenario.py `mla_problem` at tp = cp = 1; the layouts
+    they cover are searched, vramcalc/planner/layouts.py `mla_refusal`), encoder-decoders,
+    and a precision the GPU cannot run unless --allow precision."""
     if base.model.is_mla:
-        raise InputError(f"{base.model.name}: the planner does not search multi-latent "
-                         "attention models yet (estimate one layout with --framework reference)")
+        one = base.parallel.model_copy(update={"tp": 1, "cp": 1})
+        problem = mla_problem(base.model_copy(update={"parallel": one}))
+        if problem:
+            raise InputError(problem)
     if base.model.is_encoder_decoder:
         raise InputError(f"{base.model.name}: the planner does not search encoder-decoder "
                          "models (T5, BART); `vramcalc trace` gives one layout's memory")
