@@ -101,6 +101,8 @@ def strategy_flags(s: dict[str, Any]) -> list[str]:
         flags += ["--finetune", str(s["finetune"])]
     if s.get("optimizer_in_backward"):
         flags.append("--optimizer-in-backward")
+    if s.get("mtp_layers"):
+        flags += ["--mtp-layers", str(s["mtp_layers"])]
     return flags
 
 
