@@ -289,3 +289,56 @@ def test_scenario_speed_counts_mtp() -> None:
     e = search(base, req).entries[0]
     assert e.speed.model_flops_per_token == model_flops_per_token(V3, 4096, mtp_layers=1)
     assert scenario_speed(e.scenario).model_flops_per_token == e.speed.model_flops_per_token
+
+
+# ---- uneven pipeline splits (DeepSeek-V3's 61 layers) ------------------------------------
+@pytest.mark.parametrize(("case", "pps", "interleaved"), [
+    # 61 − 3 − 2 = 56 layers over pp − 2 middle stages: pp − 2 | 56, pp | 256 -> pp 4, 16
+    ({"model": "deepseek-v3", "gpus": "32x8xH100", "framework": "megatron",
+      "first_stage_layers": 3, "last_stage_layers": 2, "mtp_layers": 1}, {4, 16}, set()),
+    # 10 layers + embedding + loss = 12 slots over pp: pp | 12, pp | 8 -> 2, 4; v = 2 needs
+    # an even count per rank: pp 2 only
+    ({"model": "small10", "gpus": "8xH100", "seq_len": 2048, "framework": "megatron",
+      "embedding_in_split": True, "loss_in_split": True, "allow": "optimizer"}, {2, 4}, {2}),
+], ids=["v3-first3-last2", "small-edges-in-split"])
+def test_plan_searches_pp_for_an_uneven_split(tmp_path: Path, case: dict, pps: set[int],
+                                              interleaved: set[int],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """An uneven split given to plan (Megatron-LM's --decoder-first/last-pipeline-num-layers,
+    --account-for-embedding/loss-in-pipeline-split) stays on every candidate, pp is searched
+    among the sizes Megatron-LM's rule accepts (derived by hand above), the bound stays
+    under the estimate (its floor counts the first stage's own layers), and the best entry
+    is what `vramcalc estimate` gives for the flags the plan prints."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**SMALL_V3, "num_hidden_layers": 10}))
+    model = str(path) if case["model"] == "small10" else case["model"]
+    base, req = _prepare({**case, "model": model}, "")
+    cands, _, _ = enumerate_candidates(base, req)
+    assert {c.pp for c in cands} == pps
+    assert {c.pp for c in cands if c.sched == "interleaved"} == interleaved
+    keys = ("first_stage_layers", "last_stage_layers", "embedding_in_split", "loss_in_split")
+    bound, context, checked = MemoryBound(base), base.cluster.gpu.context_overhead_bytes, 0
+    for c in random.Random(9).sample(cands, min(150, len(cands))):
+        e = estimate_candidate(c, base, req)
+        assert e is not None, c
+        par = e.scenario.parallel
+        assert all(getattr(par, k) == case[k] for k in keys if k in case)
+        assert bound.total(c) + context <= e.report.device_total_bytes, c
+        bound.learn(c, e.report)
+        checked += 1
+    assert checked > 30
+    best = search(base, req).entries[0]
+    assert main(["estimate", "--model", model, "--gpus", case["gpus"], "--framework",
+                 "megatron", "--headroom", "0.05", *strategy_flags(best.report.strategy),
+                 "--json"]) in (0, 1)
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["device_total_bytes"] == best.report.device_total_bytes
+
+
+def test_a_split_no_pipeline_size_accepts_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """61 − 30 − 30 = 1 layer for pp − 2 middle stages: only pp 3, which 8 GPUs cannot
+    hold: one error line."""
+    assert main(["plan", "--model", "deepseek-v3", "--gpus", "8xH100", "--framework",
+                 "megatron", "--first-stage-layers", "30", "--last-stage-layers", "30"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1, err

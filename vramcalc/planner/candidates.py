@@ -24,6 +24,7 @@ from vramcalc.errors import InputError
 from vramcalc.finetune import check_finetune
 from vramcalc.parallel import ParallelConfig, resolve_layout
 from vramcalc.planner.layouts import (
+    SPLIT_KEYS,
     Group,
     Sharding,
     given,
@@ -103,8 +104,8 @@ def training_for(base: Scenario, prec: str, opt: str, ft: str | None,
 def parallel_for(base: Scenario, dp: int, tp: int, pp: int, cp: int, ep: int, sp: bool,
                  sharding: Sharding, off: tuple[str, ...], sched: str = "1f1b",
                  v: int = 1) -> ParallelConfig:
-    """The planner's ParallelConfig; keeps --etp, --fsdp-impl, --mtp-layers and the
-    DeepSpeed keys."""
+    """The planner's ParallelConfig; keeps --etp, --fsdp-impl, --mtp-layers, an uneven
+    pipeline split (layouts.py SPLIT_KEYS) and the DeepSpeed keys."""
     zero, fsdp, group, _ = sharding
     return ParallelConfig.model_construct(
         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=base.parallel.etp, sequence_parallel=sp,
@@ -112,7 +113,8 @@ def parallel_for(base: Scenario, dp: int, tp: int, pp: int, cp: int, ep: int, sp
         fsdp_impl=base.parallel.fsdp_impl if fsdp != "none" else None,
         offload_device=base.parallel.offload_device, deepspeed=base.parallel.deepspeed,
         pp_schedule=sched, virtual_stages=v,  # type: ignore[arg-type]
-        capacity_factor=base.parallel.capacity_factor, mtp_layers=base.parallel.mtp_layers)
+        capacity_factor=base.parallel.capacity_factor, mtp_layers=base.parallel.mtp_layers,
+        **{k: getattr(base.parallel, k) for k in SPLIT_KEYS})
 
 
 def scenario_for(c: Candidate, base: Scenario) -> Scenario:

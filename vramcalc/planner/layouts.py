@@ -16,9 +16,14 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from vramcalc.hardware import GPUProfile
+from vramcalc.parallel import pipeline_split_problem
 from vramcalc.planner.request import UNSUPPORTED, PlanRequest
 from vramcalc.scenario import Scenario, capability_problem, mla_unsupported
 from vramcalc.training import FINETUNES, TrainingConfig
+
+# Megatron-LM's uneven pipeline splits (--first-stage-layers, ...): given to plan, they stay
+# on every layout, and pp is searched among the sizes whose split Megatron-LM accepts
+SPLIT_KEYS = ("first_stage_layers", "last_stage_layers", "embedding_in_split", "loss_in_split")
 
 Group = tuple  # (tp, pp, cp, dp, sp, ep, [(b, m, [(sched, v), ...]), ...])
 Sharding = tuple[int, str, "int | None", int]  # (zero, fsdp, shard_group, shard_stage)
@@ -51,6 +56,41 @@ def mla_note(base: Scenario) -> str | None:
     return (f"{base.model.name}: multi-latent attention's activations are modelled under the "
             f"{base.training.framework} profile without {axes} > 1 (vramcalc/scenario.py "
             f"`mla_unsupported`; estimate refuses those layouts too): {axes} held at 1")
+
+
+def pipeline_split(base: Scenario) -> dict[str, Any]:
+    """The uneven pipeline split the base layout carries (SPLIT_KEYS that are set)."""
+    return {k: v for k in SPLIT_KEYS if (v := getattr(base.parallel, k))}
+
+
+def split_schedules(base: Scenario, pp: int) -> tuple[bool, bool]:
+    """(1F1B, interleaved with v = 2) at pipeline size `pp`: whether the base's layers split
+    over it — evenly, or as its uneven split asks (the estimate's own check,
+    `pipeline_split_problem`)."""
+    spec, L = base.model, base.model.num_hidden_layers
+    if not pipeline_split(base):
+        return L % pp == 0, pp > 1 and L % (2 * pp) == 0
+    if pp == 1:
+        return False, False  # the split needs pipelining
+    ok = [pipeline_split_problem(spec, base.training, base.parallel.model_copy(
+        update={"pp": pp, "pp_schedule": sched, "virtual_stages": v})) is None
+        for sched, v in (("1f1b", 1), ("interleaved", 2))]
+    return ok[0], ok[1]
+
+
+def split_refusal(base: Scenario, num_gpus: int) -> str | None:
+    """Why the base's uneven pipeline split fits no pipeline size of `num_gpus` GPUs (the
+    estimate's message at the smallest size), or None."""
+    split = pipeline_split(base)
+    sizes = [pp for pp in divisors(num_gpus) if pp > 1]
+    if not split or any(split_schedules(base, pp)[0] for pp in sizes):
+        return None
+    flags = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+                     for k, v in split.items())
+    why = (pipeline_split_problem(base.model, base.training, base.parallel.model_copy(
+        update={"pp": sizes[0]})) if sizes else "one GPU runs no pipeline")
+    return (f"no pipeline-parallel size dividing {num_gpus} GPUs takes the split {flags} "
+            f"(at pp={sizes[0] if sizes else 1}: {why})")
 
 
 def divisors(n: int) -> list[int]:
@@ -162,7 +202,6 @@ def layouts(base: Scenario, req: PlanRequest) -> Iterator[Group]:
     W, gpn = cl.num_gpus, cl.gpus_per_node
     seq = tr.seq_len
     B = req.batch_for(seq)
-    L = spec.num_hidden_layers
     heads, kv = spec.num_attention_heads, spec.kv_heads
     accum_pin = pinned.get("grad_accum") or pinned.get("num_microbatches")
     off_limits = UNSUPPORTED.get(tr.framework, (frozenset(), ""))[0]
@@ -171,7 +210,8 @@ def layouts(base: Scenario, req: PlanRequest) -> Iterator[Group]:
                 spec.is_mla and mla_refusal(base, tp)):
             continue
         for pp in pick(pinned, "pp", divisors(W // tp)):
-            if L % pp or (pp > 1 and "pp" in off_limits):
+            one_f_one_b, interleaved = split_schedules(base, pp)
+            if not one_f_one_b or (pp > 1 and "pp" in off_limits):
                 continue
             for cp in pick(pinned, "cp", divisors(W // (tp * pp))):
                 if seq % cp or (cp > 1 and (seq // cp) % 2) or (
@@ -212,7 +252,7 @@ def layouts(base: Scenario, req: PlanRequest) -> Iterator[Group]:
                         # GPipe keeps all m micro-batches in flight for the same bubble as
                         # 1F1B, so it is never better; searched only when asked for.
                         scheds = [("1f1b", 1)]
-                        if pp > 1 and L % (pp * 2) == 0 and m % pp == 0:
+                        if interleaved and m % pp == 0:
                             scheds.append(("interleaved", 2))
                     if scheds:
                         batches.append((b, m, scheds))

@@ -34,6 +34,7 @@ from vramcalc.planner.candidates import (
     scenario_for,
     speed_model,
 )
+from vramcalc.planner.layouts import split_refusal
 from vramcalc.planner.request import PlanRequest, ProgressFn
 from vramcalc.report import MemoryReport
 from vramcalc.scenario import Scenario, capability_problem, mla_problem
@@ -163,7 +164,8 @@ def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
     en = Enumerator(base, req, bound, usable - context)
     result.num_candidates = sum(en.count(g) for g in en.groups)
     if not result.num_candidates:
-        why = pinned_refusal(base, req.pinned) or (
+        why = split_refusal(base, base.cluster.num_gpus) or pinned_refusal(
+            base, req.pinned) or (
             "the data-parallel size must divide the batch (try a global batch that is a "
             "multiple of the GPU count)")
         raise InputError(
