@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_catalog import DEEPSEEK_V3
+from test_catalog import DEEPSEEK_V2_LITE, DEEPSEEK_V3
 from test_mla import SMALL_V3
 
 from vramcalc.cli import main
@@ -51,11 +51,22 @@ def small_v3(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-def _prepare(case: dict[str, Any], model: str) -> tuple[Any, Any]:
-    values = {k: v for k, v in case.items() if k != "allow"}
+@pytest.fixture(scope="module")
+def v2_lite(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """DeepSeek-V2-Lite's config.json (tests/test_catalog.py): 27 layers, 16 heads, no q
+    compression, 64 routed experts."""
+    path = tmp_path_factory.mktemp("v2lite") / "config.json"
+    path.write_text(json.dumps(DEEPSEEK_V2_LITE))
+    return str(path)
+
+
+def _prepare(case: dict[str, Any], model: str, lite: str = "") -> tuple[Any, Any]:
+    values = {k: v for k, v in case.items() if k not in ("allow", "global_batch_size")}
     if values["model"] == "small":
         values["model"] = model
-    base, req, _ = prepare_plan(values, allow=case.get("allow"))
+    elif values["model"] == "v2-lite":
+        values["model"] = lite
+    base, req, _ = prepare_plan(values, case.get("global_batch_size"), allow=case.get("allow"))
     return base, req
 
 
@@ -127,6 +138,9 @@ MLA_BOUND_CASES = [
      "mtp_layers": 1, "allow": "optimizer"},
     {"model": "small", "gpus": "4xH100", "seq_len": 2048, "framework": "reference",
      "allow": "optimizer,offload"},
+    # 27 layers: pp 3 on 24 GPUs
+    {"model": "v2-lite", "gpus": "3x8xH100", "seq_len": 4096, "framework": "megatron",
+     "global_batch_size": 48},
     {"model": "deepseek-v3", "gpus": "32x8xH100", "framework": "megatron", "mtp_layers": 1},
     {"model": "deepseek-v3", "gpus": "32x8xH100", "framework": "reference"},
 ]
@@ -135,12 +149,13 @@ MLA_BOUND_CASES = [
 @pytest.mark.parametrize("case", MLA_BOUND_CASES,
                          ids=lambda c: f"{c['model']}@{c['gpus']}-{c['framework']}"
                                        f"{'-mtp' if c.get('mtp_layers') else ''}")
-def test_bound_never_exceeds_the_estimate_for_mla(small_v3: str, case: dict) -> None:
+def test_bound_never_exceeds_the_estimate_for_mla(small_v3: str, v2_lite: str,
+                                                   case: dict) -> None:
     """bound + CUDA context <= estimate's device total on a random sample of MLA candidates
     (pipelines, expert parallelism, every recompute mode, ZeRO/FSDP, offload), before and
     after the bound learns from estimates: the bound stays a lower bound with MLA's
     (d_qk, d_v) heads and MTP depths."""
-    base, req = _prepare(case, small_v3)
+    base, req = _prepare(case, small_v3, v2_lite)
     cands, _, _ = enumerate_candidates(base, req)
     bound = MemoryBound(base)
     context = base.cluster.gpu.context_overhead_bytes
@@ -154,8 +169,9 @@ def test_bound_never_exceeds_the_estimate_for_mla(small_v3: str, case: dict) -> 
         seen.add((c.rec, c.pp > 1, c.ep > 1, c.tp > 1))
     assert checked >= min(150, len(cands)) and checked > 30
     assert {s[0] for s in seen} == {"none", "selective", "full"}
-    if case["model"] == "small" and case["framework"] == "megatron":
-        assert {s[1:] for s in seen} >= {(True, True, True), (False, True, False)}
+    if case["model"] in ("small", "v2-lite") and case["framework"] == "megatron":
+        assert {s[1] for s in seen} == {True, False} and {s[2] for s in seen} == {True, False}
+        assert {s[3] for s in seen} == {True, False}
 
 
 # A dense MLA model whose q/k heads are three times its v heads (dn + dr = 96, dv = 32) and
