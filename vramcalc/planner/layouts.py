@@ -2,7 +2,7 @@
 
 A layout group is (tp, pp, cp, dp, sp, ep) with its micro-batch splits: tp within a node,
 dividing the attention heads (and the KV heads, or a multiple of them); pp dividing the
-layers; cp dividing the sequence (an even share per rank); dp the rest, dividing the global
+layers, or as the uneven split given to plan allows (`split_schedules`); cp dividing the sequence (an even share per rank); dp the rest, dividing the global
 batch; ep for MoE models, dividing the experts and dp·cp. Multi-latent attention models
 keep tp and cp to what the chosen profile's MLA activations cover (`mla_refusal`: the
 estimate's own check, vramcalc/scenario.py `mla_unsupported`).
