@@ -23,10 +23,12 @@ import pytest
 from test_catalog import DEEPSEEK_V2_LITE, DEEPSEEK_V3
 from test_mla import SMALL_V3
 
+from vramcalc.catalog import resolve_model
 from vramcalc.cli import main
 from vramcalc.cli.plan import prepare_plan
 from vramcalc.errors import InputError
 from vramcalc.flops import attention_width, model_flops_per_token, recompute_flops_per_token
+from vramcalc.hardware import resolve_gpu
 from vramcalc.hf_config import from_hf_config
 from vramcalc.planner import (
     LOWER_BOUND_MARGIN,
@@ -38,7 +40,7 @@ from vramcalc.planner import (
 from vramcalc.planner.candidates import scenario_for
 from vramcalc.render.plan import strategy_flags
 from vramcalc.scenario import mla_unsupported
-from vramcalc.speed import scenario_speed
+from vramcalc.speed import SpeedModel, scenario_speed
 
 V3 = from_hf_config(DEEPSEEK_V3, "DeepSeek-V3 config.json")
 
@@ -358,3 +360,22 @@ def test_a_split_no_pipeline_size_accepts_is_refused(capsys: pytest.CaptureFixtu
                  "megatron", "--first-stage-layers", "30", "--last-stage-layers", "30"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and len(err.splitlines()) == 1, err
+
+
+def test_fp8_speed_puts_the_mtp_depth_linears_at_the_fp8_peak() -> None:
+    """--precision fp8 with an MTP depth (a dense Llama-3.1-8B under megatron): the depth's
+    layer, eh_proj and norms join the FP8 share (Transformer Engine linears), its shared-head
+    matmul the BF16 share: peak = F / (F8/P8 + (F − F8)/P16), counted by hand."""
+    spec = resolve_model("llama3.1-8b")[0]
+    gpu = resolve_gpu("H100")
+    h, f, V, Lm, kv = 4096, 14336, 128256, 32, 1024
+    layer = h * (h + kv + kv) + h * h + 3 * h * f + 2 * h  # q, k, v, o; SwiGLU; 2 norms
+    n_lin = Lm * layer  # the decoder's block linears (and norms)
+    depth = layer + 2 * h * h + 3 * h  # the MTP layer, eh_proj, 3 norms (head: bf16 share)
+    s = 4096
+    F = model_flops_per_token(spec, s, mtp_layers=1)
+    F8 = 6 * (n_lin + depth)
+    p8, p16 = gpu.peak_tflops("fp8") * 1e12, gpu.peak_tflops("bf16") * 1e12
+    want = F / (F8 / p8 + (F - F8) / p16)
+    assert SpeedModel(spec, gpu, 8, s, "fp8", mtp_layers=1).peak == pytest.approx(want, rel=1e-12)
+    assert F - model_flops_per_token(spec, s) == 6 * (depth + V * h) + 12 * s * 32 * 128

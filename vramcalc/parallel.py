@@ -263,8 +263,8 @@ def _check_expert_tp(spec: ModelSpec, training: TrainingConfig, parallel: Parall
 
 def pipeline_split_problem(spec: ModelSpec, training: TrainingConfig,
                            parallel: ParallelConfig) -> str | None:
-    """`resolve_layout`'s refusal of this layout's pipeline split (pp, schedule, uneven or
-    edge-counting split), or None: the planner asks it which pp a split allows."""
+    """`resolve_layout`'s refusal of this layout's pipeline split, or None (the planner
+    asks it which pp an uneven split allows)."""
     try:
         _check_pipeline(spec, training, parallel)
     except InputError as err:

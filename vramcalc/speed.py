@@ -75,7 +75,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vramcalc.finetune import _finetune_shapes, adapter_dtype
-from vramcalc.flops import attention_width, model_flops_per_token, recompute_flops_per_token
+from vramcalc.flops import (
+    attention_width,
+    model_flops_per_token,
+    mtp_depth_params,
+    recompute_flops_per_token,
+)
 from vramcalc.hardware import GPUProfile
 from vramcalc.model import ModelSpec
 from vramcalc.scenario import Scenario
@@ -174,19 +179,24 @@ def peak_flops(gpu: GPUProfile, dtype: str) -> tuple[float, str | None]:
     return 1e12, f"{gpu.name} has no TFLOP/s figure; speed assumes 1 TFLOP/s"
 
 
-def fp8_peak_flops(spec: ModelSpec, gpu: GPUProfile, seq_len: int) -> tuple[float, str | None]:
+def fp8_peak_flops(spec: ModelSpec, gpu: GPUProfile, seq_len: int,
+                   mtp_layers: int = 0) -> tuple[float, str | None]:
     """Effective dense FLOP/s of an FP8 step: the block linears' 6·N_layers FLOPs per token
     at the profile's FP8 peak, the rest (lm_head, attention 12·L·s·a·d) at its BF16 peak
     (Transformer Engine runs only the linears in FP8, vramcalc/terms/lowprec.py; torchtitan's
-    --float8 every linear but the output projection): F / (F_fp8/P_fp8 + F_bf16/P_bf16). Falls back to the
-    BF16 peak, with a note, when the profile has no FP8 figure."""
+    --float8 every linear but the output projection): F / (F_fp8/P_fp8 + F_bf16/P_bf16). MTP
+    depths (vramcalc/flops.py) add their layer and eh_proj to the FP8 part (Megatron-LM runs
+    `_concat_embeddings` and the layer in the FP8 context), the shared head's V·h to the
+    BF16 part. Falls back to the BF16 peak, with a note, when the profile has no FP8 figure."""
     p16, note = peak_flops(gpu, "bf16")
     fp8 = gpu.peak_tflops("fp8")
     if fp8 is None:
         return p16, f"{gpu.name} has no fp8 peak in its profile; speed uses its bf16 peak"
     n_lin = (spec.num_active_params - spec.embedding_params - spec.head_params
              - spec.final_norm_params)
-    total = model_flops_per_token(spec, seq_len)
+    if mtp_layers:
+        n_lin += mtp_layers * (mtp_depth_params(spec) - spec.vocab_size * spec.hidden_size)
+    total = model_flops_per_token(spec, seq_len, mtp_layers=mtp_layers)
     f_fp8 = min(6.0 * n_lin, total)
     return total / (f_fp8 / (fp8 * 1e12) + (total - f_fp8) / p16), note
 
@@ -253,7 +263,7 @@ class SpeedModel:
         self.g = self.w  # gradients are stored in the weight dtype (vramcalc.training)
         self.peak, note = peak_flops(gpu, c_dtype)
         if precision == "fp8" or float8:  # block linears at the FP8 peak (TE or torchao)
-            self.peak, note = fp8_peak_flops(spec, gpu, seq_len)
+            self.peak, note = fp8_peak_flops(spec, gpu, seq_len, mtp_layers)
         self.notes: tuple[str, ...] = (note,) if note else ()
         self.rate = self.peak * self.efficiency
         self.peft = peft
