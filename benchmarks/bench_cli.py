@@ -44,6 +44,12 @@ COMMANDS: tuple[tuple[str, list[str], float], ...] = (
       "--max-model-len", "20000"], 0.5),
     ("plan --model 70b --gpus 8xH100 (README main command)",
      ["plan", "--model", "70b", "--gpus", "8xH100"], 1.5),
+    ("plan --model deepseek-v3 --gpus 32x8xH100 --framework megatron (MLA)",
+     ["plan", "--model", "deepseek-v3", "--gpus", "32x8xH100", "--framework", "megatron"], 1.0),
+    ("plan --model deepseek-v3 --gpus 32x8xH100 --framework megatron --first-stage-layers 3 "
+     "--last-stage-layers 2 --mtp-layers 1",
+     ["plan", "--model", "deepseek-v3", "--gpus", "32x8xH100", "--framework", "megatron",
+      "--first-stage-layers", "3", "--last-stage-layers", "2", "--mtp-layers", "1"], 1.5),
 )
 
 

@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("terms", ("vramcalc.terms", "vramcalc.offload")),
     ("engine", ("vramcalc.analytic", "vramcalc.analytic_seq2seq", "vramcalc.phases",
                 "vramcalc.notes", "vramcalc.trace")),
-    ("use", ("vramcalc.planner", "vramcalc.serve", "vramcalc.speed", "vramcalc.seq2seq_flops",
+    ("use", ("vramcalc.planner", "vramcalc.serve", "vramcalc.speed", "vramcalc.flops",
              "vramcalc.size", "vramcalc.explain",
              "vramcalc.check", "vramcalc.ds_json", "vramcalc.validate", "vramcalc.probe",
              "vramcalc.api")),

@@ -150,11 +150,18 @@ def test_uncovered_scenarios_refused_with_one_line(tmp_path: Path, capsys: Any,
 
 @pytest.mark.parametrize("args", [["plan", "--gpus", "64xH100"],
                                   ["size", "--tokens", "1T", "--gpu", "H100"]])
-def test_plan_and_size_refused_with_one_line(tmp_path: Path, capsys: Any,
-                                             args: list[str]) -> None:
-    assert main([args[0], "--model", _write(tmp_path, DEEPSEEK_V3), *args[1:]]) == 2
+def test_plan_and_size_refuse_uncovered_profiles_with_one_line(tmp_path: Path, capsys: Any,
+                                                                args: list[str]) -> None:
+    """plan and size search MLA models (tests/test_plan_mla.py) where the profile's MLA
+    activations cover some layout; under the hf profile none is covered: the estimate's
+    own one-line refusal."""
+    model = _write(tmp_path, DEEPSEEK_V3)
+    assert main([args[0], "--model", model, *args[1:], "--framework", "hf"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "planner does not search multi-latent" in err
+    assert err.count("\n") == 1 and "multi-latent attention" in err and "hf profile" in err
+    assert main([args[0], "--model", model, *args[1:], "--framework", "megatron",
+                 "--json"]) in (0, 1)
+    assert json.loads(capsys.readouterr().out)
 
 
 def test_estimate_runs_for_the_reference_profile(tmp_path: Path, capsys: Any) -> None:

@@ -13,9 +13,9 @@ import pytest
 from tests.test_seq2seq import CONFIGS, _run
 from vramcalc.analytic import estimate
 from vramcalc.cli.plan import prepare_plan
+from vramcalc.flops import seq2seq_flops
 from vramcalc.hf_config import from_hf_config
 from vramcalc.planner import MemoryBound, enumerate_candidates, estimate_candidate, search
-from vramcalc.seq2seq_flops import seq2seq_flops
 
 
 @pytest.mark.parametrize(("name", "proj"), [("t5-odd", None), ("t5-odd", "gated-gelu"),

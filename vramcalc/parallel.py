@@ -261,6 +261,17 @@ def _check_expert_tp(spec: ModelSpec, training: TrainingConfig, parallel: Parall
                          "in training")
 
 
+def pipeline_split_problem(spec: ModelSpec, training: TrainingConfig,
+                           parallel: ParallelConfig) -> str | None:
+    """`resolve_layout`'s refusal of this layout's pipeline split, or None (the planner
+    asks it which pp an uneven split allows)."""
+    try:
+        _check_pipeline(spec, training, parallel)
+    except InputError as err:
+        return str(err)
+    return None
+
+
 def _check_pipeline(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig) -> None:
     pp = parallel.pp
     if parallel.pp_schedule != "interleaved" and parallel.virtual_stages != 1:

@@ -40,6 +40,21 @@ def mla_unsupported(scn: Scenario) -> str | None:
     return None
 
 
+def mla_problem(scn: Scenario) -> str | None:
+    """The one-line refusal of a multi-latent attention scenario `mla_unsupported` does not
+    cover (None when covered or the model has no MLA)."""
+    missing = mla_unsupported(scn) if scn.model.is_mla else None
+    if missing is None:
+        return None
+    if scn.training.framework == "megatron":
+        return (f"{scn.model.name}: multi-latent attention's activations are modelled for "
+                "--framework megatron with TE flash attention, tensor and sequence "
+                f"parallelism, 16/32-bit full training, so far; not {missing}")
+    return (f"{scn.model.name}: multi-latent attention's activations are modelled for "
+            "--framework reference on one tensor/context-parallel rank, full training, so "
+            f"far; not {missing}")
+
+
 def encoder_unsupported(scn: Scenario) -> str | None:
     """What of this scenario the encoder tables (vramcalc/terms/encoder.py) do not model,
     or None: they follow transformers' BERT / RoBERTa on one GPU or plain data parallelism,
@@ -133,17 +148,9 @@ class Scenario(BaseModel):
         """Validate the layout against model and world size; fill in dp, the optimizer
         step's implementation where a torch optimizer steps (DeepSpeed and Megatron-LM step
         their own fused optimizers) and the allocator's expandable segments (the stack's)."""
-        if self.model.is_mla:
-            missing = mla_unsupported(self)
-            if missing and self.training.framework == "megatron":
-                raise InputError(f"{self.model.name}: multi-latent attention's activations are "
-                                 "modelled for --framework megatron with TE flash attention, "
-                                 "tensor and sequence parallelism, 16/32-bit full training, "
-                                 f"so far; not {missing}")
-            if missing:
-                raise InputError(f"{self.model.name}: multi-latent attention's activations are "
-                                 "modelled for --framework reference on one tensor/context-"
-                                 f"parallel rank, full training, so far; not {missing}")
+        problem = mla_problem(self)
+        if problem:
+            raise InputError(problem)
         mtp = self.parallel.mtp_layers
         if mtp and (self.training.framework != "megatron" or self.model.is_encoder
                     or self.model.is_encoder_decoder):

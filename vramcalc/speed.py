@@ -5,12 +5,13 @@ Every formula, its source and the test that pins it are in docs/planning.md.
 
 Legend: N_mm = parameters that take part in matrix multiplies per token (active parameters
 minus the input-embedding lookup; a tied head counts once), L = layers, s = sequence length,
-A = a·d (attention width: heads × head dim), b = micro-batch, m = micro-batches per step,
+A = a·d (attention width: heads × head dim; vramcalc/flops.py `attention_width`), b = micro-batch, m = micro-batches per step,
 B = global batch (sequences) = dp·b·m, W = GPUs = dp·tp·pp·cp, p = pp, v = virtual stages,
 c / w / g = bytes per element of the compute / weight / gradient dtype.
 
 Compute (model FLOPs, the convention published MFU figures use; Chowdhery et al. 2022,
-PaLM, App. B; Kaplan et al. 2020 for 6N):
+PaLM, App. B; Kaplan et al. 2020 for 6N), vramcalc/flops.py (multi-latent attention's
+A = a·(d_qk + d_v)/2 and the multi-token-prediction depths there):
 
     F_model per token = 6·N_mm + 12·L·s·A
     recompute full      adds the layers' forward: 2·(N_mm − V·h) + 4·L·s·A
@@ -74,11 +75,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vramcalc.finetune import _finetune_shapes, adapter_dtype
+from vramcalc.flops import (
+    attention_width,
+    model_flops_per_token,
+    mtp_depth_params,
+    recompute_flops_per_token,
+    seq2seq_flops,
+)
 from vramcalc.hardware import GPUProfile
 from vramcalc.model import ModelSpec
 from vramcalc.scenario import Scenario
-from vramcalc.seq2seq_flops import seq2seq_flops
-from vramcalc.terms.torchtitan import op_sac_recompute_flops_per_token
 from vramcalc.training import TrainingConfig
 from vramcalc.units import DTYPE_BITS
 
@@ -161,40 +167,6 @@ def _bytes(dtype: str) -> float:
     return DTYPE_BITS[dtype] / 8
 
 
-def matmul_params(spec: ModelSpec) -> int:
-    """N_mm: active parameters minus the input-embedding lookup (a tied head counts once)."""
-    n = spec.num_active_params - spec.embedding_params
-    if spec.tie_word_embeddings:
-        n += spec.vocab_size * spec.hidden_size
-    return n
-
-
-def model_flops_per_token(spec: ModelSpec, seq_len: int,
-                          adapter_params: int | None = None) -> float:
-    """6·N_mm + 12·L·s·A: training FLOPs per token without recomputation (PaLM App. B).
-    With `adapter_params` (LoRA/QLoRA/DoRA: frozen base) 4·N_mm + 6·N_ad + 12·L·s·A: the
-    frozen weights' gradient matmuls are skipped (module docstring)."""
-    attn = spec.num_attention_heads * spec.head_size
-    base = 6.0 * matmul_params(spec) if adapter_params is None else (
-        4.0 * matmul_params(spec) + 6.0 * adapter_params)
-    return base + 12.0 * spec.num_hidden_layers * seq_len * attn
-
-
-def recompute_flops_per_token(spec: ModelSpec, seq_len: int, recompute: str,
-                              selective: str | int = "core") -> float:
-    """Extra forward FLOPs per token: full = 2·(N_mm − V·h) + 4·L·s·A (the transformer
-    layers run forward again; the output head does not); selective (`selective_kind`) =
-    4·L·s·A (the attention core), torchtitan's per-op SAC ("op"), or full on ⌊L/N⌋ layers."""
-    L = spec.num_hidden_layers
-    attn_fwd = 4.0 * L * seq_len * spec.num_attention_heads * spec.head_size
-    full = 2.0 * (matmul_params(spec) - spec.vocab_size * spec.hidden_size) + attn_fwd
-    if recompute != "selective":
-        return full if recompute == "full" else 0.0
-    if selective == "op":
-        return op_sac_recompute_flops_per_token(spec)
-    return full * (L // selective) / L if isinstance(selective, int) else attn_fwd
-
-
 def peak_flops(gpu: GPUProfile, dtype: str) -> tuple[float, str | None]:
     """Dense peak FLOP/s for `dtype`; falls back to fp16, then fp32, with a note."""
     tflops = gpu.peak_tflops(dtype)
@@ -208,19 +180,24 @@ def peak_flops(gpu: GPUProfile, dtype: str) -> tuple[float, str | None]:
     return 1e12, f"{gpu.name} has no TFLOP/s figure; speed assumes 1 TFLOP/s"
 
 
-def fp8_peak_flops(spec: ModelSpec, gpu: GPUProfile, seq_len: int) -> tuple[float, str | None]:
+def fp8_peak_flops(spec: ModelSpec, gpu: GPUProfile, seq_len: int,
+                   mtp_layers: int = 0) -> tuple[float, str | None]:
     """Effective dense FLOP/s of an FP8 step: the block linears' 6·N_layers FLOPs per token
     at the profile's FP8 peak, the rest (lm_head, attention 12·L·s·a·d) at its BF16 peak
     (Transformer Engine runs only the linears in FP8, vramcalc/terms/lowprec.py; torchtitan's
-    --float8 every linear but the output projection): F / (F_fp8/P_fp8 + F_bf16/P_bf16). Falls back to the
-    BF16 peak, with a note, when the profile has no FP8 figure."""
+    --float8 every linear but the output projection): F / (F_fp8/P_fp8 + F_bf16/P_bf16). MTP
+    depths (vramcalc/flops.py) add their layer and eh_proj to the FP8 part (Megatron-LM runs
+    `_concat_embeddings` and the layer in the FP8 context), the shared head's V·h to the
+    BF16 part. Falls back to the BF16 peak, with a note, when the profile has no FP8 figure."""
     p16, note = peak_flops(gpu, "bf16")
     fp8 = gpu.peak_tflops("fp8")
     if fp8 is None:
         return p16, f"{gpu.name} has no fp8 peak in its profile; speed uses its bf16 peak"
     n_lin = (spec.num_active_params - spec.embedding_params - spec.head_params
              - spec.final_norm_params)
-    total = model_flops_per_token(spec, seq_len)
+    if mtp_layers:
+        n_lin += mtp_layers * (mtp_depth_params(spec) - spec.vocab_size * spec.hidden_size)
+    total = model_flops_per_token(spec, seq_len, mtp_layers=mtp_layers)
     f_fp8 = min(6.0 * n_lin, total)
     return total / (f_fp8 / (fp8 * 1e12) + (total - f_fp8) / p16), note
 
@@ -278,7 +255,7 @@ class SpeedModel:
                  precision: str = "bf16", efficiency: float | None = None,
                  capacity_factor: float = 1.0, peft: PeftCounts | None = None,
                  selective: str | int = "core", float8: bool = False,
-                 target_len: int | None = None) -> None:
+                 mtp_layers: int = 0, target_len: int | None = None) -> None:
         self.spec, self.gpu, self.gpn, self.seq_len = spec, gpu, gpus_per_node, seq_len
         self.efficiency = efficiency if efficiency is not None else gpu.mfu_fraction
         c_dtype = _COMPUTE_DTYPE[precision]
@@ -287,16 +264,17 @@ class SpeedModel:
         self.g = self.w  # gradients are stored in the weight dtype (vramcalc.training)
         self.peak, note = peak_flops(gpu, c_dtype)
         if precision == "fp8" or float8:  # block linears at the FP8 peak (TE or torchao)
-            self.peak, note = fp8_peak_flops(spec, gpu, seq_len)
+            self.peak, note = fp8_peak_flops(spec, gpu, seq_len, mtp_layers)
         self.notes: tuple[str, ...] = (note,) if note else ()
         self.rate = self.peak * self.efficiency
         self.peft = peft
         n_ad = peft.adapter_params if peft else 0
-        self.f_model = model_flops_per_token(spec, seq_len, n_ad if peft else None)
-        self.f_hw = {r: self.f_model + recompute_flops_per_token(spec, seq_len, r, selective)
+        self.f_model = model_flops_per_token(spec, seq_len, n_ad if peft else None, mtp_layers)
+        self.f_hw = {r: self.f_model + recompute_flops_per_token(spec, seq_len, r, selective,
+                                                                 mtp_layers)
                      + (2.0 * n_ad if peft and r == "full" else 0.0)
                      for r in ("none", "selective", "full")}
-        if spec.is_encoder_decoder:  # two stacks over s and t tokens (seq2seq_flops.py)
+        if spec.is_encoder_decoder:  # two stacks over s and t tokens (flops.py)
             self.f_model, self.f_hw = seq2seq_flops(spec, seq_len, target_len or seq_len)
         n_exp = spec.num_moe_layers * spec.num_local_experts * spec.expert_params
         self.n_exp = n_exp
@@ -318,7 +296,7 @@ class SpeedModel:
             self.train_params = float(n_ad)
             # read n/2 packed + n/64 absmax bytes, write n·c (module docstring)
             self.dequant_s_per_param = (0.5 + 1 / 64 + self.c) / gpu.memory_bandwidth_bytes_per_s
-        self.attn_width = spec.num_attention_heads * spec.head_size
+        self.attn_width = attention_width(spec)
         self.intra, self.inter = gpu.intra_node_bytes_per_s, gpu.inter_node_bytes_per_s
         self.capacity_factor = capacity_factor
 
@@ -469,10 +447,10 @@ def estimate_speed(spec: ModelSpec, gpu: GPUProfile, gpus_per_node: int, layout:
                    seq_len: int, precision: str = "bf16", efficiency: float | None = None,
                    capacity_factor: float = 1.0, peft: PeftCounts | None = None,
                    selective: str | int = "core", float8: bool = False,
-                   target_len: int | None = None) -> SpeedReport:
+                   mtp_layers: int = 0, target_len: int | None = None) -> SpeedReport:
     """Step time of `layout` (module docstring); seconds per step, tokens/s of the cluster."""
-    return SpeedModel(spec, gpu, gpus_per_node, seq_len, precision, efficiency,
-                      capacity_factor, peft, selective, float8, target_len).report(layout)
+    return SpeedModel(spec, gpu, gpus_per_node, seq_len, precision, efficiency, capacity_factor,
+                      peft, selective, float8, mtp_layers, target_len).report(layout)
 
 
 def scenario_speed(scn: Scenario, efficiency: float | None = None) -> SpeedReport:
@@ -491,7 +469,7 @@ def scenario_speed(scn: Scenario, efficiency: float | None = None) -> SpeedRepor
     return estimate_speed(scn.model, scn.cluster.gpu, scn.cluster.gpus_per_node, layout,
                           tr.seq_len, tr.precision, efficiency, par.capacity_factor,
                           training_peft(scn.model, tr), tr.selective_kind, tr.float8,
-                          tr.target_len)
+                          par.mtp_layers, tr.target_len)
 
 
 def training_peft(spec: ModelSpec, tr: TrainingConfig) -> PeftCounts | None:

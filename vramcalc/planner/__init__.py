@@ -5,14 +5,16 @@ of GPU profiles (for "another GPU type" suggestions). Modules, each importing on
 before it (docs/planning.md has the details):
 
 - `request`: PlanRequest, what to search;
-- `candidates`: the layouts of a cluster and their speed (vramcalc.speed);
+- `layouts`: the layout groups of a cluster (the search space);
+- `candidates`: the candidates of those layouts and their speed (vramcalc.speed);
 - `bound`: the memory lower bound that prunes candidates, from the engine's term functions;
 - `search`: best-first search, PlanEntry / PlanResult, ranking;
 - `suggest`: the smallest changes that make a job fit.
 """
 
 from vramcalc.planner.bound import LOWER_BOUND_MARGIN, MemoryBound
-from vramcalc.planner.candidates import Candidate, enumerate_candidates, finetune_supported
+from vramcalc.planner.candidates import Candidate, enumerate_candidates
+from vramcalc.planner.layouts import finetune_supported, mla_note
 from vramcalc.planner.request import (
     DEFAULT_BATCH_TOKENS,
     MAX_MICRO_BATCH,
@@ -45,6 +47,7 @@ __all__ = [
     "feasible",
     "finetune_supported",
     "gpu_counts",
+    "mla_note",
     "search",
     "stack_note",
     "suggest_changes",

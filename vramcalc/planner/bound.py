@@ -35,9 +35,12 @@ The activation floor counts, on the first stage, per layer and token, what every
 saves: under full recompute, or LoRA/QLoRA/DoRA (frozen weights need no saved inputs), the
 layer input (h, ÷tp under sequence parallelism); otherwise every input a weight gradient
 needs: the attention and MLP inputs (2h, ÷tp under sequence parallelism), q, k, v and the
-attention output (2·a·d + 2·g·d, ÷tp) and the MLP down-projection input (f, ÷tp; not counted
-for MoE) — in the compute dtype (1 byte under FP8), for the min(pp, m) micro-batches 1F1B
-keeps in flight there (Narayanan et al. 2021), over L/pp layers (one fewer under
+attention output ((a + g)·(d + dv), ÷tp: q a·d, k g·d, v g·dv, output a·dv, with dv = d but
+under multi-latent attention, whose v heads are v_head_dim wide and whose q/k heads
+qk_nope_head_dim + qk_rope_head_dim, g = a) and the MLP down-projection input (f, ÷tp; not
+counted for MoE) — in the compute dtype (1 byte under FP8), for the min(pp, m) micro-batches 1F1B
+keeps in flight there (Narayanan et al. 2021), over its L/pp layers (an uneven split's
+first stage: the fewer of its 1F1B and interleaved counts; one fewer under
 LoRA/QLoRA/DoRA, whose first layer keeps less: vramcalc/terms/finetune_activations.py
 `first_layer_unsaved_bytes`); none with activation offload. The margin 0.95 (`LOWER_BOUND_MARGIN`) applies to the activation parts
 only, the one formula here that is not the engine's.
@@ -64,10 +67,11 @@ from vramcalc.planner.candidates import (
     parallel_for,
     training_for,
 )
+from vramcalc.planner.layouts import SPLIT_KEYS
 from vramcalc.rank import RankContext
 from vramcalc.report import MemoryReport
 from vramcalc.scenario import Scenario
-from vramcalc.sharding import moe_layers_on_stage, pipeline_chunks
+from vramcalc.sharding import chunk_layers, moe_layers_on_stage, pipeline_chunks
 from vramcalc.terms.gradients import (
     gradients_at_step_bytes,
     gradients_bytes,
@@ -130,10 +134,12 @@ class MemoryBound:
         self._group_states: dict[tuple, list[list]] = {}  # for `admitted`
         self._trainings: dict[tuple[str, str, str | None], TrainingConfig] = {}
         self._parallels: dict[tuple, ParallelConfig] = {}
-        d = spec.head_size
-        self._sharded_inputs = (2 * spec.num_attention_heads * d + 2 * spec.kv_heads * d
+        a, g, d = spec.num_attention_heads, spec.kv_heads, spec.head_size
+        dv = spec.v_head_dim or d  # multi-latent attention: v heads dv wide, q/k heads d
+        self._sharded_inputs = ((a + g) * (d + dv)
                                 + (0 if spec.is_moe else spec.intermediate_size))
         self._compute_bytes: dict[str, float] = {}
+        self._first_layers: dict[int, int] = {}
 
     # ---- model states, from the term functions ------------------------------------------
     def _training(self, prec: str, opt: str, ft: str | None) -> TrainingConfig:
@@ -207,10 +213,25 @@ class MemoryBound:
             per_token = h / sp_div
         else:
             per_token = 2 * h / sp_div + self._sharded_inputs / tp
-        # the planner proposes even splits only (candidates need L % pp == 0)
-        layers = spec.num_hidden_layers // pp - (0 if ft in (None, "full") else 1)
+        layers = self._first_stage_layers(pp) - (0 if ft in (None, "full") else 1)
         tokens = min(pp, m) * b * (self.seq / cp)
         return layers * tokens * per_token * self._bytes_per_value(prec)
+
+    def _first_stage_layers(self, pp: int) -> int:
+        """Layers of the first pipeline stage: L/pp for an even split; for the base's uneven
+        split (Megatron-LM's --decoder-first-pipeline-num-layers, ...) the fewest of its
+        1F1B and interleaved (v = 2) chunks (`sharding.chunk_layers`)."""
+        hit = self._first_layers.get(pp)
+        if hit is None:
+            par, L = self.base.parallel, self.spec.num_hidden_layers
+            if pp == 1 or not any(getattr(par, k) for k in SPLIT_KEYS):
+                hit = L // pp
+            else:
+                hit = max(0, min(sum(row[0] for row in chunk_layers(
+                    L, pp, v, par.first_stage_layers, par.last_stage_layers,
+                    par.embedding_in_split, par.loss_in_split)) for v in (1, 2)))
+            self._first_layers[pp] = hit
+        return hit
 
     def _bytes_per_value(self, prec: str) -> float:
         hit = self._compute_bytes.get(prec)

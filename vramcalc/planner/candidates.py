@@ -1,9 +1,7 @@
 """Candidate strategies of one plan search: every valid layout of the cluster with its speed.
 
-A layout group is (tp, pp, cp, dp, sp, ep) with its micro-batch splits: tp within a node,
-dividing the attention heads (and the KV heads, or a multiple of them); pp dividing the
-layers; cp dividing the sequence (an even share per rank); dp the rest, dividing the global
-batch; ep for MoE models, dividing the experts and dp·cp. A candidate adds the sharding
+The layout groups (tp, pp, cp, dp, sp, ep) with their micro-batch splits come from
+vramcalc/planner/layouts.py. A candidate adds the sharding
 (ZeRO 0-3 without pipelining; ZeRO 0-1, FSDP shard-grad-op / full with it; FSDP hybrid within
 a node), offload, recompute, a power-of-two micro-batch dividing the per-rank batch, 1F1B or
 interleaved (v = 2) pipelines and — when allowed — precision, optimizer and fine-tuning
@@ -19,25 +17,33 @@ float arithmetic per candidate). Pure: no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
 from vramcalc.errors import InputError
 from vramcalc.finetune import check_finetune
-from vramcalc.hardware import GPUProfile
 from vramcalc.parallel import ParallelConfig, resolve_layout
-from vramcalc.planner.request import UNSUPPORTED, PlanRequest, recomputes_of
+from vramcalc.planner.layouts import (
+    SPLIT_KEYS,
+    Group,
+    Sharding,
+    given,
+    layouts,
+    mla_refusal,
+    offload_options,
+    pick,
+    sharding_options,
+    variants,
+)
+from vramcalc.planner.request import PlanRequest, recomputes_of
 from vramcalc.rank import RankContext
-from vramcalc.scenario import Scenario, capability_problem
+from vramcalc.scenario import Scenario
 from vramcalc.speed import Layout, SpeedModel, training_peft
 from vramcalc.stack_rules import stack_training_problem
 from vramcalc.terms.lowprec import check_lowprec
-from vramcalc.training import FINETUNES, TrainingConfig
+from vramcalc.training import TrainingConfig
 
 REC_ORDER = {"none": 0, "selective": 1, "full": 2}
-
-Group = tuple  # (tp, pp, cp, dp, sp, ep, [(b, m, [(sched, v), ...]), ...])
-Sharding = tuple[int, str, "int | None", int]  # (zero, fsdp, shard_group, shard_stage)
 StatesKey = tuple  # (tp, pp, cp, ep, dp, sp, sharding, off, sched, v, prec, opt, ft)
 
 
@@ -98,7 +104,8 @@ def training_for(base: Scenario, prec: str, opt: str, ft: str | None,
 def parallel_for(base: Scenario, dp: int, tp: int, pp: int, cp: int, ep: int, sp: bool,
                  sharding: Sharding, off: tuple[str, ...], sched: str = "1f1b",
                  v: int = 1) -> ParallelConfig:
-    """The planner's ParallelConfig; keeps --etp, --fsdp-impl and the DeepSpeed keys."""
+    """The planner's ParallelConfig; keeps --etp, --fsdp-impl, --mtp-layers, an uneven
+    pipeline split (layouts.py SPLIT_KEYS) and the DeepSpeed keys."""
     zero, fsdp, group, _ = sharding
     return ParallelConfig.model_construct(
         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=base.parallel.etp, sequence_parallel=sp,
@@ -106,7 +113,8 @@ def parallel_for(base: Scenario, dp: int, tp: int, pp: int, cp: int, ep: int, sp
         fsdp_impl=base.parallel.fsdp_impl if fsdp != "none" else None,
         offload_device=base.parallel.offload_device, deepspeed=base.parallel.deepspeed,
         pp_schedule=sched, virtual_stages=v,  # type: ignore[arg-type]
-        capacity_factor=base.parallel.capacity_factor)
+        capacity_factor=base.parallel.capacity_factor, mtp_layers=base.parallel.mtp_layers,
+        **{k: getattr(base.parallel, k) for k in SPLIT_KEYS})
 
 
 def scenario_for(c: Candidate, base: Scenario) -> Scenario:
@@ -124,180 +132,14 @@ def speed_model(base: Scenario, prec: str, ft: str | None,
                 efficiency: float | None) -> SpeedModel:
     """The base scenario's speed model at precision `prec`, fine-tuning `ft` (None: base's)."""
     assert base.cluster is not None
-    tr = base.training.model_copy(update={"finetune": ft or base.training.finetune,
-                                          "precision": prec})
+    tr = base.training
+    if ft is not None and ft != tr.finetune:
+        tr = tr.model_copy(update={"finetune": ft})
+    tr = tr.model_copy(update={"precision": prec}) if prec != tr.precision else tr
     return SpeedModel(base.model, base.cluster.gpu, base.cluster.gpus_per_node, tr.seq_len,
                       prec, efficiency, base.parallel.capacity_factor,
                       training_peft(base.model, tr), tr.selective_kind, tr.float8,
-                      tr.target_len)
-
-
-# ---- the search space ------------------------------------------------------------------------
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
-def _pow2_upto(n: int) -> list[int]:
-    return [1 << k for k in range(n.bit_length())] if n >= 1 else []
-
-
-def finetune_supported() -> bool:
-    """Whether `--allow finetune` has methods to search (vramcalc/finetune.py)."""
-    return len(FINETUNES) > 1
-
-
-def given(pinned: Mapping[str, Any], key: str) -> bool:
-    return pinned.get(key) is not None
-
-
-def _pick(pinned: Mapping[str, Any], key: str, values: Iterable[Any]) -> list[Any]:
-    if given(pinned, key):
-        return [v for v in values if v == pinned[key]]
-    return list(values)
-
-
-def _shardings(dp: int, cp: int, tp: int, pp: int, ep: int, gpn: int,
-               pinned: Mapping[str, Any], fsdp_only: bool = False) -> list[Sharding]:
-    """(zero, fsdp, shard_group, shard_stage) options for this data-parallel size.
-
-    ZeRO 0-3 without pipelining; with pipelining ZeRO 0-1 and FSDP shard-grad-op / full
-    (DeepSpeed runs ZeRO-2/3 without pipeline parallelism only; Megatron and torchtitan
-    pipeline with a distributed optimizer or FSDP). FSDP hybrid shards within a node.
-    """
-    opts: list[Sharding] = [(0, "none", None, 0), (1, "none", None, 1)]  # dp 1: for offload
-    if dp > 1:
-        if pp == 1:  # torchtitan (fsdp_only): FSDP2 full; its ZeRO stages are refused
-            opts += [(0, "full", None, 3)] if fsdp_only else [(2, "none", None, 2), (3, "none", None, 3)]
-        else:
-            opts += [(0, "grad-op", None, 2), (0, "full", None, 3)]
-        per_node = gpn // (tp * cp) if tp * cp <= gpn else 0
-        if 1 < per_node < dp and dp % per_node == 0 and per_node % ep == 0:
-            opts.append((0, "hybrid", per_node, 3))
-    if given(pinned, "fsdp") or given(pinned, "zero") or given(pinned, "shard_group"):
-        f = pinned.get("fsdp") or "none"
-        z = pinned.get("zero") or 0
-        if f == "none":
-            return [(z, "none", None, z)]
-        stage = {"full": 3, "hybrid": 3, "grad-op": 2}[f]
-        group = pinned.get("shard_group") if f == "hybrid" else None
-        if f == "hybrid" and (not group or dp % group):
-            return []
-        return [(z, f, group, stage)]  # both pinned: the engine refuses ZeRO with FSDP
-    return opts
-
-
-def _offloads(stage: int, allowed: bool, pinned: Mapping[str, Any]) -> list[tuple[str, ...]]:
-    if "offload" in pinned and pinned["offload"] is not None:
-        off = tuple(pinned["offload"])
-        if (off and stage == 0) or ("params" in off and stage != 3) or (
-                "gradients" in off and stage < 2):
-            return []
-        return [off]
-    if not allowed:
-        return [()]
-    out: list[tuple[str, ...]] = [()]
-    if stage >= 1:
-        out.append(("optimizer",))
-    if stage == 3:
-        out.append(("optimizer", "params"))
-    return out
-
-
-def variants(base: Scenario, req: PlanRequest, gpu: GPUProfile
-             ) -> list[tuple[str, str, str | None, tuple[str, ...]]]:
-    """(precision, optimizer, finetune, changed settings) combinations allowed."""
-    tr = base.training
-    precs: list[str] = [tr.precision]
-    if "precision" in req.allow:
-        extra: tuple[str, ...] = ("bf16", "bf16-pure") if gpu.peak_tflops("bf16") else ("fp16",)
-        if gpu.peak_tflops("fp8"):  # FP8 tensor cores; what the engine refuses goes later
-            extra += ("fp8",)
-        precs = [p for p in precs + [x for x in extra if x not in precs]  # what the GPU runs
-                 if not capability_problem(tr.model_copy(update={"precision": p}), gpu)]
-    opts: list[str] = [tr.optimizer]
-    if "optimizer" in req.allow and tr.optimizer in ("adam", "adamw"):
-        opts.append("adamw-8bit")
-    fts: list[str | None] = [tr.finetune]
-    if "finetune" in req.allow:
-        fts += [f for f in FINETUNES if f != tr.finetune]
-    out: list[tuple[str, str, str | None, tuple[str, ...]]] = []
-    for p in precs:
-        for o in opts:
-            for f in fts:
-                changed = tuple(n for n, new, old in (("precision", p, tr.precision),
-                                                     ("optimizer", o, tr.optimizer),
-                                                     ("finetune", f, tr.finetune)) if new != old)
-                out.append((p, o, f, changed))
-    return out
-
-
-def _layouts(base: Scenario, req: PlanRequest) -> Iterator[Group]:
-    """(tp, pp, cp, dp, sp, ep, [(b, m, [(sched, v), ...]), ...]) of every valid layout,
-    micro-batches ascending."""
-    assert base.cluster is not None
-    spec, tr, cl = base.model, base.training, base.cluster
-    pinned = req.pinned
-    W, gpn = cl.num_gpus, cl.gpus_per_node
-    seq = tr.seq_len
-    B = req.batch_for(seq)
-    L = spec.num_hidden_layers
-    heads, kv = spec.num_attention_heads, spec.kv_heads
-    accum_pin = pinned.get("grad_accum") or pinned.get("num_microbatches")
-    off_limits = UNSUPPORTED.get(tr.framework, (frozenset(), ""))[0]
-    for tp in _pick(pinned, "tp", _divisors(min(gpn, W))):
-        if W % tp or heads % tp or (kv % tp and tp % kv):
-            continue
-        for pp in _pick(pinned, "pp", _divisors(W // tp)):
-            if L % pp or (pp > 1 and "pp" in off_limits):
-                continue
-            for cp in _pick(pinned, "cp", _divisors(W // (tp * pp))):
-                if seq % cp or (cp > 1 and (seq // cp) % 2):
-                    continue
-                dp = W // (tp * pp * cp)
-                if (given(pinned, "dp") and pinned["dp"] != dp) or B % dp:
-                    continue
-                sp_ok = tp > 1 and seq % (tp * cp) == 0
-                if given(pinned, "sequence_parallel"):
-                    sps = [pinned["sequence_parallel"]] if (
-                        sp_ok or not pinned["sequence_parallel"]) else []
-                else:
-                    sps = [sp_ok]
-                eps = [1]
-                if spec.is_moe:
-                    eps = [e for e in _divisors(spec.num_local_experts) if (dp * cp) % e == 0]
-                eps = [e for e in _pick(pinned, "ep", eps) if e == 1 or "ep" not in off_limits]
-                per_rank = B // dp
-                if given(pinned, "micro_batch_size"):
-                    b0 = pinned["micro_batch_size"]
-                    mbs_list = [b0] if per_rank % b0 == 0 else []
-                else:
-                    mbs_list = [b for b in _pow2_upto(min(per_rank, req.max_micro_batch))
-                                if per_rank % b == 0]
-                    if per_rank <= req.max_micro_batch and per_rank not in mbs_list:
-                        mbs_list.append(per_rank)
-                batches = []
-                for b in mbs_list:
-                    m = per_rank // b
-                    if accum_pin is not None and m != accum_pin:
-                        continue
-                    if given(pinned, "pp_schedule"):
-                        sch = pinned["pp_schedule"]
-                        v = pinned.get("virtual_stages") or (2 if sch == "interleaved" else 1)
-                        scheds = [(sch, v)] if pp > 1 or sch == "1f1b" else []
-                    else:
-                        # GPipe keeps all m micro-batches in flight for the same bubble as
-                        # 1F1B, so it is never better; searched only when asked for.
-                        scheds = [("1f1b", 1)]
-                        if pp > 1 and L % (pp * 2) == 0 and m % pp == 0:
-                            scheds.append(("interleaved", 2))
-                    if scheds:
-                        batches.append((b, m, scheds))
-                if not batches:
-                    continue
-                for sp in sps:
-                    for ep in eps:
-                        yield tp, pp, cp, dp, sp, ep, batches
+                      base.parallel.mtp_layers, tr.target_len)
 
 
 # ---- enumeration -------------------------------------------------------------------------------
@@ -336,7 +178,7 @@ class Enumerator:
         self.pruner = pruner if limit_bytes is not None else None
         self.limit = limit_bytes if limit_bytes is not None else math.inf
         pinned = req.pinned
-        self.recomputes = _pick(pinned, "recompute", recomputes_of(base.training.framework))
+        self.recomputes = pick(pinned, "recompute", recomputes_of(base.training.framework))
         self.allow_off = "offload" in req.allow
         self.zero_pinned = given(pinned, "zero")
         self.off_dev = base.parallel.offload_device
@@ -347,7 +189,7 @@ class Enumerator:
         for prec, opt, ft, changed in variants(base, req, cl.gpu):
             self.by_prec.setdefault((prec, ft), []).append((opt, ft, changed))
         self.models = {k: speed_model(base, k[0], k[1], req.efficiency) for k in self.by_prec}
-        self.groups = list(_layouts(base, req))
+        self.groups = list(layouts(base, req))
         self.next_idx = 0
         self.pruned = 0
         self.refused = 0
@@ -358,8 +200,8 @@ class Enumerator:
         """Whether the engine accepts this training setup on `tp` unsharded ranks."""
         training = training_for(self.base, prec, opt, ft)
         parallel = ParallelConfig.model_construct(tp=tp)
-        if stack_training_problem(training):
-            return False  # a precision / optimizer / method the stack does not run
+        if stack_training_problem(training) or mla_refusal(self.base, tp, 1, training):
+            return False  # a precision / optimizer / method the stack (or its MLA) does not run
         try:
             check_lowprec(self.base.model_copy(update={"training": training,
                                                        "parallel": parallel}))
@@ -391,9 +233,9 @@ class Enumerator:
         spec, training, cluster = self.base.model, self.base.training, self.base.cluster
         assert cluster is not None
         hit = []
-        for sh in _shardings(dp, cp, tp, pp, ep, cluster.gpus_per_node, self.req.pinned,
+        for sh in sharding_options(dp, cp, tp, pp, ep, cluster.gpus_per_node, self.req.pinned,
                              training.framework == "torchtitan"):
-            for off in _offloads(sh[3], self.allow_off, self.req.pinned):
+            for off in offload_options(sh[3], self.allow_off, self.req.pinned):
                 if dp == 1 and sh[0] == 1 and not off and not self.zero_pinned:
                     continue
                 try:

@@ -13,7 +13,7 @@ from typing import Any
 from vramcalc.errors import InputError, suggest
 from vramcalc.hardware import MIN_MFU
 from vramcalc.options import OPTIONS_BY_NAME, build_scenario, check_bounds, normalize_values
-from vramcalc.planner.candidates import finetune_supported, given
+from vramcalc.planner.layouts import SPLIT_KEYS, finetune_supported, given, mla_note
 from vramcalc.planner.request import DEFAULT_FINETUNE_BATCH, PlanRequest, recomputes_of
 from vramcalc.scenario import Scenario
 from vramcalc.units import parse_count
@@ -101,7 +101,12 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
     # --async-tp is refused at tp 1 (the base layout): set it after, so that the search's
     # layout check (vramcalc.parallel._check_torchtitan) keeps only tp > 1 layouts
     async_tp = values.pop("async_tp", False) and values.get("framework") == "torchtitan"
+    # an uneven pipeline split needs pp > 1, which the base layout (pp 1) does not have: it
+    # joins the base after, and the search keeps it on every layout (layouts.py SPLIT_KEYS)
+    split = {k: values.pop(k) for k in SPLIT_KEYS if values.get(k)}
     base = build_scenario(values, profile_dirs, deepspeed)
+    if split:
+        base = base.model_copy(update={"parallel": base.parallel.model_copy(update=split)})
     if async_tp:
         tr = type(base.training).model_validate({**base.training.model_dump(), "async_tp": True})
         base = base.model_copy(update={"training": tr})
@@ -130,6 +135,8 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
         notes.append(f"fine-tuning: a global batch of {DEFAULT_FINETUNE_BATCH} sequences "
                      "(Stanford Alpaca's fine-tuning recipe), not a pretraining batch of "
                      "millions of tokens; --global-batch-size N to change it")
+    if (held := mla_note(base)) is not None:
+        notes.append(held)
     if tokens is not None:
         seq = base.training.seq_len
         batch = req.batch_for(seq)

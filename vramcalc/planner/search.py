@@ -34,9 +34,10 @@ from vramcalc.planner.candidates import (
     scenario_for,
     speed_model,
 )
+from vramcalc.planner.layouts import split_refusal
 from vramcalc.planner.request import PlanRequest, ProgressFn
 from vramcalc.report import MemoryReport
-from vramcalc.scenario import Scenario, capability_problem
+from vramcalc.scenario import Scenario, capability_problem, mla_problem
 from vramcalc.speed import SpeedReport
 
 
@@ -129,12 +130,16 @@ def usable_and_context(base: Scenario) -> tuple[float, int]:
 
 
 def check_searchable(base: Scenario, req: PlanRequest | None = None) -> None:
-    """Refuse models the planner cannot search yet (InputError): multi-latent attention,
-    whose activation table covers one tp/cp rank of the reference profile and whose v heads
-    the bounds and speed model do not know (docs/methodology.md §1a)."""
+    """Refuse what the planner cannot search (InputError): a multi-latent attention model
+    whose training setup the profile's MLA activations do not cover on any layout (the
+    estimate's own message, vramcalc/scenario.py `mla_problem` at tp = cp = 1; the layouts
+    they cover are searched, vramcalc/planner/layouts.py `mla_refusal`), and a precision the
+    GPU cannot run unless --allow precision."""
     if base.model.is_mla:
-        raise InputError(f"{base.model.name}: the planner does not search multi-latent "
-                         "attention models yet (estimate one layout with --framework reference)")
+        one = base.parallel.model_copy(update={"tp": 1, "cp": 1})
+        problem = mla_problem(base.model_copy(update={"parallel": one}))
+        if problem:
+            raise InputError(problem)
     if req is not None and base.cluster is not None and "precision" not in req.allow:
         problem = capability_problem(base.training, base.cluster.gpu)
         if problem:
@@ -156,7 +161,8 @@ def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
     en = Enumerator(base, req, bound, usable - context)
     result.num_candidates = sum(en.count(g) for g in en.groups)
     if not result.num_candidates:
-        why = pinned_refusal(base, req.pinned) or (
+        why = split_refusal(base, base.cluster.num_gpus) or pinned_refusal(
+            base, req.pinned) or (
             "the data-parallel size must divide the batch (try a global batch that is a "
             "multiple of the GPU count)")
         raise InputError(

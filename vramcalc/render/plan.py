@@ -101,6 +101,14 @@ def strategy_flags(s: dict[str, Any]) -> list[str]:
         flags += ["--finetune", str(s["finetune"])]
     if s.get("optimizer_in_backward"):
         flags.append("--optimizer-in-backward")
+    for key in ("first_stage_layers", "last_stage_layers"):
+        if s.get(key):
+            flags += ["--" + key.replace("_", "-"), str(s[key])]
+    for key in ("embedding_in_split", "loss_in_split"):
+        if s.get(key):
+            flags.append("--" + key.replace("_", "-"))
+    if s.get("mtp_layers"):
+        flags += ["--mtp-layers", str(s["mtp_layers"])]
     return flags
 
 
