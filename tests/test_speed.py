@@ -235,3 +235,23 @@ def test_invariants(lay: Layout, model: str) -> None:
 
         slower = sm.report(replace(lay, recompute=order[i + 1]))
         assert slower.step_time_s >= r.step_time_s * (1 - 1e-12)
+
+
+def test_float8_all_gather_sends_block_linears_at_one_byte() -> None:
+    """torchtitan --float8 --float8-all-gather (torchao fsdp_utils.py: each Float8Linear
+    shard is cast to float8_e4m3fn before FSDP2's all-gather): on Llama-3.1-8B the weights
+    FSDP gathers shrink from 2 B per parameter to 1 B for the block linears. By hand from
+    the config: per layer q, o 4096² each, k, v 4096·1024 each, gate/up/down 4096·14336 each
+    = 218,103,808 linear weights, 32 layers; the rest (embedding, output, norms) stays bf16."""
+    from vramcalc.speed import float8_linear_params
+
+    llama = spec("llama3.1-8b")
+    per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+    assert per_layer == 218_103_808
+    assert float8_linear_params(llama) == 32 * per_layer
+    plain = SpeedModel(llama, H100, 8, 8192, "bf16", float8=True)
+    fp8 = SpeedModel(llama, H100, 8, 8192, "bf16", float8=True, float8_gather=True)
+    assert plain.gather_b[0] - fp8.gather_b[0] == 32 * per_layer  # 2 B -> 1 B each
+    assert fp8.grad_b == plain.grad_b  # gradients still reduce-scatter in bf16
+    lay = Layout(dp=64, micro_batch_size=1, num_microbatches=1, shard_stage=3)
+    assert fp8.report(lay).parts_s["dp_comm"] < plain.report(lay).parts_s["dp_comm"]

@@ -61,7 +61,8 @@ all-reduce 2·(n−1)/n·M/bw, reduce-scatter or all-gather (n−1)/n·M/bw.
     ZeRO-1: reduce-scatter once per step + all-gather of the updated weights;
     ZeRO-2: reduce-scatter every micro-batch + all-gather once;
     ZeRO-3 / FSDP: every micro-batch an all-gather in forward, another in backward and a
-      reduce-scatter (Rajbhandari et al. 2019: 1.5× DDP volume);
+      reduce-scatter (Rajbhandari et al. 2019: 1.5× DDP volume); under torchtitan's
+      --float8-all-gather the block linears' weights are gathered at 1 byte each;
     FSDP hybrid: ZeRO-3 inside the shard group + an all-reduce of the shard across groups.
 - PP point-to-point: 2·v sends of b·(s/cp)·h·c/tp per micro-batch (activations forward,
   gradients backward), not overlapped.
@@ -84,6 +85,7 @@ from vramcalc.flops import (
 )
 from vramcalc.hardware import GPUProfile
 from vramcalc.model import ModelSpec
+from vramcalc.model_tensors import param_tensors
 from vramcalc.scenario import Scenario
 from vramcalc.training import TrainingConfig
 from vramcalc.units import DTYPE_BITS
@@ -180,6 +182,14 @@ def peak_flops(gpu: GPUProfile, dtype: str) -> tuple[float, str | None]:
     return 1e12, f"{gpu.name} has no TFLOP/s figure; speed assumes 1 TFLOP/s"
 
 
+def float8_linear_params(spec: ModelSpec) -> int:
+    """Parameters torchao's float8 all-gather sends at 1 byte: every block weight but the
+    norms and the routed experts (convert_to_float8_training swaps each block nn.Linear; the
+    embedding, final norm and output projection are not swapped; vramcalc/terms/float8_fsdp.py)."""
+    return sum(t.numel * t.count for t in param_tensors(spec)
+               if t.group == "layer" and "norm" not in t.name)
+
+
 def fp8_peak_flops(spec: ModelSpec, gpu: GPUProfile, seq_len: int,
                    mtp_layers: int = 0) -> tuple[float, str | None]:
     """Effective dense FLOP/s of an FP8 step: the block linears' 6·N_layers FLOPs per token
@@ -255,7 +265,8 @@ class SpeedModel:
                  precision: str = "bf16", efficiency: float | None = None,
                  capacity_factor: float = 1.0, peft: PeftCounts | None = None,
                  selective: str | int = "core", float8: bool = False,
-                 mtp_layers: int = 0, target_len: int | None = None) -> None:
+                 mtp_layers: int = 0, target_len: int | None = None,
+                 float8_gather: bool = False) -> None:
         self.spec, self.gpu, self.gpn, self.seq_len = spec, gpu, gpus_per_node, seq_len
         self.efficiency = efficiency if efficiency is not None else gpu.mfu_fraction
         c_dtype = _COMPUTE_DTYPE[precision]
@@ -296,6 +307,9 @@ class SpeedModel:
             self.train_params = float(n_ad)
             # read n/2 packed + n/64 absmax bytes, write n·c (module docstring)
             self.dequant_s_per_param = (0.5 + 1 / 64 + self.c) / gpu.memory_bandwidth_bytes_per_s
+        if float8_gather and peft is None:  # block linears all-gathered in fp8, 1 B each
+            self.gather_b = (self.gather_b[0] - float8_linear_params(spec) * (w - 1),
+                             self.gather_b[1])
         self.attn_width = attention_width(spec)
         self.intra, self.inter = gpu.intra_node_bytes_per_s, gpu.inter_node_bytes_per_s
         self.capacity_factor = capacity_factor
@@ -447,10 +461,12 @@ def estimate_speed(spec: ModelSpec, gpu: GPUProfile, gpus_per_node: int, layout:
                    seq_len: int, precision: str = "bf16", efficiency: float | None = None,
                    capacity_factor: float = 1.0, peft: PeftCounts | None = None,
                    selective: str | int = "core", float8: bool = False,
-                   mtp_layers: int = 0, target_len: int | None = None) -> SpeedReport:
+                   mtp_layers: int = 0, target_len: int | None = None,
+                   float8_gather: bool = False) -> SpeedReport:
     """Step time of `layout` (module docstring); seconds per step, tokens/s of the cluster."""
     return SpeedModel(spec, gpu, gpus_per_node, seq_len, precision, efficiency, capacity_factor,
-                      peft, selective, float8, mtp_layers, target_len).report(layout)
+                      peft, selective, float8, mtp_layers, target_len,
+                      float8_gather).report(layout)
 
 
 def scenario_speed(scn: Scenario, efficiency: float | None = None) -> SpeedReport:
@@ -469,7 +485,7 @@ def scenario_speed(scn: Scenario, efficiency: float | None = None) -> SpeedRepor
     return estimate_speed(scn.model, scn.cluster.gpu, scn.cluster.gpus_per_node, layout,
                           tr.seq_len, tr.precision, efficiency, par.capacity_factor,
                           training_peft(scn.model, tr), tr.selective_kind, tr.float8,
-                          par.mtp_layers, tr.target_len)
+                          par.mtp_layers, tr.target_len, tr.float8 and tr.float8_all_gather)
 
 
 def training_peft(spec: ModelSpec, tr: TrainingConfig) -> PeftCounts | None:

@@ -139,7 +139,8 @@ def speed_model(base: Scenario, prec: str, ft: str | None,
     return SpeedModel(base.model, base.cluster.gpu, base.cluster.gpus_per_node, tr.seq_len,
                       prec, efficiency, base.parallel.capacity_factor,
                       training_peft(base.model, tr), tr.selective_kind, tr.float8,
-                      base.parallel.mtp_layers, tr.target_len)
+                      base.parallel.mtp_layers, tr.target_len,
+                      tr.float8 and tr.float8_all_gather)
 
 
 # ---- enumeration -------------------------------------------------------------------------------
