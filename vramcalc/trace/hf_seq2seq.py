@@ -40,7 +40,8 @@ def seq2seq_config(tf: Any, spec: ModelSpec, training: TrainingConfig | None = N
         decoder_attention_heads=spec.num_attention_heads,
         encoder_ffn_dim=spec.intermediate_size, decoder_ffn_dim=spec.intermediate_size,
         activation_function=spec.hidden_act, dropout=hidden,
-        attention_dropout=0.0 if off else spec.attention_probs_dropout_prob,
+        attention_dropout=0.0 if off or training is not None and training.attention == "flash"
+        else spec.attention_probs_dropout_prob,
         activation_dropout=0.0 if off else spec.activation_dropout,
         tie_word_embeddings=spec.tie_word_embeddings, use_cache=False,
         pad_token_id=1, decoder_start_token_id=2)  # BartConfig's defaults
