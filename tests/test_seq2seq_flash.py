@@ -49,6 +49,26 @@ def test_one_attention_by_hand() -> None:
         2 * b * q * q]
 
 
+@pytest.mark.parametrize(("b", "a", "q", "k", "d"), [
+    (2, 12, 128, 512, 64), (1, 16, 1000, 1000, 80), (3, 4, 77, 200, 160)])
+def test_flash_scratch_is_the_traces(b: int, a: int, q: int, k: int, d: int) -> None:
+    """The analytic FlashAttention-2 backward scratch (`flash_scratch_bytes`) is what the
+    trace allocates for it (vramcalc/trace/cuda_rules.py `flash_backward_workspace`: real
+    tensors of the kernel's shapes, each storage rounded to 512 B), for the queries' length
+    whatever the keys' (the cross-attention's dq_accum is (b, t₁₂₈, a, d₃₂))."""
+    torch = pytest.importorskip("torch")
+    from vramcalc.terms.saved import flash_scratch_bytes
+    from vramcalc.trace.cuda_rules import flash_backward_workspace
+    from vramcalc.units import round_alloc
+
+    with torch.device("meta"):
+        qt, kt = torch.empty(b, a, q, d, dtype=torch.bfloat16), torch.empty(b, a, k, d)
+        made = flash_backward_workspace(qt, kt)
+    assert len(made) == 2 and all(t.dtype == torch.float32 for t in made)
+    assert flash_scratch_bytes(b, a, q, d) == sum(
+        round_alloc(t.numel() * t.element_size()) for t in made)
+
+
 def _scenario(**training: Any) -> Scenario:
     spec = from_hf_config(SMALL, "bart-small/config.json")
     return Scenario(model=spec, training=TrainingConfig(
