@@ -289,10 +289,14 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
                        tied + _core_work(x, x.t, x.s), body_cast - _part(ctx, o_ff, x.c, True)))
     # the decoder embedding's backward: every decoder gradient; the encoder's activations
     # and e's gradient held; the buffer, the embedding's own (V, h) share and their sum
-    # (3 copies of V·h)
+    # (3 copies of V·h). e itself, where no encoder op but the cross-attentions' k, v keep it
+    # (fp32 runs: T5's `enc_out`, BART's top LN output), is freed with the last of them
     stack_extra = max(g_rest - vh, 0) // 2  # T5's bias and final norm, BART's positions
     dec_grads = x.Ld * g_dec + stack_extra
-    cands.append(point(dec_grads, enc_all, 3 * tied + e_grad, 0 if x.full else enc_cast))
+    e_kept = 0 if x.full else (_bytes(edges, ("enc_out",)) if x.t5 else _bytes(
+        s2.encoder_layer_saved(x, x.Le == 1), ("ff.norm.out",)))
+    cands.append(point(dec_grads, enc_all - e_kept, 3 * tied + e_grad,
+                       0 if x.full else enc_cast))
     # the top encoder layer, e's gradient its incoming one
     enc_top = s2.encoder_layer_saved(x, x.Le == 1)
     cands.append(point(dec_grads, enc_held - _bytes(enc_top, tail),
@@ -328,9 +332,13 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
         cands.append(point(below, base + _bytes(enc0) - _bytes(enc0, tail) + locals_,
                            tied + bias + rebias + alloc(n * x.h, x.r) + alloc(n * x.h, x.c),
                            casts0))
-    # the encoder embedding: every gradient; the buffer, its own share and their sum
-    cands.append(point(G, _bytes(edges, ("input_ids", "labels")),
-                       2 * tied + alloc(x.b * x.s * x.h, x.r), 0))
+    # the encoder embedding: every gradient (`G` stands for `shared`'s, not made yet); while
+    # its backward runs, the buffer, the incoming (b, s, h) gradient and its own share;
+    # then the buffer, the share and their sum (the incoming gradient freed)
+    # (T5 under recompute: the zeros cross-attention bias leaf and its .grad, as above)
+    leaf = alloc(x.a * x.t * x.s, x.c) if x.full and x.t5 else 0
+    cands.append(point(G, _bytes(src, ("input_ids", "labels", "cross.bias")),
+                       tied + max(tied, alloc(x.b * x.s * x.h, x.r)) + leaf, 0))
     backward = max(cands, key=lambda p: p.total)
 
     optimizer = Phase("optimizer", B, gradients_at_step_bytes(ctx), {
