@@ -27,8 +27,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from vramcalc.errors import InputError
-
 Row = tuple[str, int, int, str, int]  # name, numel, count, group, rows (0 for vectors)
 BART_POSITION_OFFSET = 2  # modeling_bart.py BartLearnedPositionalEmbedding.offset
 
@@ -73,12 +71,3 @@ def seq2seq_rows(spec: Any) -> tuple[Row, ...]:
 def seq2seq_num_params(spec: Any) -> int:
     """Exact parameter count of the encoder-decoder `spec` (sum of `seq2seq_rows`)."""
     return sum(numel * count for _, numel, count, _, _ in seq2seq_rows(spec))
-
-
-def check_analytic(spec: Any) -> None:
-    """The analytic engine has no tables for an encoder-decoder step (T5, BART): refuse it
-    (InputError) and name the engine that measures it, the trace."""
-    if spec.is_encoder_decoder:
-        raise InputError(f"{spec.name}: the analytic engine does not model encoder-decoder "
-                         "(T5, BART) activations yet; run `vramcalc trace` with the same "
-                         "options for this model's training memory")
