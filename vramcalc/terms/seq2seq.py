@@ -317,8 +317,9 @@ def checkpoint_saved(x: S2S) -> list[Saved]:
     inputs): every layer's output (the next layer's input, the last one's kept by what
     follows), the stacks' edges as without recompute (the embeddings, T5's final norms, the
     lm_head input), e (fp32: a checkpoint input of every decoder layer), the decoder's
-    additive causal mask (b, 1, t, t); T5's position biases computed inside layer 0 and
-    passed on ((s, s, a) and (t, t, a) in r, where a later layer takes them), and the
+    additive causal mask (b, 1, t, t; eager only, SDPA takes is_causal); T5's position
+    biases computed inside layer 0 and passed on ((s, s, a) and (t, t, a) in r, where a
+    later layer takes them), and the
     cross-attention's zeros bias (1, a, t, s) in q's dtype, a leaf made to require grad
     under checkpointing (modeling_t5.py L356-362) that the graph holds."""
     bs, bt = x.b * x.s, x.b * x.t
@@ -359,8 +360,8 @@ def microbatch_activation_bytes(x: S2S) -> int:
 def decoder_forward_locals(x: S2S) -> int:
     """Held only by the decoder stack's forward locals while its layers run: under autocast
     the encoder output e (b, s, h; fp32 runs save it), the stack's input embeddings (b, t, h)
-    and its additive causal mask (b, 1, t, t), in r; T5 also the shared position biases
-    (T5Stack L179-199: the self-attention's (1, a, t, t) from compute_bias in r, and the
+    and, eager, its additive causal mask (b, 1, t, t), in r; T5 also the shared position
+    biases (T5Stack L179-199: the self-attention's (1, a, t, t) from compute_bias in r, and the
     cross-attention's zeros (1, a, t, s) in q's dtype, T5Attention L356-362); BART its
     positions (t, h). Inside the top layer's FF, under autocast: the block's `_`, the
     cross-attention's fp32 attention weights p' where dropout made them a tensor of their
