@@ -43,7 +43,7 @@ from vramcalc.terms.gradients import gradients_at_step_bytes, gradients_bytes, g
 from vramcalc.terms.load import init_reserved_bytes, load_parts
 from vramcalc.terms.optimizer_states import optimizer_state_split
 from vramcalc.terms.reserved import reserved_pad_bytes
-from vramcalc.terms.saved import Saved
+from vramcalc.terms.saved import Saved, flash_scratch_bytes
 from vramcalc.terms.weights import weight_parts
 from vramcalc.units import alloc
 
@@ -52,9 +52,10 @@ def seq2seq_unsupported(scn: Scenario) -> str | None:
     """What of this (resolved) scenario the encoder-decoder tables do not model, or None."""
     tr_, spec = scn.training, scn.model
     pieces = ((f"--recompute {tr_.recompute}", tr_.recompute == "selective"),
-              ("--attention flash (give --attention eager; transformers' SDPA path runs in "
-               "the trace as PyTorch's math kernel, not CUDA's fused one, so nothing referees "
-               "it)", tr_.attention != "eager"),
+              ("--attention flash for T5 (give --attention eager: T5's relative position "
+               "bias reaches SDPA as an additive float mask, so CUDA runs the "
+               "memory-efficient kernel with a bias and its gradient, not modelled)",
+               tr_.attention != "eager" and spec.model_type != "bart"),
               (f"--precision {tr_.precision} (fp16 weights: T5's inf clamps)",
                spec.model_type != "bart" and tr_.weight_dtype == "fp16"),
               ("--optimizer-in-backward", tr_.optimizer_in_backward),
@@ -67,10 +68,10 @@ def check_seq2seq(scn: Scenario) -> None:
     """InputError naming what the analytic engine does not model for this encoder-decoder."""
     missing = seq2seq_unsupported(scn)
     if missing:
-        raise InputError(f"{scn.model.name}: the analytic engine models encoder-decoder (T5, "
-                         f"BART) training with eager attention, no or full recompute, so far; "
-                         f"not {missing}: run `vramcalc trace` with the same "
-                         "options to measure it")
+        raise InputError(f"{scn.model.name}: the analytic engine models encoder-decoder "
+                         "training (T5 with eager attention, BART with eager or flash; no or "
+                         f"full recompute) so far; not {missing}: run `vramcalc trace` with "
+                         "the same options to measure it")
 
 
 def _bytes(saved: list[Saved], prefixes: tuple[str, ...] = ()) -> int:
@@ -127,29 +128,58 @@ def _ff_work(x: s2.S2S, n: int) -> int:
 
 
 def _core_work(x: s2.S2S, q: int, k: int) -> int:
-    """The eager attention core's backward: d residual, d v, and d p', d p (b, a, q, k) in
-    the probabilities' dtype (fp32 under autocast)."""
+    """The attention core's backward beside d residual (b, q, h in r). Eager: d v and d p',
+    d p (b, a, q, k) in the probabilities' dtype (fp32 under autocast). SDPA (CUDA's flash
+    kernel; memory-efficient for fp32): its incoming d out (b, q, a·d), dq (b, a, q, d), dk,
+    dv (b, a, k, d), all in c, and FlashAttention-2's fp32 scratch (`flash_scratch_bytes`)."""
+    res = alloc(x.b * q * x.h, x.r)
+    if not x.eager:
+        return (res + 2 * alloc(x.b * q * x.a * x.d, x.c) + 2 * alloc(x.b * k * x.a * x.d, x.c)
+                + flash_scratch_bytes(x.b, x.a, q, x.d))
     probs = x.b * x.a * q * k
     p_dt = "fp32" if x.amp else x.c
-    return (alloc(x.b * q * x.h, x.r) + alloc(x.b * k * x.a * x.d, x.c)
-            + 2 * alloc(probs, p_dt))
+    return res + alloc(x.b * k * x.a * x.d, x.c) + 2 * alloc(probs, p_dt)
 
 
-def _checkpointed_attention(x: s2.S2S) -> int:
-    """Under gradient checkpointing a layer's forward saves nothing: at the top encoder
-    layer's attention dropout its live tensors are q, k, v (b·s·a·d, c), the softmax output
-    p and the dropout's output and mask (b·a·s², p in fp32 under autocast), then under
-    autocast p' with its c cast for p' @ v; T5 also its normed input (a local of
-    T5LayerSelfAttention, r) and, with one layer, the (1, a, s, s) bias values."""
+def _core_done(x: s2.S2S, block: str) -> tuple[str, ...]:
+    """What of the attention `block` ("attn", "cross") is freed when its core's backward
+    runs: eager, p' @ v's backward has run (out_proj's input copy, p's c copy and v); SDPA
+    keeps q, k, v, its output and logsumexp until its own backward returns."""
+    return tuple(f"{block}.{n}" for n in (("o_input", "probs_c", "v") if x.eager else ()))
+
+
+def _checkpointed_moments(x: s2.S2S) -> list[tuple[int, tuple[str, ...]]]:
+    """Inside the top encoder layer's forward under gradient checkpointing, which saves
+    nothing: (live bytes of the layer, the linears whose autocast casts are not made yet).
+
+    SDPA (BART): at SDPA, q, k, v and its output (b·s·a·d, c each) and the fp32 logsumexp
+    (b, a, s), out_proj and the FF not cast yet; at the FF's activation dropout, the
+    attention LN's output (the block's residual, b·s·h in r), the GELU output and the
+    dropout's output (b·s·f, c each) and mask (bool), fc2 not cast yet.
+    Eager: at the attention dropout, q, k, v (b·s·a·d, c), the softmax output p and the
+    dropout's output and mask (b·a·s², p in fp32 under autocast), then under autocast p'
+    with its c cast for p' @ v; T5 also its normed input (a local of T5LayerSelfAttention,
+    r) and, with one layer, the (1, a, s, s) bias values. BART also at its softmax: the
+    scaled scores (c), under autocast their fp32 copy (CUDA's fp32 list; ATen's softmax
+    converts a bf16 input), and p."""
+    late = ("mlp.", "attn.o.")
+    n = x.b * x.s
+    qkv = 3 * alloc(n * x.a * x.d, x.c)
+    if not x.eager:
+        sdpa = qkv + alloc(n * x.a * x.d, x.c) + alloc(x.b * x.a * x.s, "fp32")
+        ff = alloc(n * x.h, x.r) + 2 * alloc(n * x.f, x.c) + (alloc(n * x.f, "bool")
+                                                               if x.act else 0)
+        return [(sdpa, late), (ff, ("mlp.wo.",))]
     probs = x.b * x.a * x.s * x.s
     p_dt = "fp32" if x.amp else x.c
     drop = alloc(probs, p_dt) + alloc(probs, "bool") if x.att else 0
     core = alloc(probs, p_dt) + max(drop, drop + (alloc(probs, x.c) - alloc(probs, p_dt)
                                                   if x.amp else 0))
-    out = 3 * alloc(x.b * x.s * x.a * x.d, x.c) + core
     if x.t5:
-        out += alloc(x.b * x.s * x.h, x.r) + (alloc(x.s * x.s * x.a, x.r) if x.Le == 1 else 0)
-    return out
+        extra = alloc(n * x.h, x.r) + (alloc(x.s * x.s * x.a, x.r) if x.Le == 1 else 0)
+        return [(qkv + core + extra, late)]
+    soft = alloc(probs, x.c) + (alloc(probs, "fp32") if x.amp else 0) + alloc(probs, p_dt)
+    return [(qkv + core, late), (qkv + soft, late)]
 
 
 def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
@@ -198,10 +228,11 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
         enc_cast //= max(x.Le, 1)  # the re-run layer's casts only
         body_cast = _layer_grads(ctx, x.c, True)[1] if cache else 0
 
-    # forward: at the loss, the model's output still references e (and T5's decoder output
-    # before the d_model^-0.5 scaling) where no saved tensor is that storage
+    # forward: at the loss, the model's output still references e (and the decoder output:
+    # T5's before the d_model^-0.5 scaling; under autocast BART's, whose lm_head keeps a c
+    # cast) where no saved tensor is that storage
     refs = (alloc(x.b * x.s * x.h, x.r) if x.amp and not x.full else 0) + (
-        alloc(x.b * x.t * x.h, x.r) if x.t5 else 0)
+        alloc(x.b * x.t * x.h, x.r) if x.t5 or x.amp else 0)
     forward = Phase("forward", B, g_acc, {
         "activations": A + refs, "transients/autocast_cache": cache,
         "logits": s2.logits_forward_peak_bytes(x)})
@@ -213,13 +244,16 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
         "transients/layer_forward": alloc(x.b * x.t * x.h, x.c)})
     if not x.full:
         forward = max(forward, layer_end, key=lambda p: p.total)
-    else:  # inside the top encoder layer's (unsaved) attention: `_checkpointed_attention`
+    else:  # inside the top encoder layer's (unsaved) forward: `_checkpointed_moments`
+        # BART's encoder forward also holds its locals `inputs_embeds` and `embed_pos`
+        # (modeling_bart.py BartEncoder.forward), (b, s, h) in r each
         so_far = _bytes(ck, ("input_ids", "labels", "enc_embed.", "enc.bias")) + (
-            x.Le - 1) * alloc(x.b * x.s * x.h, x.r)
-        inner = Phase("forward", B, g_acc, {
-            "activations": so_far + _checkpointed_attention(x),
-            "transients/autocast_cache": x.Le * _layer_grads(ctx, x.c, True)[0] if cache else 0})
-        forward = max(forward, inner, key=lambda p: p.total)
+            x.Le - 1 + (0 if x.t5 else 2)) * alloc(x.b * x.s * x.h, x.r)
+        for live, late in _checkpointed_moments(x):
+            inner = Phase("forward", B, g_acc, {
+                "activations": so_far + live, "transients/autocast_cache": x.Le * _layer_grads(
+                    ctx, x.c, True)[0] - _part(ctx, late, x.c, True) if cache else 0})
+            forward = max(forward, inner, key=lambda p: p.total)
     loss_bwd = Phase("backward", B, g_acc, {
         "activations": A, "transients/autocast_cache": cache if not x.full else (
             cache - body_cast * x.Ld - enc_cast * x.Le),
@@ -244,8 +278,9 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
     # cross-attention core (the FF, the cross block's output side and p' @ v done; e's
     # gradient comes with its k, v projections, after the core)
     ff = ("mlp.", "layer_norm")
-    gone = _bytes(dec_top, ("ff.", "cross.residual", "cross.out_mask", "cross.o_input",
-                            "cross.probs_c", "cross.v"))
+    post = () if x.t5 else ("cross.sum", "cross.norm.")  # BART's LN after the block
+    gone = _bytes(dec_top, ("ff.", "cross.residual", "cross.out_mask", *post,
+                            *_core_done(x, "cross")))
     tail = ("ff.out_mask", "ff.residual", "ff.sum", "ff.norm.")  # freed above the FF
     cands.append(point(0, dec_held - _bytes(dec_top, tail),
                        tied + _ff_work(x, x.b * x.t), body_cast))
@@ -254,17 +289,21 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
                        tied + _core_work(x, x.t, x.s), body_cast - _part(ctx, o_ff, x.c, True)))
     # the decoder embedding's backward: every decoder gradient; the encoder's activations
     # and e's gradient held; the buffer, the embedding's own (V, h) share and their sum
-    # (3 copies of V·h)
+    # (3 copies of V·h). e itself, where no encoder op but the cross-attentions' k, v keep it
+    # (fp32 runs: T5's `enc_out`, BART's top LN output), is freed with the last of them
     stack_extra = max(g_rest - vh, 0) // 2  # T5's bias and final norm, BART's positions
     dec_grads = x.Ld * g_dec + stack_extra
-    cands.append(point(dec_grads, enc_all, 3 * tied + e_grad, 0 if x.full else enc_cast))
+    e_kept = 0 if x.full else (_bytes(edges, ("enc_out",)) if x.t5 else _bytes(
+        s2.encoder_layer_saved(x, x.Le == 1), ("ff.norm.out",)))
+    cands.append(point(dec_grads, enc_all - e_kept, 3 * tied + e_grad,
+                       0 if x.full else enc_cast))
     # the top encoder layer, e's gradient its incoming one
     enc_top = s2.encoder_layer_saved(x, x.Le == 1)
     cands.append(point(dec_grads, enc_held - _bytes(enc_top, tail),
                        tied + _ff_work(x, x.b * x.s), enc_cast))
-    gone = _bytes(enc_top, ("ff.", "attn.residual", "attn.sum", "attn.norm.out", "attn.norm.m",
-                            "attn.norm.rstd", "attn.out_mask", "attn.o_input", "attn.probs_c",
-                            "attn.v"))
+    above = ("ff.", "attn.residual", "attn.sum", "attn.norm.out", "attn.norm.m",
+             "attn.norm.rstd", "attn.out_mask", *_core_done(x, "attn"))
+    gone = _bytes(enc_top, above)
     cands.append(point(dec_grads + _part(ctx, o_ff, train.grad_dtype), enc_held - gone,
                        tied + _core_work(x, x.s, x.s), enc_cast - _part(ctx, o_ff, x.c, True)))
     # the bottom encoder layer (every other gradient exists): at its attention core, and
@@ -278,15 +317,14 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
     bias = alloc(x.a * x.s * x.s, "fp32") if x.t5 else 0
     rebias = alloc(x.s * x.s * x.a, x.r) if x.t5 else 0  # the re-run bias, in its forward
     casts0 = enc_cast if x.full else enc_cast // max(x.Le, 1)
-    gone0 = _bytes(enc0, ("ff.", "attn.residual", "attn.sum", "attn.norm.out", "attn.norm.m",
-                          "attn.norm.rstd", "attn.out_mask", "attn.o_input", "attn.probs_c",
-                          "attn.v"))
+    gone0 = _bytes(enc0, above)
     if x.full and x.t5:  # the zeros cross-attention bias, a leaf: its .grad (1, a, t, s)
         bias += alloc(x.a * x.t * x.s, x.c)
     cands.append(point(below + _part(ctx, o_ff, train.grad_dtype), base + _bytes(enc0) - gone0,
-                       tied + bias + _core_work(x, x.s, x.s), casts0))
+                       tied + bias + _core_work(x, x.s, x.s),
+                       casts0 - _part(ctx, o_ff, x.c, True)))
     cands.append(point(below, base + _bytes(enc0) - _bytes(enc0, tail), tied + bias + _ff_work(
-        x, x.b * x.s) + alloc(x.h * x.f, train.grad_dtype), casts0))
+        x, x.b * x.s), casts0))
     if x.full:
         n = x.b * x.s
         locals_ = (alloc(n * x.h, x.r) + (alloc(x.b * x.a * x.s * x.s, "fp32") if x.att else 0)
@@ -294,9 +332,13 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
         cands.append(point(below, base + _bytes(enc0) - _bytes(enc0, tail) + locals_,
                            tied + bias + rebias + alloc(n * x.h, x.r) + alloc(n * x.h, x.c),
                            casts0))
-    # the encoder embedding: every gradient; the buffer, its own share and their sum
-    cands.append(point(G, _bytes(edges, ("input_ids", "labels")),
-                       2 * tied + alloc(x.b * x.s * x.h, x.r), 0))
+    # the encoder embedding: every gradient (`G` stands for `shared`'s, not made yet); while
+    # its backward runs, the buffer, the incoming (b, s, h) gradient and its own share;
+    # then the buffer, the share and their sum (the incoming gradient freed)
+    # (T5 under recompute: the zeros cross-attention bias leaf and its .grad, as above)
+    leaf = alloc(x.a * x.t * x.s, x.c) if x.full and x.t5 else 0
+    cands.append(point(G, _bytes(src, ("input_ids", "labels", "cross.bias")),
+                       tied + max(tied, alloc(x.b * x.s * x.h, x.r)) + leaf, 0))
     backward = max(cands, key=lambda p: p.total)
 
     optimizer = Phase("optimizer", B, gradients_at_step_bytes(ctx), {

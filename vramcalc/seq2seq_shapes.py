@@ -71,4 +71,3 @@ def seq2seq_rows(spec: Any) -> tuple[Row, ...]:
 def seq2seq_num_params(spec: Any) -> int:
     """Exact parameter count of the encoder-decoder `spec` (sum of `seq2seq_rows`)."""
     return sum(numel * count for _, numel, count, _, _ in seq2seq_rows(spec))
-

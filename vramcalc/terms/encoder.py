@@ -31,7 +31,7 @@ from __future__ import annotations
 from vramcalc.hf_config import ROBERTA_TYPES
 from vramcalc.model import ModelSpec
 from vramcalc.rank import RankContext
-from vramcalc.terms.saved import Dims, Moment, Saved, bsh, dims
+from vramcalc.terms.saved import Dims, Moment, Saved, bsh, dims, flash_scratch_bytes
 from vramcalc.training import TrainingConfig
 from vramcalc.units import ALLOC_ROUND_BYTES, alloc, ceil_div
 
@@ -251,10 +251,7 @@ def backward_moments(ctx: RankContext, saved: list[Saved], extra: int) -> list[M
         p_dt = probs_dtype(x)
         work = g_res + bsad + 2 * alloc(x.b * x.a * x.s * x.s, p_dt)
     else:
-        s128 = -(-x.s // 128) * 128
-        d32 = -(-x.d // (32 if x.d <= 128 else 64)) * (32 if x.d <= 128 else 64)
-        scratch = alloc(x.b * x.a * s128, "fp32") + alloc(x.b * s128 * x.a * d32, "fp32")
-        work = g_res + 4 * bsad + scratch
+        work = g_res + 4 * bsad + flash_scratch_bytes(x.b, x.a, x.s, x.d)
     out.append(Moment("attention", held, work, "mlp+o"))
     if ctx.training.recompute == "full":  # the end of the layer's recomputed forward
         out.append(Moment("recompute", extra + _held(saved, ()), _layer_end_work(ctx, False),

@@ -38,7 +38,7 @@ from __future__ import annotations
 from vramcalc.rank import RankContext
 from vramcalc.terms.encoder import _layer_norm, _linear_input
 from vramcalc.terms.encoder import head_saved as bert_head_saved
-from vramcalc.terms.saved import Dims, Moment, Saved, bsh, dims
+from vramcalc.terms.saved import Dims, Moment, Saved, bsh, dims, flash_scratch_bytes
 from vramcalc.units import alloc
 
 
@@ -204,9 +204,7 @@ def backward_moments(ctx: RankContext, saved: list[Saved], extra: int) -> list[M
         held += sum(t.nbytes for t in saved if t.name == "attn.probs")
         work = g_res + bsad + 2 * alloc(probs, "fp32")
     else:
-        s128 = -(-x.s // 128) * 128
-        d32 = -(-x.d // (32 if x.d <= 128 else 64)) * (32 if x.d <= 128 else 64)
-        scratch = alloc(x.b * x.a * s128, "fp32") + alloc(x.b * s128 * x.a * d32, "fp32")
+        scratch = flash_scratch_bytes(x.b, x.a, x.s, x.d)
         held += alloc(bsh(x), c)  # SDPA's output, kept by the kernel's backward
         work = g_res + 4 * bsad + scratch
     out.append(Moment("attention", held, work, "mlp+o"))

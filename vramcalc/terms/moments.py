@@ -10,7 +10,7 @@ from __future__ import annotations
 from vramcalc.rank import RankContext
 from vramcalc.terms import encoder as enc
 from vramcalc.terms import modernbert as mb
-from vramcalc.terms.saved import Moment, Saved, bsh, dims, hf_family
+from vramcalc.terms.saved import Moment, Saved, bsh, dims, flash_scratch_bytes, hf_family
 from vramcalc.terms.torchtitan import checkpointed_forward_work as tt_checkpointed_forward_work
 from vramcalc.terms.torchtitan import recompute_extra as tt_recompute_extra
 from vramcalc.units import alloc, ceil_div
@@ -127,9 +127,7 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
     bsad = alloc(x.b * x.s * x.a * x.d, c)
     if tr.attention == "flash":
         bsgd = alloc(x.b * x.s * x.g * x.d, c)
-        s128, d32 = -(-x.s // 128) * 128, -(-x.d // (32 if x.d <= 128 else 64)) * (
-            32 if x.d <= 128 else 64)
-        scratch = alloc(x.b * x.a * s128, "fp32") + alloc(x.b * s128 * x.a * d32, "fp32")
+        scratch = flash_scratch_bytes(x.b, x.a, x.s, x.d)
         repeated = tr.framework in ("torchtitan", "torchtune")
         if x.g < x.a and not repeated:
             scratch += 2 * bsad

@@ -118,6 +118,17 @@ def _dims(ctx: RankContext) -> Dims:
     )
 
 
+def flash_scratch_bytes(b: int, a: int, q: int, d: int) -> int:
+    """FlashAttention-2's backward scratch for b·a heads of q queries of width d, both fp32
+    (flash_api.cpp mha_bwd; the trace's twin: vramcalc/trace/cuda_rules.py
+    `flash_backward_workspace`): softmax_d (b, a, q₁₂₈) and dq_accum (b, q₁₂₈, a, d₃₂), with
+    q₁₂₈ = q rounded up to 128 and d₃₂ = d rounded up to 32 (64 above 128)."""
+    q128 = ceil_div(q, 128) * 128
+    step = 32 if d <= 128 else 64
+    d32 = ceil_div(d, step) * step
+    return round_alloc(4 * b * a * q128) + round_alloc(4 * b * q128 * a * d32)
+
+
 def bsh(x: Dims) -> int:
     """Elements of a (b, s, h) tensor on this rank: T·h."""
     return x.T * x.h

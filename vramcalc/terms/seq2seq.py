@@ -41,7 +41,7 @@ BART (models/bart/modeling_bart.py), post-LayerNorm:
                               kept by layernorm_embedding (+ fp32 mean, rstd), its output
                               through dropout (mask) = the first layer's input
     attention L205-262: q_proj/k_proj/v_proj read the layer input (autocast: c casts);
-                              eager attention as T5's (scores scaled, no bias)
+                              eager attention as T5's (scores scaled, no bias); SDPA below
     x = LN(x + dropout(out_proj(...)))   L302-305: mask; LN input (r), mean, rstd; the LN
                               output is the next block's input and residual
     FF L307-313: fc1 output kept by the activation (gelu); activation_dropout (mask, output)
@@ -53,6 +53,17 @@ BART (models/bart/modeling_bart.py), post-LayerNorm:
 
 Dropout is CUDA's fused native_dropout, which keeps only its bool mask
 (aten/src/ATen/native/Dropout.cpp); p = 0 returns its input (no mask, no copy).
+
+BART under --attention flash (attn_implementation "sdpa", transformers' default): a batch
+without padding gets no mask at all (masking_utils.py `_ignore_bidirectional_mask_sdpa`
+L354 for the encoder and the cross-attention, `_ignore_causal_mask_sdpa` L292 for the
+decoder, whose all-ones (b, t) mask, modeling_bart.py L627, is dropped), so
+integrations/sdpa_attention.py L148 passes is_causal to the decoder's self-attention only
+and CUDA runs the flash kernel (memory-efficient for fp32). Each attention keeps q, k, v
+(views of the projections, L207, L227-228), the kernel's output, which out_proj reads
+without a copy (FlashAttention-2 writes (b, q, a, d): the transpose and reshape, sdpa L195
+and modeling_bart.py L254, are views), and the fp32 logsumexp (b, a, q); the attention
+dropout runs inside the kernel, which keeps its RNG seed and offset, no mask.
 """
 
 from __future__ import annotations
@@ -306,8 +317,9 @@ def checkpoint_saved(x: S2S) -> list[Saved]:
     inputs): every layer's output (the next layer's input, the last one's kept by what
     follows), the stacks' edges as without recompute (the embeddings, T5's final norms, the
     lm_head input), e (fp32: a checkpoint input of every decoder layer), the decoder's
-    additive causal mask (b, 1, t, t); T5's position biases computed inside layer 0 and
-    passed on ((s, s, a) and (t, t, a) in r, where a later layer takes them), and the
+    additive causal mask (b, 1, t, t; eager only, SDPA takes is_causal); T5's position
+    biases computed inside layer 0 and passed on ((s, s, a) and (t, t, a) in r, where a
+    later layer takes them), and the
     cross-attention's zeros bias (1, a, t, s) in q's dtype, a leaf made to require grad
     under checkpointing (modeling_t5.py L356-362) that the graph holds."""
     bs, bt = x.b * x.s, x.b * x.t
@@ -315,7 +327,8 @@ def checkpoint_saved(x: S2S) -> list[Saved]:
     out += [Saved("enc.layer_out", bs * x.h, x.r, "(b, s, h)", "checkpoint input", x.Le),
             Saved("dec.layer_out", bt * x.h, x.r, "(b, t, h)", "checkpoint input",
                   x.Ld - (1 if x.amp and not x.t5 else 0)),
-            Saved("dec.causal_mask", bt * x.t, x.r, "(b, 1, t, t)", "checkpoint input")]
+            *([Saved("dec.causal_mask", bt * x.t, x.r, "(b, 1, t, t)", "checkpoint input")]
+              if x.eager else [])]  # SDPA: no mask, is_causal
     if not x.t5:  # BART: the encoder's last output is e; under autocast lm_head's cast,
         # and the embeddings' outputs, checkpoint inputs (no linear casts them outside)
         return out + ([Saved("lm_head.input.cast", bt * x.h, x.c, "(T, h)", "kept by lm_head"),
@@ -347,8 +360,8 @@ def microbatch_activation_bytes(x: S2S) -> int:
 def decoder_forward_locals(x: S2S) -> int:
     """Held only by the decoder stack's forward locals while its layers run: under autocast
     the encoder output e (b, s, h; fp32 runs save it), the stack's input embeddings (b, t, h)
-    and its additive causal mask (b, 1, t, t), in r; T5 also the shared position biases
-    (T5Stack L179-199: the self-attention's (1, a, t, t) from compute_bias in r, and the
+    and, eager, its additive causal mask (b, 1, t, t), in r; T5 also the shared position
+    biases (T5Stack L179-199: the self-attention's (1, a, t, t) from compute_bias in r, and the
     cross-attention's zeros (1, a, t, s) in q's dtype, T5Attention L356-362); BART its
     positions (t, h). Inside the top layer's FF, under autocast: the block's `_`, the
     cross-attention's fp32 attention weights p' where dropout made them a tensor of their
@@ -356,7 +369,7 @@ def decoder_forward_locals(x: S2S) -> int:
     and the fp32 `.to(wo.weight.dtype)` copy of wo's input (n·f); BART's `residual`, the
     cross block's fp32 LN output."""
     out = alloc(x.b * x.s * x.h, x.r) if x.amp else 0
-    out += alloc(x.b * x.t * x.h, x.r) + alloc(x.b * x.t * x.t, x.r)
+    out += alloc(x.b * x.t * x.h, x.r) + (alloc(x.b * x.t * x.t, x.r) if x.eager else 0)
     n = x.b * x.t
     if x.amp:
         out += alloc(n * x.h, x.r) + (alloc(x.b * x.a * x.t * x.s, "fp32") if x.att else 0)

@@ -3,7 +3,11 @@ hf profile builds them with AutoModelForSeq2SeqLM.from_config; vramcalc/trace/hf
 
 The config carries the spec's shapes and dropout (T5's one dropout_rate; BART's dropout,
 attention_dropout and activation_dropout; `--dropout 0` turns them off), so the traced step
-keeps the dropout masks the run keeps. Token ids are those of the released checkpoints (T5 pads with 0 and
+keeps the dropout masks the run keeps; under --attention flash BART's attention_dropout is
+built at 0, as for encoders (vramcalc/trace/hf_models.py `encoder_config`): CUDA's fused SDPA
+kernel keeps no mask (its RNG seed and offset only), while CPU SDPA with dropout would take
+the math kernel, not `_scaled_dot_product_flash_attention_for_cpu`, which
+vramcalc/trace/cuda_rules.py allocates as CUDA's flash kernel. Token ids are those of the released checkpoints (T5 pads with 0 and
 starts the decoder with 0; BART pads with 1 and starts with 2): `labels` are shifted right
 into decoder_input_ids by the model itself.
 """
@@ -17,7 +21,8 @@ from vramcalc.training import TrainingConfig
 
 
 def seq2seq_config(tf: Any, spec: ModelSpec, training: TrainingConfig | None = None) -> Any:
-    """T5Config or BartConfig with the spec's shapes and its dropout (no cache)."""
+    """T5Config or BartConfig with the spec's shapes and its dropout (no cache; BART's
+    attention dropout 0 under --attention flash, see the module doc)."""
     off = training is not None and training.dropout == 0
     hidden = 0.0 if off else spec.hidden_dropout_prob
     if spec.model_type in ("t5", "mt5"):
@@ -40,7 +45,8 @@ def seq2seq_config(tf: Any, spec: ModelSpec, training: TrainingConfig | None = N
         decoder_attention_heads=spec.num_attention_heads,
         encoder_ffn_dim=spec.intermediate_size, decoder_ffn_dim=spec.intermediate_size,
         activation_function=spec.hidden_act, dropout=hidden,
-        attention_dropout=0.0 if off else spec.attention_probs_dropout_prob,
+        attention_dropout=0.0 if off or training is not None and training.attention == "flash"
+        else spec.attention_probs_dropout_prob,
         activation_dropout=0.0 if off else spec.activation_dropout,
         tie_word_embeddings=spec.tie_word_embeddings, use_cache=False,
         pad_token_id=1, decoder_start_token_id=2)  # BartConfig's defaults
