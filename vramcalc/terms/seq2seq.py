@@ -190,10 +190,10 @@ def attention_core(x: S2S, name: str, q: int, k: int) -> list[Saved]:
 def sdpa_bias(x: S2S, name: str, q: int, k: int, causal: bool, cross: bool) -> list[Saved]:
     """T5 under SDPA: the attn_mask one attention's kernel keeps (sdpa_attention.py L54-91
     `create_position_bias_mask`: the self-attention's bias `.contiguous()`, a (1, a, q, k) copy
-    per layer (compute_bias returns a permuted view, modeling_t5.py L284); the decoder's
+    per layer (compute_bias returns a permuted view, modeling_t5.py L279); the decoder's
     `torch.where(causal, bias, min)`, whose backward keeps the (q, k) bool condition; under
     autocast its c cast), padded to k₈ when k is no multiple of 8 (attention.cpp
-    `preprocess_mask`). The cross-attention's zeros (1, a, q, k) in c (modeling_t5.py L356) is
+    `preprocess_mask`). The cross-attention's zeros (1, a, q, k) in c (modeling_t5.py L340) is
     one tensor shared by the decoder's layers (`edges_saved`) unless padded per layer."""
     k8 = -(-k // 8) * 8
     out = [] if cross and k8 == k else [
