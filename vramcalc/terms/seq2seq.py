@@ -64,6 +64,12 @@ and CUDA runs the flash kernel (memory-efficient for fp32). Each attention keeps
 without a copy (FlashAttention-2 writes (b, q, a, d): the transpose and reshape, sdpa L195
 and modeling_bart.py L254, are views), and the fp32 logsumexp (b, a, q); the attention
 dropout runs inside the kernel, which keeps its RNG seed and offset, no mask.
+
+T5 under --attention flash: the position bias reaches SDPA as a float attn_mask
+(sdpa_attention.py L54-91, L176-191), which requires grad for the self-attentions, so CUDA
+runs the memory-efficient kernel (torch's sdp_utils_cpp.h `check_attn_mask_shape` keeps
+cuDNN off such a mask; flash takes none). It keeps q, k, v, its output, the fp32 logsumexp
+(b, a, q₃₂) and the mask (`sdpa_bias`); the attention dropout runs inside it.
 """
 
 from __future__ import annotations
