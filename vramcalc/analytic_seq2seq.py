@@ -155,7 +155,8 @@ def _checkpointed_moments(x: s2.S2S) -> list[tuple[int, tuple[str, ...]]]:
     nothing: (live bytes of the layer, the linears whose autocast casts are not made yet).
 
     SDPA (BART): at SDPA, q, k, v and its output (b·s·a·d, c each) and the fp32 logsumexp
-    (b, a, s), out_proj and the FF not cast yet; at the FF's activation dropout, the
+    (b, a, s), out_proj and the FF not cast yet (T5: the logsumexp's rows to 32, the layer's
+    (1, a, s, s₈) bias copy in c beside its fp32 original under autocast, the normed input); at the FF's activation dropout, the
     attention LN's output (the block's residual, b·s·h in r), the GELU output and the
     dropout's output (b·s·f, c each) and mask (bool), fc2 not cast yet.
     Eager: at the attention dropout, q, k, v (b·s·a·d, c), the softmax output p and the
@@ -167,6 +168,15 @@ def _checkpointed_moments(x: s2.S2S) -> list[tuple[int, tuple[str, ...]]]:
     late = ("mlp.", "attn.o.")
     n = x.b * x.s
     qkv = 3 * alloc(n * x.a * x.d, x.c)
+    if not x.eager and x.biased:  # T5: the lse rows to 32; the layer's bias copy (under
+        # autocast beside its fp32 original), its normed input, with one layer the bias values
+        s8 = -(-x.s // 8) * 8
+        sdpa = qkv + alloc(n * x.a * x.d, x.c) + alloc(x.b * x.a * (-(-x.s // 32) * 32), "fp32")
+        sdpa += alloc(x.a * x.s * s8, x.c) + (alloc(x.a * x.s * x.s, "fp32") if x.amp else 0)
+        sdpa += alloc(n * x.h, x.r) + (alloc(x.s * x.s * x.a, x.r) if x.Le == 1 else 0)
+        ff = alloc(n * x.h, x.r) + 2 * alloc(n * x.f, x.c) + (alloc(n * x.f, "bool")
+                                                               if x.act else 0)
+        return [(sdpa, late), (ff, ("mlp.wo.",))]
     if not x.eager:
         sdpa = qkv + alloc(n * x.a * x.d, x.c) + alloc(x.b * x.a * x.s, "fp32")
         ff = alloc(n * x.h, x.r) + 2 * alloc(n * x.f, x.c) + (alloc(n * x.f, "bool")
