@@ -186,7 +186,6 @@ def test_unmodelled_is_refused(bart_json: Any, cmd: str, extra: list[str], words
     (["serve", "--model", "t5-base"], "serving encoder-decoder"),
     # an encoder keeps no KV cache: vLLM serves BERT-style models with its pooling runner
     (["serve", "--model", "bert-base"], "serving encoder-only"),
-    (["max", "--model", "t5-base", "--seq-len", "512"], "give --attention eager"),
 ])
 def test_other_commands_refuse(args: list[str], words: str) -> None:
     code, err = _run(args)
@@ -298,8 +297,8 @@ def _validation_rows() -> list[Any]:
 @pytest.mark.parametrize(("name", "scn"), _validation_rows(), ids=lambda v: str(v)[:60])
 def test_analytic_agrees_with_trace(name: str, scn: Scenario) -> None:
     """The analytic engine (vramcalc/analytic_seq2seq.py) against the trace engine running
-    transformers' own T5 / BART (FakeTensorMode; eager attention, BART also SDPA, which
-    tests/test_seq2seq_flash.py pins further): the saved activations and the loss's
+    transformers' own T5 / BART (FakeTensorMode; eager attention and SDPA, which
+    tests/test_seq2seq_flash.py and tests/test_t5_sdpa.py pin further): the saved activations and the loss's
     buffers at the end of forward exactly (the tables of vramcalc/terms/seq2seq.py list every
     storage, the checkpoints under recompute), weights, gradients and optimizer states
     exactly, each phase's peak within 1 % (without recompute), the step's peak within

@@ -43,7 +43,7 @@ from vramcalc.terms.gradients import gradients_at_step_bytes, gradients_bytes, g
 from vramcalc.terms.load import init_reserved_bytes, load_parts
 from vramcalc.terms.optimizer_states import optimizer_state_split
 from vramcalc.terms.reserved import reserved_pad_bytes
-from vramcalc.terms.saved import Saved, flash_scratch_bytes
+from vramcalc.terms.saved import Saved, efficient_scratch_bytes, flash_scratch_bytes
 from vramcalc.terms.weights import weight_parts
 from vramcalc.units import alloc
 
@@ -52,10 +52,6 @@ def seq2seq_unsupported(scn: Scenario) -> str | None:
     """What of this (resolved) scenario the encoder-decoder tables do not model, or None."""
     tr_, spec = scn.training, scn.model
     pieces = ((f"--recompute {tr_.recompute}", tr_.recompute == "selective"),
-              ("--attention flash for T5 (give --attention eager: T5's relative position "
-               "bias reaches SDPA as an additive float mask, so CUDA runs the "
-               "memory-efficient kernel with a bias and its gradient, not modelled)",
-               tr_.attention != "eager" and spec.model_type != "bart"),
               (f"--precision {tr_.precision} (fp16 weights: T5's inf clamps)",
                spec.model_type != "bart" and tr_.weight_dtype == "fp16"),
               ("--optimizer-in-backward", tr_.optimizer_in_backward),
@@ -69,8 +65,8 @@ def check_seq2seq(scn: Scenario) -> None:
     missing = seq2seq_unsupported(scn)
     if missing:
         raise InputError(f"{scn.model.name}: the analytic engine models encoder-decoder "
-                         "training (T5 with eager attention, BART with eager or flash; no or "
-                         f"full recompute) so far; not {missing}: run `vramcalc trace` with "
+                         "training (T5 and BART, eager or flash attention; no or full "
+                         f"recompute) so far; not {missing}: run `vramcalc trace` with "
                          "the same options to measure it")
 
 
@@ -127,15 +123,21 @@ def _ff_work(x: s2.S2S, n: int) -> int:
     return alloc(n * x.h, x.r) + 2 * alloc(n * x.f, x.c)
 
 
-def _core_work(x: s2.S2S, q: int, k: int) -> int:
+def _core_work(x: s2.S2S, q: int, k: int, bias_grad: bool = False) -> int:
     """The attention core's backward beside d residual (b, q, h in r). Eager: d v and d p',
     d p (b, a, q, k) in the probabilities' dtype (fp32 under autocast). SDPA (CUDA's flash
     kernel; memory-efficient for fp32): its incoming d out (b, q, a·d), dq (b, a, q, d), dk,
-    dv (b, a, k, d), all in c, and FlashAttention-2's fp32 scratch (`flash_scratch_bytes`)."""
+    dv (b, a, k, d), all in c, and FlashAttention-2's fp32 scratch (`flash_scratch_bytes`);
+    T5's memory-efficient kernel its scratch (`efficient_scratch_bytes`) and, for a bias that
+    requires grad (`bias_grad`), the bias gradient (b, a, q, k₁₆) in c (attention_backward.cu
+    `_efficient_attention_backward`: the last dimension aligned to 16, then sliced)."""
     res = alloc(x.b * q * x.h, x.r)
     if not x.eager:
+        scratch = efficient_scratch_bytes(x.b, x.a, q, x.d, x.c == "fp32") if x.biased else (
+            flash_scratch_bytes(x.b, x.a, q, x.d))
+        grad_bias = alloc(x.b * x.a * q * (-(-k // 16) * 16), x.c) if bias_grad else 0
         return (res + 2 * alloc(x.b * q * x.a * x.d, x.c) + 2 * alloc(x.b * k * x.a * x.d, x.c)
-                + flash_scratch_bytes(x.b, x.a, q, x.d))
+                + scratch + grad_bias)
     probs = x.b * x.a * q * k
     p_dt = "fp32" if x.amp else x.c
     return res + alloc(x.b * k * x.a * x.d, x.c) + 2 * alloc(probs, p_dt)
@@ -153,7 +155,8 @@ def _checkpointed_moments(x: s2.S2S) -> list[tuple[int, tuple[str, ...]]]:
     nothing: (live bytes of the layer, the linears whose autocast casts are not made yet).
 
     SDPA (BART): at SDPA, q, k, v and its output (b·s·a·d, c each) and the fp32 logsumexp
-    (b, a, s), out_proj and the FF not cast yet; at the FF's activation dropout, the
+    (b, a, s), out_proj and the FF not cast yet (T5: the logsumexp's rows to 32, the layer's
+    (1, a, s, s₈) bias copy in c beside its fp32 original under autocast, the normed input); at the FF's activation dropout, the
     attention LN's output (the block's residual, b·s·h in r), the GELU output and the
     dropout's output (b·s·f, c each) and mask (bool), fc2 not cast yet.
     Eager: at the attention dropout, q, k, v (b·s·a·d, c), the softmax output p and the
@@ -165,6 +168,15 @@ def _checkpointed_moments(x: s2.S2S) -> list[tuple[int, tuple[str, ...]]]:
     late = ("mlp.", "attn.o.")
     n = x.b * x.s
     qkv = 3 * alloc(n * x.a * x.d, x.c)
+    if not x.eager and x.biased:  # T5: the lse rows to 32; the layer's bias copy (under
+        # autocast beside its fp32 original), its normed input, with one layer the bias values
+        s8 = -(-x.s // 8) * 8
+        sdpa = qkv + alloc(n * x.a * x.d, x.c) + alloc(x.b * x.a * (-(-x.s // 32) * 32), "fp32")
+        sdpa += alloc(x.a * x.s * s8, x.c) + (alloc(x.a * x.s * x.s, "fp32") if x.amp else 0)
+        sdpa += alloc(n * x.h, x.r) + (alloc(x.s * x.s * x.a, x.r) if x.Le == 1 else 0)
+        ff = alloc(n * x.h, x.r) + 2 * alloc(n * x.f, x.c) + (alloc(n * x.f, "bool")
+                                                               if x.act else 0)
+        return [(sdpa, late), (ff, ("mlp.wo.",))]
     if not x.eager:
         sdpa = qkv + alloc(n * x.a * x.d, x.c) + alloc(x.b * x.a * x.s, "fp32")
         ff = alloc(n * x.h, x.r) + 2 * alloc(n * x.f, x.c) + (alloc(n * x.f, "bool")
@@ -286,7 +298,8 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
                        tied + _ff_work(x, x.b * x.t), body_cast))
     o_ff = (*ff, "attn.o.")
     cands.append(point(_part(ctx, o_ff, train.grad_dtype), dec_held - gone,
-                       tied + _core_work(x, x.t, x.s), body_cast - _part(ctx, o_ff, x.c, True)))
+                       tied + _core_work(x, x.t, x.s, x.biased and x.full),
+                       body_cast - _part(ctx, o_ff, x.c, True)))
     # the decoder embedding's backward: every decoder gradient; the encoder's activations
     # and e's gradient held; the buffer, the embedding's own (V, h) share and their sum
     # (3 copies of V·h). e itself, where no encoder op but the cross-attentions' k, v keep it
@@ -305,7 +318,8 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
              "attn.norm.rstd", "attn.out_mask", *_core_done(x, "attn"))
     gone = _bytes(enc_top, above)
     cands.append(point(dec_grads + _part(ctx, o_ff, train.grad_dtype), enc_held - gone,
-                       tied + _core_work(x, x.s, x.s), enc_cast - _part(ctx, o_ff, x.c, True)))
+                       tied + _core_work(x, x.s, x.s, x.biased),
+                       enc_cast - _part(ctx, o_ff, x.c, True)))
     # the bottom encoder layer (every other gradient exists): at its attention core, and
     # under recompute inside its re-run forward, at the FF output projection (the block's
     # locals as in `decoder_forward_locals`); T5: the position bias's gradient (1, a, s, s)
@@ -314,14 +328,14 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
     enc0 = s2.encoder_layer_saved(x, True)
     base = _bytes(src, ("input_ids", "labels", "enc_embed."))
     below = dec_grads + (x.Le - 1) * g_enc
-    bias = alloc(x.a * x.s * x.s, "fp32") if x.t5 else 0
+    bias = alloc(x.a * x.s * x.s, x.r if x.biased else "fp32") if x.t5 else 0
     rebias = alloc(x.s * x.s * x.a, x.r) if x.t5 else 0  # the re-run bias, in its forward
     casts0 = enc_cast if x.full else enc_cast // max(x.Le, 1)
     gone0 = _bytes(enc0, above)
     if x.full and x.t5:  # the zeros cross-attention bias, a leaf: its .grad (1, a, t, s)
         bias += alloc(x.a * x.t * x.s, x.c)
     cands.append(point(below + _part(ctx, o_ff, train.grad_dtype), base + _bytes(enc0) - gone0,
-                       tied + bias + _core_work(x, x.s, x.s),
+                       tied + bias + _core_work(x, x.s, x.s, x.biased),
                        casts0 - _part(ctx, o_ff, x.c, True)))
     cands.append(point(below, base + _bytes(enc0) - _bytes(enc0, tail), tied + bias + _ff_work(
         x, x.b * x.s), casts0))

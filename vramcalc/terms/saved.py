@@ -129,6 +129,17 @@ def flash_scratch_bytes(b: int, a: int, q: int, d: int) -> int:
     return round_alloc(4 * b * a * q128) + round_alloc(4 * b * q128 * a * d32)
 
 
+def efficient_scratch_bytes(b: int, a: int, q: int, d: int, fp32: bool = False) -> int:
+    """The memory-efficient kernel's backward scratch for b·a heads of q queries of width d
+    (attention_backward.cu `_efficient_attention_backward`; the trace's twin:
+    vramcalc/trace/cuda_rules.py `efficient_backward_workspace`): delta (b, a, q) fp32 and
+    the fp32 grad-Q accumulator (b, a, q₆₄, d₆₄) (kernel_backward.h `workspace_size`); fp32
+    inputs also the (b, q, a, d) product of d out and out that forms delta."""
+    q64, d64 = ceil_div(q, 64) * 64, ceil_div(d, 64) * 64
+    return round_alloc(4 * b * a * q) + round_alloc(4 * b * a * q64 * d64) + (
+        round_alloc(4 * b * q * a * d) if fp32 else 0)
+
+
 def bsh(x: Dims) -> int:
     """Elements of a (b, s, h) tensor on this rank: T·h."""
     return x.T * x.h

@@ -64,6 +64,12 @@ and CUDA runs the flash kernel (memory-efficient for fp32). Each attention keeps
 without a copy (FlashAttention-2 writes (b, q, a, d): the transpose and reshape, sdpa L195
 and modeling_bart.py L254, are views), and the fp32 logsumexp (b, a, q); the attention
 dropout runs inside the kernel, which keeps its RNG seed and offset, no mask.
+
+T5 under --attention flash: the position bias reaches SDPA as a float attn_mask
+(sdpa_attention.py L54-91, L176-191), which requires grad for the self-attentions, so CUDA
+runs the memory-efficient kernel (torch's sdp_utils_cpp.h `check_attn_mask_shape` keeps
+cuDNN off such a mask; flash takes none). It keeps q, k, v, its output, the fp32 logsumexp
+(b, a, q₃₂) and the mask (`sdpa_bias`); the attention dropout runs inside it.
 """
 
 from __future__ import annotations
@@ -102,6 +108,11 @@ class S2S:
     @property
     def amp(self) -> bool:
         return self.r != self.c
+
+    @property
+    def biased(self) -> bool:
+        """T5 under SDPA: the position bias is a float attn_mask (memory-efficient kernel)."""
+        return self.t5 and not self.eager
 
 
 def s2s_dims(ctx: RankContext) -> S2S:
@@ -161,12 +172,13 @@ def attention_core(x: S2S, name: str, q: int, k: int) -> list[Saved]:
     """The attention of q query over k key tokens: eager keeps q, kᵀ, the probabilities,
     their dropout, v and the output copy; SDPA keeps q, k, v, its output and logsumexp."""
     b, a, d, c = x.b, x.a, x.d, x.c
-    if not x.eager:
+    if not x.eager:  # memory-efficient kernel (T5): logsumexp rows padded to 32
+        rows = -(-q // 32) * 32 if x.biased else q
         return [Saved(f"{name}.q", b * q * a * d, c, "(b, a, q, d)", "SDPA input"),
                 Saved(f"{name}.k", b * k * a * d, c, "(b, a, k, d)", "SDPA input"),
                 Saved(f"{name}.v", b * k * a * d, c, "(b, a, k, d)", "SDPA input"),
                 Saved(f"{name}.out", b * q * a * d, c, "(b, a, q, d)", "SDPA output"),
-                Saved(f"{name}.lse", b * a * q, "fp32", "(b, a, q)", "logsumexp")]
+                Saved(f"{name}.lse", b * a * rows, "fp32", "(b, a, q)", "logsumexp")]
     probs = b * a * q * k
     p_dt = "fp32" if x.amp else c
     out = [Saved(f"{name}.q", b * a * q * d, c, "(b, a, q, d)", "contiguous q for q @ kᵀ"),
@@ -181,14 +193,32 @@ def attention_core(x: S2S, name: str, q: int, k: int) -> list[Saved]:
     return out
 
 
-def _t5_attention(x: S2S, name: str, n: int, kv: int, cross: bool, first: bool
-                  ) -> list[Saved]:
+def sdpa_bias(x: S2S, name: str, q: int, k: int, causal: bool, cross: bool) -> list[Saved]:
+    """T5 under SDPA: the attn_mask one attention's kernel keeps (sdpa_attention.py L54-91
+    `create_position_bias_mask`: the self-attention's bias `.contiguous()`, a (1, a, q, k) copy
+    per layer (compute_bias returns a permuted view, modeling_t5.py L279); the decoder's
+    `torch.where(causal, bias, min)`, whose backward keeps the (q, k) bool condition; under
+    autocast its c cast), padded to k₈ when k is no multiple of 8 (attention.cpp
+    `preprocess_mask`). The cross-attention's zeros (1, a, q, k) in c (modeling_t5.py L340) is
+    one tensor shared by the decoder's layers (`edges_saved`) unless padded per layer."""
+    k8 = -(-k // 8) * 8
+    out = [] if cross and k8 == k else [
+        Saved(f"{name}.bias", x.a * q * k8, x.c, "(1, a, q, k₈)", "the kernel's attn_mask")]
+    if causal:
+        out.append(Saved(f"{name}.causal", q * k, "bool", "(1, 1, q, k)", "where's condition"))
+    return out
+
+
+def _t5_attention(x: S2S, name: str, n: int, kv: int, cross: bool, first: bool,
+                  causal: bool = False) -> list[Saved]:
     out = _t5_norm(x, f"{name}.norm", n, 1 if cross else 3)
     if cross:
         out += _inputs(x, f"{name}.enc_out", x.b * kv * x.h, 2, "(b, s, h)", True)
     if first and not cross:
         out.append(Saved(f"{name}.buckets", n // x.b * kv, "int64", "(q, k)",
                          "relative position buckets, kept by relative_attention_bias"))
+    if x.biased:
+        out += sdpa_bias(x, name, n // x.b, kv, causal, cross)
     out += attention_core(x, name, n // x.b, kv)
     out += _mask(x, f"{name}.out_mask", n * x.h, "(T, h)", x.hid)
     out.append(Saved(f"{name}.residual", n * x.h, x.r, "(T, h)", "x + dropout(o(...))"))
@@ -266,7 +296,7 @@ def decoder_layer_saved(x: S2S, first: bool = False) -> list[Saved]:
     the s encoder tokens, the FF."""
     n = x.b * x.t
     if x.t5:
-        return (_t5_attention(x, "attn", n, x.t, False, first)
+        return (_t5_attention(x, "attn", n, x.t, False, first, True)
                 + _t5_attention(x, "cross", n, x.s, True, False) + _t5_ff(x, n))
     return (_bart_attention(x, "attn", n, x.t, False)
             + _bart_attention(x, "cross", n, x.s, True) + _bart_ff(x, n))
@@ -306,6 +336,9 @@ def edges_saved(x: S2S) -> list[Saved]:
         out += _mask(x, "dec_final.mask", bt * x.h, "(T, h)", x.hid)
         out.append(Saved("lm_head.input", bt * x.h, x.c, "(T, h)",
                          "scaled output (autocast: its c cast), kept by lm_head"))
+        if x.biased and x.s % 8 == 0:
+            out.append(Saved("cross_bias", x.a * x.t * x.s, x.c, "(1, a, t, s)",
+                             "zeros, every cross-attention kernel's attn_mask"))
     elif x.amp:  # BART: the last LN output (in the layer) is the head's input, cast
         out.append(Saved("lm_head.input.cast", bt * x.h, x.c, "(T, h)", "autocast's copy"))
     return out
@@ -323,7 +356,8 @@ def checkpoint_saved(x: S2S) -> list[Saved]:
     cross-attention's zeros bias (1, a, t, s) in q's dtype, a leaf made to require grad
     under checkpointing (modeling_t5.py L356-362) that the graph holds."""
     bs, bt = x.b * x.s, x.b * x.t
-    out = [t for t in edges_saved(x) if t.name != "lm_head.input.cast" or x.t5]
+    out = [t for t in edges_saved(x) if (t.name != "lm_head.input.cast" or x.t5)
+           and t.name != "cross_bias"]  # (T5 SDPA: the zeros leaf below)
     out += [Saved("enc.layer_out", bs * x.h, x.r, "(b, s, h)", "checkpoint input", x.Le),
             Saved("dec.layer_out", bt * x.h, x.r, "(b, t, h)", "checkpoint input",
                   x.Ld - (1 if x.amp and not x.t5 else 0)),
@@ -373,9 +407,10 @@ def decoder_forward_locals(x: S2S) -> int:
     n = x.b * x.t
     if x.amp:
         out += alloc(n * x.h, x.r) + (alloc(x.b * x.a * x.t * x.s, "fp32") if x.att else 0)
-    if x.t5:
+    if x.t5:  # (SDPA, s a multiple of 8: the zeros are kept, `edges_saved`)
         out += alloc(n * x.f, x.r) if x.amp else 0
-        return out + alloc(x.a * x.t * x.t, x.r) + alloc(x.a * x.t * x.s, x.c)
+        return out + alloc(x.a * x.t * x.t, x.r) + (
+            alloc(x.a * x.t * x.s, x.c) if x.eager or x.s % 8 else 0)
     return out + alloc(x.t * x.h, x.r)
 
 

@@ -20,6 +20,10 @@ fake CPU tensors and this module makes them allocate what CUDA would:
      `dk_expanded`, `dv_expanded` (b, s, a, d) (flash_api.cpp mha_bwd; s₁₂₈ = s rounded up
      to 128, d₃₂ = d rounded up to 32 (64 above 128)). fp32 inputs run the memory-efficient
      kernel on CUDA, which saves the same tensors; its workspace is modelled like flash's.
+   - SDPA with a float mask that requires grad (T5's position bias): `cuda_biased_sdpa`
+     runs CUDA's memory-efficient kernel (`efficient_sdpa`), whose philox seed and offset are
+     host tensors (the tracker does not count them); its backward allocates dq, dk, dv, the
+     bias gradient (b, a, q, k₁₆) in the bias dtype and `efficient_backward_workspace`.
    - LayerNorm: CUDA keeps mean and rstd in fp32 for 16-bit inputs (acc type); the CPU
      meta kernel returns them in the input dtype.
    - `.item()` (aten._local_scalar_dense) reads a value on the host: answered with 1, no
@@ -152,6 +156,69 @@ def flash_backward_workspace(q: torch.Tensor, k: torch.Tensor) -> list[torch.Ten
     return out
 
 
+def efficient_backward_workspace(q: torch.Tensor) -> list[torch.Tensor]:
+    """The memory-efficient kernel's backward scratch for q (b, a, s, d) in 16-bit (CUTLASS
+    kernels that compute delta themselves: attention_backward.cu `_efficient_attention_backward`
+    allocates `delta` (b, a, s) fp32 and the `p.workspace_size()` bytes, whose grad-Q
+    accumulator is fp32 per (batch, head) at s rounded up to kBlockSizeI (64) by d rounded
+    up to the grad-Q tile's width (64): kernel_backward.h `workspace_elements_gq`). fp32
+    inputs form delta from an fp32 (b, s, a, d) product of d out and out instead."""
+    b, a, s, d = q.shape
+    out = [q.new_empty((b, a, s), dtype=torch.float32),  # delta
+           q.new_empty((b, a, _round_up(s, 64), _round_up(d, 64)), dtype=torch.float32)]
+    if q.dtype == torch.float32:
+        out.append(q.new_empty((b, s, a, d)))  # (grad_out * out) before its sum
+    return out
+
+
+def efficient_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   dropout_p: float, is_causal: bool, scale: float | None) -> torch.Tensor:
+    """scaled_dot_product_attention with a float attn_mask as CUDA runs it when the mask
+    requires grad (T5's position bias): sdp_utils_cpp.h `check_attn_mask_shape` refuses a mask
+    that requires grad, so neither cuDNN nor CPU flash takes it, flash takes no mask at all
+    (`check_for_attn_mask`), and the memory-efficient kernel runs (attention.cpp
+    `scaled_dot_product_attention`, efficient_attention case): `preprocess_mask` pads the
+    mask's last dimension to 8 elements (`pad_bias`) unless every stride but the last is a
+    multiple of 8 and the last is 1, then expands it to (b, a, q, k) (a view), and
+    `_scaled_dot_product_efficient_attention` saves q, k, v, that mask, its output and the
+    fp32 logsumexp (b, a, q₃₂) (derivatives.yaml; torch's meta kernel gives the shapes). Under
+    autocast SDPA is on the lower-precision list: fp32 inputs, the mask too, are cast."""
+    if torch.is_autocast_enabled("cpu"):
+        low = torch.get_autocast_dtype("cpu")
+        q, k, v, mask = (t.to(low) if t.dtype == torch.float32 else t for t in (q, k, v, mask))
+    if any(st % 8 for st in mask.stride()[:-1]) or mask.stride(-1) != 1:
+        n = mask.shape[-1]
+        mask = torch.nn.functional.pad(mask, (0, 8 - n % 8))[..., :n]
+    mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    lse = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    with torch.autocast("cpu", enabled=False):
+        return aten._scaled_dot_product_efficient_attention(
+            q, k, v, mask, lse, dropout_p, is_causal, scale=scale)[0]
+
+
+@contextlib.contextmanager
+def cuda_biased_sdpa() -> Iterator[None]:
+    """While active, F.scaled_dot_product_attention with a float attn_mask runs CUDA's
+    memory-efficient kernel (`efficient_sdpa`) instead of the CPU math path (the CPU takes
+    math for a mask that requires grad, which keeps the (b, a, q, k) scores). transformers'
+    sdpa_attention_forward looks the function up at call time."""
+    F = torch.nn.functional
+    original = F.scaled_dot_product_attention
+
+    def sdpa(q: Any, k: Any, v: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+             is_causal: bool = False, scale: float | None = None, **kw: Any) -> Any:
+        if attn_mask is None or attn_mask.dtype == torch.bool or kw.get("enable_gqa"):
+            return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                            is_causal=is_causal, scale=scale, **kw)
+        return efficient_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
+
+    F.scaled_dot_product_attention = sdpa  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original  # type: ignore[assignment]
+
+
 def rewrite_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                track: Callable[[Any], None]) -> tuple[bool, Any]:
     """Run `func` as CUDA would allocate it, when that differs from CPU: (handled, result).
@@ -170,6 +237,14 @@ def rewrite_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         result = func(*args, **kwargs)  # dq, dk, dv are allocated first, then the scratch
         tree_map(track, result)
         scratch = flash_backward_workspace(args[1], args[2])
+        for t in scratch:
+            track(t)
+        del scratch, t
+        return True, result
+    if func is aten._scaled_dot_product_efficient_attention_backward.default:
+        result = func(*args, **kwargs)  # dq, dk, dv, d bias, then the scratch
+        tree_map(track, result)
+        scratch = efficient_backward_workspace(args[1])
         for t in scratch:
             track(t)
         del scratch, t

@@ -214,7 +214,8 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
         from vramcalc.trace.hf_models import real_device_behaviour
 
         framework_ctx = real_device_behaviour(
-            dropout=scn.model.is_encoder or scn.model.is_encoder_decoder)
+            dropout=scn.model.is_encoder or scn.model.is_encoder_decoder,
+            biased_sdpa=tr.attention == "flash" and scn.model.model_type in ("t5", "mt5"))
     fake = FakeTensorMode()
     old_torch: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if tr.softmax_keeps_input:  # torch < 1.11 (vramcalc/trace/old_torch.py)

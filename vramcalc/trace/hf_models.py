@@ -269,14 +269,16 @@ def cuda_dropout() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def real_device_behaviour(dropout: bool = False) -> Iterator[None]:
+def real_device_behaviour(dropout: bool = False, biased_sdpa: bool = False) -> Iterator[None]:
     """Make transformers take the branches it takes on a real device while a trace runs.
 
     transformers' masking code treats fake tensors as graph tracing
     (`import_utils.is_tracing(tensor)` checks `is_fake_tensor`) and then materialises a
     (b, 1, s, s) attention mask, which also turns off SDPA's native grouped-query path. On a
     GPU it checks the data instead (no packed sequences: no mask, `is_causal=True`); the
-    tracker answers such data reads (`.item()`) with 1 / True.
+    tracker answers such data reads (`.item()`) with 1 / True. `biased_sdpa` (T5 under
+    SDPA, whose position bias is a float attn_mask): CUDA's memory-efficient kernel runs
+    those calls (vramcalc/trace/cuda_rules.py `cuda_biased_sdpa`).
     """
     _transformers()
     import transformers.masking_utils as masking
@@ -284,10 +286,13 @@ def real_device_behaviour(dropout: bool = False) -> Iterator[None]:
     original = masking.is_tracing
     masking.is_tracing = lambda tensor=None: original()
     try:
-        if dropout:  # encoders train with dropout (`cuda_dropout`)
-            with cuda_dropout():
-                yield
-        else:
+        with contextlib.ExitStack() as stack:
+            if dropout:  # encoders train with dropout (`cuda_dropout`)
+                stack.enter_context(cuda_dropout())
+            if biased_sdpa:
+                from vramcalc.trace.cuda_rules import cuda_biased_sdpa
+
+                stack.enter_context(cuda_biased_sdpa())
             yield
     finally:
         masking.is_tracing = original

@@ -7,7 +7,10 @@ keeps the dropout masks the run keeps; under --attention flash BART's attention_
 built at 0, as for encoders (vramcalc/trace/hf_models.py `encoder_config`): CUDA's fused SDPA
 kernel keeps no mask (its RNG seed and offset only), while CPU SDPA with dropout would take
 the math kernel, not `_scaled_dot_product_flash_attention_for_cpu`, which
-vramcalc/trace/cuda_rules.py allocates as CUDA's flash kernel. Token ids are those of the released checkpoints (T5 pads with 0 and
+vramcalc/trace/cuda_rules.py allocates as CUDA's flash kernel. T5's attention dropout
+(its dropout_rate, modeling_t5.py L362) stays: its calls carry the position bias as a float
+mask and run CUDA's memory-efficient kernel in the trace (`cuda_rules.cuda_biased_sdpa`),
+which takes the dropout inside and keeps no mask. Token ids are those of the released checkpoints (T5 pads with 0 and
 starts the decoder with 0; BART pads with 1 and starts with 2): `labels` are shifted right
 into decoder_input_ids by the model itself.
 """

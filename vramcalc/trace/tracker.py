@@ -226,6 +226,9 @@ class MemoryTracker(TorchDispatchMode):
         handled, out = cuda_rules.rewrite_op(func, args, kwargs, self.track)
         if not handled:
             out = func(*args, **kwargs)
+        if func is aten._scaled_dot_product_efficient_attention.default:
+            for t in out[2:]:  # philox seed, offset: host tensors on CUDA (attention.cu)
+                self.set_host(t)
         if func in _HOST_OPS:
             tree_map(lambda t: self.set_host(t) if isinstance(t, torch.Tensor) else None, out)
             return out

@@ -99,7 +99,8 @@ def seq2seq_grid() -> list[tuple[str, Scenario]]:
     transformers' T5 and BART with their dropout, 512 source and 128 target tokens, eager
     attention; fp32, bf16 weights and autocast, gradient accumulation, T5 v1.1's gated-gelu FF, full
     recompute, and small vocabularies that move the peak from the tied embedding's backward
-    into the layers. BART also with SDPA (`--attention flash`, transformers' default)."""
+    into the layers. BART and T5 also with SDPA (`--attention flash`, transformers' default;
+    T5's position bias reaches it as a float mask: CUDA's memory-efficient kernel)."""
     cases: list[tuple[str, dict[str, Any]]] = [
         ("t5", {"precision": "fp32"}), ("t5", {"precision": "amp-bf16"}),
         ("t5", {"precision": "fp32", "grad_accum": 2}), ("t5-v1k", {"precision": "amp-bf16"}),
@@ -116,7 +117,12 @@ def seq2seq_grid() -> list[tuple[str, Scenario]]:
         ("bart", {"precision": "amp-bf16"}), ("bart-v1k", {"precision": "bf16"}),
         ("bart-v1k", {"precision": "amp-fp16"}),
         ("bart-v1k", {"precision": "amp-bf16", "recompute": "full"}),
-        ("bart", {"precision": "fp32", "recompute": "full"})]
+        ("bart", {"precision": "fp32", "recompute": "full"}),
+        # T5 under SDPA: the position bias as attn_mask, CUDA's memory-efficient kernel
+        ("t5", {"precision": "bf16"}), ("t5-v1k", {"precision": "amp-bf16"}),
+        ("t5-v11", {"precision": "amp-bf16"}),
+        ("t5-v1k", {"precision": "bf16", "recompute": "full"}),
+        ("t5", {"precision": "amp-bf16", "recompute": "full"})]
     return [scenario_for(shape, framework="hf", seq_len=512, target_len=128,
                          attention=attention, **kw)
             for attention, group in (("eager", cases), ("flash", flash)) for shape, kw in group]
