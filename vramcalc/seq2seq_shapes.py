@@ -71,3 +71,38 @@ def seq2seq_rows(spec: Any) -> tuple[Row, ...]:
 def seq2seq_num_params(spec: Any) -> int:
     """Exact parameter count of the encoder-decoder `spec` (sum of `seq2seq_rows`)."""
     return sum(numel * count for _, numel, count, _, _ in seq2seq_rows(spec))
+
+
+def seq2seq_param_order(spec: Any) -> list[int]:
+    """Element counts of the parameters in `model.parameters()` order (transformers 5.24,
+    tied embeddings): `shared`, then per stack its blocks and final norms, the decoder
+    blocks adding their cross-attention. T5 block: attention q, k, v, o (block 0 then its
+    relative_attention_bias), its layer_norm, (decoder: the EncDecAttention and its norm),
+    the FF's wi (wi_0, wi_1) and wo and its norm; each stack ends with final_layer_norm. BART
+    (modeling_bart.py): each stack's embed_positions first, per layer k, v, q, out_proj
+    (weights and biases), its LayerNorm, (decoder: encoder_attn and its LayerNorm), fc1, fc2,
+    final_layer_norm, and layernorm_embedding last."""
+    h, a, d, f = spec.hidden_size, spec.num_attention_heads, spec.head_size, spec.intermediate_size
+    out = [spec.vocab_size * h]
+    if spec.model_type in ("t5", "mt5"):
+        mats = [h * f] * (2 if spec.mlp_kind == "gated" else 1) + [f * h]
+        for layers, cross in ((spec.num_hidden_layers, False), (spec.num_decoder_layers, True)):
+            for i in range(layers):
+                out += [h * a * d] * 4
+                if i == 0:
+                    out.append(spec.relative_attention_num_buckets * a)
+                out.append(h)
+                if cross:
+                    out += [h * a * d] * 4 + [h]
+                out += mats + [h]
+            out.append(h)
+        return out
+    attn = [h * a * d, a * d] * 3 + [a * d * h, h] + [h, h]  # k, v, q, out_proj; its norm
+    ff = [h * f, f, f * h, h, h, h]  # fc1, fc2, final_layer_norm
+    P = spec.max_position_embeddings + BART_POSITION_OFFSET
+    for layers, cross in ((spec.num_hidden_layers, False), (spec.num_decoder_layers, True)):
+        out.append(P * h)
+        for _ in range(layers):
+            out += attn + (attn if cross else []) + ff
+        out += [h, h]
+    return out

@@ -12,6 +12,7 @@ from vramcalc.hardware import GPUProfile
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
+from vramcalc.seq2seq_shapes import seq2seq_param_order
 from vramcalc.sharding import layer_param_numels, sharded_numel  # noqa: F401
 from vramcalc.terms import comm
 from vramcalc.terms.modifiers import modifiers
@@ -113,6 +114,8 @@ def _loop_step_peak(ctx: RankContext, shard: int, temps: int = 2) -> int:
 
     if finetunes(ctx.training):  # adapters, `count` identical tensors in a row
         seq = [(t.numel, t.count) for t in ctx.train_tensors]
+    elif ctx.spec.is_encoder_decoder:  # T5, BART: every tensor in model order
+        seq = [(n, 1) for n in seq2seq_param_order(ctx.spec)]
     else:
         emb, layer, tail = _module_order(ctx)
         seq = [(n, 1) for n in emb + layer * min(ctx.num_layers, 2) + tail]
@@ -181,6 +184,12 @@ def _master_copy_peak(ctx: RankContext, shard: int) -> int:
             prefix += t.count * d
         return best
 
+    if ctx.spec.is_encoder_decoder:  # T5, BART: every tensor in model order
+        best = prefix = 0
+        for n in seq2seq_param_order(ctx.spec):
+            best = max(best, prefix + alloc(sharded_numel(n, shard), "fp32"))
+            prefix += delta(n)
+        return best
     emb, layer, tail = _module_order(ctx)
     best = prefix = 0
     for n in emb:
