@@ -89,3 +89,26 @@ def test_megatron_tensors_add_up_to_korthikanti_eq_2(tp: int) -> None:
     assert megatron_layer_bytes(ctx) == pytest.approx(paper, abs=1)
     assert {"softmax output", "attention dropout mask", "attention dropout output"} <= {
         t[0] for t in tensors}
+
+
+def test_encoder_decoder_sections_write_out_both_stacks() -> None:
+    """BART-large (h 1024, 16 heads, FFN 4096, 12 + 12 layers; facebook/bart-large
+    config.json), bf16 weights, SDPA, b 4, 512 source / 128 target tokens: per encoder layer,
+    by hand from modeling_bart.py (T = b·s = 2048 tokens): q, k, v and the kernel's output
+    4·T·h·2 B, its fp32 logsumexp b·a·s·4 B, two (T, h) dropout masks, the two residual sums
+    and two LayerNorm outputs (T·h·2 B each) with fp32 mean and 1/std (T·4 B each), fc1's
+    output and the activation-dropout output (T·f·2 B each) and its (T, f) mask."""
+    s = _explain("--model", "bart-large", "--seq-len", "512", "--target-len", "128",
+                 "--micro-batch-size", "4", "--precision", "bf16")
+    T, h, f = 4 * 512, 1024, 4096
+    enc = (4 * T * h * 2 + 4 * 16 * 512 * 4 + 2 * T * h + 4 * T * h * 2 + 4 * T * 4
+           + 2 * T * f * 2 + T * f)
+    lines = s["Activations"]
+    per_enc = next(x for x in lines if "encoder layers" in x)
+    assert per_enc.startswith(f"= {enc / 1e9:.3f} GB per layer x 12 encoder layers"), per_enc
+    assert any("cross.k" in x and "(b, a, k, d)" in x for x in lines)  # keys at s tokens
+    assert any(x.startswith("Decoder layer over t=128") for x in lines)
+    assert "25,735,680 logits" in s["Logits and loss"][0]  # b·t·V = 4·128·50,265
+    # T5 under gradient checkpointing lists the checkpoints
+    t5 = _explain("--model", "t5-base", "--seq-len", "512", "--recompute", "full")
+    assert any("keeps only its inputs" in x for x in t5["Activations"])

@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engine", ("vramcalc.analytic", "vramcalc.analytic_seq2seq", "vramcalc.phases",
                 "vramcalc.notes", "vramcalc.trace")),
     ("use", ("vramcalc.planner", "vramcalc.serve", "vramcalc.speed", "vramcalc.flops",
-             "vramcalc.size", "vramcalc.explain",
+             "vramcalc.size", "vramcalc.explain", "vramcalc.explain_seq2seq",
              "vramcalc.check", "vramcalc.ds_json", "vramcalc.validate", "vramcalc.probe",
              "vramcalc.api")),
     # the package itself: the public names of vramcalc.api, loaded on first access

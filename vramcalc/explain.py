@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from vramcalc.analytic import estimate
-from vramcalc.errors import InputError
+from vramcalc.explain_seq2seq import seq2seq_activation_lines, seq2seq_logits_lines
 from vramcalc.features import chunks_loss, finetunes, low_precision
 from vramcalc.finetune import adapter_dtype, shapes_for
 from vramcalc.hardware import GPUProfile
@@ -58,9 +58,6 @@ def _etp_text(etp: int | None) -> str:
 def explain(scn: Scenario) -> dict[str, Any]:
     """Sections {title, lines} explaining where each number of the estimate comes from."""
     scn = scn.resolved()
-    if scn.model.is_encoder_decoder:  # its tables: vramcalc/terms/seq2seq.py, docs §22
-        raise InputError(f"{scn.model.name}: explain does not write out the encoder-decoder "
-                         "(T5, BART) tables yet; `vramcalc estimate` gives the breakdown")
     report = estimate(scn)
     spec, tr, par = scn.model, scn.training, scn.parallel
     stage = max(report.stages, key=lambda s: s.device_total_bytes).stage if report.stages else 0
@@ -73,7 +70,9 @@ def explain(scn: Scenario) -> dict[str, Any]:
         f"This rank (pipeline stage {stage}) holds {n_local:,} parameters after tensor "
         f"parallelism (tp={par.tp}), pipeline stages (pp={par.pp}) and expert parallelism "
         f"(ep={par.ep}{_etp_text(par.etp)}).",
-    ]})
+    ] + ([f"An encoder of {spec.num_hidden_layers} layers over --seq-len source tokens and a "
+          f"decoder of {spec.num_decoder_layers} layers over --target-len target tokens."]
+         if spec.is_encoder_decoder else [])})
 
     wb = DTYPE_BITS[tr.weight_dtype] // 8
     groups = weights_by_group(ctx)
@@ -118,20 +117,11 @@ def explain(scn: Scenario) -> dict[str, Any]:
                          "training", "lines": lowprec_explain_lines(
                              ctx, scn.cluster.gpu if scn.cluster else None)})
 
-    saved = act.layer_saved(ctx)
-    per_layer = act.layer_activation_bytes(ctx)
-    lines = [f"Per layer and micro-batch (b={tr.micro_batch_size}, s={tr.seq_len // par.cp}, "
-             f"attention '{tr.attention}', recompute '{tr.recompute}', profile "
-             f"'{tr.framework}'), the forward pass keeps for backward:"]
-    if tr.framework != "megatron":
-        for t in saved:
-            lines.append(f"  {t.name:<18} {t.shape:<22} {t.dtype:<5} {_gb(t.nbytes)}")
+    if spec.is_encoder_decoder:  # T5, BART: two stacks (vramcalc/explain_seq2seq.py)
+        sections += [{"title": "Activations", "lines": seq2seq_activation_lines(ctx, report)},
+                     {"title": "Logits and loss", "lines": seq2seq_logits_lines(ctx, report)}]
     else:
-        lines += megatron_tensor_lines(ctx)
-    lines.append(f"= {_gb(per_layer)} per layer x {ctx.num_layers} layers on this stage.")
-    sections.append({"title": "Activations", "lines": lines})
-    sections.append({"title": "Logits and loss", "lines": logits_lines(
-        RankContext(spec, tr, par, par.pp - 1), report)})
+        sections += decoder_sections(ctx, report)
     sections.append({"title": "Transients", "lines": transient_lines(ctx, report)})
     sections.append({"title": "Overhead", "lines": overhead_lines(scn, report)})
 
@@ -162,6 +152,27 @@ def explain(scn: Scenario) -> dict[str, Any]:
         ]})
     return {"sections": sections, "report": report.to_json_dict()}
 
+
+
+def decoder_sections(ctx: RankContext, report: MemoryReport) -> list[dict[str, Any]]:
+    """The activation and loss sections of a decoder or encoder (one layer's table)."""
+    spec, tr, par = ctx.spec, ctx.training, ctx.parallel
+    sections: list[dict[str, Any]] = []
+    saved = act.layer_saved(ctx)
+    per_layer = act.layer_activation_bytes(ctx)
+    lines = [f"Per layer and micro-batch (b={tr.micro_batch_size}, s={tr.seq_len // par.cp}, "
+             f"attention '{tr.attention}', recompute '{tr.recompute}', profile "
+             f"'{tr.framework}'), the forward pass keeps for backward:"]
+    if tr.framework != "megatron":
+        for t in saved:
+            lines.append(f"  {t.name:<18} {t.shape:<22} {t.dtype:<5} {_gb(t.nbytes)}")
+    else:
+        lines += megatron_tensor_lines(ctx)
+    lines.append(f"= {_gb(per_layer)} per layer x {ctx.num_layers} layers on this stage.")
+    sections.append({"title": "Activations", "lines": lines})
+    sections.append({"title": "Logits and loss", "lines": logits_lines(
+        RankContext(spec, tr, par, par.pp - 1), report)})
+    return sections
 
 def explain_weight_lines(ctx: RankContext) -> list[str]:
     """`vramcalc explain`'s weights section under LoRA/QLoRA/DoRA."""
