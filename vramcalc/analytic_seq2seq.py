@@ -293,7 +293,8 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
     post = () if x.t5 else ("cross.sum", "cross.norm.")  # BART's LN after the block
     gone = _bytes(dec_top, ("ff.", "cross.residual", "cross.out_mask", *post,
                             *_core_done(x, "cross")))
-    tail = ("ff.out_mask", "ff.residual", "ff.sum", "ff.norm.")  # freed above the FF
+    # freed above the FF's output projection; T5's FF norm is a pre-norm, still held
+    tail = ("ff.out_mask", "ff.residual", "ff.sum") + (() if x.t5 else ("ff.norm.",))
     cands.append(point(0, dec_held - _bytes(dec_top, tail),
                        tied + _ff_work(x, x.b * x.t), body_cast))
     o_ff = (*ff, "attn.o.")
