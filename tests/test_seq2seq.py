@@ -301,8 +301,8 @@ def test_analytic_agrees_with_trace(name: str, scn: Scenario) -> None:
     tests/test_seq2seq_flash.py and tests/test_t5_sdpa.py pin further): the saved activations and the loss's
     buffers at the end of forward exactly (the tables of vramcalc/terms/seq2seq.py list every
     storage, the checkpoints under recompute), weights, gradients and optimizer states
-    exactly, each phase's peak within 1 % (without recompute), the step's peak within
-    validate's 3 %."""
+    exactly, each phase's peak within 1 % (without recompute), the step's peak within 1 %
+    (validate's own bound is 3 %)."""
     pytest.importorskip("transformers")
     from vramcalc.validate.compare import PEAK_MAX_REL_ERROR, compare
 
@@ -312,12 +312,12 @@ def test_analytic_agrees_with_trace(name: str, scn: Scenario) -> None:
         pair = row["terms"][term]
         assert pair["analytic"] == pair["trace"], (term, pair)
     # without recompute every phase within 1 %; with it the re-run layer's instants are
-    # modelled more coarsely (methodology §22): the step's peak within validate's 3 %
+    # modelled more coarsely (methodology §22), the step's peak still within 1 %
     phases = ("forward", "backward", "optimizer") if scn.training.recompute == "none" else (
         "optimizer",)
     for phase in phases:
         assert abs(row["phases"][phase]["rel_error"]) <= 0.01, (phase, row["phases"][phase])
-    assert abs(row["rel_error"]) <= PEAK_MAX_REL_ERROR, row["phases"]
+    assert abs(row["rel_error"]) <= min(PEAK_MAX_REL_ERROR, 0.01), row["phases"]
 
 
 def test_saved_tables_hand_count() -> None:
