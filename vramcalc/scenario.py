@@ -51,8 +51,8 @@ def mla_problem(scn: Scenario) -> str | None:
                 "--framework megatron with TE flash attention, tensor and sequence "
                 f"parallelism, 16/32-bit full training, so far; not {missing}")
     return (f"{scn.model.name}: multi-latent attention's activations are modelled for "
-            "--framework reference on one tensor/context-parallel rank, full training, so "
-            f"far; not {missing}")
+            "--framework megatron (tensor and sequence parallelism) and --framework reference "
+            f"(one tensor/context-parallel rank), full training, so far; not {missing}")
 
 
 def encoder_unsupported(scn: Scenario) -> str | None:
