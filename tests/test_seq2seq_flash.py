@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -76,10 +77,11 @@ def _scenario(**training: Any) -> Scenario:
         optimizer="adamw", **training))
 
 
-def _flash_calls(scn: Scenario) -> tuple[list[tuple[Any, ...]], dict[str, int]]:
-    """Trace `scn`: (query length, key length, is_causal, attn_mask, dropout_p) of every
-    call of PyTorch's CPU flash kernel, and how often each softmax / dropout / attention
-    op ran."""
+def op_calls(scn: Scenario, op: str, record: Callable[[Any, Any], tuple[Any, ...]]
+             ) -> tuple[list[tuple[Any, ...]], dict[str, int]]:
+    """Trace `scn` (one step): `record(args, kwargs)` of every call of the aten op named
+    `op` (as vramcalc/trace/cuda_rules.py `rewrite_op` sees it), and how often each
+    attention, softmax and dropout op ran."""
     pytest.importorskip("transformers")
     import vramcalc.trace.cuda_rules as rules
     from vramcalc.trace.engine import trace
@@ -92,10 +94,8 @@ def _flash_calls(scn: Scenario) -> tuple[list[tuple[Any, ...]], dict[str, int]]:
         name = func.__name__
         if any(w in name for w in ("attention", "dropout", "softmax")):
             seen[name] = seen.get(name, 0) + 1
-        if name == "_scaled_dot_product_flash_attention_for_cpu.default":
-            q, k = args[0], args[1]
-            calls.append((q.shape[2], k.shape[2], bool(args[4]) if len(args) > 4 else False,
-                          kwargs.get("attn_mask"), args[3] if len(args) > 3 else 0.0))
+        if name == op:
+            calls.append(record(args, kwargs))
         return original(func, args, kwargs, track)
 
     rules.rewrite_op = spy
@@ -104,6 +104,14 @@ def _flash_calls(scn: Scenario) -> tuple[list[tuple[Any, ...]], dict[str, int]]:
     finally:
         rules.rewrite_op = original
     return calls, seen
+
+
+def _flash_calls(scn: Scenario) -> tuple[list[tuple[Any, ...]], dict[str, int]]:
+    """(query length, key length, is_causal, attn_mask, dropout_p) of every call of
+    PyTorch's CPU flash kernel."""
+    return op_calls(scn, "_scaled_dot_product_flash_attention_for_cpu.default", lambda a, kw: (
+        a[0].shape[2], a[1].shape[2], bool(a[4]) if len(a) > 4 else False,
+        kw.get("attn_mask"), a[3] if len(a) > 3 else 0.0))
 
 
 def test_trace_runs_the_flash_kernel_without_masks() -> None:
@@ -155,33 +163,17 @@ def _run(args: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def test_bart_large_estimates_with_flash() -> None:
-    """The command that was refused: `estimate --model bart-large --seq-len 1024` with the
-    default flash attention answers, and its forward peaks lower than eager's at 1,024
-    tokens (no (b, a, s, s) probabilities, dropout masks or scores are kept)."""
+@pytest.mark.parametrize("model", ["bart-large", "t5-base"])
+def test_default_flash_estimates(model: str) -> None:
+    """The commands that were refused: `estimate --model bart-large --seq-len 1024` and
+    `--model t5-base` (T5PreTrainedModel._supports_sdpa) with the default flash attention
+    answer, with the same weights as eager and a lower forward (no (b, a, s, s)
+    probabilities, dropout masks or scores are kept; tests/test_t5_sdpa.py pins what T5
+    keeps)."""
     import json
 
-    base = ["estimate", "--model", "bart-large", "--seq-len", "1024", "--gpus",
-            "1xA100-80GB", "--json"]
-    code, out, err = _run(base)
-    assert code == 0, err
-    flash = json.loads(out)
-    code, out, err = _run([*base, "--attention", "eager"])
-    assert code == 0, err
-    eager = json.loads(out)
-    assert flash["terms"]["weights"] == eager["terms"]["weights"]
-    assert flash["phases"]["forward"] < eager["phases"]["forward"]
-
-
-def test_t5_flash_estimates() -> None:
-    """T5 under --attention flash (transformers' SDPA, T5PreTrainedModel._supports_sdpa) is
-    no longer refused: `estimate --model t5-base --seq-len 512` with the default attention
-    answers, with the same weights as eager and a lower forward (no (b, a, s, s)
-    probabilities, dropout masks or scores; tests/test_t5_sdpa.py pins what it keeps)."""
-    import json
-
-    base = ["estimate", "--model", "t5-base", "--seq-len", "512", "--gpus", "1xA100-80GB",
-            "--json"]
+    base = ["estimate", "--model", model, "--seq-len", "1024" if model == "bart-large" else
+            "512", "--gpus", "1xA100-80GB", "--json"]
     code, out, err = _run(base)
     assert code == 0, err
     flash = json.loads(out)

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests.test_seq2seq_flash import op_calls
 from vramcalc.hf_config import from_hf_config
 from vramcalc.scenario import Scenario
 from vramcalc.terms.seq2seq import S2S, decoder_layer_saved, edges_saved, encoder_layer_saved
@@ -93,32 +94,10 @@ def _scenario(cfg: dict[str, Any], **training: Any) -> Scenario:
 
 
 def _kernel_calls(scn: Scenario) -> tuple[list[tuple[Any, ...]], dict[str, int]]:
-    """Trace `scn`: (q length, k length, mask shape, mask batch stride, mask requires grad)
-    of each memory-efficient kernel call, and how often each attention-ish op ran."""
-    pytest.importorskip("transformers")
-    import vramcalc.trace.cuda_rules as rules
-    from vramcalc.trace.engine import trace
-
-    calls: list[tuple[Any, ...]] = []
-    seen: dict[str, int] = {}
-    original = rules.rewrite_op
-
-    def spy(func: Any, args: Any, kwargs: Any, track: Any) -> Any:
-        name = func.__name__
-        if any(w in name for w in ("attention", "dropout", "softmax")):
-            seen[name] = seen.get(name, 0) + 1
-        if name == "_scaled_dot_product_efficient_attention.default":
-            q, k, mask = args[0], args[1], args[3]
-            calls.append((q.shape[2], k.shape[2], tuple(mask.shape), mask.stride(0),
-                          mask.requires_grad))
-        return original(func, args, kwargs, track)
-
-    rules.rewrite_op = spy
-    try:
-        trace(scn, iterations=1)
-    finally:
-        rules.rewrite_op = original
-    return calls, seen
+    """(q length, k length, mask shape, mask batch stride, mask requires grad) of each
+    memory-efficient kernel call, and how often each attention-ish op ran."""
+    return op_calls(scn, "_scaled_dot_product_efficient_attention.default", lambda a, kw: (
+        a[0].shape[2], a[1].shape[2], tuple(a[3].shape), a[3].stride(0), a[3].requires_grad))
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
