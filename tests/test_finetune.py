@@ -148,6 +148,26 @@ def test_paged_states_are_overhead_not_allocated() -> None:
     assert any("unified memory" in n for n in paged.notes)
 
 
+def test_paged_states_beyond_the_free_memory_live_in_host_ram() -> None:
+    # torchtune fef3ed10 README: 7B_full_low_memory (PagedAdamW, 32-bit states of 6.74B
+    # parameters, 54 GB) runs on one 24 GB RTX 4090; unified memory keeps what fits
+    kw = {"model": "llama2-7b", "framework": "torchtune", "precision": "bf16-pure",
+          "optimizer": "paged-adamw", "optimizer_in_backward": True, "recompute": "full",
+          "seq_len": 512, "micro_batch_size": 2}
+    small = estimate(build_scenario({**kw, "gpus": "1xRTX4090"}))
+    large = estimate(build_scenario({**kw, "gpus": "1xH200"}))
+    paged = large.subterms["overhead/paged_optimizer_states"]
+    assert paged == 2 * 4 * 6_738_415_616 - large.terms.optimizer_states  # >= 1e5 elements
+    assert large.host_bytes_per_node == 0 and large.fits
+    resident = small.subterms["overhead/paged_optimizer_states"]
+    assert small.fits and small.device_total_bytes == small.usable_bytes
+    assert 0 < resident < paged and small.host_bytes_per_node == paged - resident
+    # what stays resident is the room left beside the allocator's peak and the context
+    assert resident == small.usable_bytes - (small.peak_reserved_bytes + (
+        small.terms.overhead - resident - (small.peak_reserved_bytes
+                                           - small.peak_allocated_bytes)))
+
+
 # ---- activations of frozen layers --------------------------------------------------------
 def test_frozen_layers_drop_weight_gradient_inputs() -> None:
     full = {t.name for t in act.layer_saved(ctx_for(LLAMA2_7B))}

@@ -98,7 +98,9 @@ def _rank(e) -> tuple:  # noqa: ANN001
     {"model": "7b", "gpus": "4xA100-40GB", "seq_len": 2048, "global_batch_size": 64},
     {"model": "gpt2", "gpus": "1xRTX4090", "seq_len": 1024, "precision": "bf16-pure",
      "optimizer_in_backward": True, "global_batch_size": 8},
-], ids=["gpt2", "llama2-7b", "gpt2-optimizer-in-backward"])
+    {"model": "7b", "gpus": "2xRTX4090", "seq_len": 512, "precision": "bf16-pure",
+     "optimizer": "paged-adamw", "framework": "torchtune", "global_batch_size": 16},
+], ids=["gpt2", "llama2-7b", "gpt2-optimizer-in-backward", "llama2-7b-paged"])
 def test_search_equals_brute_force(case: dict) -> None:
     """Bounds and best-first stopping never hide a better plan, and dominance only drops
     candidates that rank below a valid one that dominates them: estimate every candidate."""
@@ -506,3 +508,28 @@ def test_the_hf_stack_is_never_offered_pipeline_or_expert_parallelism() -> None:
     assert any(ep > 1 for _, ep in layouts("reference"))
     code = main(["plan", "--model", "8b", "--gpus", "16xH100", "--framework", "hf", "--json"])
     assert code == 0
+
+
+def test_paged_pages_in_host_ram_slow_the_plan() -> None:
+    """A paged optimizer never fails the fit, but the pages with no room on the device cross
+    the host link each step: the speed counts them (vramcalc/speed.py)."""
+    base, req, res, _ = plan(model="7b", gpus="1xRTX4090", seq_len=512,
+                             precision="bf16-pure", optimizer="paged-adamw",
+                             optimizer_in_backward=True, framework="torchtune",
+                             global_batch_size=8)
+    best = res.entries[0]
+    spilled = best.report.host_bytes_per_node  # one GPU, nothing else offloaded
+    assert best.fits and spilled > 0
+    link = base.cluster.gpu.host_link_bytes_per_s
+    assert best.speed.parts_s["offload"] == pytest.approx(2 * spilled / link)
+
+
+def test_torchtune_optimizer_in_backward_plans_one_gpu_only(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", "7b", "--seq-len", "512", "--precision", "bf16-pure",
+            "--optimizer-in-backward", "--framework", "torchtune", "--global-batch-size", "8"]
+    assert main([*args, "--gpus", "1xRTX4090"]) == 0
+    assert "1 GPU" in capsys.readouterr().out
+    assert main([*args, "--gpus", "2xRTX4090"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --optimizer-in-backward runs on one GPU") and "got 2" in err

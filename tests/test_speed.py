@@ -8,6 +8,7 @@ the code's output.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -193,6 +194,15 @@ def test_optimizer_offload_moves_shard_over_pcie() -> None:
     cpu = shard * 32 / (200e9 / 8)  # CPU-Adam: 32 B/param at 200 GB/s per node
     assert r.parts_s["offload"] == pytest.approx(pcie + cpu)
 
+
+def test_paged_pages_in_host_ram_cross_pcie_twice_per_step() -> None:
+    n = spec("llama2-7b")
+    lay = Layout(dp=8, shard_stage=1)
+    plain = estimate_speed(n, H100, 8, lay, 4096)
+    paged = estimate_speed(n, H100, 8, replace(lay, paged_host_bytes=10**10), 4096)
+    # faulted in for the step and evicted for the next one, over PCIe Gen5 x16
+    assert paged.parts_s["offload"] - plain.parts_s["offload"] == pytest.approx(2e10 / 64e9)
+    assert paged.step_time_s > plain.step_time_s
 
 def test_missing_dtype_peak_falls_back_with_a_note() -> None:
     v100 = resolve_gpu("V100")  # no bf16 tensor cores: the profile has no bf16 peak

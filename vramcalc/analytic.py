@@ -53,7 +53,11 @@ from vramcalc.terms.load import init_reserved_bytes, load_parts
 from vramcalc.terms.lowprec import check_lowprec
 from vramcalc.terms.modifiers import persistent_parts
 from vramcalc.terms.optim_in_bwd import in_backward, states_made
-from vramcalc.terms.optimizer_states import optimizer_state_split, paged_overhead
+from vramcalc.terms.optimizer_states import (
+    optimizer_state_split,
+    paged_residency,
+    paged_state_bytes,
+)
 from vramcalc.terms.overhead import context_bytes, overhead_split
 from vramcalc.terms.profile import profile
 from vramcalc.terms.reserved import reserved_pad_bytes
@@ -365,12 +369,13 @@ def _assemble(scn: Scenario, fields: dict[str, Any], strategy: dict[str, object]
 class _StageRun:
     """One pipeline stage's phases (steady state), first-step peak and overhead."""
 
-    __slots__ = ("stage", "num_layers", "phases", "first", "overhead", "cached")
+    __slots__ = ("stage", "num_layers", "phases", "first", "overhead", "cached", "spilled")
 
     def __init__(self, stage: int, num_layers: int, phases: list[Phase], first: int,
-                 overhead: dict[str, int], cached: int) -> None:
+                 overhead: dict[str, int], cached: int, spilled: int) -> None:
         self.stage, self.num_layers, self.phases, self.first = stage, num_layers, phases, first
         self.overhead, self.cached = overhead, cached  # cached: reserved above the fit floor
+        self.spilled = spilled  # paged optimizer pages that live in host RAM
 
 
 def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
@@ -387,9 +392,14 @@ def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
         phases, first, (pad, cached) = stage_phases(scn, st, gpu)
         ovh = overhead_split(context_bytes(gpu, scn.training), scn.world_size, pad)
         ctx = RankContext(scn.model, scn.training, scn.parallel, st)
-        ovh.update(paged_overhead(ctx))
-        ovh.update(async_tp_overhead(ctx))
-        runs.append(_StageRun(st, ctx.num_layers, phases, first, ovh, cached))
+        paged, symm = paged_state_bytes(ctx), async_tp_overhead(ctx)
+        spilled = 0
+        if scn.training.optimizer.startswith("paged-"):  # pages with no room live on the host
+            rest = max(p.total for p in phases) + sum(ovh.values()) + sum(symm.values())
+            ovh["paged_optimizer_states"], spilled = paged_residency(
+                paged, scn.usable_bytes, rest)
+        ovh.update(symm)
+        runs.append(_StageRun(st, ctx.num_layers, phases, first, ovh, cached, spilled))
     common = {"model": model_info(scn), "gpu": gpu_info(scn), "notes": scenario_notes(scn)}
     return scn, _fields(scn, runs, _pick(runs), common)
 
@@ -432,6 +442,7 @@ def _fields(scn: Scenario, runs: list[_StageRun], pick: tuple[tuple[int, ...], i
     for key, val in run.overhead.items():
         subterms[f"overhead/{key}"] = val
     host_nvme = _outside(scn, run.stage)
+    gpus_per_node = scn.cluster.gpus_per_node if scn.cluster else 1
     return {
         "model": common["model"],
         "gpu": common["gpu"],
@@ -443,7 +454,7 @@ def _fields(scn: Scenario, runs: list[_StageRun], pick: tuple[tuple[int, ...], i
         "peak_reserved_bytes": peak_phase.total + run.overhead["fragmentation"] + run.cached,
         "first_step_peak_bytes": run.first,
         "device_total_bytes": peak_phase.total + sum(run.overhead.values()),
-        "host_bytes_per_node": host_nvme[0],
+        "host_bytes_per_node": host_nvme[0] + run.spilled * gpus_per_node,
         "nvme_bytes_per_node": host_nvme[1],
         "stages": stage_rows if scn.parallel.pp > 1 else [],
         "notes": common["notes"],

@@ -161,9 +161,11 @@ def finetune_notes(ctx: RankContext) -> list[str]:
     paged = paged_state_bytes(ctx)
     if paged:
         out.append(f"{tr.optimizer}: {fmt_gb(paged)} of optimizer states live in CUDA unified "
-                   "memory: invisible to torch.cuda.max_memory_allocated (not in the peak), "
-                   "visible in nvidia-smi (counted in overhead/paged_optimizer_states); the "
-                   "driver pages them to host RAM under memory pressure instead of failing")
+                   "memory: invisible to torch.cuda.max_memory_allocated (not in the peak); "
+                   "the part that fits in the free device memory stays resident (in "
+                   "nvidia-smi, overhead/paged_optimizer_states), the driver keeps the rest "
+                   "in host RAM and migrates it at each step instead of failing (in the host "
+                   "RAM per node)")
     symm = async_tp_workspace_bytes(ctx)
     if symm:
         out.append(f"async TP: a {fmt_gb(symm)} symmetric-memory workspace per GPU (the fused "

@@ -69,6 +69,10 @@ all-reduce 2·(n−1)/n·M/bw, reduce-scatter or all-gather (n−1)/n·M/bw.
 - Offload over the host link (PCIe): optimizer offload moves this rank's gradient shard
   to the host and the updated weights back once per step and runs the optimizer on the
   CPU; parameter offload fetches the weight shard for every forward and backward.
+- Paged optimizer states that do not fit on the device (their pages in host RAM,
+  vramcalc.terms.optimizer_states.paged_residency) fault in over the host link when the
+  optimizer step touches them and are evicted again for the next step's tensors: twice
+  their bytes per step, not overlapped (the step waits on its page faults).
 """
 
 from __future__ import annotations
@@ -134,6 +138,7 @@ class Layout:
     virtual_stages: int = 1
     offload: tuple[str, ...] = ()
     offload_device: str = "cpu"
+    paged_host_bytes: int = 0  # this rank's paged optimizer pages that live in host RAM
 
     @property
     def num_gpus(self) -> int:
@@ -437,6 +442,7 @@ class SpeedModel:
                                         lay.num_microbatches, lay.shard_stage, lay.shard_group,
                                         lay.offload, lay.offload_device, t_fwd, t_bwd)
         tdq = self.dequant_time(lay.tp, lay.pp, lay.num_microbatches, lay.recompute)
+        toff += 2 * lay.paged_host_bytes / self.gpu.host_link_bytes_per_s
         parts = dict(zip(PART_NAMES, (comp, bub, ttp, tcp, tep, tdp, tpp, toff, tdq),
                          strict=True))
         step = sum(parts.values())

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from vramcalc.errors import InputError, suggest
-from vramcalc.hardware import MIN_MFU
+from vramcalc.hardware import MIN_MFU, parse_gpus
 from vramcalc.options import OPTIONS_BY_NAME, build_scenario, check_bounds, normalize_values
 from vramcalc.planner.layouts import SPLIT_KEYS, finetune_supported, given, mla_note
 from vramcalc.planner.request import DEFAULT_FINETUNE_BATCH, PlanRequest, recomputes_of
@@ -96,7 +96,12 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
         # the base layout only has to be one torchtitan runs (its bf16 compute needs FSDP2);
         # the search varies the sharding anyway
         values["fsdp"] = "full"
-    if values.get("framework") == "torchtune":
+    if values.get("framework") == "torchtune" and values.get("optimizer_in_backward"):
+        gpus = parse_gpus(str(values.get("gpus", "")), profile_dirs).num_gpus
+        if gpus > 1:  # full_finetune_single_device: one GPU, unsharded
+            raise InputError(f"--optimizer-in-backward runs on one GPU (torchtune's "
+                             f"full_finetune_single_device); got {gpus} GPUs")
+    elif values.get("framework") == "torchtune":
         values["fsdp"] = "full"  # the same: torchtune's data parallelism is FSDP2's
     # --async-tp is refused at tp 1 (the base layout): set it after, so that the search's
     # layout check (vramcalc.parallel._check_torchtitan) keeps only tp > 1 layouts

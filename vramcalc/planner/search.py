@@ -36,9 +36,11 @@ from vramcalc.planner.candidates import (
 )
 from vramcalc.planner.layouts import split_refusal
 from vramcalc.planner.request import PlanRequest, ProgressFn
+from vramcalc.rank import RankContext
 from vramcalc.report import MemoryReport
 from vramcalc.scenario import Scenario, capability_problem, mla_problem
 from vramcalc.speed import SpeedReport
+from vramcalc.terms.optimizer_states import paged_state_bytes
 
 
 @dataclass(frozen=True)
@@ -117,9 +119,27 @@ def estimate_candidate(c: Candidate, base: Scenario, req: PlanRequest) -> PlanEn
         rep = estimate(scn, every_stage=False)
     except (InputError, ValueError):
         return None
-    speed = speed_model(base, c.prec, c.ft, req.efficiency).report(
-        c.layout(base.parallel.offload_device))
+    layout = c.layout(base.parallel.offload_device)
+    spilled = paged_host_bytes(scn, rep)
+    if spilled:
+        layout = replace(layout, paged_host_bytes=spilled)
+    speed = speed_model(base, c.prec, c.ft, req.efficiency).report(layout)
     return PlanEntry(scenario=scn, report=rep, speed=speed, changes=c.changes)
+
+
+def paged_host_bytes(scn: Scenario, rep: MemoryReport) -> int:
+    """The worst rank's paged optimizer pages that have no room on the device (0 unless the
+    optimizer is paged): its paged states less the resident part the report counts."""
+    resident = rep.subterms.get("overhead/paged_optimizer_states")
+    if resident is None:
+        return 0
+    res = scn.resolved()
+    stage = rep.stages[-1].stage if rep.stages else 0
+    for st in rep.stages:  # the worst rank is the one with the largest device total
+        if st.device_total_bytes == rep.device_total_bytes:
+            stage = st.stage
+    ctx = RankContext(res.model, res.training, res.parallel, stage)
+    return max(0, paged_state_bytes(ctx) - resident)
 
 
 def usable_and_context(base: Scenario) -> tuple[float, int]:

@@ -353,7 +353,7 @@ def check_markdown(report: MemoryReport, usable_bytes: int, headroom: float, sou
     lines.append(f"Per GPU: **{fit_phrase(report.device_total_bytes, usable_bytes, cap)}** "
                  f"({headroom:.0%} headroom requested).")
     if report.host_bytes_per_node:
-        lines.append(f"Host RAM for offload: {report.host_bytes_per_node / GB:,.2f} GB per node.")
+        lines.append(f"Host RAM for offload and paging: {report.host_bytes_per_node / GB:,.2f} GB per node.")
     for n in list(report.notes) + list(notes):
         lines.append(f"> {n}" if n.startswith("warning:") else f"> note: {n}")
     lines.append("")

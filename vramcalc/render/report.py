@@ -164,7 +164,7 @@ def print_report(console: Console, report: MemoryReport) -> None:
                          for s in report.stages)
         console.print(f"Pipeline stages (device total, GB): {rows}")
     if report.host_bytes_per_node:
-        console.print(f"Host RAM for offload: {fmt_gb(report.host_bytes_per_node)} per node")
+        console.print(f"Host RAM for offload and paging: {fmt_gb(report.host_bytes_per_node)} per node")
     if report.nvme_bytes_per_node:
         console.print(f"NVMe for offload: {fmt_gb(report.nvme_bytes_per_node)} per node")
     console.print(verdict_text(report))
