@@ -23,6 +23,7 @@ from vramcalc.errors import InputError  # noqa: E402
 from vramcalc.model import ModelSpec  # noqa: E402
 from vramcalc.model_tensors import param_tensors  # noqa: E402
 from vramcalc.parallel import ParallelConfig  # noqa: E402
+from vramcalc.rank import RankContext  # noqa: E402
 from vramcalc.scenario import Scenario  # noqa: E402
 from vramcalc.training import TrainingConfig  # noqa: E402
 from vramcalc.validate import SHAPES, compare, default_grid  # noqa: E402
@@ -217,6 +218,21 @@ def test_first_step_peak_is_below_steady_state_for_adam() -> None:
                              precision="bf16", optimizer="adamw", seq_len=512))
     assert rep.first_step_peak_bytes < rep.peak_allocated_bytes
 
+
+def test_paged_states_stay_out_of_the_allocator_replay() -> None:
+    """bitsandbytes allocates paged state buffers with cudaMallocManaged (get_paged), never
+    from torch's pool: the trace counts none of them, not even while the first step creates
+    them, so its first step agrees with the analytic engine's."""
+    from vramcalc.analytic import estimate
+    from vramcalc.terms.optimizer_states import paged_split
+    from vramcalc.trace.engine import run_trace
+
+    scn = scenario(precision="bf16", optimizer="paged-adamw")
+    traced, analytic = run_trace(scn), estimate(scn)
+    paged = analytic.subterms["overhead/paged_optimizer_states"]
+    assert paged == paged_split(RankContext(TINY, scn.training, scn.parallel, 0))[1] > 0
+    assert traced.first_step_peak_bytes == analytic.first_step_peak_bytes
+    assert traced.subterms["overhead/paged_optimizer_states"] == paged
 
 def test_progress_is_reported() -> None:
     from vramcalc.trace.engine import run_trace

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vramcalc.errors import InputError
+from vramcalc.rank import RankContext
 from vramcalc.report import (
     PHASE_NAMES,
     MemoryReport,
@@ -34,6 +35,7 @@ from vramcalc.report import (
     strategy_dict,
 )
 from vramcalc.scenario import Scenario, check_capabilities
+from vramcalc.terms.optimizer_states import paged_residency, paged_state_bytes
 from vramcalc.terms.overhead import context_bytes, overhead_split
 from vramcalc.terms.transients import cublas_workspace_bytes
 
@@ -373,6 +375,10 @@ def _result(scn: Scenario, tracker: Any, param_bytes: int, iterations: int) -> T
     reserved = max(tracker.allocator.peak_reserved, peak.total)
     ovh = overhead_split(context_bytes(gpu, scn.training), scn.world_size,
                          reserved - peak.total)
+    if scn.training.optimizer.startswith("paged-"):  # outside the allocator, as analytic
+        paged = paged_state_bytes(RankContext(scn.model, scn.training, scn.parallel, 0))
+        ovh["paged_optimizer_states"] = paged_residency(
+            paged, scn.usable_bytes, max(p.total for p in phases.values()) + sum(ovh.values()))[0]
     terms = peak.terms()
     terms["overhead"] = sum(ovh.values())
     subterms = {k: v for k, v in peak.parts.items() if "/" in k}

@@ -24,10 +24,13 @@ fused ones are 0-dim fp32 device tensors and are counted.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from vramcalc.terms.optimizer_states import BNB_BLOCK, BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL
 
@@ -99,6 +102,17 @@ class Lion(Optimizer):
             torch._foreach_add_(exp_avgs, grads, alpha=1 - beta2)
 
 
+def _unified(paged: bool) -> Any:
+    """Where a paged state buffer is allocated: bitsandbytes' get_paged (cudaMallocManaged),
+    outside the caching allocator, so the active MemoryTracker neither counts it nor
+    replays it (a plain allocation when not paged or not traced)."""
+    if paged:
+        for mode in _get_current_dispatch_mode_stack():
+            if hasattr(mode, "host_allocations"):
+                return mode.host_allocations()
+    return contextlib.nullcontext()
+
+
 class AdamW8bitStandIn(Optimizer):
     """bitsandbytes AdamW (8-bit, paged) device storage with an in-place (fused) update.
 
@@ -132,14 +146,16 @@ class AdamW8bitStandIn(Optimizer):
                             self.qmaps = [torch.zeros(QMAP_ENTRIES, device=p.device)
                                           for _ in range(2)]
                         blocks = -(-n // BNB_BLOCK)
-                        state["state1"] = torch.zeros_like(p, dtype=torch.uint8)
-                        state["state2"] = torch.zeros_like(p, dtype=torch.uint8)
+                        with _unified(self.paged and n >= BNB_PAGED_MIN_NUMEL):
+                            state["state1"] = torch.zeros_like(p, dtype=torch.uint8)
+                            state["state2"] = torch.zeros_like(p, dtype=torch.uint8)
                         state["absmax1"] = torch.zeros(blocks, device=p.device)
                         state["absmax2"] = torch.zeros(blocks, device=p.device)
                         state["qmap1"], state["qmap2"] = self.qmaps
                     else:
-                        state["state1"] = torch.zeros_like(p, dtype=torch.float32)
-                        state["state2"] = torch.zeros_like(p, dtype=torch.float32)
+                        with _unified(self.paged and n >= BNB_PAGED_MIN_NUMEL):
+                            state["state1"] = torch.zeros_like(p, dtype=torch.float32)
+                            state["state2"] = torch.zeros_like(p, dtype=torch.float32)
                     if self.paged and n >= BNB_PAGED_MIN_NUMEL:
                         self.paged_states += [state["state1"], state["state2"]]
                 # the fused kernel reads and writes these in place: no temporaries

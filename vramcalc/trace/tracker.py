@@ -32,7 +32,9 @@ it as a DataPtr of CUDACachingAllocator), is requested when the first forward st
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +94,7 @@ class MemoryTracker(TorchDispatchMode):
         self.marks: dict[tuple[int, str], Snapshot] = {}
         self._peak_key: tuple[int, str] | None = None
         self._peak: Snapshot | None = None
+        self._host_alloc = False
 
     # ---- phases and marks ------------------------------------------------------------
     def set_phase(self, phase: str, region: str | None = None) -> None:
@@ -138,6 +141,9 @@ class MemoryTracker(TorchDispatchMode):
         st = t.untyped_storage()
         key = st._cdata
         if key in self.host:
+            return
+        if self._host_alloc:  # allocated outside the caching allocator (host_allocations)
+            self.set_host(t)
             return
         nbytes = round_alloc(st.nbytes())
         blk = self.blocks.get(key)
@@ -187,6 +193,16 @@ class MemoryTracker(TorchDispatchMode):
             self.terms[blk.term] -= blk.nbytes
             self.terms[term] = self.terms.get(term, 0) + blk.nbytes
             blk.term = term
+
+    @contextlib.contextmanager
+    def host_allocations(self) -> Iterator[None]:
+        """Storages allocated inside live outside torch's caching allocator (bitsandbytes'
+        unified-memory buffers): never counted, never in the allocator replay."""
+        self._host_alloc = True
+        try:
+            yield
+        finally:
+            self._host_alloc = False
 
     def set_host(self, t: torch.Tensor) -> None:
         """t lives in host memory on a CUDA machine: never count it."""
