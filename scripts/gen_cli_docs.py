@@ -29,6 +29,12 @@ COMMANDS: list[tuple[str, str, list[str]]] = [
      "shows as memory outside the allocator.",
      ["estimate", "--model", "llama2-7b", "--gpus", "4090", "--finetune", "qlora",
       "--optimizer", "paged-adamw-8bit", "--seq-len", "1024"]),
+    ("A full fine-tune with paged AdamW on one 24 GB card",
+     "torchtune's low-memory recipe: 54 GB of paged optimizer states; what has no room on "
+     "the GPU lives in host RAM, so it fits (and each step pages it over PCIe).",
+     ["estimate", "--model", "llama2-7b", "--gpus", "4090", "--framework", "torchtune",
+      "--precision", "bf16-pure", "--optimizer", "paged-adamw", "--optimizer-in-backward",
+      "--recompute", "full", "--seq-len", "512", "--micro-batch-size", "2"]),
     ("torchtune's QLoRA recipe with torchao 0.1: the load phase is the peak",
      "torchao before 0.2 quantizes each weight at once while the model loads (`--load`); "
      "the segments the init reserves stay cached through training.",
