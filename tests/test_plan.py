@@ -170,6 +170,8 @@ BOUND_CASES = [
      "allow": "finetune,offload,precision"},
     {"model": "13b", "gpus": "16x910B", "allow": "finetune,offload"},
     {"model": "8b", "gpus": "4xH100", "activation_offload": True, "allow": "offload,finetune"},
+    {"model": "8b", "gpus": "8xH100", "framework": "torchtitan", "seq_len": 8192,
+     "allow": "precision"},
 ]
 
 
@@ -206,7 +208,11 @@ def test_bound_never_exceeds_the_estimate(case: dict) -> None:
         assert any(s[0] for s in seen)
     if "offload" in allow:
         assert any(s[1] for s in seen)
-    assert {s[2] for s in seen} >= {0, 3} or base.cluster.num_gpus == 1
+    stages = {0, 3}
+    if case.get("framework") == "torchtitan":  # its fp8 (float8) reached; bf16 needs FSDP2
+        assert any(s[5] == "fp8" for s in seen)
+        stages = {2, 3}
+    assert {s[2] for s in seen} >= stages or base.cluster.num_gpus == 1
 
 
 def test_bound_covers_the_matrix() -> None:
@@ -533,3 +539,20 @@ def test_torchtune_optimizer_in_backward_plans_one_gpu_only(
     assert main([*args, "--gpus", "2xRTX4090"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --optimizer-in-backward runs on one GPU") and "got 2" in err
+
+
+def test_torchtitan_fp8_is_its_compiled_float8_linear() -> None:
+    """torchtitan trains in FP8 only through torchao's Float8Linear under torch.compile
+    (float8.py), so `--allow precision` searches that: the entry's scenario is amp-bf16
+    with --float8 --compile, and its numbers are those of estimate with those flags."""
+    base, req, res, _ = plan(model="8b", gpus="8xH100", framework="torchtitan",
+                             seq_len=8192, allow="precision")
+    fp8 = [e for e in res.entries if e.scenario.training.float8]
+    assert fp8 and all(e.changes == ("precision",) for e in fp8)
+    tr = fp8[0].scenario.training
+    assert tr.precision == "amp-bf16" and tr.compile
+    again = estimate(fp8[0].scenario)
+    assert again.device_total_bytes == fp8[0].report.device_total_bytes
+    # the speed counts the block linears at the FP8 peak: faster than the best bf16 entry
+    bf16 = [e for e in res.entries if not e.scenario.training.float8]
+    assert not bf16 or fp8[0].speed.tokens_per_s > bf16[0].speed.tokens_per_s

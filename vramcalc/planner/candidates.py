@@ -95,10 +95,21 @@ def training_for(base: Scenario, prec: str, opt: str, ft: str | None,
                  update: Mapping[str, Any] | None = None) -> TrainingConfig:
     """The base's training settings with this precision, optimizer and fine-tuning method
     (None: the base's) and any further `update` (the planner's own valid values)."""
-    upd: dict[str, Any] = {**(update or {}), "precision": prec, "optimizer": opt}
+    upd: dict[str, Any] = {**(update or {}), **precision_update(base.training, prec),
+                           "optimizer": opt}
     if ft is not None:
         upd["finetune"] = ft
     return base.training.model_copy(update=upd)
+
+
+def precision_update(tr: TrainingConfig, prec: str) -> dict[str, Any]:
+    """The training settings of precision `prec`: torchtitan trains in FP8 only through
+    torchao's Float8Linear under torch.compile, on FSDP2's bf16 mixed precision (float8.py
+    `Float8Handler`; the engine's --float8 needs --compile and amp-bf16), so its "fp8" is
+    amp-bf16 with --float8 --compile."""
+    if prec == "fp8" and tr.framework == "torchtitan":
+        return {"precision": "amp-bf16", "float8": True, "compile": True}
+    return {"precision": prec}
 
 
 def parallel_for(base: Scenario, dp: int, tp: int, pp: int, cp: int, ep: int, sp: bool,
@@ -135,9 +146,9 @@ def speed_model(base: Scenario, prec: str, ft: str | None,
     tr = base.training
     if ft is not None and ft != tr.finetune:
         tr = tr.model_copy(update={"finetune": ft})
-    tr = tr.model_copy(update={"precision": prec}) if prec != tr.precision else tr
+    tr = tr.model_copy(update=precision_update(tr, prec)) if prec != tr.precision else tr
     return SpeedModel(base.model, base.cluster.gpu, base.cluster.gpus_per_node, tr.seq_len,
-                      prec, efficiency, base.parallel.capacity_factor,
+                      tr.precision, efficiency, base.parallel.capacity_factor,
                       training_peft(base.model, tr), tr.selective_kind, tr.float8,
                       base.parallel.mtp_layers, tr.target_len,
                       tr.float8 and tr.float8_all_gather)

@@ -130,6 +130,14 @@ def config_yaml(model: str, gpus: str, s: dict[str, Any], headroom: float) -> st
 
 
 # ---- plan -------------------------------------------------------------------------------
+def changed_value(s: dict[str, Any], key: str) -> str:
+    """A changed setting's new value; torchtitan's FP8 is its compiled Float8Linear (the
+    planner's precision "fp8" there, planner/candidates.py `precision_update`)."""
+    if key == "precision" and s.get("float8"):
+        return "float8"
+    return str(s[key])
+
+
 def plan_table(entries: Sequence[Any], usable_bytes: int, title: str,
                width: int = 120) -> Table:
     """Ranked strategies: speed, layout, sharding, memory and what is left free. Columns of
@@ -145,7 +153,7 @@ def plan_table(entries: Sequence[Any], usable_bytes: int, title: str,
     rows = []
     for i, e in enumerate(entries, 1):
         s = e.report.strategy
-        extra = [", ".join(str(s[k]) for k in e.changes) or "-"] if changed else []
+        extra = [", ".join(changed_value(s, k) for k in e.changes) or "-"] if changed else []
         rows.append([
             str(i), f"{e.speed.tokens_per_s:,.0f}", f"{100 * e.speed.mfu:.1f}%",
             layout_text(s), sharding_text(s), str(s.get("recompute", "none")),
