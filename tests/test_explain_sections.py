@@ -66,6 +66,21 @@ def test_overhead_section_names_context_nccl_and_fragmentation() -> None:
     assert "0.392 GB" in lines and "fragmentation" in lines
 
 
+def test_paged_optimizer_states_are_fp32_and_split_between_device_and_host() -> None:
+    """bitsandbytes' PagedAdamW keeps two fp32 states per element (32-bit Optimizer2State),
+    6,738,415,616 x 8 B = 53.907 GB for Llama-2-7B, less the small tensors' that stay in
+    the allocator; what has no room on a 24 GB card is in host RAM."""
+    sections = _explain("--model", "llama2-7b", "--framework", "torchtune", "--precision",
+                        "bf16-pure", "--optimizer", "paged-adamw", "--optimizer-in-backward",
+                        "--recompute", "full", "--gpus", "1xRTX4090", "--seq-len", "512")
+    assert any("two fp32 states" in line and "unified memory" in line
+               for line in sections["Optimizer states"])
+    line = next(x for x in sections["Overhead"] if x.startswith("Paged optimizer states"))
+    paged, resident, host = (float(g.replace(",", "")) for g in re.findall(
+        r"([\d,.]+) GB", line)[:3])
+    assert paged == pytest.approx(8 * 6_738_415_616 / 1e9, abs=0.01)
+    assert 0 < resident < paged and host == pytest.approx(paged - resident, abs=0.002)
+
 def test_megatron_profile_lists_its_tensors() -> None:
     sections = _explain("--model", "70b", "--gpus", "64xH100", "--tp", "8", "--pp", "2",
                         "--framework", "megatron", "--sequence-parallel", "--zero", "1")

@@ -31,7 +31,15 @@ from vramcalc.terms.lowprec import (
     qat_qparam_bytes,
 )
 from vramcalc.terms.megatron_layer import megatron_layer_tensors
-from vramcalc.terms.optimizer_states import optimizer_state_split
+from vramcalc.terms.optimizer_states import (
+    BNB_BLOCK,
+    BNB_MIN_8BIT_SIZE,
+    BNB_OPTIMIZERS,
+    BNB_PAGED_MIN_NUMEL,
+    PAGED_OPTIMIZERS,
+    optimizer_state_split,
+    paged_state_bytes,
+)
 from vramcalc.terms.overhead import NCCL_BYTES_MULTI_GPU, NCCL_BYTES_TWO_GPU
 from vramcalc.terms.saved import dims, mostly_moe
 from vramcalc.terms.torchtitan_tp import loss_parallel
@@ -105,9 +113,16 @@ def explain(scn: Scenario) -> dict[str, Any]:
 
     split = optimizer_state_split(ctx)
     sb = DTYPE_BITS[tr.state_dtype] // 8
+    shard = f", sharded over {ctx.state_shard} ranks (ZeRO-1+)" if ctx.state_shard > 1 else ""
     lines = [f"Optimizer '{tr.optimizer}' keeps its states in {tr.state_dtype} ({sb} B/element)"
-             + (f", sharded over {ctx.state_shard} ranks (ZeRO-1+)" if ctx.state_shard > 1
-                else "") + f": {_gb(split['states'])}."]
+             f"{shard}: {_gb(split['states'])}."] if tr.optimizer not in BNB_OPTIMIZERS else [
+        f"bitsandbytes '{tr.optimizer}' (Optimizer2State.init_state) keeps per tensor of n "
+        "elements " + ("two uint8 states + two fp32 absmax per "
+                       f"{BNB_BLOCK} elements when n >= {BNB_MIN_8BIT_SIZE:,}, else two fp32 "
+                       "states" if tr.optimizer.endswith("8bit") else "two fp32 states")
+        + (f"; paged, the state buffers of tensors with n >= {BNB_PAGED_MIN_NUMEL:,} live in "
+           "CUDA unified memory (Overhead below)" if tr.optimizer in PAGED_OPTIMIZERS else "")
+        + f"{shard}: {_gb(split['states'])} in the allocator."]
     if tr.has_master_weights:
         lines.append(f"Mixed precision adds an fp32 master copy (4 B/param): "
                      f"{_gb(split['master'])} — the ZeRO paper's K = 12 with Adam (4 + 4 + 4).")
@@ -137,7 +152,9 @@ def explain(scn: Scenario) -> dict[str, Any]:
         f"at the peak + blocks cached beside the loss backward (the freed logits) = "
         f"{_gb(report.peak_reserved_bytes)} (vramcalc/terms/reserved.py, terms/logits.py) — "
         "comparable with torch.cuda.max_memory_reserved() on a GPU with room to spare.",
-        f"Device total = peak + packing + CUDA context + NCCL buffers (overhead "
+        "Device total = peak + packing + CUDA context + NCCL buffers"
+        + (" + resident paged optimizer states" if "overhead/paged_optimizer_states"
+           in report.subterms else "") + " (overhead "
         f"{_gb(report.terms.overhead)}) = {_gb(report.device_total_bytes)}: cached blocks "
         "are not counted, since the allocator frees them and retries before it reports an "
         "out-of-memory error.",
@@ -325,7 +342,9 @@ def transient_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
         elif tr.optimizer in ("adam", "adamw") and tr.step_impl == "fused":
             out.append("AdamW fused (torch._fused_adamw_): one kernel updates in place: 0 B.")
         else:
-            out.append(f"Inner step ({tr.optimizer}, {tr.step_impl}): {_gb(inner)} "
+            impl = ("bitsandbytes' kernel, in place" if tr.optimizer in BNB_OPTIMIZERS
+                    else tr.step_impl)
+            out.append(f"Inner step ({tr.optimizer}, {impl}): {_gb(inner)} "
                        "(vramcalc/terms/transients.py).")
         out.append(f"Optimizer-step transient = net fp32 copies + max(inner step, copy loop) "
                    f"= {_gb(temp)} + max({_gb(inner)}, {_gb(copy_peak)}) = {_gb(step)}.")
@@ -365,7 +384,15 @@ def overhead_lines(scn: Scenario, report: MemoryReport) -> list[str]:
         f"allocated, {_gb(init.peak_reserved)} reserved at its high-water mark; the reserved "
         "segments stay cached after torchtune resets the peaks, so the peak reserved is at "
         "least that."]
+    paged = paged_state_bytes(RankContext(scn.model, scn.training, scn.parallel))
+    resident = sub.get("overhead/paged_optimizer_states")
+    paged_line = [] if resident is None else [
+        f"Paged optimizer states: {_gb(paged)} in CUDA unified memory, outside the allocator; "
+        f"resident = min(paged, usable − the rest of the device total) = {_gb(resident)}, the "
+        f"other {_gb(paged - resident)} in host RAM, migrated at each step "
+        "(terms/optimizer_states.py paged_residency)."]
     return [
+        *paged_line,
         f"CUDA context ({ctx_src}): {_gb(sub.get('overhead/context', 0))}; {nccl}: "
         f"{_gb(sub.get('overhead/nccl', 0))}.",
         *init_line,
