@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                "vramcalc.scenario", "vramcalc.report", "vramcalc.catalog", "vramcalc.hf_config",
                "vramcalc.hf_seq2seq", "vramcalc.hf_modernbert", "vramcalc.hub",
                "vramcalc.features", "vramcalc.ds_config", "vramcalc.hf_stack",
-               "vramcalc.options", "vramcalc.provenance")),
+               "vramcalc.options", "vramcalc.provenance", "vramcalc.lengths")),
     ("shapes", ("vramcalc.sharding", "vramcalc.finetune", "vramcalc.rank",
                 "vramcalc.terms.context")),
     ("terms", ("vramcalc.terms", "vramcalc.offload")),

@@ -23,6 +23,7 @@ from vramcalc.cli.app import (
 from vramcalc.cli.serve import run_serve, show_serve
 from vramcalc.errors import InputError
 from vramcalc.explain import explain
+from vramcalc.lengths import padded_batches, read_lengths
 from vramcalc.options import build_scenario
 from vramcalc.render.console import make_console, with_progress
 from vramcalc.render.markdown import estimate_markdown
@@ -105,15 +106,32 @@ def explain_cmd(**kwargs: Any) -> None:
         print_explain(make_console(), doc)
 
 
-@scenario_command("Fake-tensor dry run of a real PyTorch training step (needs torch).")
+LENGTHS = option("lengths", Optional[Path], None, "--lengths",
+                 help="Token counts of your training samples (a text file, one integer per "
+                 "sample): replay --steps micro-batches, each padded to its longest sample "
+                 "and cut at --seq-len: the peak reserved such a run reports, which creeps "
+                 "over steps of varying shape while memory is ample (one rank).")
+STEPS = option("steps", int, 64, "--steps",
+               help="Micro-batches to replay with --lengths (the last one at --seq-len).")
+
+
+@scenario_command("Fake-tensor dry run of a real PyTorch training step (needs torch).",
+                  extra=[LENGTHS, STEPS])
 def trace_cmd(**kwargs: Any) -> None:
+    lengths_file: Path | None = kwargs.pop("lengths", None)
+    steps: int = kwargs.pop("steps", 64)
     values, dirs, as_json = split_values(kwargs)
     scn = build_scenario(values, dirs)
+    seq_lens = None
+    if lengths_file is not None:
+        tr = scn.training
+        seq_lens = padded_batches(read_lengths(lengths_file), tr.micro_batch_size, tr.seq_len,
+                                  steps)
     try:  # the torch engine loads for this command only (torch is an optional extra)
         from vramcalc.trace.distributed import trace_any
     except ImportError as err:
         raise InputError(f"trace needs PyTorch: pip install torch ({err})") from None
     # FSDP2 data parallelism runs on a fake process group
-    report = with_progress("tracing", lambda progress: trace_any(scn, progress=progress),
+    report = with_progress("tracing", lambda progress: trace_any(scn, progress, seq_lens),
                            as_json)
     show_report(report, as_json)

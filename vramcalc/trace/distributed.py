@@ -35,7 +35,7 @@ torch is imported only when a trace runs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vramcalc.errors import InputError
@@ -295,9 +295,12 @@ def check_any_traceable(scn: Scenario) -> Scenario:
     return check_traceable(scn) if scn.parallel.fsdp == "none" else check_distributed(scn)
 
 
-def trace_any(scn: Scenario, progress: Progress | None = None) -> MemoryReport:
+def trace_any(scn: Scenario, progress: Progress | None = None,
+              seq_lens: Sequence[int] | None = None) -> MemoryReport:
     """The trace engine's report: one rank, or FSDP2 data parallelism on a fake process
-    group."""
+    group; `seq_lens` (one length per micro-batch) on one rank only."""
     if scn.parallel.fsdp == "none":
-        return run_trace(scn, progress)
+        return run_trace(scn, progress, seq_lens)
+    if seq_lens is not None:
+        raise InputError("--lengths replays one rank: the FSDP trace runs at --seq-len only")
     return run_distributed_trace(scn, progress)

@@ -19,7 +19,7 @@ torch is imported only when a trace runs, never when this module is imported.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,13 +179,20 @@ def _loss(model: Any, framework: str, ids: Any, labels: Any) -> Any:
 
 
 def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITERATIONS,
-          debug: Callable[[str, Any], None] | None = None) -> TraceResult:
+          debug: Callable[[str, Any], None] | None = None,
+          seq_lens: Sequence[int] | None = None) -> TraceResult:
     """Trace `iterations` training iterations of a single-rank scenario; see the module doc.
 
     `debug(event, tracker)`, when given, is called at marks with the live tracker (whose
-    blocks then record the op that allocated them), for calibration work.
+    blocks then record the op that allocated them), for calibration work. `seq_lens` gives
+    every micro-batch its own length (vramcalc/lengths.py `padded_batches`, the last one
+    the scenario's seq_len): as many iterations run as they fill, at least `iterations`.
     """
     scn = check_traceable(scn)
+    if seq_lens is not None:
+        iterations = max(iterations, -(-len(seq_lens) // scn.training.grad_accum))
+        pad = iterations * scn.training.grad_accum - len(seq_lens)
+        seq_lens = (*[seq_lens[0]] * pad, *seq_lens)  # the longest batch stays the last
     try:
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -246,10 +253,17 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
         opt = (in_backward_optimizer(tracker, tr, params) if tr.optimizer_in_backward
                else tracked_optimizer(tracker, tr, params))
         run_steps(scn, tracker, model, params, opt, iterations, tick, autocast=autocast,
-                  debug=debug)
+                  debug=debug, seq_lens=seq_lens)
         report_progress("done", 1.0)
 
-    return _result(scn, tracker, param_bytes, iterations)
+    res = _result(scn, tracker, param_bytes, iterations)
+    if seq_lens is not None:
+        res.report.notes.append(
+            f"peak reserved replayed over {len(seq_lens):,} micro-batches padded to their "
+            f"longest sample ({min(seq_lens):,} to {max(seq_lens):,} tokens, the last at "
+            f"--seq-len {scn.training.seq_len:,}): the caching allocator's segments of the "
+            "earlier shapes stay reserved")
+    return res
 
 
 def watch_logits(tracker: Any, model: Any, framework: str) -> None:
@@ -306,10 +320,12 @@ def run_steps(scn: Scenario, tracker: Any, model: Any, params: list[Any], opt: A
               autocast: Callable[[], Any] = contextlib.nullcontext,
               after_backward: Callable[[], None] | None = None,
               debug: Callable[[str, Any], None] | None = None,
-              state_label: str = "optimizer_states/states") -> None:
+              state_label: str = "optimizer_states/states",
+              seq_lens: Sequence[int] | None = None) -> None:
     """`iterations` training steps of `grad_accum` micro-batches each, with the tracker's
     phases and marks set (end_forward, end_backward, end_step); `after_backward` runs after
-    each micro-batch's backward, `debug(event, tracker)` at end_forward and end_step."""
+    each micro-batch's backward, `debug(event, tracker)` at end_forward and end_step;
+    `seq_lens`, when given, the length of every micro-batch in order (else seq_len)."""
     import torch
 
     from vramcalc.trace.optim import optimizer_state_tensors
@@ -319,6 +335,8 @@ def run_steps(scn: Scenario, tracker: Any, model: Any, params: list[Any], opt: A
     for it in range(iterations):
         tracker.iteration = it
         for micro in range(tr.grad_accum):
+            if seq_lens is not None:
+                s = seq_lens[it * tr.grad_accum + micro]
             tag = f"iteration {it + 1}/{iterations}, micro-batch {micro + 1}/{tr.grad_accum}"
             tick(f"{tag}: forward")
             tracker.set_phase("forward")
@@ -404,7 +422,8 @@ def _result(scn: Scenario, tracker: Any, param_bytes: int, iterations: int) -> T
     return TraceResult(report, phases, marks, first, param_bytes)
 
 
-def run_trace(scn: Scenario, progress: Progress | None = None) -> MemoryReport:
+def run_trace(scn: Scenario, progress: Progress | None = None,
+              seq_lens: Sequence[int] | None = None) -> MemoryReport:
     """Per-rank memory of one scenario from a fake-tensor training step (engine "trace").
 
     Same schema as `vramcalc.analytic.estimate`: `terms` is the composition at the
@@ -413,7 +432,7 @@ def run_trace(scn: Scenario, progress: Progress | None = None) -> MemoryReport:
     vramcalc/terms/transients.py is added as CUDA would hold it. Raises InputError for
     multi-rank layouts, the megatron profile, or `hf` without transformers installed.
     """
-    return trace(scn, progress).report
+    return trace(scn, progress, seq_lens=seq_lens).report
 
 
 def _demo() -> None:  # pragma: no cover - `python -m vramcalc.trace.engine`
