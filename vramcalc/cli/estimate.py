@@ -110,7 +110,7 @@ LENGTHS = option("lengths", Optional[Path], None, "--lengths",
                  help="Token counts of your training samples (a text file, one integer per "
                  "sample): replay --steps micro-batches, each padded to its longest sample "
                  "and cut at --seq-len: the peak reserved such a run reports, which creeps "
-                 "over steps of varying shape while memory is ample (one rank).")
+                 "over steps of varying shape while memory is ample.")
 STEPS = option("steps", int, 64, "--steps",
                help="Micro-batches to replay with --lengths (the last one at --seq-len).")
 

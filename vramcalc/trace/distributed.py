@@ -52,10 +52,12 @@ from vramcalc.trace.engine import (
     build_model,
     check_eager_titan,
     check_traceable,
+    fill_iterations,
     run_steps,
     run_trace,
     tracked_optimizer,
     watch_logits,
+    with_lengths_note,
 )
 
 if TYPE_CHECKING:
@@ -201,9 +203,12 @@ def _shard(model: Any, scn: Scenario, mesh: Any) -> None:
 
 
 def distributed_trace(scn: Scenario, progress: Progress | None = None,
-                      iterations: int = ITERATIONS) -> TraceResult:
-    """Trace rank 0 of an FSDP2 data-parallel world (see the module docstring)."""
+                      iterations: int = ITERATIONS,
+                      seq_lens: Sequence[int] | None = None) -> TraceResult:
+    """Trace rank 0 of an FSDP2 data-parallel world (see the module docstring); `seq_lens`
+    as in engine.trace."""
     scn = check_distributed(scn)
+    iterations, seq_lens = fill_iterations(iterations, scn.training.grad_accum, seq_lens)
     try:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.distributed.device_mesh import init_device_mesh
@@ -240,11 +245,13 @@ def distributed_trace(scn: Scenario, progress: Progress | None = None,
         else:
             mesh = init_device_mesh("cpu", (world,))
         with cuda_autocast_rules(), FakeTensorMode(), tracker:
-            return _run(scn, tracker, mesh, tick, report_progress, iterations)
+            return with_lengths_note(
+                _run(scn, tracker, mesh, tick, report_progress, iterations, seq_lens),
+                seq_lens)
 
 
 def _run(scn: Scenario, tracker: Any, mesh: Any, tick: Any, report_progress: Any,
-         iterations: int) -> TraceResult:
+         iterations: int, seq_lens: Sequence[int] | None) -> TraceResult:
     import torch
 
     tr = scn.training
@@ -277,8 +284,8 @@ def _run(scn: Scenario, tracker: Any, mesh: Any, tick: Any, report_progress: Any
             if p.grad is not None:
                 tracker.label(p.grad, "gradients")
 
-    run_steps(scn, tracker, model, params, opt, iterations, tick, after_backward=label_grads,
-              state_label="optimizer_states")
+    run_steps(scn, tracker, model, params, opt, iterations, tick, seq_lens=seq_lens,
+              after_backward=label_grads, state_label="optimizer_states")
     report_progress("done", 1.0)
     return _result(scn, tracker, param_bytes, iterations)
 
@@ -301,6 +308,4 @@ def trace_any(scn: Scenario, progress: Progress | None = None,
     group; `seq_lens` (one length per micro-batch) on one rank only."""
     if scn.parallel.fsdp == "none":
         return run_trace(scn, progress, seq_lens)
-    if seq_lens is not None:
-        raise InputError("--lengths replays one rank: the FSDP trace runs at --seq-len only")
-    return run_distributed_trace(scn, progress)
+    return distributed_trace(scn, progress, seq_lens=seq_lens).report

@@ -189,10 +189,7 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
     the scenario's seq_len): as many iterations run as they fill, at least `iterations`.
     """
     scn = check_traceable(scn)
-    if seq_lens is not None:
-        iterations = max(iterations, -(-len(seq_lens) // scn.training.grad_accum))
-        pad = iterations * scn.training.grad_accum - len(seq_lens)
-        seq_lens = (*[seq_lens[0]] * pad, *seq_lens)  # the longest batch stays the last
+    iterations, seq_lens = fill_iterations(iterations, scn.training.grad_accum, seq_lens)
     try:
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -256,13 +253,29 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
                   debug=debug, seq_lens=seq_lens)
         report_progress("done", 1.0)
 
-    res = _result(scn, tracker, param_bytes, iterations)
+    return with_lengths_note(_result(scn, tracker, param_bytes, iterations), seq_lens)
+
+
+def fill_iterations(iterations: int, grad_accum: int, seq_lens: Sequence[int] | None
+                    ) -> tuple[int, Sequence[int] | None]:
+    """The iterations that `seq_lens` (one length per micro-batch) fill, at least
+    `iterations`, and the lengths padded at the front with the first one to whole
+    iterations (the longest batch stays the last)."""
+    if seq_lens is None:
+        return iterations, None
+    iterations = max(iterations, -(-len(seq_lens) // grad_accum))
+    pad = iterations * grad_accum - len(seq_lens)
+    return iterations, (*[seq_lens[0]] * pad, *seq_lens)
+
+
+def with_lengths_note(res: TraceResult, seq_lens: Sequence[int] | None) -> TraceResult:
+    """`res` with a note on the replayed lengths (trace --lengths)."""
     if seq_lens is not None:
         res.report.notes.append(
             f"peak reserved replayed over {len(seq_lens):,} micro-batches padded to their "
             f"longest sample ({min(seq_lens):,} to {max(seq_lens):,} tokens, the last at "
-            f"--seq-len {scn.training.seq_len:,}): the caching allocator's segments of the "
-            "earlier shapes stay reserved")
+            f"--seq-len {seq_lens[-1]:,}): the caching allocator's segments of the earlier "
+            "shapes stay reserved")
     return res
 
 
