@@ -82,6 +82,8 @@ def test_cli_replays_a_lengths_file_and_refuses_bad_input(
     assert "replayed over 3 micro-batches" in capsys.readouterr().out
     assert main([*args[:-3], "--steps", "0"]) == 2
     assert capsys.readouterr().err.startswith("error: --steps must be between 1")
+    assert main(["trace", "--model", "gpt2", "--steps", "5"]) == 2
+    assert capsys.readouterr().err.startswith("error: --steps counts the micro-batches")
     # FSDP2 data parallelism: rank 0 of the fake process group replays the same lengths
     assert main([*args, "--fsdp", "full", "--gpus", "2xH100"]) == 0
     assert "replayed over 3 micro-batches" in capsys.readouterr().out

@@ -111,22 +111,26 @@ LENGTHS = option("lengths", Optional[Path], None, "--lengths",
                  "sample): replay --steps micro-batches, each padded to its longest sample "
                  "and cut at --seq-len: the peak reserved such a run reports, which creeps "
                  "over steps of varying shape while memory is ample.")
-STEPS = option("steps", int, 64, "--steps",
-               help="Micro-batches to replay with --lengths (the last one at --seq-len).")
+STEPS = option("steps", Optional[int], None, "--steps",
+               help="Micro-batches to replay with --lengths (the last one at --seq-len); "
+               "default 64.")
 
 
 @scenario_command("Fake-tensor dry run of a real PyTorch training step (needs torch).",
                   extra=[LENGTHS, STEPS])
 def trace_cmd(**kwargs: Any) -> None:
     lengths_file: Path | None = kwargs.pop("lengths", None)
-    steps: int = kwargs.pop("steps", 64)
+    steps: int | None = kwargs.pop("steps", None)
     values, dirs, as_json = split_values(kwargs)
     scn = build_scenario(values, dirs)
     seq_lens = None
     if lengths_file is not None:
         tr = scn.training
         seq_lens = padded_batches(read_lengths(lengths_file), tr.micro_batch_size, tr.seq_len,
-                                  steps)
+                                  64 if steps is None else steps)
+    elif steps is not None:
+        raise InputError("--steps counts the micro-batches --lengths replays: give --lengths "
+                         "FILE too")
     try:  # the torch engine loads for this command only (torch is an optional extra)
         from vramcalc.trace.distributed import trace_any
     except ImportError as err:
