@@ -305,7 +305,7 @@ def check_any_traceable(scn: Scenario) -> Scenario:
 def trace_any(scn: Scenario, progress: Progress | None = None,
               seq_lens: Sequence[int] | None = None) -> MemoryReport:
     """The trace engine's report: one rank, or FSDP2 data parallelism on a fake process
-    group; `seq_lens` (one length per micro-batch) on one rank only."""
+    group (rank 0); `seq_lens` as in engine.trace."""
     if scn.parallel.fsdp == "none":
         return run_trace(scn, progress, seq_lens)
     return distributed_trace(scn, progress, seq_lens=seq_lens).report
