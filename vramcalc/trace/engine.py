@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vramcalc.errors import InputError
+from vramcalc.notes import scenario_notes
 from vramcalc.rank import RankContext
 from vramcalc.report import (
     PHASE_NAMES,
@@ -415,7 +416,7 @@ def _result(scn: Scenario, tracker: Any, param_bytes: int, iterations: int) -> T
     subterms = {k: v for k, v in peak.parts.items() if "/" in k}
     subterms.update({f"overhead/{k}": v for k, v in ovh.items()})
     total = peak.total + terms["overhead"]
-    notes = [n for n in (scn.model_note, scn.gpu_note) if n]
+    notes = scenario_notes(scn)  # the analytic report's: the scenario's facts
     report = MemoryReport(
         engine="trace",
         model=model_info(scn),
