@@ -605,7 +605,10 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
                   "autocast_adapter_dtype=True) keeps the adapters in fp32 (the hf "
                   "profile's adapter dtype)"]},
     "gcp-openllama7b-lora-r16-seq256-a100": {
-        "missing": ["LoRA targets, optimizer and checkpointing not stated"]},
+        "missing": ["LoRA targets, optimizer and checkpointing not stated (the PEFT container "
+                    "code published with the report, vertex-ai-samples f3be7fac7 "
+                    "model_oss/peft/instruct_lora.py, hardcodes batch 4, QLoRA and Falcon's "
+                    "module names and has no --precision_mode: not the benchmarked code)"]},
     # the Hugging Face + FA2 column of Unsloth's README (000252c9): a largest-fitting
     # sequence length, the question `vramcalc max --maximize seq-len` answers; but neither
     # the README nor the Llama 3.1 / 3.3 blog posts (unsloth.ai/blog/llama3-1, llama3-3)
