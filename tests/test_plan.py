@@ -516,9 +516,9 @@ def test_the_hf_stack_is_never_offered_pipeline_or_expert_parallelism() -> None:
     assert code == 0
 
 
-def test_paged_pages_in_host_ram_slow_the_plan() -> None:
+def test_paged_pages_in_host_ram_slow_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
     """A paged optimizer never fails the fit, but the pages with no room on the device cross
-    the host link each step: the speed counts them (vramcalc/speed.py)."""
+    the host link each step: the speed counts them (vramcalc/speed.py), the table says so."""
     base, req, res, _ = plan(model="7b", gpus="1xRTX4090", seq_len=512,
                              precision="bf16-pure", optimizer="paged-adamw",
                              optimizer_in_backward=True, framework="torchtune",
@@ -528,6 +528,11 @@ def test_paged_pages_in_host_ram_slow_the_plan() -> None:
     assert best.fits and spilled > 0
     link = base.cluster.gpu.host_link_bytes_per_s
     assert best.speed.parts_s["offload"] == pytest.approx(2 * spilled / link)
+    assert main(["plan", "--model", "7b", "--gpus", "1xRTX4090", "--seq-len", "512",
+                 "--precision", "bf16-pure", "--optimizer", "paged-adamw",
+                 "--optimizer-in-backward", "--framework", "torchtune",
+                 "--global-batch-size", "8"]) == 0
+    assert "paged→cpu" in capsys.readouterr().out
 
 
 def test_torchtune_optimizer_in_backward_plans_one_gpu_only(

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from vramcalc.planner.search import paged_host_bytes
 from vramcalc.provenance import provenance
 from vramcalc.render.report import TERM_LABELS, note_markup, print_report, strategy_line
 from vramcalc.render.tables import Column, fitted_table
@@ -55,6 +56,14 @@ def offload_text(s: dict[str, Any]) -> str:
     short = {"optimizer": "opt", "gradients": "grads", "params": "params"}
     return "+".join(short.get(o, o) for o in off) + (
         "→nvme" if s.get("offload_device") == "nvme" else "→cpu")
+
+
+def paged_text(offload: str, entry: Any) -> str:
+    """The offload cell, with the paged optimizer pages that live in host RAM ("paged→cpu":
+    the driver migrates them at each step, vramcalc/terms/optimizer_states.py)."""
+    if not paged_host_bytes(entry.scenario, entry.report):
+        return offload
+    return "paged→cpu" if offload == "-" else f"{offload}, paged→cpu"
 
 
 def duration_text(seconds: float) -> str:
@@ -158,7 +167,7 @@ def plan_table(entries: Sequence[Any], usable_bytes: int, title: str,
             str(i), f"{e.speed.tokens_per_s:,.0f}", f"{100 * e.speed.mfu:.1f}%",
             layout_text(s), sharding_text(s), str(s.get("recompute", "none")),
             f"{s.get('micro_batch_size', 1)}×{s.get('grad_accum', 1)}", pipeline_text(s),
-            offload_text(s), f"{e.report.device_total_bytes / GB:,.1f}",
+            paged_text(offload_text(s), e), f"{e.report.device_total_bytes / GB:,.1f}",
             f"{(usable_bytes - e.report.device_total_bytes) / GB:,.1f}", *extra])
     table, dropped = fitted_table(title, columns, rows, width)
     if dropped:
