@@ -11,6 +11,7 @@ from vramcalc.render.plan import (
     check_markdown,
     layout_text,
     offload_text,
+    paged_text,
     pipeline_text,
     sharding_text,
     suggestion_line,
@@ -57,7 +58,7 @@ def plan_markdown(doc: dict[str, Any]) -> str:
             cells = [str(i), f"{e.speed.tokens_per_s:,.0f}", f"{100 * e.speed.mfu:.1f}%",
                      layout_text(s), sharding_text(s), str(s.get("recompute", "none")),
                      f"{s.get('micro_batch_size', 1)}×{s.get('grad_accum', 1)}",
-                     pipeline_text(s), offload_text(s),
+                     pipeline_text(s), paged_text(offload_text(s), e),
                      f"{e.report.device_total_bytes / GB:,.1f}",
                      f"{(usable - e.report.device_total_bytes) / GB:,.1f}"]
             lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
