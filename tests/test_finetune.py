@@ -419,3 +419,19 @@ def test_fused_projection_note_names_the_module_peft_adapts() -> None:
     llama = estimate(build_scenario({"model": "8b", "gpus": "4090", "framework": "hf",
                                      "finetune": "lora"}))
     assert not any("fuses" in n for n in llama.notes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10**11), st.one_of(st.none(), st.integers(0, 10**11)),
+       st.integers(0, 10**11))
+def test_paged_residency_splits_the_pages_without_overfilling(paged: int, usable: int | None,
+                                                              rest: int) -> None:
+    from vramcalc.terms.optimizer_states import paged_residency
+
+    resident, spilled = paged_residency(paged, usable, rest)
+    assert resident >= 0 and spilled >= 0 and resident + spilled == paged
+    if usable is None:  # no GPU: nothing to page against
+        assert spilled == 0
+    else:  # what is resident fits beside the rest, and nothing spills while there is room
+        assert rest + resident <= max(usable, rest)
+        assert spilled == 0 or rest + resident >= usable
