@@ -392,12 +392,12 @@ def _report_fields(scn: Scenario, every_stage: bool) -> tuple[Scenario, Any]:
         phases, first, (pad, cached) = stage_phases(scn, st, gpu)
         ovh = overhead_split(context_bytes(gpu, scn.training), scn.world_size, pad)
         ctx = RankContext(scn.model, scn.training, scn.parallel, st)
-        paged, symm = paged_state_bytes(ctx), async_tp_overhead(ctx)
+        symm = async_tp_overhead(ctx)
         spilled = 0
         if scn.training.optimizer.startswith("paged-"):  # pages with no room live on the host
             rest = max(p.total for p in phases) + sum(ovh.values()) + sum(symm.values())
             ovh["paged_optimizer_states"], spilled = paged_residency(
-                paged, scn.usable_bytes, rest)
+                paged_state_bytes(ctx), scn.usable_bytes, rest)
         ovh.update(symm)
         runs.append(_StageRun(st, ctx.num_layers, phases, first, ovh, cached, spilled))
     common = {"model": model_info(scn), "gpu": gpu_info(scn), "notes": scenario_notes(scn)}

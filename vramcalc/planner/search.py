@@ -134,10 +134,9 @@ def paged_host_bytes(scn: Scenario, rep: MemoryReport) -> int:
     if resident is None:
         return 0
     res = scn.resolved()
-    stage = rep.stages[-1].stage if rep.stages else 0
-    for st in rep.stages:  # the worst rank is the one with the largest device total
-        if st.device_total_bytes == rep.device_total_bytes:
-            stage = st.stage
+    # the worst rank: the stage whose device total is the report's (stage 0 without pp)
+    stage = next((st.stage for st in rep.stages
+                  if st.device_total_bytes == rep.device_total_bytes), 0)
     ctx = RankContext(res.model, res.training, res.parallel, stage)
     return max(0, paged_state_bytes(ctx) - resident)
 
