@@ -498,28 +498,31 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
     "torchtune-llama32-3b-full-baseline-a100": {
         "model_fields": _LLAMA32_3B,
         "flags": {"model": "llama3.2-3b.yaml", **_TUNE, "gpus": "1xA100-80GB",
-                  "recompute": "none", "optimizer_impl": "foreach", "seq_len": 795},
+                  "recompute": "none", "seq_len": 795},
         "notes": [
             "--seq-len 795: unpacked alpaca_dataset batches are padded to their longest "
             "sample; the longest of the 5000 random tatsu-lab/alpaca samples above is 795 "
             "Llama-2 tokens, which the larger Llama-3 vocabulary does not exceed; the peak "
-            "is the optimizer step, the same 29.93 GiB for every length up to 1,100 tokens",
+            "is the backward's, 0.65 GiB lower at 512 tokens",
             "README (1814feb) baseline: full_finetune_single_device without packing, compile, "
-            "chunking, checkpointing or optimizer in backward; torch.optim.AdamW with no "
-            "`fused` key (foreach: torch's _multi_tensor_adamw allocates exp_avg_sq_sqrt, a "
-            "state-sized temporary), torch.nn.CrossEntropyLoss. The same table's rows do "
-            "not show that temporary: weights, gradients and AdamW states are 23.9 GiB, and "
-            "the baseline (25.5) and the checkpointed row (24.9) leave no room for 6 GiB "
-            "more; a fused step has none (25.4 GiB here, the backward peak), and the "
-            "README's flags do not say which ran"]},
+            "chunking, checkpointing or optimizer in backward, torch.nn.CrossEntropyLoss; "
+            "torch.optim.AdamW stepped fused, the torchtune profile's default: torchtune "
+            "cca50f02e (#1575, Sep 2024) gave every torch.optim.AdamW config `fused: True`. "
+            "The README does not print the optimizer's keys; its rows rule out a foreach step "
+            "(torch's _multi_tensor_adamw allocates exp_avg_sq_sqrt, one state-sized "
+            "temporary, 6 GiB): weights, gradients and AdamW states are 23.9 GiB, and both "
+            "this row (25.5) and the checkpointed row built on it (24.9) leave no room for 6 "
+            "GiB more. With --optimizer-impl foreach the estimate is 29.93 GiB (+17.4 %)"]},
     "torchtune-llama32-3b-full-optinbwd-a100": {
         "model_fields": _LLAMA32_3B,
         "flags": {"model": "llama3.2-3b.yaml", **_TUNE, "gpus": "1xA100-80GB",
-                  "optimizer_impl": "foreach", "chunked_ce": 8, "compile": True,
-                  "optimizer_in_backward": True, "packed": True},
+                  "chunked_ce": 8, "compile": True, "optimizer_in_backward": True,
+                  "packed": True},
         "notes": [_PACKED, "README (1814feb) optimization flags: torch.optim.AdamW replaces "
-                  "the config's PagedAdamW8bit with no `fused` key (foreach, one optimizer "
-                  "per parameter in backward)"]},
+                  "the config's PagedAdamW8bit, one optimizer per parameter stepped in "
+                  "backward; fused as in the baseline row (with --optimizer-impl foreach the "
+                  "peak is the same: the largest parameter's temporary, 0.73 GiB, falls "
+                  "outside the backward peak)"]},
     "torchtune-llama32-3b-lora-r64-a100": {
         "model_fields": _LLAMA32_3B,
         "flags": {"model": "llama3.2-3b.yaml", **_TUNE, "gpus": "1xA100-80GB",
