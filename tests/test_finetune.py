@@ -168,6 +168,19 @@ def test_paged_states_beyond_the_free_memory_live_in_host_ram() -> None:
                                            - small.peak_allocated_bytes)))
 
 
+
+def test_the_verdict_says_when_paged_states_fill_the_free_memory() -> None:
+    from vramcalc.report import fit_phrase, paged_resident_bytes
+    kw = {"model": "llama2-7b", "framework": "torchtune", "precision": "bf16-pure",
+          "optimizer": "paged-adamw", "optimizer_in_backward": True, "recompute": "full",
+          "seq_len": 512, "micro_batch_size": 2}
+    for gpus, spills in (("1xRTX4090", True), ("1xH200", False)):
+        rep = estimate(build_scenario({**kw, "gpus": gpus}))
+        assert rep.gpu is not None and rep.usable_bytes is not None
+        words = fit_phrase(rep.device_total_bytes, rep.usable_bytes,
+                           rep.gpu.memory_total_bytes, paged=paged_resident_bytes(rep))
+        assert ("waits in host RAM" in words) is spills, words
+
 # ---- activations of frozen layers --------------------------------------------------------
 def test_frozen_layers_drop_weight_gradient_inputs() -> None:
     full = {t.name for t in act.layer_saved(ctx_for(LLAMA2_7B))}

@@ -322,3 +322,19 @@ def test_compiling_never_keeps_more(finetune: str, recompute: str) -> None:
     comp = estimate(Scenario(model=spec, training=TrainingConfig(**kw, compile=True)))  # type: ignore[arg-type]
     assert comp.peak_allocated_bytes <= eager.peak_allocated_bytes
     assert comp.terms.activations <= eager.terms.activations
+
+
+def test_fsdp_cpu_offload_is_fsdp2s_cpu_offload_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    """`fsdp_cpu_offload: True` (torchtune 30b8519e training/_distributed.py `shard_model`)
+    passes CPUOffloadPolicy() to every fully_shard: the bf16 parameter shards, their bf16
+    gradients and AdamW's two bf16 states (the optimizer steps the host's parameters) live
+    in host RAM, 2 + 2 + 2 + 2 bytes a parameter over the node's 8 ranks, none on the GPU."""
+    import json
+    code = main(["estimate", "--model", "llama3.2-1b", "--framework", "torchtune",
+                 "--precision", "bf16-pure", "--gpus", "8xA100-80GB", "--fsdp", "full",
+                 "--offload", "params", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert all(report["terms"][t] == 0 for t in ("weights", "gradients", "optimizer_states"))
+    n = 1_235_814_400  # Llama-3.2-1B (tied embeddings)
+    assert 8 * n <= report["host_bytes_per_node"] < 8 * n * 1.001  # + shard padding

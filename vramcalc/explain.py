@@ -13,7 +13,7 @@ from vramcalc.features import chunks_loss, finetunes, low_precision
 from vramcalc.finetune import adapter_dtype, shapes_for
 from vramcalc.hardware import GPUProfile
 from vramcalc.rank import RankContext
-from vramcalc.report import MemoryReport, fit_phrase
+from vramcalc.report import MemoryReport, fit_phrase, paged_resident_bytes
 from vramcalc.scenario import Scenario
 from vramcalc.terms import activations as act
 from vramcalc.terms.gradients import gradients_bytes
@@ -164,8 +164,8 @@ def explain(scn: Scenario) -> dict[str, Any]:
             f"{report.gpu.name} reports {_gb(report.gpu.memory_total_bytes)}; headroom kept "
             f"free: {scn.headroom_fraction:.0%}.",
             ("Fits" if report.fits else "Does not fit") + ": " + fit_phrase(
-                report.device_total_bytes, report.usable_bytes, report.gpu.memory_total_bytes)
-            + ".",
+                report.device_total_bytes, report.usable_bytes, report.gpu.memory_total_bytes,
+                paged=paged_resident_bytes(report)) + ".",
         ]})
     return {"sections": sections, "report": report.to_json_dict()}
 

@@ -446,8 +446,9 @@ def _check_torchtune(par: ParallelConfig) -> None:
     """What torchtune 1814feb's recipes run: one GPU, or data parallelism with FSDP2
     (`training.shard_model` applies `fully_shard` in the *_distributed recipes, resharding
     after forward unless `fsdp_reshard_after_forward: False`: --fsdp full or grad-op); no
-    tensor, pipeline, context or expert parallelism, no DeepSpeed ZeRO, no CPU offload of
-    parameters or optimizer states (`fsdp_cpu_offload` is not modelled)."""
+    tensor, pipeline, context or expert parallelism, no DeepSpeed ZeRO. `fsdp_cpu_offload:
+    True` passes FSDP2's CPUOffloadPolicy to every `fully_shard` (`shard_model`: parameters,
+    gradients and the optimizer step on the host), --offload params as for any FSDP2 run."""
     problem = None
     if max(par.tp, par.pp, par.cp, par.ep) > 1:
         problem = "torchtune (1814feb) has no tensor, pipeline, context or expert parallelism"
@@ -455,8 +456,6 @@ def _check_torchtune(par: ParallelConfig) -> None:
         problem = "--zero is DeepSpeed's: torchtune shards with FSDP2 (use --fsdp full)"
     elif par.dp_degree > 1 and par.fsdp not in ("full", "grad-op"):
         problem = "torchtune's distributed recipes shard with FSDP2 (add --fsdp full)"
-    elif par.offload:
-        problem = "torchtune's fsdp_cpu_offload is not modelled"
     if problem:
         raise InputError(problem + " (torchtune profile)")
 

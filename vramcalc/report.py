@@ -125,9 +125,11 @@ def fit_verdict(scn: Scenario, device_total_bytes: int) -> dict[str, Any]:
 
 
 def fit_phrase(device_total_bytes: int, usable_bytes: int, capacity_bytes: int,
-               digits: int = 2) -> str:
+               digits: int = 2, paged: int = 0) -> str:
     """The fit verdict in words, the same in every command and format: what is needed, what
-    it is compared with (the usable memory and how it is derived), and the margin."""
+    it is compared with (the usable memory and how it is derived), and the margin. `paged`:
+    the resident part of paged optimizer states, which takes what the run leaves free
+    (vramcalc.terms.optimizer_states.paged_residency): when it fills it, the margin says so."""
     free = usable_bytes - device_total_bytes
     kept = capacity_bytes - usable_bytes
     basis = (f"{fmt_gb(usable_bytes, digits)} usable" if kept <= 0 else
@@ -135,7 +137,15 @@ def fit_phrase(device_total_bytes: int, usable_bytes: int, capacity_bytes: int,
              f"{fmt_gb(kept, digits)} headroom)")
     margin = (f"{fmt_gb(free, digits)} free" if free >= 0 else
               f"over by {fmt_gb(-free, digits)}")
+    if paged and free == 0:  # the pages filled the free memory: the rest are in host RAM
+        margin += (f" ({fmt_gb(paged, digits)} of the total is paged optimizer states, which "
+                   "fill what the run leaves free; the rest of them waits in host RAM)")
     return f"needs {fmt_gb(device_total_bytes, digits)} of {basis}: {margin}"
+
+
+def paged_resident_bytes(report: MemoryReport) -> int:
+    """The resident paged optimizer states of a report (0 without a paged optimizer)."""
+    return report.subterms.get("overhead/paged_optimizer_states", 0)
 
 
 def model_info(scn: Scenario) -> ModelInfo:

@@ -13,7 +13,7 @@ from vramcalc.planner.search import paged_host_bytes
 from vramcalc.provenance import provenance
 from vramcalc.render.report import TERM_LABELS, note_markup, print_report, strategy_line
 from vramcalc.render.tables import Column, fitted_table
-from vramcalc.report import MemoryReport, fit_phrase
+from vramcalc.report import MemoryReport, fit_phrase, paged_resident_bytes
 from vramcalc.units import GB, GiB, fmt_gb
 
 SPEED_LABELS = {"compute": "compute", "bubble": "pipeline bubble", "tp_comm": "TP comm",
@@ -367,7 +367,9 @@ def check_markdown(report: MemoryReport, usable_bytes: int, headroom: float, sou
                  f"**{report.device_total_bytes / GiB:,.2f}** | |")
     lines.append("")
     cap = g.memory_total_bytes if g else usable_bytes
-    lines.append(f"Per GPU: **{fit_phrase(report.device_total_bytes, usable_bytes, cap)}** "
+    words = fit_phrase(report.device_total_bytes, usable_bytes, cap,
+                       paged=paged_resident_bytes(report))
+    lines.append(f"Per GPU: **{words}** "
                  f"({headroom:.0%} headroom requested).")
     if report.host_bytes_per_node:
         lines.append(f"Host RAM for offload and paging: {report.host_bytes_per_node / GB:,.2f} GB per node.")

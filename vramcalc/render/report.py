@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from vramcalc.report import MemoryReport, fit_phrase
+from vramcalc.report import MemoryReport, fit_phrase, paged_resident_bytes
 from vramcalc.units import GB, GiB, fmt_gb, fmt_gib
 
 TERM_LABELS = {
@@ -134,7 +134,7 @@ def verdict_text(report: MemoryReport) -> Text:
     if report.fits is None or report.gpu is None or report.usable_bytes is None:
         return Text("no GPU given: no fit check")
     words = fit_phrase(report.device_total_bytes, report.usable_bytes,
-                       report.gpu.memory_total_bytes)
+                       report.gpu.memory_total_bytes, paged=paged_resident_bytes(report))
     head = ("FITS", "bold green") if report.fits else ("DOES NOT FIT", "bold red")
     return Text.assemble(head, f" on {report.gpu.name}: {words}")
 
