@@ -91,3 +91,38 @@ def test_distributed_trace_refuses_what_it_cannot_run() -> None:
                 ParallelConfig(dp=1, fsdp="full")):
         with pytest.raises(InputError):
             run_distributed_trace(Scenario(model=spec, parallel=par))
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_edge_units_release_the_embedding_and_agree_with_the_trace(recompute: str) -> None:
+    """--fsdp-edge-units (torchtune's custom_sharded_layers: ['tok_embeddings', 'output']):
+    the trace wraps both in `fully_shard` of their own; the root then no longer holds the
+    unsharded embedding (V·h in the bf16 all-gather dtype) through backward."""
+    from vramcalc.trace.distributed import distributed_trace
+
+    spec = SHAPES["llama-gqa"].model_copy(update={"vocab_size": 32000, "num_hidden_layers": 4,
+                                                  "tie_word_embeddings": False})
+    peaks = {}
+    for edge in (False, True):
+        scn = Scenario(model=spec, training=TrainingConfig(seq_len=512, micro_batch_size=2,
+                                                           precision="amp-bf16",
+                                                           recompute=recompute),
+                       parallel=ParallelConfig(dp=4, fsdp="full", fsdp_edge_units=edge))
+        traced = distributed_trace(scn).report.peak_allocated_bytes
+        err = estimate(scn).peak_allocated_bytes / traced - 1
+        assert abs(err) <= PEAK_REL_TOLERANCE, (edge, err)
+        peaks[edge] = traced
+    assert peaks[False] - peaks[True] >= 32000 * spec.hidden_size * 2
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--model", "llama3.1-8b"], "add --fsdp full"),
+    (["--model", "llama3.1-8b", "--fsdp", "full", "--fsdp-impl", "fsdp1"], "fsdp1"),
+    (["--model", "llama3.2-1b", "--fsdp", "full"], "ties it")])
+def test_edge_units_need_fsdp2_and_an_untied_head(flags: list[str], words: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from vramcalc.cli import main
+
+    code = main(["estimate", "--gpus", "2xH100", "--fsdp-edge-units", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and words in err, err

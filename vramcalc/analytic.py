@@ -137,6 +137,8 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     logits_keep = P.logits_keep
     cublas = tr.cublas_workspace_bytes(gpu)
     gather = tr.gather_buffer_bytes(ctx)
+    gather_head = tr.gather_buffer_bytes(ctx, "head")  # differ with --fsdp-edge-units
+    gather_emb = tr.gather_buffer_bytes(ctx, "embedding")
     fwd_work = P.forward_work + comm.layer_forward_comm_bytes(ctx)
     persistent = tr.persistent_buffer_bytes(ctx)
     prev = k - 1  # other in-flight micro-batches (whole)
@@ -155,11 +157,12 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
 
     g_acc = G if keep_grads else 0
 
-    def fwd_point(activations: float, logits: int, extra: dict[str, int]) -> Phase:
+    def fwd_point(activations: float, logits: int, extra: dict[str, int],
+                  gathered: int = gather) -> Phase:
         return Phase("forward", B, g_acc, {
             "activations": int(activations),
             "transients/autocast_cache": int(k * C_mb),
-            "transients/gather_buffers": gather,
+            "transients/gather_buffers": gathered,
             "logits": prev_logits + logits,
             **extra,
         })
@@ -170,7 +173,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     head_extra = P.head_forward_extra
     A_head = A_edges - A_emb
     forward = max([
-        fwd_point(k * A_mb + head_extra, fwd_logits, {}),
+        fwd_point(k * A_mb + head_extra, fwd_logits, {}, gather_head),
         fwd_point(k * A_mb + P.forward_end_extra, 0, {}),
         fwd_point(k * A_mb - A_head, 0, {"transients/layer_forward": fwd_work}),
     ], key=lambda p: p.total)
@@ -199,7 +202,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     loss_bwd = Phase("backward", B, g_acc, {
         "activations": int(k * A_mb),
         "transients/autocast_cache": int(prev * C_mb + C_kept),
-        "transients/gather_buffers": gather,
+        "transients/gather_buffers": gather_head,
         "logits": P.logits_backward + prev_logits,
     }, 0)
 
@@ -255,7 +258,8 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
             candidates += [Phase("backward", B, step[0], {
                 "activations": int(k * A_mb - held[0]), "logits": prev_logits + root + held[2],
                 "transients/autocast_cache": int(prev * C_mb + held[1]),
-                "transients/layer_backward": ib.head_dx + dx, "transients/gather_buffers": gather,
+                "transients/layer_backward": ib.head_dx + dx,
+                "transients/gather_buffers": gather_head,
                 "transients/optimizer_step": step[1]}, made)] if g and (held[2] or step[0]) else []
     if nL:
         # the top layer holds every other layer's activations; the bottom one every other
@@ -298,7 +302,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
                 "activations": int(prev * A_mb + A_emb),
                 "transients/autocast_cache": int(prev * C_mb),
                 "transients/layer_backward": work, **hooked,
-                "transients/gather_buffers": gather,
+                "transients/gather_buffers": gather_emb,
                 "logits": prev_logits + root,
             }, states_made(ib, nL) if ib and not hooked else None))
     backward = max(candidates, key=lambda p: p.total)

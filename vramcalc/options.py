@@ -248,6 +248,11 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "mixing frozen and trained weights gets a gradient for all of them). Default: the "
         "stack's (lightning: fsdp1, as Lightning's FSDPStrategy; else fsdp2).",
         ("fsdp2", "fsdp1"), group="parallel"),
+    Opt("fsdp_edge_units", bool, False, "FSDP2: shard the embedding and the output "
+        "projection as units of their own, resharded after forward like the blocks, "
+        "instead of in the root, which keeps them unsharded from forward to the end of "
+        "backward (torchtune's custom_sharded_layers: ['tok_embeddings', 'output'], set in "
+        "its Llama 3/3.1 8B and 70B full fine-tune configs).", group="parallel"),
     Opt("shard_group", int, None, "Ranks per shard group for --fsdp hybrid.", group="parallel"),
     Opt("offload", str, "none", "Offload, comma-separated: optimizer,gradients,params.",
         _OFFLOAD, group="parallel"),
@@ -292,7 +297,7 @@ _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "pr
                   "torchao_version", "nf4_double_quant", "quantize_head", "load",
                   "set_to_none", "torch_version", "load_only")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",
-                  "fsdp_impl", "shard_group", "offload_device", "pp_schedule", "virtual_stages",
+                  "fsdp_impl", "fsdp_edge_units", "shard_group", "offload_device", "pp_schedule", "virtual_stages",
                   "first_stage_layers", "last_stage_layers", "embedding_in_split",
                   "loss_in_split", "mtp_layers", "num_microbatches", "capacity_factor")
 

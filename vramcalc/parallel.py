@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from vramcalc.ds_config import DEFAULT_DEEPSPEED, DeepSpeedConfig
 from vramcalc.errors import InputError
 from vramcalc.model import ModelSpec
+from vramcalc.stack_rules import edge_units_problem, torchtune_layout_problem
 from vramcalc.training import TrainingConfig
 
 OffloadTarget = Literal["optimizer", "gradients", "params"]
@@ -51,6 +52,8 @@ class ParallelConfig(BaseModel):
     # vramcalc/terms/fsdp1.py); None: the stack's (lightning: fsdp1, else fsdp2). Left out of
     # dumps when None, so other reports keep their keys
     fsdp_impl: Literal["fsdp2", "fsdp1"] | None = Field(None, exclude_if=lambda v: v is None)
+    # --fsdp-edge-units: the embedding and the head as FSDP2 units of their own
+    fsdp_edge_units: bool = Field(False, exclude_if=lambda v: not v)
     offload: tuple[OffloadTarget, ...] = ()
     offload_device: Literal["cpu", "nvme"] = "cpu"
     pp_schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
@@ -204,8 +207,10 @@ def resolve_layout(
     _check_engine(training, resolved)
     if training.framework == "torchtitan":
         _check_torchtitan(spec, training, resolved)
-    if training.framework == "torchtune":
-        _check_torchtune(resolved)
+    problem = (torchtune_layout_problem(resolved) if training.framework == "torchtune"
+               else None) or edge_units_problem(spec, resolved, training.framework)
+    if problem:
+        raise InputError(problem)
     m = _microbatches(training, resolved)
     if m is not None:
         resolved = resolved.model_copy(update={"num_microbatches": m})
@@ -440,24 +445,6 @@ def _check_torchtitan(spec: ModelSpec, training: TrainingConfig, par: ParallelCo
                    "grad-op with --pp")
     if problem:
         raise InputError(problem + " (torchtitan profile)")
-
-
-def _check_torchtune(par: ParallelConfig) -> None:
-    """What torchtune 1814feb's recipes run: one GPU, or data parallelism with FSDP2
-    (`training.shard_model` applies `fully_shard` in the *_distributed recipes, resharding
-    after forward unless `fsdp_reshard_after_forward: False`: --fsdp full or grad-op); no
-    tensor, pipeline, context or expert parallelism, no DeepSpeed ZeRO. `fsdp_cpu_offload:
-    True` passes FSDP2's CPUOffloadPolicy to every `fully_shard` (`shard_model`: parameters,
-    gradients and the optimizer step on the host), --offload params as for any FSDP2 run."""
-    problem = None
-    if max(par.tp, par.pp, par.cp, par.ep) > 1:
-        problem = "torchtune (1814feb) has no tensor, pipeline, context or expert parallelism"
-    elif par.zero:
-        problem = "--zero is DeepSpeed's: torchtune shards with FSDP2 (use --fsdp full)"
-    elif par.dp_degree > 1 and par.fsdp not in ("full", "grad-op"):
-        problem = "torchtune's distributed recipes shard with FSDP2 (add --fsdp full)"
-    if problem:
-        raise InputError(problem + " (torchtune profile)")
 
 
 def _microbatches(training: TrainingConfig, par: ParallelConfig) -> int | None:

@@ -188,3 +188,38 @@ def torchtune_packed_mask(gpu: Any) -> tuple[str | None, str | None]:
                       "and a dense mask (add cuda_capability to the profile)")
     major, minor = (int(v) for v in gpu.cuda_capability.split("."))
     return ("flex" if (major, minor) >= FLEX_MIN_CAPABILITY else "dense"), None
+
+
+def torchtune_layout_problem(par: Any) -> str | None:
+    """What torchtune 1814feb's recipes run: one GPU, or data parallelism with FSDP2
+    (`training.shard_model` applies `fully_shard` in the *_distributed recipes, resharding
+    after forward unless `fsdp_reshard_after_forward: False`: --fsdp full or grad-op); no
+    tensor, pipeline, context or expert parallelism, no DeepSpeed ZeRO. `fsdp_cpu_offload:
+    True` passes FSDP2's CPUOffloadPolicy to every `fully_shard` (`shard_model`: parameters,
+    gradients and the optimizer step on the host), --offload params as for any FSDP2 run.
+    `par` is a resolved ParallelConfig."""
+    problem = None
+    if max(par.tp, par.pp, par.cp, par.ep) > 1:
+        problem = "torchtune (1814feb) has no tensor, pipeline, context or expert parallelism"
+    elif par.zero:
+        problem = "--zero is DeepSpeed's: torchtune shards with FSDP2 (use --fsdp full)"
+    elif par.dp_degree > 1 and par.fsdp not in ("full", "grad-op"):
+        problem = "torchtune's distributed recipes shard with FSDP2 (add --fsdp full)"
+    return problem + " (torchtune profile)" if problem else None
+
+
+def edge_units_problem(spec: Any, par: Any, framework: str) -> str | None:
+    """--fsdp-edge-units (torchtune's `custom_sharded_layers: ['tok_embeddings', 'output']`,
+    recipes/full_finetune_distributed.py): a `fully_shard` on the embedding and one on the
+    output projection, so FSDP2 sharding, a head of its own (untied) and one pipeline
+    stage (the root's place is modelled for the whole model)."""
+    if not par.fsdp_edge_units:
+        return None
+    if par.fsdp == "none" or par.flat_fsdp(framework):
+        return "--fsdp-edge-units shards with FSDP2: add --fsdp full (and no --fsdp-impl fsdp1)"
+    if spec.tie_word_embeddings:
+        return (f"--fsdp-edge-units needs an output projection of its own: {spec.name} ties "
+                "it to the embedding")
+    if par.pp > 1:
+        return "--fsdp-edge-units is modelled without pipeline parallelism"
+    return None

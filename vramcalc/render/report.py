@@ -52,7 +52,7 @@ def strategy_line(strategy: dict[str, Any]) -> str:
     if s.get("sequence_parallel"):
         parts.append("sp")
     if s.get("fsdp", "none") != "none":
-        parts.append(f"fsdp {s['fsdp']}")
+        parts.append(f"fsdp {s['fsdp']}" + (" (edge units)" if s.get("fsdp_edge_units") else ""))
     elif s.get("zero"):
         parts.append(f"zero-{s['zero']}")
     if s.get("offload"):

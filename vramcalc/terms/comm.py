@@ -137,9 +137,24 @@ def _layer_numel(ctx: RankContext) -> int:
     return sum(layer_param_numels(ctx.spec, ctx.parallel))
 
 
+def edge_units(ctx: RankContext) -> bool:
+    """--fsdp-edge-units: the embedding and the output projection are FSDP2 units of their
+    own (torchtune's `custom_sharded_layers: ['tok_embeddings', 'output']`, full_finetune_
+    distributed.py: a `fully_shard` each before the root's), resharded after forward like
+    the blocks, so the root keeps only the final norm. Under --fsdp grad-op nothing is
+    resharded after forward and the units change nothing."""
+    return (ctx.parallel.fsdp_edge_units and ctx.engine == "fsdp2"
+            and ctx.parallel.fsdp != "grad-op")
+
+
+def _unsharded(ctx: RankContext, groups: tuple[str, ...]) -> int:
+    return ctx.shapes.nbytes(ctx.training.compute_dtype, 1, 1, "tensor", groups)
+
+
 def fsdp_root_bytes(ctx: RankContext) -> int:
-    """FSDP2 root parameters (embedding, final norm, head on this stage), unsharded."""
-    return ctx.shapes.nbytes(ctx.training.compute_dtype, 1, 1, "tensor", ROOT_GROUPS)
+    """FSDP2 root parameters (embedding, final norm, head on this stage), unsharded; with
+    edge units the final norm alone."""
+    return _unsharded(ctx, ("final",) if edge_units(ctx) else ROOT_GROUPS)
 
 
 def fsdp_layer_bytes(ctx: RankContext) -> int:
@@ -224,8 +239,14 @@ def _ds_gathered_numel(key: tuple, knobs: tuple[int, int, int, int]) -> int:
     return max(retained, largest) + prefetch
 
 
-def gather_bytes(ctx: RankContext) -> int:
-    """Unsharded parameters alive during forward and backward (ZeRO-3 / FSDP2)."""
+def gather_bytes(ctx: RankContext, at: str = "blocks") -> int:
+    """Unsharded parameters alive during forward and backward (ZeRO-3 / FSDP2). With edge
+    units (`edge_units`) the blocks' instants hold the root and one block; at the "head"
+    (the output projection's forward, the loss backward) the output unit and one block (the
+    top block, prefetched for its backward); at the "embedding"'s backward that unit."""
+    if at != "blocks" and edge_units(ctx):
+        unit = _unsharded(ctx, (at,))
+        return fsdp_root_bytes(ctx) + unit + (fsdp_layer_bytes(ctx) if at == "head" else 0)
     if ctx.engine == "deepspeed" and ctx.parallel.zero >= 3:
         return alloc(ds_gathered_numel(ctx), ctx.training.weight_dtype)
     if ctx.engine != "fsdp2":
@@ -289,6 +310,8 @@ def reduce_bytes(ctx: RankContext, layer: int = 0, done: float = 1.0,
         freed = act.layer_backward_working_bytes(ctx) + act.layer_activation_bytes(ctx)
     regather = ctx.parallel.fsdp != "grad-op"  # grad-op keeps every block unsharded
     prefetch = fsdp_layer_bytes(ctx) if regather and layer < ctx.num_layers - 1 else 0
+    if layer == ctx.num_layers - 1 and edge_units(ctx):  # the embedding unit comes next
+        prefetch = _unsharded(ctx, ("embedding",))
     early = int(done * (whole - g)) + (rs_input if layer > 0 else 0)
     late = int((1 - done) * g) + whole + rs_input - freed
     return max(early, late, 0) + prefetch

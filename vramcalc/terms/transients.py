@@ -244,13 +244,14 @@ def autocast_cache_head_bytes(ctx: RankContext) -> int:
     return out
 
 
-def gather_buffer_bytes(ctx: RankContext) -> int:
+def gather_buffer_bytes(ctx: RankContext, at: str = "blocks") -> int:
     """Communication buffers alive during forward and backward: ZeRO-3 / FSDP2 unsharded
     parameters (vramcalc.terms.comm.gather_bytes) and, from the start of backward on,
     DeepSpeed ZeRO-1/2 reduce buckets (comm.backward_buffer_bytes; counted from forward on,
     which only matters when forward is the peak). Persistent buffers (DDP buckets,
-    ZeRO-3's reduce bucket) are `persistent_buffer_bytes`."""
-    return comm.gather_bytes(ctx) + comm.backward_buffer_bytes(ctx)
+    ZeRO-3's reduce bucket) are `persistent_buffer_bytes`. `at`: "blocks", "head" (the
+    output projection and the loss) or "embedding" (its backward; comm.gather_bytes)."""
+    return comm.gather_bytes(ctx, at) + comm.backward_buffer_bytes(ctx)
 
 
 def reduce_buffer_bytes(ctx: RankContext, layer: int = 0, done: float = 1.0,

@@ -199,6 +199,11 @@ def _shard(model: Any, scn: Scenario, mesh: Any) -> None:
         # after forward ("FSDP would prefetch it immediately")
         last = tr.framework == "torchtitan" and i == len(blocks) - 1
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard and not last)
+    if par.fsdp_edge_units:  # torchtune's custom_sharded_layers: ['tok_embeddings', 'output']
+        hf = hasattr(model, "get_input_embeddings")  # else vramcalc's reference model
+        for edge in ((model.get_input_embeddings(), model.get_output_embeddings()) if hf
+                     else (model.embed_tokens, model.lm_head)):
+            fully_shard(edge, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
