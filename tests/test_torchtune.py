@@ -338,3 +338,14 @@ def test_fsdp_cpu_offload_is_fsdp2s_cpu_offload_policy(capsys: pytest.CaptureFix
     assert all(report["terms"][t] == 0 for t in ("weights", "gradients", "optimizer_states"))
     n = 1_235_814_400  # Llama-3.2-1B (tied embeddings)
     assert 8 * n <= report["host_bytes_per_node"] < 8 * n * 1.001  # + shard padding
+
+
+def test_plan_keeps_the_edge_units(capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --fsdp-edge-units` keeps the units in every FSDP candidate it estimates."""
+    import json
+    code = main(["plan", "--model", "llama3.1-70b", "--framework", "torchtune", "--gpus",
+                 "8xA100-80GB", "--fsdp", "full", "--offload", "params", "--fsdp-edge-units",
+                 "--global-batch-size", "16", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["candidates"]
+    assert all(c["strategy"].get("fsdp_edge_units") for c in doc["candidates"])

@@ -115,13 +115,15 @@ def precision_update(tr: TrainingConfig, prec: str) -> dict[str, Any]:
 def parallel_for(base: Scenario, dp: int, tp: int, pp: int, cp: int, ep: int, sp: bool,
                  sharding: Sharding, off: tuple[str, ...], sched: str = "1f1b",
                  v: int = 1) -> ParallelConfig:
-    """The planner's ParallelConfig; keeps --etp, --fsdp-impl, --mtp-layers, an uneven
-    pipeline split (layouts.py SPLIT_KEYS) and the DeepSpeed keys."""
+    """The planner's ParallelConfig; keeps --etp, --fsdp-impl, --fsdp-edge-units (FSDP
+    layouts), --mtp-layers, an uneven pipeline split (layouts.py SPLIT_KEYS) and the
+    DeepSpeed keys."""
     zero, fsdp, group, _ = sharding
     return ParallelConfig.model_construct(
         dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=base.parallel.etp, sequence_parallel=sp,
         zero=zero, fsdp=fsdp, shard_group=group, offload=off,  # type: ignore[arg-type]
         fsdp_impl=base.parallel.fsdp_impl if fsdp != "none" else None,
+        fsdp_edge_units=base.parallel.fsdp_edge_units and fsdp != "none",
         offload_device=base.parallel.offload_device, deepspeed=base.parallel.deepspeed,
         pp_schedule=sched, virtual_stages=v,  # type: ignore[arg-type]
         capacity_factor=base.parallel.capacity_factor, mtp_layers=base.parallel.mtp_layers,
