@@ -297,7 +297,8 @@ _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "pr
                   "torchao_version", "nf4_double_quant", "quantize_head", "load",
                   "set_to_none", "torch_version", "load_only")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",
-                  "fsdp_impl", "fsdp_edge_units", "shard_group", "offload_device", "pp_schedule", "virtual_stages",
+                  "fsdp_impl", "fsdp_edge_units", "shard_group", "offload_device",
+                  "pp_schedule", "virtual_stages",
                   "first_stage_layers", "last_stage_layers", "embedding_in_split",
                   "loss_in_split", "mtp_layers", "num_microbatches", "capacity_factor")
 
