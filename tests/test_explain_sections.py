@@ -128,3 +128,14 @@ def test_encoder_decoder_sections_write_out_both_stacks() -> None:
     # T5 under gradient checkpointing lists the checkpoints
     t5 = _explain("--model", "t5-base", "--seq-len", "512", "--recompute", "full")
     assert any("keeps only its inputs" in x for x in t5["Activations"])
+
+
+def test_transients_name_the_edge_units_gathers() -> None:
+    sections = _explain("--model", "llama3.1-70b", "--gpus", "8xA100-80GB", "--fsdp", "full",
+                        "--fsdp-edge-units")
+    lines = " ".join(sections["Transients"])
+    # Llama-3.1-70B by hand, bf16: a block 855,654,400 elements (q, o 8192²; k, v 8192·1024;
+    # gate, up, down 8192·28672; two norms), the head 128256·8192, the final norm 8192
+    block, head, norm = 855_654_400 * 2, 128_256 * 8192 * 2, 8192 * 2
+    assert f"at the head and the loss {(norm + head + block) / 1e9:,.3f} GB" in lines
+    assert f"at the embedding's backward {(norm + head) / 1e9:,.3f} GB" in lines

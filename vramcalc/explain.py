@@ -353,6 +353,11 @@ def transient_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
                f"held all step (DDP buckets, ZeRO-3 reduce bucket): "
                f"{_gb(sub.get('transients/comm_buffers', 0))}; ZeRO-3/FSDP gather buffers "
                f"during forward and backward: {_gb(gather_buffer_bytes(ctx))}.")
+    head, emb = gather_buffer_bytes(ctx, "head"), gather_buffer_bytes(ctx, "embedding")
+    if ctx.parallel.fsdp_edge_units and head != gather_buffer_bytes(ctx):
+        out.append(f"The embedding and the output projection are FSDP units of their own "
+                   f"(--fsdp-edge-units): at the head and the loss {_gb(head)} is gathered "
+                   f"(the head and the top block), at the embedding's backward {_gb(emb)}.")
     if tr.is_autocast:
         out.append(f"Autocast weight casts: one {tr.compute_dtype} copy of each layer's "
                    f"weights, {_gb(autocast_cache_layer_bytes(ctx))} per layer, freed when "
