@@ -137,8 +137,10 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     logits_keep = P.logits_keep
     cublas = tr.cublas_workspace_bytes(gpu)
     gather = tr.gather_buffer_bytes(ctx)
-    gather_head = tr.gather_buffer_bytes(ctx, "head")  # differ with --fsdp-edge-units
-    gather_emb = tr.gather_buffer_bytes(ctx, "embedding")
+    # the head's and the embedding's instants differ only with --fsdp-edge-units
+    gather_head, gather_emb = ((tr.gather_buffer_bytes(ctx, "head"),
+                                tr.gather_buffer_bytes(ctx, "embedding"))
+                               if comm.edge_units(ctx) else (gather, gather))
     fwd_work = P.forward_work + comm.layer_forward_comm_bytes(ctx)
     persistent = tr.persistent_buffer_bytes(ctx)
     prev = k - 1  # other in-flight micro-batches (whole)

@@ -16,6 +16,7 @@ from vramcalc.rank import RankContext
 from vramcalc.report import MemoryReport, fit_phrase, paged_resident_bytes
 from vramcalc.scenario import Scenario
 from vramcalc.terms import activations as act
+from vramcalc.terms.comm import edge_units
 from vramcalc.terms.gradients import gradients_bytes
 from vramcalc.terms.logits import (
     logits_backward_peak_bytes,
@@ -353,8 +354,8 @@ def transient_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
                f"held all step (DDP buckets, ZeRO-3 reduce bucket): "
                f"{_gb(sub.get('transients/comm_buffers', 0))}; ZeRO-3/FSDP gather buffers "
                f"during forward and backward: {_gb(gather_buffer_bytes(ctx))}.")
-    head, emb = gather_buffer_bytes(ctx, "head"), gather_buffer_bytes(ctx, "embedding")
-    if ctx.parallel.fsdp_edge_units and head != gather_buffer_bytes(ctx):
+    if edge_units(ctx):
+        head, emb = gather_buffer_bytes(ctx, "head"), gather_buffer_bytes(ctx, "embedding")
         out.append(f"The embedding and the output projection are FSDP units of their own "
                    f"(--fsdp-edge-units): at the head and the loss {_gb(head)} is gathered "
                    f"(the head and the top block), at the embedding's backward {_gb(emb)}.")
