@@ -147,6 +147,59 @@ def test_fsdp_qlora_shards_the_packed_storage() -> None:
                                                   + 3 * nf4_constant_bytes(h * f))
 
 
+def test_fsdp2_shards_and_gathers_torchaos_nf4_scalers() -> None:
+    """torchao's NF4Tensor is itself the parameter: FSDP2 splits its int8 scalers (one per
+    64 elements) and bf16 factors (one per 256 scalers) along dim 0 with the packed data,
+    and all-gathers the three (nf4tensor.py `_INNER_TENSOR_NAMES_FOR_SHARDING`, `nf4_split`,
+    `fsdp_pre_all_gather`); the bf16 mean and the 16-entry table stay whole. Llama-2-7B
+    torchtune QLoRA on 8 ranks, every allocation rounded to torch's 512-byte blocks."""
+    from vramcalc.finetune import gathered_layer_bytes
+    from vramcalc.terms.weights import weight_parts
+
+    h, f, L, world = 4096, 11008, 32, 8
+
+    def consts(n: int) -> int:  # one rank's share, plus the whole mean and table
+        return (alloc(n // world // 64, "int8") + alloc(n // world // 64 // 256, "bf16")
+                + alloc(1, "bf16") + alloc(16, "bf16"))
+
+    ctx = _fsdp_ctx(LLAMA2_7B, world, finetune="qlora", framework="torchtune",
+                    precision="bf16-pure", lora_targets="all-linear")
+    assert weight_parts(ctx)["weights/nf4_constants"] == L * (4 * consts(h * h)
+                                                              + 3 * consts(h * f))
+    gathered = gathered_layer_bytes(ctx, "bf16")
+    assert sorted(gathered)[-3:] == [h * f // 2 + h * f // 64 + h * f // 64 // 256 * 2] * 3
+    # bitsandbytes' QuantState is no parameter: whole on every rank, never gathered
+    bnb = _fsdp_ctx(LLAMA2_7B, world, finetune="qlora", framework="torchtune",
+                    precision="bf16-pure", lora_targets="all-linear", qlora_impl="bnb")
+    assert max(gathered_layer_bytes(bnb, "bf16")) == h * f // 2
+
+
+def test_fsdp2_trace_shards_torchaos_scalers() -> None:
+    """The referee for the test above: FSDP2 over 4 fake ranks shards the NF4 stand-in's
+    torchao scalers and factors (parameters) and keeps its mean and table (buffers) whole;
+    the trace's weights equal the analytic ones, whose constants are a quarter of each
+    weight's scalers (h 1024, 4 kv heads of 64, f 2816)."""
+    pytest.importorskip("torch")
+    from vramcalc.finetune import nf4_constant_bytes
+    from vramcalc.parallel import resolve_layout
+    from vramcalc.scenario import Scenario
+    from vramcalc.terms.weights import weight_parts
+    from vramcalc.trace.distributed import distributed_trace
+    from vramcalc.validate import SHAPES, analytic_points, trace_points
+
+    spec = SHAPES["llama-deep"]
+    tr = TrainingConfig(seq_len=256, micro_batch_size=1, precision="bf16-pure",
+                        framework="torchtune", finetune="qlora", lora_targets="all-linear")
+    scn = Scenario(model=spec, training=tr, parallel=ParallelConfig(dp=4, fsdp="full"))
+    assert trace_points(distributed_trace(scn))["weights"] == analytic_points(scn)["weights"]
+    h, kv, f = 1024, 256, 2816
+    shapes = [h * h] * 2 + [kv * h] * 2 + [f * h] * 3
+    ctx = RankContext(spec, tr, resolve_layout(spec, tr, scn.parallel, 4))
+    split = sum(nf4_constant_bytes(n, tr.nf4, 4) for n in shapes)
+    assert split < sum(nf4_constant_bytes(n, tr.nf4) for n in shapes)
+    assert weight_parts(ctx)["weights/nf4_constants"] == spec.num_hidden_layers * split
+
+
 def test_deepspeed_zero3_qlora_fetches_packed_containers() -> None:
     """DeepSpeed ZeRO-3 + QLoRA (bnb_4bit_quant_storage = bf16): each NF4 weight is a bf16
     container of n/4 elements, so a layer's fetch is (4h² + 3hf)/4 elements plus the norms

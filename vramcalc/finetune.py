@@ -62,6 +62,7 @@ from vramcalc.qlora import (  # noqa: F401  (re-exported: the NF4 layout constan
     NF4Layout,
     dequant_transient_bytes,
     nf4_constant_bytes,
+    nf4_gathered_constant_bytes,
     nf4_tensor_bytes,
 )
 from vramcalc.sharding import RankShapes, RankTensor, _rank_shapes, pipeline_chunks
@@ -428,18 +429,22 @@ def gathered_layer_bytes(ctx: Rank, dtype: str) -> tuple[int, ...]:
     (`FSDPParam.init_dtype_attrs`: no param_dtype for non-float tensors) and mixes dtypes in
     a uint8 all-gather. Either way the gathered bytes are the packed bytes: 4× fewer than a
     bf16 weight. The quantization state (absmax, codes) is module metadata outside the
-    sharded parameters, whole on every rank (weights/nf4_constants), and the compute-dtype
-    weight is made per matmul by dequantization (a transient, vramcalc/terms/
-    finetune_activations.py), never gathered."""
+    sharded parameters, whole on every rank (weights/nf4_constants) — but torchao's
+    NF4Tensor is the parameter, and FSDP2 gathers its int8 scalers and factors with the
+    packed data (`nf4_gathered_constant_bytes`) — and the compute-dtype weight is made per
+    matmul by dequantization (a transient, vramcalc/terms/finetune_activations.py), never
+    gathered."""
     fs = shapes_for(ctx)
     tr = ctx.training
     a_dt = dtype if tr.is_autocast else adapter_dtype(tr.framework, tr.weight_dtype)
     quant = {id(t) for t in fs.quantized.tensors}
     adapters = {id(t) for t in fs.adapters.tensors}
     out: list[int] = []
+    split = ctx.parallel.engine(tr.framework) == "fsdp2"
     for t, copies in _layer_tensors(fs.all):
         if id(t) in quant:
-            nbytes = ceil_div(t.numel * DTYPE_BITS["nf4"], 8)
+            nbytes = ceil_div(t.numel * DTYPE_BITS["nf4"], 8) + (
+                nf4_gathered_constant_bytes(t.numel, tr.nf4) if split else 0)
         else:
             dt = a_dt if id(t) in adapters else dtype
             nbytes = ceil_div(t.numel * DTYPE_BITS[dt], 8)

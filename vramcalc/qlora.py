@@ -111,19 +111,39 @@ def nf4_layout(impl: str | None, bnb_version: str | None, torchao_version: str |
 DEFAULT_LAYOUT = nf4_layout(None, None, None, None, False)
 
 
-def nf4_constant_bytes(n: int, layout: NF4Layout = DEFAULT_LAYOUT) -> int:
-    """Quantization constants of one 4-bit tensor of n elements (module docstring table)."""
+def nf4_constant_bytes(n: int, layout: NF4Layout = DEFAULT_LAYOUT, shard: int = 1) -> int:
+    """Quantization constants of one 4-bit tensor of n elements (module docstring table),
+    as one of `shard` FSDP2 ranks keeps them: torchao's scalers and factors are inner
+    tensors of the NF4Tensor parameter, split along dim 0 with the packed data
+    (nf4tensor.py `_INNER_TENSOR_NAMES_FOR_SHARDING`, `nf4_split`); its mean and table, and
+    bitsandbytes' whole QuantState, are metadata every rank keeps whole."""
     blocks = ceil_div(n, NF4_BLOCK)
     if layout.impl == "torchao":
-        factor = (ceil_div(blocks, NF4_SCALER_BLOCK)
-                  if layout.version >= TORCHAO_CONTIGUOUS_FACTOR else blocks)
-        return (alloc(blocks, "int8") + alloc(factor, "bf16") + alloc(1, "bf16")
+        scalers, factors = _torchao_scalers(ceil_div(n, shard), layout)
+        return (alloc(scalers, "int8") + alloc(factors, "bf16") + alloc(1, "bf16")
                 + alloc(NF4_CODE_ELEMS, "bf16"))
     if not layout.double_quant:
         return alloc(blocks, "fp32") + alloc(NF4_CODE_ELEMS, "fp32")
     return (alloc(blocks, "uint8") + alloc(ceil_div(blocks, NF4_SCALER_BLOCK), "fp32")
             + alloc(NF4_STATE2_CODE_ELEMS, "fp32") + alloc(1, "fp32")
             + alloc(NF4_CODE_ELEMS, "fp32"))
+
+
+def nf4_gathered_constant_bytes(n: int, layout: NF4Layout = DEFAULT_LAYOUT) -> int:
+    """The constants FSDP2 all-gathers with a 4-bit weight of n elements: torchao's int8
+    scalers and bf16 factors (`NF4Tensor.fsdp_pre_all_gather` returns them beside the
+    packed data); none for bitsandbytes, whose QuantState is not a parameter."""
+    if layout.impl != "torchao":
+        return 0
+    scalers, factors = _torchao_scalers(n, layout)
+    return scalers + 2 * factors  # int8, bf16: one flat all-gather buffer, no rounding
+
+
+def _torchao_scalers(n: int, layout: NF4Layout) -> tuple[int, int]:
+    """Elements of torchao's int8 quantized_scalers and bf16 quantization_factor for n."""
+    blocks = ceil_div(n, NF4_BLOCK)
+    return blocks, (ceil_div(blocks, NF4_SCALER_BLOCK)
+                    if layout.version >= TORCHAO_CONTIGUOUS_FACTOR else blocks)
 
 
 def nf4_tensor_bytes(n: int, layout: NF4Layout = DEFAULT_LAYOUT) -> int:

@@ -58,9 +58,10 @@ def weight_parts(ctx: RankContext) -> dict[str, int]:
 def finetune_weight_parts(ctx: RankContext) -> dict[str, int]:
     """Device bytes of the rank's weights by sub-term under LoRA/QLoRA/DoRA: weights/frozen
     (base in the policy's dtype), weights/nf4 (packed 4-bit data), weights/nf4_constants
-    (absmax, codes), weights/adapters. Sharded like any parameter under ZeRO-3/FSDP (NF4
-    constants are kept whole on every rank, as bitsandbytes' QuantState is not a
-    parameter)."""
+    (absmax, codes), weights/adapters. Sharded like any parameter under ZeRO-3/FSDP;
+    bitsandbytes' NF4 constants are kept whole on every rank (its QuantState is not a
+    parameter), torchao's scalers are sharded with their NF4Tensor under FSDP2
+    (vramcalc.qlora.nf4_constant_bytes)."""
     fs = shapes_for(ctx)
     tr = ctx.training
     shard = ctx.param_shard
@@ -71,8 +72,11 @@ def finetune_weight_parts(ctx: RankContext) -> dict[str, int]:
     if fs.quantized.tensors:
         out["weights/nf4"] = fs.quantized.nbytes("nf4", shard, es, layout, None, keep)
         nf4 = tr.nf4
-        out["weights/nf4_constants"] = sum(t.count * nf4_constant_bytes(t.numel, nf4)
-                                           for t in fs.quantized.tensors)
+        split = ctx.engine == "fsdp2"
+        out["weights/nf4_constants"] = sum(
+            t.count * nf4_constant_bytes(t.numel, nf4, (es if t.is_expert else shard)
+                                         if split else 1)
+            for t in fs.quantized.tensors)
     out["weights/adapters"] = fs.adapters.nbytes(
         adapter_dtype(tr.framework, tr.weight_dtype), shard, es, layout, None, keep)
     return out

@@ -262,17 +262,16 @@ def _run(scn: Scenario, tracker: Any, mesh: Any, tick: Any, report_progress: Any
     tr = scn.training
     with torch.device("meta"):
         model = build_model(scn)
-    # QLoRA: bitsandbytes' quantization state is module metadata FSDP does not shard (whole
-    # on every rank); the NF4 stand-in's becomes buffers, counted as weights below
+    # QLoRA: the quantization state FSDP does not shard (bitsandbytes' module metadata,
+    # torchao's mean and table) becomes buffers, whole on every rank, counted as weights
     from vramcalc.trace.nf4 import NF4Linear
 
-    nf4 = [m for m in model.modules() if isinstance(m, NF4Linear)]
-    for m in nf4:
-        m.quant_state_to_buffers()
+    nf4 = [(m, m.quant_state_to_buffers()) for m in model.modules()
+           if isinstance(m, NF4Linear)]
     _shard(model, scn, mesh)
     model.to_empty(device="cpu")
     model.train()
-    quant_state = [getattr(m, n) for m in nf4 for n in m.quant_state_names]
+    quant_state = [getattr(m, n) for m, names in nf4 for n in names]
     all_params = list(model.parameters()) + quant_state
     params = [p for p in all_params if p.requires_grad]
     tracker.register_params(all_params)

@@ -21,9 +21,10 @@ fp32 and there is no state2 or offset; torchao's NF4Tensor keeps int8 scalers, b
 factors (⌈n/64/256⌉, or a ⌈n/64⌉ storage before v0.3), a bf16 mean and a bf16 table.
 
 They are registered as frozen parameters so the trace counts them as weights; under FSDP2
-the quantization state is kept whole on every rank (`quant_state_to_buffers`: buffers,
-which FSDP does not shard) and the packed uint8 weight is sharded along its first dimension, as
-FSDP-QLoRA shards bitsandbytes' packed storage (docs/finetuning.md).
+bitsandbytes' quantization state is kept whole on every rank (`quant_state_to_buffers`:
+buffers, which FSDP does not shard) and the packed uint8 weight is sharded along its first
+dimension, as FSDP-QLoRA shards bitsandbytes' packed storage (docs/finetuning.md); torchao's
+scalers and factors stay parameters, sharded and gathered with the packed data.
 
 The matmul follows `MatMul4Bit` (autograd/_functions.py) on the dequantize-then-matmul path
 (`_dequant_linear_fallback` in backends/cuda/ops.py: every token count above 1536, and all
@@ -131,19 +132,22 @@ class NF4Linear(nn.Linear):
         self.bias = (_frozen(torch.empty(out_features, dtype=dtype, **kw))  # type: ignore[assignment]
                      if bias else None)
 
-    def quant_state_to_buffers(self) -> list[torch.Tensor]:
-        """Re-register the quantization state as buffers and return them. bitsandbytes keeps
-        it in `Params4bit.quant_state`, module metadata rather than parameters, so FSDP leaves
-        it whole on every rank (and FSDP2 refuses 0-dim parameters such as `offset`); the
-        distributed trace calls this before `fully_shard` so that only the packed weight is
-        sharded, and counts these buffers as weights."""
-        out = []
-        for name in self.quant_state_names:
+    def quant_state_to_buffers(self) -> tuple[str, ...]:
+        """Re-register the quantization state every rank keeps whole as buffers and return
+        their names. bitsandbytes keeps it all in `Params4bit.quant_state`, module metadata
+        rather than parameters, so FSDP leaves it whole on every rank (and FSDP2 refuses
+        0-dim parameters such as `offset`); torchao's NF4Tensor is itself the parameter and
+        FSDP2 splits its scalers and factors with the packed data (nf4tensor.py
+        `_INNER_TENSOR_NAMES_FOR_SHARDING`), keeping only the mean and the table whole. The
+        distributed trace calls this before `fully_shard` and counts these buffers as
+        weights."""
+        names = (("offset", "code") if self.layout.impl == "torchao"
+                 else self.quant_state_names)
+        for name in names:
             t = getattr(self, name).data
             del self._parameters[name]
             self.register_buffer(name, t)
-            out.append(t)
-        return out
+        return names
 
     def new_absmax(self) -> torch.Tensor:
         """The fp32 absmax decoded from its 8-bit form (one value per 64-element block)."""
