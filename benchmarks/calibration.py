@@ -494,7 +494,10 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
             "flex attention, as in the packed rows above",
             "lora_finetune_single_device builds the model on the GPU and quantizes each "
             "weight (--load torchtune); training.get_memory_stats resets the peaks after "
-            "init (training/memory.py reset_stats=True), the reserved segments stay"]},
+            "init (training/memory.py reset_stats=True), the reserved segments stay",
+            "compile: each layer's dequantization is one fused kernel and the recompute "
+            "holds the layer's dequantized bf16 weights until their dL/dx (docs/"
+            "finetuning.md, compiled torchao QLoRA)"]},
     "torchtune-llama32-3b-full-baseline-a100": {
         "model_fields": _LLAMA32_3B,
         "flags": {"model": "llama3.2-3b.yaml", **_TUNE, "gpus": "1xA100-80GB",

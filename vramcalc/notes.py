@@ -8,7 +8,7 @@ from vramcalc.features import chunks_loss, finetunes, low_precision
 from vramcalc.finetune import fused_family, fused_groups, shapes_for
 from vramcalc.hardware import GPUProfile
 from vramcalc.model import ModelSpec
-from vramcalc.qlora import nf4_tensor_bytes
+from vramcalc.qlora import compiled_dequant_kept, nf4_tensor_bytes
 from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.terms import fsdp1
@@ -203,8 +203,11 @@ def _qlora_note(tr: TrainingConfig) -> str:
     how = ("torchao NF4Tensor, int8 scalers" if lay.impl == "torchao" else
            "double-quantized absmax" if lay.double_quant else "fp32 absmax")
     what = "layer linears and lm_head" if tr.quantize_head else "layer linears"
-    text = (f"qlora: {what} stored in NF4 ({bits:.2f} bits/param with {how}); each matmul "
-            "dequantizes its weight into a transient copy")
+    tail = ("compiled, each layer keeps its dequantized bf16 weights for its backward (saved "
+            "without checkpointing, held by the recompute with it)"
+            if compiled_dequant_kept(tr.compile, tr.finetune, lay) else
+            "each matmul dequantizes its weight into a transient copy")
+    text = f"qlora: {what} stored in NF4 ({bits:.2f} bits/param with {how}); {tail}"
     if lay.keeps_input:
         text += ("; bitsandbytes before 0.43.2 also holds each 4-bit linear's input until "
                  "the graph is freed")

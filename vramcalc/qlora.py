@@ -159,6 +159,18 @@ def absmax_decode_bytes(n: int, layout: NF4Layout = DEFAULT_LAYOUT) -> int:
     return 2 * alloc(ceil_div(n, NF4_BLOCK), "fp32")
 
 
+def compiled_dequant_kept(compiled: bool, finetune: str, layout: NF4Layout) -> bool:
+    """torchao's dequantization inside a compiled layer (torchtune `compile: True`):
+    inductor fuses `get_original_weight` into one kernel that writes the bf16 weight (no
+    int64 codes or halves), and AOTAutograd's min-cut partitioner keeps that weight for the
+    backward's dL/dx rather than recomputing it from the packed codes (the index into the
+    NF4 table is not recomputed): without checkpointing the forward saves every linear's
+    dequantized weight; under checkpointing the recompute keeps each until its dL/dx. Found
+    with vramcalc/trace/compiled.py `torchao_nf4_linear` (tests/test_qlora_compile.py) and
+    on real CPU runs of torchao 0.5.0 under torch 2.5.1 and 2.13."""
+    return compiled and finetune == "qlora" and layout.impl == "torchao"
+
+
 def dequant_transient_bytes(n: int, dtype: str, layout: NF4Layout = DEFAULT_LAYOUT) -> int:
     """Temporaries of dequantizing one 4-bit weight of n elements for a matmul: bitsandbytes'
     decoded absmax (`absmax_decode_bytes`) and the weight in `dtype`; torchao's

@@ -50,7 +50,7 @@ from vramcalc.finetune import (
     fused_groups,
     shapes_for,
 )
-from vramcalc.qlora import dequant_matmul_bytes
+from vramcalc.qlora import compiled_dequant_kept, dequant_matmul_bytes
 from vramcalc.rank import RankContext
 from vramcalc.terms.fsdp1 import mixed_units
 from vramcalc.terms.saved import Dims, Saved, dims, mostly_moe
@@ -437,7 +437,9 @@ def forward_working_bytes(ctx: RankContext, saved: list[Saved], held: bool = Tru
         if t == "down" and down_in not in names:
             work += alloc(T * w_in, _input_dtype(ctx, x, "down"))
         y = alloc(T * w_out, c)
-        if tr.finetune == "qlora":
+        if compiled_dequant_kept(tr.compile, tr.finetune, tr.nf4):
+            base_moment = y  # the fused kernel's bf16 weight is saved: in `kept`
+        elif tr.finetune == "qlora":
             base_moment = dequant_matmul_bytes(w_in * w_out, c, tr.nf4, y)
         else:
             base_moment = 0

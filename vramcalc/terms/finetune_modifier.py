@@ -6,7 +6,7 @@ for the tables and their sources)."""
 from __future__ import annotations
 
 from vramcalc.features import finetunes
-from vramcalc.qlora import dequant_backward_bytes
+from vramcalc.qlora import compiled_dequant_kept, dequant_backward_bytes
 from vramcalc.rank import RankContext
 from vramcalc.terms.finetune_activations import (
     adjust_head_saved,
@@ -47,9 +47,35 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
             ctx.spec.is_moe and ctx.spec.num_dense_layers == 0):
         total = sum(t.nbytes for t in saved)
         g_res = alloc(x.T * x.h, x.r)
-        work = dequant_backward_bytes(x.h * x.f, x.c, ctx.training.nf4, alloc(x.T * x.f, x.c))
-        out.append(Moment("dequant_down", total - down, g_res + work, "down"))
+        dx = alloc(x.T * x.f, x.c)
+        if _compiled_nf4(ctx):  # down's kept dequantized weight is read by its dL/dx
+            kept = sum(t.nbytes for t in saved if t.name == "lora.down.dequantized")
+            out.append(Moment("dequant_down", total - down + kept, g_res + dx, "down"))
+        else:
+            work = dequant_backward_bytes(x.h * x.f, x.c, ctx.training.nf4, dx)
+            out.append(Moment("dequant_down", total - down, g_res + work, "down"))
     return out
+
+
+def _compiled_nf4(ctx: RankContext) -> bool:
+    tr = ctx.training
+    return compiled_dequant_kept(tr.compile, tr.finetune, tr.nf4) and not ctx.spec.is_moe
+
+
+def dequantized_saved(ctx: RankContext) -> list[Saved]:
+    """A compiled torchao QLoRA layer's dequantized bf16 weights, kept for the backward's
+    dL/dx (vramcalc.qlora.compiled_dequant_kept), named after each linear's adapter group
+    so that the backward instants free them after their dL/dx: o's and down's before the
+    core's and the MLP's instants, q, k, v's after the core."""
+    if not _compiled_nf4(ctx):
+        return []
+    x = dims(ctx)
+    mlp = ["gate", "up", "down"] if ctx.spec.mlp_kind == "gated" else ["up", "down"]
+    rows = {"q": x.a * x.d, "k": x.g * x.d, "v": x.g * x.d, "o": x.h}
+    cols = {"o": x.a * x.d, "down": x.f}
+    return [Saved(f"lora.{t}.dequantized", rows.get(t, x.f if t != "down" else x.h)
+                  * cols.get(t, x.h), "bf16", "(out, in)", "dequantized NF4 weight (compiled)")
+            for t in ["q", "k", "v", "o", *mlp]]
 
 
 class FinetuneActivations(Modifier):
@@ -61,7 +87,7 @@ class FinetuneActivations(Modifier):
         return finetunes(ctx.training)
 
     def layer_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
-        return adjust_layer_saved(ctx, saved)
+        return adjust_layer_saved(ctx, saved) + dequantized_saved(ctx)
 
     def head_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
         return adjust_head_saved(ctx, saved)

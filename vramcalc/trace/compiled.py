@@ -178,3 +178,48 @@ def torchtune_layer_parts(heads: int, kv_heads: int
         return _qkv(x, n1, wq, wk, wv, heads, kv_heads, cache, input_pos)
 
     return before, _after_attention
+
+
+# ---- torchao's NF4 linear (QLoRA in torchtune), written from its source (v0.5.0) --------
+def _nf4_weight(shape: tuple[int, int], packed: torch.Tensor, scalers: torch.Tensor,
+                factor: torch.Tensor, mean: torch.Tensor, table: torch.Tensor
+                ) -> torch.Tensor:
+    """torchao/dtypes/nf4tensor.py `NF4Tensor.get_original_weight` with
+    `dequantize_scalers`: the high and low 4-bit codes widened to int64 and looked up in the
+    bf16 table, the int8 scalers divided by their per-256 factors plus the mean, each code
+    scaled by its block's scaler (64 elements), the halves interleaved by `torch.stack`."""
+    first, second = (packed >> 4).to(torch.long), (packed & 0b1111).to(torch.long)
+    blocks = scalers.numel() // factor.numel()
+    scale = (scalers.view(-1, blocks) / factor.unsqueeze(-1)).flatten().to(table.dtype) + mean
+    rep = scale.unsqueeze(-1).expand(scale.size(0), 32).flatten()  # block_size // 2
+    lo = (table[first] * rep).unsqueeze(-1).transpose(0, 1)
+    hi = (table[second] * rep).unsqueeze(-1).transpose(0, 1)
+    return torch.stack([lo, hi], dim=-1).reshape(shape)
+
+
+class _LinearNF4(torch.autograd.Function):
+    """nf4tensor.py `LinearNF4`: forward saves the NF4 weight (its inner tensors) and runs
+    F.linear on the dequantized weight; backward dequantizes again for dL/dx."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, shape: tuple[int, int],
+                *nf4: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(*nf4)
+        ctx.shape = shape
+        return F.linear(x, _nf4_weight(shape, *nf4).to(x.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        weight = _nf4_weight(ctx.shape, *ctx.saved_tensors).to(grad.dtype)
+        return (grad @ weight, None, *([None] * len(ctx.saved_tensors)))
+
+
+def torchao_nf4_linear(out_features: int, in_features: int) -> Callable[..., torch.Tensor]:
+    """`linear_nf4(x, weight)` of a frozen (out, in) NF4 weight, as a function of x and the
+    weight's packed codes (uint8, n/2), int8 scalers (n/64), bf16 factors (n/64/256), bf16
+    mean and 16-entry bf16 table."""
+
+    def linear(x: torch.Tensor, *nf4: torch.Tensor) -> torch.Tensor:
+        return _LinearNF4.apply(x, (out_features, in_features), *nf4)
+
+    return linear
