@@ -128,6 +128,34 @@ def test_compiled_checkpointed_block_keeps_only_its_inputs(float8: bool) -> None
     assert [n.args[0].name for n in kept] == ["run_and_save_rng_state"]
 
 
+@pytest.mark.parametrize("kv_heads", [2, 8])
+def test_compiled_op_sac_block_keeps_the_policys_outputs_the_backward_reads(
+        kv_heads: int) -> None:
+    # torch.compile(checkpoint_wrapper(block, context_fn=op SAC)): the partitioner keeps
+    # the MUST_SAVE outputs the backward graph reads — wq's and wv's mm outputs, SDPA's
+    # output and logsumexp, w1's output — and recomputes the rest; w2's output (MUST_SAVE
+    # too) is read by nothing in the backward and is dropped. The table is the same.
+    spec = SMALL.model_copy(update={"num_key_value_heads": kv_heads})
+    b, s = 2, 64
+    backend, graphs = recording_backend()
+    torch._dynamo.reset()
+    blk = _block(spec, "op", False)
+    x = torch.randn(b, s, 256, dtype=torch.bfloat16, requires_grad=True)
+    torch.compile(blk, backend=backend, fullgraph=True)(x, _freqs(s, spec.head_size))
+    gm = graphs[-1]
+    out = next(n for n in gm.graph.nodes if n.op == "output")  # type: ignore[attr-defined]
+    kept = [n.meta["val"] for n in out.args[0][1:] if n.op != "placeholder"]
+    n, g = b * s, kv_heads * spec.head_size
+    assert sorted(tuple(t.shape) for t in kept) == sorted(
+        [(n, 256), (n, g), (b, 8, s, 32), (b, 8, s), (n, 768)])
+    traced = alloc(b * s * 256 * 2, "int8") + sum(alloc(t.numel() * t.element_size(), "int8")
+                                                  for t in kept)
+    ctx = RankContext(spec, TrainingConfig(framework="torchtitan", precision="amp-bf16",
+                                           seq_len=s, micro_batch_size=b, compile=True,
+                                           recompute="selective"), FSDP, 0)
+    assert sum(t.nbytes for t in tt.layer_saved(ctx)) == traced
+
+
 def _ctx(**kw: object) -> RankContext:
     args = {"framework": "torchtitan", "precision": "amp-bf16", "seq_len": 512,
             "micro_batch_size": 2, "compile": True, "recompute": "none", **kw}
@@ -151,7 +179,7 @@ def test_full_ac_keeps_the_block_input_alone() -> None:
 @pytest.mark.parametrize(("flags", "words"), [
     (["--float8"], "--float8 needs --compile"),
     (["--float8", "--compile", "--precision", "fp32"], "--float8 needs --compile"),
-    (["--compile", "--recompute", "selective"], "SAC policy"),
+    (["--compile", "--float8", "--recompute", "selective"], "SAC policy"),
     (["--compile", "--tp", "2", "--sequence-parallel"], "DTensor collectives"),
 ])
 def test_settings_not_modelled_are_refused(flags: list[str], words: str,

@@ -218,7 +218,7 @@ def test_compiled_tp_block_without_ac_keeps_collective_outputs() -> None:
 @pytest.mark.parametrize(("flags", "words"), [
     (["--compile", "--tp", "2", "--sequence-parallel"], "needs --recompute full"),
     (["--compile", "--tp", "2", "--sequence-parallel", "--recompute", "selective"],
-     "SAC policy"),
+     "needs --recompute full"),
 ])
 def test_compile_under_tp_without_full_ac_is_refused(
         flags: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:

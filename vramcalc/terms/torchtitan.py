@@ -86,7 +86,10 @@ def plain_layer_saved(ctx: RankContext) -> list[Saved]:
 
 
 def op_sac_saved(ctx: RankContext) -> list[Saved]:
-    """One block under per-op SAC: its checkpoint input and the outputs the policy saves."""
+    """One block under per-op SAC: its checkpoint input and the outputs the policy saves.
+    Compiled, the partitioner keeps the policy's MUST_SAVE outputs the backward reads and
+    recomputes the rest: w2's output, which nothing in the backward reads, is not kept
+    (vramcalc/terms/torchtitan_compile.py)."""
     x = dims(ctx)
     c, n = x.c, x.b * x.s
     f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
@@ -95,9 +98,11 @@ def op_sac_saved(ctx: RankContext) -> list[Saved]:
            Saved("sac.wv", n * x.g * x.d, c, "(b, s, g·d)", "mm 3 output (saved)"),
            Saved("attn.out", n * x.a * x.d, c, "(b, s, a, d)", "SDPA output (saved)"),
            Saved("attn.lse", x.b * x.a * x.s, "fp32", "(b, a, s)", "SDPA logsumexp (saved)"),
-           Saved("sac.w1", n * f, c, "(b, s, f)", "mm 5 output (saved)"),
-           Saved("sac.w2", n * x.h, c, "(b, s, h)", "mm 7 output (saved; partial sums "
-                 "under TP)")]
+           Saved("sac.w1", n * f, c, "(b, s, f)", "mm 5 output (saved)")]
+    if ctx.training.compile:
+        return out
+    out.append(Saved("sac.w2", n * x.h, c, "(b, s, h)", "mm 7 output (saved; partial sums "
+                     "under TP)"))
     if ctx.parallel.tp > 1:
         out.append(Saved("sac.reduce_scatter", bsh(x), c, "(b, s/t, h)",
                          "wo and w2 reduce-scatter outputs (saved)", 2))

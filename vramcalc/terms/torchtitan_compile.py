@@ -33,7 +33,13 @@ titan_float8.py's Float8Linear) through that partitioner under FakeTensorMode
 
 The kept bf16 weights are the all-gathered parameters FSDP2 holds anyway. Under full AC
 (`ptd_checkpoint_wrapper` inside the compiled region) the partitioner recomputes the whole
-block in the backward graph: the forward keeps the block input alone (the same test).
+block in the backward graph: the forward keeps the block input alone (the same test). Under
+per-op SAC the policy's tags reach the partitioner (MUST_SAVE / PREFER_RECOMPUTE): the
+forward keeps the block input and the MUST_SAVE outputs the backward graph reads — wq's
+and wv's mm outputs, SDPA's output and logsumexp, w1's output — but not w2's output, which
+no backward node reads (vramcalc/terms/torchtitan.py `op_sac_saved`,
+tests/test_titan_compile.py); its backward recomputes the rest, holding the table's set
+as under full AC. With --float8 the partitioner's answer under SAC is not modelled.
 Under TP (full AC only: vramcalc/parallel.py) the table is the rank's: (b, s, h) tensors of
 the residual stream are the (T, h) sequence shard, the linears' inputs the all-gathered
 (N, h), heads and ffn columns ÷ t; with float8 the gathered inputs exist only in fp8
