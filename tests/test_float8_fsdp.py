@@ -109,26 +109,17 @@ def test_refused_without_float8_fsdp_or_torchtitan(flags: list[str], words: str,
 
 def _partitioned_gathered(kv_heads: int, s: int, b: int = 2) -> list[object]:
     torch = pytest.importorskip("torch")
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.func import functional_call
 
     from tests.test_titan_compile import SMALL
-    from vramcalc.trace.compiled import compiled_saved
+    from vramcalc.trace.compiled import dynamo_saved
     from vramcalc.trace.titan_float8 import convert_to_float8
     from vramcalc.trace.titan_model import TransformerBlock
 
     spec = SMALL.model_copy(update={"num_key_value_heads": kv_heads})
-    with FakeTensorMode():
-        blk = convert_to_float8(TransformerBlock(spec, "none", dtype=torch.bfloat16), True)
-        named = [*blk.named_parameters(), *blk.named_buffers()]
-        names = [n for n, _ in named]
-        x = torch.randn(b, s, spec.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-        fc = torch.randn(s, spec.head_size // 2, dtype=torch.complex64)
-
-        def fn(x: object, fc: object, *ps: object) -> object:
-            return functional_call(blk, dict(zip(names, ps, strict=True)), (x, fc))
-
-        return compiled_saved(fn, x, fc, *[t for _, t in named])
+    blk = convert_to_float8(TransformerBlock(spec, "none", dtype=torch.bfloat16), True)
+    x = torch.randn(b, s, spec.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    fc = torch.randn(s, spec.head_size // 2, dtype=torch.complex64)
+    return dynamo_saved(blk, x, fc)
 
 
 @pytest.mark.parametrize(("kv_heads", "s"), [(2, 64), (8, 64), (2, 256)])
@@ -149,8 +140,9 @@ def test_compiled_block_with_gathered_fp8_weights_equals_the_partition(kv_heads:
     traced = sum(alloc(t.nbytes, "int8") for t in saved  # type: ignore[attr-defined]
                  if (not t.is_input or t.shape == x_shape)  # type: ignore[attr-defined]
                  and t.dtype != torch.complex64)  # type: ignore[attr-defined]
-    fp8 = [t for t in saved if t.dtype == torch.float8_e4m3fn]  # type: ignore[attr-defined]
-    assert len(fp8) == 7  # one column-major copy per Float8Linear weight
+    fp8 = [t for t in saved if t.dtype == torch.float8_e4m3fn  # type: ignore[attr-defined]
+           and not t.is_input]  # type: ignore[attr-defined]
+    assert len(fp8) == 1  # wo's input: the gathered fp8 weights are kept, not copied
     tr = TrainingConfig(framework="torchtitan", precision="amp-bf16", seq_len=s,
                         micro_batch_size=b, compile=True, float8=True, recompute="none",
                         float8_all_gather=True)

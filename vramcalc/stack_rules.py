@@ -17,7 +17,7 @@ def torchtitan_training_problem(tr: Any) -> str | None:
     (models/llama/model.py Attention.forward); full training (no adapters, no QAT); float8
     is torchao's Float8Linear (float8.py `Float8Handler`, --float8: modelled compiled, in
     bf16 compute); torch.compile per block (parallelize_llama.py `apply_compile`, after AC
-    wrapping: --compile, with full AC, none, or per-op SAC without float8,
+    wrapping: --compile, with full AC, none, or per-op SAC without fp8 all-gather,
     vramcalc/terms/torchtitan_compile.py); no
     chunked loss or activation offload."""
     flag = None
@@ -31,11 +31,12 @@ def torchtitan_training_problem(tr: Any) -> str | None:
     elif tr.async_tp and not tr.compile:
         flag = ("--async-tp needs --compile: torchtitan's async TP is inductor's micro-pipeline "
                 "pass (torch._inductor.config._micro_pipeline_tp), which eager mode never runs")
-    elif tr.compile and tr.float8 and tr.recompute == "selective" and (
+    elif tr.compile and tr.float8_all_gather and tr.recompute == "selective" and (
             tr.recompute_every is None):
-        flag = ("--compile --float8 with per-op SAC (--recompute selective): what the "
-                "partitioner keeps of torchao's float8 casts under torchtitan's SAC policy "
-                "is not modelled (use --recompute full or none, or --recompute-every N)")
+        flag = ("--float8-all-gather with per-op SAC (--recompute selective) under "
+                "--compile: what the partitioner keeps of the gathered fp8 weights under "
+                "torchtitan's SAC policy is not modelled (use --recompute full or none, or "
+                "--recompute-every N)")
     elif tr.precision not in ("fp32", "amp-bf16"):
         flag = (f"--precision {tr.precision}: torchtitan keeps fp32 parameters and computes "
                 "in bf16 only through FSDP2's mixed precision (use --precision amp-bf16 with "

@@ -19,8 +19,9 @@ eab345c2268a7506355d506ebfc27b5d28e5e7d0 torchao/float8/fsdp_utils.py:
   `cast_weight_to_float8_t` returns `weight.t()` when the weight is already fp8
   (`tensor_already_casted_to_fp8`), so the forward casts no weight; the mm saves that
   transposed view of the gathered data, and the grad-input mm's operand is its column-major
-  copy (float8_ops.py `preprocess_addmm`), which the compiled block's partition makes in
-  forward and keeps (vramcalc/terms/torchtitan_compile.py, tests/test_float8_fsdp.py).
+  copy (float8_ops.py `preprocess_addmm`), which torch.compile's partition makes again in
+  backward: a compiled block keeps no copy of a gathered weight
+  (vramcalc/terms/torchtitan_compile.py, tests/test_float8_fsdp.py).
 
 The pre-all-gather cast runs on a shard (1/dp_shard of a weight): `torch.abs` (c), the fp32
 upcast times the scale, the clamp (fp32) and the fp8 result, kept until the copy into the

@@ -85,11 +85,16 @@ def plain_layer_saved(ctx: RankContext) -> list[Saved]:
     return out
 
 
+SAC_FLOAT8_AMAX, SAC_FLOAT8_INV_SCALES = 11, 7  # compiled per-op SAC with torchao float8
+
+
 def op_sac_saved(ctx: RankContext) -> list[Saved]:
     """One block under per-op SAC: its checkpoint input and the outputs the policy saves.
     Compiled, the partitioner keeps the policy's MUST_SAVE outputs the backward reads and
-    recomputes the rest: w2's output, which nothing in the backward reads, is not kept
-    (vramcalc/terms/torchtitan_compile.py)."""
+    recomputes the rest: w2's output, which nothing in the backward reads, is not kept; with
+    torchao's float8 linears the policy still sees `aten.mm` (on the Float8Tensor, above
+    its `_scaled_mm`), so the same outputs are kept, plus 11 amax (bf16) and 7 1/scale
+    (fp32) scalars (vramcalc/terms/torchtitan_compile.py)."""
     x = dims(ctx)
     c, n = x.c, x.b * x.s
     f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
@@ -99,8 +104,11 @@ def op_sac_saved(ctx: RankContext) -> list[Saved]:
            Saved("attn.out", n * x.a * x.d, c, "(b, s, a, d)", "SDPA output (saved)"),
            Saved("attn.lse", x.b * x.a * x.s, "fp32", "(b, a, s)", "SDPA logsumexp (saved)"),
            Saved("sac.w1", n * f, c, "(b, s, f)", "mm 5 output (saved)")]
-    if ctx.training.compile:
-        return out
+    if ctx.training.compile:  # float8: the casts' amax and 1/scale scalars the backward reads
+        return out + ([Saved("float8.amax", 1, "bf16", "()", "max(|x|) of a cast",
+                             SAC_FLOAT8_AMAX),
+                       Saved("float8.inv_scale", 1, "fp32", "()", "1/scale of a cast",
+                             SAC_FLOAT8_INV_SCALES)] if ctx.training.float8 else [])
     out.append(Saved("sac.w2", n * x.h, c, "(b, s, h)", "mm 7 output (saved; partial sums "
                      "under TP)"))
     if ctx.parallel.tp > 1:

@@ -14,10 +14,10 @@ in backward), with `enable_fsdp_float8_all_gather` off by default (config_manage
 (--float8-all-gather: fp8 gathers, vramcalc/terms/float8_fsdp.py).
 
 Under torch.compile the forward keeps what AOTAutograd's min-cut partitioner picks, not
-what each autograd function saves eagerly. vramcalc/trace/compiled.py `compiled_saved`
+what each autograd function saves eagerly. vramcalc/trace/compiled.py `dynamo_saved`
 runs torchtitan's block (vramcalc/trace/titan_model.py, with vramcalc/trace/
-titan_float8.py's Float8Linear) through that partitioner under FakeTensorMode
-(tests/test_titan_compile.py):
+titan_float8.py's Float8Linear) through torch.compile with that partitioner on small CPU
+tensors (tests/test_titan_compile.py):
 
 | tensor | bf16 linears | float8 linears | float8, fp8 all-gather |
 |---|---|---|---|
@@ -28,8 +28,17 @@ titan_float8.py's Float8Linear) through that partitioner under FakeTensorMode
 | wo output (N, h) c (the residual is recomputed from it) | kept | kept | kept |
 | w1 and w3 outputs (N, f) c | kept | kept | kept |
 | w2's input silu(w1 x)·w3 x (N, f) c | kept | recomputed | recomputed |
-| fp8 copies of inputs or weights | — | none: recast in backward from the kept bf16 tensors | each weight's column-major fp8 copy (the grad-input mm's operand, `preprocess_addmm`), made in forward |
-| per-tensor amax (bf16) and 1/scale (fp32) scalars | — | 11 and 11 | 4 and 11 (no weight amax) |
+| fp8 copies of the weights | — | none: recast in backward | none |
+| wo's input (the SDPA output) in fp8 (N, a·d) | — | kept | kept |
+| per-tensor amax (bf16) and 1/scale (fp32) scalars | — | 10 and 11 | 3 and 11 (no weight amax) |
+
+The sets are what `torch.compile` itself keeps (`dynamo_saved`: dynamo's capture, then the
+same partitioner; tensor subclasses and autograd.Functions are traced as torch.compile
+traces them, which AOTAutograd alone, `compiled_saved`, does not reproduce for float8: it
+keeps column-major fp8 weight copies that torch.compile does not). The float8 casts are
+torchao's `_ToFloat8ConstrFunc`, an autograd.Function whose backward hands the gradient
+through; torchao 0.8.0's own `Float8Linear` (`convert_to_float8_training`) under
+torch.compile keeps exactly the float8 column's set.
 
 The kept bf16 weights are the all-gathered parameters FSDP2 holds anyway. Under full AC
 (`ptd_checkpoint_wrapper` inside the compiled region) the partitioner recomputes the whole
@@ -39,7 +48,9 @@ forward keeps the block input and the MUST_SAVE outputs the backward graph reads
 and wv's mm outputs, SDPA's output and logsumexp, w1's output — but not w2's output, which
 no backward node reads (vramcalc/terms/torchtitan.py `op_sac_saved`,
 tests/test_titan_compile.py); its backward recomputes the rest, holding the table's set
-as under full AC. With --float8 the partitioner's answer under SAC is not modelled.
+as under full AC. With --float8 the policy still sees `aten.mm` on torchao's Float8Tensor,
+so the same outputs are kept plus the casts' 11 amax and 7 1/scale scalars (torchao
+0.8.0's own Float8Linear under torch.compile); with --float8-all-gather it is not modelled.
 Under TP (full AC only: vramcalc/parallel.py) the table is the rank's: (b, s, h) tensors of
 the residual stream are the (T, h) sequence shard, the linears' inputs the all-gathered
 (N, h), heads and ffn columns ÷ t; with float8 the gathered inputs exist only in fp8
@@ -57,8 +68,9 @@ from vramcalc.rank import RankContext
 from vramcalc.terms.float8_fsdp import float8_gather
 from vramcalc.terms.saved import Saved, dims
 
-FLOAT8_SCALARS = 11  # amax and 1/scale scalars the partitioner keeps per block, each kind
-FLOAT8_GATHERED_AMAX = 4  # amax scalars kept with fp8 all-gather (no weight amax)
+FLOAT8_SCALARS = 11  # 1/scale scalars the partitioner keeps per block
+FLOAT8_AMAX = 10  # amax scalars it keeps per block
+FLOAT8_GATHERED_AMAX = 3  # with fp8 all-gather (no weight amax)
 
 
 def compiled_block_saved(ctx: RankContext) -> list[Saved]:
@@ -94,21 +106,11 @@ def compiled_block_saved(ctx: RankContext) -> list[Saved]:
                          "of w1, w3"))
     out += [Saved("mlp.gate", n * f, c, "(b, s, f)", "w1 output (silu recomputed)"),
             Saved("mlp.up", n * f, c, "(b, s, f)", "w3 output")]
-    if f8 and float8_gather(ctx):
-        # fp8 all-gather: no weight cast; the partition saves each gathered weight's
-        # column-major fp8 copy for the grad-input mm (vramcalc/terms/float8_fsdp.py)
-        out += [Saved("float8.wq_wo_t", x.h * x.a * x.d, "fp8", "(h, a·d)", "column-major "
-                      "fp8 copy of a gathered weight", 2),
-                Saved("float8.wk_wv_t", x.h * x.g * x.d, "fp8", "(h, g·d)", "column-major "
-                      "fp8 copy of a gathered weight", 2),
-                Saved("float8.mlp_t", x.h * f, "fp8", "(h, f)", "column-major fp8 copy of a "
-                      "gathered weight", 3),
-                Saved("float8.amax", 1, "bf16", "()", "max(|x|) of an input cast",
-                      FLOAT8_GATHERED_AMAX),
-                Saved("float8.inv_scale", 1, "fp32", "()", "1/scale of a cast",
-                      FLOAT8_SCALARS)]
-    elif f8:
-        out += [Saved("float8.amax", 1, "bf16", "()", "max(|x|) of a cast", FLOAT8_SCALARS),
+    if f8:
+        out += [Saved("float8.wo_input", n * x.a * x.d, "fp8", "(N, a·d)", "wo's fp8 "
+                      "input (the SDPA output cast)"),
+                Saved("float8.amax", 1, "bf16", "()", "max(|x|) of a cast",
+                      FLOAT8_GATHERED_AMAX if float8_gather(ctx) else FLOAT8_AMAX),
                 Saved("float8.inv_scale", 1, "fp32", "()", "1/scale of a cast",
                       FLOAT8_SCALARS)]
     else:

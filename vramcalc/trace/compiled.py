@@ -81,6 +81,12 @@ def compiled_saved(fn: Callable[..., Any], *args: torch.Tensor,
     out = aot_function(fn, **kwargs)(*args)
     n_out = len(out) if isinstance(out, (tuple, list)) else 1
     (gm,) = graphs
+    return _forward_saved(gm, n_out)
+
+
+def _forward_saved(gm: Any, n_out: int) -> list[SavedTensor]:
+    """The tensors a partitioned forward graph returns after its `n_out` outputs, each
+    storage once (a view of a saved tensor, or of an input, shares its storage)."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     aten = torch.ops.aten
     views = {aten.detach.default, aten.alias.default, aten.t.default, aten.permute.default,
@@ -88,7 +94,7 @@ def compiled_saved(fn: Callable[..., Any], *args: torch.Tensor,
              aten.expand.default, aten.select.int, aten.slice.Tensor, aten.unsqueeze.default,
              aten.squeeze.dim, aten.squeeze.default, aten.as_strided.default}
 
-    def base(node: Any) -> Any:  # a view of a saved tensor (or of an input) shares its storage
+    def base(node: Any) -> Any:
         while node.op == "call_function" and node.target in views:
             node = node.args[0]
         return node
@@ -101,6 +107,30 @@ def compiled_saved(fn: Callable[..., Any], *args: torch.Tensor,
             saved[root.name] = SavedTensor(root.name, tuple(int(d) for d in val.shape),
                                            val.dtype, root.op == "placeholder")
     return list(saved.values())
+
+
+def dynamo_saved(fn: Callable[..., Any], *args: torch.Tensor) -> list[SavedTensor]:
+    """What `torch.compile(fn)` keeps for its backward: dynamo captures the graph (tensor
+    subclasses and autograd.Functions as torch.compile really traces them), then the same
+    decompositions and min-cut partitioner as `compiled_saved`; `args` are small real CPU
+    tensors (the graph is traced and run once, no code is generated). Parameters and other
+    graph inputs are marked `is_input`."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    graphs: list[Any] = []
+
+    def record(gm: Any, _inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm
+
+    backend = aot_autograd(fw_compiler=record, bw_compiler=lambda gm, _i: gm,
+                           partition_fn=min_cut_rematerialization_partition,
+                           decompositions=select_decomp_table())
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return _forward_saved(graphs[-1], len(out) if isinstance(out, (tuple, list)) else 1)
 
 
 # ---- torchtune's transformer layer, written from its source (1814feb) --------------------

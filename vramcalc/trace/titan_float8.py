@@ -31,13 +31,27 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-12  # float8_utils.py EPS
 
 
+class _ToFloat8(torch.autograd.Function):
+    """float8_tensor.py `_ToFloat8ConstrFunc`: the saturated scaled cast; its backward hands
+    the gradient through unchanged (none to the scale)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+        fmax = torch.finfo(dtype).max
+        return (x.to(torch.float32) * scale).clamp(min=-fmax, max=fmax).to(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
+        return grad, None, None
+
+
 def to_float8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 data, fp32 scale) of a dynamic tensorwise cast."""
     fmax = torch.finfo(dtype).max
     amax = torch.max(torch.abs(x)).to(torch.float64)
     scale = (fmax / torch.clamp(amax, min=EPS)).to(torch.float32)
-    data = (x.to(torch.float32) * scale).clamp(min=-fmax, max=fmax).to(dtype)
-    return data, scale
+    return _ToFloat8.apply(x, scale, dtype), scale
 
 
 def _scaled_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor,
