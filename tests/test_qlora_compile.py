@@ -29,22 +29,25 @@ def _nf4_args(out_f: int, in_f: int):  # noqa: ANN202
 
 
 def test_compiled_nf4_linear_keeps_its_dequantized_weight() -> None:
-    """Compiled, the forward hands the backward the dequantized bf16 weight (out·in
-    elements, 2 B each) instead of the packed codes it was made from; eager autograd keeps
-    only the NF4 tensors (LinearNF4.forward's save_for_backward)."""
+    """Under torch.compile the forward hands the backward the dequantized bf16 weight
+    (out·in elements, 2 B each) instead of the packed codes it was made from; eager
+    autograd keeps only the NF4 tensors (LinearNF4.forward's save_for_backward)."""
     torch = pytest.importorskip("torch")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from vramcalc.trace.compiled import compiled_saved, torchao_nf4_linear
+    from vramcalc.trace.compiled import compiled_saved, dynamo_saved, torchao_nf4_linear
 
     out_f, in_f = 2048, 512
+    fn = torchao_nf4_linear(out_f, in_f)
+    x = torch.randn(2, 64, in_f, dtype=torch.bfloat16, requires_grad=True)
+    nf4 = [t.random_(0, 7) if t.dtype in (torch.uint8, torch.int8) else t.fill_(1.0)
+           for t in _nf4_args(out_f, in_f)]
+    compiled = dynamo_saved(fn, x, *nf4)
+    assert [(t.nbytes, t.dtype) for t in compiled if not t.is_input] == [
+        (out_f * in_f * 2, torch.bfloat16)]
     with FakeTensorMode():
-        x = torch.randn(2, 64, in_f, dtype=torch.bfloat16, requires_grad=True)
-        fn = torchao_nf4_linear(out_f, in_f)
-        compiled = compiled_saved(fn, x, *_nf4_args(out_f, in_f))
-        eager = compiled_saved(fn, x, *_nf4_args(out_f, in_f), inductor=False)
-    assert [(t.nbytes, t.dtype, t.is_input) for t in compiled] == [
-        (out_f * in_f * 2, torch.bfloat16, False)]
+        fx = torch.randn(2, 64, in_f, dtype=torch.bfloat16, requires_grad=True)
+        eager = compiled_saved(fn, fx, *_nf4_args(out_f, in_f), inductor=False)
     assert all(t.is_input for t in eager)
     assert sum(t.nbytes for t in eager) < out_f * in_f  # codes and scalers: ~0.52 B each
 
