@@ -96,3 +96,56 @@ def test_fit_check_leaves_the_cached_block_out() -> None:
     cached = rep.peak_reserved_bytes - rep.peak_allocated_bytes - ovh["fragmentation"]
     assert 0 < cached <= freed(scn)
     assert rep.device_total_bytes == rep.peak_allocated_bytes + sum(ovh.values())
+
+
+# ---- FSDP2's reduce-scatter stream ----------------------------------------------------------
+# torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py `foreach_reduce` allocates the
+# reduce-scatter output, of which the sharded gradients are views, on the reduce-scatter
+# stream; the caching allocator reuses a freed block only on its own stream
+# (`get_free_block`), so after `zero_grad` those bytes stay reserved beside a
+# compute-stream peak that holds no gradients.
+LLAMA3_8B_PARAMS = 8_030_261_248  # model card; every dim 0 divides by 8, no padding
+
+
+def test_reduce_scatter_stream_keeps_the_sharded_gradients_reserved() -> None:
+    from vramcalc.catalog import resolve_model
+    from vramcalc.parallel import resolve_layout
+    from vramcalc.terms.reserved import reduce_stream_bytes
+
+    spec, _ = resolve_model("llama3-8b")
+    tr = TrainingConfig(framework="torchtitan", precision="amp-bf16", seq_len=8192,
+                        micro_batch_size=2, recompute="selective")
+    ctx = RankContext(spec, tr, resolve_layout(spec, tr, ParallelConfig(dp=8, fsdp="full"), 8))
+    grads = LLAMA3_8B_PARAMS * 4 // 8  # fp32 gradients (fp32 parameters), 1/8 each
+    assert reduce_stream_bytes(ctx, 0) == grads
+    assert reduce_stream_bytes(ctx, grads) == 0  # a peak that holds them adds nothing
+    ddp = RankContext(spec, tr.model_copy(update={"framework": "reference"}),
+                      ParallelConfig(dp=8))
+    assert reduce_stream_bytes(ddp, 0) == 0
+
+
+def test_both_engines_add_the_reduce_stream_beside_a_gradient_free_peak(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the loss's peak holds no gradients in either engine; each adds exactly the sharded
+    # fp32 gradients (the hand-derived bytes above) to its one-stream reserved peak
+    from vramcalc import analytic
+    from vramcalc.parallel import resolve_layout
+    from vramcalc.terms.reserved import reduce_stream_bytes
+    from vramcalc.trace import engine
+    from vramcalc.trace.distributed import distributed_trace
+
+    tr = TrainingConfig(seq_len=512, micro_batch_size=2, precision="amp-bf16",
+                        optimizer="adamw", framework="reference")
+    scn = Scenario(model=SPEC, training=tr, parallel=ParallelConfig(dp=4, fsdp="full"))
+    extra = reduce_stream_bytes(RankContext(SPEC, tr, resolve_layout(SPEC, tr, scn.parallel,
+                                                                     4)), 0)
+    assert extra > 0
+    with_stream = [estimate(scn), distributed_trace(scn).report]
+    monkeypatch.setattr(analytic, "reduce_stream_bytes", lambda ctx, grads: 0)
+    monkeypatch.setattr(engine, "reduce_stream_bytes", lambda ctx, grads: 0)
+    one_stream = [estimate(scn), distributed_trace(scn).report]
+    for a, b in zip(with_stream, one_stream, strict=True):
+        assert a.terms.gradients == 0
+        assert a.peak_reserved_bytes - b.peak_reserved_bytes == extra
+        assert a.peak_allocated_bytes == b.peak_allocated_bytes
+        assert a.device_total_bytes == b.device_total_bytes  # cached: not in the fit

@@ -60,7 +60,7 @@ from vramcalc.terms.optimizer_states import (
 )
 from vramcalc.terms.overhead import context_bytes, overhead_split
 from vramcalc.terms.profile import profile
-from vramcalc.terms.reserved import reserved_pad_bytes
+from vramcalc.terms.reserved import reduce_stream_bytes, reserved_pad_bytes
 from vramcalc.terms.saved import Moment
 from vramcalc.terms.schedule import in_flight_microbatches
 from vramcalc.terms.torchtitan_tp import async_tp_overhead
@@ -324,7 +324,9 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
                                                            else (opt["states"], opt["master"], k)))
     high = max(0 if len(phases) == 1 else loss_bwd.total + P.logits_freed,  # cached: OOM frees
                init_reserved_bytes(ctx))
-    return phases, first, (pad, max(high - peak.total - pad, 0))  # (logits.py, tune_init.py)
+    streams = 0 if peak.name == "load" else reduce_stream_bytes(ctx, peak.grads)
+    return phases, first, (pad, max(high - peak.total - pad, 0) + streams)  # (logits.py,
+    # tune_init.py; FSDP2's reduce-scatter stream: terms/reserved.py)
 
 
 def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:

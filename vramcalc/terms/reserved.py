@@ -34,6 +34,18 @@ the same.
 The reported reserved peak adds one cached block to this floor: the loss's freed c-typed
 logits (vramcalc/terms/logits.py `freed_logits_bytes`, vramcalc/analytic.py). The fit check
 leaves it out: the allocator frees cached blocks and retries before an out-of-memory error.
+
+Streams (`reduce_stream_bytes`): the caching allocator hands a freed block only to requests
+on the stream it was allocated on (`get_free_block` compares the block's stream; with
+expandable segments each stream has its own segment). FSDP2 allocates each reduce-scatter's
+output on its reduce-scatter stream (torch/distributed/fsdp/_fully_shard/
+_fsdp_collectives.py `foreach_reduce`: `reduce_output = reduce_scatter_input.new_empty(...)`
+inside `torch.cuda.stream(reduce_scatter_stream)`), and the sharded gradients are views of
+it. `zero_grad` frees them, but their blocks stay reserved for that stream, so a peak of the
+compute stream that holds no gradients (the loss, the layers' backward before their
+reduce-scatters) still finds them reserved beside it: both engines add the gradient bytes
+the peak does not hold (both replay one stream). Cached, like the freed logits: the fit
+check leaves them out.
 """
 
 from __future__ import annotations
@@ -41,8 +53,9 @@ from __future__ import annotations
 from vramcalc.allocator import packed_reserved
 from vramcalc.rank import RankContext
 from vramcalc.sharding import dim0_numel, sharded_numel
+from vramcalc.terms import fsdp1
 from vramcalc.terms.activations import layer_saved
-from vramcalc.terms.gradients import grad_dtype
+from vramcalc.terms.gradients import grad_dtype, gradients_at_step_bytes
 from vramcalc.terms.saved import mostly_moe
 from vramcalc.units import alloc
 
@@ -94,3 +107,13 @@ def reserved_pad_bytes(ctx: RankContext, phase: str, grads: int, states: int, ma
     """Reserved minus allocated at the peak: the packing of its live blocks into segments."""
     blocks = live_blocks(ctx, phase, grads, states, master, in_flight)
     return packed_reserved(blocks) - sum(b * n for b, n in blocks)
+
+
+def reduce_stream_bytes(ctx: RankContext, grads_at_peak: int) -> int:
+    """Reserved segments of FSDP2's reduce-scatter stream beside a compute-stream peak that
+    holds `grads_at_peak` gradient bytes: the sharded gradients it does not hold (module
+    docstring). 0 outside FSDP2 (FSDP1's flat parameters and DeepSpeed keep theirs
+    otherwise)."""
+    if ctx.engine != "fsdp2" or fsdp1.flat(ctx):
+        return 0
+    return max(gradients_at_step_bytes(ctx) - grads_at_peak, 0)

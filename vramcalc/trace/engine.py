@@ -38,6 +38,7 @@ from vramcalc.report import (
 from vramcalc.scenario import Scenario, check_capabilities
 from vramcalc.terms.optimizer_states import paged_residency, paged_state_bytes
 from vramcalc.terms.overhead import context_bytes, overhead_split
+from vramcalc.terms.reserved import reduce_stream_bytes
 from vramcalc.terms.transients import cublas_workspace_bytes
 
 ITERATIONS = 2  # the second iteration is the steady state (optimizer states exist)
@@ -407,6 +408,10 @@ def _result(scn: Scenario, tracker: Any, param_bytes: int, iterations: int) -> T
     reserved = max(tracker.allocator.peak_reserved, peak.total)
     ovh = overhead_split(context_bytes(gpu, scn.training), scn.world_size,
                          reserved - peak.total)
+    # FSDP2's reduce-scatter stream keeps the sharded gradients' segments (the replay is of
+    # one stream): cached beside the peak, outside the fit (terms/reserved.py)
+    reserved += reduce_stream_bytes(RankContext(scn.model, scn.training, scn.parallel, 0),
+                                    peak.terms().get("gradients", 0))
     if scn.training.optimizer.startswith("paged-"):  # outside the allocator, as analytic
         paged = paged_state_bytes(RankContext(scn.model, scn.training, scn.parallel, 0))
         ovh["paged_optimizer_states"] = paged_residency(
