@@ -117,11 +117,14 @@ def test_reduce_scatter_stream_keeps_the_sharded_gradients_reserved() -> None:
                         micro_batch_size=2, recompute="selective")
     ctx = RankContext(spec, tr, resolve_layout(spec, tr, ParallelConfig(dp=8, fsdp="full"), 8))
     grads = LLAMA3_8B_PARAMS * 4 // 8  # fp32 gradients (fp32 parameters), 1/8 each
-    assert reduce_stream_bytes(ctx, 0) == grads
-    assert reduce_stream_bytes(ctx, grads) == 0  # a peak that holds them adds nothing
+    big = 60 << 30
+    assert reduce_stream_bytes(ctx, [(big, 0)]) == grads  # the loss's peak: no gradients
+    # a peak that holds them adds nothing unless a gradient-free phase comes within them
+    assert reduce_stream_bytes(ctx, [(big, grads), (big - grads - 1, 0)]) == 0
+    assert reduce_stream_bytes(ctx, [(big, grads), (big - 100, 0)]) == grads - 100
     ddp = RankContext(spec, tr.model_copy(update={"framework": "reference"}),
                       ParallelConfig(dp=8))
-    assert reduce_stream_bytes(ddp, 0) == 0
+    assert reduce_stream_bytes(ddp, [(big, 0)]) == 0
 
 
 def test_both_engines_add_the_reduce_stream_beside_a_gradient_free_peak(
@@ -138,11 +141,11 @@ def test_both_engines_add_the_reduce_stream_beside_a_gradient_free_peak(
                         optimizer="adamw", framework="reference")
     scn = Scenario(model=SPEC, training=tr, parallel=ParallelConfig(dp=4, fsdp="full"))
     extra = reduce_stream_bytes(RankContext(SPEC, tr, resolve_layout(SPEC, tr, scn.parallel,
-                                                                     4)), 0)
+                                                                     4)), [(1 << 40, 0)])
     assert extra > 0
     with_stream = [estimate(scn), distributed_trace(scn).report]
-    monkeypatch.setattr(analytic, "reduce_stream_bytes", lambda ctx, grads: 0)
-    monkeypatch.setattr(engine, "reduce_stream_bytes", lambda ctx, grads: 0)
+    monkeypatch.setattr(analytic, "reduce_stream_bytes", lambda ctx, phases: 0)
+    monkeypatch.setattr(engine, "reduce_stream_bytes", lambda ctx, phases: 0)
     one_stream = [estimate(scn), distributed_trace(scn).report]
     for a, b in zip(with_stream, one_stream, strict=True):
         assert a.terms.gradients == 0

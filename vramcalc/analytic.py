@@ -324,7 +324,8 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
                                                            else (opt["states"], opt["master"], k)))
     high = max(0 if len(phases) == 1 else loss_bwd.total + P.logits_freed,  # cached: OOM frees
                init_reserved_bytes(ctx))
-    streams = 0 if peak.name == "load" else reduce_stream_bytes(ctx, peak.grads)
+    streams = 0 if peak.name == "load" else reduce_stream_bytes(
+        ctx, [(p.total, p.grads) for p in phases if p.name != "load"])
     return phases, first, (pad, max(high - peak.total - pad, 0) + streams)  # (logits.py,
     # tune_init.py; FSDP2's reduce-scatter stream: terms/reserved.py)
 

@@ -43,8 +43,9 @@ _fsdp_collectives.py `foreach_reduce`: `reduce_output = reduce_scatter_input.new
 inside `torch.cuda.stream(reduce_scatter_stream)`), and the sharded gradients are views of
 it. `zero_grad` frees them, but their blocks stay reserved for that stream, so a peak of the
 compute stream that holds no gradients (the loss, the layers' backward before their
-reduce-scatters) still finds them reserved beside it: both engines add the gradient bytes
-the peak does not hold (both replay one stream). Cached, like the freed logits: the fit
+reduce-scatters) still finds them reserved beside it. Both engines replay one stream, so
+both take the compute stream's high-water mark as the largest phase less its gradients and
+add every sharded gradient (`reduce_stream_bytes`). Cached, like the freed logits: the fit
 check leaves them out.
 """
 
@@ -53,7 +54,6 @@ from __future__ import annotations
 from vramcalc.allocator import packed_reserved
 from vramcalc.rank import RankContext
 from vramcalc.sharding import dim0_numel, sharded_numel
-from vramcalc.terms import fsdp1
 from vramcalc.terms.activations import layer_saved
 from vramcalc.terms.gradients import grad_dtype, gradients_at_step_bytes
 from vramcalc.terms.saved import mostly_moe
@@ -109,11 +109,15 @@ def reserved_pad_bytes(ctx: RankContext, phase: str, grads: int, states: int, ma
     return packed_reserved(blocks) - sum(b * n for b, n in blocks)
 
 
-def reduce_stream_bytes(ctx: RankContext, grads_at_peak: int) -> int:
-    """Reserved segments of FSDP2's reduce-scatter stream beside a compute-stream peak that
-    holds `grads_at_peak` gradient bytes: the sharded gradients it does not hold (module
-    docstring). 0 outside FSDP2 (FSDP1's flat parameters and DeepSpeed keep theirs
-    otherwise)."""
-    if ctx.engine != "fsdp2" or fsdp1.flat(ctx):
+def reduce_stream_bytes(ctx: RankContext, phases: list[tuple[int, int]]) -> int:
+    """Reserved bytes FSDP's reduce-scatter stream adds above the allocated peak. `phases`:
+    (allocated, gradient bytes) at each phase's peak. The compute stream's high-water mark
+    is the largest phase without its gradients; the reduce-scatter stream's is every
+    sharded gradient (module docstring; FSDP1's `_post_backward_hook` likewise runs
+    `_reduce_grad`, whose `new_sharded_grad = torch.empty_like(chunks[0])` becomes the flat
+    parameter's gradient, on its post-backward stream). 0 outside FSDP (DeepSpeed reduces
+    into its own buffers)."""
+    if ctx.engine != "fsdp2" or not phases:
         return 0
-    return max(gradients_at_step_bytes(ctx) - grads_at_peak, 0)
+    compute = max(total - grads for total, grads in phases)
+    return max(compute + gradients_at_step_bytes(ctx) - max(t for t, _ in phases), 0)

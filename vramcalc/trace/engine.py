@@ -410,8 +410,9 @@ def _result(scn: Scenario, tracker: Any, param_bytes: int, iterations: int) -> T
                          reserved - peak.total)
     # FSDP2's reduce-scatter stream keeps the sharded gradients' segments (the replay is of
     # one stream): cached beside the peak, outside the fit (terms/reserved.py)
-    reserved += reduce_stream_bytes(RankContext(scn.model, scn.training, scn.parallel, 0),
-                                    peak.terms().get("gradients", 0))
+    reserved += reduce_stream_bytes(
+        RankContext(scn.model, scn.training, scn.parallel, 0),
+        [(p.total, p.terms().get("gradients", 0)) for p in phases.values()])
     if scn.training.optimizer.startswith("paged-"):  # outside the allocator, as analytic
         paged = paged_state_bytes(RankContext(scn.model, scn.training, scn.parallel, 0))
         ovh["paged_optimizer_states"] = paged_residency(
