@@ -70,12 +70,12 @@ def dequantized_saved(ctx: RankContext) -> list[Saved]:
     if not _compiled_nf4(ctx):
         return []
     x = dims(ctx)
-    mlp = ["gate", "up", "down"] if ctx.spec.mlp_kind == "gated" else ["up", "down"]
-    rows = {"q": x.a * x.d, "k": x.g * x.d, "v": x.g * x.d, "o": x.h}
-    cols = {"o": x.a * x.d, "down": x.f}
-    return [Saved(f"lora.{t}.dequantized", rows.get(t, x.f if t != "down" else x.h)
-                  * cols.get(t, x.h), "bf16", "(out, in)", "dequantized NF4 weight (compiled)")
-            for t in ["q", "k", "v", "o", *mlp]]
+    out_in = {"q": (x.a * x.d, x.h), "k": (x.g * x.d, x.h), "v": (x.g * x.d, x.h),
+              "o": (x.h, x.a * x.d), "gate": (x.f, x.h), "up": (x.f, x.h), "down": (x.h, x.f)}
+    if ctx.spec.mlp_kind != "gated":
+        del out_in["gate"]
+    return [Saved(f"lora.{t}.dequantized", rows * cols, "bf16", "(out, in)",
+                  "dequantized NF4 weight (compiled)") for t, (rows, cols) in out_in.items()]
 
 
 class FinetuneActivations(Modifier):
