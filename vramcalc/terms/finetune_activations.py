@@ -384,6 +384,13 @@ def _step(name: str) -> int:
     return len(_ORDER)
 
 
+def compiled_nf4(ctx: RankContext) -> bool:
+    """A dense compiled torchao QLoRA layer, which keeps its dequantized weights
+    (vramcalc.qlora.compiled_dequant_kept; finetune_modifier.dequantized_saved)."""
+    tr = ctx.training
+    return compiled_dequant_kept(tr.compile, tr.finetune, tr.nf4) and not ctx.spec.is_moe
+
+
 def forward_working_bytes(ctx: RankContext, saved: list[Saved], held: bool = True) -> int:
     """Worst transient inside the top layer's forward, under
     LoRA/QLoRA/DoRA: at each adapted or quantized linear, the tensors of the layer saved so
@@ -437,7 +444,7 @@ def forward_working_bytes(ctx: RankContext, saved: list[Saved], held: bool = Tru
         if t == "down" and down_in not in names:
             work += alloc(T * w_in, _input_dtype(ctx, x, "down"))
         y = alloc(T * w_out, c)
-        if compiled_dequant_kept(tr.compile, tr.finetune, tr.nf4):
+        if compiled_nf4(ctx):
             base_moment = y  # the fused kernel's bf16 weight is saved: in `kept`
         elif tr.finetune == "qlora":
             base_moment = dequant_matmul_bytes(w_in * w_out, c, tr.nf4, y)

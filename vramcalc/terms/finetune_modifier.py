@@ -6,12 +6,13 @@ for the tables and their sources)."""
 from __future__ import annotations
 
 from vramcalc.features import finetunes
-from vramcalc.qlora import compiled_dequant_kept, dequant_backward_bytes
+from vramcalc.qlora import dequant_backward_bytes
 from vramcalc.rank import RankContext
 from vramcalc.terms.finetune_activations import (
     adjust_head_saved,
     adjust_layer_saved,
     autocast_cache_layer_bytes,
+    compiled_nf4,
     first_layer_unsaved_bytes,
     forward_working_bytes,
     held_4bit_inputs,
@@ -48,7 +49,7 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
         total = sum(t.nbytes for t in saved)
         g_res = alloc(x.T * x.h, x.r)
         dx = alloc(x.T * x.f, x.c)
-        if _compiled_nf4(ctx):  # down's kept dequantized weight is read by its dL/dx
+        if compiled_nf4(ctx):  # down's kept dequantized weight is read by its dL/dx
             kept = sum(t.nbytes for t in saved if t.name == "lora.down.dequantized")
             out.append(Moment("dequant_down", total - down + kept, g_res + dx, "down"))
         else:
@@ -57,17 +58,12 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
     return out
 
 
-def _compiled_nf4(ctx: RankContext) -> bool:
-    tr = ctx.training
-    return compiled_dequant_kept(tr.compile, tr.finetune, tr.nf4) and not ctx.spec.is_moe
-
-
 def dequantized_saved(ctx: RankContext) -> list[Saved]:
     """A compiled torchao QLoRA layer's dequantized bf16 weights, kept for the backward's
     dL/dx (vramcalc.qlora.compiled_dequant_kept), named after each linear's adapter group
     so that the backward instants free them after their dL/dx: o's and down's before the
     core's and the MLP's instants, q, k, v's after the core."""
-    if not _compiled_nf4(ctx):
+    if not compiled_nf4(ctx):
         return []
     x = dims(ctx)
     out_in = {"q": (x.a * x.d, x.h), "k": (x.g * x.d, x.h), "v": (x.g * x.d, x.h),
