@@ -50,7 +50,7 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
         g_res = alloc(x.T * x.h, x.r)
         dx = alloc(x.T * x.f, x.c)
         if compiled_nf4(ctx):  # down's kept dequantized weight is read by its dL/dx
-            kept = sum(t.nbytes for t in saved if t.name == "lora.down.dequantized")
+            kept = sum(t.nbytes for t in saved if t.name == "lora.down.w_deq")
             out.append(Moment("dequant_down", total - down + kept, g_res + dx, "down"))
         else:
             work = dequant_backward_bytes(x.h * x.f, x.c, ctx.training.nf4, dx)
@@ -70,7 +70,7 @@ def dequantized_saved(ctx: RankContext) -> list[Saved]:
               "o": (x.h, x.a * x.d), "gate": (x.f, x.h), "up": (x.f, x.h), "down": (x.h, x.f)}
     if ctx.spec.mlp_kind != "gated":
         del out_in["gate"]
-    return [Saved(f"lora.{t}.dequantized", rows * cols, "bf16", "(out, in)",
+    return [Saved(f"lora.{t}.w_deq", rows * cols, "bf16", "(out, in)",
                   "dequantized NF4 weight (compiled)") for t, (rows, cols) in out_in.items()]
 
 
