@@ -324,10 +324,11 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
                                                            else (opt["states"], opt["master"], k)))
     high = max(0 if len(phases) == 1 else loss_bwd.total + P.logits_freed,  # cached: OOM frees
                init_reserved_bytes(ctx))
+    # cached beside the peak: the freed logits (logits.py), the init's segments
+    # (tune_init.py), FSDP's reduce-scatter stream (terms/reserved.py)
     streams = 0 if peak.name == "load" else reduce_stream_bytes(
         ctx, [(p.total, p.grads) for p in phases if p.name != "load"])
-    return phases, first, (pad, max(high - peak.total - pad, 0) + streams)  # (logits.py,
-    # tune_init.py; FSDP2's reduce-scatter stream: terms/reserved.py)
+    return phases, first, (pad, max(high - peak.total - pad, 0) + streams)
 
 
 def estimate(scn: Scenario, every_stage: bool = True) -> MemoryReport:

@@ -104,11 +104,13 @@ def op_sac_saved(ctx: RankContext) -> list[Saved]:
            Saved("attn.out", n * x.a * x.d, c, "(b, s, a, d)", "SDPA output (saved)"),
            Saved("attn.lse", x.b * x.a * x.s, "fp32", "(b, a, s)", "SDPA logsumexp (saved)"),
            Saved("sac.w1", n * f, c, "(b, s, f)", "mm 5 output (saved)")]
-    if ctx.training.compile:  # float8: the casts' amax and 1/scale scalars the backward reads
-        return out + ([Saved("float8.amax", 1, "bf16", "()", "max(|x|) of a cast",
-                             SAC_FLOAT8_AMAX),
-                       Saved("float8.inv_scale", 1, "fp32", "()", "1/scale of a cast",
-                             SAC_FLOAT8_INV_SCALES)] if ctx.training.float8 else [])
+    if ctx.training.compile:  # w2's output is not kept
+        if ctx.training.float8:  # the casts' scalars the backward reads
+            out += [Saved("float8.amax", 1, "bf16", "()", "max(|x|) of a cast",
+                          SAC_FLOAT8_AMAX),
+                    Saved("float8.inv_scale", 1, "fp32", "()", "1/scale of a cast",
+                          SAC_FLOAT8_INV_SCALES)]
+        return out
     out.append(Saved("sac.w2", n * x.h, c, "(b, s, h)", "mm 7 output (saved; partial sums "
                      "under TP)"))
     if ctx.parallel.tp > 1:
