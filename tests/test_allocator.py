@@ -85,6 +85,22 @@ def test_freed_block_is_reused_and_split_without_new_reserve() -> None:
     assert a.reserved == 100 * MiB
 
 
+@pytest.mark.parametrize("expandable", [False, True])
+def test_a_block_freed_by_one_stream_is_not_reused_by_another(expandable: bool) -> None:
+    # `get_free_block` hands a cached block only to a request of the stream that allocated
+    # it: 100 MiB freed by stream 1 stays reserved when stream 0 asks for 60 MiB
+    a = CachingAllocator(expandable=expandable)
+    a.free(a.malloc(100 * MiB, stream=1))
+    a.malloc(60 * MiB)
+    page = 20 * MiB if expandable else 2 * MiB  # 60 MiB is whole pages and 2 MiB units
+    assert a.reserved == 100 * MiB + 60 * MiB // page * page
+    assert a.stream_reserved == {0: 60 * MiB, 1: 100 * MiB}
+    assert a.stream_allocated == {0: 60 * MiB, 1: 0}
+    a.malloc(100 * MiB, stream=1)  # its own stream takes it back without a new segment
+    assert a.reserved == 160 * MiB
+    assert a.allocated == a.peak_allocated == 160 * MiB
+
+
 def test_large_remainder_under_1_mib_is_not_split() -> None:
     a = CachingAllocator()
     a.free(a.malloc(100 * MiB))

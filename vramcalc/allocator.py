@@ -21,6 +21,10 @@ Written from the rules of `c10/cuda/CUDACachingAllocator.cpp` (pytorch/pytorch a
   (`allocated_bytes` adds `block->size`, not the request).
 - `free_block` / `try_merge_blocks`: a freed block merges with its free neighbours in the
   same segment; segments are never returned to CUDA here (see below).
+- Streams (`get_free_block` compares the block's stream with the request's): a block
+  freed by one stream is never handed to a request of another, so each stream has its own
+  pools (`malloc(nbytes, stream)`), each with its own expandable segment; `reserved` sums
+  them all.
 - `expandable_segments:True` (Note [Expandable Segments], `find_expandable_block`,
   `map_block`, `try_allocate_expandable_block`): one segment per pool and stream whose
   mapped size grows in pages of 2 MiB (small pool) or 20 MiB (large pool); with no fitting
@@ -29,8 +33,9 @@ Written from the rules of `c10/cuda/CUDACachingAllocator.cpp` (pytorch/pytorch a
   so any other fitting block is preferred. Splitting keeps any remainder >= 512 B; every
   freed block merges with its neighbours across the whole mapped range.
 
-Not modelled, as they do not change the peaks of one training process on one stream: CUDA
-events and cross-stream uses (`recordStream`, `process_events`), CUDA graph private pools,
+Not modelled, as they do not change the peaks of one training process: CUDA events and
+cross-stream uses (`recordStream`, `process_events`: a block waits for another stream's
+work before it is reused; FSDP2 orders its streams with events instead), CUDA graph private pools,
 IPC sharing, garbage_collection_threshold and per-process memory fractions. The OOM path
 (`release_available_cached_blocks`, `release_cached_blocks`: free unsplit cached segments
 and retry) and `empty_cache` are not modelled either: there is no device capacity here, so
@@ -135,19 +140,32 @@ class CachingAllocator:
         self.expandable = expandable
         self.max_split = max_split_size or _NO_LIMIT
         # segments get disjoint virtual addresses; expandable pools reserve a huge range
-        self._pools = (_Pool(True, 1 << 57), _Pool(False, 2 << 57))
+        # (the default stream's at 2**57 and 2**58, other streams' 2**52 apart above 3·2**57)
+        self._pools: dict[int, tuple[_Pool, _Pool]] = {
+            0: (_Pool(True, 1 << 57), _Pool(False, 2 << 57))}
         self._next_addr = 1 << 20
-        self._live: dict[int, tuple[_Block, _Pool]] = {}
+        self._live: dict[int, tuple[_Block, _Pool, int]] = {}
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = 0
+        # per stream: bytes handed out now, bytes reserved (pools never shrink here)
+        self.stream_allocated: dict[int, int] = {0: 0}
+        self.stream_reserved: dict[int, int] = {0: 0}
         self.num_segments = 0
 
     # ---- requests ------------------------------------------------------------------
-    def malloc(self, nbytes: int) -> int:
+    def malloc(self, nbytes: int, stream: int = 0) -> int:
+        """A block for `nbytes` requested on `stream` (0: the default stream)."""
         size = -(-nbytes // K_MIN_BLOCK_SIZE) * K_MIN_BLOCK_SIZE or K_MIN_BLOCK_SIZE  # round_size
-        pool = self._pools[0] if size <= K_SMALL_SIZE else self._pools[1]
+        pools = self._pools.get(stream)
+        if pools is None:
+            base = (3 << 57) + (len(self._pools) - 1) * (2 << 52)
+            pools = self._pools[stream] = (_Pool(True, base), _Pool(False, base + (1 << 52)))
+        pool = pools[0] if size <= K_SMALL_SIZE else pools[1]
         block = self._find_free(pool, size)
         if block is None:
+            before = self.reserved
             block = self._grow(pool, size) if self.expandable else self._segment(pool, size)
+            self.stream_reserved[stream] = (self.stream_reserved.get(stream, 0)
+                                            + self.reserved - before)
         else:
             pool.remove(block)
         remaining = block.size - size
@@ -164,16 +182,18 @@ class CachingAllocator:
                 pool.tail = rest
             pool.add(rest)
         block.used = True
-        self._live[block.addr] = (block, pool)
+        self._live[block.addr] = (block, pool, stream)
         self.allocated += block.size
+        self.stream_allocated[stream] = self.stream_allocated.get(stream, 0) + block.size
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
         return block.addr
 
     def free(self, handle: int) -> None:
-        block, pool = self._live.pop(handle)
+        block, pool, stream = self._live.pop(handle)
         block.used = False
         self.allocated -= block.size
+        self.stream_allocated[stream] -= block.size
         for nb in (block.prev, block.next):
             if nb is not None and not nb.used:
                 pool.remove(nb)

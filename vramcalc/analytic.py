@@ -60,7 +60,7 @@ from vramcalc.terms.optimizer_states import (
 )
 from vramcalc.terms.overhead import context_bytes, overhead_split
 from vramcalc.terms.profile import profile
-from vramcalc.terms.reserved import reduce_stream_bytes, reserved_pad_bytes
+from vramcalc.terms.reserved import reserved_pad_bytes, side_stream_bytes
 from vramcalc.terms.saved import Moment
 from vramcalc.terms.schedule import in_flight_microbatches
 from vramcalc.terms.torchtitan_tp import async_tp_overhead
@@ -241,7 +241,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
             "transients/reduce_buffers": tr.reduce_buffer_bytes(ctx, i, done,
                                                                 mom.work + mom.held),
             "logits": prev_logits + root,
-        }, states_made(ib, i + done) if ib else None)
+        }, states_made(ib, i + done) if ib else None, comm.prefetch_bytes(ctx, i))
 
     candidates = [loss_bwd]
     if ib:  # the step of each parameter inside backward, at its largest instants
@@ -325,9 +325,9 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     high = max(0 if len(phases) == 1 else loss_bwd.total + P.logits_freed,  # cached: OOM frees
                init_reserved_bytes(ctx))
     # cached beside the peak: the freed logits (logits.py), the init's segments
-    # (tune_init.py), FSDP's reduce-scatter stream (terms/reserved.py)
-    streams = 0 if peak.name == "load" else reduce_stream_bytes(
-        ctx, [(p.total, p.grads) for p in phases if p.name != "load"])
+    # (tune_init.py), FSDP's side streams (terms/reserved.py)
+    streams = 0 if peak.name == "load" else side_stream_bytes(
+        ctx, [(p.total, p.grads, p.side) for p in phases if p.name != "load"])
     return phases, first, (pad, max(high - peak.total - pad, 0) + streams)
 
 

@@ -16,7 +16,7 @@ from vramcalc.rank import RankContext
 from vramcalc.report import MemoryReport, fit_phrase, paged_resident_bytes
 from vramcalc.scenario import Scenario
 from vramcalc.terms import activations as act
-from vramcalc.terms.comm import edge_units
+from vramcalc.terms.comm import copy_in_stream_bytes, edge_units
 from vramcalc.terms.gradients import gradients_bytes
 from vramcalc.terms.logits import (
     logits_backward_peak_bytes,
@@ -141,6 +141,7 @@ def explain(scn: Scenario) -> dict[str, Any]:
     sections.append({"title": "Transients", "lines": transient_lines(ctx, report)})
     sections.append({"title": "Overhead", "lines": overhead_lines(scn, report)})
 
+    copy_in = copy_in_stream_bytes(ctx)
     sections.append({"title": "Peak", "lines": [
         "Phase peaks (steady state): " + ", ".join(f"{k} {_gb(v)}" for k, v in
                                                     report.phases.items()) + ".",
@@ -149,10 +150,13 @@ def explain(scn: Scenario) -> dict[str, Any]:
         "At that moment: " + ", ".join(f"{k} {_gb(v)}" for k, v in
                                        report.terms.as_dict().items() if k != "overhead"),
         "Sub-terms: " + ", ".join(f"{k} {_gb(v)}" for k, v in sorted(report.subterms.items())),
-        f"Peak reserved = peak + the caching allocator's segment packing of the tensors live "
-        f"at the peak + blocks cached beside the loss backward (the freed logits) = "
-        f"{_gb(report.peak_reserved_bytes)} (vramcalc/terms/reserved.py, terms/logits.py) — "
-        "comparable with torch.cuda.max_memory_reserved() on a GPU with room to spare.",
+        "Peak reserved = peak + the caching allocator's segment packing of the tensors live "
+        "at the peak + blocks cached beside the loss backward (the freed logits)"
+        + (" + the blocks FSDP's side streams keep (the reduce-scatter stream's sharded "
+           "gradients" + (f", the all-gather copy-in stream's {_gb(copy_in)}" if copy_in else "")
+           + ")" if ctx.engine == "fsdp2" else "")
+        + f" = {_gb(report.peak_reserved_bytes)} (vramcalc/terms/reserved.py, terms/logits.py) "
+        "— comparable with torch.cuda.max_memory_reserved() on a GPU with room to spare.",
         "Device total = peak + packing + CUDA context + NCCL buffers"
         + (" + resident paged optimizer states" if "overhead/paged_optimizer_states"
            in report.subterms else "") + " (overhead "

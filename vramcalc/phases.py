@@ -32,12 +32,15 @@ class Phase:
     (`parts`) is only assembled for the moments a report shows (the planner evaluates
     thousands of moments per second)."""
 
-    __slots__ = ("name", "base", "grads", "own", "total", "made")
+    __slots__ = ("name", "base", "grads", "own", "total", "made", "side")
 
     def __init__(self, name: str, base: StageBase, grads: int, own: dict[str, int],
-                 made: int | None = None) -> None:
+                 made: int | None = None, side: int = 0) -> None:
         self.name, self.base, self.grads, self.own = name, base, grads, own
         self.made = made  # first step, optimizer in backward: states created (None: all)
+        # of the total, bytes on FSDP2's all-gather copy-in stream (a prefetched block's
+        # all-gather output; terms/reserved.py `side_stream_bytes`)
+        self.side = side
         self.total = base.total + grads + sum(own.values())
 
     @property

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from vramcalc.allocator import CachingAllocator
 from vramcalc.ds_config import DeepSpeedConfig
 from vramcalc.features import finetunes
 from vramcalc.finetune import adapter_dtype, gathered_layer_bytes, trained_layer_numels
@@ -169,6 +170,51 @@ def fsdp_layer_bytes(ctx: RankContext) -> int:
     return alloc(_layer_numel(ctx), ctx.training.compute_dtype)
 
 
+def copy_in_stream_bytes(ctx: RankContext) -> int:
+    """Bytes FSDP2's all-gather copy-in stream keeps reserved: the high-water mark of its
+    own pool (the caching allocator reuses a block only on its stream; terms/reserved.py).
+
+    torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py `foreach_all_gather` allocates,
+    inside `device_handle.stream(all_gather_copy_in_stream)` (the stream
+    `FSDPCommContext.get_all_gather_streams` picks in forward and backward when the unshard
+    is not explicitly prefetched), the shards cast to the all-gather dtype
+    (`_get_param_all_gather_inputs`: one flat foreach copy of the fp32 shards to bf16 under
+    a MixedPrecisionPolicy, torchao's fp8 casts under --float8-all-gather; none when the
+    shards already have that dtype), then the flat all-gather output, world × shard
+    (`all_gather_copy_in`), and frees the cast shards once copied in. The unsharded
+    parameters are copied out of the output on the compute stream. In forward
+    (`FSDPParamGroup.wait_for_unshard`) a group's output is kept in `all_gather_state` until
+    the next group's copy-out, so the next group's cast and output are allocated beside it;
+    in backward each output is freed at its own copy-out, one unit ahead at most. Forward
+    order: the root (embedding, final norm and head; the final norm alone with edge units),
+    the embedding unit, the blocks, the output unit. These requests are replayed through
+    the caching-allocator model (vramcalc/allocator.py; the pattern repeats from the second
+    block on). 0 outside FSDP2 (FSDP1 gathers into each flat parameter's own padded
+    storage, which the phases count as gathered parameters).
+    """
+    if ctx.engine != "fsdp2" or ctx.parallel.flat_fsdp(ctx.training.framework):
+        return 0
+    world = ctx.parallel.shard_degree
+    if world <= 1:
+        return 0
+    cast = ctx.training.is_autocast or float8_gather(ctx)
+    edge = edge_units(ctx)
+    outs = [fsdp_root_bytes(ctx)] + ([_unsharded(ctx, ("embedding",))] if edge else [])
+    outs += [fsdp_layer_bytes(ctx)] * min(ctx.num_layers, 3)
+    outs += [_unsharded(ctx, ("head",))] if edge else []
+    pool = CachingAllocator(expandable=ctx.training.expandable)
+    prev = 0
+    for out in (n for n in outs if n):
+        shards = pool.malloc(ceil_div(out, world)) if cast else 0
+        gathered = pool.malloc(out)
+        if shards:
+            pool.free(shards)
+        if prev:  # the previous group's output, freed at this group's copy-out
+            pool.free(prev)
+        prev = gathered
+    return pool.peak_reserved
+
+
 def _ds_key(ctx: RankContext) -> tuple:
     root = tuple((t.name, t.numel) for t in ctx.tensors if t.group in ROOT_GROUPS)
     layer: tuple[int, ...] = ()
@@ -261,6 +307,18 @@ def gather_bytes(ctx: RankContext, at: str = "blocks") -> int:
     return root + fsdp_layer_bytes(ctx)
 
 
+def prefetch_bytes(ctx: RankContext, layer: int) -> int:
+    """FSDP2: the next unit's all-gather output during the backward of the `layer`-th layer
+    from the top (FSDPParamGroup.pre_backward prefetches it; it lives until that unit's
+    copy-out, on the all-gather copy-in stream: copy_in_stream_bytes). grad-op keeps every
+    block unsharded and gathers none."""
+    if ctx.engine != "fsdp2" or ctx.parallel.fsdp == "grad-op":
+        return 0
+    if layer == ctx.num_layers - 1 and edge_units(ctx):  # the embedding unit comes next
+        return _unsharded(ctx, ("embedding",))
+    return fsdp_layer_bytes(ctx) if layer < ctx.num_layers - 1 else 0
+
+
 def reduce_bytes(ctx: RankContext, layer: int = 0, done: float = 1.0,
                  freed: int | None = None) -> int:
     """Extra at one instant of the backward of the `layer`-th layer from the top, because
@@ -308,10 +366,7 @@ def reduce_bytes(ctx: RankContext, layer: int = 0, done: float = 1.0,
         rs_input = alloc(n, a_dt)
     if freed is None:
         freed = act.layer_backward_working_bytes(ctx) + act.layer_activation_bytes(ctx)
-    regather = ctx.parallel.fsdp != "grad-op"  # grad-op keeps every block unsharded
-    prefetch = fsdp_layer_bytes(ctx) if regather and layer < ctx.num_layers - 1 else 0
-    if layer == ctx.num_layers - 1 and edge_units(ctx):  # the embedding unit comes next
-        prefetch = _unsharded(ctx, ("embedding",))
+    prefetch = prefetch_bytes(ctx, layer)
     early = int(done * (whole - g)) + (rs_input if layer > 0 else 0)
     late = int((1 - done) * g) + whole + rs_input - freed
     return max(early, late, 0) + prefetch

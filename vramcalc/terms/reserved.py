@@ -35,7 +35,7 @@ The reported reserved peak adds one cached block to this floor: the loss's freed
 logits (vramcalc/terms/logits.py `freed_logits_bytes`, vramcalc/analytic.py). The fit check
 leaves it out: the allocator frees cached blocks and retries before an out-of-memory error.
 
-Streams (`reduce_stream_bytes`): the caching allocator hands a freed block only to requests
+Streams (`side_stream_bytes`): the caching allocator hands a freed block only to requests
 on the stream it was allocated on (`get_free_block` compares the block's stream; with
 expandable segments each stream has its own segment). FSDP2 allocates each reduce-scatter's
 output on its reduce-scatter stream (torch/distributed/fsdp/_fully_shard/
@@ -43,10 +43,12 @@ _fsdp_collectives.py `foreach_reduce`: `reduce_output = reduce_scatter_input.new
 inside `torch.cuda.stream(reduce_scatter_stream)`), and the sharded gradients are views of
 it. `zero_grad` frees them, but their blocks stay reserved for that stream, so a peak of the
 compute stream that holds no gradients (the loss, the layers' backward before their
-reduce-scatters) still finds them reserved beside it. Both engines replay one stream, so
-both take the compute stream's high-water mark as the largest phase less its gradients and
-add every sharded gradient (`reduce_stream_bytes`). Cached, like the freed logits: the fit
-check leaves them out.
+reduce-scatters) still finds them reserved beside it. Its all-gather copy-in stream keeps the
+flat all-gather outputs and the cast shards (`comm.copy_in_stream_bytes`). The analytic
+engine takes the compute stream's high-water mark as the largest phase less its gradients
+and adds every sharded gradient and the copy-in stream's high-water mark; the trace engine
+replays each stream's requests in pools of their own (vramcalc/allocator.py,
+trace/tracker.py). Cached, like the freed logits: the fit check leaves them out.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from vramcalc.allocator import packed_reserved
 from vramcalc.rank import RankContext
 from vramcalc.sharding import dim0_numel, sharded_numel
 from vramcalc.terms.activations import layer_saved
+from vramcalc.terms.comm import copy_in_stream_bytes
 from vramcalc.terms.gradients import grad_dtype, gradients_at_step_bytes
 from vramcalc.terms.saved import mostly_moe
 from vramcalc.units import alloc
@@ -109,15 +112,19 @@ def reserved_pad_bytes(ctx: RankContext, phase: str, grads: int, states: int, ma
     return packed_reserved(blocks) - sum(b * n for b, n in blocks)
 
 
-def reduce_stream_bytes(ctx: RankContext, phases: list[tuple[int, int]]) -> int:
-    """Reserved bytes FSDP's reduce-scatter stream adds above the allocated peak. `phases`:
-    (allocated, gradient bytes) at each phase's peak. The compute stream's high-water mark
-    is the largest phase without its gradients; the reduce-scatter stream's is every
+def side_stream_bytes(ctx: RankContext, phases: list[tuple[int, int, int]]) -> int:
+    """Reserved bytes FSDP's side streams add above the allocated peak. `phases`:
+    (allocated, gradient bytes, all-gather output bytes) at each phase's peak. The compute
+    stream's high-water mark is the largest phase without its gradients and all-gather
+    outputs; the reduce-scatter stream's is every
     sharded gradient (module docstring; FSDP1's `_post_backward_hook` likewise runs
     `_reduce_grad`, whose `new_sharded_grad = torch.empty_like(chunks[0])` becomes the flat
-    parameter's gradient, on its post-backward stream). 0 outside FSDP (DeepSpeed reduces
-    into its own buffers)."""
+    parameter's gradient, on its post-backward stream); FSDP2's all-gather copy-in stream
+    keeps its own (comm.copy_in_stream_bytes). 0 outside FSDP (DeepSpeed reduces into its
+    own buffers)."""
     if ctx.engine != "fsdp2" or not phases:
         return 0
-    compute = max(total - grads for total, grads in phases)
-    return max(compute + gradients_at_step_bytes(ctx) - max(t for t, _ in phases), 0)
+    copy_in = copy_in_stream_bytes(ctx)
+    compute = max(total - grads - min(flat, copy_in) for total, grads, flat in phases)
+    side = gradients_at_step_bytes(ctx) + copy_in
+    return max(compute + side - max(t for t, _, _ in phases), 0)

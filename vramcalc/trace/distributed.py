@@ -124,13 +124,17 @@ def _tracker_class() -> Any:
 
 
 @contextlib.contextmanager
-def _fsdp_storage_hooks(tracker: Any) -> Iterator[None]:
-    """Let the tracker see FSDP2's storage resizes and name its all-gathered parameters."""
+def _fsdp_storage_hooks(tracker: Any, fsdp1: bool = False) -> Iterator[None]:
+    """Let the tracker see FSDP2's storage resizes and name its all-gathered parameters.
+    `fsdp1`: FSDP2 stands in for FSDP1, which gathers into each flat parameter's own
+    storage (terms/comm.py `copy_in_stream_bytes`): all-gathers run on the current stream,
+    with no copy-in stream of their own."""
     import torch.distributed.fsdp._fully_shard._fsdp_param as fsdp_param
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
 
     orig_alloc, orig_free = fsdp_param.alloc_storage, fsdp_param.free_storage
     orig_wait = fsdp_group.FSDPParamGroup.wait_for_unshard
+    orig_streams = fsdp_group.FSDPCommContext.get_all_gather_streams
 
     def alloc_storage(tensor: torch.Tensor) -> None:
         orig_alloc(tensor)
@@ -150,12 +154,19 @@ def _fsdp_storage_hooks(tracker: Any) -> Iterator[None]:
     fsdp_param.free_storage = free_storage
     fsdp_group.alloc_storage = alloc_storage
     fsdp_group.FSDPParamGroup.wait_for_unshard = wait_for_unshard  # type: ignore[method-assign]  # patch
+    if fsdp1:
+        def current_streams(self: Any, *_: Any) -> tuple[Any, Any]:
+            stream = self.device_handle.current_stream()
+            return stream, stream
+
+        fsdp_group.FSDPCommContext.get_all_gather_streams = current_streams  # type: ignore[method-assign, assignment]  # patch
     try:
         yield
     finally:
         fsdp_param.alloc_storage, fsdp_param.free_storage = orig_alloc, orig_free
         fsdp_group.alloc_storage = orig_alloc
         fsdp_group.FSDPParamGroup.wait_for_unshard = orig_wait  # type: ignore[method-assign]  # unpatch
+        fsdp_group.FSDPCommContext.get_all_gather_streams = orig_streams  # type: ignore[method-assign]  # unpatch
 
 
 @contextlib.contextmanager
@@ -241,7 +252,8 @@ def distributed_trace(scn: Scenario, progress: Progress | None = None,
         from vramcalc.trace.hf_models import real_device_behaviour
 
         framework_ctx = real_device_behaviour()
-    with fake_process_group(world), _fsdp_storage_hooks(tracker), framework_ctx:
+    fsdp1 = par.flat_fsdp(tr.framework)
+    with fake_process_group(world), _fsdp_storage_hooks(tracker, fsdp1), framework_ctx:
         # the mesh is built outside fake mode (its coordinates use data-dependent ops)
         if par.fsdp == "hybrid":
             assert par.shard_group is not None

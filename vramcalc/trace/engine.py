@@ -38,7 +38,6 @@ from vramcalc.report import (
 from vramcalc.scenario import Scenario, check_capabilities
 from vramcalc.terms.optimizer_states import paged_residency, paged_state_bytes
 from vramcalc.terms.overhead import context_bytes, overhead_split
-from vramcalc.terms.reserved import reduce_stream_bytes
 from vramcalc.terms.transients import cublas_workspace_bytes
 
 ITERATIONS = 2  # the second iteration is the steady state (optimizer states exist)
@@ -404,15 +403,16 @@ def _result(scn: Scenario, tracker: Any, param_bytes: int, iterations: int) -> T
     first = max(_snap(tracker.peaks[(0, ph)], extra).total for ph in PHASE_NAMES)
     peak_name = max(PHASE_NAMES, key=lambda ph: phases[ph].total)
     peak = phases[peak_name]
-    # the allocator replay's high-water mark (vramcalc/allocator.py; the workspace included)
-    reserved = max(tracker.allocator.peak_reserved, peak.total)
+    # the allocator replay's high-water mark (vramcalc/allocator.py; the workspace included),
+    # every stream's pools: the blocks FSDP's side streams (all-gather copy-in,
+    # reduce-scatter) do not use at the peak are cached there, outside the fit (an OOM
+    # retry frees them; terms/reserved.py), the default stream's excess is fragmentation
+    alloc = tracker.allocator
+    reserved = max(alloc.peak_reserved, peak.total)
+    side = alloc.peak_reserved - alloc.stream_reserved[0]
+    cached = max(side - tracker.peaks[(last, peak_name)].side_allocated, 0)
     ovh = overhead_split(context_bytes(gpu, scn.training), scn.world_size,
-                         reserved - peak.total)
-    # FSDP2's reduce-scatter stream keeps the sharded gradients' segments (the replay is of
-    # one stream): cached beside the peak, outside the fit (terms/reserved.py)
-    reserved += reduce_stream_bytes(
-        RankContext(scn.model, scn.training, scn.parallel, 0),
-        [(p.total, p.terms().get("gradients", 0)) for p in phases.values()])
+                         max(reserved - cached - peak.total, 0))
     if scn.training.optimizer.startswith("paged-"):  # outside the allocator, as analytic
         paged = paged_state_bytes(RankContext(scn.model, scn.training, scn.parallel, 0))
         ovh["paged_optimizer_states"] = paged_residency(

@@ -27,7 +27,11 @@ Every allocation and free is also replayed, in order, through the caching-alloca
 `torch.cuda.max_memory_reserved`. A storage resized in place is a new block then the old
 one freed (`resize_` copies into a new allocation); the cuBLAS workspace, which torch takes
 from the caching allocator at the first matmul (aten/src/ATen/cuda/CublasHandlePool.cpp keeps
-it as a DataPtr of CUDACachingAllocator), is requested when the first forward starts.
+it as a DataPtr of CUDACachingAllocator), is requested when the first forward starts. Each
+block is requested on the stream current when it is allocated, as torch's allocator does:
+code written for any device (FSDP2's `device_handle.stream(...)`) selects its side streams
+through `torch.cpu.stream` on the CPU, and `torch.cpu.current_stream()` names them here, so
+the all-gather copy-in and reduce-scatter streams' blocks stay in pools of their own.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class Snapshot:
     total: int = 0
     terms: dict[str, int] = field(default_factory=dict)
     num_live: int = 0
+    side_allocated: int = 0  # the allocator's blocks in use on side streams (FSDP's)
 
 
 @dataclass
@@ -95,6 +100,7 @@ class MemoryTracker(TorchDispatchMode):
         self._peak_key: tuple[int, str] | None = None
         self._peak: Snapshot | None = None
         self._host_alloc = False
+        self._streams: dict[int, int] = {id(torch.cpu.current_stream()): 0}
 
     # ---- phases and marks ------------------------------------------------------------
     def set_phase(self, phase: str, region: str | None = None) -> None:
@@ -114,7 +120,9 @@ class MemoryTracker(TorchDispatchMode):
         self.marks[(self.iteration, name)] = self.snapshot()
 
     def snapshot(self) -> Snapshot:
-        return Snapshot(self.total, {k: v for k, v in self.terms.items() if v}, len(self.blocks))
+        a = self.allocator
+        return Snapshot(self.total, {k: v for k, v in self.terms.items() if v}, len(self.blocks),
+                        a.allocated - a.stream_allocated[0])
 
     def _update_peak(self) -> None:
         if self._peak is not None and self.total > self._peak.total:
@@ -149,7 +157,7 @@ class MemoryTracker(TorchDispatchMode):
         blk = self.blocks.get(key)
         if blk is not None:
             if blk.nbytes != nbytes:  # resized in place
-                handle = self.allocator.malloc(nbytes) if nbytes else 0
+                handle = self.allocator.malloc(nbytes, self._stream()) if nbytes else 0
                 self._release(blk)
                 self._add(blk.term, nbytes - blk.nbytes)
                 blk.nbytes, blk.handle = nbytes, handle
@@ -163,8 +171,13 @@ class MemoryTracker(TorchDispatchMode):
 
         ref = weakref.ref(st, on_free)
         origin = f"{self._origin} {tuple(t.shape)} {t.dtype}" if self.debug else ""
-        self.blocks[key] = _Block(nbytes, term, ref, self.allocator.malloc(nbytes), origin)
+        self.blocks[key] = _Block(nbytes, term, ref,
+                                  self.allocator.malloc(nbytes, self._stream()), origin)
         self._add(term, nbytes)
+
+    def _stream(self) -> int:
+        """The current stream's pool index (0: the default stream; module docstring)."""
+        return self._streams.setdefault(id(torch.cpu.current_stream()), len(self._streams))
 
     def _add(self, term: str, nbytes: int) -> None:
         self.terms[term] = self.terms.get(term, 0) + nbytes
