@@ -137,6 +137,29 @@ def test_tracker_counts_each_storage_once_rounded_to_512() -> None:
     assert tracker.peaks[(0, "forward")].total == 2 * 4096
 
 
+def test_tracker_ignores_meta_tensors_and_names_side_streams() -> None:
+    # a model built on the meta device before it is sharded holds no memory anywhere, so
+    # it reserves no segment; a block requested inside torch.cpu.stream(s) (how FSDP2's
+    # device-agnostic code selects its side streams on the CPU) goes to that stream's pools
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramcalc.trace.tracker import MemoryTracker
+
+    MiB = 2**20
+    tracker = MemoryTracker()
+    side = torch.cpu.Stream()
+    with FakeTensorMode(), tracker:
+        tracker.set_phase("forward")
+        full = torch.empty(100 * MiB, dtype=torch.uint8, device="meta")
+        assert tracker.total == 0 and tracker.allocator.reserved == 0
+        with torch.cpu.stream(side):
+            a = torch.empty(12 * MiB, dtype=torch.uint8)
+        del a
+        b = torch.empty(12 * MiB, dtype=torch.uint8)  # not the side stream's cached block
+        assert tracker.allocator.stream_reserved == {0: 12 * MiB, 1: 12 * MiB}
+        del full, b
+
+
 def test_trace_reserved_replays_the_allocator() -> None:
     """The tracker's allocations and frees go, in order, through the caching-allocator
     model; expectations from CUDACachingAllocator.cpp's rules (docs/methodology.md §7a)."""

@@ -144,8 +144,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def track(self, t: Any, term: str | None = None) -> None:
         """Count t's storage if it is new (under `term`, else the phase's default)."""
-        if not isinstance(t, torch.Tensor):
-            return
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return  # a meta tensor (a model built before it is sharded) has no storage
         st = t.untyped_storage()
         key = st._cdata
         if key in self.host:
