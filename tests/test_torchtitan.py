@@ -296,3 +296,41 @@ def test_plan_defaults_to_torchtitans_own_run() -> None:
                    and e.scenario.parallel.dp_degree == 8 for e in entries)
     assert build_scenario({"model": "8b", "gpus": "1xA100-80GB",
                            "framework": "torchtune"}).training.precision == "bf16-pure"
+
+
+# ---- FSDP2 under pipelining: gradients accumulate unsharded ----------------------------------
+# torch/distributed/pipelining/stage.py `backward_maybe_with_nosync` turns gradient sync off
+# for every micro-batch's backward of an FSDPModule stage and calls post_backward with it on
+# after the last one; with sync off FSDP2 keeps `unsharded_accumulated_grad` in the reduce
+# dtype (fp32 under torchtitan's MixedPrecisionPolicy).
+LLAMA31_8B_EMBED = 128_256 * 4096  # model card shapes; every dim 0 divides by 4
+LLAMA31_8B_LAYER = 218_112_000
+
+
+def test_pipelined_fsdp_stage_holds_every_gradient_unsharded_until_the_step() -> None:
+    from vramcalc.terms.gradients import (
+        gradients_at_step_bytes,
+        gradients_bytes,
+        layer_gradient_bytes,
+        pipelined_fsdp,
+    )
+
+    scn = build_scenario({"model": "llama3.1-8b", "gpus": "8xH100", "framework": "torchtitan",
+                          "precision": "amp-bf16", "fsdp": "grad-op", "pp": 2,
+                          "seq_len": 8192, "micro_batch_size": 1, "num_microbatches": 2,
+                          "recompute": "full"}).resolved()
+    first = RankContext(scn.model, scn.training, scn.parallel, 0)
+    assert pipelined_fsdp(first) and scn.parallel.dp == 4
+    # stage 0: the embedding and 16 of the 32 blocks, fp32, whole on every rank
+    unsharded = (LLAMA31_8B_EMBED + 16 * LLAMA31_8B_LAYER) * 4
+    assert gradients_bytes(first) == unsharded == 16_060_514_304
+    assert layer_gradient_bytes(first) == LLAMA31_8B_LAYER * 4
+    assert gradients_at_step_bytes(first) == unsharded // 4  # reduce-scattered over dp 4
+    rep = estimate(scn)
+    assert rep.peak_phase == "backward"
+    assert rep.stages[0].terms.gradients == unsharded  # the backward peak holds them all
+    # one pipeline stage of the same model without pipelining shards them as it goes
+    flat = build_scenario({"model": "llama3.1-8b", "gpus": "8xH100", "framework": "reference",
+                           "precision": "amp-bf16", "fsdp": "grad-op", "pp": 2,
+                           "seq_len": 8192, "recompute": "full"}).resolved()
+    assert not pipelined_fsdp(RankContext(flat.model, flat.training, flat.parallel, 0))

@@ -48,6 +48,7 @@ from vramcalc.terms.gradients import (
     gradients_persistent,
     late_gradient_bytes,
     layer_gradient_bytes,
+    pipelined_fsdp,
 )
 from vramcalc.terms.load import init_reserved_bytes, load_parts
 from vramcalc.terms.lowprec import check_lowprec
@@ -326,8 +327,10 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
                init_reserved_bytes(ctx))
     # cached beside the peak: the freed logits (logits.py), the init's segments
     # (tune_init.py), FSDP's side streams (terms/reserved.py)
+    pipelined = pipelined_fsdp(ctx)  # the backward's gradients: unsharded, compute stream
     streams = 0 if peak.name == "load" else side_stream_bytes(
-        ctx, [(p.total, p.grads, p.side) for p in phases if p.name != "load"])
+        ctx, [(p.total, 0 if pipelined and p.name != "optimizer" else p.grads, p.side)
+              for p in phases if p.name != "load"])
     return phases, first, (pad, max(high - peak.total - pad, 0) + streams)
 
 

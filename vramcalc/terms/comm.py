@@ -69,7 +69,7 @@ from vramcalc.sharding import layer_param_numels
 from vramcalc.terms import activations as act
 from vramcalc.terms import fsdp1
 from vramcalc.terms.float8_fsdp import float8_gather, float8_gathered_layer_bytes
-from vramcalc.terms.gradients import grad_dtype, layer_gradient_bytes
+from vramcalc.terms.gradients import grad_dtype, layer_gradient_bytes, pipelined_fsdp
 from vramcalc.units import DTYPE_BITS, alloc, ceil_div
 
 ROOT_GROUPS: tuple[str, ...] = ("embedding", "final", "head")
@@ -337,6 +337,9 @@ def reduce_bytes(ctx: RankContext, layer: int = 0, done: float = 1.0,
     - FSDP2, once the block's backward is over (its gradient temporaries and remaining saved
       tensors, `freed`, are gone): the unsharded gradients, the reduce-scatter input they are
       copied into (the sharded parameters' dtype) and the block's sharded gradient.
+    - FSDP2 under pipelining (gradients.pipelined_fsdp): no reduce-scatter until the last
+      micro-batch; `done` of the block's compute-dtype gradients beside the accumulated
+      ones they are added into (none extra when both have one dtype).
     """
     trained: tuple[int, ...] | None = None
     if finetunes(ctx.training):  # only the adapters get gradients
@@ -364,6 +367,8 @@ def reduce_bytes(ctx: RankContext, layer: int = 0, done: float = 1.0,
         n = sum(trained)
         whole = alloc(n, tr.compute_dtype if tr.is_autocast else a_dt)
         rs_input = alloc(n, a_dt)
+    if pipelined_fsdp(ctx):  # sync off: the block's compute-dtype gradients, added into
+        return int(done * whole) if whole != g else 0  # the accumulated ones (gradients.py)
     if freed is None:
         freed = act.layer_backward_working_bytes(ctx) + act.layer_activation_bytes(ctx)
     prefetch = prefetch_bytes(ctx, layer)

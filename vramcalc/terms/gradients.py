@@ -11,6 +11,9 @@ group. Per engine (docs/parallelism.md):
 - DeepSpeed ZeRO-2/3: a flat 16-bit partition buffer, 2Ψ/N, allocated once and kept
   (stage_1_and_2.py `grads_in_partition`, stage3.py `grad_partitions_flat_buffer`).
 - FSDP2: sharded DTensor gradients (dim-0 shards), created layer by layer in backward.
+  Under torch.distributed.pipelining (torchtitan with --pp, `pipelined_fsdp`) every
+  micro-batch's backward runs with gradient sync off and the whole stage's gradients
+  accumulate unsharded until the last micro-batch's reduce-scatter.
 - FSDP1 (--fsdp-impl fsdp1): one flat gradient per unit, the whole unit's even when only
   adapters train, unsharded while accumulating under no_sync (vramcalc/terms/fsdp1.py).
 - Megatron-LM: a contiguous fp32 main-grad buffer (`--accumulate-allreduce-grads-in-fp32`,
@@ -56,13 +59,31 @@ def gradients_persistent(ctx: RankContext) -> bool:
     return ctx.engine == "megatron" or (ctx.engine == "deepspeed" and ctx.parallel.zero >= 2)
 
 
+def pipelined_fsdp(ctx: RankContext) -> bool:
+    """FSDP2 under torch.distributed.pipelining (the torchtitan profile with --pp).
+
+    torch/distributed/pipelining/stage.py `backward_maybe_with_nosync` (torch 2.5 to 2.13):
+    for an FSDPModule stage, every micro-batch's backward runs after
+    `set_requires_gradient_sync(False)` and `set_reshard_after_backward(False)`; after the
+    last one it calls each param group's `post_backward` with gradient sync back on. With
+    sync off, FSDP2's post_backward keeps each unsharded gradient as
+    `unsharded_accumulated_grad`, upcast to the reduce dtype (`to_accumulated_grad_if_needed`,
+    `accumulate_unsharded_grad_if_needed`: fp32 under torchtitan's MixedPrecisionPolicy), so
+    from the first micro-batch's backward to the last one's reduce-scatter the stage holds
+    every gradient unsharded (TP-local); the reduce-scatter leaves the sharded ones for the
+    step."""
+    return (ctx.engine == "fsdp2" and ctx.parallel.pp > 1
+            and ctx.training.framework == "torchtitan" and not fsdp1.flat(ctx))
+
+
 def gradients_bytes(ctx: RankContext) -> int:
-    """Device bytes of all gradients held on this rank once backward has finished."""
+    """Device bytes of all gradients held on this rank once backward has finished (under
+    `pipelined_fsdp`, before the last micro-batch's reduce-scatter: unsharded)."""
     if _offloaded(ctx) or "gradients" in ctx.parallel.offload and ctx.engine != "deepspeed":
         return 0
     if fsdp1.flat(ctx):
         return fsdp1.held_gradient_bytes(ctx, grad_dtype(ctx))
-    shard = ctx.grad_shard
+    shard = 1 if pipelined_fsdp(ctx) else ctx.grad_shard
     return ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard),
                                    ctx.grad_layout)
 
@@ -79,6 +100,10 @@ def gradients_at_step_bytes(ctx: RankContext) -> int:
     if ctx.engine == "deepspeed" and ctx.parallel.zero == 1:
         shard = ctx.parallel.shard_degree
         return ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard), "flat")
+    if pipelined_fsdp(ctx) and not _offloaded(ctx):  # reduce-scattered after the last one
+        shard = ctx.grad_shard
+        return ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard),
+                                       ctx.grad_layout)
     return gradients_bytes(ctx)
 
 
@@ -91,7 +116,7 @@ def layer_gradient_bytes(ctx: RankContext) -> int:
         return 0
     if fsdp1.flat(ctx):
         return fsdp1.layer_gradient_bytes(ctx, grad_dtype(ctx))
-    shard = ctx.grad_shard
+    shard = 1 if pipelined_fsdp(ctx) else ctx.grad_shard
     total = ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard),
                                     ctx.grad_layout, ("layer", "expert"))
     return total // n
