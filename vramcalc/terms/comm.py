@@ -357,18 +357,16 @@ def reduce_bytes(ctx: RankContext, layer: int = 0, done: float = 1.0,
         nxt = fsdp_layer_bytes(ctx) if (ctx.parallel.fsdp != "grad-op"
                                         and layer < ctx.num_layers - 1) else 0
         return fsdp1.reduce_bytes(ctx, g, done, freed, nxt)
+    tr = ctx.training
     if trained is None:
-        n = _layer_numel(ctx)
-        whole = alloc(n, ctx.training.compute_dtype)
-        rs_input = alloc(n, ctx.training.weight_dtype)
+        n, whole_dt, rs_dt = _layer_numel(ctx), tr.compute_dtype, tr.weight_dtype
     else:  # adapters: unsharded grads in the gather dtype, reduce-scatter in their own
-        tr = ctx.training
         a_dt = adapter_dtype(tr.framework, tr.weight_dtype)
-        n = sum(trained)
-        whole = alloc(n, tr.compute_dtype if tr.is_autocast else a_dt)
-        rs_input = alloc(n, a_dt)
-    if pipelined_fsdp(ctx):  # sync off: the block's compute-dtype gradients, added into
-        return int(done * whole) if whole != g else 0  # the accumulated ones (gradients.py)
+        n, whole_dt, rs_dt = sum(trained), tr.compute_dtype if tr.is_autocast else a_dt, a_dt
+    whole, rs_input = alloc(n, whole_dt), alloc(n, rs_dt)
+    if pipelined_fsdp(ctx):  # sync off: the block's gradients, added into the accumulated
+        # ones (gradients.py), exist beside them only when the two dtypes differ
+        return int(done * whole) if whole_dt != grad_dtype(ctx) else 0
     if freed is None:
         freed = act.layer_backward_working_bytes(ctx) + act.layer_activation_bytes(ctx)
     prefetch = prefetch_bytes(ctx, layer)

@@ -83,7 +83,10 @@ def gradients_bytes(ctx: RankContext) -> int:
         return 0
     if fsdp1.flat(ctx):
         return fsdp1.held_gradient_bytes(ctx, grad_dtype(ctx))
-    shard = 1 if pipelined_fsdp(ctx) else ctx.grad_shard
+    return _sharded_bytes(ctx, 1 if pipelined_fsdp(ctx) else ctx.grad_shard)
+
+
+def _sharded_bytes(ctx: RankContext, shard: int) -> int:
     return ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard),
                                    ctx.grad_layout)
 
@@ -100,10 +103,8 @@ def gradients_at_step_bytes(ctx: RankContext) -> int:
     if ctx.engine == "deepspeed" and ctx.parallel.zero == 1:
         shard = ctx.parallel.shard_degree
         return ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard), "flat")
-    if pipelined_fsdp(ctx) and not _offloaded(ctx):  # reduce-scattered after the last one
-        shard = ctx.grad_shard
-        return ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard),
-                                       ctx.grad_layout)
+    if pipelined_fsdp(ctx) and gradients_bytes(ctx):  # reduce-scattered after the last one
+        return _sharded_bytes(ctx, ctx.grad_shard)
     return gradients_bytes(ctx)
 
 
