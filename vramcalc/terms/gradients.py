@@ -78,12 +78,15 @@ def pipelined_fsdp(ctx: RankContext) -> bool:
 
 def gradients_bytes(ctx: RankContext) -> int:
     """Device bytes of all gradients held on this rank once backward has finished (under
-    `pipelined_fsdp`, before the last micro-batch's reduce-scatter: unsharded)."""
+    `pipelined_fsdp`, before the last micro-batch's reduce-scatter: unsharded, on the device
+    even with CPUOffloadPolicy, which moves only the reduce-scattered shards)."""
+    if pipelined_fsdp(ctx):
+        return _sharded_bytes(ctx, 1)
     if _offloaded(ctx) or "gradients" in ctx.parallel.offload and ctx.engine != "deepspeed":
         return 0
     if fsdp1.flat(ctx):
         return fsdp1.held_gradient_bytes(ctx, grad_dtype(ctx))
-    return _sharded_bytes(ctx, 1 if pipelined_fsdp(ctx) else ctx.grad_shard)
+    return _sharded_bytes(ctx, ctx.grad_shard)
 
 
 def _sharded_bytes(ctx: RankContext, shard: int) -> int:
@@ -103,14 +106,14 @@ def gradients_at_step_bytes(ctx: RankContext) -> int:
     if ctx.engine == "deepspeed" and ctx.parallel.zero == 1:
         shard = ctx.parallel.shard_degree
         return ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard), "flat")
-    if pipelined_fsdp(ctx) and gradients_bytes(ctx):  # reduce-scattered after the last one
-        return _sharded_bytes(ctx, ctx.grad_shard)
+    if pipelined_fsdp(ctx):  # reduce-scattered after the last one
+        return 0 if _offloaded(ctx) else _sharded_bytes(ctx, ctx.grad_shard)
     return gradients_bytes(ctx)
 
 
 def layer_gradient_bytes(ctx: RankContext) -> int:
     """Gradient bytes of one transformer layer on this rank (per-layer backward step)."""
-    if _offloaded(ctx):
+    if _offloaded(ctx) and not pipelined_fsdp(ctx):
         return 0
     n = ctx.num_layers
     if not n:
