@@ -266,3 +266,29 @@ def test_float8_runs_the_block_linears_at_the_fp8_peak() -> None:
     f8 = SpeedModel(spec, gpu, 8, 512, "amp-bf16", float8=True)
     te = SpeedModel(spec, gpu, 8, 512, "fp8")
     assert bf16.peak == peak_flops(gpu, "bf16")[0] < f8.peak == te.peak
+
+
+# ---- --compile with context parallelism ------------------------------------------------------
+# torchtitan's Table 2 (llama3_h100_202412_torchtitan.md) runs FSDP + CP + torch.compile +
+# Float8 with full AC. A checkpointed compiled block hands its backward only its inputs
+# whatever the ops inside (test_compiled_checkpointed_block_keeps_only_its_inputs; with
+# DTensor collectives inside, test_titan_tp.py), so CP's ring SDPA changes the recompute's
+# working set, not the saved set: the same rule as for --tp.
+def test_compile_under_cp_keeps_the_block_input_shard_under_full_ac() -> None:
+    cp = ParallelConfig(dp=1, cp=2, fsdp="full")
+    args = {"framework": "torchtitan", "precision": "amp-bf16", "seq_len": 512,
+            "micro_batch_size": 2, "compile": True, "recompute": "full", "float8": True}
+    ctx = RankContext(SMALL, TrainingConfig(**args), cp, 0)  # type: ignore[arg-type]
+    saved = tt.layer_saved(ctx)
+    assert [t.name for t in saved] == ["layer.input"]
+    assert sum(t.nbytes for t in saved) == alloc(2 * 512 // 2 * 256, "bf16")  # (b, s/cp, h)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_compile_under_cp_without_full_ac_is_refused(recompute: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["estimate", "--model", "llama3-8b", "--gpus", "8xH100", "--framework",
+                 "torchtitan", "--precision", "amp-bf16", "--fsdp", "full", "--cp", "2",
+                 "--compile", "--recompute", recompute, "--seq-len", "16384"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "--cp needs --recompute full" in err

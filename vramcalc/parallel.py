@@ -426,13 +426,11 @@ def _check_torchtitan(spec: ModelSpec, training: TrainingConfig, par: ParallelCo
     elif training.float8_all_gather and (par.fsdp == "none" or par.shard_degree // par.cp < 2):
         problem = ("--float8-all-gather needs FSDP sharding over dp > 1: torchtitan enables "
                    "it only when dp_shard > 1 (float8.py: parallel_dims.dp_shard_enabled)")
-    elif training.compile and par.cp > 1:
-        problem = ("--compile with --cp: what a compiled block keeps around context-parallel "
-                   "SDPA is not modelled")
-    elif training.compile and par.tp > 1 and training.recompute != "full":
-        problem = ("--compile with --tp needs --recompute full: a checkpointed compiled block "
-                   "keeps only its input, but what the partitioner keeps around DTensor "
-                   "collectives without full AC is not modelled")
+    elif training.compile and (par.tp > 1 or par.cp > 1) and training.recompute != "full":
+        problem = (f"--compile with --{'tp' if par.tp > 1 else 'cp'} needs --recompute full: a "
+                   "checkpointed compiled block keeps only its input, but what the partitioner "
+                   "keeps around DTensor collectives and context-parallel SDPA without full AC "
+                   "is not modelled")
     elif training.async_tp and par.tp == 1:
         problem = "--async-tp overlaps tensor-parallel collectives: it needs --tp > 1"
     elif par.tp > 1 and not par.sequence_parallel:
