@@ -334,3 +334,53 @@ def test_pipelined_fsdp_stage_holds_every_gradient_unsharded_until_the_step() ->
                            "precision": "amp-bf16", "fsdp": "grad-op", "pp": 2,
                            "seq_len": 8192, "recompute": "full"}).resolved()
     assert not pipelined_fsdp(RankContext(flat.model, flat.training, flat.parallel, 0))
+
+
+# ---- torchtitan's own pipeline split ----------------------------------------------------------
+# torchtitan 9dec370 torchtitan/parallelisms/pipelining_utils.py `generate_split_points` (no
+# --experimental.pipeline_parallel_split_points): the first stage L // S layers, the middle
+# stages one more while L mod S lasts, the last stage the rest; stage s runs on rank s mod pp
+# (`stage_ids_this_rank`, style "loop").
+def test_torchtitan_default_split_by_hand() -> None:
+    from vramcalc.parallel import torchtitan_stage_layers
+
+    assert torchtitan_stage_layers(126, 8) == (15, 16, 16, 16, 16, 16, 16, 15)
+    assert torchtitan_stage_layers(126, 16) == (7,) + (8,) * 14 + (7,)
+    assert torchtitan_stage_layers(28, 8) == (3, 4, 4, 4, 4, 3, 3, 3)  # 28 = 8 x 3 + 4
+    assert torchtitan_stage_layers(32, 8) == (4,) * 8
+
+
+@pytest.mark.parametrize(("schedule", "per_rank"), [
+    ({}, [15, 16, 16, 16, 16, 16, 16, 15]),
+    # rank r holds stages r and r + 8 of 7 + 14 x 8 + 7
+    ({"pp_schedule": "interleaved", "virtual_stages": 2}, [15, 16, 16, 16, 16, 16, 16, 15]),
+])
+def test_llama31_405b_splits_over_8_pipeline_ranks_as_torchtitan_does(
+        schedule: dict[str, object], per_rank: list[int]) -> None:
+    from vramcalc.sharding import pipeline_chunks, stage_layers
+
+    scn = build_scenario({"model": "llama3.1-405b", "gpus": "512xH100", "framework": "torchtitan",
+                          "precision": "amp-bf16", "fsdp": "grad-op", "tp": 8, "pp": 8,
+                          "sequence_parallel": True, "recompute": "full", "seq_len": 8192,
+                          "micro_batch_size": 4, "num_microbatches": 8, **schedule}).resolved()
+    par = scn.parallel
+    assert par.stage_layers is not None and sum(par.stage_layers) == 126
+    assert [stage_layers(scn.model, par, r) for r in range(8)] == per_rank
+    if schedule:
+        assert pipeline_chunks(scn.model, par)[0][0] == 7  # stage 0
+        assert pipeline_chunks(scn.model, par)[1][0] == 8  # stage 8, rank 0's second chunk
+    rep = estimate(scn)
+    assert [s.num_layers for s in rep.stages] == per_rank
+
+
+def test_other_profiles_keep_the_even_split_rule() -> None:
+    with pytest.raises(InputError, match="not divisible by pp x virtual stages"):
+        build_scenario({"model": "llama3.1-405b", "gpus": "512xH100", "framework": "reference",
+                        "tp": 8, "pp": 8, "seq_len": 4096}).resolved()
+    scn = build_scenario({"model": "llama3.1-405b", "gpus": "512xH100", "framework": "torchtitan",
+                          "precision": "amp-bf16", "fsdp": "grad-op", "tp": 8, "pp": 8,
+                          "sequence_parallel": True, "seq_len": 4096}).resolved()
+    bad = scn.parallel.model_copy(update={"stage_layers": (16,) * 8})  # 128 layers, not 126
+    with pytest.raises(InputError, match="summing to num_hidden_layers=126"):
+        Scenario(model=scn.model, training=scn.training, parallel=bad,
+                 cluster=scn.cluster).resolved()

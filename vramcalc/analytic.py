@@ -82,8 +82,7 @@ def candidate_stages(scn: Scenario) -> list[int]:
     p = scn.parallel.pp
     out = {0, p - 1}
     par = scn.parallel
-    uneven = (par.first_stage_layers is not None or par.last_stage_layers is not None
-              or par.embedding_in_split or par.loss_in_split)
+    uneven = par.uneven_split
     if (scn.model.is_moe or uneven) and p > 2:
         chunks = pipeline_chunks(scn.model, par)
         seen: set[tuple[int, int]] = set()

@@ -136,8 +136,7 @@ def offload_traffic(scn: Scenario) -> OffloadFootprint:
     scn = scn.resolved()
     best = OffloadFootprint()
     par = scn.parallel
-    uneven = (par.first_stage_layers is not None or par.last_stage_layers is not None
-              or par.embedding_in_split or par.loss_in_split)
+    uneven = par.uneven_split
     # an uneven split's middle ranks may hold more layers than either end
     for stage in range(par.pp) if uneven else sorted({0, par.pp - 1}):
         fp = offload_footprint(RankContext(scn.model, scn.training, scn.parallel, stage))

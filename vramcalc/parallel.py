@@ -23,7 +23,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from vramcalc.ds_config import DEFAULT_DEEPSPEED, DeepSpeedConfig
 from vramcalc.errors import InputError
 from vramcalc.model import ModelSpec
-from vramcalc.stack_rules import edge_units_problem, torchtune_layout_problem
+from vramcalc.stack_rules import (
+    edge_units_problem,
+    torchtitan_layout_problem,
+    torchtune_layout_problem,
+)
 from vramcalc.training import TrainingConfig
 
 OffloadTarget = Literal["optimizer", "gradients", "params"]
@@ -64,6 +68,9 @@ class ParallelConfig(BaseModel):
     last_stage_layers: int | None = Field(None, gt=0, le=1_000_000)
     embedding_in_split: bool = False
     loss_in_split: bool = False
+    # layers of each pipeline stage in stage order (pp x virtual stages entries; stage s on
+    # rank s mod pp): torchtitan's split when its layers do not divide evenly
+    stage_layers: tuple[int, ...] | None = Field(None, exclude_if=lambda v: v is None)
     # Megatron-LM --mtp-num-layers: multi-token-prediction depths on the last pipeline stage
     mtp_layers: int = Field(0, ge=0, le=64, exclude_if=lambda v: v == 0)
     num_microbatches: int | None = Field(None, gt=0, le=10_000_000)
@@ -112,6 +119,13 @@ class ParallelConfig(BaseModel):
         if self.fsdp == "hybrid" and self.shard_group:
             return max(self.shard_group // self.ep, 1) if self.shard_group % self.ep == 0 else 1
         return max(self.dp_degree * self.cp * self.tp // (self.expert_tp * self.ep), 1)
+
+    @property
+    def uneven_split(self) -> bool:
+        """Whether pipeline ranks may hold different layer counts (`sharding.chunk_layers`)."""
+        return (self.first_stage_layers is not None or self.last_stage_layers is not None
+                or self.embedding_in_split or self.loss_in_split
+                or self.stage_layers is not None)
 
     @property
     def pp_chunks(self) -> int:
@@ -166,6 +180,7 @@ def resolve_layout(
         raise InputError(
             f"tp={tp} does not divide num_key_value_heads={spec.kv_heads} (nor is it a multiple)"
         )
+    parallel = _torchtitan_split(spec, training, parallel)
     _check_pipeline(spec, training, parallel)
     if ep > 1:
         if not spec.is_moe:
@@ -205,10 +220,10 @@ def resolve_layout(
     _check_fsdp_impl(training, parallel)
     resolved = parallel.model_copy(update={"dp": dp})
     _check_engine(training, resolved)
-    if training.framework == "torchtitan":
-        _check_torchtitan(spec, training, resolved)
-    problem = (torchtune_layout_problem(resolved) if training.framework == "torchtune"
-               else None) or edge_units_problem(spec, resolved, training.framework)
+    problem = (torchtitan_layout_problem(spec, training, resolved)
+               if training.framework == "torchtitan" else torchtune_layout_problem(resolved)
+               if training.framework == "torchtune" else None) or edge_units_problem(
+                   spec, resolved, training.framework)
     if problem:
         raise InputError(problem)
     m = _microbatches(training, resolved)
@@ -271,10 +286,39 @@ def pipeline_split_problem(spec: ModelSpec, training: TrainingConfig,
     """`resolve_layout`'s refusal of this layout's pipeline split, or None (the planner
     asks it which pp an uneven split allows)."""
     try:
-        _check_pipeline(spec, training, parallel)
+        _check_pipeline(spec, training, _torchtitan_split(spec, training, parallel))
     except InputError as err:
         return str(err)
     return None
+
+
+def torchtitan_stage_layers(num_layers: int, stages: int) -> tuple[int, ...]:
+    """torchtitan's default pipeline split (9dec370, torchtitan/parallelisms/
+    pipelining_utils.py `generate_split_points`, used when no
+    --experimental.pipeline_parallel_split_points is given): the first stage holds
+    L // stages layers, the middle stages one more while the remainder lasts, then
+    L // stages, and the last stage the rest."""
+    base, extra = divmod(num_layers, stages)
+    counts = [base]
+    for _ in range(stages - 2):
+        counts.append(base + (extra > 0))
+        extra -= extra > 0
+    return (*counts, num_layers - sum(counts))
+
+
+def _torchtitan_split(spec: ModelSpec, training: TrainingConfig,
+                      parallel: ParallelConfig) -> ParallelConfig:
+    """The torchtitan profile's layout with its own default split where the layers do not
+    divide evenly over the pipeline stages and no Megatron-LM split is given."""
+    stages = parallel.pp * parallel.pp_chunks
+    if (training.framework != "torchtitan" or parallel.pp == 1 or parallel.uneven_split
+            or not spec.num_hidden_layers % stages):
+        return parallel
+    if stages > spec.num_hidden_layers:
+        raise InputError(f"{stages} pipeline stages for {spec.num_hidden_layers} layers: "
+                         "torchtitan needs a layer per stage at least")
+    return parallel.model_copy(update={
+        "stage_layers": torchtitan_stage_layers(spec.num_hidden_layers, stages)})
 
 
 def _check_pipeline(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig) -> None:
@@ -285,6 +329,15 @@ def _check_pipeline(spec: ModelSpec, training: TrainingConfig, parallel: Paralle
         raise InputError("--pp-schedule interleaved needs --pp > 1")
     v = parallel.pp_chunks
     first, last = parallel.first_stage_layers, parallel.last_stage_layers
+    if parallel.stage_layers is not None:
+        stages = parallel.stage_layers
+        if (len(stages) != pp * v or min(stages) < 1 or sum(stages) != spec.num_hidden_layers
+                or first is not None or last is not None or parallel.embedding_in_split
+                or parallel.loss_in_split):
+            raise InputError(f"stage_layers {list(stages)}: need pp x virtual stages = {pp * v} "
+                             f"counts of at least one layer summing to "
+                             f"num_hidden_layers={spec.num_hidden_layers}, and no other split")
+        return
     if first is not None or last is not None:
         _check_uneven(spec.num_hidden_layers, parallel)
         return
@@ -393,56 +446,6 @@ def _check_engine(training: TrainingConfig, par: ParallelConfig) -> None:
                 "Megatron-LM offloads the optimizer only, with the distributed optimizer: "
                 "use --zero 1 --offload optimizer"
             )
-
-
-def _check_torchtitan(spec: ModelSpec, training: TrainingConfig, par: ParallelConfig) -> None:
-    """What torchtitan 9dec370 cannot run (torchtitan/parallelisms/parallelize_llama.py
-    `parallelize_llama`, models/llama/model.py): its Llama only; FSDP2 whenever dp_shard or
-    cp > 1 (`apply_fsdp`), DDP only as the sole parallelism ("DDP has not supported > 1D
-    parallelism"), no DeepSpeed ZeRO; TP always with sequence-parallel norms (`apply_tp`);
-    FSDP2 blocks keep their parameters unsharded after forward only under PP
-    (`reshard_after_forward = False` when pp_enabled, grad-op); bf16 compute only through
-    FSDP2's MixedPrecisionPolicy; no expert parallelism (no MoE model). torch.compile
-    under TP is modelled with full AC only (`apply_ac` wraps each block before
-    `apply_compile`: the compiled region keeps the block's (T, h) input), not under CP."""
-    llama = (not spec.is_moe and spec.norm_kind == "rmsnorm" and spec.mlp_kind == "gated"
-             and spec.position_embedding == "rope" and spec.hidden_act in ("silu", "swish")
-             and not (spec.attention_bias or spec.attention_out_bias or spec.mlp_bias
-                      or spec.qk_norm or spec.tie_word_embeddings) and spec.final_norm)
-    problem = None
-    if not llama:
-        problem = (f"{spec.name} is not a Llama-architecture model (torchtitan's "
-                   "models/llama: RMSNorm, RoPE, SwiGLU, no biases, untied embeddings, dense)")
-    elif par.zero:
-        problem = "--zero is DeepSpeed's: torchtitan shards with FSDP2 (use --fsdp full)"
-    elif par.fsdp == "none" and par.cp > 1:
-        problem = "torchtitan runs context parallelism inside FSDP2 (add --fsdp full)"
-    elif par.fsdp == "none" and par.dp_degree > 1 and (par.tp > 1 or par.pp > 1):
-        problem = ("torchtitan's DDP runs alone (\"DDP has not supported > 1D parallelism\"): "
-                   "add --fsdp full")
-    elif par.fsdp == "none" and training.precision != "fp32":
-        problem = (f"--precision {training.precision}: torchtitan computes in bf16 only "
-                   "through FSDP2's MixedPrecisionPolicy (add --fsdp full, or use fp32)")
-    elif training.float8_all_gather and (par.fsdp == "none" or par.shard_degree // par.cp < 2):
-        problem = ("--float8-all-gather needs FSDP sharding over dp > 1: torchtitan enables "
-                   "it only when dp_shard > 1 (float8.py: parallel_dims.dp_shard_enabled)")
-    elif training.compile and (par.tp > 1 or par.cp > 1) and training.recompute != "full":
-        problem = (f"--compile with --{'tp' if par.tp > 1 else 'cp'} needs --recompute full: a "
-                   "checkpointed compiled block keeps only its input, but what the partitioner "
-                   "keeps around DTensor collectives and context-parallel SDPA without full AC "
-                   "is not modelled")
-    elif training.async_tp and par.tp == 1:
-        problem = "--async-tp overlaps tensor-parallel collectives: it needs --tp > 1"
-    elif par.tp > 1 and not par.sequence_parallel:
-        problem = "torchtitan's tensor parallelism always shards the norms over the sequence "\
-            "(add --sequence-parallel)"
-    elif par.fsdp == "grad-op" and par.pp == 1:
-        problem = "torchtitan keeps blocks unsharded after forward only under PP: use --fsdp full"
-    elif par.fsdp in ("full", "hybrid") and par.pp > 1:
-        problem = ("torchtitan's FSDP2 does not reshard after forward under PP: use --fsdp "
-                   "grad-op with --pp")
-    if problem:
-        raise InputError(problem + " (torchtitan profile)")
 
 
 def _microbatches(training: TrainingConfig, par: ParallelConfig) -> int | None:

@@ -165,7 +165,8 @@ def _group_bytes(shapes: RankShapes, dtype: str, shard: int, expert_shard: int,
 @lru_cache(maxsize=1024)
 def chunk_layers(num_layers: int, pp: int, v: int = 1, first: int | None = None,
                  last: int | None = None, embedding: bool = False,
-                 loss: bool = False) -> tuple[tuple[int, ...], ...]:
+                 loss: bool = False, stages: tuple[int, ...] | None = None
+                 ) -> tuple[tuple[int, ...], ...]:
     """Transformer layers of virtual chunk j on pipeline rank r, `out[j][r]`, as Megatron-LM
     builds them (d98e8a64, megatron/core/transformer/transformer_block.py:
     `get_num_layers_to_build`); the layout must have passed `resolve_layout`.
@@ -178,9 +179,15 @@ def chunk_layers(num_layers: int, pp: int, v: int = 1, first: int | None = None,
       (loss) counts as one layer, (L + e + l)/(p·v) per chunk, and the first chunk of rank 0
       (the last chunk of rank p−1) builds one transformer layer less.
 
+    - `stages` (torchtitan's split, `parallel.torchtitan_stage_layers`): the layers of each
+      pipeline stage in order, stage s = chunk s // p of rank s mod p (torchtitan's "loop"
+      stage assignment, pipelining_utils.py `stage_ids_this_rank`).
+
     Layers are numbered chunk by chunk in the order (j, r) (transformer_layer.py:
     `get_transformer_layer_offset`), which `stage_layer_indices` follows.
     """
+    if stages is not None:
+        return tuple(tuple(stages[j * pp:(j + 1) * pp]) for j in range(v))
     if first is not None or last is not None:
         rest, left = num_layers, pp
         for n in (first, last):
@@ -204,7 +211,8 @@ def pipeline_chunks(spec: ModelSpec, parallel: ParallelConfig) -> tuple[tuple[in
     """`chunk_layers` of a model under a layout (`out[j][r]`: chunk j of rank r)."""
     p = parallel
     chunks = chunk_layers(spec.num_hidden_layers, p.pp, p.pp_chunks, p.first_stage_layers,
-                          p.last_stage_layers, p.embedding_in_split, p.loss_in_split)
+                          p.last_stage_layers, p.embedding_in_split, p.loss_in_split,
+                          p.stage_layers)
     if not p.mtp_layers:
         return chunks
     # Megatron-LM's MTP block is built on the last pipeline rank's last virtual chunk

@@ -227,3 +227,53 @@ def edge_units_problem(spec: Any, par: Any, framework: str) -> str | None:
     if par.pp > 1:
         return "--fsdp-edge-units is modelled without pipeline parallelism"
     return None
+
+
+def torchtitan_layout_problem(spec: Any, training: Any, par: Any) -> str | None:
+    """What torchtitan 9dec370 cannot run (torchtitan/parallelisms/parallelize_llama.py
+    `parallelize_llama`, models/llama/model.py): its Llama only; FSDP2 whenever dp_shard or
+    cp > 1 (`apply_fsdp`), DDP only as the sole parallelism ("DDP has not supported > 1D
+    parallelism"), no DeepSpeed ZeRO; TP always with sequence-parallel norms (`apply_tp`);
+    FSDP2 blocks keep their parameters unsharded after forward only under PP
+    (`reshard_after_forward = False` when pp_enabled, grad-op); bf16 compute only through
+    FSDP2's MixedPrecisionPolicy; no expert parallelism (no MoE model). torch.compile
+    under TP or CP is modelled with full AC only (`apply_ac` wraps each block before
+    `apply_compile`: the compiled region keeps the block's input shard). `spec`, `training`
+    and `par` are a ModelSpec, TrainingConfig and resolved ParallelConfig."""
+    llama = (not spec.is_moe and spec.norm_kind == "rmsnorm" and spec.mlp_kind == "gated"
+             and spec.position_embedding == "rope" and spec.hidden_act in ("silu", "swish")
+             and not (spec.attention_bias or spec.attention_out_bias or spec.mlp_bias
+                      or spec.qk_norm or spec.tie_word_embeddings) and spec.final_norm)
+    problem = None
+    if not llama:
+        problem = (f"{spec.name} is not a Llama-architecture model (torchtitan's "
+                   "models/llama: RMSNorm, RoPE, SwiGLU, no biases, untied embeddings, dense)")
+    elif par.zero:
+        problem = "--zero is DeepSpeed's: torchtitan shards with FSDP2 (use --fsdp full)"
+    elif par.fsdp == "none" and par.cp > 1:
+        problem = "torchtitan runs context parallelism inside FSDP2 (add --fsdp full)"
+    elif par.fsdp == "none" and par.dp_degree > 1 and (par.tp > 1 or par.pp > 1):
+        problem = ("torchtitan's DDP runs alone (\"DDP has not supported > 1D parallelism\"): "
+                   "add --fsdp full")
+    elif par.fsdp == "none" and training.precision != "fp32":
+        problem = (f"--precision {training.precision}: torchtitan computes in bf16 only "
+                   "through FSDP2's MixedPrecisionPolicy (add --fsdp full, or use fp32)")
+    elif training.float8_all_gather and (par.fsdp == "none" or par.shard_degree // par.cp < 2):
+        problem = ("--float8-all-gather needs FSDP sharding over dp > 1: torchtitan enables "
+                   "it only when dp_shard > 1 (float8.py: parallel_dims.dp_shard_enabled)")
+    elif training.compile and (par.tp > 1 or par.cp > 1) and training.recompute != "full":
+        problem = (f"--compile with --{'tp' if par.tp > 1 else 'cp'} needs --recompute full: a "
+                   "checkpointed compiled block keeps only its input, but what the partitioner "
+                   "keeps around DTensor collectives and context-parallel SDPA without full AC "
+                   "is not modelled")
+    elif training.async_tp and par.tp == 1:
+        problem = "--async-tp overlaps tensor-parallel collectives: it needs --tp > 1"
+    elif par.tp > 1 and not par.sequence_parallel:
+        problem = "torchtitan's tensor parallelism always shards the norms over the sequence "\
+            "(add --sequence-parallel)"
+    elif par.fsdp == "grad-op" and par.pp == 1:
+        problem = "torchtitan keeps blocks unsharded after forward only under PP: use --fsdp full"
+    elif par.fsdp in ("full", "hybrid") and par.pp > 1:
+        problem = ("torchtitan's FSDP2 does not reshard after forward under PP: use --fsdp "
+                   "grad-op with --pp")
+    return problem + " (torchtitan profile)" if problem else None

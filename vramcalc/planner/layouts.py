@@ -65,10 +65,13 @@ def pipeline_split(base: Scenario) -> dict[str, Any]:
 
 def split_schedules(base: Scenario, pp: int) -> tuple[bool, bool]:
     """(1F1B, interleaved with v = 2) at pipeline size `pp`: whether the base's layers split
-    over it — evenly, or as its uneven split asks (the estimate's own check,
-    `pipeline_split_problem`)."""
+    over it — evenly, as its uneven split asks (the estimate's own check,
+    `pipeline_split_problem`), or, for the torchtitan profile, as torchtitan splits them
+    (`parallel.torchtitan_stage_layers`)."""
     spec, L = base.model, base.model.num_hidden_layers
     if not pipeline_split(base):
+        if base.training.framework == "torchtitan":  # it splits unevenly by itself, a
+            return pp <= L, 1 < pp and 2 * pp <= L  # layer a stage at least
         return L % pp == 0, pp > 1 and L % (2 * pp) == 0
     if pp == 1:
         return False, False  # the split needs pipelining

@@ -104,7 +104,7 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
     elif values.get("framework") == "torchtune":
         values["fsdp"] = "full"  # the same: torchtune's data parallelism is FSDP2's
     # --async-tp is refused at tp 1 (the base layout): set it after, so that the search's
-    # layout check (vramcalc.parallel._check_torchtitan) keeps only tp > 1 layouts
+    # layout check (vramcalc.stack_rules.torchtitan_layout_problem) keeps only tp > 1 layouts
     async_tp = values.pop("async_tp", False) and values.get("framework") == "torchtitan"
     # an uneven pipeline split needs pp > 1, which the base layout (pp 1) does not have: it
     # joins the base after, and the search keeps it on every layout (layouts.py SPLIT_KEYS)

@@ -68,7 +68,7 @@ UNSUPPORTED: dict[str, tuple[frozenset[str], str]] = {
            "pipeline or expert parallelism: layouts with pp or ep > 1 are not proposed"),
     # torchtitan 9dec370 (torchtitan/parallelisms/parallelize_llama.py, parallel_dims.py):
     # FSDP2 / HSDP, TP with sequence parallelism, PP, CP; no MoE, so no expert parallelism;
-    # vramcalc.parallel._check_torchtitan refuses the rest for every layout
+    # vramcalc.stack_rules.torchtitan_layout_problem refuses the rest for every layout
     "torchtitan": (frozenset({"ep"}), "torchtitan (9dec370) shards with FSDP2 only (no "
                    "DeepSpeed ZeRO stages), runs DDP only without TP/PP/CP, TP only with "
                    "sequence parallelism, keeps blocks unsharded after forward only under PP "
