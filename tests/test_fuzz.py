@@ -56,7 +56,9 @@ CHOICES = {"--fsdp": ["full", "hybrid", "grad-op", "bogus"],
            "--framework": ["megatron", "torchtitan", "hf", "nope"],
            "--qat": ["int4", "int8"], "--recompute": ["full", "selective", "x"],
            "--offload": ["optimizer", "params,optimizer", "gpu"],
-           "--pp-schedule": ["interleaved", "gpipe"], "--finetune": ["lora", "qlora"]}
+           "--pp-schedule": ["interleaved", "gpipe"], "--finetune": ["lora", "qlora"],
+           "--stage-layers": ["16,16", "15,16,16,16,16,16,16,15", "0,1", "a,b", ",", "9" * 30,
+                              ",".join(["1"] * 200_000)]}
 FLOATS = ["--headroom", "--capacity-factor", "--lora-dropout", "--dropout"]
 
 

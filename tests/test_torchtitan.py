@@ -384,3 +384,51 @@ def test_other_profiles_keep_the_even_split_rule() -> None:
     with pytest.raises(InputError, match="summing to num_hidden_layers=126"):
         Scenario(model=scn.model, training=scn.training, parallel=bad,
                  cluster=scn.cluster).resolved()
+
+
+SPLIT_405B = "15,16,16,16,16,16,16,15"
+
+
+def test_stage_layers_flag_gives_any_profile_a_split(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    base = ["estimate", "--model", "llama3.1-405b", "--gpus", "512xH100", "--tp", "8",
+            "--pp", "8", "--seq-len", "4096", "--json"]
+    titan = ["--framework", "torchtitan", "--fsdp", "grad-op", "--sequence-parallel",
+             "--recompute", "full"]
+    reports = []
+    for extra in (titan, [*titan, "--stage-layers", SPLIT_405B], ["--stage-layers", SPLIT_405B]):
+        assert main([*base, *extra]) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    # the flag states torchtitan's own split: the same bytes
+    assert reports[0]["strategy"]["stage_layers"] == [15, 16, 16, 16, 16, 16, 16, 15]
+    assert reports[0]["peak_reserved_bytes"] == reports[1]["peak_reserved_bytes"]
+    assert reports[2]["strategy"]["stage_layers"] == [15, 16, 16, 16, 16, 16, 16, 15]
+
+
+@pytest.mark.parametrize(("value", "words"), [
+    ("15,16", "give pp x virtual stages = 8 counts"),
+    ("16,16,16,16,16,16,16,16", "summing to num_hidden_layers=126"),
+    ("0,126", "positive layer counts"), ("a,b", "positive layer counts"),
+    ("1.5,2", "positive layer counts"), ("", "positive layer counts"),
+    ("9" * 5000, "positive layer counts"),
+])
+def test_bad_stage_layers_get_one_error_line(value: str, words: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["estimate", "--model", "llama3.1-405b", "--gpus", "512xH100", "--tp", "8",
+                 "--pp", "8", "--stage-layers", value])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and words in err
+
+
+def test_plan_keeps_a_given_stage_split_on_every_layout(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    code = main(["plan", "--model", "llama3.1-405b", "--gpus", "64x8xH100", "--stage-layers",
+                 SPLIT_405B, "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["candidates"]
+    for entry in out["candidates"]:
+        assert entry["strategy"]["pp"] == 8
+        assert entry["strategy"]["stage_layers"] == [15, 16, 16, 16, 16, 16, 16, 15]

@@ -266,6 +266,10 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "--decoder-first-pipeline-num-layers); the rest split evenly.", group="parallel"),
     Opt("last_stage_layers", int, None, "Layers on the last pipeline stage (Megatron-LM "
         "--decoder-last-pipeline-num-layers); the rest split evenly.", group="parallel"),
+    Opt("stage_layers", str, None, "Layers of each pipeline stage in order, comma-separated: "
+        "pp x virtual-stages counts, stage s on rank s mod pp (torchtitan's "
+        "--experimental.pipeline_parallel_split_points as counts). Default: an even split; "
+        "the torchtitan profile splits uneven layers as torchtitan does.", group="parallel"),
     Opt("embedding_in_split", bool, False, "Count the embedding as one layer of the first "
         "pipeline stage (Megatron-LM --account-for-embedding-in-pipeline-split).",
         group="parallel"),
@@ -299,8 +303,9 @@ _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "pr
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",
                   "fsdp_impl", "fsdp_edge_units", "shard_group", "offload_device",
                   "pp_schedule", "virtual_stages",
-                  "first_stage_layers", "last_stage_layers", "embedding_in_split",
-                  "loss_in_split", "mtp_layers", "num_microbatches", "capacity_factor")
+                  "first_stage_layers", "last_stage_layers", "stage_layers",
+                  "embedding_in_split", "loss_in_split", "mtp_layers", "num_microbatches",
+                  "capacity_factor")
 
 
 def check_choice(opt: Opt, value: str) -> str:
@@ -357,6 +362,21 @@ def parse_offload(value: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
+def parse_stage_layers(value: Any) -> tuple[int, ...]:
+    """'15,16,16' or a list of integers -> (15, 16, 16): positive layer counts."""
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    if not 0 < len(items) <= 100_000:
+        raise InputError(f"--stage-layers: expected 1 to 100,000 counts, got {len(items):,}")
+    out: list[int] = []
+    for item in items:
+        text = str(item).strip()
+        if isinstance(item, bool) or not text.isdigit() or len(text) > 7 or int(text) < 1:
+            raise InputError("--stage-layers: expected comma-separated positive layer counts "
+                             f"(e.g. 15,16,16,15), got {str(value)[:80]!r}")
+        out.append(int(text))
+    return tuple(out)
+
+
 def _validated(cls: Any, values: dict[str, Any]) -> Any:
     """`cls(**values)` (TrainingConfig, ParallelConfig) from values normalize_values coerced
     and choice-checked, so what the model rejects is a bound: raised as InputError naming
@@ -386,6 +406,9 @@ def normalize_values(values: dict[str, Any]) -> dict[str, Any]:
             continue
         if key == "lora_targets" and raw is not None:
             out[key] = parse_targets(raw)
+            continue
+        if key == "stage_layers" and raw is not None:
+            out[key] = parse_stage_layers(raw)
             continue
         if key == "modules_to_save" and raw is not None:
             out[key] = parse_modules_to_save(raw)

@@ -334,9 +334,10 @@ def _check_pipeline(spec: ModelSpec, training: TrainingConfig, parallel: Paralle
         if (len(stages) != pp * v or min(stages) < 1 or sum(stages) != spec.num_hidden_layers
                 or first is not None or last is not None or parallel.embedding_in_split
                 or parallel.loss_in_split):
-            raise InputError(f"stage_layers {list(stages)}: need pp x virtual stages = {pp * v} "
-                             f"counts of at least one layer summing to "
-                             f"num_hidden_layers={spec.num_hidden_layers}, and no other split")
+            raise InputError(f"--stage-layers {','.join(map(str, stages))}: give pp x virtual "
+                             f"stages = {pp * v} counts of at least one layer summing to "
+                             f"num_hidden_layers={spec.num_hidden_layers}, and no other split "
+                             "(--first/last-stage-layers, --embedding/loss-in-split)")
         return
     if first is not None or last is not None:
         _check_uneven(spec.num_hidden_layers, parallel)

@@ -219,17 +219,20 @@ class MemoryBound:
 
     def _first_stage_layers(self, pp: int) -> int:
         """Layers of the first pipeline stage: L/pp for an even split; for the base's uneven
-        split (Megatron-LM's --decoder-first-pipeline-num-layers, ...) the fewest of its
-        1F1B and interleaved (v = 2) chunks (`sharding.chunk_layers`)."""
+        split (Megatron-LM's --decoder-first-pipeline-num-layers, ..., or --stage-layers) the
+        fewest of its 1F1B and interleaved (v = 2) chunks (`sharding.chunk_layers`)."""
         hit = self._first_layers.get(pp)
         if hit is None:
             par, L = self.base.parallel, self.spec.num_hidden_layers
             if pp == 1 or not any(getattr(par, k) for k in SPLIT_KEYS):
                 hit = L // pp
-            else:
-                hit = max(0, min(sum(row[0] for row in chunk_layers(
+            else:  # a given --stage-layers fits one pipeline size and chunk count at most
+                vs = [v for v in (1, 2) if par.stage_layers is None
+                      or len(par.stage_layers) == pp * v]
+                hit = max(0, min((sum(row[0] for row in chunk_layers(
                     L, pp, v, par.first_stage_layers, par.last_stage_layers,
-                    par.embedding_in_split, par.loss_in_split)) for v in (1, 2)))
+                    par.embedding_in_split, par.loss_in_split, par.stage_layers))
+                    for v in vs), default=0))
             self._first_layers[pp] = hit
         return hit
 

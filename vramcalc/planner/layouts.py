@@ -23,7 +23,8 @@ from vramcalc.training import FINETUNES, TrainingConfig
 
 # Megatron-LM's uneven pipeline splits (--first-stage-layers, ...): given to plan, they stay
 # on every layout, and pp is searched among the sizes whose split Megatron-LM accepts
-SPLIT_KEYS = ("first_stage_layers", "last_stage_layers", "embedding_in_split", "loss_in_split")
+SPLIT_KEYS = ("first_stage_layers", "last_stage_layers", "embedding_in_split", "loss_in_split",
+              "stage_layers")
 
 Group = tuple  # (tp, pp, cp, dp, sp, ep, [(b, m, [(sched, v), ...]), ...])
 Sharding = tuple[int, str, "int | None", int]  # (zero, fsdp, shard_group, shard_stage)
@@ -88,8 +89,8 @@ def split_refusal(base: Scenario, num_gpus: int) -> str | None:
     sizes = [pp for pp in divisors(num_gpus) if pp > 1]
     if not split or any(split_schedules(base, pp)[0] for pp in sizes):
         return None
-    flags = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
-                     for k, v in split.items())
+    flags = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else " " + (
+        ",".join(map(str, v)) if isinstance(v, tuple) else str(v))) for k, v in split.items())
     why = (pipeline_split_problem(base.model, base.training, base.parallel.model_copy(
         update={"pp": sizes[0]})) if sizes else "one GPU runs no pipeline")
     return (f"no pipeline-parallel size dividing {num_gpus} GPUs takes the split {flags} "

@@ -12,7 +12,13 @@ from typing import Any
 
 from vramcalc.errors import InputError, suggest
 from vramcalc.hardware import MIN_MFU, parse_gpus
-from vramcalc.options import OPTIONS_BY_NAME, build_scenario, check_bounds, normalize_values
+from vramcalc.options import (
+    OPTIONS_BY_NAME,
+    build_scenario,
+    check_bounds,
+    normalize_values,
+    parse_stage_layers,
+)
 from vramcalc.planner.layouts import SPLIT_KEYS, finetune_supported, given, mla_note
 from vramcalc.planner.request import DEFAULT_FINETUNE_BATCH, PlanRequest, recomputes_of
 from vramcalc.scenario import Scenario
@@ -109,6 +115,8 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
     # an uneven pipeline split needs pp > 1, which the base layout (pp 1) does not have: it
     # joins the base after, and the search keeps it on every layout (layouts.py SPLIT_KEYS)
     split = {k: values.pop(k) for k in SPLIT_KEYS if values.get(k)}
+    if "stage_layers" in split:
+        split["stage_layers"] = parse_stage_layers(split["stage_layers"])
     base = build_scenario(values, profile_dirs, deepspeed)
     if split:
         base = base.model_copy(update={"parallel": base.parallel.model_copy(update=split)})

@@ -113,6 +113,8 @@ def strategy_flags(s: dict[str, Any]) -> list[str]:
     for key in ("first_stage_layers", "last_stage_layers"):
         if s.get(key):
             flags += ["--" + key.replace("_", "-"), str(s[key])]
+    if s.get("stage_layers"):
+        flags += ["--stage-layers", ",".join(map(str, s["stage_layers"]))]
     for key in ("embedding_in_split", "loss_in_split"):
         if s.get(key):
             flags.append("--" + key.replace("_", "-"))
