@@ -68,8 +68,9 @@ class ParallelConfig(BaseModel):
     last_stage_layers: int | None = Field(None, gt=0, le=1_000_000)
     embedding_in_split: bool = False
     loss_in_split: bool = False
-    # layers of each pipeline stage in stage order (pp x virtual stages entries; stage s on
-    # rank s mod pp): torchtitan's split when its layers do not divide evenly
+    # --stage-layers: layers of each pipeline stage in stage order (pp x virtual stages
+    # entries; stage s on rank s mod pp); the torchtitan profile fills in torchtitan's own
+    # split when its layers do not divide evenly and no split is given
     stage_layers: tuple[int, ...] | None = Field(None, exclude_if=lambda v: v is None)
     # Megatron-LM --mtp-num-layers: multi-token-prediction depths on the last pipeline stage
     mtp_layers: int = Field(0, ge=0, le=64, exclude_if=lambda v: v == 0)
@@ -309,7 +310,7 @@ def torchtitan_stage_layers(num_layers: int, stages: int) -> tuple[int, ...]:
 def _torchtitan_split(spec: ModelSpec, training: TrainingConfig,
                       parallel: ParallelConfig) -> ParallelConfig:
     """The torchtitan profile's layout with its own default split where the layers do not
-    divide evenly over the pipeline stages and no Megatron-LM split is given."""
+    divide evenly over the pipeline stages and no split is given."""
     stages = parallel.pp * parallel.pp_chunks
     if (training.framework != "torchtitan" or parallel.pp == 1 or parallel.uneven_split
             or not spec.num_hidden_layers % stages):
