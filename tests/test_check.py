@@ -228,3 +228,23 @@ def test_plan_reads_a_deepspeed_file(tmp_path: Path, capsys: pytest.CaptureFixtu
                           str(s["grad_accum"]), "--recompute", s["recompute"],
                           "--headroom", "0.05"], capsys)
     assert plain["device_total_bytes"] > est["device_total_bytes"]
+
+
+def test_stage_layers_key_takes_a_list_or_a_string(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # a list of counts or the flag's comma-separated text; anything else one error line
+    base = "model: llama3.1-405b\ngpus: 512xH100\ntp: 8\npp: 8\nseq_len: 4096\n"
+    sizes = []
+    for value in ("[15, 16, 16, 16, 16, 16, 16, 15]", "'15,16,16,16,16,16,16,15'"):
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(base + f"stage_layers: {value}\n")
+        assert main(["check", str(cfg), "--json"]) in (0, 1)
+        out = json.loads(capsys.readouterr().out)["report"]
+        assert out["strategy"]["stage_layers"] == [15, 16, 16, 16, 16, 16, 16, 15]
+        sizes.append(out["peak_allocated_bytes"])
+    assert sizes[0] == sizes[1]
+    for bad in ("[15, true]", "[15, {a: 1}]", "[15, [16]]"):
+        cfg.write_text(base + f"stage_layers: {bad}\n")
+        assert main(["check", str(cfg)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1

@@ -81,7 +81,8 @@ def load_config_file(path: Path) -> dict[str, Any]:
         if name not in OPTIONS_BY_NAME and name not in CONFIG_EXTRA_KEYS:
             raise InputError(f"{path}: unknown key {shown(key)}"
                              f"{suggest(name, list(OPTIONS_BY_NAME) + list(CONFIG_EXTRA_KEYS))}")
-        if isinstance(value, (dict, list)) and name not in ("offload", "lora_targets"):
+        if isinstance(value, (dict, list)) and name not in ("offload", "lora_targets",
+                                                            "stage_layers"):
             raise InputError(f"{path}: {shown(key)} must be a single value, got a "
                              f"{type(value).__name__}")
         out[name] = value
