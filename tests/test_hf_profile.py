@@ -329,3 +329,70 @@ def test_speed_model_counts_the_trained_copies_and_adapters() -> None:
 
     assert n(modules_to_save="lm_head") - n() == V * H
     assert n(lora_embedding=True, lora_head=True) - n() == 2 * 8 * (V + H)
+
+
+# ---- HF Trainer's gradient accumulation under FSDP ---------------------------------------------
+# transformers trainer.py `_inner_training_loop` runs every micro-batch but the last inside
+# `accelerator.no_sync(model)` unless accelerate's GradientAccumulationPlugin has
+# sync_each_batch=True; accelerate accelerator.py `no_sync` calls FSDP2's
+# `set_requires_gradient_sync(False)` (FSDP1: `FullyShardedDataParallel.no_sync()`), and
+# FSDP2 keeps each unsharded gradient, cast to the policy's reduce dtype, until the last
+# micro-batch. accelerate's policy (utils/dataclasses.py `set_mixed_precision`) reduces in
+# its param dtype: bf16 under bf16 autocast. Llama-3.1-8B's shapes from its model card.
+LLAMA31_8B_PARAMS = 8_030_261_248
+
+
+def _hf_fsdp(**kw: object) -> object:
+    from vramcalc.options import build_scenario
+
+    values = {"model": "llama3.1-8b", "gpus": "8xH100", "framework": "hf", "fsdp": "full",
+              "precision": "amp-bf16", "seq_len": 2048, "micro_batch_size": 1,
+              "recompute": "full", **kw}
+    return build_scenario(values).resolved()
+
+
+def test_trainer_accumulates_fsdp_gradients_unsharded_in_the_reduce_dtype() -> None:
+    from vramcalc.rank import RankContext
+    from vramcalc.terms.gradients import gradients_at_step_bytes, gradients_bytes
+
+    scn = _hf_fsdp(grad_accum=4)
+    ctx = RankContext(scn.model, scn.training, scn.parallel, 0)
+    held = gradients_bytes(ctx)
+    # every parameter's bf16 gradient, whole (a few 512-byte allocation roundings over)
+    assert LLAMA31_8B_PARAMS * 2 <= held < LLAMA31_8B_PARAMS * 2 + 2**20
+    # the last micro-batch reduce-scatters them: fp32 shards for the step
+    assert LLAMA31_8B_PARAMS * 4 // 8 <= gradients_at_step_bytes(ctx) < (
+        LLAMA31_8B_PARAMS * 4 // 8 + 2**20)
+    assert estimate(scn).terms.gradients == held
+
+
+def test_sync_each_batch_and_no_accumulation_keep_the_shards() -> None:
+    from vramcalc.rank import RankContext
+    from vramcalc.terms.gradients import gradients_bytes
+
+    sharded = []
+    for kw in ({"grad_accum": 4, "sync_each_batch": True}, {"grad_accum": 1}):
+        scn = _hf_fsdp(**kw)
+        sharded.append(gradients_bytes(RankContext(scn.model, scn.training, scn.parallel, 0)))
+    assert sharded[0] == sharded[1] < LLAMA31_8B_PARAMS * 4 // 8 + 2**20
+    accumulating = estimate(_hf_fsdp(grad_accum=4)).peak_allocated_bytes
+    # 16 GB of bf16 gradients replace 4 GB of fp32 shards
+    assert accumulating - estimate(_hf_fsdp(grad_accum=4, sync_each_batch=True)
+                                   ).peak_allocated_bytes > 10 * 10**9
+
+
+def test_trainer_no_sync_under_fsdp1_holds_the_flat_gradients() -> None:
+    from vramcalc.rank import RankContext
+    from vramcalc.terms import fsdp1
+
+    for kw, held in (({"grad_accum": 4}, True), ({"grad_accum": 4, "sync_each_batch": True},
+                                                 False), ({"grad_accum": 1}, False)):
+        scn = _hf_fsdp(fsdp_impl="fsdp1", **kw)
+        assert fsdp1.no_sync(RankContext(scn.model, scn.training, scn.parallel, 0)) is held
+
+
+def test_sync_each_batch_is_an_hf_option(capsys) -> None:  # noqa: ANN001
+    code = main(["estimate", "--model", "8b", "--framework", "torchtune", "--sync-each-batch"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error:") and "--framework hf" in err
+    assert len(err.strip().splitlines()) == 1

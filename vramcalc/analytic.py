@@ -42,13 +42,13 @@ from vramcalc.terms import activations as act
 from vramcalc.terms import comm
 from vramcalc.terms import transients as tr
 from vramcalc.terms.gradients import (
+    accumulates_unsharded,
     embedding_backward_bytes,
     gradients_at_step_bytes,
     gradients_bytes,
     gradients_persistent,
     late_gradient_bytes,
     layer_gradient_bytes,
-    pipelined_fsdp,
 )
 from vramcalc.terms.load import init_reserved_bytes, load_parts
 from vramcalc.terms.lowprec import check_lowprec
@@ -326,7 +326,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
                init_reserved_bytes(ctx))
     # cached beside the peak: the freed logits (logits.py), the init's segments
     # (tune_init.py), FSDP's side streams (terms/reserved.py)
-    pipelined = pipelined_fsdp(ctx)  # the backward's gradients: unsharded, compute stream
+    pipelined = accumulates_unsharded(ctx)  # the backward's gradients: unsharded, compute stream
     streams = 0 if peak.name == "load" else side_stream_bytes(
         ctx, [(p.total, 0 if pipelined and p.name != "optimizer" else p.grads, p.side)
               for p in phases if p.name != "load"])

@@ -17,7 +17,13 @@ from vramcalc.report import MemoryReport, fit_phrase, paged_resident_bytes
 from vramcalc.scenario import Scenario
 from vramcalc.terms import activations as act
 from vramcalc.terms.comm import copy_in_stream_bytes, edge_units
-from vramcalc.terms.gradients import gradients_at_step_bytes, gradients_bytes, pipelined_fsdp
+from vramcalc.terms.gradients import (
+    accumulates_unsharded,
+    gradients_at_step_bytes,
+    gradients_bytes,
+    pipelined_fsdp,
+    reduce_dtype,
+)
 from vramcalc.terms.logits import (
     logits_backward_peak_bytes,
     logits_forward_peak_bytes,
@@ -101,12 +107,17 @@ def explain(scn: Scenario) -> dict[str, Any]:
         f"One {tr.grad_dtype} gradient ({gb_} B) per "
         + ("trained (adapter) parameter" if finetunes(tr) else "parameter")
         + (f", sharded over {ctx.grad_shard} ranks (ZeRO-2+/FSDP)" if ctx.grad_shard > 1
-           and not pipelined_fsdp(ctx) else "")
+           and not accumulates_unsharded(ctx) else "")
         + f": {_gb(gradients_bytes(ctx))} once backward has finished"
-        + (f" — unsharded: under pipelining every micro-batch's backward runs with FSDP's "
-           f"gradient sync off and they accumulate whole (torch/distributed/pipelining/"
-           f"stage.py backward_maybe_with_nosync) until the last one reduce-scatters them, "
-           f"{_gb(gradients_at_step_bytes(ctx))} for the step." if pipelined_fsdp(ctx) else "."),
+        + ((" — unsharded, in " + reduce_dtype(ctx.training) + ": " + (
+            "under pipelining every micro-batch's backward runs with FSDP's gradient sync off "
+            "(torch/distributed/pipelining/stage.py backward_maybe_with_nosync)"
+            if pipelined_fsdp(ctx) else "HF Trainer runs every micro-batch but the last "
+            "under accelerate's no_sync(), FSDP's gradient sync off (--sync-each-batch "
+            "reduces each one instead)")
+            + " and they accumulate whole until the last one reduce-scatters them, "
+            f"{_gb(gradients_at_step_bytes(ctx))} for the step.")
+           if accumulates_unsharded(ctx) else "."),
         "With zero_grad(set_to_none=True) they do not exist during forward unless gradients "
         "are accumulated over micro-batches." if tr.set_to_none else "zero_grad(set_to_none="
         "False) keeps them, zeroed, through every forward (--no-set-to-none).",

@@ -8,6 +8,7 @@
 | `modules_to_save` | PEFT's trained module copies | peft utils/other.py `ModulesToSaveWrapper` |
 | `lora_embedding` | PEFT's `lora.Embedding` on embed_tokens | peft tuners/lora/layer.py `Embedding` |
 | `lora_head` | PEFT's `lora.Linear` on lm_head | peft tuners/lora/layer.py `Linear` |
+| `sync_each_batch` | accelerate's `GradientAccumulationPlugin(sync_each_batch=True)`: no `no_sync()` between micro-batches | transformers trainer.py `_inner_training_loop`, accelerate accelerator.py `no_sync` |
 
 `hf_stack_problem(training)` says, in one line, why a combination cannot be expressed (None:
 it can); vramcalc.training.TrainingConfig raises it as a validation error. docs/methodology.md
@@ -119,11 +120,33 @@ def _peft_modules(tr: Any) -> str | None:
     return f"--modules-to-save {tr.modules_to_save} {flag}" if flag else None
 
 
+def _sync_each_batch(tr: Any) -> str | None:
+    if tr.sync_each_batch and tr.framework != "hf":
+        return ("--sync-each-batch (accelerate's GradientAccumulationPlugin option) needs "
+                "--framework hf")
+    return None
+
+
 def hf_stack_problem(tr: Any) -> str | None:
     """Why these training settings (a vramcalc.training.TrainingConfig) use an hf-stack
     option the model cannot express (None: they can)."""
-    for check in (_reentrant, _kbit_prepare, _hf_optim, _peft_modules):
+    for check in (_reentrant, _kbit_prepare, _hf_optim, _peft_modules, _sync_each_batch):
         problem = check(tr)
         if problem:
             return problem
     return None
+
+
+def trainer_no_sync(tr: Any, parallel: Any) -> bool:
+    """Whether HF Trainer accumulates FSDP gradients unsharded across micro-batches.
+
+    transformers trainer.py `_inner_training_loop` (5.x; 4.46+ alike) runs every micro-batch
+    of an accumulation window but the last inside `accelerator.no_sync(model)` unless
+    `sync_each_batch` is set (DeepSpeed excepted); accelerate accelerator.py `no_sync` turns
+    FSDP2's `set_requires_gradient_sync(False)` on, or enters FSDP1's
+    `FullyShardedDataParallel.no_sync()`. Either keeps each unsharded gradient until the
+    last micro-batch's backward reduce-scatters it (`tr`, `parallel`: the training and
+    parallel configs)."""
+    return (tr.framework == "hf" and parallel.fsdp != "none" and tr.grad_accum > 1
+            and not tr.sync_each_batch)
+

@@ -7,6 +7,7 @@ from __future__ import annotations
 from vramcalc.features import chunks_loss, finetunes, low_precision
 from vramcalc.finetune import fused_family, fused_groups, shapes_for
 from vramcalc.hardware import GPUProfile
+from vramcalc.hf_stack import trainer_no_sync
 from vramcalc.model import ModelSpec
 from vramcalc.qlora import compiled_dequant_kept, nf4_tensor_bytes
 from vramcalc.rank import RankContext
@@ -42,6 +43,12 @@ def scenario_notes(scn: Scenario) -> list[str]:
         notes.append(_fsdp1_note(ctx))
     elif fsdp1.wrapped_adapters(ctx):
         notes.append(_WRAPPED_ADAPTERS)
+    if trainer_no_sync(scn.training, scn.parallel) and not fsdp1.flat(ctx):
+        notes.append(f"HF Trainer runs every micro-batch but the last under accelerate's "
+                     f"no_sync(): FSDP2's gradients are held unsharded, "
+                     f"{fmt_gb(gradients_bytes(ctx))}, until the last one reduce-scatters "
+                     "them (--sync-each-batch: accelerate's sync_each_batch=True reduces "
+                     "every micro-batch and keeps only the shards)")
     notes += finetune_notes(ctx)
     if low_precision(scn.training):
         notes += lowprec_notes(ctx, scn.cluster.gpu if scn.cluster else None)

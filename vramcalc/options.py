@@ -164,6 +164,11 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("set_to_none", bool, True, "zero_grad(set_to_none=...): --no-set-to-none keeps "
         "zeroed gradients allocated through the next forward (torch < 2.0's default, e.g. "
         "HF Trainer on torch 1.x); one GPU or DDP."),
+    Opt("sync_each_batch", bool, False, "accelerate's GradientAccumulationPlugin("
+        "sync_each_batch=True) (hf profile): HF Trainer then reduces the gradients after every "
+        "micro-batch. Without it, every micro-batch but the last runs under no_sync(), and "
+        "with --fsdp and --grad-accum > 1 each rank holds all its gradients unsharded until "
+        "the last one."),
     Opt("activation_offload", bool, False, "Move saved activations of the transformer layers "
         "to pinned host memory (torchtune OffloadActivations), one layer in flight."),
     Opt("qat", str, "none", "Quantization-aware training of the block linears: none | int8 "
@@ -293,7 +298,7 @@ OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 STACK_PRECISION = {"torchtitan": "amp-bf16", "torchtune": "bf16-pure"}
 
 _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
-                  "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "kbit_prepare", "recompute_method",
+                  "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "kbit_prepare", "sync_each_batch", "recompute_method",
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "lora_embedding", "lora_head", "modules_to_save", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",

@@ -150,6 +150,8 @@ class TrainingConfig(BaseModel):
     # gradient_checkpointing_enable({}) (torch's reentrant default), the embedding's output
     # made to require grad. Left out of dumps when off
     kbit_prepare: bool = Field(False, exclude_if=lambda v: not v)
+    # accelerate's sync_each_batch=True (hf): no no_sync() (hf_stack.py `trainer_no_sync`)
+    sync_each_batch: bool = Field(False, exclude_if=lambda v: not v)
     # Megatron-LM's --recompute-method / --recompute-num-layers (megatron profile, full
     # recompute): which layers of each pipeline chunk are checkpointed, and how many per
     # checkpoint (vramcalc/terms/megatron_recompute.py). None: every layer, one per checkpoint
@@ -446,9 +448,8 @@ class TrainingConfig(BaseModel):
         profile (HF Trainer) steps AdamW as --hf-optim says (HF_OPTIMS), by default with one
         fused kernel: transformers >= 4.54 `TrainingArguments.optim` defaults to
         "adamw_torch_fused" with torch >= 2.8 (src/transformers/training_args.py,
-        `default_optim`); everything else runs
-        PyTorch's default on CUDA, foreach (torch/optim/optimizer.py
-        `_default_to_fused_or_foreach(..., use_fused=False)`)."""
+        `default_optim`); everything else runs PyTorch's default on CUDA, foreach
+        (torch/optim/optimizer.py `_default_to_fused_or_foreach(..., use_fused=False)`)."""
         if self.optimizer_impl is not None:
             return self.optimizer_impl
         if self.hf_optim is not None:
@@ -496,5 +497,4 @@ class TrainingConfig(BaseModel):
         """Optimizer state dtype: fp32 unless bf16-pure or asked for."""
         if self.optimizer_dtype:
             return self.optimizer_dtype
-        return "bf16" if self.precision == "bf16-pure" and self.trainable_dtype == "bf16" else (
-            "fp32")
+        return "bf16" if self.precision == "bf16-pure" and self.trainable_dtype == "bf16" else "fp32"

@@ -69,7 +69,12 @@ from vramcalc.sharding import layer_param_numels
 from vramcalc.terms import activations as act
 from vramcalc.terms import fsdp1
 from vramcalc.terms.float8_fsdp import float8_gather, float8_gathered_layer_bytes
-from vramcalc.terms.gradients import grad_dtype, layer_gradient_bytes, pipelined_fsdp
+from vramcalc.terms.gradients import (
+    accumulates_unsharded,
+    grad_dtype,
+    layer_gradient_bytes,
+    reduce_dtype,
+)
 from vramcalc.units import DTYPE_BITS, alloc, ceil_div
 
 ROOT_GROUPS: tuple[str, ...] = ("embedding", "final", "head")
@@ -337,7 +342,7 @@ def reduce_bytes(ctx: RankContext, layer: int = 0, done: float = 1.0,
     - FSDP2, once the block's backward is over (its gradient temporaries and remaining saved
       tensors, `freed`, are gone): the unsharded gradients, the reduce-scatter input they are
       copied into (the sharded parameters' dtype) and the block's sharded gradient.
-    - FSDP2 under pipelining (gradients.pipelined_fsdp): no reduce-scatter until the last
+    - FSDP2 with sync off (gradients.accumulates_unsharded): no reduce-scatter until the last
       micro-batch; `done` of the block's compute-dtype gradients beside the accumulated
       ones they are added into (none extra when both have one dtype).
     """
@@ -359,14 +364,15 @@ def reduce_bytes(ctx: RankContext, layer: int = 0, done: float = 1.0,
         return fsdp1.reduce_bytes(ctx, g, done, freed, nxt)
     tr = ctx.training
     if trained is None:
-        n, whole_dt, rs_dt = _layer_numel(ctx), tr.compute_dtype, tr.weight_dtype
-    else:  # adapters: unsharded grads in the gather dtype, reduce-scatter in their own
+        n, whole_dt, rs_dt = _layer_numel(ctx), tr.compute_dtype, reduce_dtype(ctx.training)
+    else:  # adapters: unsharded grads in the gather dtype, reduce-scatter in the policy's
         a_dt = adapter_dtype(tr.framework, tr.weight_dtype)
-        n, whole_dt, rs_dt = sum(trained), tr.compute_dtype if tr.is_autocast else a_dt, a_dt
+        n, whole_dt = sum(trained), tr.compute_dtype if tr.is_autocast else a_dt
+        rs_dt = reduce_dtype(ctx.training) if tr.is_autocast else a_dt
     whole, rs_input = alloc(n, whole_dt), alloc(n, rs_dt)
-    if pipelined_fsdp(ctx):  # sync off: the block's gradients, added into the accumulated
-        # ones (gradients.py), exist beside them only when the two dtypes differ
-        return int(done * whole) if whole_dt != grad_dtype(ctx) else 0
+    if accumulates_unsharded(ctx):  # sync off: the block's gradients, added into the
+        # accumulated ones (gradients.py), exist beside them only when the two dtypes differ
+        return int(done * whole) if whole_dt != rs_dt else 0
     if freed is None:
         freed = act.layer_backward_working_bytes(ctx) + act.layer_activation_bytes(ctx)
     prefetch = prefetch_bytes(ctx, layer)

@@ -28,7 +28,8 @@ src/lightning/fabric/strategies/fsdp.py, LitGPT 8641822 finetune/lora.py.
   which for FSDP is `module.no_sync()` (fabric/strategies/fsdp.py
   `_FSDPBackwardSyncControl`): with --grad-accum > 1 the lightning profile holds the
   unsharded gradients of all trained units, N_u per unit, until the last micro-batch of the
-  step reduce-scatters them. Other profiles are modelled reducing every micro-batch.
+  step reduce-scatters them. HF Trainer does the same through accelerate's `no_sync`
+  (hf_stack.py `trainer_no_sync`). Other profiles are modelled reducing every micro-batch.
 - **Adapters in units of their own (torchtune).** torchtune's FSDP1 recipe
   (fef3ed10 recipes/lora_finetune_distributed.py `_setup_model`: FullyShardedDataParallel
   with FULL_SHARD, no mixed precision, the default `use_orig_params=False`) wraps with
@@ -54,6 +55,7 @@ gradient under no_sync stays in the dtype autograd produced it in, the compute d
 from __future__ import annotations
 
 from vramcalc.features import finetunes
+from vramcalc.hf_stack import trainer_no_sync
 from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
 from vramcalc.training import TrainingConfig
@@ -82,9 +84,11 @@ def flat(ctx: RankContext) -> bool:
 
 def no_sync(ctx: RankContext) -> bool:
     """Whether gradients accumulate unsharded inside FSDP1's `no_sync()` (LitGPT's
-    `fabric.no_backward_sync` with gradient accumulation)."""
-    return (flat(ctx) and ctx.training.framework == "lightning"
-            and ctx.training.grad_accum > 1)
+    `fabric.no_backward_sync` with gradient accumulation; HF Trainer's, hf_stack.py
+    `trainer_no_sync`)."""
+    tr = ctx.training
+    return flat(ctx) and (tr.framework == "lightning" and tr.grad_accum > 1
+                          or trainer_no_sync(tr, ctx.parallel))
 
 
 def mixed_units(ctx: RankContext) -> bool:

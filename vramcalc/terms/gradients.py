@@ -27,8 +27,10 @@ into pinned host buffers; FSDP2 CPUOffloadPolicy moves them to the host after re
 
 from __future__ import annotations
 
+from vramcalc.hf_stack import trainer_no_sync
 from vramcalc.rank import RankContext
 from vramcalc.terms import fsdp1
+from vramcalc.training import TrainingConfig
 from vramcalc.units import alloc
 
 
@@ -76,12 +78,35 @@ def pipelined_fsdp(ctx: RankContext) -> bool:
             and ctx.training.framework == "torchtitan" and not fsdp1.flat(ctx))
 
 
+def accumulates_unsharded(ctx: RankContext) -> bool:
+    """FSDP2 with gradient sync off until a step's last micro-batch: under pipelining
+    (`pipelined_fsdp`) or in HF Trainer's accumulation loop (hf_stack.py
+    `trainer_no_sync`). Every gradient is then held unsharded, in the reduce dtype, from the
+    first micro-batch's backward to the last one's reduce-scatter."""
+    return pipelined_fsdp(ctx) or (trainer_no_sync(ctx.training, ctx.parallel)
+                                   and ctx.engine == "fsdp2" and not fsdp1.flat(ctx))
+
+
+def reduce_dtype(tr: TrainingConfig) -> str:
+    """FSDP2's MixedPrecisionPolicy.reduce_dtype, the dtype of the reduce-scatter input and
+    of unsharded accumulated gradients (`to_accumulated_grad_if_needed`). Under autocast
+    precisions torchtitan reduces in fp32 (9dec370 config_manager.py
+    mixed_precision_reduce float32), the reference profile likewise; accelerate's policy
+    reduces in its param dtype (accelerate utils/dataclasses.py
+    FullyShardedDataParallelPlugin.set_mixed_precision: reduce_dtype = param_dtype), the
+    hf profile's compute dtype. Without a policy: the parameters' own dtype."""
+    if tr.framework == "hf":
+        return tr.compute_dtype if tr.is_autocast else tr.trainable_dtype
+    return tr.weight_dtype if tr.is_autocast else tr.trainable_dtype
+
+
 def gradients_bytes(ctx: RankContext) -> int:
     """Device bytes of all gradients held on this rank once backward has finished (under
-    `pipelined_fsdp`, before the last micro-batch's reduce-scatter: unsharded, on the device
-    even with CPUOffloadPolicy, which moves only the reduce-scattered shards)."""
-    if pipelined_fsdp(ctx):
-        return _sharded_bytes(ctx, 1)
+    `accumulates_unsharded`, before the last micro-batch's reduce-scatter: unsharded, on the
+    device even with CPUOffloadPolicy, which moves only the reduce-scattered shards)."""
+    if accumulates_unsharded(ctx):
+        return ctx.train_shapes.nbytes(reduce_dtype(ctx.training), 1, ctx.expert_shard(1),
+                                       ctx.grad_layout)
     if _offloaded(ctx) or "gradients" in ctx.parallel.offload and ctx.engine != "deepspeed":
         return 0
     if fsdp1.flat(ctx):
@@ -106,23 +131,27 @@ def gradients_at_step_bytes(ctx: RankContext) -> int:
     if ctx.engine == "deepspeed" and ctx.parallel.zero == 1:
         shard = ctx.parallel.shard_degree
         return ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard), "flat")
-    if pipelined_fsdp(ctx):  # reduce-scattered after the last one
+    if accumulates_unsharded(ctx):  # reduce-scattered after the last one
         return 0 if _offloaded(ctx) else _sharded_bytes(ctx, ctx.grad_shard)
     return gradients_bytes(ctx)
 
 
 def layer_gradient_bytes(ctx: RankContext) -> int:
     """Gradient bytes of one transformer layer on this rank (per-layer backward step)."""
-    if _offloaded(ctx) and not pipelined_fsdp(ctx):
+    if _offloaded(ctx) and not accumulates_unsharded(ctx):
         return 0
     n = ctx.num_layers
     if not n:
         return 0
     if fsdp1.flat(ctx):
         return fsdp1.layer_gradient_bytes(ctx, grad_dtype(ctx))
-    shard = 1 if pipelined_fsdp(ctx) else ctx.grad_shard
-    total = ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard),
-                                    ctx.grad_layout, ("layer", "expert"))
+    if accumulates_unsharded(ctx):
+        total = ctx.train_shapes.nbytes(reduce_dtype(ctx.training), 1, ctx.expert_shard(1),
+                                        ctx.grad_layout, ("layer", "expert"))
+    else:
+        total = ctx.train_shapes.nbytes(grad_dtype(ctx), ctx.grad_shard,
+                                        ctx.expert_shard(ctx.grad_shard), ctx.grad_layout,
+                                        ("layer", "expert"))
     return total // n
 
 

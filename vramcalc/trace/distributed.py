@@ -39,9 +39,11 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vramcalc.errors import InputError
+from vramcalc.hf_stack import trainer_no_sync
 from vramcalc.report import MemoryReport
 from vramcalc.scenario import Scenario
 from vramcalc.terms.fsdp1 import wraps_adapters
+from vramcalc.terms.gradients import reduce_dtype
 from vramcalc.terms.transients import cublas_workspace_bytes
 from vramcalc.trace.engine import (
     ITERATIONS,
@@ -195,14 +197,14 @@ def _blocks(model: Any, num_layers: int) -> list[Any]:
 
 
 def _shard(model: Any, scn: Scenario, mesh: Any) -> None:
-    import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     tr, par = scn.training, scn.parallel
     mp = MixedPrecisionPolicy()
-    if tr.is_autocast:  # fp32 sharded parameters, compute-dtype all-gathers, fp32 reduction
+    if tr.is_autocast:  # fp32 sharded parameters, compute-dtype all-gathers, reduction in
+        # the profile's reduce dtype (fp32; accelerate's: the compute dtype)
         mp = MixedPrecisionPolicy(param_dtype=_torch_dtype(tr.compute_dtype),
-                                  reduce_dtype=torch.float32)
+                                  reduce_dtype=_torch_dtype(reduce_dtype(tr)))
     reshard = par.fsdp != "grad-op"
     blocks = _blocks(model, scn.model.num_hidden_layers)
     for i, block in enumerate(blocks):
@@ -300,8 +302,13 @@ def _run(scn: Scenario, tracker: Any, mesh: Any, tick: Any, report_progress: Any
             if p.grad is not None:
                 tracker.label(p.grad, "gradients")
 
+    def sync(micro: int) -> None:  # HF Trainer: accelerate's no_sync() but for the last
+        model.set_requires_gradient_sync(micro == tr.grad_accum - 1)
+
+    no_sync = trainer_no_sync(tr, scn.parallel)
     run_steps(scn, tracker, model, params, opt, iterations, tick, seq_lens=seq_lens,
-              after_backward=label_grads, state_label="optimizer_states")
+              after_backward=label_grads, before_micro=sync if no_sync else None,
+              state_label="optimizer_states")
     report_progress("done", 1.0)
     return _result(scn, tracker, param_bytes, iterations)
 

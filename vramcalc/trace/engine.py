@@ -333,12 +333,14 @@ def run_steps(scn: Scenario, tracker: Any, model: Any, params: list[Any], opt: A
               iterations: int, tick: Callable[[str], None], *,
               autocast: Callable[[], Any] = contextlib.nullcontext,
               after_backward: Callable[[], None] | None = None,
+              before_micro: Callable[[int], None] | None = None,
               debug: Callable[[str, Any], None] | None = None,
               state_label: str = "optimizer_states/states",
               seq_lens: Sequence[int] | None = None) -> None:
     """`iterations` training steps of `grad_accum` micro-batches each, with the tracker's
     phases and marks set (end_forward, end_backward, end_step); `after_backward` runs after
-    each micro-batch's backward, `debug(event, tracker)` at end_forward and end_step;
+    each micro-batch's backward, `before_micro(i)` before the i-th micro-batch of a step,
+    `debug(event, tracker)` at end_forward and end_step;
     `seq_lens`, when given, the length of every micro-batch in order (else seq_len)."""
     import torch
 
@@ -352,6 +354,8 @@ def run_steps(scn: Scenario, tracker: Any, model: Any, params: list[Any], opt: A
             if seq_lens is not None:
                 s = seq_lens[it * tr.grad_accum + micro]
             tag = f"iteration {it + 1}/{iterations}, micro-batch {micro + 1}/{tr.grad_accum}"
+            if before_micro:
+                before_micro(micro)
             tick(f"{tag}: forward")
             tracker.set_phase("forward")
             ids = torch.randint(0, V, (b, s))

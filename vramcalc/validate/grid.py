@@ -195,6 +195,10 @@ def fsdp_grid() -> list[tuple[str, Scenario]]:
         ("llama-gqa", 4, "full", {"precision": "amp-bf16", "grad_accum": 2}),
         ("llama-gqa", 8, "full", {"precision": "bf16"}),
         ("gpt2", 2, "full", {"precision": "amp-bf16", "framework": "hf"}),
+        # HF Trainer's no_sync() accumulation: unsharded gradients in the reduce dtype
+        ("gpt2", 2, "full", {"precision": "amp-bf16", "framework": "hf", "grad_accum": 4}),
+        ("llama-gqa", 2, "full", {"precision": "bf16-pure", "framework": "hf",
+                                  "grad_accum": 2}),
         ("qwen2-bias", 4, "grad-op", {"precision": "amp-bf16"}),
         ("llama-mha", 8, "hybrid", {"precision": "amp-bf16", "recompute": "selective"}),
         ("moe", 8, "full", {"precision": "bf16-pure"}),
