@@ -383,6 +383,20 @@ def test_suggest_8bit_optimizer() -> None:
     assert _apply(values, dict(opt.change))
 
 
+def test_suggest_reducing_every_micro_batch_for_hf_fsdp() -> None:
+    """HF Trainer's no_sync() holds Llama-3-8B's bf16 gradients whole (16 GB) on every one
+    of 8 RTX 4090s; reducing every micro-batch keeps 2 GB of shards, and the job fits."""
+    values = {"model": "8b", "gpus": "8xRTX4090", "framework": "hf", "fsdp": "full", "tp": 1,
+              "cp": 1, "seq_len": 2048, "recompute": "full", "micro_batch_size": 1}
+    base, req, res, _ = plan(**values)
+    assert not res.entries
+    sugg = suggest_changes(base, req, [])
+    sync = next(s for s in sugg if s.kind == "sync_each_batch")
+    assert sync.change == {"sync_each_batch": True}
+    assert sync.entry.report.terms.gradients < res.closest.report.terms.gradients / 7
+    assert _apply(values, dict(sync.change))
+
+
 def test_suggest_shorter_sequence() -> None:
     values = {"model": "gemma-2b", "gpus": "1xRTX4090", "seq_len": 8192, "offload": "optimizer"}
     base, req, res, _ = plan(**values)

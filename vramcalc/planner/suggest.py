@@ -33,8 +33,8 @@ CHUNKED_CE_DEFAULT = 8
 class Suggestion:
     """A change that makes the job fit, with the best plan under it."""
 
-    # more_gpus | other_gpu | offload | optimizer | optimizer_impl | finetune | chunked_ce |
-    # activation_offload | seq_len
+    # more_gpus | other_gpu | offload | optimizer | optimizer_impl | sync_each_batch |
+    # finetune | chunked_ce | activation_offload | seq_len
     kind: str
     title: str
     change: Mapping[str, Any]  # option values to apply (CLI option names, snake_case)
@@ -141,8 +141,8 @@ def suggest_changes(base: Scenario, req: PlanRequest, profiles: Sequence[GPUProf
     out: list[Suggestion] = []
     cl = base.cluster
     gpu = cl.gpu
-    steps = ["gpus", "gpu type", "offload", "optimizer", "fused optimizer", "finetune",
-             "chunked loss", "activation offload", "sequence"]
+    steps = ["gpus", "gpu type", "offload", "optimizer", "fused optimizer", "gradient sync",
+             "finetune", "chunked loss", "activation offload", "sequence"]
 
     def tick(i: int) -> None:
         if progress is not None:
@@ -209,8 +209,16 @@ def suggest_changes(base: Scenario, req: PlanRequest, profiles: Sequence[GPUProf
                     optimizer_impl="fused")
         if sg is not None:
             out.append(sg)
-    # 6. LoRA / QLoRA / DoRA
+    # 6. HF Trainer: reduce-scatter every micro-batch instead of accumulating unsharded
+    # gradients under accelerate's no_sync() (hf_stack.py `trainer_no_sync`)
     tick(5)
+    if tr.framework == "hf" and not tr.sync_each_batch:
+        sg = _lever(base, req, "sync_each_batch", "reduce FSDP gradients after every "
+                    "micro-batch (accelerate's sync_each_batch)", sync_each_batch=True)
+        if sg is not None:
+            out.append(sg)
+    # 7. LoRA / QLoRA / DoRA
+    tick(6)
     if "finetune" not in req.allow:
         ft_req = replace(req, finetuning=True)  # rerun with --finetune: a fine-tuning batch
         batch = ft_req.batch_for(tr.seq_len)
@@ -226,9 +234,9 @@ def suggest_changes(base: Scenario, req: PlanRequest, profiles: Sequence[GPUProf
                     out.append(Suggestion("finetune", f"fine-tune with {ft}{what}",
                                           {"finetune": ft}, entry))
                     break
-    # 7. chunked cross entropy: the fp32 logits and their gradients one chunk at a time;
+    # 8. chunked cross entropy: the fp32 logits and their gradients one chunk at a time;
     # 8 chunks = torchtune's CEWithChunkedOutputLoss default num_output_chunks
-    tick(6)
+    tick(7)
     if tr.chunked_ce == 1:
         share = ""
         if closest is not None and closest.report.device_total_bytes:
@@ -238,15 +246,15 @@ def suggest_changes(base: Scenario, req: PlanRequest, profiles: Sequence[GPUProf
                     chunked_ce=CHUNKED_CE_DEFAULT)
         if sg is not None:
             out.append(sg)
-    # 8. activation offload: saved activations wait in pinned host memory
-    tick(7)
+    # 9. activation offload: saved activations wait in pinned host memory
+    tick(8)
     if not tr.activation_offload:
         sg = _lever(base, req, "activation_offload", "offload activations to CPU RAM",
                     activation_offload=True)
         if sg is not None:
             out.append(sg)
-    # 9. shorter sequence (largest power-of-two fraction that fits)
-    tick(8)
+    # 10. shorter sequence (largest power-of-two fraction that fits)
+    tick(9)
     s = tr.seq_len // 2
     while s >= 128:
         scn = _retrain(base, seq_len=s)
