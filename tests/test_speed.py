@@ -178,6 +178,25 @@ def test_zero3_gathers_every_micro_batch() -> None:
     assert four.parts_s["dp_comm"] == pytest.approx(4 * one.parts_s["dp_comm"])
 
 
+def test_no_sync_reduces_once_per_step() -> None:
+    # HF Trainer's no_sync(): every micro-batch still gathers the weights forward and
+    # backward, only the last one reduce-scatters. Llama-2-70B over 2 nodes (dp 16, the
+    # 50 GB/s NIC): an all-gather or reduce-scatter of the bf16 weights sends 15/16·2·N
+    # bytes (2.6 s); a micro-batch's backward is 2/3 of its compute (3.1 s), which hides one
+    # collective but not two.
+    n = spec("llama2-70b")
+    lay = Layout(dp=16, shard_stage=3, num_microbatches=4)
+    every = estimate_speed(n, H100, 8, lay, 4096).parts_s["dp_comm"]
+    once = estimate_speed(n, H100, 8, replace(lay, reduce_once=True), 4096).parts_s["dp_comm"]
+    c = (15 / 16) * n.num_params * 2 / 50e9
+    bwd = (2 / 3) * model_flops_per_token(n, 4096) * 4096 / (989e12 * H100.mfu_fraction)
+    assert c < bwd < 2 * c
+    # three backward passes hide their gather and no longer expose a reduce-scatter
+    exposed_pair = 2 * c - bwd
+    exposed_one = OVERLAP_EXPOSED_FRACTION * c
+    assert every - once == pytest.approx(3 * (exposed_pair - exposed_one), rel=1e-9)
+
+
 def test_pipeline_p2p() -> None:
     # 2 sends of b·s·h/tp per micro-batch per stage boundary (activation, gradient), 16 GPUs
     # over 2 nodes: network bandwidth

@@ -53,6 +53,7 @@ its global batch counts. With t = s this is 6·N_mm + 12·(Le + 2·Ld)·s·A
 
 from __future__ import annotations
 
+from vramcalc.hardware import GPUProfile
 from vramcalc.model import ModelSpec
 from vramcalc.sharding import mtp_tensors
 from vramcalc.terms.torchtitan import op_sac_recompute_flops_per_token
@@ -135,3 +136,38 @@ def seq2seq_flops(spec: ModelSpec, s: int, t: int) -> tuple[float, dict[str, flo
     head = 2.0 * V * h * t
     model = 3.0 * (layers + head) / s
     return model, {"none": model, "selective": model, "full": model + layers / s}
+
+
+def peak_flops(gpu: GPUProfile, dtype: str) -> tuple[float, str | None]:
+    """Dense peak FLOP/s for `dtype`; falls back to fp16, then fp32, with a note."""
+    tflops = gpu.peak_tflops(dtype)
+    if tflops is not None:
+        return tflops * 1e12, None
+    for alt in ("fp16", "fp32", "bf16"):
+        t = gpu.peak_tflops(alt)
+        if t is not None:
+            return t * 1e12, (f"{gpu.name} has no {dtype} peak in its profile; "
+                              f"speed uses its {alt} peak ({t:g} TFLOP/s)")
+    return 1e12, f"{gpu.name} has no TFLOP/s figure; speed assumes 1 TFLOP/s"
+
+
+def fp8_peak_flops(spec: ModelSpec, gpu: GPUProfile, seq_len: int,
+                   mtp_layers: int = 0) -> tuple[float, str | None]:
+    """Effective dense FLOP/s of an FP8 step: the block linears' 6·N_layers FLOPs per token
+    at the profile's FP8 peak, the rest (lm_head, attention 12·L·s·a·d) at its BF16 peak
+    (Transformer Engine runs only the linears in FP8, vramcalc/terms/lowprec.py; torchtitan's
+    --float8 every linear but the output projection): F / (F_fp8/P_fp8 + F_bf16/P_bf16). MTP
+    depths (vramcalc/flops.py) add their layer and eh_proj to the FP8 part (Megatron-LM runs
+    `_concat_embeddings` and the layer in the FP8 context), the shared head's V·h to the
+    BF16 part. Falls back to the BF16 peak, with a note, when the profile has no FP8 figure."""
+    p16, note = peak_flops(gpu, "bf16")
+    fp8 = gpu.peak_tflops("fp8")
+    if fp8 is None:
+        return p16, f"{gpu.name} has no fp8 peak in its profile; speed uses its bf16 peak"
+    n_lin = (spec.num_active_params - spec.embedding_params - spec.head_params
+             - spec.final_norm_params)
+    if mtp_layers:
+        n_lin += mtp_layers * (mtp_depth_params(spec) - spec.vocab_size * spec.hidden_size)
+    total = model_flops_per_token(spec, seq_len, mtp_layers=mtp_layers)
+    f_fp8 = min(6.0 * n_lin, total)
+    return total / (f_fp8 / (fp8 * 1e12) + (total - f_fp8) / p16), note

@@ -147,6 +147,12 @@ def trainer_no_sync(tr: Any, parallel: Any) -> bool:
     `FullyShardedDataParallel.no_sync()`. Either keeps each unsharded gradient until the
     last micro-batch's backward reduce-scatters it (`tr`, `parallel`: the training and
     parallel configs)."""
-    return (tr.framework == "hf" and parallel.fsdp != "none" and tr.grad_accum > 1
+    return reduces_once(tr, parallel.fsdp, tr.grad_accum)
+
+
+def reduces_once(tr: Any, fsdp: str, grad_accum: int) -> bool:
+    """`trainer_no_sync` for an --fsdp value and a number of micro-batches per step (the
+    planner's candidates)."""
+    return (tr.framework == "hf" and fsdp != "none" and grad_accum > 1
             and not tr.sync_each_batch)
 

@@ -3,11 +3,11 @@
 Pure closed-form arithmetic over a model spec, a GPU profile and a layout; no I/O, no torch.
 Every formula, its source and the test that pins it are in docs/planning.md.
 
-Legend: N_mm = parameters that take part in matrix multiplies per token (active parameters
-minus the input-embedding lookup; a tied head counts once), L = layers, s = sequence length,
-A = a·d (attention width: heads × head dim; vramcalc/flops.py `attention_width`), b = micro-batch, m = micro-batches per step,
-B = global batch (sequences) = dp·b·m, W = GPUs = dp·tp·pp·cp, p = pp, v = virtual stages,
-c / w / g = bytes per element of the compute / weight / gradient dtype.
+Legend: N_mm = parameters that take part in matrix multiplies per token (active parameters minus
+the input-embedding lookup; a tied head counts once), L = layers, s = sequence length, A = a·d
+(attention width: heads × head dim; vramcalc/flops.py `attention_width`), b = micro-batch, m =
+micro-batches per step, B = global batch (sequences) = dp·b·m, W = GPUs = dp·tp·pp·cp, p = pp, v =
+virtual stages, c / w / g = bytes per element of the compute / weight / gradient dtype.
 
 Compute (model FLOPs, the convention published MFU figures use; Chowdhery et al. 2022,
 PaLM, App. B; Kaplan et al. 2020 for 6N), vramcalc/flops.py (multi-latent attention's
@@ -19,24 +19,24 @@ A = a·(d_qk + d_v)/2 and the multi-token-prediction depths there):
     torchtitan its per-op SAC's unsaved mms, or the full forward of every N-th layer
     t_compute = F_hw · B·s / W / (peak_dtype · efficiency)
 
-Parameter-efficient fine-tuning (LoRA, QLoRA, DoRA; `finetune`): the frozen base skips
-the weight-gradient matmuls, so per token the base costs its forward 2·N_mm and the input
-gradients 2·N_mm, and the N_ad adapter parameters the usual 6·N_ad (Hu et al. 2021, Sec. 4.2
-ascribes LoRA's ~25 % training speed-up to not computing most gradients):
+Parameter-efficient fine-tuning (LoRA, QLoRA, DoRA; `finetune`): the frozen base skips the
+weight-gradient matmuls, so per token the base costs its forward 2·N_mm and the input gradients
+2·N_mm, and the N_ad adapter parameters the usual 6·N_ad (Hu et al. 2021, Sec. 4.2 ascribes LoRA's
+~25 % training speed-up to not computing most gradients):
 
     F_model per token (PEFT) = 4·N_mm + 6·N_ad + 12·L·s·A
     recompute full adds 2·(N_mm − V·h) + 2·N_ad + 4·L·s·A; selective 4·L·s·A
 
-MFU counts F_model (the PaLM definition: no recomputation), so a LoRA step at the same
-efficiency shows full training's MFU and a tokens/s higher by (6·N_mm + 12LsA)/(4·N_mm +
-6·N_ad + 12LsA); tools that count LoRA with 6·N print 1.5× our MFU for the same step time.
-QLoRA also dequantizes every NF4 weight before each matmul (a memory-bound pass timed at the
-profile's bandwidth), and under PEFT data parallelism reduces the adapters' gradients only;
-docs/planning.md has both formulas.
+MFU counts F_model (the PaLM definition: no recomputation), so a LoRA step at the same efficiency
+shows full training's MFU and a tokens/s higher by (6·N_mm + 12LsA)/(4·N_mm + 6·N_ad + 12LsA);
+tools that count LoRA with 6·N print 1.5× our MFU for the same step time. QLoRA also dequantizes
+every NF4 weight before each matmul (a memory-bound pass timed at the profile's bandwidth), and
+under PEFT data parallelism reduces the adapters' gradients only; docs/planning.md has both
+formulas.
 
-`efficiency` is the GPU profile's `mfu_fraction` (calibrated on published MFU) or `--mfu`.
-The attention term counts the full s×s products (causal kernels skip about half), as the
-published MFU figures the efficiencies are calibrated on do.
+`efficiency` is the GPU profile's `mfu_fraction` (calibrated on published MFU) or `--mfu`. The
+attention term counts the full s×s products (causal kernels skip about half), as the published MFU
+figures the efficiencies are calibrated on do.
 
 Pipeline bubble (Narayanan et al. 2021, Sec. 2.2): t_bubble = t_compute·(p − 1)/(v·m).
 
@@ -62,7 +62,8 @@ all-reduce 2·(n−1)/n·M/bw, reduce-scatter or all-gather (n−1)/n·M/bw.
     ZeRO-2: reduce-scatter every micro-batch + all-gather once;
     ZeRO-3 / FSDP: every micro-batch an all-gather in forward, another in backward and a
       reduce-scatter (Rajbhandari et al. 2019: 1.5× DDP volume); under torchtitan's
-      --float8-all-gather the block linears' weights are gathered at 1 byte each;
+      --float8-all-gather the block linears' weights are gathered at 1 byte each; under HF
+      Trainer's no_sync() (`reduce_once`, hf_stack.py) FSDP reduces in the last one only;
     FSDP hybrid: ZeRO-3 inside the shard group + an all-reduce of the shard across groups.
 - PP point-to-point: 2·v sends of b·(s/cp)·h·c/tp per micro-batch (activations forward,
   gradients backward), not overlapped.
@@ -82,12 +83,14 @@ from dataclasses import dataclass, field
 from vramcalc.finetune import _finetune_shapes, adapter_dtype
 from vramcalc.flops import (
     attention_width,
+    fp8_peak_flops,
     model_flops_per_token,
-    mtp_depth_params,
+    peak_flops,
     recompute_flops_per_token,
     seq2seq_flops,
 )
 from vramcalc.hardware import GPUProfile
+from vramcalc.hf_stack import trainer_no_sync
 from vramcalc.model import ModelSpec
 from vramcalc.model_tensors import param_tensors
 from vramcalc.scenario import Scenario
@@ -139,6 +142,7 @@ class Layout:
     offload: tuple[str, ...] = ()
     offload_device: str = "cpu"
     paged_host_bytes: int = 0  # this rank's paged optimizer pages that live in host RAM
+    reduce_once: bool = False  # FSDP gradients reduced once per step (HF Trainer's no_sync)
 
     @property
     def num_gpus(self) -> int:
@@ -174,47 +178,12 @@ def _bytes(dtype: str) -> float:
     return DTYPE_BITS[dtype] / 8
 
 
-def peak_flops(gpu: GPUProfile, dtype: str) -> tuple[float, str | None]:
-    """Dense peak FLOP/s for `dtype`; falls back to fp16, then fp32, with a note."""
-    tflops = gpu.peak_tflops(dtype)
-    if tflops is not None:
-        return tflops * 1e12, None
-    for alt in ("fp16", "fp32", "bf16"):
-        t = gpu.peak_tflops(alt)
-        if t is not None:
-            return t * 1e12, (f"{gpu.name} has no {dtype} peak in its profile; "
-                              f"speed uses its {alt} peak ({t:g} TFLOP/s)")
-    return 1e12, f"{gpu.name} has no TFLOP/s figure; speed assumes 1 TFLOP/s"
-
-
 def float8_linear_params(spec: ModelSpec) -> int:
     """Parameters torchao's float8 all-gather sends at 1 byte: every block weight but the
     norms and the routed experts (convert_to_float8_training swaps each block nn.Linear; the
     embedding, final norm and output projection are not swapped; vramcalc/terms/float8_fsdp.py)."""
     return sum(t.numel * t.count for t in param_tensors(spec)
                if t.group == "layer" and "norm" not in t.name)
-
-
-def fp8_peak_flops(spec: ModelSpec, gpu: GPUProfile, seq_len: int,
-                   mtp_layers: int = 0) -> tuple[float, str | None]:
-    """Effective dense FLOP/s of an FP8 step: the block linears' 6·N_layers FLOPs per token
-    at the profile's FP8 peak, the rest (lm_head, attention 12·L·s·a·d) at its BF16 peak
-    (Transformer Engine runs only the linears in FP8, vramcalc/terms/lowprec.py; torchtitan's
-    --float8 every linear but the output projection): F / (F_fp8/P_fp8 + F_bf16/P_bf16). MTP
-    depths (vramcalc/flops.py) add their layer and eh_proj to the FP8 part (Megatron-LM runs
-    `_concat_embeddings` and the layer in the FP8 context), the shared head's V·h to the
-    BF16 part. Falls back to the BF16 peak, with a note, when the profile has no FP8 figure."""
-    p16, note = peak_flops(gpu, "bf16")
-    fp8 = gpu.peak_tflops("fp8")
-    if fp8 is None:
-        return p16, f"{gpu.name} has no fp8 peak in its profile; speed uses its bf16 peak"
-    n_lin = (spec.num_active_params - spec.embedding_params - spec.head_params
-             - spec.final_norm_params)
-    if mtp_layers:
-        n_lin += mtp_layers * (mtp_depth_params(spec) - spec.vocab_size * spec.hidden_size)
-    total = model_flops_per_token(spec, seq_len, mtp_layers=mtp_layers)
-    f_fp8 = min(6.0 * n_lin, total)
-    return total / (f_fp8 / (fp8 * 1e12) + (total - f_fp8) / p16), note
 
 
 PART_NAMES = ("compute", "bubble", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "pp_comm",
@@ -372,8 +341,10 @@ class SpeedModel:
 
     def sharding_parts(self, dp: int, tp: int, pp: int, cp: int, ep: int, m: int, stage: int,
                        shard_group: int | None, offload: tuple[str, ...], offload_device: str,
-                       t_fwd: float, t_bwd: float) -> tuple[float, float]:
+                       t_fwd: float, t_bwd: float, reduce_once: bool = False,
+                       ) -> tuple[float, float]:
         """(data-parallel / ZeRO communication, offload) seconds per step."""
+        r_m = 1 if reduce_once else m  # micro-batches whose backward reduces
         gpn, intra, inter = self.gpn, self.intra, self.inter
         div_d, div_e = tp * pp, tp * pp * ep
         d_d, d_e = dp * cp, max(dp * cp // ep, 1)
@@ -391,7 +362,8 @@ class SpeedModel:
                 S_e = max(S // ep, 1)
                 ag = moved(self.gather_b, S, S_e) / bw_s
                 red = moved(self.grad_b, S, S_e) / bw_s
-                t_dp = m * (_hidden(ag, t_fwd) + _hidden(ag + red, t_bwd))
+                t_dp = (m * _hidden(ag, t_fwd) + (m - r_m) * _hidden(ag, t_bwd)
+                        + r_m * _hidden(ag + red, t_bwd))
                 shard_bytes = (self.grad_b[0] / div_d + self.grad_b[1] / div_e) / S
                 t_dp += _hidden(2 * _ring(dp // S * cp) * shard_bytes / bw, t_bwd)
             else:  # each stage moves only some of: gathers, reductions, updated shards
@@ -403,10 +375,11 @@ class SpeedModel:
                     t_dp = _hidden(red, t_bwd) + _hidden(upd, t_fwd)
                 elif stage == 2:
                     upd = moved(self.update_b, d_d, d_e) / bw
-                    t_dp = m * _hidden(red, t_bwd) + _hidden(upd, t_fwd)
+                    t_dp = r_m * _hidden(red, t_bwd) + _hidden(upd, t_fwd)
                 else:
                     ag = moved(self.gather_b, d_d, d_e) / bw
-                    t_dp = m * (_hidden(ag, t_fwd) + _hidden(ag + red, t_bwd))
+                    t_dp = (m * _hidden(ag, t_fwd) + (m - r_m) * _hidden(ag, t_bwd)
+                            + r_m * _hidden(ag + red, t_bwd))
         t_off = 0.0
         if offload:
             shard = (shard_group or dp) if stage >= 1 else 1
@@ -440,7 +413,8 @@ class SpeedModel:
             lay.micro_batch_size, lay.num_microbatches, lay.recompute, v)
         tdp, toff = self.sharding_parts(lay.dp, lay.tp, lay.pp, lay.cp, lay.ep,
                                         lay.num_microbatches, lay.shard_stage, lay.shard_group,
-                                        lay.offload, lay.offload_device, t_fwd, t_bwd)
+                                        lay.offload, lay.offload_device, t_fwd, t_bwd,
+                                        lay.reduce_once)
         tdq = self.dequant_time(lay.tp, lay.pp, lay.num_microbatches, lay.recompute)
         toff += 2 * lay.paged_host_bytes / self.gpu.host_link_bytes_per_s
         parts = dict(zip(PART_NAMES, (comp, bub, ttp, tcp, tep, tdp, tpp, toff, tdq),
@@ -487,7 +461,7 @@ def scenario_speed(scn: Scenario, efficiency: float | None = None) -> SpeedRepor
         micro_batch_size=tr.micro_batch_size, num_microbatches=par.num_microbatches or
         tr.grad_accum, recompute=tr.recompute, pp_schedule=par.pp_schedule,
         virtual_stages=par.virtual_stages, offload=tuple(par.offload),
-        offload_device=par.offload_device)
+        offload_device=par.offload_device, reduce_once=trainer_no_sync(tr, par))
     return estimate_speed(scn.model, scn.cluster.gpu, scn.cluster.gpus_per_node, layout,
                           tr.seq_len, tr.precision, efficiency, par.capacity_factor,
                           training_peft(scn.model, tr), tr.selective_kind, tr.float8,

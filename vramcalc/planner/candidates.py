@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Protocol
 
 from vramcalc.errors import InputError
 from vramcalc.finetune import check_finetune
+from vramcalc.hf_stack import reduces_once
 from vramcalc.parallel import ParallelConfig, resolve_layout
 from vramcalc.planner.layouts import (
     SPLIT_KEYS,
@@ -315,8 +316,10 @@ class Enumerator:
                         for (sh, off), keep_v in zip(shardings, keeps, strict=True):
                             if not keep_v:
                                 continue
+                            once = reduces_once(self.base.training, sh[1], m)
                             tdp, toff = sm.sharding_parts(dp, tp, pp, cp, ep, m, sh[3], sh[2],
-                                                          off, self.off_dev, t_fwd, t_bwd)
+                                                          off, self.off_dev, t_fwd, t_bwd,
+                                                          once)
                             row.append(((sched, v, sh, off), tokens / (fixed + tdp + toff),
                                         keep_v))
                     for key, tps, keep_v in row:

@@ -25,6 +25,7 @@ from typing import Any
 
 from vramcalc.analytic import estimate
 from vramcalc.errors import InputError
+from vramcalc.hf_stack import trainer_no_sync
 from vramcalc.planner.bound import MemoryBound
 from vramcalc.planner.candidates import (
     REC_ORDER,
@@ -119,7 +120,8 @@ def estimate_candidate(c: Candidate, base: Scenario, req: PlanRequest) -> PlanEn
         rep = estimate(scn, every_stage=False)
     except (InputError, ValueError):
         return None
-    layout = c.layout(base.parallel.offload_device)
+    layout = replace(c.layout(base.parallel.offload_device),
+                     reduce_once=trainer_no_sync(scn.training, scn.parallel))
     spilled = paged_host_bytes(scn, rep)
     if spilled:
         layout = replace(layout, paged_host_bytes=spilled)
