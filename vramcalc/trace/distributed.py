@@ -297,10 +297,21 @@ def _run(scn: Scenario, tracker: Any, mesh: Any, tick: Any, report_progress: Any
     watch_logits(tracker, model, tr.framework)
     opt = tracked_optimizer(tracker, tr, params)
 
-    def label_grads() -> None:  # FSDP2 writes the reduce-scattered shard into .grad
+    fsdp_params = [fp for m in model.modules() if hasattr(m, "_get_fsdp_state")
+                   and (g := m._get_fsdp_state()._fsdp_param_group) is not None
+                   for fp in g.fsdp_params]
+
+    def label_grads() -> None:  # FSDP2 writes the reduce-scattered shard into .grad; with
+        # gradient sync off it keeps the unsharded ones (_fsdp_param.py
+        # `to_accumulated_grad_if_needed`, `accumulate_unsharded_grad_if_needed`)
         for p in params:
             if p.grad is not None:
                 tracker.label(p.grad, "gradients")
+        for fp in fsdp_params:
+            for g in (fp._unsharded_param.grad if hasattr(fp, "_unsharded_param") else None,
+                      fp.unsharded_accumulated_grad):
+                if g is not None:
+                    tracker.label(g, "gradients")
 
     def sync(micro: int) -> None:  # HF Trainer: accelerate's no_sync() but for the last
         model.set_requires_gradient_sync(micro == tr.grad_accum - 1)
