@@ -8,6 +8,7 @@
 | `modules_to_save` | PEFT's trained module copies | peft utils/other.py `ModulesToSaveWrapper` |
 | `lora_embedding` | PEFT's `lora.Embedding` on embed_tokens | peft tuners/lora/layer.py `Embedding` |
 | `lora_head` | PEFT's `lora.Linear` on lm_head | peft tuners/lora/layer.py `Linear` |
+| `liger` | `TrainingArguments(use_liger_kernel=True)`: Liger's RMSNorm, SwiGLU, RoPE and fused linear cross entropy | transformers integrations/liger.py; vramcalc/terms/liger.py |
 | `sync_each_batch` | accelerate's `GradientAccumulationPlugin(sync_each_batch=True)`: no `no_sync()` between micro-batches | transformers trainer.py `_inner_training_loop`, accelerate accelerator.py `no_sync` |
 
 `hf_stack_problem(training)` says, in one line, why a combination cannot be expressed (None:
@@ -127,10 +128,25 @@ def _sync_each_batch(tr: Any) -> str | None:
     return None
 
 
+def _liger(tr: Any) -> str | None:
+    if not tr.liger:
+        return None
+    if tr.framework != "hf":
+        return "--liger (HF Trainer's use_liger_kernel) needs --framework hf"
+    clash = ("--chunked-ce" if tr.chunked_ce > 1 else "--lora-head" if tr.lora_head
+             else "--modules-to-save lm_head" if "lm_head" in tr.modules_to_save
+             else "--quantize-head" if tr.quantize_head else None)
+    if clash:
+        return (f"--liger with {clash}: Liger's fused linear cross entropy reads lm_head's "
+                "weight itself; that combination is not modelled")
+    return None
+
+
 def hf_stack_problem(tr: Any) -> str | None:
     """Why these training settings (a vramcalc.training.TrainingConfig) use an hf-stack
     option the model cannot express (None: they can)."""
-    for check in (_reentrant, _kbit_prepare, _hf_optim, _peft_modules, _sync_each_batch):
+    for check in (_reentrant, _kbit_prepare, _hf_optim, _peft_modules, _sync_each_batch,
+                  _liger):
         problem = check(tr)
         if problem:
             return problem

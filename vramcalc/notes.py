@@ -14,6 +14,8 @@ from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.terms import fsdp1
 from vramcalc.terms.gradients import gradients_bytes
+from vramcalc.terms.liger import chunk_tokens as liger_chunk_tokens
+from vramcalc.terms.liger import saved_bytes as liger_saved_bytes
 from vramcalc.terms.lowprec import (
     FP8_DIM_MULTIPLE,
     QAT_SCHEMES,
@@ -154,6 +156,12 @@ def finetune_notes(ctx: RankContext) -> list[str]:
                        "memory (host RAM above); each comes back when its backward node runs")
     if tr.framework == "unsloth":
         out.extend(unsloth_notes(ctx))  # vramcalc/terms/unsloth.py
+    if tr.liger and ctx.is_last_stage:
+        out.append(f"liger: the fused linear cross entropy runs in chunks of "
+                   f"{liger_chunk_tokens(ctx):,} tokens and makes no full logits; it keeps "
+                   f"dL/dhidden ({fmt_gb(liger_saved_bytes(ctx))})"
+                   + (" and the head's dL/dW" if tr.finetune == "full" else "")
+                   + " from the forward")
     if tr.packed:
         out.append(_packed_note(tr))
     if chunks_loss(tr) and tr.framework == "torchtune":

@@ -169,6 +169,10 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "micro-batch. Without it, every micro-batch but the last runs under no_sync(), and "
         "with --fsdp and --grad-accum > 1 each rank holds all its gradients unsharded until "
         "the last one."),
+    Opt("liger", bool, False, "HF Trainer's use_liger_kernel=True (hf profile; dense Llama, "
+        "Mistral and Qwen2 models, data parallelism): Liger's RMSNorm, SwiGLU and RoPE "
+        "kernels, and its fused linear cross entropy, which makes no full logits and keeps "
+        "dL/dhidden (and a trained head's dL/dW) from the forward."),
     Opt("activation_offload", bool, False, "Move saved activations of the transformer layers "
         "to pinned host memory (torchtune OffloadActivations), one layer in flight."),
     Opt("qat", str, "none", "Quantization-aware training of the block linears: none | int8 "
@@ -298,7 +302,7 @@ OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 STACK_PRECISION = {"torchtitan": "amp-bf16", "torchtune": "bf16-pure"}
 
 _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
-                  "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "kbit_prepare", "sync_each_batch", "recompute_method",
+                  "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "kbit_prepare", "sync_each_batch", "liger", "recompute_method",
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "lora_embedding", "lora_head", "modules_to_save", "dropout",
                   "moe_dispatcher", "deterministic", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",

@@ -25,6 +25,7 @@ from vramcalc.errors import InputError
 from vramcalc.model import ModelSpec
 from vramcalc.stack_rules import (
     edge_units_problem,
+    liger_problem,
     torchtitan_layout_problem,
     torchtune_layout_problem,
 )
@@ -224,7 +225,7 @@ def resolve_layout(
     problem = (torchtitan_layout_problem(spec, training, resolved)
                if training.framework == "torchtitan" else torchtune_layout_problem(resolved)
                if training.framework == "torchtune" else None) or edge_units_problem(
-                   spec, resolved, training.framework)
+                   spec, resolved, training.framework) or liger_problem(spec, training, resolved)
     if problem:
         raise InputError(problem)
     m = _microbatches(training, resolved)

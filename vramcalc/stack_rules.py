@@ -277,3 +277,24 @@ def torchtitan_layout_problem(spec: Any, training: Any, par: Any) -> str | None:
         problem = ("torchtitan's FSDP2 does not reshard after forward under PP: use --fsdp "
                    "grad-op with --pp")
     return problem + " (torchtitan profile)" if problem else None
+
+
+# the transformers architectures `_apply_liger_kernel_to_instance` patches with Liger's
+# RMSNorm, SwiGLU, RoPE and fused linear cross entropy (Liger-Kernel ead96b61
+# transformers/monkey_patch.py MODEL_TYPE_TO_APPLY_LIGER_FN)
+LIGER_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def liger_problem(spec: Any, training: Any, par: Any) -> str | None:
+    """What `--liger` cannot express (vramcalc/terms/liger.py); None: it can. `spec`,
+    `training` and `par` are a ModelSpec, TrainingConfig and ParallelConfig."""
+    if not training.liger:
+        return None
+    if (spec.model_type not in LIGER_MODEL_TYPES or spec.is_moe or spec.qk_norm
+            or spec.mlp_kind != "gated" or spec.is_encoder or spec.is_encoder_decoder):
+        return (f"--liger is modelled for dense Llama, Mistral and Qwen2 decoders (Liger's "
+                f"apply_liger_kernel_to_llama, _mistral, _qwen2); {spec.name} is not one")
+    if par.tp > 1 or par.pp > 1 or par.cp > 1:
+        return "--liger is modelled with data parallelism only (no --tp, --pp or --cp)"
+    return None
+

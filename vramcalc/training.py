@@ -135,8 +135,7 @@ class TrainingConfig(BaseModel):
     # None: the stack's default (see `step_impl`); "hf-loop" only through hf_optim adamw_hf
     optimizer_impl: Literal["foreach", "fused", "loop", "hf-loop"] | None = None
     # HF Trainer's TrainingArguments.optim for AdamW (hf profile; HF_OPTIMS); None: the
-    # Trainer's default for transformers >= 4.54 with torch >= 2.8 (adamw_torch_fused).
-    # Left out of dumps when None, so other reports keep their keys
+    # Trainer's default (transformers >= 4.54, torch >= 2.8: adamw_torch_fused); not dumped
     hf_optim: Literal["adamw_torch", "adamw_torch_fused", "adamw_hf"] | None = Field(
         None, exclude_if=lambda v: v is None)
     attention: Literal["flash", "eager"] = "flash"
@@ -152,6 +151,7 @@ class TrainingConfig(BaseModel):
     kbit_prepare: bool = Field(False, exclude_if=lambda v: not v)
     # accelerate's sync_each_batch=True (hf): no no_sync() (hf_stack.py `trainer_no_sync`)
     sync_each_batch: bool = Field(False, exclude_if=lambda v: not v)
+    liger: bool = Field(False, exclude_if=lambda v: not v)  # use_liger_kernel (terms/liger.py)
     # Megatron-LM's --recompute-method / --recompute-num-layers (megatron profile, full
     # recompute): which layers of each pipeline chunk are checkpointed, and how many per
     # checkpoint (vramcalc/terms/megatron_recompute.py). None: every layer, one per checkpoint

@@ -34,7 +34,7 @@ class Suggestion:
     """A change that makes the job fit, with the best plan under it."""
 
     # more_gpus | other_gpu | offload | optimizer | optimizer_impl | sync_each_batch |
-    # finetune | chunked_ce | activation_offload | seq_len
+    # finetune | chunked_ce | liger | activation_offload | seq_len
     kind: str
     title: str
     change: Mapping[str, Any]  # option values to apply (CLI option names, snake_case)
@@ -142,7 +142,7 @@ def suggest_changes(base: Scenario, req: PlanRequest, profiles: Sequence[GPUProf
     cl = base.cluster
     gpu = cl.gpu
     steps = ["gpus", "gpu type", "offload", "optimizer", "fused optimizer", "gradient sync",
-             "finetune", "chunked loss", "activation offload", "sequence"]
+             "finetune", "chunked loss", "liger", "activation offload", "sequence"]
 
     def tick(i: int) -> None:
         if progress is not None:
@@ -246,15 +246,21 @@ def suggest_changes(base: Scenario, req: PlanRequest, profiles: Sequence[GPUProf
                     chunked_ce=CHUNKED_CE_DEFAULT)
         if sg is not None:
             out.append(sg)
-    # 9. activation offload: saved activations wait in pinned host memory
+    # 9. HF Trainer's use_liger_kernel: no full logits, fused norms and SwiGLU
     tick(8)
+    if tr.framework == "hf" and not tr.liger and tr.chunked_ce == 1:
+        sg = _lever(base, req, "liger", "use Liger kernels (use_liger_kernel=True)", liger=True)
+        if sg is not None:
+            out.append(sg)
+    # 10. activation offload: saved activations wait in pinned host memory
+    tick(9)
     if not tr.activation_offload:
         sg = _lever(base, req, "activation_offload", "offload activations to CPU RAM",
                     activation_offload=True)
         if sg is not None:
             out.append(sg)
-    # 10. shorter sequence (largest power-of-two fraction that fits)
-    tick(9)
+    # 11. shorter sequence (largest power-of-two fraction that fits)
+    tick(10)
     s = tr.seq_len // 2
     while s >= 128:
         scn = _retrain(base, seq_len=s)

@@ -35,6 +35,7 @@ from vramcalc.features import chunks_loss, finetunes
 from vramcalc.qlora import dequant_backward_bytes, dequant_matmul_bytes
 from vramcalc.rank import RankContext
 from vramcalc.terms import encoder as enc
+from vramcalc.terms import liger as lig
 from vramcalc.terms import torchtitan_tp as ttp
 from vramcalc.terms import torchtune as ttn
 from vramcalc.terms import unsloth as uns
@@ -181,6 +182,8 @@ def logits_saved_bytes(ctx: RankContext) -> int:
         return _lit_saved_bytes(ctx)
     if ctx.training.framework == "unsloth":  # fused CE, no logits kept (terms/unsloth.py)
         return uns.fused_ce_saved_bytes(ctx)
+    if lig.liger(ctx):  # Liger's fused linear cross entropy (terms/liger.py)
+        return lig.saved_bytes(ctx)
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_saved_bytes(ctx)
     if ctx.training.framework == "megatron":
@@ -211,6 +214,8 @@ def _loss_forward_peak_bytes(ctx: RankContext) -> int:
         return _lit_saved_bytes(ctx)
     if ctx.training.framework == "unsloth":
         return uns.fused_ce_forward_peak_bytes(ctx)
+    if lig.liger(ctx):
+        return lig.forward_peak_bytes(ctx)
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_forward_peak_bytes(ctx)
     if ctx.training.framework == "megatron":
@@ -281,6 +286,8 @@ def _loss_backward_peak_bytes(ctx: RankContext) -> int:
         return _lit_backward_peak_bytes(ctx)
     if ctx.training.framework == "unsloth":  # the kept dL/dhidden and its scaled copy
         return uns.fused_ce_backward_peak_bytes(ctx)
+    if lig.liger(ctx):  # the kept gradients, scaled in place
+        return lig.backward_peak_bytes(ctx)
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_backward_peak_bytes(ctx)
     if ctx.training.framework == "megatron":
@@ -298,6 +305,8 @@ def head_forward_extra_bytes(ctx: RankContext) -> int:
     x = dims(ctx)
     if not ctx.is_last_stage:
         return 0
+    if lig.liger(ctx):  # nothing saves the final norm's output (terms/liger.py)
+        return lig.head_output_bytes(ctx)
     if finetunes(ctx.training) and "lm_head" not in ctx.training.modules_to_save:
         # a frozen lm_head saves no input at all, unless an old bitsandbytes 4-bit head holds
         # it (finetune_activations.py); an adapter on it may keep the very tensor
@@ -324,7 +333,7 @@ def freed_logits_bytes(ctx: RankContext) -> int:
     (vramcalc/allocator.py, c10/cuda/CUDACachingAllocator.cpp `get_free_block`); checked
     against the trace engine's replay (tests/test_reserved_hole.py)."""
     tr = ctx.training
-    if (not ctx.is_last_stage or ctx.spec.is_encoder or chunks_loss(tr)
+    if (not ctx.is_last_stage or ctx.spec.is_encoder or chunks_loss(tr) or tr.liger
             or tr.framework not in ("reference", "hf", "torchtitan", "deepspeed")
             or tr.compute_dtype == "fp32"):
         return 0

@@ -12,6 +12,7 @@ hold, as explicit objects (vramcalc.terms.saved.Modifier), in the order their ho
 | `UnslothLoraKernels` | unsloth profile, dense gated MLP | vramcalc/terms/unsloth.py |
 | `UnslothDequantBuffer` | unsloth profile, QLoRA | vramcalc/terms/unsloth.py |
 | `PackedBatch` | torchtune profile, packed sequences | vramcalc/terms/packed.py |
+| `LigerKernels` | hf profile, `--liger` | vramcalc/terms/liger.py |
 
 (vramcalc.features has the predicates.) Fine-tuning adjusts a layer's saved list before low
 precision does, and activation offload sees the backward moments both have adjusted.
@@ -23,6 +24,7 @@ from vramcalc.hardware import GPUProfile
 from vramcalc.rank import RankContext
 from vramcalc.terms.ds_checkpointing import DeepSpeedCheckpointing
 from vramcalc.terms.finetune_modifier import FinetuneActivations
+from vramcalc.terms.liger import LigerKernels
 from vramcalc.terms.lowmem import ActivationOffload, ChunkedLoss
 from vramcalc.terms.lowprec import LowPrecision
 from vramcalc.terms.packed import PackedBatch
@@ -36,7 +38,7 @@ from vramcalc.terms.unsloth import (
 MODIFIERS: tuple[Modifier, ...] = (FinetuneActivations(), LowPrecision(), ActivationOffload(),
                                    ChunkedLoss(), DeepSpeedCheckpointing(),
                                    UnslothLoraKernels(), UnslothCheckpointing(),
-                                   UnslothDequantBuffer(), PackedBatch())
+                                   UnslothDequantBuffer(), PackedBatch(), LigerKernels())
 
 
 def modifiers(ctx: RankContext) -> tuple[Modifier, ...]:

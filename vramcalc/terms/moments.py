@@ -29,7 +29,8 @@ def plain_forward_working_bytes(ctx: RankContext) -> int:
         return max(out, tt_checkpointed_forward_work(ctx))
     if ctx.training.recompute == "full":
         f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
-        n = 4 if ctx.spec.mlp_kind == "gated" else 2
+        # Liger's SwiGLU (terms/liger.py) makes no separate activation output
+        n = (3 if ctx.training.liger else 4) if ctx.spec.mlp_kind == "gated" else 2
         out = max(out, alloc(bsh(x), x.c) + n * alloc(x.N * f, x.c))
     return out
 
@@ -58,7 +59,7 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
     total = sum(t.nbytes for t in mlp_saved)
     extra = 0
     if tr.recompute == "full" and tr.framework == "hf" and x.r != "fp32" and (
-            ctx.spec.norm_kind == "rmsnorm"):
+            ctx.spec.norm_kind == "rmsnorm") and not tr.liger:  # LigerRMSNorm keeps x itself
         extra = alloc(bsh(x), x.r)  # the checkpoint keeps the input next to hf's fp32 copy
     if tr.framework in ("torchtitan", "torchtune") and tr.recompute != "none" and not (
             tr.compile):  # a compiled layer keeps the checkpoint's input itself
@@ -152,8 +153,8 @@ def final_norm_backward_work_bytes(ctx: RankContext) -> int:
     every layer's activations still held): d x̂, the rsqrt/pow/mean chain and d x, five
     fp32 (b, s, h) temporaries at once (its x̂ copy and lm_head's input are freed)."""
     if (ctx.training.framework != "hf" or ctx.spec.norm_kind != "rmsnorm"
-            or not ctx.is_last_stage or not ctx.spec.final_norm):
-        return 0
+            or not ctx.is_last_stage or not ctx.spec.final_norm or ctx.training.liger):
+        return 0  # LigerRMSNorm's backward writes dX into dY (terms/liger.py)
     x = dims(ctx)
     return 5 * alloc(bsh(x), "fp32")
 
@@ -224,6 +225,8 @@ def forward_end_extra_bytes(ctx: RankContext) -> int:
         extra += alloc(bsh(x), x.r)  # inputs_embeds next to inputs_embeds + positions
         if ctx.is_first_stage and ctx.spec.position_embedding == "learned":
             extra += alloc(x.s * x.h, x.r)
+    elif x.r != "fp32" and ctx.training.liger:
+        extra += alloc(bsh(x), x.r)  # LigerRMSNorm keeps the last residual: no fp32 x̂
     elif x.r != "fp32":
         extra += 2 * alloc(bsh(x), x.r) + alloc(bsh(x), "fp32")
         if hf_family(ctx) == "gemma":

@@ -204,7 +204,8 @@ def _attention_saved(ctx: RankContext, x: Dims) -> list[Saved]:
     else:
         # hf RoPE runs in r under autocast (its tables are in the residual dtype): SDPA keeps
         # 16-bit casts of q, k, but a checkpoint around the core keeps its fp32 inputs
-        qk = x.r if (hf and x.amp and rope and selective) else c
+        # (Liger's RoPE rotates the c-typed projections in place: terms/liger.py)
+        qk = x.r if (hf and x.amp and rope and selective and not tr.liger) else c
         qkv = [Saved("attn.q", bsad, qk, "(b, a, s, d)", "rotated q, SDPA input"),
                Saved("attn.k", bsgd, qk, "(b, g, s, d)", "rotated k, SDPA input"),
                Saved("attn.v", bsgd, c, "(b, g, s, d)", "v, SDPA input")]

@@ -227,7 +227,8 @@ def _autocast_cache_layer_bytes(ctx: RankContext) -> int:
 
 def autocast_cache_head_bytes(ctx: RankContext) -> int:
     """The lm_head weight cast (last stage) under autocast."""
-    if not ctx.training.is_autocast or not ctx.is_last_stage or ctx.engine == "fsdp2":
+    if (not ctx.training.is_autocast or not ctx.is_last_stage or ctx.engine == "fsdp2"
+            or ctx.training.liger):  # Liger's fused loss: counted in its forward peak
         return 0
     if ctx.spec.is_encoder:  # the head's linears (and the tied masked-LM decoder weight)
         c = ctx.training.compute_dtype

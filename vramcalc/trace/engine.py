@@ -100,6 +100,9 @@ def check_traceable(scn: Scenario) -> Scenario:
     if tr.load_only:
         raise InputError("--load-only: the trace engine runs training steps; the reading "
                          "right after loading is the analytic engine's (vramcalc estimate)")
+    if tr.liger:
+        raise InputError("--liger: Liger's Triton kernels do not run on the CPU; the analytic "
+                         "engine estimates them (vramcalc estimate; vramcalc/terms/liger.py)")
     if tr.framework in ("megatron", "torchtune", "lightning", "unsloth"):
         raise InputError(f"trace runs the reference, hf and torchtitan profiles; "
                          f"{tr.framework} has no traceable model (use --framework reference "
