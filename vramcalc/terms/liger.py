@@ -24,9 +24,9 @@ the fused loss's backward scales its kept gradients in place (`element_mul_kerne
 The fused loss's forward (`fused_linear_cross_entropy_forward`): chunks of
 next_pow2(⌈T / ⌈V/h⌉⌉) tokens; per chunk the logits (chunk·V in c, the matmul under autocast),
 their gradient written in place by the cross-entropy kernel, dL/dhidden of the chunk (chunk·h
-in c, copied into grad_input) and, under autocast, the head weight cast (V·h in c: cached
-while the forward runs for a trained head, made per matmul for a frozen one; kept for
-backward by nothing). Beside: grad_input (T·h), grad_weight (V·h, zeros_like the weight,
+in c, copied into grad_input) and, under autocast, head weight casts (V·h in c;
+`chunk_work_bytes` says when two coexist; backward keeps none). Beside: grad_input (T·h),
+grad_weight (V·h, zeros_like the weight,
 trained head only; the `torch.addmm(..., out_dtype=float32)` path of torch >= 2.8 on compute
 capability >= 8.0 accumulates into it in place), loss_1d (T fp32), target_mask (T bool) and
 LigerForCausalLMLoss's padded labels (b·(s+1) int64) with their shifted copy (b·s, a copy
@@ -74,16 +74,35 @@ def grad_weight_bytes(ctx: RankContext) -> int:
     return alloc(x.V * x.h, ctx.training.weight_dtype) if _trained_head(ctx) else 0
 
 
-def forward_peak_bytes(ctx: RankContext) -> int:
-    """The fused loss in forward, at a chunk (module docstring)."""
+def chunk_work_bytes(ctx: RankContext) -> int:
+    """The chunk loop's worst instant. Liger's locals keep a chunk's logits (and, for a
+    trained head under autocast, its addmm operand cast) until the next chunk's replace
+    them, so from the second chunk on two chunks' logits coexist at the logits matmul.
+    Under autocast that matmul casts the hidden chunk and `weight.t()`, a view, which the
+    autocast cache does not keep: a V·h cast per chunk; `grad_logits @ weight` casts the
+    weight itself, cached for the rest of the forward when it is a trained leaf."""
     x = dims(ctx)
     n = chunk_tokens(ctx)
+    logits, part = alloc(n * x.V, x.c), alloc(n * x.h, x.c)
+    amp, trained = ctx.training.is_autocast, _trained_head(ctx)
+    cast = alloc(x.V * x.h, x.c) if amp else 0
+    cached = cast if trained else 0
+    operand = part if amp and trained else 0  # input_chunk.to(c) for the addmm
+    first = logits + (part if amp else 0) + cast  # the logits matmul of a lone chunk
+    product = logits + part + (cached or cast)  # grad_logits_chunk @ weight
+    if n >= x.T:
+        return max(first, product)
+    # from the second chunk on, the previous chunk's logits and addmm operand are still bound
+    later = 2 * logits + operand + (part if amp else 0) + cast + cached
+    return max(later, product + operand)
+
+
+def forward_peak_bytes(ctx: RankContext) -> int:
+    """The fused loss in forward, at the chunk loop's worst instant (module docstring)."""
+    x = dims(ctx)
     labels = alloc(x.b * (x.s + 1), "int64") + (alloc(x.T, "int64") if x.b > 1 else 0)
     vectors = alloc(x.T, "fp32") + alloc(x.T, "bool")
-    chunk = alloc(n * x.V, x.c) + alloc(n * x.h, x.c)
-    if ctx.training.is_autocast:  # the head weight's and the hidden chunk's c casts
-        chunk += alloc(x.V * x.h, x.c) + alloc(n * x.h, x.c)
-    return saved_bytes(ctx) + grad_weight_bytes(ctx) + labels + vectors + chunk
+    return saved_bytes(ctx) + grad_weight_bytes(ctx) + labels + vectors + chunk_work_bytes(ctx)
 
 
 def backward_peak_bytes(ctx: RankContext) -> int:
@@ -128,10 +147,14 @@ class LigerKernels(Modifier):
 
     def backward_moments(self, ctx: RankContext, moments: list[Moment],
                          saved: list[Saved]) -> list[Moment]:
+        # down_proj's backward makes dc while its input is still saved; then d gate and
+        # d up are written into a and b: the MLP's worst instant holds every saved tensor
+        # and dc, where autograd's act·up backward holds three (T, f) gradients
         x = dims(ctx)
-        fewer = 2 * alloc(x.N * x.f, x.c)  # dc only: d gate, d up written into a and b
-        return [Moment(m.name, m.held, m.work - fewer, m.grads) if m.name == "mlp" else m
-                for m in moments]
+        fewer = 2 * alloc(x.N * x.f, x.c)
+        down = sum(t.nbytes for t in saved if t.name == "mlp.down_input")
+        return [Moment(m.name, m.held + down, m.work - fewer, m.grads) if m.name == "mlp"
+                else m for m in moments]
 
 
 def head_output_bytes(ctx: RankContext) -> int:

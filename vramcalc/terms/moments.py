@@ -29,9 +29,13 @@ def plain_forward_working_bytes(ctx: RankContext) -> int:
         return max(out, tt_checkpointed_forward_work(ctx))
     if ctx.training.recompute == "full":
         f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
-        # Liger's SwiGLU (terms/liger.py) makes no separate activation output
-        n = (3 if ctx.training.liger else 4) if ctx.spec.mlp_kind == "gated" else 2
-        out = max(out, alloc(bsh(x), x.c) + n * alloc(x.N * f, x.c))
+        n = 4 if ctx.spec.mlp_kind == "gated" else 2
+        if ctx.training.liger:  # a, b and c (terms/liger.py) beside the normed input Y (r)
+            # and the attention's residual
+            n, normed = 3, 2 * alloc(bsh(x), x.r)
+        else:
+            normed = alloc(bsh(x), x.c)
+        out = max(out, normed + n * alloc(x.N * f, x.c))
     return out
 
 
@@ -226,7 +230,8 @@ def forward_end_extra_bytes(ctx: RankContext) -> int:
         if ctx.is_first_stage and ctx.spec.position_embedding == "learned":
             extra += alloc(x.s * x.h, x.r)
     elif x.r != "fp32" and ctx.training.liger:
-        extra += alloc(bsh(x), x.r)  # LigerRMSNorm keeps the last residual: no fp32 x̂
+        # LigerRMSNorm keeps the last residual and makes its output Y: no fp32 x̂
+        extra += 2 * alloc(bsh(x), x.r)
     elif x.r != "fp32":
         extra += 2 * alloc(bsh(x), x.r) + alloc(bsh(x), "fp32")
         if hf_family(ctx) == "gemma":

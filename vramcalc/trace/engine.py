@@ -100,9 +100,6 @@ def check_traceable(scn: Scenario) -> Scenario:
     if tr.load_only:
         raise InputError("--load-only: the trace engine runs training steps; the reading "
                          "right after loading is the analytic engine's (vramcalc estimate)")
-    if tr.liger:
-        raise InputError("--liger: Liger's Triton kernels do not run on the CPU; the analytic "
-                         "engine estimates them (vramcalc estimate; vramcalc/terms/liger.py)")
     if tr.framework in ("megatron", "torchtune", "lightning", "unsloth"):
         raise InputError(f"trace runs the reference, hf and torchtitan profiles; "
                          f"{tr.framework} has no traceable model (use --framework reference "
@@ -164,11 +161,24 @@ def build_model(scn: Scenario) -> Any:
         from vramcalc.trace.lowprec import apply_lowprec
 
         model = apply_lowprec(model, scn)
+    if tr.liger:  # Liger's kernels' stand-ins (vramcalc/trace/liger.py)
+        from vramcalc.trace.liger import apply_liger
+
+        model = apply_liger(model)
     if tr.chunked_ce > 1 or tr.activation_offload:  # vramcalc/trace/lowmem.py
         from vramcalc.trace.lowmem import apply_memory_options
 
         model = apply_memory_options(model, scn)
     return model
+
+
+def liger_context(model: Any, on: bool) -> contextlib.AbstractContextManager[None]:
+    """Liger's RoPE in the model's modeling module while the steps run (trace/liger.py)."""
+    if not on:
+        return contextlib.nullcontext()
+    from vramcalc.trace.liger import liger_rope
+
+    return liger_rope(model)
 
 
 def _loss(model: Any, framework: str, ids: Any, labels: Any) -> Any:
@@ -253,8 +263,9 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
         watch_logits(tracker, model, tr.framework)
         opt = (in_backward_optimizer(tracker, tr, params) if tr.optimizer_in_backward
                else tracked_optimizer(tracker, tr, params))
-        run_steps(scn, tracker, model, params, opt, iterations, tick, autocast=autocast,
-                  debug=debug, seq_lens=seq_lens)
+        with liger_context(model, tr.liger):
+            run_steps(scn, tracker, model, params, opt, iterations, tick, autocast=autocast,
+                      debug=debug, seq_lens=seq_lens)
         report_progress("done", 1.0)
 
     return with_lengths_note(_result(scn, tracker, param_bytes, iterations), seq_lens)

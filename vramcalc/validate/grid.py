@@ -85,6 +85,12 @@ def default_grid() -> list[tuple[str, Scenario]]:
     grid.append(scenario_for("moe", framework="hf", recompute="full", micro_batch_size=4,
                              use_reentrant=True))
     grid.append(scenario_for("gpt2", precision="fp32", optimizer="adafactor", seq_len=1024))
+    # HF Trainer's use_liger_kernel: the trace runs stand-ins of Liger's kernels
+    # (vramcalc/trace/liger.py), allocation for allocation
+    grid.append(scenario_for("qwen2-bias", framework="hf", precision="amp-bf16", liger=True))
+    grid.append(scenario_for("llama-gqa", framework="hf", precision="bf16-pure", liger=True,
+                             recompute="full", finetune="lora", micro_batch_size=4))
+    grid.append(scenario_for("llama-deep", framework="hf", liger=True, grad_accum=2))
     grid += finetune_grid()  # LoRA / QLoRA / DoRA, 8-bit and paged optimizers
     grid += lowprec_grid()  # FP8 (Transformer Engine stand-in) and QAT
     grid += fsdp_grid()
