@@ -312,6 +312,15 @@ def watch_logits(tracker: Any, model: Any, framework: str) -> None:
             out.register_hook(leave)
 
     head.register_forward_hook(head_post)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    fused = getattr(base, "liger_loss", None)  # Liger's fused loss (trace/liger.py)
+    if fused is not None:
+        def loss_pre(_mod: Any, inp: Any) -> None:  # no logits: the loss starts here
+            tracker.region = "logits"
+            if inp[0].requires_grad:  # ... and ends once d loss / d hidden is ready
+                inp[0].register_hook(lambda _grad: setattr(tracker, "region", None))
+
+        fused.register_forward_pre_hook(loss_pre)
 
 
 def tracked_optimizer(tracker: Any, tr: Any, params: list[Any]) -> Any:

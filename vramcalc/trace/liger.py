@@ -121,6 +121,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return grad_input, grad_weight, None
 
 
+class FusedLoss(nn.Module):
+    """The fused loss as a module, so that the trace can mark where the loss starts
+    (vramcalc/trace/engine.py `watch_logits`)."""
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor,
+                target: torch.Tensor) -> torch.Tensor:
+        return _FusedLinearCrossEntropy.apply(hidden, weight, target)
+
+
 def _norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     return _RMSNorm.apply(hidden_states, self.weight)
 
@@ -145,7 +154,7 @@ def _lce_forward(self: Any, input_ids: torch.Tensor, labels: torch.Tensor,
     padded = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)
     shift = padded[..., 1:].contiguous().view(-1)
     h = hidden.shape[-1]
-    loss = _FusedLinearCrossEntropy.apply(hidden.view(-1, h), self.lm_head.weight, shift)
+    loss = self.liger_loss(hidden.view(-1, h), self.lm_head.weight, shift)
     return CausalLMOutputWithPast(loss=loss)
 
 
@@ -159,6 +168,7 @@ def apply_liger(model: Any) -> Any:
             mod.forward = MethodType(_norm_forward, mod)
         elif name.endswith("MLP"):
             mod.forward = MethodType(_mlp_forward, mod)
+    base.liger_loss = FusedLoss()
     base.forward = MethodType(_lce_forward, base)
     return model
 
