@@ -55,7 +55,6 @@ from vramcalc.trace.engine import (
     check_eager_titan,
     check_traceable,
     fill_iterations,
-    liger_context,
     run_steps,
     run_trace,
     tracked_optimizer,
@@ -318,7 +317,9 @@ def _run(scn: Scenario, tracker: Any, mesh: Any, tick: Any, report_progress: Any
         model.set_requires_gradient_sync(micro == tr.grad_accum - 1)
 
     no_sync = trainer_no_sync(tr, scn.parallel)
-    with liger_context(model, tr.liger):
+    from vramcalc.trace.liger import liger_rope
+
+    with liger_rope(model) if tr.liger else contextlib.nullcontext():
         run_steps(scn, tracker, model, params, opt, iterations, tick, seq_lens=seq_lens,
                   after_backward=label_grads, before_micro=sync if no_sync else None,
                   state_label="optimizer_states")

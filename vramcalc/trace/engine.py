@@ -172,13 +172,10 @@ def build_model(scn: Scenario) -> Any:
     return model
 
 
-def liger_context(model: Any, on: bool) -> contextlib.AbstractContextManager[None]:
-    """Liger's RoPE in the model's modeling module while the steps run (trace/liger.py)."""
-    if not on:
-        return contextlib.nullcontext()
-    from vramcalc.trace.liger import liger_rope
+def _liger_rope(model: Any, on: bool) -> contextlib.AbstractContextManager[None]:
+    from vramcalc.trace.liger import liger_rope  # Liger's RoPE while the steps run
 
-    return liger_rope(model)
+    return liger_rope(model) if on else contextlib.nullcontext()
 
 
 def _loss(model: Any, framework: str, ids: Any, labels: Any) -> Any:
@@ -263,7 +260,7 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
         watch_logits(tracker, model, tr.framework)
         opt = (in_backward_optimizer(tracker, tr, params) if tr.optimizer_in_backward
                else tracked_optimizer(tracker, tr, params))
-        with liger_context(model, tr.liger):
+        with _liger_rope(model, tr.liger):
             run_steps(scn, tracker, model, params, opt, iterations, tick, autocast=autocast,
                       debug=debug, seq_lens=seq_lens)
         report_progress("done", 1.0)
@@ -312,15 +309,10 @@ def watch_logits(tracker: Any, model: Any, framework: str) -> None:
             out.register_hook(leave)
 
     head.register_forward_hook(head_post)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    fused = getattr(base, "liger_loss", None)  # Liger's fused loss (trace/liger.py)
-    if fused is not None:
-        def loss_pre(_mod: Any, inp: Any) -> None:  # no logits: the loss starts here
-            tracker.region = "logits"
-            if inp[0].requires_grad:  # ... and ends once d loss / d hidden is ready
-                inp[0].register_hook(lambda _grad: setattr(tracker, "region", None))
+    if getattr(model, "vramcalc_liger", False):  # Liger's fused loss makes no logits
+        from vramcalc.trace.liger import watch_fused_loss
 
-        fused.register_forward_pre_hook(loss_pre)
+        watch_fused_loss(tracker, model)
 
 
 def tracked_optimizer(tracker: Any, tr: Any, params: list[Any]) -> Any:

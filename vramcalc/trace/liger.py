@@ -170,7 +170,21 @@ def apply_liger(model: Any) -> Any:
             mod.forward = MethodType(_mlp_forward, mod)
     base.liger_loss = FusedLoss()
     base.forward = MethodType(_lce_forward, base)
+    model.vramcalc_liger = True
     return model
+
+
+def watch_fused_loss(tracker: Any, model: Any) -> None:
+    """The trace's "logits" region for a model without logits: from the fused loss's start
+    to the moment d loss / d hidden is ready (vramcalc/trace/engine.py `watch_logits`)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def loss_pre(_mod: Any, inp: Any) -> None:
+        tracker.region = "logits"
+        if inp[0].requires_grad:
+            inp[0].register_hook(lambda _grad: setattr(tracker, "region", None))
+
+    base.liger_loss.register_forward_pre_hook(loss_pre)
 
 
 @contextlib.contextmanager
