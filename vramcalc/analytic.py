@@ -174,8 +174,9 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     fwd_logits = P.logits_forward
     head_extra = P.head_forward_extra
     A_head = A_edges - A_emb
+    casts = {"transients/autocast_cache": int(k * C_mb) + P.loss_forward_casts}
     forward = max([
-        fwd_point(k * A_mb + head_extra, fwd_logits, {}, gather_head),
+        fwd_point(k * A_mb + head_extra, fwd_logits, casts, gather_head),
         fwd_point(k * A_mb + P.forward_end_extra, 0, {}),
         fwd_point(k * A_mb - A_head, 0, {"transients/layer_forward": fwd_work}),
     ], key=lambda p: p.total)

@@ -159,9 +159,8 @@ def finetune_notes(ctx: RankContext) -> list[str]:
     if tr.liger and ctx.is_last_stage:
         out.append(f"liger: the fused linear cross entropy runs in chunks of "
                    f"{liger_chunk_tokens(ctx):,} tokens and makes no full logits; it keeps "
-                   f"dL/dhidden ({fmt_gb(liger_saved_bytes(ctx))})"
-                   + (" and the head's dL/dW" if tr.finetune == "full" else "")
-                   + " from the forward")
+                   "dL/dhidden" + (" and the head's dL/dW" if tr.finetune == "full" else "")
+                   + f" from the forward ({fmt_gb(liger_saved_bytes(ctx))})")
     if tr.packed:
         out.append(_packed_note(tr))
     if chunks_loss(tr) and tr.framework == "torchtune":

@@ -25,7 +25,7 @@ The fused loss's forward (`fused_linear_cross_entropy_forward`): chunks of
 next_pow2(⌈T / ⌈V/h⌉⌉) tokens; per chunk the logits (chunk·V in c, the matmul under autocast),
 their gradient written in place by the cross-entropy kernel, dL/dhidden of the chunk (chunk·h
 in c, copied into grad_input) and, under autocast, head weight casts (V·h in c;
-`chunk_work_bytes` says when two coexist; backward keeps none). Beside: grad_input (T·h),
+`chunk_work_parts` says when two coexist; backward keeps none). Beside: grad_input (T·h),
 grad_weight (V·h, zeros_like the weight,
 trained head only; the `torch.addmm(..., out_dtype=float32)` path of torch >= 2.8 on compute
 capability >= 8.0 accumulates into it in place), loss_1d (T fp32), target_mask (T bool) and
@@ -62,10 +62,12 @@ def _hidden_dtype(ctx: RankContext) -> str:
 
 
 def saved_bytes(ctx: RankContext) -> int:
-    """Kept from the loss's forward into its backward: dL/dhidden (T·h) and the loss and its
+    """Kept from the loss's forward into its backward: dL/dhidden (T·h), a trained head's
+    dL/dW (handed to AccumulateGrad when backward reaches the loss) and the loss and its
     division by num_items_in_batch (0-dim)."""
     x = dims(ctx)
-    return alloc(x.T * x.h, _hidden_dtype(ctx)) + 2 * ALLOC_ROUND_BYTES
+    return (alloc(x.T * x.h, _hidden_dtype(ctx)) + grad_weight_bytes(ctx)
+            + 2 * ALLOC_ROUND_BYTES)
 
 
 def grad_weight_bytes(ctx: RankContext) -> int:
@@ -74,13 +76,14 @@ def grad_weight_bytes(ctx: RankContext) -> int:
     return alloc(x.V * x.h, ctx.training.weight_dtype) if _trained_head(ctx) else 0
 
 
-def chunk_work_bytes(ctx: RankContext) -> int:
-    """The chunk loop's worst instant. Liger's locals keep a chunk's logits (and, for a
-    trained head under autocast, its addmm operand cast) until the next chunk's replace
-    them, so from the second chunk on two chunks' logits coexist at the logits matmul.
-    Under autocast that matmul casts the hidden chunk and `weight.t()`, a view, which the
-    autocast cache does not keep: a V·h cast per chunk; `grad_logits @ weight` casts the
-    weight itself, cached for the rest of the forward when it is a trained leaf."""
+def chunk_work_parts(ctx: RankContext) -> tuple[int, int]:
+    """The chunk loop's worst instant: (its tensors, its head weight casts). Liger's locals
+    keep a chunk's logits (and, for a trained head under autocast, its addmm operand cast)
+    until the next chunk's replace them, so from the second chunk on two chunks' logits
+    coexist at the logits matmul. Under autocast that matmul casts the hidden chunk and
+    `weight.t()`, a view, which the autocast cache does not keep: a V·h cast per chunk;
+    `grad_logits @ weight` casts the weight itself, cached for the rest of the forward
+    when it is a trained leaf."""
     x = dims(ctx)
     n = chunk_tokens(ctx)
     logits, part = alloc(n * x.V, x.c), alloc(n * x.h, x.c)
@@ -88,27 +91,34 @@ def chunk_work_bytes(ctx: RankContext) -> int:
     cast = alloc(x.V * x.h, x.c) if amp else 0
     cached = cast if trained else 0
     operand = part if amp and trained else 0  # input_chunk.to(c) for the addmm
-    first = logits + (part if amp else 0) + cast  # the logits matmul of a lone chunk
-    product = logits + part + (cached or cast)  # grad_logits_chunk @ weight
-    if n >= x.T:
-        return max(first, product)
+    hidden_cast = part if amp else 0
+    product = (logits + part, cached or cast)  # grad_logits_chunk @ weight
+    if n >= x.T:  # one chunk: its logits matmul, then the product
+        first = (logits + hidden_cast, cast)
+        return max(first, product, key=sum)
     # from the second chunk on, the previous chunk's logits and addmm operand are still bound
-    later = 2 * logits + operand + (part if amp else 0) + cast + cached
-    return max(later, product + operand)
+    later = (2 * logits + operand + hidden_cast, cast + cached)
+    return max(later, (product[0] + operand, product[1]), key=sum)
 
 
 def forward_peak_bytes(ctx: RankContext) -> int:
-    """The fused loss in forward, at the chunk loop's worst instant (module docstring)."""
+    """The fused loss in forward, at the chunk loop's worst instant (module docstring),
+    without the head weight casts (`forward_cast_bytes`: the autocast-cache term)."""
     x = dims(ctx)
     labels = alloc(x.b * (x.s + 1), "int64") + (alloc(x.T, "int64") if x.b > 1 else 0)
     vectors = alloc(x.T, "fp32") + alloc(x.T, "bool")
-    return saved_bytes(ctx) + grad_weight_bytes(ctx) + labels + vectors + chunk_work_bytes(ctx)
+    return saved_bytes(ctx) + labels + vectors + chunk_work_parts(ctx)[0]
+
+
+def forward_cast_bytes(ctx: RankContext) -> int:
+    """The head weight casts alive at the fused loss's worst forward instant (last stage)."""
+    return chunk_work_parts(ctx)[1] if liger(ctx) and ctx.is_last_stage else 0
 
 
 def backward_peak_bytes(ctx: RankContext) -> int:
-    """The fused loss in backward: what it kept, scaled in place, and the trained head's
-    dL/dW, plus the backward root's 0-dim tensors."""
-    return saved_bytes(ctx) + grad_weight_bytes(ctx) + ALLOC_ROUND_BYTES
+    """The fused loss in backward: what it kept, scaled in place, plus the backward root's
+    0-dim tensors."""
+    return saved_bytes(ctx) + ALLOC_ROUND_BYTES
 
 
 _EAGER_NORM = (".x_fp32", ".rstd", ".xhat")

@@ -12,6 +12,7 @@ from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
 from vramcalc.sharding import pipeline_chunks, stage_moe_mask
 from vramcalc.terms import activations as act
+from vramcalc.terms import liger
 from vramcalc.terms import logits as lg
 from vramcalc.terms import moments as mo
 from vramcalc.terms import transients as tr
@@ -57,6 +58,8 @@ class Profile:
     # MoE layers interleaved with dense ones (ModelSpec.moe_layers): the topmost layer of the
     # kind the top layer is not (index from the top) and its backward moments; else (0, ())
     other_top: tuple[int, tuple[Moment, ...]] = (0, ())
+    # Liger's fused loss: the head weight casts at its forward peak (terms/liger.py)
+    loss_forward_casts: int = 0
 
     def bottom(self, n: int) -> int:
         """Activations of the bottom n layers of this rank (per micro-batch), in layer order."""
@@ -113,6 +116,7 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
         resident_layer=act.resident_layer_bytes(ctx),
         recompute_plan=act.recompute_plan(ctx),
         other_top=_other_top(ctx, mask),
+        loss_forward_casts=liger.forward_cast_bytes(ctx),
     )
 
 

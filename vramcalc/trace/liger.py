@@ -122,12 +122,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 
 class FusedLoss(nn.Module):
-    """The fused loss as a module, so that the trace can mark where the loss starts
-    (vramcalc/trace/engine.py `watch_logits`)."""
+    """model/loss_utils.py LigerForCausalLMLoss as a module, so that the trace can mark where
+    the loss starts (vramcalc/trace/engine.py `watch_logits`): labels padded by one
+    ignore_index and shifted, hidden states viewed as (b·s, h), the fused loss."""
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor,
-                target: torch.Tensor) -> torch.Tensor:
-        return _FusedLinearCrossEntropy.apply(hidden, weight, target)
+                labels: torch.Tensor) -> torch.Tensor:
+        padded = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)
+        shift = padded[..., 1:].contiguous().view(-1)
+        return _FusedLinearCrossEntropy.apply(hidden.view(-1, hidden.shape[-1]), weight, shift)
 
 
 def _norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -146,16 +149,11 @@ def _rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 def _lce_forward(self: Any, input_ids: torch.Tensor, labels: torch.Tensor,
                  **_: Any) -> Any:
     """model/llama.py `lce_forward` in training with labels: the decoder's hidden states
-    into LigerForCausalLMLoss (model/loss_utils.py: labels padded by one ignore_index and
-    shifted, hidden states viewed as (b·s, h)); no logits."""
+    into LigerForCausalLMLoss (`FusedLoss`); no logits."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     hidden = self.model(input_ids=input_ids)[0]
-    padded = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)
-    shift = padded[..., 1:].contiguous().view(-1)
-    h = hidden.shape[-1]
-    loss = self.liger_loss(hidden.view(-1, h), self.lm_head.weight, shift)
-    return CausalLMOutputWithPast(loss=loss)
+    return CausalLMOutputWithPast(loss=self.liger_loss(hidden, self.lm_head.weight, labels))
 
 
 def apply_liger(model: Any) -> Any:
