@@ -58,6 +58,15 @@ def test_logits_section_substitutes_tokens_and_vocabulary() -> None:
     assert any(f"3 x {n:,} x 4 B = {12 * n / 1e9:,.3f} GB" in line for line in lines), lines
 
 
+def test_logits_section_describes_ligers_fused_loss() -> None:
+    # Llama-3-8B, 4096 tokens: ⌈128,256 / 4,096⌉ = 32, next_pow2(4096 / 32) = 128 tokens
+    sections = _explain("--model", "llama3-8b", "--gpus", "1xH100", "--framework", "hf",
+                        "--finetune", "lora", "--liger")
+    text = " ".join(sections["Logits and loss"])
+    assert "Liger's fused linear cross entropy" in text and "= 128 tokens" in text
+    assert "fp32 upcast" not in text and "keeps the bf16 logits" not in text
+
+
 def test_overhead_section_names_context_nccl_and_fragmentation() -> None:
     sections = _explain("--model", "llama3-8b", "--gpus", "8xH100", "--zero", "3")
     lines = " ".join(sections["Overhead"])

@@ -24,6 +24,7 @@ from vramcalc.terms.gradients import (
     pipelined_fsdp,
     reduce_dtype,
 )
+from vramcalc.terms.liger import chunk_tokens as liger_chunk_tokens
 from vramcalc.terms.logits import (
     logits_backward_peak_bytes,
     logits_forward_peak_bytes,
@@ -305,6 +306,15 @@ def logits_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
                    f"{n} chunk{'s' * (n > 1)} of ⌈N/{n}⌉ tokens at a time (fp32 logits of "
                    f"{_gb(chunk_logits_bytes(ctx))} per chunk, none kept), and keeps "
                    f"dL/dhidden (N x h in {x.c}) and the shifted labels for backward.")
+    elif tr.liger:  # vramcalc/terms/liger.py
+        n = liger_chunk_tokens(ctx)
+        out.append(f"Liger's fused linear cross entropy (--liger) makes no full logits: chunks "
+                   f"of next_pow2(⌈N/⌈V/h⌉⌉) = {n:,} tokens, each chunk's {x.c} logits "
+                   f"({_gb(n * x.V * DTYPE_BITS[x.c] // 8)}; two exist from the second chunk "
+                   "on) turned into their gradient in place; "
+                   + ("dL/dhidden (N x h) and the head's dL/dW (V x h) are" if tr.finetune
+                      == "full" else "dL/dhidden (N x h) is")
+                   + " made in forward and kept for backward, which scales it in place.")
     elif tr.framework == "megatron":
         c = DTYPE_BITS[tr.compute_dtype] // 8
         out.append(f"Megatron-LM's vocab-parallel cross entropy turns one fp32 copy of the "
@@ -326,7 +336,7 @@ def logits_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
     out.append(f"This scenario: kept {_gb(saved)}, forward peak {_gb(fwd)}, backward peak "
                f"{_gb(bwd)} (each tensor rounded to 512 B blocks; vramcalc/terms/logits.py).")
     if tr.framework in ("hf", "torchtitan") and tr.compute_dtype != "fp32" and not \
-            chunks_loss(tr) and not loss_parallel(ctx):
+            chunks_loss(tr) and not loss_parallel(ctx) and not tr.liger:
         out.append(f"The {tr.framework} profile also keeps the {tr.compute_dtype} logits "
                    f"({nv:,} x {DTYPE_BITS[tr.compute_dtype] // 8} B) until the loss returns.")
     out.append(f"At the peak ({report.peak_phase}) the report counts "
