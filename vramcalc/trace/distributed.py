@@ -319,7 +319,7 @@ def _run(scn: Scenario, tracker: Any, mesh: Any, tick: Any, report_progress: Any
     no_sync = trainer_no_sync(tr, scn.parallel)
     from vramcalc.trace.liger import liger_rope
 
-    with liger_rope(model) if tr.liger else contextlib.nullcontext():
+    with liger_rope(model, tr.liger):
         run_steps(scn, tracker, model, params, opt, iterations, tick, seq_lens=seq_lens,
                   after_backward=label_grads, before_micro=sync if no_sync else None,
                   state_label="optimizer_states")

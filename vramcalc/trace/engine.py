@@ -172,12 +172,6 @@ def build_model(scn: Scenario) -> Any:
     return model
 
 
-def _liger_rope(model: Any, on: bool) -> contextlib.AbstractContextManager[None]:
-    from vramcalc.trace.liger import liger_rope  # Liger's RoPE while the steps run
-
-    return liger_rope(model) if on else contextlib.nullcontext()
-
-
 def _loss(model: Any, framework: str, ids: Any, labels: Any) -> Any:
     if framework == "hf":
         # the output object (and its logits) is dropped at once, as Trainer.compute_loss does
@@ -260,7 +254,9 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
         watch_logits(tracker, model, tr.framework)
         opt = (in_backward_optimizer(tracker, tr, params) if tr.optimizer_in_backward
                else tracked_optimizer(tracker, tr, params))
-        with _liger_rope(model, tr.liger):
+        from vramcalc.trace.liger import liger_rope  # Liger's RoPE while the steps run
+
+        with liger_rope(model, tr.liger):
             run_steps(scn, tracker, model, params, opt, iterations, tick, autocast=autocast,
                       debug=debug, seq_lens=seq_lens)
         report_progress("done", 1.0)

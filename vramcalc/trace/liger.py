@@ -186,9 +186,12 @@ def watch_fused_loss(tracker: Any, model: Any) -> None:
 
 
 @contextlib.contextmanager
-def liger_rope(model: Any) -> Iterator[None]:
+def liger_rope(model: Any, on: bool = True) -> Iterator[None]:
     """The model's modeling module's `apply_rotary_pos_emb` replaced by Liger's while the
-    trace runs (Liger patches that module attribute)."""
+    trace runs (Liger patches that module attribute); nothing when not `on`."""
+    if not on:
+        yield
+        return
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     module: Any = sys.modules[type(base).__module__]
     orig = module.apply_rotary_pos_emb
