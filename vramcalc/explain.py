@@ -12,6 +12,7 @@ from vramcalc.explain_seq2seq import seq2seq_activation_lines, seq2seq_logits_li
 from vramcalc.features import chunks_loss, finetunes, low_precision
 from vramcalc.finetune import adapter_dtype, shapes_for
 from vramcalc.hardware import GPUProfile
+from vramcalc.hf_stack import copies_shifted_logits
 from vramcalc.rank import RankContext
 from vramcalc.report import MemoryReport, fit_phrase, paged_resident_bytes
 from vramcalc.scenario import Scenario
@@ -328,6 +329,13 @@ def logits_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
                    f"x - max + its exp: {nv:,} x {c + 12} B = {_gb(nv * (c + 12))}; backward, "
                    f"the kept fp32 log-probabilities + zeros_like grad + exp + their sum: "
                    f"{nv:,} x 16 B = {_gb(16 * nv)}.")
+    elif copies_shifted_logits(tr) and x.b > 1:  # transformers 4.46-4.48
+        ns = x.b * (x.s - 1) * x.V
+        out.append(f"transformers {tr.transformers_version}'s ForCausalLMLoss keeps the fp32 "
+                   f"upcast ({nv:,} x 4 B) while a contiguous fp32 copy of the shifted logits "
+                   f"and its log-probabilities ({ns:,} x 4 B each) are made: "
+                   f"{_gb(4 * nv + 8 * ns)} in forward; backward, 3 x {ns:,} x 4 B = "
+                   f"{_gb(12 * ns)}. From 4.49 the labels are padded and no copy is made.")
     else:
         out.append(f"Forward: fp32 upcast of the logits + fp32 log-probabilities (kept for "
                    f"backward): 2 x {nv:,} x 4 B = {_gb(8 * nv)}.")

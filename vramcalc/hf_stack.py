@@ -10,6 +10,7 @@
 | `lora_head` | PEFT's `lora.Linear` on lm_head | peft tuners/lora/layer.py `Linear` |
 | `liger` | `TrainingArguments(use_liger_kernel=True)`: Liger's RMSNorm, SwiGLU, RoPE and fused linear cross entropy | transformers integrations/liger.py; vramcalc/terms/liger.py |
 | `sync_each_batch` | accelerate's `GradientAccumulationPlugin(sync_each_batch=True)`: no `no_sync()` between micro-batches | transformers trainer.py `_inner_training_loop`, accelerate accelerator.py `no_sync` |
+| `transformers_version` | the causal-LM loss of that release: before 4.49 `ForCausalLMLoss` keeps its fp32 upcast and makes a contiguous copy of the shifted logits | transformers v4.46.0 loss/loss_utils.py `ForCausalLMLoss`; v4.49.0 pads the labels instead |
 
 `hf_stack_problem(training)` says, in one line, why a combination cannot be expressed (None:
 it can); vramcalc.training.TrainingConfig raises it as a validation error. docs/methodology.md
@@ -21,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from vramcalc.errors import InputError, suggest
+from vramcalc.qlora import parse_version
 
 # HF Trainer's AdamW choices (transformers TrainingArguments.optim, OptimizerNames) and the
 # step each runs: torch.optim.AdamW with foreach (adamw_torch) or fused=True
@@ -146,11 +148,42 @@ def hf_stack_problem(tr: Any) -> str | None:
     """Why these training settings (a vramcalc.training.TrainingConfig) use an hf-stack
     option the model cannot express (None: they can)."""
     for check in (_reentrant, _kbit_prepare, _hf_optim, _peft_modules, _sync_each_batch,
-                  _liger):
+                  _liger, _transformers_version):
         problem = check(tr)
         if problem:
             return problem
     return None
+
+
+# the transformers releases whose causal-LM loss vramcalc models: from 4.46 every decoder
+# calls the shared `loss_utils.ForCausalLMLoss` (before, each model's forward computed its
+# own loss, with or without an fp32 upcast); 4.49 stopped copying the shifted logits
+# (huggingface/transformers v4.48.0 vs v4.49.0 loss/loss_utils.py)
+SHARED_LOSS_FROM = (4, 46, 0)
+PADDED_LABELS_FROM = (4, 49, 0)
+
+
+def _transformers_version(tr: Any) -> str | None:
+    if tr.transformers_version is None:
+        return None
+    given = f"--transformers-version {tr.transformers_version}"
+    if tr.framework != "hf":
+        return f"{given}: the transformers release of an HF Trainer run needs --framework hf"
+    if parse_version(tr.transformers_version) < SHARED_LOSS_FROM:
+        return (f"{given}: before 4.46 each model's forward computed its own loss, which is "
+                "not modelled; give 4.46 or later")
+    return None
+
+
+def copies_shifted_logits(tr: Any) -> bool:
+    """transformers 4.46-4.48 `ForCausalLMLoss` (v4.46.0 loss/loss_utils.py): `logits =
+    logits.float()` stays bound while `shift_logits = logits[..., :-1, :].contiguous()`
+    makes an fp32 copy of b·(s-1) positions, which cross_entropy reads; the labels are
+    sliced the same way (`labels[..., 1:].contiguous()`). From 4.49 the labels are padded
+    by one position and the upcast logits go to cross_entropy as they are. Liger's fused
+    loss replaces the function (`tr`: a vramcalc.training.TrainingConfig)."""
+    return (tr.framework == "hf" and tr.transformers_version is not None and not tr.liger
+            and parse_version(tr.transformers_version) < PADDED_LABELS_FROM)
 
 
 def trainer_no_sync(tr: Any, parallel: Any) -> bool:

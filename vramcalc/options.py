@@ -239,6 +239,10 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "softmax and log_softmax keep their input for backward too (encoder models); before "
         "1.13 the CUDA context loads every kernel at start (the GPU profile's "
         "context_eager_bytes). Default: a current release (lazy loading)."),
+    Opt("transformers_version", str, None, "transformers release of an HF Trainer run "
+        "(--framework hf), e.g. 4.47.1: from 4.46 to 4.48 the causal-LM loss keeps its fp32 "
+        "upcast of the logits and makes a contiguous fp32 copy of the shifted logits "
+        "(4.49 pads the labels instead). 4.46 or later. Default: 5.x."),
     Opt("dp", int, None, "Data-parallel degree (default: GPUs / (tp x pp x cp)).", group="parallel"),
     Opt("tp", int, 1, "Tensor-parallel degree.", group="parallel"),
     Opt("pp", int, 1, "Pipeline-parallel degree.", group="parallel"),
@@ -308,7 +312,7 @@ _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "pr
                   "activation_offload", "qat", "expandable_segments",
                   "optimizer_in_backward", "compile", "packed", "float8", "float8_all_gather", "async_tp", "qlora_impl", "bnb_version",
                   "torchao_version", "nf4_double_quant", "quantize_head", "load",
-                  "set_to_none", "torch_version", "load_only")
+                  "set_to_none", "torch_version", "transformers_version", "load_only")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",
                   "fsdp_impl", "fsdp_edge_units", "shard_group", "offload_device",
                   "pp_schedule", "virtual_stages",

@@ -80,8 +80,7 @@ MEGATRON_DEFAULT_DISPATCHER = "allgather"
 FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron", "torchtitan", "torchtune",
                                 "lightning", "unsloth")
 
-# LoRA target names: q, k, v, o projections and the MLP's gate, up (fc) and down (proj)
-# matrices.
+# LoRA target names: q, k, v, o projections and the MLP's gate, up (fc), down (proj)
 TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
 ALL_LINEAR = "all-linear"
 # PEFT's default targets for Llama, Mistral, Qwen2 (and Mixtral): q_proj and v_proj
@@ -223,14 +222,13 @@ class TrainingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _qlora_layout_valid(self) -> TrainingConfig:
-        for flag, text in (("--bnb-version", self.bnb_version),
-                           ("--torchao-version", self.torchao_version),
-                           ("--torch-version", self.torch_version)):
+        for name in ("bnb_version", "torchao_version", "torch_version", "transformers_version"):
+            text = getattr(self, name)
             if text is not None:
                 try:
                     parse_version(text)
                 except ValueError as err:
-                    raise ValueError(f"{flag}: {err}") from None
+                    raise ValueError(f"--{name.replace('_', '-')}: {err}") from None
         if self.qlora_impl == "torchao" and self.nf4_double_quant is False:
             raise ValueError("--no-nf4-double-quant: torchao's NF4Tensor always quantizes its "
                              "scalers (scaler_block_size 256); use --qlora-impl bnb")
@@ -253,6 +251,8 @@ class TrainingConfig(BaseModel):
     # log_softmax keep their input before 1.11, the CUDA context loads every kernel before
     # 1.13 (`softmax_keeps_input`, `eager_module_loading`); left out of dumps when None
     torch_version: str | None = Field(None, exclude_if=lambda v: v is None)
+    # an hf run's transformers release (None: 5.x): hf_stack.copies_shifted_logits
+    transformers_version: str | None = Field(None, exclude_if=lambda v: v is None)
     # report the memory right after the model is loaded (the load phase alone, --load-only)
     load_only: bool = Field(False, exclude_if=lambda v: not v)
 

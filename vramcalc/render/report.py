@@ -77,6 +77,8 @@ def strategy_line(strategy: dict[str, Any]) -> str:
         parts.append(f"qat {s['qat']}")
     if s.get("torch_version"):
         parts.append(f"torch {s['torch_version']}")
+    if s.get("transformers_version"):
+        parts.append(f"transformers {s['transformers_version']}")
     return ", ".join(parts)
 
 

@@ -32,6 +32,7 @@ both peaks instead of 8 (forward) and 12 (backward).
 from __future__ import annotations
 
 from vramcalc.features import chunks_loss, finetunes
+from vramcalc.hf_stack import copies_shifted_logits
 from vramcalc.qlora import dequant_backward_bytes, dequant_matmul_bytes
 from vramcalc.rank import RankContext
 from vramcalc.terms import encoder as enc
@@ -61,6 +62,29 @@ def _hf_labels_kept(ctx: RankContext) -> int:
     (b, s + 1) padded labels — a view when b = 1, a copy otherwise."""
     x = dims(ctx)
     return alloc(x.b * (x.s + 1), "int64") if x.b == 1 else alloc(x.b * x.s, "int64")
+
+
+# transformers 4.46-4.48 (`--transformers-version`, hf_stack.copies_shifted_logits), v4.46.0
+# loss/loss_utils.py ForCausalLMLoss: `logits = logits.float()` stays bound until the
+# function returns, `shift_logits = logits[..., :-1, :].contiguous()` is a second fp32
+# buffer of N' = b·(s-1) positions, and cross_entropy works on those N' positions (its
+# log-probabilities and gradients). With b = 1 the slices are contiguous already, so
+# `.contiguous()` returns them as they are: no copy of the logits or of the labels. The
+# logits' backward then runs SliceBackward (zeros of all N positions) and the cast back to
+# c, both below the loss's.
+def _shifted_nv(ctx: RankContext) -> int:
+    x = dims(ctx)
+    return x.b * (x.s - 1) * x.V
+
+
+def _shifted_copy(ctx: RankContext) -> int:
+    """The contiguous fp32 copy of the shifted logits (none when b = 1)."""
+    return alloc(_shifted_nv(ctx), "fp32") if dims(ctx).b > 1 else 0
+
+
+def _shifted_labels(ctx: RankContext) -> int:
+    x = dims(ctx)
+    return alloc(x.b * (x.s - 1), "int64") if x.b > 1 else 0
 
 
 # ---- Megatron-LM's vocab-parallel cross entropy -----------------------------------------
@@ -188,6 +212,8 @@ def logits_saved_bytes(ctx: RankContext) -> int:
         return chunked_saved_bytes(ctx)
     if ctx.training.framework == "megatron":
         return _megatron_saved_bytes(ctx)
+    if copies_shifted_logits(ctx.training):
+        return alloc(_shifted_nv(ctx), "fp32") + 2 * ALLOC_ROUND_BYTES + _shifted_labels(ctx)
     out = alloc(_nv(ctx), "fp32") + 2 * ALLOC_ROUND_BYTES
     if ctx.training.framework == "hf":
         out += _hf_labels_kept(ctx)
@@ -226,13 +252,19 @@ def _loss_forward_peak_bytes(ctx: RankContext) -> int:
     out = 2 * alloc(nv, "fp32") + 2 * ALLOC_ROUND_BYTES  # fp32 logits + log-probs + scalars
     if ctx.training.framework == "torchtitan" and c != "fp32":
         out += alloc(nv, c)  # train.py keeps `pred` until `del pred`, after the loss
-    if ctx.training.framework == "hf":
+    if copies_shifted_logits(ctx.training):  # the upcast + the shifted copy + its log-probs
+        out = (alloc(nv, "fp32") + _shifted_copy(ctx) + alloc(_shifted_nv(ctx), "fp32")
+               + 2 * ALLOC_ROUND_BYTES + _shifted_labels(ctx))
+        out += alloc(nv, c) if c != "fp32" else 0  # the c-typed logits in the model output
+    elif ctx.training.framework == "hf":
         x = dims(ctx)
         if c != "fp32":  # the c-typed logits live on in the model output
             out += alloc(nv, c)
         out += alloc(x.b * (x.s + 1), "int64")  # padded labels
         if x.b > 1:
             out += alloc(x.b * x.s, "int64")  # their shifted copy
+    if ctx.training.framework == "hf":
+        x = dims(ctx)
         tr = ctx.training
         if tr.lora_head:
             # PEFT lora.Linear on lm_head: `result + lora_B(lora_A(x)) * scaling` holds the
@@ -294,6 +326,8 @@ def _loss_backward_peak_bytes(ctx: RankContext) -> int:
         return _megatron_backward_peak_bytes(ctx)
     if ttp.loss_parallel(ctx):
         return ttp.loss_parallel_backward_peak_bytes(ctx)
+    if copies_shifted_logits(ctx.training):
+        return 3 * alloc(_shifted_nv(ctx), "fp32") + 3 * ALLOC_ROUND_BYTES
     return 3 * alloc(_nv(ctx), "fp32") + 3 * ALLOC_ROUND_BYTES
 
 
@@ -335,8 +369,9 @@ def freed_logits_bytes(ctx: RankContext) -> int:
     tr = ctx.training
     if (not ctx.is_last_stage or ctx.spec.is_encoder or chunks_loss(tr) or tr.liger
             or tr.framework not in ("reference", "hf", "torchtitan", "deepspeed")
-            or tr.compute_dtype == "fp32"):
-        return 0
+            or tr.compute_dtype == "fp32"
+            or (copies_shifted_logits(tr) and _shifted_copy(ctx))):
+        return 0  # (4.46-4.48, b > 1: the freed upcast and shifted copy take backward's)
     size = alloc(_nv(ctx), tr.compute_dtype)
     return size if size > 1 << 20 else 0
 

@@ -34,6 +34,7 @@ from typing import Any
 
 from vramcalc.errors import InputError, shown
 from vramcalc.hf_config import ROBERTA_TYPES
+from vramcalc.hf_stack import copies_shifted_logits
 from vramcalc.model import ModelSpec
 from vramcalc.trace.hf_seq2seq import seq2seq_config
 from vramcalc.training import TrainingConfig
@@ -320,6 +321,23 @@ def _untruncated_init() -> Iterator[None]:
         init.trunc_normal_ = original
 
 
+def shifted_logits_loss(logits: Any, labels: Any, vocab_size: int,
+                        num_items_in_batch: Any = None, ignore_index: int = -100,
+                        **kwargs: Any) -> Any:
+    """The causal-LM loss of transformers 4.46-4.48 (`--transformers-version`), written from
+    v4.46.0 loss/loss_utils.py `ForCausalLMLoss`: the fp32 upcast stays bound while a
+    contiguous copy of the shifted logits and the sliced labels go to cross_entropy (summed
+    and divided by num_items_in_batch when the Trainer passes it)."""
+    from torch.nn import functional as F
+
+    logits = logits.float()
+    shifted = logits[..., :-1, :].contiguous().view(-1, vocab_size)
+    targets = labels[..., 1:].contiguous().view(-1).to(shifted.device)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = F.cross_entropy(shifted, targets, ignore_index=ignore_index, reduction=reduction)
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+
 def build_hf_model(spec: ModelSpec, training: TrainingConfig, dtype: Any) -> Any:
     """AutoModelForCausalLM.from_config for the spec, ready to train (call inside fake mode)."""
     tf = _transformers()
@@ -339,6 +357,8 @@ def build_hf_model(spec: ModelSpec, training: TrainingConfig, dtype: Any) -> Any
             "seq2seq_lm": tf.AutoModelForSeq2SeqLM}.get(spec.task, tf.AutoModelForCausalLM)
     with _untruncated_init():
         model = auto.from_config(cfg, attn_implementation=attn, dtype=dtype)
+    if copies_shifted_logits(training) and not (spec.is_encoder or spec.is_encoder_decoder):
+        model.loss_function = shifted_logits_loss
     if training.recompute == "full" and not training.kbit_prepare:  # PEFT's prepare enables it
         enable = getattr(model, "activation_checkpointing_enable", None) or (
             model.gradient_checkpointing_enable)  # renamed in transformers 5.x

@@ -1,0 +1,129 @@
+"""`--transformers-version`: the causal-LM loss of transformers 4.46-4.48 (hf profile).
+
+Expected bytes are derived by hand from transformers' source, never from the code's output:
+- v4.46.0 (and v4.48.0) src/transformers/loss/loss_utils.py `ForCausalLMLoss`:
+  `logits = logits.float()` (a local until the function returns),
+  `shift_logits = logits[..., :-1, :].contiguous()`, `shift_labels = labels[..., 1:]
+  .contiguous()`, then `nn.functional.cross_entropy` on the flattened shifted tensors;
+- v4.49.0 the same function pads the labels by one position (`nn.functional.pad(labels,
+  (0, 1), value=ignore_index)`) and passes the upcast logits as they are (5.x alike);
+- torch: `Tensor.contiguous()` returns the tensor itself when it is contiguous already, as
+  a (1, s-1, V) slice of a (1, s, V) tensor is; log_softmax saves its fp32 output; its
+  backward and nll_loss's make one fp32 buffer of the input's shape each.
+Case: Llama-2-7B (V 32000), bf16-pure, seq 1024.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vramcalc.cli import main
+from vramcalc.options import build_scenario
+from vramcalc.rank import RankContext
+from vramcalc.terms.logits import (
+    logits_backward_peak_bytes,
+    logits_forward_peak_bytes,
+    logits_saved_bytes,
+)
+
+R = 512  # the caching allocator's rounding of every block
+S, V = 1024, 32000
+
+
+def _r(n: int) -> int:
+    return -(-n // R) * R
+
+
+def _ctx(b: int, version: str | None = "4.47.1", **kw: object) -> RankContext:
+    values = {"model": "llama2-7b", "gpus": "1xH100", "framework": "hf",
+              "precision": "bf16-pure", "seq_len": S, "micro_batch_size": b, **kw}
+    if version:
+        values["transformers_version"] = version
+    scn = build_scenario(values).resolved()
+    return RankContext(scn.model, scn.training, scn.parallel, 0)
+
+
+@pytest.mark.parametrize("b", [2, 4])
+def test_the_loss_keeps_a_shifted_copy_of_the_fp32_logits(b: int) -> None:
+    n, shifted = b * S * V, b * (S - 1) * V
+    scalars = 2 * R  # the loss and nll_loss's total weight
+    labels = _r(b * (S - 1) * 8)  # labels[..., 1:].contiguous(), int64, kept by nll_loss
+    assert logits_saved_bytes(_ctx(b)) == _r(shifted * 4) + scalars + labels
+    # the model's bf16 logits + their upcast + the shifted copy + its log-probabilities
+    forward = _r(n * 2) + _r(n * 4) + _r(shifted * 4) + _r(shifted * 4) + scalars + labels
+    assert logits_forward_peak_bytes(_ctx(b)) == forward
+    # the loss backward works on the shifted positions only (the saved log-probabilities
+    # and two fp32 gradients), plus the three 0-dim tensors of the backward root
+    assert logits_backward_peak_bytes(_ctx(b)) == 3 * _r(shifted * 4) + 3 * R
+
+
+def test_a_single_sequence_has_no_copy() -> None:
+    """b = 1: the slices are contiguous, so `.contiguous()` copies neither."""
+    n, shifted = S * V, (S - 1) * V
+    assert logits_forward_peak_bytes(_ctx(1)) == _r(n * 2) + _r(n * 4) + _r(shifted * 4) + 2 * R
+
+
+def test_the_old_loss_costs_one_more_fp32_logits_buffer_in_forward() -> None:
+    b = 4
+    old, new = logits_forward_peak_bytes(_ctx(b)), logits_forward_peak_bytes(_ctx(b, None))
+    # 5.x: bf16 logits + upcast + log-probs of all b·s positions + padded (b, s+1) labels
+    # and their shifted (b, s) copy
+    new_hand = (_r(b * S * V * 2) + 2 * _r(b * S * V * 4) + 2 * R
+                + _r(b * (S + 1) * 8) + _r(b * S * 8))
+    assert new == new_hand
+    # + the shifted fp32 copy, the log-probabilities of s-1 positions instead of s, and one
+    # (b, s-1) labels copy instead of the padded labels and their copy
+    copy = _r(b * (S - 1) * V * 4)
+    fewer = _r(b * S * V * 4) - _r(b * (S - 1) * V * 4)
+    labels = _r(b * (S - 1) * 8) - _r(b * (S + 1) * 8) - _r(b * S * 8)
+    assert old - new == copy - fewer + labels
+
+
+@pytest.mark.parametrize("version", ["4.49.0", "5.2.0"])
+def test_later_releases_pad_the_labels(version: str) -> None:
+    assert logits_forward_peak_bytes(_ctx(4, version)) == logits_forward_peak_bytes(_ctx(4, None))
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--transformers-version", "4.45.2"], "before 4.46"),
+    (["--transformers-version", "4.47.1", "--framework", "torchtune"], "--framework hf"),
+    (["--transformers-version", "four"], "--transformers-version"),
+])
+def test_refusals_are_one_line(capsys, args: list[str], words: str) -> None:  # noqa: ANN001
+    argv = ["estimate", "--model", "llama2-7b", "--gpus", "1xH100", "--framework", "hf", *args]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error:") and words in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_the_stand_in_loss_equals_transformers_loss() -> None:
+    """trace/hf_models.py `shifted_logits_loss` on real CPU tensors gives the number
+    transformers' own (5.x) ForCausalLMLoss gives, and keeps what 4.46 kept."""
+    torch = pytest.importorskip("torch")
+    loss_utils = pytest.importorskip("transformers.loss.loss_utils")
+    from vramcalc.trace.hf_models import shifted_logits_loss
+
+    logits = torch.randn(3, 7, 11, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 11, (3, 7))
+    labels[0, 5:] = -100
+    ours = shifted_logits_loss(logits, labels, 11)
+    theirs = loss_utils.ForCausalLMLoss(logits, labels, 11)
+    assert torch.allclose(ours, theirs)
+    assert torch.allclose(shifted_logits_loss(logits, labels, 11, num_items_in_batch=9),
+                          loss_utils.ForCausalLMLoss(logits, labels, 11, num_items_in_batch=9))
+
+
+def test_the_trace_and_the_analytic_model_agree() -> None:
+    pytest.importorskip("torch")
+    from vramcalc.analytic import estimate
+    from vramcalc.trace.engine import trace
+    from vramcalc.validate import scenario_for
+
+    for kw in ({"precision": "amp-bf16", "micro_batch_size": 2},
+               {"precision": "bf16-pure", "finetune": "lora", "recompute": "full",
+                "micro_batch_size": 4}):
+        _, scn = scenario_for("llama-gqa", framework="hf", transformers_version="4.46.0", **kw)
+        ana, tra = estimate(scn), trace(scn).report
+        assert ana.peak_phase == tra.peak_phase == "forward"
+        assert abs(ana.peak_allocated_bytes - tra.peak_allocated_bytes) <= 4 * R
