@@ -127,3 +127,16 @@ def test_the_trace_and_the_analytic_model_agree() -> None:
         ana, tra = estimate(scn), trace(scn).report
         assert ana.peak_phase == tra.peak_phase == "forward"
         assert abs(ana.peak_allocated_bytes - tra.peak_allocated_bytes) <= 4 * R
+
+
+def test_a_yaml_number_is_refused(tmp_path, capsys) -> None:  # noqa: ANN001
+    """YAML reads an unquoted 4.50 as the float 4.5: refused, not read as release 4.5."""
+    cfg = tmp_path / "run.yaml"
+    base = "model: llama2-7b\ngpus: 1xH100\nframework: hf\n"
+    cfg.write_text(base + "transformers_version: 4.50\n", encoding="utf-8")
+    assert main(["check", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --transformers-version") and "quotes" in err
+    cfg.write_text(base + 'transformers_version: "4.50"\n', encoding="utf-8")
+    assert main(["check", str(cfg)]) in (0, 1)  # a verdict, not an error
+    assert "transformers 4.50" in capsys.readouterr().out

@@ -358,6 +358,9 @@ def _coerce(opt: Opt, value: Any) -> Any:
             raise InputError(f"{opt.flag}: expected a number, got {value!r}") from None
     if not isinstance(value, (str, int, float)):
         raise InputError(f"{opt.flag}: expected a string, got {type(value).__name__}")
+    if opt.name.endswith("_version") and isinstance(value, float):  # YAML reads 4.50 as 4.5
+        raise InputError(f"{opt.flag}: put the release in quotes (YAML read it as the number "
+                         f"{value!r}, which loses trailing zeros: 1.10 becomes 1.1)")
     return str(value)
 
 
