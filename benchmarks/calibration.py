@@ -615,20 +615,40 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
                     "code published with the report, vertex-ai-samples f3be7fac7 "
                     "model_oss/peft/instruct_lora.py, hardcodes batch 4, QLoRA and Falcon's "
                     "module names and has no --precision_mode: not the benchmarked code)"]},
-    # the Hugging Face + FA2 column of Unsloth's README (000252c9): a largest-fitting
-    # sequence length, the question `vramcalc max --maximize seq-len` answers; but neither
-    # the README nor the Llama 3.1 / 3.3 blog posts (unsloth.ai/blog/llama3-1, llama3-3)
-    # state the baseline's gradient checkpointing, optimizer, precision policy or card, and
-    # checkpointing alone changes that length about six-fold. The column is also an exact
-    # line in VRAM: 404.75 tokens per GB between every pair of its rows from 12 to 80 GB
-    # (932, 2551, 5789, 12264, 15502, 28454), so the 24 GB row is read off a fit through
-    # runs on other cards (the Llama 3 blog's data came from an A100 80GB SXM), not the
-    # boundary of a 24 GB card
+    # the Hugging Face + FA2 column of Unsloth's README (000252c9; the figures arrived in
+    # e3162dc5, 2025-01-14, from the Llama 3.3 blog of December 2024): the largest sequence
+    # that fits, so the estimate at that length is compared with the budget. The column is
+    # an exact line in VRAM (404.75 tokens per GB between every pair of its rows from 12 to
+    # 80 GB: 932, 2551, 5789, 12264, 15502, 28454), so the 24 GB row is the line read at 24,
+    # not the boundary of one card. Unsloth writes GiB as "GB" (unsloth/models/llama.py
+    # e3162dc5: `total_memory / 1024 / 1024 / 1024` printed as "GB"), so the budget is
+    # 24 GiB.
+    # Unstated settings, each chosen from a source rather than from the figure:
+    # - gradient checkpointing on: the column's slope, 2.65 MB per token, is below what the
+    #   MLP alone keeps per token without it (gate, up and their SiLU-product outputs, 3 x
+    #   14336 x 2 B x 32 layers = 2.75 MB), so the baseline checkpointed; PEFT's QLoRA recipe
+    #   (`prepare_model_for_kbit_training`, use_gradient_checkpointing=True) does;
+    # - the Trainer's default optimizer of the transformers Unsloth required then
+    #   (pyproject.toml e3162dc5 "transformers>=4.46.1,!=4.47.0"; adamw_torch from 4.32 to
+    #   4.53), and that release's causal-LM loss (--transformers-version 4.46.1, the same in
+    #   4.46-4.48; with b = 1 it makes no copy);
+    # - bf16 autocast (the blog's A100), PEFT LoraConfig's default lora_dropout 0.0
     "unsloth-hf-fa2-llama31-8b-qlora-r32-maxctx-24gb": {
-        "missing": ["baseline's gradient checkpointing, optimizer, precision and GPU not "
-                    "stated (they move the largest fitting sequence several-fold); the "
-                    "README column is linear in VRAM (404.75 tokens/GB, 12-80 GB), a fit "
-                    "rather than a 24 GB measurement"]},
+        "flags": {"model": "llama3.1-8b", "gpus": "1xA100-80GB", "framework": "hf",
+                  "precision": "amp-bf16", "finetune": "qlora", "kbit_prepare": True,
+                  "lora_rank": 32, "lora_targets": "all-linear", "lora_dropout": 0.0,
+                  "attention": "flash", "recompute": "full", "hf_optim": "adamw_torch",
+                  "transformers_version": "4.46.1", "seq_len": 5789, "micro_batch_size": 1},
+        "capacity_bytes": 24 * GIB,
+        "notes": ["the largest fitting sequence of the README's Hugging Face + FA2 column; "
+                  "compared: the device total at 5,789 tokens (the fit check's figure) "
+                  "with 24 GiB (Unsloth prints GiB as GB); the column is a line in VRAM "
+                  "(404.75 tokens per GB), so the row is that line at 24",
+                  "settings the source leaves out: gradient checkpointing (the column's "
+                  "2.65 MB per token is below the 2.75 MB the MLP alone keeps per token "
+                  "without it), the Trainer's default adamw_torch and the loss of the "
+                  "transformers Unsloth required then (>=4.46.1), bf16 autocast, PEFT's "
+                  "QLoRA preparation and default lora_dropout 0"]},
 }
 
 
@@ -648,6 +668,10 @@ def measured_mapping(case: dict[str, Any]) -> Mapping:
     if entry is None:
         m.missing.append("no reviewed mapping for this record")
         return m
+    if kind == CAPACITY and "capacity_bytes" in entry:
+        # a largest-fitting-length record: the estimate at that length against the budget
+        m.missing.remove(METRIC_MISSING[CAPACITY])
+        m.measured_bytes = entry["capacity_bytes"]
     m.missing.extend(entry.get("missing", []))
     m.notes.extend(entry.get("notes", []))
     if "flags" not in entry:
@@ -712,6 +736,11 @@ def estimate_row(m: Mapping, model_dir: Path) -> Row:
             row.estimate_bytes, row.engine = traced + outside, "trace"
         else:
             row.estimate_bytes = report.device_total_bytes
+    elif m.metric == CAPACITY:
+        # the largest length that fits: what the fit check compares with the card, the
+        # device total, in which an OOM retry has freed the allocator's cached blocks (an
+        # unbounded replay of the trace would keep them)
+        row.estimate_bytes = report.device_total_bytes
     elif m.metric in (RESERVED, UNKNOWN):
         # the reserved high-water mark depends on the order of allocations and frees: the
         # trace engine replays its own through the caching-allocator model; the analytic

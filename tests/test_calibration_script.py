@@ -316,3 +316,21 @@ def test_torchtitan_70b_2d_record_is_expressed_as_its_config(calib) -> None:
     assert (par.tp, par.dp_degree, par.fsdp, par.sequence_parallel) == (8, 32, "full", True)
     assert (tr.recompute, tr.compile, tr.float8, tr.seq_len, tr.micro_batch_size) == (
         "full", True, True, 8192, 16)
+
+
+def test_a_capacity_record_is_compared_with_its_budget(calib, tmp_path: Path) -> None:
+    """A largest-fitting-length record: the estimate at that length (the device total, the
+    fit check's figure) against the budget its entry states; without a budget, refused."""
+    case = {"id": "unsloth-hf-fa2-llama31-8b-qlora-r32-maxctx-24gb",
+            "metric": "max context length fitting in the VRAM budget (OOM boundary)",
+            "seq_len": "5,789 tokens", "micro_batch": 1, "grad_accum": None,
+            "value": "5,789 tokens fit in 24 GB"}
+    m = calib.measured_mapping(case)
+    assert m.expressible and m.metric == calib.CAPACITY, m.missing
+    assert m.measured_bytes == 24 * 2**30 and m.flags["seq_len"] == 5789
+    row = calib.estimate_row(m, tmp_path)
+    report = calib.estimate(calib.build_scenario(dict(m.flags)))
+    assert row.estimate_bytes == report.device_total_bytes and row.engine == "analytic"
+    other = calib.measured_mapping({**case, "id": "no-such-record"})
+    assert not other.expressible
+    assert calib.METRIC_MISSING[calib.CAPACITY] in other.missing
