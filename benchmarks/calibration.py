@@ -610,11 +610,38 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
                   "on q_proj and v_proj, lora_dropout 0.0; get_peft_model(..., "
                   "autocast_adapter_dtype=True) keeps the adapters in fp32 (the hf "
                   "profile's adapter dtype)"]},
+    # the report (vertex-ai-samples c9272f1f8^, community-content/vertex_model_garden/
+    # benchmarking_reports/pytorch_openllama_7b_finetune_benchmark_report.md, Nov 2023) runs
+    # a container whose code is not published (the instruct-lora code in the repository then,
+    # e72fffd68 model_oss/peft/instruct_lora.py, is Falcon QLoRA with batch 4); the settings
+    # come from the report's own figures and date:
+    # - LoRA targets: its table gives 2.00E+07 trainable parameters at rank 8 (4.00E+07 at
+    #   16); only all seven projections give that: 8·(4·(4096+4096) + 3·(4096+11008))·32 =
+    #   19,988,480 (q and v alone: 4,194,304);
+    # - no checkpointing: LoRA goes from 20.5G (256) to 28.2G (512) at batch 2, 15 MB per
+    #   added token; checkpointed, a token costs its 32 layer inputs (0.26 MB in 16 bits),
+    #   one layer's re-run and the logits, about 1 MB, as the report's QLoRA rows grow
+    #   (1.2 MB per token; PEFT's kbit preparation checkpoints);
+    # - eager attention: transformers 4.36 (December 2023) made SDPA Llama's default; the
+    #   report was written by November 30, 2023 (c72d48526);
+    # - 16-bit weights ("precision_mode float16": fp32 weights alone would be 27 GB of the
+    #   20.5G); the lora_dropout flag default of the container's entry point (main.py
+    #   `lora_dropout` 0.05, e72fffd68); the optimizer is not stated: torch AdamW (the
+    #   Trainer's default then); the metric is not stated (compared with the estimate
+    #   further from it)
     "gcp-openllama7b-lora-r16-seq256-a100": {
-        "missing": ["LoRA targets, optimizer and checkpointing not stated (the PEFT container "
-                    "code published with the report, vertex-ai-samples f3be7fac7 "
-                    "model_oss/peft/instruct_lora.py, hardcodes batch 4, QLoRA and Falcon's "
-                    "module names and has no --precision_mode: not the benchmarked code)"]},
+        "flags": {"model": "llama2-7b", "gpus": "1xA100-40GB", "framework": "hf",
+                  "precision": "fp16", "finetune": "lora", "lora_rank": 16,
+                  "lora_targets": "all-linear", "lora_dropout": 0.05, "attention": "eager",
+                  "recompute": "none", "optimizer": "adamw", "hf_optim": "adamw_torch"},
+        "notes": ["OpenLLaMA 7B has Llama-2-7B's shapes (32 layers, 4096 hidden, 11008 "
+                  "MLP, 32000 vocabulary: 6.74B parameters)",
+                  "settings from the report's own figures: all seven projections (its "
+                  "2.00E+07 trainable parameters at rank 8), no checkpointing (LoRA grows "
+                  "15 MB per added token, 20.5G at 256 to 28.2G at 512), eager attention "
+                  "(before transformers 4.36's SDPA default; report of November 2023), "
+                  "16-bit weights (precision_mode float16), the entry point's lora_dropout "
+                  "0.05; optimizer not stated (the Trainer's adamw_torch)"]},
     # the Hugging Face + FA2 column of Unsloth's README (000252c9; the figures arrived in
     # e3162dc5, 2025-01-14, from the Llama 3.3 blog of December 2024): the largest sequence
     # that fits, so the estimate at that length is compared with the budget. The column is
