@@ -248,6 +248,8 @@ def megatron_mapping(case: dict[str, Any]) -> Mapping:
         "deterministic": bool(a.get("deterministic-mode")),
         "moe_dispatcher": ("alltoall" if d.get("num_experts") and
                            d.get("moe_token_dispatcher_type_effective") == "alltoall" else None),
+        # Transformer Engine (Megatron's default) keeps a cuBLAS workspace of its own
+        "transformer_impl": "local" if d.get("transformer_impl") == "local" else None,
     }
     if case.get("platform") not in PLATFORM_GPU:
         missing.append(f"GPU of platform {case.get('platform')!r}")
@@ -264,7 +266,12 @@ def megatron_mapping(case: dict[str, Any]) -> Mapping:
     m.flags = {k: v for k, v in flags.items()
                if k in ALWAYS_SHOWN or v != OPTIONS_BY_NAME[k].default}
     m.notes.append("Megatron's Transformer Engine and local layers are both estimated with "
-                   "the megatron profile (the layer of Korthikanti et al. 2022)")
+                   "the megatron profile (the layer of Korthikanti et al. 2022); TE's own "
+                   "cuBLAS workspace is counted unless --transformer-impl local")
+    if a.get("deterministic-mode"):
+        m.notes.append("--deterministic-mode: the test's ENV_VARS set CUBLAS_WORKSPACE_CONFIG="
+                       ":4096:8 (model_config.yaml at adc69dba; Megatron's determinism.py "
+                       "default): 32 MiB per cuBLAS workspace, two in a training step")
     return m
 
 

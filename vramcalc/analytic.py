@@ -135,7 +135,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     A_mb = A_bottom(nL) + A_edges
     C_mb = nL * cache_layer + cache_head
     logits_keep = P.logits_keep
-    cublas = tr.cublas_workspace_bytes(gpu)
+    cublas = tr.cublas_workspace_bytes(gpu, train)
     gather = tr.gather_buffer_bytes(ctx)
     # the head's and the embedding's instants differ only with --fsdp-edge-units
     gather_head, gather_emb = ((tr.gather_buffer_bytes(ctx, "head"),

@@ -210,7 +210,7 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
     B = StageBase({**weight_parts(ctx), **buffers,
                    "optimizer_states/states": opt["states"],
                    "optimizer_states/master": opt["master"]},
-                  {"transients/cublas_workspace": tr.cublas_workspace_bytes(gpu),
+                  {"transients/cublas_workspace": tr.cublas_workspace_bytes(gpu, train),
                    "transients/comm_buffers": tr.persistent_buffer_bytes(ctx)})
 
     edges = s2.edges_saved(x)

@@ -157,7 +157,11 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "none.", MOE_DISPATCHERS),
     Opt("deterministic", bool, False, "Megatron-LM's --deterministic-mode (megatron profile): "
         "torch.use_deterministic_algorithms(True); MoE layers then keep the expert output "
-        "(unpermute's index_add_) and the router's row index."),
+        "(unpermute's index_add_) and the router's row index; cuBLAS workspaces of 32 MiB "
+        "(CUBLAS_WORKSPACE_CONFIG=:4096:8)."),
+    Opt("transformer_impl", str, None, "Megatron-LM's --transformer-impl (megatron profile): "
+        "transformer_engine (the default: TE's own cuBLAS workspace, 32 MiB on sm90+, 4 MiB "
+        "before) | local.", ("transformer_engine", "local")),
     Opt("chunked_ce", int, 1, "Cross entropy over N token chunks (torchtune's "
         "LinearCrossEntropyLoss): the fp32 logits and their gradients exist one chunk at a "
         "time; 1 = off."),
@@ -308,7 +312,7 @@ STACK_PRECISION = {"torchtitan": "amp-bf16", "torchtune": "bf16-pure"}
 _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
                   "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "kbit_prepare", "sync_each_batch", "liger", "recompute_method",
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "lora_embedding", "lora_head", "modules_to_save", "dropout",
-                  "moe_dispatcher", "deterministic", "chunked_ce",
+                  "moe_dispatcher", "deterministic", "transformer_impl", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
                   "optimizer_in_backward", "compile", "packed", "float8", "float8_all_gather", "async_tp", "qlora_impl", "bnb_version",
                   "torchao_version", "nf4_double_quant", "quantize_head", "load",

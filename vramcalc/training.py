@@ -140,8 +140,7 @@ class TrainingConfig(BaseModel):
     attention: Literal["flash", "eager"] = "flash"
     recompute: Literal["none", "selective", "full"] = "none"
     # HF's gradient_checkpointing_kwargs={"use_reentrant": ...} (hf profile, full recompute;
-    # vramcalc/terms/moments.py); None: transformers 5.x's default, False. Left out of dumps
-    # when None
+    # vramcalc/terms/moments.py); None: transformers 5.x's default, False; not dumped if None
     use_reentrant: bool | None = Field(None, exclude_if=lambda v: v is None)
     # PEFT's prepare_model_for_kbit_training(model) with its defaults (hf profile, QLoRA):
     # the non-4-bit parameters cast to fp32, gradient checkpointing on through
@@ -181,16 +180,17 @@ class TrainingConfig(BaseModel):
     # allgather). The reference and hf profiles route tokens their own way: None only
     moe_dispatcher: Literal["allgather", "alltoall"] | None = None
     # Megatron-LM's --deterministic-mode (megatron profile): torch.use_deterministic_algorithms,
-    # which switches MoE routing and unpermute to index_put_/index_add_ (terms/saved_layers.py)
+    # which switches MoE routing and unpermute to index_put_/index_add_ (terms/saved_layers.py),
+    # and CUBLAS_WORKSPACE_CONFIG :4096:8 (terms/transients.py `cublas_workspace_bytes`)
     deterministic: bool = False
-    # memory techniques torchtune documents (vramcalc/terms/lowmem.py)
-    chunked_ce: int = Field(1, ge=1, le=65_536)  # cross entropy over N token chunks
+    # Megatron-LM's --transformer-impl (megatron); None: transformer_engine (TE's workspace)
+    transformer_impl: Literal["transformer_engine", "local"] | None = None
+    chunked_ce: int = Field(1, ge=1, le=65_536)  # cross entropy in N chunks (terms/lowmem.py)
     activation_offload: bool = False  # saved activations to pinned host memory
     # quantization-aware training: fake-quantized block linears (vramcalc/terms/lowprec.py)
     qat: Literal["none", "int8", "int4"] = "none"
-    # the CUDA caching allocator's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    # (vramcalc/allocator.py); None: the stack's launcher (see `expandable`). Changes
-    # reserved memory only
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (vramcalc/allocator.py); None: the
+    # stack's launcher (see `expandable`). Changes reserved memory only
     expandable_segments: bool | None = None
     # torchtune's optimizer_in_bwd: one optimizer per parameter, stepped by its post-
     # accumulate-grad hook inside backward (vramcalc/terms/optim_in_bwd.py); dumped if on
@@ -207,9 +207,8 @@ class TrainingConfig(BaseModel):
     float8: bool = Field(False, exclude_if=lambda v: not v)
     float8_all_gather: bool = Field(False, exclude_if=lambda v: not v)
     async_tp: bool = Field(False, exclude_if=lambda v: not v)
-    # QLoRA's 4-bit implementation and release (vramcalc/qlora.py): None = bitsandbytes at
-    # its current release, double-quantized, lm_head kept in the policy dtype; left out of
-    # dumps at their defaults
+    # QLoRA's 4-bit implementation and release (vramcalc/qlora.py): None = bitsandbytes at its
+    # current release, double-quantized, lm_head in the policy dtype; not dumped at defaults
     qlora_impl: Literal["bnb", "torchao"] | None = Field(None, exclude_if=lambda v: v is None)
     bnb_version: str | None = Field(None, exclude_if=lambda v: v is None)
     torchao_version: str | None = Field(None, exclude_if=lambda v: v is None)
@@ -247,9 +246,8 @@ class TrainingConfig(BaseModel):
     # default), e.g. HF Trainer's `model.zero_grad()` on torch 1.x. One GPU or DDP
     # (vramcalc/terms/gradients.py `gradients_persistent`); left out of dumps when True
     set_to_none: bool = Field(True, exclude_if=lambda v: v)
-    # the PyTorch release of the run (None: a current one); what it changes: softmax and
-    # log_softmax keep their input before 1.11, the CUDA context loads every kernel before
-    # 1.13 (`softmax_keeps_input`, `eager_module_loading`); left out of dumps when None
+    # the PyTorch release of the run (None: a current one): `softmax_keeps_input` (< 1.11),
+    # `eager_module_loading` (< 1.13); left out of dumps when None
     torch_version: str | None = Field(None, exclude_if=lambda v: v is None)
     # an hf run's transformers release (None: 5.x): hf_stack.copies_shifted_logits
     transformers_version: str | None = Field(None, exclude_if=lambda v: v is None)
@@ -336,6 +334,8 @@ class TrainingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _deterministic_modelled(self) -> TrainingConfig:
+        if self.transformer_impl and self.framework != "megatron":
+            raise ValueError("--transformer-impl (Megatron-LM's option) needs --framework megatron")
         if self.deterministic and self.framework != "megatron":
             raise ValueError("--deterministic: only the megatron profile models what "
                              "deterministic algorithms keep (Megatron-LM's MoE index_add_ "

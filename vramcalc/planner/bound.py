@@ -153,7 +153,7 @@ class MemoryBound:
         """(W_s + X_s, gradients, gradients at the step, gradients persistent, gather
         buffers): what the rank holds besides its optimizer states."""
         held = (sum(weight_parts(ctx).values()) + sum(persistent_parts(ctx, self.gpu).values())
-                + cublas_workspace_bytes(self.gpu) + persistent_buffer_bytes(ctx))
+                + cublas_workspace_bytes(self.gpu, ctx.training) + persistent_buffer_bytes(ctx))
         return (held, gradients_bytes(ctx), gradients_at_step_bytes(ctx),
                 gradients_persistent(ctx), gather_buffer_bytes(ctx))
 

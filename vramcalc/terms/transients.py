@@ -24,11 +24,49 @@ from vramcalc.units import ALLOC_ROUND_BYTES, MiB, alloc
 # GPU: the default on Hopper and newer, CUBLAS_WORKSPACE_CONFIG ":4096:8" = 8 x 4 MiB
 # (aten/src/ATen/cuda/CublasHandlePool.cpp, getChosenWorkspaceSize).
 CUBLAS_WORKSPACE_NO_GPU_BYTES = 32 * MiB
+# CublasHandlePool.cpp keeps one workspace per (handle, stream) pair
+# (`cublas_handle_stream_to_workspace`), and a handle per thread (DeviceThreadHandlePool).
+# A training step runs its forward and optimizer on the calling thread and its backward on
+# autograd's device thread (torch/csrc/autograd/engine.cpp `Engine::thread_main`, one
+# thread per device): two workspaces, both held from the first backward on.
+TRAINING_BLAS_THREADS = 2
+# Megatron-LM's --deterministic-mode sets CUBLAS_WORKSPACE_CONFIG=:4096:8 (NVIDIA/Megatron-LM
+# d98e8a64 megatron/training/determinism.py DETERMINISM_ENV_VAR_DEFAULTS; the functional
+# tests' model_config.yaml ENV_VARS at adc69dba): 8 x 4096 KiB on every GPU
+DETERMINISTIC_WORKSPACE_BYTES = 32 * MiB
 
 
-def cublas_workspace_bytes(gpu: GPUProfile | None) -> int:
-    """cuBLAS workspace held once per process on the device (the GPU profile's)."""
-    return CUBLAS_WORKSPACE_NO_GPU_BYTES if gpu is None else gpu.blas_workspace_bytes
+def te_workspace_bytes(gpu: GPUProfile | None, training: TrainingConfig) -> int:
+    """Transformer Engine's own cuBLASLt workspace, one torch.empty for the process
+    (transformer_engine/pytorch/module/base.py `get_workspace`,
+    `get_cublas_workspace_size_bytes`: 32 MiB from compute capability 9, 4 MiB before):
+    Megatron-LM's TE layers (--transformer-impl transformer_engine, its default) and the FP8
+    policy's TE linears. 0 otherwise."""
+    te = ((training.framework == "megatron" and training.transformer_impl != "local")
+          or training.precision == "fp8")
+    if not te:
+        return 0
+    cap = gpu.cuda_capability if gpu is not None else "9.0"
+    return 32 * MiB if cap is not None and int(cap.split(".")[0]) >= 9 else 4 * MiB
+
+
+def blas_workspace_parts(gpu: GPUProfile | None, training: TrainingConfig) -> tuple[int, int]:
+    """A training process's BLAS workspaces as (taken in the first forward, taken in the
+    first backward): PyTorch's one per thread (the GPU profile's size, or 32 MiB under
+    Megatron's --deterministic) and Transformer Engine's with the forward's."""
+    size = CUBLAS_WORKSPACE_NO_GPU_BYTES if gpu is None else gpu.blas_workspace_bytes
+    if training.deterministic:
+        size = DETERMINISTIC_WORKSPACE_BYTES
+    return size + te_workspace_bytes(gpu, training), (TRAINING_BLAS_THREADS - 1) * size
+
+
+def cublas_workspace_bytes(gpu: GPUProfile | None, training: TrainingConfig | None = None,
+                           ) -> int:
+    """The BLAS workspaces a process holds on the device: one of PyTorch's for a forward
+    alone (`training` None: serving), else all of `blas_workspace_parts`."""
+    if training is None:
+        return CUBLAS_WORKSPACE_NO_GPU_BYTES if gpu is None else gpu.blas_workspace_bytes
+    return sum(blas_workspace_parts(gpu, training))
 
 
 def optimizer_step_temp_bytes(ctx: RankContext) -> int:

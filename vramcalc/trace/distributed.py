@@ -44,7 +44,7 @@ from vramcalc.report import MemoryReport
 from vramcalc.scenario import Scenario
 from vramcalc.terms.fsdp1 import wraps_adapters
 from vramcalc.terms.gradients import reduce_dtype
-from vramcalc.terms.transients import cublas_workspace_bytes
+from vramcalc.terms.transients import blas_workspace_parts
 from vramcalc.trace.engine import (
     ITERATIONS,
     Progress,
@@ -247,7 +247,7 @@ def distributed_trace(scn: Scenario, progress: Progress | None = None,
 
     gpu = scn.cluster.gpu if scn.cluster else None
     tracker = _tracker_class()(expandable_segments=tr.expandable,
-                               workspace_bytes=cublas_workspace_bytes(gpu))
+                               workspace_bytes=blas_workspace_parts(gpu, tr))
     report_progress("building and sharding the model", 0.0)
     framework_ctx: Any = contextlib.nullcontext()
     if tr.framework == "hf":

@@ -38,7 +38,7 @@ from vramcalc.report import (
 from vramcalc.scenario import Scenario, check_capabilities
 from vramcalc.terms.optimizer_states import paged_residency, paged_state_bytes
 from vramcalc.terms.overhead import context_bytes, overhead_split
-from vramcalc.terms.transients import cublas_workspace_bytes
+from vramcalc.terms.transients import blas_workspace_parts, cublas_workspace_bytes
 
 ITERATIONS = 2  # the second iteration is the steady state (optimizer states exist)
 Progress = Callable[[str, float], None]
@@ -216,7 +216,7 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
     gpu = scn.cluster.gpu if scn.cluster else None
     tracker = MemoryTracker(debug=debug is not None,
                             expandable_segments=tr.expandable,
-                            workspace_bytes=cublas_workspace_bytes(gpu))
+                            workspace_bytes=blas_workspace_parts(gpu, tr))
     report_progress("building model", 0.0)
     autocast = (lambda: torch.autocast("cpu", dtype=_torch_dtype(tr.compute_dtype))) if (
         tr.is_autocast) else contextlib.nullcontext
@@ -411,7 +411,7 @@ def _snap(s: Any, extra: dict[str, int]) -> PhaseSnapshot:
 
 def _result(scn: Scenario, tracker: Any, param_bytes: int, iterations: int) -> TraceResult:
     gpu = scn.cluster.gpu if scn.cluster else None
-    extra = {"transients/cublas_workspace": cublas_workspace_bytes(gpu)}
+    extra = {"transients/cublas_workspace": cublas_workspace_bytes(gpu, scn.training)}
     last = iterations - 1
     phases = {ph: _snap(tracker.peaks[(last, ph)], extra) for ph in PHASE_NAMES}
     marks = {name: _snap(snap, extra) for (it, name), snap in tracker.marks.items() if it == last}

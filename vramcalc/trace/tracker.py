@@ -27,7 +27,9 @@ Every allocation and free is also replayed, in order, through the caching-alloca
 `torch.cuda.max_memory_reserved`. A storage resized in place is a new block then the old
 one freed (`resize_` copies into a new allocation); the cuBLAS workspace, which torch takes
 from the caching allocator at the first matmul (aten/src/ATen/cuda/CublasHandlePool.cpp keeps
-it as a DataPtr of CUDACachingAllocator), is requested when the first forward starts. Each
+it as a DataPtr of CUDACachingAllocator), is requested when the first forward starts, and
+the backward thread's own when the first backward starts (terms/transients.py
+`blas_workspace_parts`). Each
 block is requested on the stream current when it is allocated, as torch's allocator does:
 code written for any device (FSDP2's `device_handle.stream(...)`) selects its side streams
 through `torch.cpu.stream` on the CPU, and `torch.cpu.current_stream()` names them here, so
@@ -78,10 +80,10 @@ class MemoryTracker(TorchDispatchMode):
     """Counts live storages by term; see the module docstring."""
 
     def __init__(self, debug: bool = False, expandable_segments: bool = False,
-                 workspace_bytes: int = 0) -> None:
+                 workspace_bytes: tuple[int, int] = (0, 0)) -> None:
         super().__init__()
         self.allocator = CachingAllocator(expandable=expandable_segments)
-        self._workspace = workspace_bytes
+        self._workspace = dict(zip(("forward", "backward"), workspace_bytes, strict=True))
         self.debug = debug
         self._origin = ""
         self.timeline: list[tuple[int, str, str, int, dict[str, int]]] | None = (
@@ -106,9 +108,8 @@ class MemoryTracker(TorchDispatchMode):
     def set_phase(self, phase: str, region: str | None = None) -> None:
         """Start (or continue) a phase of the current iteration; its peak starts from now."""
         self.phase, self.region = phase, region
-        if phase == "forward" and self._workspace:
-            self.allocator.malloc(self._workspace)  # held for the process's lifetime
-            self._workspace = 0
+        if self._workspace.get(phase):  # held for the process's lifetime
+            self.allocator.malloc(self._workspace.pop(phase))
         key = (self.iteration, phase)
         self._peak_key = key
         self._peak = self.peaks.get(key)
