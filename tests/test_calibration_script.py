@@ -133,7 +133,7 @@ def test_reserved_record_is_compared_with_peak_reserved(calib, sample: Path,
 
     traced = run_trace(scn)
     assert row.engine == "trace" and row.estimate_bytes == traced.peak_reserved_bytes
-    assert traced.peak_reserved_bytes >= estimate(scn).peak_reserved_bytes
+    assert row.estimate_bytes != estimate(scn).peak_reserved_bytes  # not the packing floor
     assert traced.peak_reserved_bytes > traced.peak_allocated_bytes
 
 
