@@ -33,7 +33,9 @@ from vramcalc.training import TrainingConfig
 from vramcalc.units import MiB, alloc
 from vramcalc.validate import SHAPES
 
-WORKSPACE = 32 * MiB  # cuBLAS workspace without a GPU (terms/transients.py)
+# cuBLAS workspaces without a GPU: 32 MiB each, one for the calling thread and one for
+# autograd's backward thread (terms/transients.py)
+WORKSPACE = 2 * 32 * MiB
 # tied embeddings, a small vocabulary and eager attention: the top layer's attention core,
 # not the loss, is the backward's peak, while the head's share of the tied gradient waits
 TIED = ModelSpec(name="tied", hidden_size=256, num_hidden_layers=2, num_attention_heads=8,

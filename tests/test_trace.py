@@ -168,7 +168,7 @@ def test_trace_reserved_replays_the_allocator() -> None:
     from vramcalc.trace.tracker import MemoryTracker
 
     MiB = 2**20
-    tracker = MemoryTracker(workspace_bytes=4 * MiB)
+    tracker = MemoryTracker(workspace_bytes=(4 * MiB, 0))
     with FakeTensorMode(), tracker:
         a = torch.empty(100 * MiB, dtype=torch.uint8)  # >= 10 MiB: its own 100 MiB segment
         assert tracker.allocator.reserved == 100 * MiB

@@ -387,7 +387,8 @@ def transient_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
                        "(vramcalc/terms/transients.py).")
         out.append(f"Optimizer-step transient = net fp32 copies + max(inner step, copy loop) "
                    f"= {_gb(temp)} + max({_gb(inner)}, {_gb(copy_peak)}) = {_gb(step)}.")
-    out.append(f"cuBLAS workspace (the GPU profile's): "
+    out.append(f"cuBLAS workspaces (the GPU profile's size; one for the forward's thread, one "
+               f"for autograd's backward thread, and Transformer Engine's own where it runs): "
                f"{_gb(sub.get('transients/cublas_workspace', 0))}; communication buffers "
                f"held all step (DDP buckets, ZeRO-3 reduce bucket): "
                f"{_gb(sub.get('transients/comm_buffers', 0))}; ZeRO-3/FSDP gather buffers "
