@@ -140,3 +140,19 @@ def test_a_yaml_number_is_refused(tmp_path, capsys) -> None:  # noqa: ANN001
     cfg.write_text(base + 'transformers_version: "4.50"\n', encoding="utf-8")
     assert main(["check", str(cfg)]) in (0, 1)  # a verdict, not an error
     assert "transformers 4.50" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("version", "impl", "reentrant"), [
+    # training_args.py `default_optim`: "adamw_torch" in v4.46.0 and v4.50.0 (foreach),
+    # adamw_torch_fused from 4.54; modeling_utils.py gradient_checkpointing_enable:
+    # {"use_reentrant": True} in v4.46.0 and v4.50.0, False from 5.0
+    ("4.46.1", "foreach", True), ("4.53.3", "foreach", True), ("4.54.0", "fused", True),
+    ("5.0.0", "fused", False), (None, "fused", False)])
+def test_the_release_sets_the_trainers_defaults(version: str | None, impl: str,
+                                                reentrant: bool) -> None:
+    tr = _ctx(2, version, recompute="full").training
+    assert (tr.step_impl, tr.reentrant) == (impl, reentrant)
+    assert not _ctx(2, version, recompute="none").training.reentrant
+    given = _ctx(2, version, recompute="full", hf_optim="adamw_torch_fused",
+                 use_reentrant=False).training
+    assert (given.step_impl, given.reentrant) == ("fused", False)  # flags win

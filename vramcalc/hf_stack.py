@@ -10,7 +10,7 @@
 | `lora_head` | PEFT's `lora.Linear` on lm_head | peft tuners/lora/layer.py `Linear` |
 | `liger` | `TrainingArguments(use_liger_kernel=True)`: Liger's RMSNorm, SwiGLU, RoPE and fused linear cross entropy | transformers integrations/liger.py; vramcalc/terms/liger.py |
 | `sync_each_batch` | accelerate's `GradientAccumulationPlugin(sync_each_batch=True)`: no `no_sync()` between micro-batches | transformers trainer.py `_inner_training_loop`, accelerate accelerator.py `no_sync` |
-| `transformers_version` | the causal-LM loss of that release: before 4.49 `ForCausalLMLoss` keeps its fp32 upcast and makes a contiguous copy of the shifted logits | transformers v4.46.0 loss/loss_utils.py `ForCausalLMLoss`; v4.49.0 pads the labels instead |
+| `transformers_version` | the causal-LM loss of that release (before 4.49 `ForCausalLMLoss` keeps its fp32 upcast and makes a contiguous copy of the shifted logits) and its defaults: the Trainer's AdamW (adamw_torch before 4.54) and reentrant gradient checkpointing (before 5.0) | transformers v4.46.0 loss/loss_utils.py `ForCausalLMLoss`, v4.49.0 pads the labels; training_args.py `default_optim`; modeling_utils.py `gradient_checkpointing_enable` |
 
 `hf_stack_problem(training)` says, in one line, why a combination cannot be expressed (None:
 it can); vramcalc.training.TrainingConfig raises it as a validation error. docs/methodology.md
@@ -173,6 +173,29 @@ def _transformers_version(tr: Any) -> str | None:
         return (f"{given}: before 4.46 each model's forward computed its own loss, which is "
                 "not modelled; give 4.46 or later")
     return None
+
+
+# transformers' defaults that changed with the release (`--transformers-version`): the
+# Trainer's optimizer, adamw_torch from 4.32 to 4.53 and adamw_torch_fused from 4.54
+# (training_args.py `default_optim`; v4.46.0 and v4.50.0 set "adamw_torch"), and
+# gradient_checkpointing_enable's kwargs, {"use_reentrant": True} before 5.0 (v4.46.0 and
+# v4.50.0 modeling_utils.py), {"use_reentrant": False} from 5.0
+FUSED_OPTIM_FROM = (4, 54, 0)
+NON_REENTRANT_FROM = (5, 0, 0)
+
+
+def trainer_default_optim(tr: Any) -> str:
+    """HF Trainer's default AdamW for the run's transformers release (5.x when unset)."""
+    if tr.transformers_version and parse_version(tr.transformers_version) < FUSED_OPTIM_FROM:
+        return "adamw_torch"
+    return "adamw_torch_fused"
+
+
+def trainer_default_reentrant(tr: Any) -> bool:
+    """Whether transformers' gradient checkpointing is reentrant by default in the run's
+    release (False when unset: 5.x)."""
+    return bool(tr.transformers_version) and parse_version(
+        tr.transformers_version) < NON_REENTRANT_FROM
 
 
 def copies_shifted_logits(tr: Any) -> bool:

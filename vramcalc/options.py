@@ -246,7 +246,8 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("transformers_version", str, None, "transformers release of an HF Trainer run "
         "(--framework hf), e.g. 4.47.1: from 4.46 to 4.48 the causal-LM loss keeps its fp32 "
         "upcast of the logits and makes a contiguous fp32 copy of the shifted logits "
-        "(4.49 pads the labels instead). 4.46 or later. Default: 5.x."),
+        "(4.49 pads the labels instead); the Trainer's AdamW is foreach before 4.54 and "
+        "gradient checkpointing reentrant before 5.0. 4.46 or later. Default: 5.x."),
     Opt("dp", int, None, "Data-parallel degree (default: GPUs / (tp x pp x cp)).", group="parallel"),
     Opt("tp", int, 1, "Tensor-parallel degree.", group="parallel"),
     Opt("pp", int, 1, "Pipeline-parallel degree.", group="parallel"),
