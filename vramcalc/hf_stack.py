@@ -184,18 +184,12 @@ FUSED_OPTIM_FROM = (4, 54, 0)
 NON_REENTRANT_FROM = (5, 0, 0)
 
 
-def trainer_default_optim(tr: Any) -> str:
-    """HF Trainer's default AdamW for the run's transformers release (5.x when unset)."""
-    if tr.transformers_version and parse_version(tr.transformers_version) < FUSED_OPTIM_FROM:
-        return "adamw_torch"
-    return "adamw_torch_fused"
-
-
-def trainer_default_reentrant(tr: Any) -> bool:
-    """Whether transformers' gradient checkpointing is reentrant by default in the run's
-    release (False when unset: 5.x)."""
-    return bool(tr.transformers_version) and parse_version(
-        tr.transformers_version) < NON_REENTRANT_FROM
+def trainer_defaults(tr: Any) -> tuple[str, bool]:
+    """HF Trainer's defaults for the run's transformers release (5.x when unset): its AdamW
+    (an HF_OPTIMS key) and whether gradient checkpointing is reentrant."""
+    v = parse_version(tr.transformers_version) if tr.transformers_version else (5, 0, 0)
+    return ("adamw_torch" if v < FUSED_OPTIM_FROM else "adamw_torch_fused",
+            v < NON_REENTRANT_FROM)
 
 
 def copies_shifted_logits(tr: Any) -> bool:

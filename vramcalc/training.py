@@ -23,9 +23,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from vramcalc import hf_stack
 from vramcalc.errors import InputError, suggest
-from vramcalc.hf_stack import HF_OPTIMS, hf_stack_problem, parse_modules_to_save
+from vramcalc.hf_stack import HF_OPTIMS, hf_stack_problem, parse_modules_to_save, trainer_defaults
 from vramcalc.qlora import NF4Layout, nf4_layout, parse_version
 from vramcalc.stack_rules import (
     optimizer_in_backward_problem,
@@ -277,12 +276,12 @@ class TrainingConfig(BaseModel):
         """Whether HF gradient checkpointing runs torch's reentrant checkpoint: as
         --use-reentrant says; else under --kbit-prepare yes (PEFT passes
         gradient_checkpointing_kwargs={} and torch.utils.checkpoint falls back to
-        use_reentrant=True when none is given), else the release's default (hf_stack)."""
+        use_reentrant=True when none is given), else the release's (`trainer_defaults`)."""
         if self.use_reentrant is not None:
             return self.use_reentrant
         if self.framework == "unsloth":  # UnslothCheckpointFunction re-runs as reentrant
             return self.recompute == "full"
-        return (self.kbit_prepare or hf_stack.trainer_default_reentrant(self)) and self.recompute == "full"
+        return (self.kbit_prepare or trainer_defaults(self)[1]) and self.recompute == "full"
 
     @model_validator(mode="after")
     def _hf_stack_modelled(self) -> TrainingConfig:
@@ -447,13 +446,13 @@ class TrainingConfig(BaseModel):
     def step_impl(self) -> str:
         """The optimizer step's implementation: as given, else the stack's default. The hf
         profile (HF Trainer) steps AdamW as --hf-optim says (HF_OPTIMS), else as the
-        release's `TrainingArguments.optim` default (hf_stack.trainer_default_optim: fused
+        release's `TrainingArguments.optim` default (hf_stack.trainer_defaults: fused
         from transformers 4.54 with torch >= 2.8); everything else runs PyTorch's default on
         CUDA, foreach (torch/optim/optimizer.py `_default_to_fused_or_foreach`)."""
         if self.optimizer_impl is not None:
             return self.optimizer_impl
         if self.hf_optim is not None or (self.framework == "hf" and self.optimizer == "adamw"):
-            return HF_OPTIMS[self.hf_optim or hf_stack.trainer_default_optim(self)]
+            return HF_OPTIMS[self.hf_optim or trainer_defaults(self)[0]]
         # torchtitan (9dec370, torchtitan/optimizer.py `build_optimizers`): fused =
         # --optimizer.fused (default False, config_manager.py), foreach = not fused
         # torchtune (1814feb): its configs build torch.optim.AdamW with `fused: True`
