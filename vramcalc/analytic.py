@@ -52,6 +52,7 @@ from vramcalc.terms.gradients import (
 )
 from vramcalc.terms.load import init_reserved_bytes, load_parts
 from vramcalc.terms.lowprec import check_lowprec
+from vramcalc.terms.megatron_layer import local_attention_buffer_bytes
 from vramcalc.terms.modifiers import persistent_parts
 from vramcalc.terms.optim_in_bwd import in_backward, states_made
 from vramcalc.terms.optimizer_states import (
@@ -153,6 +154,8 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     prev_logits = 0 if scn.parallel.pp_schedule == "interleaved" else int(prev * logits_keep)
 
     held_parts = persistent_parts(ctx, gpu)  # FP8 weight cache, QAT qparams (modifiers)
+    if local_attention_buffer_bytes(ctx):  # Megatron's GlobalMemoryBuffer (megatron_layer.py)
+        held_parts["transients/attention_buffer"] = local_attention_buffer_bytes(ctx)
     B = StageBase({**w_parts, **held_parts, "optimizer_states/states": opt["states"],
                    "optimizer_states/master": opt["master"]},
                   {"transients/cublas_workspace": cublas, "transients/comm_buffers": persistent})

@@ -25,6 +25,21 @@ def megatron_dropout(ctx: RankContext) -> float:
     return MEGATRON_DEFAULT_DROPOUT if p is None else p
 
 
+def local_attention_buffer_bytes(ctx: RankContext) -> int:
+    """Megatron-LM's local attention (--transformer-impl local: DotProductAttention) takes
+    the input of its score matmul from the process's GlobalMemoryBuffer: `get_tensor((b·np,
+    sq, sk), query.dtype, "mpu")` for `torch.baddbmm(matmul_input_buffer, ..., beta=0.0)`
+    (NVIDIA/Megatron-LM d98e8a64 megatron/core/transformer/dot_product_attention.py;
+    megatron/core/utils.py `GlobalMemoryBuffer` allocates it once with torch.empty and keeps
+    it). One (b·a/t, s, s) tensor in the compute dtype, held from the first forward on, on
+    every rank; 0 for Transformer Engine's layers."""
+    tr = ctx.training
+    if tr.framework != "megatron" or tr.transformer_impl != "local" or not ctx.num_layers:
+        return 0
+    x = dims(ctx)
+    return alloc(x.b * x.a * x.s * x.s, x.c)
+
+
 def megatron_layer_bytes(ctx: RankContext, moe: bool = False) -> int:
     """Bytes one Megatron-LM layer keeps for backward, one micro-batch (t = tp, SP and
     selective recompute): Korthikanti et al. 2022 (arXiv:2205.05198) Table 2,
