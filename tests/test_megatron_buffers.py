@@ -10,10 +10,14 @@ Case: the functional tests' 12-layer h512 GPT (8 heads), b 4, s 1024, bf16.
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import pytest
 from megatron_models import GPT_SMALL
 
 from vramcalc.analytic import estimate
+from vramcalc.cli import main
 from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
@@ -48,3 +52,14 @@ def test_the_report_holds_it_in_every_phase() -> None:
     for phase in ("forward", "backward", "optimizer"):
         # TE's own 4 MiB workspace (no GPU: sm90's 32 MiB) goes, the buffer comes
         assert loc.phases[phase] - te.phases[phase] == 64 * 2**20 - 32 * 2**20
+
+
+def test_explain_names_the_buffer() -> None:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["explain", "--model", "llama2-7b", "--gpus", "8xH100", "--framework",
+                     "megatron", "--transformer-impl", "local", "--attention", "eager",
+                     "--seq-len", "2048", "--micro-batch-size", "2", "--tp", "2"])
+    assert code in (0, 1)
+    # 2 sequences x 32/2 heads x 2048 x 2048 x 2 B = 0.268 GB
+    assert "global buffer" in out.getvalue() and "0.268 GB" in out.getvalue()

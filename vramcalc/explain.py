@@ -393,6 +393,10 @@ def transient_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
                f"held all step (DDP buckets, ZeRO-3 reduce bucket): "
                f"{_gb(sub.get('transients/comm_buffers', 0))}; ZeRO-3/FSDP gather buffers "
                f"during forward and backward: {_gb(gather_buffer_bytes(ctx))}.")
+    if sub.get("transients/attention_buffer"):
+        out.append(f"Megatron-LM's local attention keeps its score matmul's input in a global "
+                   f"buffer for the whole run: (b·a/t, s, s) in {tr.compute_dtype} = "
+                   f"{_gb(sub['transients/attention_buffer'])} (terms/megatron_layer.py).")
     if edge_units(ctx):
         head, emb = gather_buffer_bytes(ctx, "head"), gather_buffer_bytes(ctx, "embedding")
         out.append(f"The embedding and the output projection are FSDP units of their own "
