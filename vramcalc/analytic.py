@@ -154,8 +154,9 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     prev_logits = 0 if scn.parallel.pp_schedule == "interleaved" else int(prev * logits_keep)
 
     held_parts = persistent_parts(ctx, gpu)  # FP8 weight cache, QAT qparams (modifiers)
-    if local_attention_buffer_bytes(ctx):  # Megatron's GlobalMemoryBuffer (megatron_layer.py)
-        held_parts["transients/attention_buffer"] = local_attention_buffer_bytes(ctx)
+    attention_buffer = local_attention_buffer_bytes(ctx)  # Megatron's GlobalMemoryBuffer
+    if attention_buffer:
+        held_parts["transients/attention_buffer"] = attention_buffer
     B = StageBase({**w_parts, **held_parts, "optimizer_states/states": opt["states"],
                    "optimizer_states/master": opt["master"]},
                   {"transients/cublas_workspace": cublas, "transients/comm_buffers": persistent})

@@ -78,6 +78,7 @@ from vramcalc.terms.gradients import (
     gradients_persistent,
 )
 from vramcalc.terms.lowprec import check_lowprec
+from vramcalc.terms.megatron_layer import local_attention_buffer_bytes
 from vramcalc.terms.modifiers import persistent_parts
 from vramcalc.terms.optimizer_states import optimizer_state_split
 from vramcalc.terms.transients import (
@@ -153,7 +154,8 @@ class MemoryBound:
         """(W_s + X_s, gradients, gradients at the step, gradients persistent, gather
         buffers): what the rank holds besides its optimizer states."""
         held = (sum(weight_parts(ctx).values()) + sum(persistent_parts(ctx, self.gpu).values())
-                + cublas_workspace_bytes(self.gpu, ctx.training) + persistent_buffer_bytes(ctx))
+                + cublas_workspace_bytes(self.gpu, ctx.training) + persistent_buffer_bytes(ctx)
+                + local_attention_buffer_bytes(ctx))
         return (held, gradients_bytes(ctx), gradients_at_step_bytes(ctx),
                 gradients_persistent(ctx), gather_buffer_bytes(ctx))
 
