@@ -630,7 +630,8 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
     #   one layer's re-run and the logits, about 1 MB, as the report's QLoRA rows grow
     #   (1.2 MB per token; PEFT's kbit preparation checkpoints);
     # - eager attention: transformers 4.36 (December 2023) made SDPA Llama's default; the
-    #   report was written by November 30, 2023 (c72d48526);
+    #   report was written by November 30, 2023 (c72d48526); so the release is taken as
+    #   4.35.2, the last before it (its Llama forward upcasts the logits itself);
     # - 16-bit weights ("precision_mode float16": fp32 weights alone would be 27 GB of the
     #   20.5G); the lora_dropout flag default of the container's entry point (main.py
     #   `lora_dropout` 0.05, e72fffd68); the optimizer is not stated: torch AdamW (the
@@ -640,7 +641,8 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
         "flags": {"model": "llama2-7b", "gpus": "1xA100-40GB", "framework": "hf",
                   "precision": "fp16", "finetune": "lora", "lora_rank": 16,
                   "lora_targets": "all-linear", "lora_dropout": 0.05, "attention": "eager",
-                  "recompute": "none", "optimizer": "adamw", "hf_optim": "adamw_torch"},
+                  "recompute": "none", "optimizer": "adamw", "hf_optim": "adamw_torch",
+                  "transformers_version": "4.35.2"},
         "notes": ["OpenLLaMA 7B has Llama-2-7B's shapes (32 layers, 4096 hidden, 11008 "
                   "MLP, 32000 vocabulary: 6.74B parameters)",
                   "settings from the report's own figures: all seven projections (its "
@@ -648,7 +650,10 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
                   "15 MB per added token, 20.5G at 256 to 28.2G at 512), eager attention "
                   "(before transformers 4.36's SDPA default; report of November 2023), "
                   "16-bit weights (precision_mode float16), the entry point's lora_dropout "
-                  "0.05; optimizer not stated (the Trainer's adamw_torch)"]},
+                  "0.05; optimizer not stated (the Trainer's adamw_torch)",
+                  "--transformers-version 4.35.2: the last release before the report "
+                  "(4.36.0 came in December 2023); Llama's forward then upcast the logits "
+                  "and computed the loss itself"]},
     # the Hugging Face + FA2 column of Unsloth's README (000252c9; the figures arrived in
     # e3162dc5, 2025-01-14, from the Llama 3.3 blog of December 2024): the largest sequence
     # that fits, so the estimate at that length is compared with the budget. The column is

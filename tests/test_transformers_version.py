@@ -1,4 +1,4 @@
-"""`--transformers-version`: the causal-LM loss of transformers 4.46-4.48 (hf profile).
+"""`--transformers-version`: the causal-LM loss of transformers 4.31-4.48 (hf profile).
 
 Expected bytes are derived by hand from transformers' source, never from the code's output:
 - v4.46.0 (and v4.48.0) src/transformers/loss/loss_utils.py `ForCausalLMLoss`:
@@ -7,6 +7,12 @@ Expected bytes are derived by hand from transformers' source, never from the cod
   .contiguous()`, then `nn.functional.cross_entropy` on the flattened shifted tensors;
 - v4.49.0 the same function pads the labels by one position (`nn.functional.pad(labels,
   (0, 1), value=ignore_index)`) and passes the upcast logits as they are (5.x alike);
+- v4.31.0 to v4.45.0 modeling_llama.py `LlamaForCausalLM.forward` (mistral, mixtral, qwen2,
+  gemma, qwen2_moe and phi3 alike from the release that gave them the upcast):
+  `logits = self.lm_head(hidden_states)`, `logits = logits.float()` (the model output,
+  held by the Trainer's `compute_loss` until it returns; the 16-bit logits are freed),
+  then the same shift, contiguous copy and CrossEntropyLoss as 4.46;
+- v4.31.0 training_args.py `default_optim = "adamw_hf"` (v4.34.0: "adamw_torch");
 - torch: `Tensor.contiguous()` returns the tensor itself when it is contiguous already, as
   a (1, s-1, V) slice of a (1, s, V) tensor is; log_softmax saves its fp32 output; its
   backward and nll_loss's make one fp32 buffer of the input's shape each.
@@ -85,7 +91,11 @@ def test_later_releases_pad_the_labels(version: str) -> None:
 
 
 @pytest.mark.parametrize(("args", "words"), [
-    (["--transformers-version", "4.45.2"], "before 4.46"),
+    (["--transformers-version", "4.30.0", "--attention", "eager"], "4.31 or later"),
+    (["--transformers-version", "4.33.3"], "--attention eager"),
+    (["--transformers-version", "4.38.2", "--model", "gemma-2b"], "give 4.39 or later"),
+    (["--transformers-version", "4.45.2", "--model", "gpt2"], "model_type 'gpt2'"),
+    (["--transformers-version", "4.40.0", "--finetune", "lora", "--lora-head"], "plain lm_head"),
     (["--transformers-version", "4.47.1", "--framework", "torchtune"], "--framework hf"),
     (["--transformers-version", "four"], "--transformers-version"),
 ])
@@ -156,3 +166,59 @@ def test_the_release_sets_the_trainers_defaults(version: str | None, impl: str,
     given = _ctx(2, version, recompute="full", hf_optim="adamw_torch_fused",
                  use_reentrant=False).training
     assert (given.step_impl, given.reentrant) == ("fused", False)  # flags win
+
+
+@pytest.mark.parametrize("b", [1, 4])
+def test_before_4_46_the_forward_upcasts_and_frees_the_16_bit_logits(b: int) -> None:
+    """4.31-4.45: the loss of 4.46-4.48 without the bf16 logits, freed at the upcast."""
+    n, shifted = b * S * V, b * (S - 1) * V
+    scalars = 2 * R
+    labels = _r(b * (S - 1) * 8) if b > 1 else 0  # a view when b = 1
+    copy = _r(shifted * 4) if b > 1 else 0
+    old = _ctx(b, "4.36.0")
+    assert logits_forward_peak_bytes(old) == _r(n * 4) + copy + _r(shifted * 4) + scalars + labels
+    assert logits_forward_peak_bytes(_ctx(b, "4.46.0")) - logits_forward_peak_bytes(old) == _r(
+        n * 2)
+    assert logits_saved_bytes(old) == logits_saved_bytes(_ctx(b, "4.46.0"))
+    assert logits_backward_peak_bytes(old) == 3 * _r(shifted * 4) + 3 * R
+
+
+@pytest.mark.parametrize(("version", "impl"), [("4.31.0", "hf-loop"), ("4.34.0", "foreach")])
+def test_the_oldest_releases_step_transformers_own_adamw(version: str, impl: str) -> None:
+    assert _ctx(2, version, attention="eager").training.step_impl == impl
+
+
+def test_the_upcast_hook_returns_what_the_old_forward_returned() -> None:
+    """trace/hf_models.py `upcast_output` on lm_head, then the stand-in loss, give the fp32
+    logits and the loss of transformers' own ForCausalLMLoss on them."""
+    torch = pytest.importorskip("torch")
+    loss_utils = pytest.importorskip("transformers.loss.loss_utils")
+    from vramcalc.trace.hf_models import shifted_logits_loss, upcast_output
+
+    head = torch.nn.Linear(8, 11, bias=False, dtype=torch.bfloat16)
+    head.register_forward_hook(upcast_output)
+    logits = head(torch.randn(2, 5, 8, dtype=torch.bfloat16))
+    labels = torch.randint(0, 11, (2, 5))
+    assert logits.dtype == torch.float32
+    assert torch.allclose(shifted_logits_loss(logits, labels, 11),
+                          loss_utils.ForCausalLMLoss(logits, labels, 11))
+
+
+def test_before_4_46_the_trace_agrees_and_sees_the_freed_logits_cached() -> None:
+    """The trace runs the upcast hook; its allocated peak matches the analytic one, and the
+    bf16 logits' freed block stays cached at the forward's peak in both engines (the fp32
+    buffers that follow are all larger)."""
+    pytest.importorskip("torch")
+    from vramcalc.analytic import estimate
+    from vramcalc.trace.engine import trace
+    from vramcalc.validate import scenario_for
+
+    _, scn = scenario_for("llama-gqa", framework="hf", transformers_version="4.36.0",
+                          precision="amp-bf16", micro_batch_size=2)
+    ana, tra = estimate(scn), trace(scn).report
+    assert ana.peak_phase == tra.peak_phase == "forward"
+    assert abs(ana.peak_allocated_bytes - tra.peak_allocated_bytes) <= 4 * R
+    hole = _r(2 * S * scn.model.vocab_size * 2)
+    assert S == scn.training.seq_len
+    for report in (ana, tra):
+        assert report.peak_reserved_bytes - report.peak_allocated_bytes >= hole

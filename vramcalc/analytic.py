@@ -23,6 +23,7 @@ from typing import Any
 from vramcalc.analytic_seq2seq import seq2seq_stage_phases
 from vramcalc.features import low_precision
 from vramcalc.hardware import GPUProfile
+from vramcalc.hf_stack import loss_in_forward
 from vramcalc.notes import scenario_notes
 from vramcalc.offload import host_bytes_per_node, nvme_bytes_per_node
 from vramcalc.phases import Phase, StageBase
@@ -179,8 +180,9 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     head_extra = P.head_forward_extra
     A_head = A_edges - A_emb
     casts = {"transients/autocast_cache": int(k * C_mb) + P.loss_forward_casts}
+    loss_fwd = fwd_point(k * A_mb + head_extra, fwd_logits, casts, gather_head)
     forward = max([
-        fwd_point(k * A_mb + head_extra, fwd_logits, casts, gather_head),
+        loss_fwd,
         fwd_point(k * A_mb + P.forward_end_extra, 0, {}),
         fwd_point(k * A_mb - A_head, 0, {"transients/layer_forward": fwd_work}),
     ], key=lambda p: p.total)
@@ -327,7 +329,9 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     peak = max(phases, key=lambda p: p.total)
     pad = reserved_pad_bytes(ctx, peak.name, peak.grads, *((0, 0, 0) if peak.name == "load"
                                                            else (opt["states"], opt["master"], k)))
-    high = max(0 if len(phases) == 1 else loss_bwd.total + P.logits_freed,  # cached: OOM frees
+    # (before transformers 4.46 the forward's upcast frees the logits ahead of the loss)
+    freed_at = max(loss_bwd.total, loss_fwd.total if loss_in_forward(train) else 0)
+    high = max(0 if len(phases) == 1 else freed_at + P.logits_freed,  # cached: OOM frees
                init_reserved_bytes(ctx))
     # cached beside the peak: the freed logits (logits.py), the init's segments
     # (tune_init.py), FSDP's side streams (terms/reserved.py)

@@ -12,7 +12,7 @@ from vramcalc.explain_seq2seq import seq2seq_activation_lines, seq2seq_logits_li
 from vramcalc.features import chunks_loss, finetunes, low_precision
 from vramcalc.finetune import adapter_dtype, shapes_for
 from vramcalc.hardware import GPUProfile
-from vramcalc.hf_stack import copies_shifted_logits
+from vramcalc.hf_stack import copies_shifted_logits, loss_in_forward
 from vramcalc.rank import RankContext
 from vramcalc.report import MemoryReport, fit_phrase, paged_resident_bytes
 from vramcalc.scenario import Scenario
@@ -329,6 +329,15 @@ def logits_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
                    f"x - max + its exp: {nv:,} x {c + 12} B = {_gb(nv * (c + 12))}; backward, "
                    f"the kept fp32 log-probabilities + zeros_like grad + exp + their sum: "
                    f"{nv:,} x 16 B = {_gb(16 * nv)}.")
+    elif loss_in_forward(tr):  # transformers 4.31-4.45
+        ns = x.b * (x.s - 1) * x.V
+        copy = (f", a contiguous fp32 copy of the shifted logits ({ns:,} x 4 B)" if x.b > 1
+                else "")
+        out.append(f"transformers {tr.transformers_version}: the model's forward upcasts "
+                   f"lm_head's output and returns the fp32 logits ({nv:,} x 4 B; the "
+                   f"{x.c} ones are freed at once, their block left cached) and computes the "
+                   f"loss on them{copy} and its log-probabilities ({ns:,} x 4 B, kept); "
+                   f"backward, 3 x {ns:,} x 4 B = {_gb(12 * ns)}.")
     elif copies_shifted_logits(tr) and x.b > 1:  # transformers 4.46-4.48
         ns = x.b * (x.s - 1) * x.V
         out.append(f"transformers {tr.transformers_version}'s ForCausalLMLoss keeps the fp32 "
@@ -344,7 +353,8 @@ def logits_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
     out.append(f"This scenario: kept {_gb(saved)}, forward peak {_gb(fwd)}, backward peak "
                f"{_gb(bwd)} (each tensor rounded to 512 B blocks; vramcalc/terms/logits.py).")
     if tr.framework in ("hf", "torchtitan") and tr.compute_dtype != "fp32" and not \
-            chunks_loss(tr) and not loss_parallel(ctx) and not tr.liger:
+            chunks_loss(tr) and not loss_parallel(ctx) and not tr.liger and \
+            not loss_in_forward(tr):
         out.append(f"The {tr.framework} profile also keeps the {tr.compute_dtype} logits "
                    f"({nv:,} x {DTYPE_BITS[tr.compute_dtype] // 8} B) until the loss returns.")
     out.append(f"At the peak ({report.peak_phase}) the report counts "

@@ -10,7 +10,7 @@
 | `lora_head` | PEFT's `lora.Linear` on lm_head | peft tuners/lora/layer.py `Linear` |
 | `liger` | `TrainingArguments(use_liger_kernel=True)`: Liger's RMSNorm, SwiGLU, RoPE and fused linear cross entropy | transformers integrations/liger.py; vramcalc/terms/liger.py |
 | `sync_each_batch` | accelerate's `GradientAccumulationPlugin(sync_each_batch=True)`: no `no_sync()` between micro-batches | transformers trainer.py `_inner_training_loop`, accelerate accelerator.py `no_sync` |
-| `transformers_version` | the causal-LM loss of that release (before 4.49 `ForCausalLMLoss` keeps its fp32 upcast and makes a contiguous copy of the shifted logits) and its defaults: the Trainer's AdamW (adamw_torch before 4.54) and reentrant gradient checkpointing (before 5.0) | transformers v4.46.0 loss/loss_utils.py `ForCausalLMLoss`, v4.49.0 pads the labels; training_args.py `default_optim`; modeling_utils.py `gradient_checkpointing_enable` |
+| `transformers_version` | the causal-LM loss of that release (before 4.46 the model's forward upcasts lm_head's output and returns the fp32 logits; before 4.49 the loss keeps its fp32 upcast and makes a contiguous copy of the shifted logits) and its defaults: the Trainer's AdamW (adamw_hf before 4.32, adamw_torch before 4.54) and reentrant gradient checkpointing (before 5.0) | transformers v4.31.0-v4.45.0 modeling_llama.py (and the families in `FORWARD_UPCAST_FROM`), v4.46.0 loss/loss_utils.py `ForCausalLMLoss`, v4.49.0 pads the labels; training_args.py `default_optim`; modeling_utils.py `gradient_checkpointing_enable` |
 
 `hf_stack_problem(training)` says, in one line, why a combination cannot be expressed (None:
 it can); vramcalc.training.TrainingConfig raises it as a validation error. docs/methodology.md
@@ -156,11 +156,25 @@ def hf_stack_problem(tr: Any) -> str | None:
 
 
 # the transformers releases whose causal-LM loss vramcalc models: from 4.46 every decoder
-# calls the shared `loss_utils.ForCausalLMLoss` (before, each model's forward computed its
-# own loss, with or without an fp32 upcast); 4.49 stopped copying the shifted logits
-# (huggingface/transformers v4.48.0 vs v4.49.0 loss/loss_utils.py)
+# calls the shared `loss_utils.ForCausalLMLoss`; 4.49 stopped copying the shifted logits
+# (huggingface/transformers v4.48.0 vs v4.49.0 loss/loss_utils.py). Before 4.46 each
+# model's forward computed its own loss; the families below did it as 4.46 does, after an
+# fp32 upcast that the forward returns as `outputs.logits`: `logits = self.lm_head(
+# hidden_states)`, `logits = logits.float()`, `shift_logits = logits[..., :-1, :]
+# .contiguous()`, `shift_labels = labels[..., 1:].contiguous()`, CrossEntropyLoss. The
+# release each family first did so (the wheels of 4.28-4.45 read one by one: llama from
+# v4.31.0, absent in v4.30.0; gemma from v4.39.0, absent in v4.38.0; phi3 from v4.41.0,
+# absent in v4.40.0; the others from the release that added them). Other model types, and
+# these before their release, ran cross entropy on the logits' own dtype: not modelled.
 SHARED_LOSS_FROM = (4, 46, 0)
 PADDED_LABELS_FROM = (4, 49, 0)
+FORWARD_UPCAST_FROM: dict[str, tuple[int, int, int]] = {
+    "llama": (4, 31, 0), "mistral": (4, 34, 0), "mixtral": (4, 36, 0), "qwen2": (4, 37, 0),
+    "gemma": (4, 39, 0), "qwen2_moe": (4, 40, 0), "phi3": (4, 41, 0)}
+OLDEST_RELEASE = min(FORWARD_UPCAST_FROM.values())
+# v4.34.0 modeling_llama.py has `flash_attn_func` (use_flash_attention_2), v4.31.0 neither it
+# nor `scaled_dot_product_attention` (SDPA from v4.36.0)
+FUSED_ATTENTION_FROM = (4, 34, 0)
 
 
 def _transformers_version(tr: Any) -> str | None:
@@ -169,10 +183,43 @@ def _transformers_version(tr: Any) -> str | None:
     given = f"--transformers-version {tr.transformers_version}"
     if tr.framework != "hf":
         return f"{given}: the transformers release of an HF Trainer run needs --framework hf"
-    if parse_version(tr.transformers_version) < SHARED_LOSS_FROM:
-        return (f"{given}: before 4.46 each model's forward computed its own loss, which is "
-                "not modelled; give 4.46 or later")
+    if parse_version(tr.transformers_version) >= SHARED_LOSS_FROM:
+        return None
+    if parse_version(tr.transformers_version) < OLDEST_RELEASE:
+        return (f"{given}: before 4.31 each model's forward ran its loss on logits in their "
+                "own dtype, which is not modelled; give 4.31 or later")
+    if tr.attention == "flash" and parse_version(tr.transformers_version) < FUSED_ATTENTION_FROM:
+        return (f"{given} with --attention flash: transformers' models gained FlashAttention-2 "
+                "in 4.34 (and SDPA in 4.36); before, they ran eager attention: give "
+                "--attention eager")
+    clash = ("--liger" if tr.liger else "--lora-head" if tr.lora_head
+             else "--modules-to-save lm_head" if "lm_head" in tr.modules_to_save
+             else "--quantize-head" if tr.quantize_head else None)
+    if clash:
+        return (f"{given} with {clash}: the forward's own fp32 upcast of lm_head's output is "
+                "modelled for a plain lm_head only; give 4.46 or later")
     return None
+
+
+def release_model_problem(spec: Any, tr: Any) -> str | None:
+    """Why an hf run's transformers release before 4.46 cannot be modelled for this model
+    (`spec`: a vramcalc.model.ModelSpec), or None: its forward must compute the loss after
+    an fp32 upcast (FORWARD_UPCAST_FROM)."""
+    if tr.framework != "hf" or not loss_in_forward(tr):
+        return None
+    since = FORWARD_UPCAST_FROM.get(spec.model_type)
+    if since is not None and parse_version(tr.transformers_version) >= since:
+        return None
+    given = f"--transformers-version {tr.transformers_version}"
+    if since is None:
+        known = ", ".join(FORWARD_UPCAST_FROM)
+        return (f"{given}: before 4.46 each model's forward computed its own loss; that of "
+                f"model_type '{spec.model_type}' is not modelled (modelled: {known}); give "
+                "4.46 or later")
+    first = ".".join(map(str, since[:2]))
+    return (f"{given}: model_type '{spec.model_type}' is modelled from transformers {first}, "
+            "the first release whose forward upcasts its logits before the loss (or that has "
+            f"the model); give {first} or later")
 
 
 # transformers' defaults that changed with the release (`--transformers-version`): the
@@ -181,6 +228,7 @@ def _transformers_version(tr: Any) -> str | None:
 # gradient_checkpointing_enable's kwargs, {"use_reentrant": True} before 5.0 (v4.46.0 and
 # v4.50.0 modeling_utils.py), {"use_reentrant": False} from 5.0
 FUSED_OPTIM_FROM = (4, 54, 0)
+TORCH_OPTIM_FROM = (4, 32, 0)  # v4.31.0 training_args.py: default_optim = "adamw_hf"
 NON_REENTRANT_FROM = (5, 0, 0)
 
 
@@ -188,8 +236,9 @@ def trainer_defaults(tr: Any) -> tuple[str, bool]:
     """HF Trainer's defaults for the run's transformers release (5.x when unset): its AdamW
     (an HF_OPTIMS key) and whether gradient checkpointing is reentrant."""
     v = parse_version(tr.transformers_version) if tr.transformers_version else (5, 0, 0)
-    return ("adamw_torch" if v < FUSED_OPTIM_FROM else "adamw_torch_fused",
-            v < NON_REENTRANT_FROM)
+    optim = ("adamw_hf" if v < TORCH_OPTIM_FROM else "adamw_torch" if v < FUSED_OPTIM_FROM
+             else "adamw_torch_fused")
+    return optim, v < NON_REENTRANT_FROM
 
 
 def copies_shifted_logits(tr: Any) -> bool:
@@ -201,6 +250,16 @@ def copies_shifted_logits(tr: Any) -> bool:
     loss replaces the function (`tr`: a vramcalc.training.TrainingConfig)."""
     return (tr.framework == "hf" and tr.transformers_version is not None and not tr.liger
             and parse_version(tr.transformers_version) < PADDED_LABELS_FROM)
+
+
+def loss_in_forward(tr: Any) -> bool:
+    """transformers before 4.46: the model's forward upcasts lm_head's output
+    (`logits = logits.float()`), so the compute-dtype logits are freed at once and the fp32
+    logits are the model output, held until the Trainer's `compute_loss` returns; the loss
+    then runs as 4.46-4.48's does (`copies_shifted_logits`). FORWARD_UPCAST_FROM names the
+    families and releases (`tr`: a vramcalc.training.TrainingConfig)."""
+    return (tr.framework == "hf" and tr.transformers_version is not None and not tr.liger
+            and parse_version(tr.transformers_version) < SHARED_LOSS_FROM)
 
 
 def trainer_no_sync(tr: Any, parallel: Any) -> bool:

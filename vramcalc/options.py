@@ -244,10 +244,12 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "1.13 the CUDA context loads every kernel at start (the GPU profile's "
         "context_eager_bytes). Default: a current release (lazy loading)."),
     Opt("transformers_version", str, None, "transformers release of an HF Trainer run "
-        "(--framework hf), e.g. 4.47.1: from 4.46 to 4.48 the causal-LM loss keeps its fp32 "
-        "upcast of the logits and makes a contiguous fp32 copy of the shifted logits "
-        "(4.49 pads the labels instead); the Trainer's AdamW is foreach before 4.54 and "
-        "gradient checkpointing reentrant before 5.0. 4.46 or later. Default: 5.x."),
+        "(--framework hf), e.g. 4.47.1: before 4.46 the model's forward upcasts the logits "
+        "and returns them in fp32 (llama from 4.31, mistral, mixtral, qwen2, gemma, "
+        "qwen2_moe, phi3); to 4.48 the loss keeps its fp32 upcast and makes a contiguous "
+        "fp32 copy of the shifted logits (4.49 pads the labels instead); the Trainer's AdamW "
+        "is adamw_hf before 4.32, foreach before 4.54, and gradient checkpointing reentrant "
+        "before 5.0. 4.31 or later. Default: 5.x."),
     Opt("dp", int, None, "Data-parallel degree (default: GPUs / (tp x pp x cp)).", group="parallel"),
     Opt("tp", int, 1, "Tensor-parallel degree.", group="parallel"),
     Opt("pp", int, 1, "Pipeline-parallel degree.", group="parallel"),

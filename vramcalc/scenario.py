@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict
 from vramcalc.errors import InputError
 from vramcalc.hardware import Cluster, GPUProfile
 from vramcalc.hf_config import ROBERTA_TYPES
+from vramcalc.hf_stack import release_model_problem
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig, resolve_layout
 from vramcalc.stack_rules import (
@@ -148,7 +149,7 @@ class Scenario(BaseModel):
         """Validate the layout against model and world size; fill in dp, the optimizer
         step's implementation where a torch optimizer steps (DeepSpeed and Megatron-LM step
         their own fused optimizers) and the allocator's expandable segments (the stack's)."""
-        problem = mla_problem(self)
+        problem = mla_problem(self) or release_model_problem(self.model, self.training)
         if problem:
             raise InputError(problem)
         mtp = self.parallel.mtp_layers

@@ -32,7 +32,7 @@ both peaks instead of 8 (forward) and 12 (backward).
 from __future__ import annotations
 
 from vramcalc.features import chunks_loss, finetunes
-from vramcalc.hf_stack import copies_shifted_logits
+from vramcalc.hf_stack import copies_shifted_logits, loss_in_forward
 from vramcalc.qlora import dequant_backward_bytes, dequant_matmul_bytes
 from vramcalc.rank import RankContext
 from vramcalc.terms import encoder as enc
@@ -255,7 +255,8 @@ def _loss_forward_peak_bytes(ctx: RankContext) -> int:
     if copies_shifted_logits(ctx.training):  # the upcast + the shifted copy + its log-probs
         out = (alloc(nv, "fp32") + _shifted_copy(ctx) + alloc(_shifted_nv(ctx), "fp32")
                + 2 * ALLOC_ROUND_BYTES + _shifted_labels(ctx))
-        out += alloc(nv, c) if c != "fp32" else 0  # the c-typed logits in the model output
+        if c != "fp32" and not loss_in_forward(ctx.training):  # the model output's (4.46+;
+            out += alloc(nv, c)  # before 4.46 the forward's upcast freed them, its own fp32)
     elif ctx.training.framework == "hf":
         x = dims(ctx)
         if c != "fp32":  # the c-typed logits live on in the model output
@@ -365,12 +366,15 @@ def freed_logits_bytes(ctx: RankContext) -> int:
     block in the large pool (> 1 MiB; smaller blocks serve the backward's small requests).
     Source: the allocator's best fit over cached blocks that are at least the request
     (vramcalc/allocator.py, c10/cuda/CUDACachingAllocator.cpp `get_free_block`); checked
-    against the trace engine's replay (tests/test_reserved_hole.py)."""
+    against the trace engine's replay (tests/test_reserved_hole.py). Before transformers
+    4.46 (`loss_in_forward`) the forward's own upcast frees the block ahead of the loss,
+    whose fp32 buffers are all larger: a hole at the loss's forward peak as well, whatever
+    the micro-batch."""
     tr = ctx.training
     if (not ctx.is_last_stage or ctx.spec.is_encoder or chunks_loss(tr) or tr.liger
             or tr.framework not in ("reference", "hf", "torchtitan", "deepspeed")
             or tr.compute_dtype == "fp32"
-            or (copies_shifted_logits(tr) and _shifted_copy(ctx))):
+            or (copies_shifted_logits(tr) and _shifted_copy(ctx) and not loss_in_forward(tr))):
         return 0  # (4.46-4.48, b > 1: the freed upcast and shifted copy take backward's)
     size = alloc(_nv(ctx), tr.compute_dtype)
     return size if size > 1 << 20 else 0

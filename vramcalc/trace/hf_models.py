@@ -34,7 +34,7 @@ from typing import Any
 
 from vramcalc.errors import InputError, shown
 from vramcalc.hf_config import ROBERTA_TYPES
-from vramcalc.hf_stack import copies_shifted_logits
+from vramcalc.hf_stack import copies_shifted_logits, loss_in_forward
 from vramcalc.model import ModelSpec
 from vramcalc.trace.hf_seq2seq import seq2seq_config
 from vramcalc.training import TrainingConfig
@@ -338,6 +338,14 @@ def shifted_logits_loss(logits: Any, labels: Any, vocab_size: int,
     return loss if num_items_in_batch is None else loss / num_items_in_batch
 
 
+def upcast_output(module: Any, args: Any, output: Any) -> Any:
+    """lm_head's output as transformers 4.31-4.45's causal-LM forwards bind it (v4.36.0
+    modeling_llama.py: `logits = self.lm_head(hidden_states)`, `logits = logits.float()`):
+    the compute-dtype logits are freed at once and the fp32 ones become the model output, so
+    `shifted_logits_loss`'s own `.float()` returns them as they are."""
+    return output.float()
+
+
 def build_hf_model(spec: ModelSpec, training: TrainingConfig, dtype: Any) -> Any:
     """AutoModelForCausalLM.from_config for the spec, ready to train (call inside fake mode)."""
     tf = _transformers()
@@ -359,6 +367,8 @@ def build_hf_model(spec: ModelSpec, training: TrainingConfig, dtype: Any) -> Any
         model = auto.from_config(cfg, attn_implementation=attn, dtype=dtype)
     if copies_shifted_logits(training) and not (spec.is_encoder or spec.is_encoder_decoder):
         model.loss_function = shifted_logits_loss
+        if loss_in_forward(training):  # before 4.46: the forward's own upcast (hf_stack.py)
+            model.get_output_embeddings().register_forward_hook(upcast_output)
     if training.recompute == "full" and not training.kbit_prepare:  # PEFT's prepare enables it
         enable = getattr(model, "activation_checkpointing_enable", None) or (
             model.gradient_checkpointing_enable)  # renamed in transformers 5.x
