@@ -339,13 +339,17 @@ _DYNAMIC = "sequence length not fixed (batches padded to their longest sample)"
 # head by 128 tokens as finetune/lora.py does
 _LITGPT = {"gpus": "1xA100-40GB", "precision": "bf16-pure", "optimizer": "adamw",
            "framework": "lightning", "attention": "flash", "recompute": "none",
-           "finetune": "lora", "lora_rank": 8, "lora_targets": "q,v", "lora_dropout": 0.05}
+           "finetune": "lora", "lora_rank": 8, "lora_targets": "q,v", "lora_dropout": 0.05,
+           "litgpt_norm": "input"}
 _LITGPT_NOTES = [
     "LitGPT's 'Memory used' is max_memory_allocated never reset: it includes checkpoint "
     "loading",
-    "the previous micro-batch's fp32 logits list, alive in the loop's `logits` variable "
-    "until the next forward returns, is not counted (the first batch, the longest sample, "
-    "has none, and later batches are shorter)",
+    "the previous micro-batch's fp32 logits list (and, with bitsandbytes before 0.43.2, its "
+    "graph's 4-bit linear inputs), alive through the loop's `logits` variable until the next "
+    "forward returns, is counted at the same length: a bound, since lit-gpt 8641822 trains "
+    "first on the longest sample and its later batches are shorter",
+    "--litgpt-norm input: lit-gpt 8641822 precedes 6178c7cc (2023-10-24), which made its "
+    "RMSNorm upcast x to fp32",
 ]
 
 # torchtune (vramcalc/terms/torchtune.py): recipes train in `dtype: bf16` with activation

@@ -40,7 +40,8 @@ def _alloc(nbytes: int) -> int:
 def _ctx(**kw: object) -> RankContext:
     values: dict[str, object] = {
         "model": "llama2-7b", "gpus": "1xA100-40GB", "precision": "bf16-pure",
-        "framework": "lightning", "finetune": "lora", "lora_dropout": 0.05, "seq_len": S}
+        "framework": "lightning", "finetune": "lora", "lora_dropout": 0.05, "seq_len": S,
+        "litgpt_norm": "input"}  # 8641822 precedes 6178c7cc's fp32 RMSNorm
     values.update(kw)
     scn = build_scenario(values).resolved()
     return RankContext(scn.model, scn.training, scn.parallel, 0)
@@ -68,7 +69,7 @@ def test_lora_layer_saved_hand_derived() -> None:
 def test_single_dropout_on_the_fused_qkv() -> None:
     """PEFT puts one dropout on each of q_proj and v_proj; LitGPT one on the fused linear."""
     lit = [t.name for t in layer_saved(_ctx())]
-    ref = [t.name for t in layer_saved(_ctx(framework="reference"))]
+    ref = [t.name for t in layer_saved(_ctx(framework="reference", litgpt_norm=None))]
     assert lit.count("lora.qkv.dropout_mask") == 1 and not any(
         n.startswith(("lora.q.", "lora.v.")) for n in lit)
     assert "lora.q.dropout_mask" in ref and "lora.v.dropout_mask" in ref
@@ -112,7 +113,7 @@ def test_phi15_parallel_block_hand_derived() -> None:
     s, h, f, a = 1044, 2048, 8192, 32
     scn = Scenario(model=phi, training=TrainingConfig(
         seq_len=s, precision="bf16-pure", framework="lightning", finetune="lora",
-        lora_dropout=0.05)).resolved()
+        lora_dropout=0.05, litgpt_norm="input")).resolved()
     ctx = RankContext(scn.model, scn.training, scn.parallel, 0)
     expected = (
         _alloc(s * h * 2) + 2 * _alloc(s * 4)  # nn.LayerNorm: input, fp32 mean and rstd
@@ -123,3 +124,73 @@ def test_phi15_parallel_block_hand_derived() -> None:
         + _alloc(s * 2 * h * 2) + _alloc(2 * h * 8)  # zero_pad's index_copy source, index
     )
     assert layer_activation_bytes(ctx) == expected
+
+
+# ---- LitGPT since lit-gpt 6178c7cc (2023-10-24; litgpt 00af8b0d of September 2024) ---------
+# litgpt/model.py RMSNorm.forward: `x = x.float()`, `norm_x = torch.mean(x * x, ...)`,
+# `x_normed = x * torch.rsqrt(norm_x + self.eps)`, `(x_normed * weight.float()).to(dtype)`;
+# litgpt/scripts/convert_hf_checkpoint.py: a checkpoint without lm_head.weight gets
+# `state_dict["lm_head.weight"] = state_dict["transformer.wte.weight"]` (no tying);
+# litgpt/finetune/lora.py `fit`: `logits = model(input_ids, lm_head_chunk_size=128)` stays
+# bound until the next call returns; lightning fabric/plugins/precision/bitsandbytes.py
+# `_Linear4bit.quantize`: `weight.contiguous().to(device=device, dtype=torch.half)`;
+# bitsandbytes 0.42.0 autograd/_functions.py MatMul4Bit.forward: `ctx.tensors = (A, B)`,
+# `F.dequantize_4bit(B, quant_state).to(A.dtype)`.
+
+
+def test_current_rmsnorm_keeps_the_fp32_input() -> None:
+    """Two norms per layer: each keeps x.float() (T·h fp32) and its fp32 rsqrt (T), not the
+    bf16 input; x̂ (fp32) only when the norm's weight trains."""
+    old, new = _ctx(), _ctx(litgpt_norm=None)
+    per_norm = _alloc(S * H * 4) + _alloc(S * 4) - (_alloc(S * H * 2) + _alloc(S * 2))
+    assert layer_activation_bytes(new) - layer_activation_bytes(old) == 2 * per_norm
+    full = [t.name for t in layer_saved(_ctx(litgpt_norm=None, finetune="full"))]
+    assert "input_norm.x_fp32" in full and "input_norm.xhat_fp32" in full
+    assert "input_norm.xhat_fp32" not in [t.name for t in layer_saved(new)]
+
+
+def test_a_tied_checkpoint_gets_its_own_head() -> None:
+    """Llama-3.2-1B ties lm_head to the embedding; LitGPT loads a copy (V·h more)."""
+    values = {"model": "llama3.2-1b", "gpus": "1xA10G", "precision": "bf16-pure",
+              "seq_len": 512, "finetune": "lora"}
+    tied = build_scenario({**values, "framework": "reference"}).resolved()
+    lit = build_scenario({**values, "framework": "lightning"}).resolved()
+    assert tied.model.tie_word_embeddings and not lit.model.tie_word_embeddings
+    assert lit.model.num_params - tied.model.num_params == 128256 * 2048
+    assert "LitGPT keeps lm_head apart" in (lit.model_note or "")
+
+
+def test_the_previous_micro_batch_is_held_until_the_model_returns() -> None:
+    """LoRA: the previous fp32 logits list; QLoRA on bitsandbytes 0.42.0: also every 4-bit
+    linear's input of the previous graph (none with 0.43.2, which frees them in backward)."""
+    from vramcalc.terms.litgpt_loop import previous_held_bytes, previous_logits_bytes
+
+    chunks = [128] * 10 + [24]
+    fp32_list = sum(_alloc(n * V * 4) for n in chunks)
+    assert previous_logits_bytes(_ctx()) == fp32_list
+    assert previous_held_bytes(_ctx()) == 0
+    assert previous_logits_bytes(_ctx(framework="reference", litgpt_norm=None)) == 0
+    q = {"finetune": "qlora", "litgpt_norm": None, "nf4_double_quant": False}
+    # q/k/v's input (norm_1's bf16 output), fc_1/fc_2's (norm_2's output) and proj's (the
+    # SwiGLU product); the attention proj's input is a view of SDPA's saved output (the
+    # flash kernel writes it (b, s, a, d)-major, so LitGPT's `y.transpose(1, 2).reshape`
+    # copies nothing); layer 0's q/k/v input needs no gradient (`ctx.tensors = (None, None)`)
+    per_layer = 2 * _alloc(S * H * 2) + _alloc(S * F * 2)
+    held = previous_held_bytes(_ctx(**q, bnb_version="0.42.0"))
+    assert held == 32 * per_layer - _alloc(S * H * 2)
+    assert previous_held_bytes(_ctx(**q, bnb_version="0.43.2")) == 0
+
+
+def test_lightning_dequantizes_through_fp16() -> None:
+    """The bf16 matmul of an fp16-quantized weight: fp16 dequantization, then its bf16 copy
+    (both alive during `.to`), beside the decoded fp32 absmax (no double quantization: the
+    absmax is fp32 already, nothing to decode)."""
+    from vramcalc.qlora import dequant_transient_bytes
+
+    q = {"finetune": "qlora", "litgpt_norm": None, "nf4_double_quant": False,
+         "bnb_version": "0.42.0"}
+    lit, ref = _ctx(**q).training.nf4, _ctx(**q, framework="reference").training.nf4
+    assert lit.quant_dtype == "fp16" and ref.quant_dtype is None
+    n = F * H
+    assert dequant_transient_bytes(n, "bf16", lit) == _alloc(n * 2) + _alloc(n * 2)
+    assert dequant_transient_bytes(n, "bf16", ref) == _alloc(n * 2)

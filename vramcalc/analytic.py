@@ -181,10 +181,14 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     A_head = A_edges - A_emb
     casts = {"transients/autocast_cache": int(k * C_mb) + P.loss_forward_casts}
     loss_fwd = fwd_point(k * A_mb + head_extra, fwd_logits, casts, gather_head)
+    before = P.previous_graph  # LitGPT's loop keeps the previous micro-batch's graph
     forward = max([
         loss_fwd,
         fwd_point(k * A_mb + P.forward_end_extra, 0, {}),
         fwd_point(k * A_mb - A_head, 0, {"transients/layer_forward": fwd_work}),
+        fwd_point(k * A_mb + head_extra, P.lit_returned, {  # (terms/litgpt_loop.py)
+            "logits/previous_micro_batch": before[0],
+            "activations/previous_graph": before[1]}, gather_head),
     ], key=lambda p: p.total)
 
     eager_held, eager_work = P.eager_forward

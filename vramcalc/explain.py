@@ -26,7 +26,9 @@ from vramcalc.terms.gradients import (
     reduce_dtype,
 )
 from vramcalc.terms.liger import chunk_tokens as liger_chunk_tokens
+from vramcalc.terms.litgpt_loop import previous_held_bytes, previous_logits_bytes
 from vramcalc.terms.logits import (
+    lit_logits_lists,
     logits_backward_peak_bytes,
     logits_forward_peak_bytes,
     logits_saved_bytes,
@@ -329,6 +331,17 @@ def logits_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
                    f"x - max + its exp: {nv:,} x {c + 12} B = {_gb(nv * (c + 12))}; backward, "
                    f"the kept fp32 log-probabilities + zeros_like grad + exp + their sum: "
                    f"{nv:,} x 16 B = {_gb(16 * nv)}.")
+    elif tr.framework == "lightning":  # vramcalc/terms/logits.py, terms/litgpt_loop.py
+        c_list, fp32_list = lit_logits_lists(ctx)
+        before, held = previous_logits_bytes(ctx), previous_held_bytes(ctx)
+        out.append(f"LitGPT's head returns a list of 128-token chunks ({_gb(c_list)} in "
+                   f"{x.c}), which Fabric copies to fp32 ({_gb(fp32_list)}, kept in the loop's "
+                   "`logits` through backward); each chunk's cross entropy keeps its fp32 "
+                   "log-probabilities.")
+        out.append(f"The loop keeps the previous micro-batch's list ({_gb(before)})"
+                   + (f" and, through its graph, every 4-bit linear's input that bitsandbytes "
+                      f"{tr.bnb_version or 'before 0.43.2'} holds ({_gb(held)})" if held else "")
+                   + " until the next forward returns (vramcalc/terms/litgpt_loop.py).")
     elif loss_in_forward(tr):  # transformers 4.31-4.45
         ns = x.b * (x.s - 1) * x.V
         copy = (f", a contiguous fp32 copy of the shifted logits ({ns:,} x 4 B)" if x.b > 1

@@ -135,13 +135,18 @@ def _liger(tr: Any) -> str | None:
         return None
     if tr.framework != "hf":
         return "--liger (HF Trainer's use_liger_kernel) needs --framework hf"
-    clash = ("--chunked-ce" if tr.chunked_ce > 1 else "--lora-head" if tr.lora_head
-             else "--modules-to-save lm_head" if "lm_head" in tr.modules_to_save
-             else "--quantize-head" if tr.quantize_head else None)
+    clash = "--chunked-ce" if tr.chunked_ce > 1 else _head_option(tr)
     if clash:
         return (f"--liger with {clash}: Liger's fused linear cross entropy reads lm_head's "
                 "weight itself; that combination is not modelled")
     return None
+
+
+def _head_option(tr: Any) -> str | None:
+    """The option that makes lm_head other than a plain linear (None: none does)."""
+    return ("--lora-head" if tr.lora_head else "--modules-to-save lm_head"
+            if "lm_head" in tr.modules_to_save else "--quantize-head" if tr.quantize_head
+            else None)
 
 
 def hf_stack_problem(tr: Any) -> str | None:
@@ -192,9 +197,7 @@ def _transformers_version(tr: Any) -> str | None:
         return (f"{given} with --attention flash: transformers' models gained FlashAttention-2 "
                 "in 4.34 (and SDPA in 4.36); before, they ran eager attention: give "
                 "--attention eager")
-    clash = ("--liger" if tr.liger else "--lora-head" if tr.lora_head
-             else "--modules-to-save lm_head" if "lm_head" in tr.modules_to_save
-             else "--quantize-head" if tr.quantize_head else None)
+    clash = "--liger" if tr.liger else _head_option(tr)
     if clash:
         return (f"{given} with {clash}: the forward's own fp32 upcast of lm_head's output is "
                 "modelled for a plain lm_head only; give 4.46 or later")

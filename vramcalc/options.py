@@ -162,6 +162,9 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("transformer_impl", str, None, "Megatron-LM's --transformer-impl (megatron profile): "
         "transformer_engine (the default: TE's own cuBLAS workspace, 32 MiB on sm90+, 4 MiB "
         "before) | local.", ("transformer_engine", "local")),
+    Opt("litgpt_norm", str, None, "LitGPT's RMSNorm (lightning profile): fp32 (the default: "
+        "it upcasts x to fp32, as LitGPT has since lit-gpt 6178c7cc, October 2023) | input "
+        "(earlier lit-gpt checkouts computed in the input's dtype).", ("fp32", "input")),
     Opt("chunked_ce", int, 1, "Cross entropy over N token chunks (torchtune's "
         "LinearCrossEntropyLoss): the fp32 logits and their gradients exist one chunk at a "
         "time; 1 = off."),
@@ -315,7 +318,7 @@ STACK_PRECISION = {"torchtitan": "amp-bf16", "torchtune": "bf16-pure"}
 _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
                   "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "kbit_prepare", "sync_each_batch", "liger", "recompute_method",
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "lora_embedding", "lora_head", "modules_to_save", "dropout",
-                  "moe_dispatcher", "deterministic", "transformer_impl", "chunked_ce",
+                  "moe_dispatcher", "deterministic", "transformer_impl", "litgpt_norm", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
                   "optimizer_in_backward", "compile", "packed", "float8", "float8_all_gather", "async_tp", "qlora_impl", "bnb_version",
                   "torchao_version", "nf4_double_quant", "quantize_head", "load",

@@ -90,6 +90,12 @@ class NF4Layout:
     version: tuple[int, int, int]
     double_quant: bool  # bnb compress_statistics (torchao always double-quantizes)
     head: bool  # lm_head quantized too
+    # the dtype bitsandbytes quantized the weights from, which `dequantize_4bit` returns
+    # (quant_state.dtype); None: the matmul's input dtype. Lightning's BitsandbytesPrecision
+    # quantizes an fp16 copy (`_Linear4bit.quantize`: `weight.contiguous().to(device=device,
+    # dtype=torch.half)`), so its bf16 matmuls also cast the dequantized weight
+    # (`MatMul4Bit.forward`: `F.dequantize_4bit(B, quant_state).to(A.dtype)`)
+    quant_dtype: str | None = None
 
     @property
     def keeps_input(self) -> bool:
@@ -98,14 +104,16 @@ class NF4Layout:
 
 
 def nf4_layout(impl: str | None, bnb_version: str | None, torchao_version: str | None,
-               double_quant: bool | None, head: bool) -> NF4Layout:
+               double_quant: bool | None, head: bool,
+               quant_dtype: str | None = None) -> NF4Layout:
     """The layout the options name (None: bitsandbytes, current release, double quant)."""
     impl = impl or "bnb"
     text = (bnb_version or BNB_CURRENT) if impl == "bnb" else (torchao_version
                                                                or TORCHAO_CURRENT)
     return NF4Layout(impl=impl, version=parse_version(text),
                      double_quant=True if impl == "torchao" or double_quant is None
-                     else double_quant, head=head)
+                     else double_quant, head=head,
+                     quant_dtype=quant_dtype if impl == "bnb" else None)
 
 
 DEFAULT_LAYOUT = nf4_layout(None, None, None, None, False)
@@ -179,6 +187,9 @@ def dequant_transient_bytes(n: int, dtype: str, layout: NF4Layout = DEFAULT_LAYO
     if layout.impl == "torchao":
         half = ceil_div(n, 2)
         return 2 * alloc(half, "int64") + 4 * alloc(half, "bf16") + alloc(n, "bf16")
+    q = layout.quant_dtype
+    if q is not None and q != dtype:  # the weight in its quantized-from dtype, then cast
+        return max(absmax_decode_bytes(n, layout) + alloc(n, q), alloc(n, q) + alloc(n, dtype))
     return absmax_decode_bytes(n, layout) + alloc(n, dtype)
 
 
@@ -189,6 +200,8 @@ def dequant_matmul_bytes(n: int, dtype: str, layout: NF4Layout, out_bytes: int) 
     F.linear runs on the weight it returned."""
     if layout.impl == "torchao":
         return max(dequant_transient_bytes(n, dtype, layout), alloc(n, "bf16") + out_bytes)
+    if layout.quant_dtype not in (None, dtype):  # the cast's source is freed before F.linear
+        return max(dequant_transient_bytes(n, dtype, layout), alloc(n, dtype) + out_bytes)
     return dequant_transient_bytes(n, dtype, layout) + out_bytes
 
 

@@ -117,6 +117,14 @@ def check_capabilities(scn: Scenario) -> None:
             raise InputError(problem)
 
 
+# LitGPT's GPT has no weight tying: its checkpoint converter gives a tied checkpoint an
+# lm_head of its own (litgpt/scripts/convert_hf_checkpoint.py: `if "lm_head.weight" not in
+# state_dict: state_dict["lm_head.weight"] = state_dict["transformer.wte.weight"]`, at
+# 00af8b0d and 26857050), so fine-tuning holds two V x h matrices
+LITGPT_UNTIED = ("LitGPT keeps lm_head apart from the embedding (its checkpoint converter "
+                 "copies transformer.wte.weight into lm_head.weight): two V x h matrices")
+
+
 class Scenario(BaseModel):
     """Everything one estimate needs. `cluster=None` estimates one rank with no fit check."""
 
@@ -208,7 +216,12 @@ class Scenario(BaseModel):
             tr = tr.model_copy(update={"expandable_segments": tr.expandable})
         if tr.packed and tr.packed_mask is None:
             tr = _with_packed_mask(tr, self.cluster.gpu if self.cluster else None)
-        return self.model_copy(update={"parallel": par, "training": tr})
+        model, note = self.model, self.model_note
+        if tr.framework == "lightning" and model.tie_word_embeddings:
+            model, note = model.model_copy(update={"tie_word_embeddings": False}), "; ".join(
+                n for n in (note, LITGPT_UNTIED) if n)
+        return self.model_copy(update={"parallel": par, "training": tr, "model": model,
+                                       "model_note": note})
 
 
 def _with_packed_mask(tr: TrainingConfig, gpu: GPUProfile | None) -> TrainingConfig:

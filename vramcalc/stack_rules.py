@@ -64,6 +64,15 @@ def stack_training_problem(tr: Any) -> str | None:
     return unsloth_training_problem(tr) or torchtune_training_problem(tr)
 
 
+def lightning_training_problem(tr: Any) -> str | None:
+    """Why these settings use a LitGPT option outside the lightning profile (None: they
+    don't): `--litgpt-norm` names the RMSNorm of a LitGPT checkout (vramcalc/terms/
+    saved_layers.py `norm_saved`)."""
+    if tr.litgpt_norm is not None and tr.framework != "lightning":
+        return f"--litgpt-norm {tr.litgpt_norm}: LitGPT's RMSNorm needs --framework lightning"
+    return None
+
+
 def unsloth_training_problem(tr: Any) -> str | None:
     """Why the unsloth profile cannot express these training settings (None: it can). What
     it models (unslothai/unsloth 015bdef0, unsloth-zoo ce232d6c; vramcalc/terms/unsloth.py):

@@ -27,6 +27,7 @@ from vramcalc.errors import InputError, suggest
 from vramcalc.hf_stack import HF_OPTIMS, hf_stack_problem, parse_modules_to_save, trainer_defaults
 from vramcalc.qlora import NF4Layout, nf4_layout, parse_version
 from vramcalc.stack_rules import (
+    lightning_training_problem,
     optimizer_in_backward_problem,
     torchtitan_training_problem,
     torchtune_training_problem,
@@ -185,6 +186,8 @@ class TrainingConfig(BaseModel):
     deterministic: bool = False
     # Megatron-LM's --transformer-impl (megatron); None: transformer_engine (TE's workspace)
     transformer_impl: Literal["transformer_engine", "local"] | None = None
+    # LitGPT's RMSNorm (lightning): None = fp32, as since lit-gpt 6178c7cc (terms/saved_layers.py)
+    litgpt_norm: Literal["fp32", "input"] | None = None
     chunked_ce: int = Field(1, ge=1, le=65_536)  # cross entropy in N chunks (terms/lowmem.py)
     activation_offload: bool = False  # saved activations to pinned host memory
     # quantization-aware training: fake-quantized block linears (vramcalc/terms/lowprec.py)
@@ -239,8 +242,8 @@ class TrainingConfig(BaseModel):
         default is torchao's NF4Tensor (torchtune's QLoRA builders use torchao's
         `to_nf4`/`linear_nf4`)."""
         impl = self.qlora_impl or ("torchao" if self.framework == "torchtune" else None)
-        return nf4_layout(impl, self.bnb_version, self.torchao_version,
-                          self.nf4_double_quant, self.quantize_head)
+        return nf4_layout(impl, self.bnb_version, self.torchao_version, self.nf4_double_quant,
+                          self.quantize_head, "fp16" if self.framework == "lightning" else None)
     # zero_grad(set_to_none=...) between steps. False keeps the zeroed gradients allocated
     # through the next forward: torch < 2.0's default (pytorch/pytorch#92731 made True the
     # default), e.g. HF Trainer's `model.zero_grad()` on torch 1.x. One GPU or DDP
@@ -410,25 +413,13 @@ class TrainingConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _unsloth_modelled(self) -> TrainingConfig:
-        problem = unsloth_training_problem(self)
+    def _stack_modelled(self) -> TrainingConfig:
+        problem = (unsloth_training_problem(self) or torchtune_training_problem(self)
+                   or lightning_training_problem(self) or (torchtitan_training_problem(self)
+                                                           if self.framework == "torchtitan"
+                                                           else None))
         if problem:
             raise ValueError(problem)
-        return self
-
-    @model_validator(mode="after")
-    def _torchtune_modelled(self) -> TrainingConfig:
-        problem = torchtune_training_problem(self)
-        if problem:
-            raise ValueError(problem)
-        return self
-
-    @model_validator(mode="after")
-    def _torchtitan_modelled(self) -> TrainingConfig:
-        if self.framework == "torchtitan":
-            problem = torchtitan_training_problem(self)
-            if problem:
-                raise ValueError(problem)
         return self
 
     @field_validator("modules_to_save", mode="before")

@@ -176,6 +176,14 @@ def _lit_chunks(ctx: RankContext) -> list[int]:
     return [x.b * min(128, x.s - i) * x.V for i in range(0, x.s, 128)]
 
 
+def lit_logits_lists(ctx: RankContext) -> tuple[int, int]:
+    """LitGPT's head output as Fabric returns it: the chunks in the compute dtype and their
+    fp32 copies (`convert_output` to the default dtype; no copy when they are fp32)."""
+    fp32 = sum(alloc(n, "fp32") for n in _lit_chunks(ctx))
+    c = ctx.training.compute_dtype
+    return (0 if c == "fp32" else sum(alloc(n, c) for n in _lit_chunks(ctx))), fp32
+
+
 def _lit_saved_bytes(ctx: RankContext) -> int:
     """fp32 logits list + fp32 log-probabilities per chunk + the per-token losses (N fp32,
     the cat) + the mean."""
@@ -287,6 +295,11 @@ def logits_backward_peak_bytes(ctx: RankContext) -> int:
     if ctx.spec.is_encoder:
         return enc.logits_backward_peak_bytes(ctx)
     return max(_loss_backward_peak_bytes(ctx), _nf4_head_bytes(ctx, backward=True))
+
+
+def nf4_head_forward_bytes(ctx: RankContext) -> int:
+    """The 4-bit lm_head's forward matmul of the last chunk (0 without one)."""
+    return _nf4_head_bytes(ctx, backward=False)
 
 
 def _nf4_head_bytes(ctx: RankContext, backward: bool) -> int:

@@ -13,6 +13,7 @@ from vramcalc.rank import RankContext
 from vramcalc.sharding import pipeline_chunks, stage_moe_mask
 from vramcalc.terms import activations as act
 from vramcalc.terms import liger
+from vramcalc.terms import litgpt_loop as loop
 from vramcalc.terms import logits as lg
 from vramcalc.terms import moments as mo
 from vramcalc.terms import transients as tr
@@ -60,6 +61,10 @@ class Profile:
     other_top: tuple[int, tuple[Moment, ...]] = (0, ())
     # Liger's fused loss: the head weight casts at its forward peak (terms/liger.py)
     loss_forward_casts: int = 0
+    # LitGPT's loop (terms/litgpt_loop.py): the head's lists at the model's return (compute
+    # dtype + fp32), and the previous micro-batch's fp32 list and held 4-bit inputs
+    lit_returned: int = 0
+    previous_graph: tuple[int, int] = (0, 0)
 
     def bottom(self, n: int) -> int:
         """Activations of the bottom n layers of this rank (per micro-batch), in layer order."""
@@ -85,6 +90,7 @@ def profile(ctx: RankContext) -> Profile:
 def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig,
              stage: int) -> Profile:
     ctx = RankContext(spec, training, parallel, stage)
+    lit = training.framework == "lightning" and ctx.is_last_stage
     n_dense, dense, n_moe, moe = act.stage_layer_bytes(ctx)
     mask = stage_moe_mask(spec, pipeline_chunks(spec, parallel), stage)
     top_moe, bottom_moe = bool(mask) and mask[-1], bool(mask) and mask[0]
@@ -117,6 +123,9 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
         recompute_plan=act.recompute_plan(ctx),
         other_top=_other_top(ctx, mask),
         loss_forward_casts=liger.forward_cast_bytes(ctx),
+        lit_returned=max(sum(lg.lit_logits_lists(ctx)), lg.nf4_head_forward_bytes(ctx))
+        if lit else 0,
+        previous_graph=(loop.previous_logits_bytes(ctx), loop.previous_held_bytes(ctx)),
     )
 
 

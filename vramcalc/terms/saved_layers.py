@@ -33,12 +33,20 @@ def norm_saved(ctx: RankContext, x: Dims, name: str, tokens: int, width: int,
         return [Saved(f"{name}.input", numel, x.r, shape, "LayerNorm input"),
                 Saved(f"{name}.mean", tokens, "fp32", stats, "fp32 mean (CUDA acc type)"),
                 Saved(f"{name}.rstd", tokens, "fp32", stats, "fp32 1/std")]
-    if ctx.training.framework == "lightning":
-        # LitGPT 8641822 lit_gpt/rmsnorm.py, in the input's dtype: x·x and x·rsqrt keep x,
-        # rsqrt keeps its output; weight · x̂ keeps x̂ for the weight's gradient
+    if ctx.training.framework == "lightning" and ctx.training.litgpt_norm == "input":
+        # lit-gpt before 6178c7cc (8641822 lit_gpt/rmsnorm.py), in the input's dtype: x·x and
+        # x·rsqrt keep x, rsqrt keeps its output; weight · x̂ keeps x̂ for the weight's gradient
         return [Saved(f"{name}.input", numel, x.r, shape, "RMSNorm input (x·x, x·rsqrt)"),
                 Saved(f"{name}.rstd", tokens, x.r, stats, "rsqrt output, input dtype"),
                 Saved(f"{name}.xhat", numel, x.r, shape, "x̂, kept by weight · x̂")]
+    if ctx.training.framework == "lightning":
+        # LitGPT since lit-gpt 6178c7cc (litgpt/model.py RMSNorm at 00af8b0d and 26857050):
+        # x = x.float(); x·x and x·rsqrt keep the fp32 x (the input itself when it is fp32),
+        # rsqrt its fp32 output; (x̂ · weight.float()).to(dtype) keeps the fp32 x̂ for the
+        # weight's gradient
+        return [Saved(f"{name}.x_fp32", numel, "fp32", shape, "x.float(), kept by x·x, x·rsqrt"),
+                Saved(f"{name}.rstd", tokens, "fp32", stats, "rsqrt output, fp32"),
+                Saved(f"{name}.xhat_fp32", numel, "fp32", shape, "x̂ fp32, kept by x̂ · w")]
     if ctx.training.framework not in ("hf", "torchtitan", "torchtune"):  # fused RMSNorm: input + fp32 rstd
         return [Saved(f"{name}.input", numel, x.r, shape, "RMSNorm input (fused kernel)"),
                 Saved(f"{name}.rstd", tokens, "fp32", stats, "fp32 1/rms (fused kernel)")]
