@@ -396,3 +396,35 @@ def test_sync_each_batch_is_an_hf_option(capsys) -> None:  # noqa: ANN001
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error:") and "--framework hf" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_trainer_wraps_peft_adapters_in_fsdp1_units_of_their_own() -> None:
+    """transformers v4.39.0 trainer.py `_fsdp_qlora_plugin_updates` (5.x distributed/fsdp.py
+    `update_fsdp_plugin_peft`) gives a PEFT LoraConfig model PEFT's `fsdp_auto_wrap_policy`
+    (each LoRA A and B a unit of its own); v4.38.0's Trainer does not, and accelerate's
+    transformer-based policy mixes the adapters into their blocks' flat parameters."""
+    from vramcalc.rank import RankContext
+    from vramcalc.terms import fsdp1
+
+    def ctx(**kw: object) -> RankContext:
+        scn = _hf_fsdp(fsdp_impl="fsdp1", finetune="lora", **kw)
+        return RankContext(scn.model, scn.training, scn.parallel, 0)
+
+    assert fsdp1.wrapped_adapters(ctx()) and not fsdp1.mixed_units(ctx())
+    assert fsdp1.wrapped_adapters(ctx(transformers_version="4.39.0"))
+    assert fsdp1.mixed_units(ctx(transformers_version="4.38.2", attention="eager"))
+
+
+def test_fsdp1_qlora_under_hf_trainer_counts_as_per_parameter_sharding() -> None:
+    """A float quant_storage lets FSDP1 flatten the 4-bit blocks; with the adapters in units
+    of their own the frozen blocks are resharded after their backward and every trained
+    tensor is a flat parameter of its own: FSDP2's bytes."""
+    kw = {"finetune": "qlora", "grad_accum": 1}
+    one = estimate(_hf_fsdp(fsdp_impl="fsdp1", **kw))
+    two = estimate(_hf_fsdp(fsdp_impl="fsdp2", **kw))
+    assert one.peak_allocated_bytes == two.peak_allocated_bytes
+    for argv, words in ((["--transformers-version", "4.38.2", "--attention", "eager"],
+                         "transformers 4.39"), (["--framework", "reference"], "HF Trainer")):
+        code = main(["estimate", "--model", "8b", "--gpus", "2xH100", "--framework", "hf",
+                     "--fsdp", "full", "--fsdp-impl", "fsdp1", "--finetune", "qlora", *argv])
+        assert code == 2

@@ -265,6 +265,21 @@ def loss_in_forward(tr: Any) -> bool:
             and parse_version(tr.transformers_version) < SHARED_LOSS_FROM)
 
 
+# transformers v4.39.0 trainer.py `_fsdp_qlora_plugin_updates` (5.x distributed/fsdp.py
+# `update_fsdp_plugin_peft`): under FSDP a PEFT model with a LoraConfig gets PEFT's
+# `fsdp_auto_wrap_policy` (peft utils/other.py: every leaf module whose weight requires grad,
+# each LoRA A and B, is a unit of its own beside the transformer blocks); before, accelerate's
+# transformer-based policy put the adapters in their blocks' units (absent from v4.38.0)
+PEFT_WRAP_FROM = (4, 39, 0)
+
+
+def trainer_wraps_adapters(tr: Any) -> bool:
+    """Whether HF Trainer wraps LoRA/QLoRA/DoRA adapters in FSDP units of their own."""
+    return (tr.framework == "hf" and tr.finetune in ("lora", "qlora", "dora")
+            and (tr.transformers_version is None
+                 or parse_version(tr.transformers_version) >= PEFT_WRAP_FROM))
+
+
 def trainer_no_sync(tr: Any, parallel: Any) -> bool:
     """Whether HF Trainer accumulates FSDP gradients unsharded across micro-batches.
 

@@ -44,10 +44,12 @@ def scenario_notes(scn: Scenario) -> list[str]:
     if fsdp1.flat(ctx):
         notes.append(_fsdp1_note(ctx))
     elif fsdp1.wrapped_adapters(ctx):
-        notes.append(_WRAPPED_ADAPTERS)
+        notes.append(_WRAPPED_ADAPTERS.format(
+            "torchtune's lora_fsdp_wrap_policy" if scn.training.framework == "torchtune"
+            else "HF Trainer's PEFT fsdp_auto_wrap_policy (transformers 4.39 and later)"))
     if trainer_no_sync(scn.training, scn.parallel) and not fsdp1.flat(ctx):
         notes.append(f"HF Trainer runs every micro-batch but the last under accelerate's "
-                     f"no_sync(): FSDP2's gradients are held unsharded, "
+                     f"no_sync(): the sharded gradients are held unsharded, "
                      f"{fmt_gb(gradients_bytes(ctx))}, until the last one reduce-scatters "
                      "them (--sync-each-batch: accelerate's sync_each_batch=True reduces "
                      "every micro-batch and keeps only the shards)")
@@ -58,7 +60,7 @@ def scenario_notes(scn: Scenario) -> list[str]:
 
 
 _WRAPPED_ADAPTERS = (
-    "FSDP1 with torchtune's lora_fsdp_wrap_policy: each LoRA A and B is a unit of its own, "
+    "FSDP1 with {}: each LoRA A and B is a unit of its own, "
     "each block's flat parameter is frozen (no gradient, resharded after the block's "
     "backward), so the bytes are per-parameter sharding's (vramcalc/terms/fsdp1.py)")
 

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from vramcalc.ds_config import DEFAULT_DEEPSPEED, DeepSpeedConfig
 from vramcalc.errors import InputError
+from vramcalc.hf_stack import trainer_wraps_adapters
 from vramcalc.model import ModelSpec
 from vramcalc.stack_rules import (
     edge_units_problem,
@@ -248,9 +249,10 @@ def _check_fsdp_impl(training: TrainingConfig, parallel: ParallelConfig) -> None
     if parallel.offload:
         raise InputError("FSDP1's CPUOffload is not modelled: leave out --offload, or use "
                          "--fsdp-impl fsdp2")
-    if training.finetune == "qlora":
-        raise InputError("--finetune qlora with FSDP1 is not modelled (its 4-bit weights "
-                         "need a float quant_storage to be flattened): use --fsdp-impl fsdp2")
+    if training.finetune == "qlora" and not trainer_wraps_adapters(training):
+        raise InputError("--finetune qlora with FSDP1 is modelled for HF Trainer (--framework "
+                         "hf: bitsandbytes' float quant_storage, PEFT's adapters in units of "
+                         "their own, transformers 4.39 or later): use --fsdp-impl fsdp2")
 
 
 def _check_expert_tp(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig,

@@ -55,7 +55,7 @@ gradient under no_sync stays in the dtype autograd produced it in, the compute d
 from __future__ import annotations
 
 from vramcalc.features import finetunes
-from vramcalc.hf_stack import trainer_no_sync
+from vramcalc.hf_stack import trainer_no_sync, trainer_wraps_adapters
 from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
 from vramcalc.training import TrainingConfig
@@ -65,10 +65,11 @@ _BLOCK = ("layer", "expert")
 
 
 def wraps_adapters(training: TrainingConfig, parallel: ParallelConfig) -> bool:
-    """FSDP1 with each LoRA matrix in a unit of its own (torchtune's `lora_fsdp_wrap_policy`):
-    the blocks' flat parameters are frozen, the trained ones one tensor each."""
-    return (parallel.flat_fsdp(training.framework) and training.framework == "torchtune"
-            and finetunes(training))
+    """FSDP1 with each LoRA matrix in a unit of its own (torchtune's `lora_fsdp_wrap_policy`,
+    HF Trainer's PEFT `fsdp_auto_wrap_policy`, hf_stack.py `trainer_wraps_adapters`): the
+    blocks' flat parameters are frozen, the trained ones one tensor each."""
+    return (parallel.flat_fsdp(training.framework) and finetunes(training)
+            and (training.framework == "torchtune" or trainer_wraps_adapters(training)))
 
 
 def wrapped_adapters(ctx: RankContext) -> bool:
