@@ -415,7 +415,7 @@ def test_trainer_wraps_peft_adapters_in_fsdp1_units_of_their_own() -> None:
     assert fsdp1.mixed_units(ctx(transformers_version="4.38.2", attention="eager"))
 
 
-def test_fsdp1_qlora_under_hf_trainer_counts_as_per_parameter_sharding() -> None:
+def test_fsdp1_qlora_under_hf_trainer_counts_as_per_parameter_sharding(capsys) -> None:  # noqa: ANN001
     """A float quant_storage lets FSDP1 flatten the 4-bit blocks; with the adapters in units
     of their own the frozen blocks are resharded after their backward and every trained
     tensor is a flat parameter of its own: FSDP2's bytes."""
@@ -427,4 +427,29 @@ def test_fsdp1_qlora_under_hf_trainer_counts_as_per_parameter_sharding() -> None
                          "transformers 4.39"), (["--framework", "reference"], "HF Trainer")):
         code = main(["estimate", "--model", "8b", "--gpus", "2xH100", "--framework", "hf",
                      "--fsdp", "full", "--fsdp-impl", "fsdp1", "--finetune", "qlora", *argv])
-        assert code == 2
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("error:") and words in err
+
+
+def test_parameter_offload_of_a_peft_run_moves_what_the_device_would_hold() -> None:
+    """FSDP offload (FSDP2's policy; FSDP1's CPUOffload under HF Trainer's PEFT wrap) moves
+    the sharded parameters as stored and the trained parameters' gradients and optimizer
+    states to the host; bitsandbytes' QuantState, module metadata rather than a parameter,
+    stays on the device (a frozen base is not 16-bit copies of every parameter)."""
+    from vramcalc.offload import host_bytes_per_node
+    from vramcalc.rank import RankContext
+    from vramcalc.terms.gradients import gradients_at_step_bytes
+
+    kw = {"finetune": "qlora", "grad_accum": 1, "gpus": "2xH100"}
+    base = _hf_fsdp(**kw)
+    on_gpu = estimate(base)
+    shards = gradients_at_step_bytes(RankContext(base.model, base.training, base.parallel, 0))
+    for impl in ("fsdp2", "fsdp1"):
+        scn = _hf_fsdp(fsdp_impl=impl, offload="params", **kw)
+        off = estimate(scn)
+        kept = off.subterms.get("weights/nf4_constants", 0)
+        assert kept == on_gpu.subterms["weights/nf4_constants"] > 0
+        assert off.terms.weights == kept and off.terms.optimizer_states == 0
+        host = host_bytes_per_node(RankContext(scn.model, scn.training, scn.parallel, 0), 1, 0)
+        moved = on_gpu.terms.weights - kept + on_gpu.terms.optimizer_states + shards
+        assert host == moved

@@ -13,6 +13,11 @@ m = micro-batches per step; all fp32 unless said):
 | FSDP2 CPUOffloadPolicy | sharded params, grads, optimizer states (+ master) | – | H2D params every forward and backward gather; D2H reduce-scattered grads every micro-step | torch/distributed/fsdp/_fully_shard (offload_to_cpu) |
 | Megatron-LM --optimizer-cpu-offload | master 4 + states + fp32 grads 4, ÷N | – | D2H fp32 main-grad shard; H2D updated shard (weight dtype) | megatron/core/optimizer/cpu_offloading |
 
+Under LoRA/QLoRA/DoRA, Ψ_r counts the trained parameters for gradients and optimizer
+states; offloaded parameters are the frozen base as stored (16-bit or NF4 data) and the
+adapters, while bitsandbytes' NF4 constants (QuantState, not a parameter) stay on the device
+(terms/weights.py `offloaded_weight_bytes`).
+
 Host RAM per node = per rank × GPUs per node (the node's ranks, worst pipeline stage).
 DeepSpeed's own estimators multiply by `additional_buffer_factor` 1.5 on top and, without
 `zero_init`, count the whole fp32 model per process at load time; those formulas are in
@@ -23,12 +28,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vramcalc.features import finetunes
 from vramcalc.parallel import num_microbatches
 from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.terms.activations import activation_host_bytes
 from vramcalc.terms.gradients import grad_dtype
 from vramcalc.terms.optimizer_states import optimizer_state_split_on_device
+from vramcalc.terms.weights import offloaded_weight_bytes
 from vramcalc.units import DTYPE_BITS, alloc, ceil_div
 
 DS_OPTIMIZER_SWAP_BUFFERS = 4  # offload_optimizer.buffer_count (DeepSpeed 0.16.5)
@@ -60,13 +67,13 @@ def offload_footprint(ctx: RankContext) -> OffloadFootprint:
         return OffloadFootprint()
     m = num_microbatches(tr, par)
     shard = ctx.parallel.shard_degree
-    part = ceil_div(ctx.shapes.numel(), shard)  # this rank's partition, elements
+    part = ceil_div(ctx.train_shapes.numel(), shard)  # this rank's trained partition
     w16 = tr.weight_dtype
     states = optimizer_state_split_on_device(ctx)
     opt_bytes = states["states"] + states["master"]
-    if ctx.engine == "fsdp2":
-        w = ctx.shapes.nbytes(tr.weight_dtype, shard, ctx.expert_shard(shard), "dim0")
-        g = ctx.shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard), "dim0")
+    if ctx.engine == "fsdp2":  # the parameters as stored, the trained ones' gradients
+        w = offloaded_weight_bytes(ctx)
+        g = ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard), "dim0")
         return OffloadFootprint(
             host_bytes=w + g + opt_bytes,
             pcie_h2d_bytes_per_step=2 * m * w,
@@ -99,13 +106,14 @@ def offload_footprint(ctx: RankContext) -> OffloadFootprint:
         else:
             host += state_total
     if "params" in off:
-        p16 = alloc(part, w16)
-        gathers = 2 * m * _bytes(part, w16)  # forward and backward gather every micro-step
+        p16 = offloaded_weight_bytes(ctx) if finetunes(tr) else alloc(part, w16)
+        moved = p16 if finetunes(tr) else _bytes(part, w16)
+        gathers = 2 * m * moved  # forward and backward gather every micro-step
         if par.offload_device == "nvme":
             nvme += p16
             host += DS_PARAM_SWAP_BUFFERS * alloc(DS_PARAM_SWAP_BUFFER_NUMEL, w16)
             nvme_r += gathers
-            nvme_w += _bytes(part, w16)
+            nvme_w += moved
         else:
             host += p16
         h2d += gathers

@@ -246,9 +246,10 @@ def _check_fsdp_impl(training: TrainingConfig, parallel: ParallelConfig) -> None
     if other:
         raise InputError("FSDP1 (--fsdp-impl fsdp1) is modelled for data parallelism alone; "
                          f"got {', '.join(other)} (use --fsdp-impl fsdp2)")
-    if parallel.offload:
-        raise InputError("FSDP1's CPUOffload is not modelled: leave out --offload, or use "
-                         "--fsdp-impl fsdp2")
+    if parallel.offload and not trainer_wraps_adapters(training):
+        raise InputError("FSDP1's CPUOffload is modelled for HF Trainer's PEFT runs (--framework "
+                         "hf, LoRA/QLoRA/DoRA, adapters in units of their own): leave out "
+                         "--offload, or use --fsdp-impl fsdp2")
     if training.finetune == "qlora" and not trainer_wraps_adapters(training):
         raise InputError("--finetune qlora with FSDP1 is modelled for HF Trainer (--framework "
                          "hf: bitsandbytes' float quant_storage, PEFT's adapters in units of "

@@ -22,9 +22,31 @@ GROUPS: tuple[str, ...] = ("embedding", "layer", "expert", "final", "head")
 
 
 def weights_by_group(ctx: RankContext) -> dict[str, int]:
-    """Device bytes of weights per group (embedding, layer, expert, final, head)."""
+    """Device bytes of weights per group (embedding, layer, expert, final, head); under
+    parameter offload only bitsandbytes' NF4 constants (`resident_constants`)."""
     if "params" in ctx.parallel.offload:
-        return {}
+        kept = resident_constants(ctx)
+        return {"nf4_constants": kept} if kept else {}
+    return _weight_groups(ctx)
+
+
+def resident_constants(ctx: RankContext) -> int:
+    """What parameter offload leaves on the device: bitsandbytes' QuantState (absmax and
+    codes), module metadata rather than a parameter, which ZeRO-3's and FSDP's offload do not
+    move (torchao's scalers are parameters and move with their NF4Tensor)."""
+    if not finetunes(ctx.training) or ctx.training.nf4.impl != "bnb":
+        return 0
+    return finetune_weight_parts(ctx).get("weights/nf4_constants", 0)
+
+
+def offloaded_weight_bytes(ctx: RankContext) -> int:
+    """Host bytes of this rank's parameters under parameter offload: what the device would
+    hold without it (the frozen base in its storage, NF4 data, adapters), less
+    `resident_constants`."""
+    return sum(_weight_groups(ctx).values()) - resident_constants(ctx)
+
+
+def _weight_groups(ctx: RankContext) -> dict[str, int]:
     if finetunes(ctx.training):  # frozen base, NF4 data and constants, adapters
         return {k.split("/", 1)[1]: v for k, v in finetune_weight_parts(ctx).items()}
     dtype = ctx.training.weight_dtype
