@@ -82,7 +82,8 @@ def check_distributed(scn: Scenario) -> Scenario:
     if tr.framework in ("megatron", "lightning", "unsloth"):
         raise InputError(f"trace runs the reference, hf and torchtitan profiles, not "
                          f"{tr.framework}")
-    # torchtune's FSDP1 LoRA units hold per-parameter sharding's bytes: FSDP2 stands in
+    # torchtune's and HF Trainer's FSDP1 LoRA units hold per-parameter sharding's bytes:
+    # FSDP2 stands in (terms/fsdp1.py `wraps_adapters`)
     if par.flat_fsdp(tr.framework) and not wraps_adapters(tr, par):
         raise InputError("the distributed trace runs FSDP2 (fully_shard); FSDP1's flat "
                          "parameters are modelled analytically (use --fsdp-impl fsdp2)")
