@@ -1,0 +1,172 @@
+"""Published rows outside the calibration set, against vramcalc's estimate.
+
+    python benchmarks/published_rows.py [--markdown]
+
+The calibration folder (benchmarks/calibration.py) holds one or a few rows of each source.
+The same sources publish more rows; this prints vramcalc's estimate for each of them next to
+the published figure, with the flags that express it. Nothing here is fitted: the flags
+follow each run's own config file at the cited commit, and the comparison is the metric the
+source prints (allocated peak unless said).
+
+Sources (GB = 1e9 bytes unless said):
+- LitGPT `config_hub/finetune/README.md` (Lightning-AI/litgpt 00af8b0d, September 2024):
+  "Peak memory" is finetune/lora.py's `torch.cuda.max_memory_allocated() / 1e9`; 1xA10G,
+  `precision: bf16-true`, Alpaca2k at `max_seq_length: 512`, the yaml's LoRA settings
+  (r 32, alpha 16, dropout 0.05 on query and value); `quantize: bnb.nf4` (Lightning's
+  BitsandbytesPrecision, every nn.Linear including lm_head, no double quantization) with
+  `bitsandbytes==0.42.0` (pyproject.toml at 00af8b0d).
+  Rows marked † are Gemma 2, whose attention LitGPT computes in its own eager code to
+  soft-cap the scores (litgpt/model.py `scaled_dot_product_attention`: q·kᵀ, tanh, an fp32
+  softmax): those s x s tensors are not modelled, so the estimate runs low.
+- PEFT `method_comparison/MetaMathQA/results/*.json` (huggingface/peft 5d602fdb):
+  `accelerator_memory_max` (max_memory_reserved less the reading after init, as the
+  calibrated rows; bytes), Llama-3.2-3B on an L40S, batch 4, sequences up to 768 tokens.
+- torchtune README (pytorch/torchtune 1814feb): the Llama-3.2-3B optimisation table ("Peak
+  Memory Active (GiB)") on an A100, batch 2, packed to 4096 where said.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vramcalc.analytic import estimate
+from vramcalc.options import build_scenario
+
+GB, GIB = 10**9, 2**30
+# config.json shapes of meta-llama/Llama-3.2-3B (as benchmarks/calibration.py's record)
+LLAMA32_3B = {"name": "llama3.2-3b", "model_type": "llama", "hidden_size": 3072,
+              "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8,
+              "intermediate_size": 8192, "vocab_size": 128256,
+              "max_position_embeddings": 131072, "mlp_kind": "gated", "hidden_act": "silu",
+              "norm_kind": "rmsnorm", "position_embedding": "rope",
+              "tie_word_embeddings": True}
+
+_LIT = {"gpus": "1xA10G", "precision": "bf16-pure", "optimizer": "adamw",
+        "framework": "lightning", "attention": "flash", "recompute": "none", "seq_len": 512,
+        "finetune": "lora", "lora_rank": 32, "lora_targets": "q,v", "lora_dropout": 0.05}
+_LIT_Q = {**_LIT, "finetune": "qlora", "nf4_double_quant": False, "quantize_head": True,
+          "bnb_version": "0.42.0"}
+# the Gemma and Phi-3 yamls adapt every linear and the head (`lora_head: true`); the head's
+# adapter is left out (rows marked *: --lora-head is modelled for the hf profile only; its
+# A and B are r·(h + V) parameters and one (128, V) chunk output at a time)
+_ALL8 = {"lora_rank": 8, "lora_targets": "all-linear", "lora_dropout": 0.1}
+_ALL16 = {**_ALL8, "lora_rank": 16}
+_PEFT = {"model": "llama3.2-3b", "gpus": "1xL40S", "framework": "hf",
+         "precision": "bf16-pure", "optimizer": "adamw", "optimizer_impl": "foreach",
+         "attention": "flash", "recompute": "none", "seq_len": 768, "micro_batch_size": 4,
+         "lora_dropout": 0.0}
+_TUNE = {"model": "@llama3.2-3b", "framework": "torchtune", "precision": "bf16-pure",
+         "optimizer": "adamw", "attention": "flash", "gpus": "1xA100-80GB",
+         "micro_batch_size": 2}
+_PACKED = {**_TUNE, "packed": True, "seq_len": 4096}
+
+# (source, row, published value, unit, metric, flags)
+ROWS: list[tuple[str, str, float, str, str, dict[str, Any]]] = [
+    ("LitGPT", "llama-2-7b/lora.yaml", 19.77, "GB", "allocated",
+     {**_LIT, "model": "llama2-7b", "micro_batch_size": 2}),
+    ("LitGPT", "llama-2-7b/qlora.yaml", 13.68, "GB", "allocated",
+     {**_LIT_Q, "model": "llama2-7b", "micro_batch_size": 2}),
+    ("LitGPT", "llama-3-8b/lora.yaml", 19.73, "GB", "allocated",
+     {**_LIT, "model": "llama3-8b", "micro_batch_size": 1}),
+    ("LitGPT", "llama-3-8b/qlora.yaml", 17.41, "GB", "allocated",
+     {**_LIT_Q, "model": "llama3-8b", "micro_batch_size": 2}),
+    ("LitGPT", "llama-3.1-8b/lora.yaml", 19.73, "GB", "allocated",
+     {**_LIT, "model": "llama3.1-8b", "micro_batch_size": 1}),
+    ("LitGPT", "mistral-7b/lora.yaml", 20.66, "GB", "allocated",
+     {**_LIT, "model": "mistral-7b", "micro_batch_size": 2}),
+    ("LitGPT", "mistral-7b/qlora.yaml", 14.29, "GB", "allocated",
+     {**_LIT_Q, "model": "mistral-7b", "micro_batch_size": 2}),
+    ("LitGPT", "llama-3.2-1B/lora.yaml", 4.49, "GB", "allocated",
+     {**_LIT, "model": "llama3.2-1b", "micro_batch_size": 1}),
+    ("LitGPT", "llama-3.2-1B/qlora.yaml", 5.53, "GB", "allocated",
+     {**_LIT_Q, "model": "llama3.2-1b", "micro_batch_size": 2}),
+    ("LitGPT", "llama-3.2-3B/lora.yaml", 9.67, "GB", "allocated",
+     {**_LIT, "model": "llama3.2-3b", "micro_batch_size": 1}),
+    ("LitGPT", "llama-3.2-3B/qlora.yaml", 10.30, "GB", "allocated",
+     {**_LIT_Q, "model": "llama3.2-3b", "micro_batch_size": 2}),
+    ("LitGPT", "gemma-2b/lora.yaml *", 12.62, "GB", "allocated",
+     {**_LIT, "model": "gemma-2b", "micro_batch_size": 2, **_ALL8}),
+    ("LitGPT", "gemma-2b/qlora.yaml *", 11.58, "GB", "allocated",
+     {**_LIT_Q, "model": "gemma-2b", "micro_batch_size": 2, **_ALL16}),
+    ("LitGPT", "gemma-7b/qlora.yaml *", 17.18, "GB", "allocated",
+     {**_LIT_Q, "model": "gemma-7b", "micro_batch_size": 1, **_ALL16}),
+    ("LitGPT", "phi-3/lora.yaml *", 19.75, "GB", "allocated",
+     {**_LIT, "model": "phi3-mini", "micro_batch_size": 4, "lora_rank": 8,
+      "lora_targets": "all-linear"}),
+    ("LitGPT", "phi-3/qlora.yaml *", 19.13, "GB", "allocated",
+     {**_LIT_Q, "model": "phi3-mini", "micro_batch_size": 4, "lora_rank": 8,
+      "lora_targets": "all-linear"}),
+    ("LitGPT", "gemma2-2b/lora.yaml * †", 14.31, "GB", "allocated",
+     {**_LIT, "model": "gemma2-2b", "micro_batch_size": 2, **_ALL8}),
+    ("LitGPT", "gemma2-9b/qlora.yaml * †", 20.92, "GB", "allocated",
+     {**_LIT_Q, "model": "gemma2-9b", "micro_batch_size": 1, **_ALL16}),
+    ("PEFT", "lora--llama-3.2-3B-rank64", 22552772608 / GB, "GB", "reserved",
+     {**_PEFT, "finetune": "lora", "lora_rank": 64, "lora_targets": "q,v"}),
+    ("PEFT", "lora--llama-3.2-3B-rank32-dora", 24532484096 / GB, "GB", "reserved",
+     {**_PEFT, "finetune": "dora", "lora_rank": 32, "lora_targets": "q,v"}),
+    ("PEFT", "lora--llama-3.2-3B-rank10-target-mlp", 24698159104 / GB, "GB", "reserved",
+     {**_PEFT, "finetune": "lora", "lora_rank": 10, "lora_targets": "gate,up,down"}),
+    ("torchtune", "3B + packed", 60.0, "GiB", "allocated",
+     {**_PACKED, "recompute": "none"}),
+    ("torchtune", "3B + compile", 51.0, "GiB", "allocated",
+     {**_PACKED, "recompute": "none", "compile": True}),
+    ("torchtune", "3B + chunked cross entropy", 42.9, "GiB", "allocated",
+     {**_PACKED, "recompute": "none", "compile": True, "chunked_ce": 8}),
+    ("torchtune", "3B + activation checkpointing", 24.9, "GiB", "allocated",
+     {**_PACKED, "recompute": "full", "compile": True, "chunked_ce": 8}),
+    ("torchtune", "3B + activation offloading", 21.8, "GiB", "allocated",
+     {**_PACKED, "recompute": "full", "compile": True, "chunked_ce": 8,
+      "optimizer_in_backward": True, "activation_offload": True}),
+    ("torchtune", "3B + 8-bit AdamW", 17.6, "GiB", "allocated",
+     {**_PACKED, "recompute": "full", "compile": True, "chunked_ce": 8,
+      "optimizer_in_backward": True, "activation_offload": True,
+      "optimizer": "adamw-8bit"}),
+    ("torchtune", "3B QLoRA", 4.6, "GiB", "allocated",
+     {**_PACKED, "recompute": "full", "compile": True, "chunked_ce": 8,
+      "activation_offload": True, "finetune": "qlora", "lora_rank": 64,
+      "lora_targets": "q,v,o,gate,up,down", "qlora_impl": "torchao", "load": "torchtune"}),
+]
+
+
+
+def run() -> list[tuple[str, str, float, float, str, str]]:
+    """(source, row, published, estimate, unit, flags) per row."""
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_file = Path(tmp) / "llama3.2-3b.yaml"
+        model_file.write_text(yaml.safe_dump(LLAMA32_3B), encoding="utf-8")
+        for source, row, value, unit, metric, flags in ROWS:
+            values = {k: (str(model_file) if v == "@llama3.2-3b" else v)
+                      for k, v in flags.items()}
+            rep = estimate(build_scenario(values))
+            got = rep.peak_reserved_bytes if metric == "reserved" else rep.peak_allocated_bytes
+            div = GIB if unit == "GiB" else GB
+            shown = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items())
+            out.append((source, row, value, got / div, unit, shown))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    rows = run()
+    if args.markdown:
+        print("| source | row | published | vramcalc | error | flags |")
+        print("|---|---|---|---|---|---|")
+    for source, row, value, got, unit, flags in rows:
+        err = 100 * (got - value) / value
+        if args.markdown:
+            print(f"| {source} | {row} | {value:.2f} {unit} | {got:.2f} {unit} | "
+                  f"{err:+.1f}% | {flags} |")
+        else:
+            print(f"{source:10} {row:52} {value:7.2f} {got:7.2f} {unit:3} {err:+6.1f}%")
+
+
+if __name__ == "__main__":
+    main()
