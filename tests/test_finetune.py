@@ -448,3 +448,19 @@ def test_paged_residency_splits_the_pages_without_overfilling(paged: int, usable
     else:  # what is resident fits beside the rest, and nothing spills while there is room
         assert rest + resident <= max(usable, rest)
         assert spilled == 0 or rest + resident >= usable
+
+
+def test_a_tied_embedding_under_lora_gets_no_gradient() -> None:
+    """Gemma ties lm_head to embed_tokens; under LoRA both are the frozen base, so the end of
+    backward holds no V x h gradient (full training sums the head's and the embedding's
+    shares into one). The trace of transformers' model agrees (validate grid: gemma-mqa,
+    hf LoRA at 128 tokens, where such a gradient would have been the peak)."""
+    from vramcalc.terms.gradients import tied_embedding_grad_bytes
+
+    def ctx(finetune: str) -> RankContext:
+        scn = build_scenario({"model": "gemma-2b", "gpus": "1xH100", "framework": "hf",
+                              "seq_len": 256, "finetune": finetune}).resolved()
+        return RankContext(scn.model, scn.training, scn.parallel, 0)
+
+    assert tied_embedding_grad_bytes(ctx("lora")) == 0
+    assert tied_embedding_grad_bytes(ctx("full")) == alloc(256000 * 2048, "bf16")

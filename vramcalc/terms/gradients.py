@@ -27,6 +27,7 @@ into pinned host buffers; FSDP2 CPUOffloadPolicy moves them to the host after re
 
 from __future__ import annotations
 
+from vramcalc.features import finetunes
 from vramcalc.hf_stack import trainer_no_sync
 from vramcalc.rank import RankContext
 from vramcalc.terms import fsdp1
@@ -156,8 +157,10 @@ def layer_gradient_bytes(ctx: RankContext) -> int:
 
 
 def tied_embedding_grad_bytes(ctx: RankContext) -> int:
-    """One copy of the tied token embedding's gradient (0 when the head is untied)."""
-    if not ctx.spec.tie_word_embeddings:
+    """One copy of the tied token embedding's gradient (0 when the head is untied, and under
+    LoRA/QLoRA/DoRA, where the tied matrix is frozen: an adapted or copied embedding trains
+    tensors of its own, apart from the head's)."""
+    if not ctx.spec.tie_word_embeddings or finetunes(ctx.training):
         return 0
     shard = ctx.grad_shard
     return sum(t.count * alloc(-(-t.numel // shard), grad_dtype(ctx)) for t in ctx.tensors
