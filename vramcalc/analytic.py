@@ -165,14 +165,14 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     g_acc = G if keep_grads else 0
 
     def fwd_point(activations: float, logits: int, extra: dict[str, int],
-                  gathered: int = gather) -> Phase:
+                  gathered: int = gather, side: int = 0) -> Phase:
         return Phase("forward", B, g_acc, {
             "activations": int(activations),
             "transients/autocast_cache": int(k * C_mb),
             "transients/gather_buffers": gathered,
             "logits": prev_logits + logits,
             **extra,
-        })
+        }, side=side)
 
     # the forward peaks at the end of the loss, while the final norm runs, at the top
     # layer's last residual add, or inside the top layer's eager attention (below)
@@ -182,6 +182,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     casts = {"transients/autocast_cache": int(k * C_mb) + P.loss_forward_casts}
     loss_fwd = fwd_point(k * A_mb + head_extra, fwd_logits, casts, gather_head)
     before = P.previous_graph  # LitGPT's loop keeps the previous micro-batch's graph
+    start_outs = comm.forward_start_outputs_bytes(ctx)
     forward = max([
         loss_fwd,
         fwd_point(k * A_mb + P.forward_end_extra, 0, {}),
@@ -189,6 +190,8 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
         fwd_point(k * A_mb + head_extra, P.lit_returned, {  # (terms/litgpt_loop.py)
             "logits/previous_micro_batch": before[0],
             "activations/previous_graph": before[1]}, gather_head),
+        fwd_point(prev * A_mb + A_emb, 0, {  # FSDP2's first block copy-out (comm.py)
+            "transients/all_gather_outputs": start_outs}, side=start_outs),
     ], key=lambda p: p.total)
 
     eager_held, eager_work = P.eager_forward

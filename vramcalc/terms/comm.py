@@ -290,6 +290,22 @@ def _ds_gathered_numel(key: tuple, knobs: tuple[int, int, int, int]) -> int:
     return max(retained, largest) + prefetch
 
 
+def forward_start_outputs_bytes(ctx: RankContext) -> int:
+    """FSDP2 all-gather outputs alive at the first block's copy-out in forward: the previous
+    group's output is kept in `all_gather_state` until the next group's copy-out
+    (`copy_in_stream_bytes`), so the root's (or, with edge units, the embedding unit's)
+    output sits beside the first block's output and its unsharded copy. With a large
+    vocabulary and short sequences this is the forward's peak. 0 outside FSDP2."""
+    if ctx.engine != "fsdp2" or ctx.parallel.flat_fsdp(ctx.training.framework):
+        return 0
+    if ctx.parallel.shard_degree <= 1 or not ctx.num_layers:
+        return 0
+    outs = [fsdp_root_bytes(ctx)] + ([_unsharded(ctx, ("embedding",))]
+                                     if edge_units(ctx) else [])
+    outs.append(fsdp_layer_bytes(ctx))
+    return max(a + b for a, b in zip(outs, outs[1:], strict=False))
+
+
 def gather_bytes(ctx: RankContext, at: str = "blocks") -> int:
     """Unsharded parameters alive during forward and backward (ZeRO-3 / FSDP2). With edge
     units (`edge_units`) the blocks' instants hold the root and one block; at the "head"
