@@ -32,19 +32,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import yaml
+from calibration import _LLAMA32_3B, _PEFT_MC, _TUNE, model_yaml
 
 from vramcalc.analytic import estimate
 from vramcalc.options import build_scenario
 
 GB, GIB = 10**9, 2**30
-# config.json shapes of meta-llama/Llama-3.2-3B (as benchmarks/calibration.py's record)
-LLAMA32_3B = {"name": "llama3.2-3b", "model_type": "llama", "hidden_size": 3072,
-              "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8,
-              "intermediate_size": 8192, "vocab_size": 128256,
-              "max_position_embeddings": 131072, "mlp_kind": "gated", "hidden_act": "silu",
-              "norm_kind": "rmsnorm", "position_embedding": "rope",
-              "tie_word_embeddings": True}
 
 _LIT = {"gpus": "1xA10G", "precision": "bf16-pure", "optimizer": "adamw",
         "framework": "lightning", "attention": "flash", "recompute": "none", "seq_len": 512,
@@ -56,14 +49,10 @@ _LIT_Q = {**_LIT, "finetune": "qlora", "nf4_double_quant": False, "quantize_head
 # A and B are r·(h + V) parameters and one (128, V) chunk output at a time)
 _ALL8 = {"lora_rank": 8, "lora_targets": "all-linear", "lora_dropout": 0.1}
 _ALL16 = {**_ALL8, "lora_rank": 16}
-_PEFT = {"model": "llama3.2-3b", "gpus": "1xL40S", "framework": "hf",
-         "precision": "bf16-pure", "optimizer": "adamw", "optimizer_impl": "foreach",
-         "attention": "flash", "recompute": "none", "seq_len": 768, "micro_batch_size": 4,
-         "lora_dropout": 0.0}
-_TUNE = {"model": "@llama3.2-3b", "framework": "torchtune", "precision": "bf16-pure",
-         "optimizer": "adamw", "attention": "flash", "gpus": "1xA100-80GB",
-         "micro_batch_size": 2}
-_PACKED = {**_TUNE, "packed": True, "seq_len": 4096}
+# the calibrated rows' settings of the same runs (benchmarks/calibration.py)
+_PEFT = {**_PEFT_MC, "micro_batch_size": 4, "lora_dropout": 0.0}
+_PACKED = {**_TUNE, "model": "@llama3.2-3b", "gpus": "1xA100-80GB", "micro_batch_size": 2,
+           "packed": True, "seq_len": 4096}
 
 # (source, row, published value, unit, metric, flags)
 ROWS: list[tuple[str, str, float, str, str, dict[str, Any]]] = [
@@ -139,7 +128,7 @@ def run() -> list[tuple[str, str, float, float, str, str]]:
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         model_file = Path(tmp) / "llama3.2-3b.yaml"
-        model_file.write_text(yaml.safe_dump(LLAMA32_3B), encoding="utf-8")
+        model_file.write_text(model_yaml(_LLAMA32_3B), encoding="utf-8")
         for source, row, value, unit, metric, flags in ROWS:
             values = {k: (str(model_file) if v == "@llama3.2-3b" else v)
                       for k, v in flags.items()}
