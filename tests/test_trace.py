@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections import Counter
 from functools import cache
+from typing import Any
 
 import pytest
 
@@ -135,6 +136,53 @@ def test_tracker_counts_each_storage_once_rounded_to_512() -> None:
         del a
         assert tracker.total == 0
     assert tracker.peaks[(0, "forward")].total == 2 * 4096
+
+
+def _two_uses(view_first: bool) -> Any:
+    """A (256, 1024) fp32 leaf used twice; backward sums its two gradients in autograd's
+    input buffer. view_first: the first share to arrive is the transpose of a matmul's
+    output (a tied head, as F.linear computes it), else a plain product (w·2)."""
+    w = torch.zeros(256, 1024, requires_grad=True)
+    ids = torch.zeros(8, dtype=torch.long)
+    emb = torch.nn.functional.embedding(ids, w)  # its share arrives last
+    if view_first:
+        return torch.nn.functional.linear(emb, w).sum()
+    return emb.sum() + (w * 2).sum()
+
+
+@pytest.mark.parametrize("view_first", [False, True])
+def test_autograd_sums_a_plain_buffered_gradient_in_place(view_first: bool) -> None:
+    # the premise, on real CPU tensors (no dispatch mode, no subclass): the input buffer's
+    # sum allocates only when the first share is a view (input_buffer.cpp `accumulate`)
+    from torch.profiler import ProfilerActivity, profile
+
+    loss = _two_uses(view_first)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss.backward()
+    added = sum(e.self_cpu_memory_usage for e in prof.key_averages() if e.key == "aten::add")
+    assert added == (256 * 1024 * 4 if view_first else 0)
+
+
+@pytest.mark.parametrize("view_first", [False, True])
+def test_tracker_counts_the_input_buffer_sum_as_the_gpu_does(view_first: bool) -> None:
+    # fake tensors always sum out of place; the tracker counts a plain share's sum in its
+    # own block. Backward's peak above what forward left: the two (256, 1024) fp32 shares
+    # (plain) or the shares and their new sum (view), give or take small (8, ·) tensors
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramcalc.trace.tracker import MemoryTracker
+
+    tracker = MemoryTracker()
+    with FakeTensorMode(), tracker:
+        tracker.set_phase("forward")
+        loss = _two_uses(view_first)
+        before = tracker.total
+        tracker.set_phase("backward")
+        loss.backward()
+    extra = tracker.peaks[(0, "backward")].total - before
+    block = 256 * 1024 * 4
+    shares = 3 if view_first else 2
+    assert abs(extra - shares * block) <= 64 * 1024
 
 
 def test_tracker_ignores_meta_tensors_and_names_side_streams() -> None:

@@ -308,11 +308,11 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
         }, states_made(ib, 0) if ib else None))
     if ctx.is_first_stage:
         # the embedding's backward ends the sweep: every gradient exists; with tied
-        # embeddings the head's share waits in autograd's input buffer and is summed with
-        # the embedding's out of place (3 copies of the V·h gradient at once)
+        # embeddings the head's share waits in autograd's input buffer and the embedding's
+        # is added to it (terms/gradients.py `embedding_backward_bytes`)
         tied, emb_work = embedding_backward_bytes(ctx, keep_grads)
-        end_grads = ib.embed[0] if ib else G + (tied if keep_grads else 0)
-        for work, hooked in ((2 * ib.waiting, {}), (0, {"transients/optimizer_step": ib.embed[1]})
+        end_grads = ib.embed[0] if ib else G + tied
+        for work, hooked in ((ib.summing, {}), (0, {"transients/optimizer_step": ib.embed[1]})
                              ) if ib else ((emb_work, {}),):
             candidates.append(Phase("backward", B, end_grads, {
                 "activations": int(prev * A_mb + A_emb),

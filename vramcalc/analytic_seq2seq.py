@@ -302,14 +302,23 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
                        tied + _core_work(x, x.t, x.s, x.biased and x.full),
                        body_cast - _part(ctx, o_ff, x.c, True)))
     # the decoder embedding's backward: every decoder gradient; the encoder's activations
-    # and e's gradient held; the buffer, the embedding's own (V, h) share and their sum
-    # (3 copies of V·h). e itself, where no encoder op but the cross-attentions' k, v keep it
-    # (fp32 runs: T5's `enc_out`, BART's top LN output), is freed with the last of them
+    # and e's gradient held; the buffer (or T5 v1.1's lm_head gradient), the incoming
+    # (b, t, h) gradient and the embedding's own (V, h) share; then, with a tied head,
+    # their sum: a new tensor when the head's share is a view of its matmul's output (no
+    # autocast cast; terms/gradients.py `tied_sum_in_place`). e itself, where no encoder op
+    # but the cross-attentions' k, v keep it (fp32 runs: T5's `enc_out`, BART's top LN
+    # output), is freed with the last of them
     stack_extra = max(g_rest - vh, 0) // 2  # T5's bias and final norm, BART's positions
     dec_grads = x.Ld * g_dec + stack_extra
-    e_kept = 0 if x.full else (_bytes(edges, ("enc_out",)) if x.t5 else _bytes(
-        s2.encoder_layer_saved(x, x.Le == 1), ("ff.norm.out",)))
-    cands.append(point(dec_grads, enc_all - e_kept, 3 * tied + e_grad,
+    # (under recompute e is only the decoder checkpoints' input, and T5's zeros
+    # cross-attention bias leaf holds its gradient, summed over the decoder layers)
+    e_kept = alloc(x.b * x.s * x.h, x.r) if x.full else (
+        _bytes(edges, ("enc_out",)) if x.t5 else _bytes(
+            s2.encoder_layer_saved(x, x.Le == 1), ("ff.norm.out",)))
+    leaf = 2 * _bytes(ck, ("cross.bias",)) if x.full and x.t5 else 0
+    new_sum = tied if ctx.spec.tie_word_embeddings and not x.amp else 0
+    cands.append(point(dec_grads, enc_all - e_kept + leaf,
+                       2 * tied + max(new_sum, alloc(x.b * x.t * x.h, x.r)) + e_grad,
                        0 if x.full else enc_cast))
     # the top encoder layer, e's gradient its incoming one
     enc_top = s2.encoder_layer_saved(x, x.Le == 1)
@@ -348,12 +357,12 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
                            tied + bias + rebias + alloc(n * x.h, x.r) + alloc(n * x.h, x.c),
                            casts0))
     # the encoder embedding: every gradient (`G` stands for `shared`'s, not made yet); while
-    # its backward runs, the buffer, the incoming (b, s, h) gradient and its own share;
-    # then the buffer, the share and their sum (the incoming gradient freed)
+    # its backward runs, the buffer, the incoming (b, s, h) gradient and its own share,
+    # which is then added into the buffer in place (a plain tensor by now)
     # (T5 under recompute: the zeros cross-attention bias leaf and its .grad, as above)
     leaf = alloc(x.a * x.t * x.s, x.c) if x.full and x.t5 else 0
     cands.append(point(G, _bytes(src, ("input_ids", "labels", "cross.bias")),
-                       tied + max(tied, alloc(x.b * x.s * x.h, x.r)) + leaf, 0))
+                       tied + alloc(x.b * x.s * x.h, x.r) + leaf, 0))
     backward = max(cands, key=lambda p: p.total)
 
     optimizer = Phase("optimizer", B, gradients_at_step_bytes(ctx), {

@@ -27,7 +27,7 @@ into pinned host buffers; FSDP2 CPUOffloadPolicy moves them to the host after re
 
 from __future__ import annotations
 
-from vramcalc.features import finetunes
+from vramcalc.features import chunks_loss, finetunes
 from vramcalc.hf_stack import trainer_no_sync
 from vramcalc.rank import RankContext
 from vramcalc.terms import fsdp1
@@ -167,17 +167,46 @@ def tied_embedding_grad_bytes(ctx: RankContext) -> int:
                if t.name == "embed_tokens")
 
 
+def tied_sum_in_place(ctx: RankContext) -> bool:
+    """Whether autograd adds the embedding's share of a tied matrix's gradient into the
+    head's share in place. torch/csrc/autograd/input_buffer.cpp `accumulate` adds into the
+    buffered tensor when it holds that tensor's last reference (`can_accumulate_inplace`),
+    else it makes a new tensor. The head's share is the transpose of its weight-gradient
+    matmul, a view that keeps its base alive: a new tensor. It is a plain tensor when the
+    head ran in chunks (each chunk's share is summed into a new one from the second on) or
+    when autocast cast the fp32 weight (`ToCopyBackward` returns a new tensor). FSDP2 casts
+    outside autograd; Liger's fused loss returns a gradient it saved; Megatron writes the
+    head's into its main-grad buffer."""
+    tr = ctx.training
+    if chunks_loss(tr):
+        return True
+    return tr.is_autocast and ctx.engine not in ("fsdp2", "megatron") and not tr.liger
+
+
 def embedding_backward_bytes(ctx: RankContext, keep_grads: bool) -> tuple[int, int]:
-    """(one copy of the tied embedding's gradient, the temporaries of the token embedding's
-    backward). Tied: the head's share waits in autograd's input buffer and is summed with
-    the embedding's out of place (2 copies beside the gradient). Untied, on one GPU or DDP,
-    with gradients kept from an earlier micro-batch: embedding_dense_backward returns a new
-    V·h gradient that AccumulateGrad adds into the existing `.grad` (torch/csrc/autograd/
-    functions/accumulate_grad.h: stolen only when `.grad` is undefined). Encoders only so
-    far (decoders' untied embeddings are refereed without it)."""
+    """(gradients beside `gradients_bytes` when the token embedding's backward ends the
+    sweep, the temporaries there). Tied: the head's share waits in autograd's input buffer
+    and the embedding's share is added to it (`tied_sum_in_place`): 2 or 3 copies of the
+    unsharded V·h gradient, in the dtype autograd computes it (FSDP2: the all-gathered
+    parameters'). The sum becomes `.grad` on one GPU and DDP (counted in
+    `gradients_bytes`, unless an earlier micro-batch's is there); ZeRO-2/3 and FSDP2 reduce
+    it after, so the shard `gradients_bytes` counts is not made yet. Untied, on one GPU or
+    DDP, with gradients kept from an earlier micro-batch: embedding_dense_backward returns a
+    new V·h gradient that AccumulateGrad adds into the existing `.grad`
+    (torch/csrc/autograd/functions/accumulate_grad.h: stolen only when `.grad` is
+    undefined). Encoders only so far (decoders' untied embeddings are refereed without
+    it)."""
     tied = tied_embedding_grad_bytes(ctx)
+    if tied and ctx.engine != "megatron":
+        copies = 2 if tied_sum_in_place(ctx) else 3
+        if ctx.grad_shard == 1:
+            return (tied if keep_grads else 0), (copies - 1) * tied
+        dtype = ctx.training.compute_dtype if ctx.engine == "fsdp2" else grad_dtype(ctx)
+        full = sum(t.count * alloc(t.numel, dtype) for t in ctx.tensors
+                   if t.name == "embed_tokens")
+        return (0 if keep_grads else -tied), copies * full
     if tied or not keep_grads or ctx.engine not in ("single", "ddp") or not ctx.spec.is_encoder:
-        return tied, 2 * tied
+        return (tied if keep_grads else 0), 2 * tied
     dtype = grad_dtype(ctx)
     return 0, sum(t.count * alloc(t.numel, dtype) for t in ctx.train_tensors
                   if t.name == "embed_tokens")

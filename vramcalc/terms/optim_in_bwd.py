@@ -46,7 +46,7 @@ from vramcalc.features import chunks_loss
 from vramcalc.rank import RankContext
 from vramcalc.sharding import RankTensor
 from vramcalc.terms.activations import head_saved
-from vramcalc.terms.gradients import grad_dtype
+from vramcalc.terms.gradients import grad_dtype, tied_sum_in_place
 from vramcalc.terms.optimizer_states import state_bytes_for_tensor
 from vramcalc.terms.saved import bsh, dims
 from vramcalc.units import ALLOC_ROUND_BYTES, alloc, ceil_div
@@ -91,6 +91,7 @@ class InBackward:
     cast: bool  # autocast: a node's c weight gradient is cast to the fp32 parameter's dtype
     embed: tuple[int, int]  # the token embedding (first stage)
     waiting: int  # the tied head's gradient share held by autograd through the sweep
+    summing: int  # beside the tied gradient when the embedding's share is added to it
     states_head: int  # states of the embedding, final norm and head (first step)
     states_late: int  # states of the embeddings: created at the very end
     states_layer: int  # states of one layer
@@ -133,6 +134,7 @@ def in_backward(ctx: RankContext) -> InBackward:
         cast=tr.is_autocast,
         embed=_one(ctx, emb) if ctx.is_first_stage else (0, 0),
         waiting=waiting,
+        summing=(1 if tied_sum_in_place(ctx) else 2) * waiting,  # the share (and the sum)
         states_head=sum(s for _, s in states) - layer_states,
         states_late=late,
         states_layer=layer_states // nL,

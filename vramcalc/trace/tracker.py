@@ -34,11 +34,20 @@ block is requested on the stream current when it is allocated, as torch's alloca
 code written for any device (FSDP2's `device_handle.stream(...)`) selects its side streams
 through `torch.cpu.stream` on the CPU, and `torch.cpu.current_stream()` names them here, so
 the all-gather copy-in and reduce-scatter streams' blocks stay in pools of their own.
+
+One CUDA behaviour a fake tensor cannot show: when two gradients reach one autograd input,
+the engine adds the second into the first in place if it holds the first's last reference
+(torch/csrc/autograd/input_buffer.cpp `accumulate`, `can_accumulate_inplace`). That test
+refuses tensor subclasses, so under FakeTensorMode every such sum is a new tensor. The
+tracker therefore counts a sum the engine makes of a plain (non-view) buffered gradient
+as taking over that gradient's block, once the next event shows the buffered one freed
+(`_settle`); a view's sum stays a new tensor, as on the GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -55,6 +64,8 @@ from vramcalc.units import round_alloc
 aten = torch.ops.aten
 _HOST_OPS = (aten.lift_fresh.default, aten.lift_fresh_copy.default)
 _CAST_OPS = (aten._to_copy.default,)
+# the decorators torch puts around a dispatch mode's handler (torch._disable_dynamo)
+_WRAPPERS = ("_dynamo/eval_frame.py", "torch/_compile.py")
 
 
 @dataclass
@@ -103,10 +114,13 @@ class MemoryTracker(TorchDispatchMode):
         self._peak: Snapshot | None = None
         self._host_alloc = False
         self._streams: dict[int, int] = {id(torch.cpu.current_stream()): 0}
+        self._summing: int | None = None  # the buffered gradient a sum may take over
+        self._pending: tuple[int, int, int, Snapshot, list[tuple[int, str, str]]] | None = None
 
     # ---- phases and marks ------------------------------------------------------------
     def set_phase(self, phase: str, region: str | None = None) -> None:
         """Start (or continue) a phase of the current iteration; its peak starts from now."""
+        self._settle()
         self.phase, self.region = phase, region
         if self._workspace.get(phase):  # held for the process's lifetime
             self.allocator.malloc(self._workspace.pop(phase))
@@ -118,6 +132,7 @@ class MemoryTracker(TorchDispatchMode):
             self.peaks[key] = self._peak
 
     def mark(self, name: str) -> None:
+        self._settle()
         self.marks[(self.iteration, name)] = self.snapshot()
 
     def snapshot(self) -> Snapshot:
@@ -158,6 +173,7 @@ class MemoryTracker(TorchDispatchMode):
         blk = self.blocks.get(key)
         if blk is not None:
             if blk.nbytes != nbytes:  # resized in place
+                self._settle()
                 handle = self.allocator.malloc(nbytes, self._stream()) if nbytes else 0
                 self._release(blk)
                 self._add(blk.term, nbytes - blk.nbytes)
@@ -172,6 +188,16 @@ class MemoryTracker(TorchDispatchMode):
 
         ref = weakref.ref(st, on_free)
         origin = f"{self._origin} {tuple(t.shape)} {t.dtype}" if self.debug else ""
+        summing = self._summing
+        if summing is not None and summing in self.blocks and self.blocks[
+                summing].nbytes == nbytes:  # decided at the next event (_settle)
+            self.blocks[key] = _Block(nbytes, term, ref, 0, origin)
+            self.terms[term] = self.terms.get(term, 0) + nbytes
+            self.total += nbytes
+            self._pending = (summing, key, self._stream(), self.snapshot(),
+                             self.live() if self.debug else [])
+            return
+        self._settle()
         self.blocks[key] = _Block(nbytes, term, ref,
                                   self.allocator.malloc(nbytes, self._stream()), origin)
         self._add(term, nbytes)
@@ -187,6 +213,7 @@ class MemoryTracker(TorchDispatchMode):
             self._update_peak()
 
     def _free(self, key: int) -> None:
+        self._settle(key)
         blk = self.blocks.pop(key, None)
         if blk is not None:
             self.terms[blk.term] -= blk.nbytes
@@ -198,6 +225,55 @@ class MemoryTracker(TorchDispatchMode):
         if blk.handle:
             self.allocator.free(blk.handle)
             blk.handle = 0
+
+    # ---- autograd's input buffer -----------------------------------------------------
+    def _settle(self, freed: int | None = None) -> None:
+        """Decide a sum of two gradients for one autograd input (`_input_buffer_sum`) at the
+        next allocation or free. When that event frees the buffered gradient, the engine
+        held its last reference, and on a GPU it adds in place
+        (torch/csrc/autograd/input_buffer.cpp `accumulate`: `old_var.add_(var)` when
+        `can_accumulate_inplace(old_var)`). A fake tensor is a tensor subclass, which that
+        test refuses, so the trace sees `old_var + var`; here the sum takes over the
+        buffered gradient's block and adds no peak. Otherwise the sum is a new block, and
+        the moment it was made counts toward the peak as it would have."""
+        pend, self._pending = self._pending, None
+        if pend is None:
+            return
+        old_key, new_key, stream, snap, live = pend
+        new = self.blocks.get(new_key)
+        if new is None:
+            return
+        if freed == old_key:
+            old = self.blocks[old_key]
+            new.handle, old.handle = old.handle, 0
+            return
+        new.handle = self.allocator.malloc(new.nbytes, stream)
+        if self._peak is not None and snap.total > self._peak.total:
+            self._peak = snap
+            assert self._peak_key is not None
+            self.peaks[self._peak_key] = snap
+            if self.debug:
+                self.peak_blocks[self._peak_key] = (self._origin, live)
+
+    def _input_buffer_sum(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                          ) -> int | None:
+        """The buffered gradient's storage when autograd's engine sums two gradients of one
+        input in backward: an out-of-place `add` called by the engine itself (no Python
+        frame between, grad mode off), of two dense tensors of one shape and dtype."""
+        if (func is not aten.add.Tensor or self.phase != "backward" or kwargs
+                or torch.is_grad_enabled() or len(args) != 2):
+            return None
+        old, var = args
+        if not (isinstance(old, torch.Tensor) and isinstance(var, torch.Tensor)
+                and old.shape == var.shape and old.dtype == var.dtype
+                and old.is_contiguous() and not old._is_view()):
+            return None
+        frame = sys._getframe(2)  # past __torch_dispatch__ and torch's own wrappers of it
+        while frame.f_back is not None and frame.f_code.co_filename.endswith(_WRAPPERS):
+            frame = frame.f_back
+        if frame.f_code.co_name != "_engine_run_backward":  # a Python backward's own add
+            return None
+        return old.untyped_storage()._cdata
 
     def label(self, t: torch.Tensor, term: str) -> None:
         """Move t's storage to `term` (counting it first if it is new)."""
@@ -262,12 +338,14 @@ class MemoryTracker(TorchDispatchMode):
         if func in _HOST_OPS:
             tree_map(lambda t: self.set_host(t) if isinstance(t, torch.Tensor) else None, out)
             return out
+        self._summing = self._input_buffer_sum(func, args, kwargs)
         term = None
         if (func in _CAST_OPS and self.phase in ("forward", "backward")
                 and args and isinstance(args[0], torch.Tensor)
                 and args[0].untyped_storage()._cdata in self.param_keys):
             term = "transients/autocast_cache"
         tree_map(lambda t: self.track(t, term), out)
+        self._summing = None
         if self.timeline is not None:
             self.timeline.append((self.iteration, self.phase, func.__name__, self.total,
                                   dict(self.terms)))
