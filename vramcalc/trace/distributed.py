@@ -229,6 +229,7 @@ def distributed_trace(scn: Scenario, progress: Progress | None = None,
     scn = check_distributed(scn)
     iterations, seq_lens = fill_iterations(iterations, scn.training.grad_accum, seq_lens)
     try:
+        import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.distributed.device_mesh import init_device_mesh
     except ImportError:  # pragma: no cover - torch is an optional extra
@@ -264,19 +265,22 @@ def distributed_trace(scn: Scenario, progress: Progress | None = None,
                                     mesh_dim_names=("replicate", "shard"))
         else:
             mesh = init_device_mesh("cpu", (world,))
-        with cuda_autocast_rules(), FakeTensorMode(), tracker:
+        fake = FakeTensorMode()
+        with cuda_autocast_rules(), fake, tracker:
+            # built on the meta device; a constant made in __init__ (Gemma's
+            # `torch.tensor(embed_scale)` buffer) is a plain meta tensor, made fake here
+            fake.allow_non_fake_inputs = True
+            with torch.device("meta"):
+                model = build_model(scn)
+            fake.allow_non_fake_inputs = False
             return with_lengths_note(
-                _run(scn, tracker, mesh, tick, report_progress, iterations, seq_lens),
+                _run(scn, model, tracker, mesh, tick, report_progress, iterations, seq_lens),
                 seq_lens)
 
 
-def _run(scn: Scenario, tracker: Any, mesh: Any, tick: Any, report_progress: Any,
+def _run(scn: Scenario, model: Any, tracker: Any, mesh: Any, tick: Any, report_progress: Any,
          iterations: int, seq_lens: Sequence[int] | None) -> TraceResult:
-    import torch
-
     tr = scn.training
-    with torch.device("meta"):
-        model = build_model(scn)
     # QLoRA: the quantization state FSDP does not shard (bitsandbytes' module metadata,
     # torchao's mean and table) becomes buffers, whole on every rank, counted as weights
     from vramcalc.trace.nf4 import NF4Linear

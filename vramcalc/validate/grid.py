@@ -208,6 +208,9 @@ def fsdp_grid() -> list[tuple[str, Scenario]]:
         ("qwen2-bias", 4, "grad-op", {"precision": "amp-bf16"}),
         ("llama-mha", 8, "hybrid", {"precision": "amp-bf16", "recompute": "selective"}),
         ("moe", 8, "full", {"precision": "bf16-pure"}),
+        # a tied embedding: autograd sums the unsharded head and embedding shares (a view:
+        # three copies) before the root's reduce-scatter; Gemma's embed_scale buffer
+        ("gemma-mqa", 2, "full", {"precision": "bf16", "framework": "hf", "seq_len": 128}),
     ]
     out = []
     for shape, world, fsdp, kw in cases:
