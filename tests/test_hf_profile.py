@@ -464,13 +464,13 @@ def test_fsdp2_forward_holds_the_roots_all_gather_output_at_the_first_block() ->
     pytest.importorskip("torch")
     from vramcalc.options import build_scenario
     from vramcalc.rank import RankContext
-    from vramcalc.terms import comm
+    from vramcalc.terms import comm, fsdp2_moments
     from vramcalc.trace.distributed import run_distributed_trace
 
     scn = build_scenario({"model": "llama3.2-1b", "gpus": "2xH100", "framework": "hf",
                           "fsdp": "full", "finetune": "lora", "seq_len": 128}).resolved()
     ctx = RankContext(scn.model, scn.training, scn.parallel, 0)
-    assert comm.forward_start_outputs_bytes(ctx) == (comm.fsdp_root_bytes(ctx)
+    assert fsdp2_moments.forward_start_outputs_bytes(ctx) == (comm.fsdp_root_bytes(ctx)
                                                      + comm.fsdp_layer_bytes(ctx))
     ana, tra = estimate(scn), run_distributed_trace(scn)
     assert ana.peak_phase == tra.peak_phase == "forward"

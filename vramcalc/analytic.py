@@ -40,7 +40,7 @@ from vramcalc.report import (
 from vramcalc.scenario import Scenario, check_capabilities
 from vramcalc.sharding import moe_layers_on_stage, pipeline_chunks
 from vramcalc.terms import activations as act
-from vramcalc.terms import comm
+from vramcalc.terms import comm, fsdp2_moments
 from vramcalc.terms import transients as tr
 from vramcalc.terms.gradients import (
     accumulates_unsharded,
@@ -182,7 +182,8 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     casts = {"transients/autocast_cache": int(k * C_mb) + P.loss_forward_casts}
     loss_fwd = fwd_point(k * A_mb + head_extra, fwd_logits, casts, gather_head)
     before = P.previous_graph  # LitGPT's loop keeps the previous micro-batch's graph
-    start_outs = comm.forward_start_outputs_bytes(ctx)
+    start_outs = fsdp2_moments.forward_start_outputs_bytes(ctx)
+    top_outs = fsdp2_moments.forward_top_outputs_bytes(ctx)
     forward = max([
         loss_fwd,
         fwd_point(k * A_mb + P.forward_end_extra, 0, {}),
@@ -192,6 +193,8 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
             "activations/previous_graph": before[1]}, gather_head),
         fwd_point(prev * A_mb + A_emb, 0, {  # FSDP2's first block copy-out (comm.py)
             "transients/all_gather_outputs": start_outs}, side=start_outs),
+        fwd_point(prev * A_mb + A_emb + A_bottom(nL - 1), 0, {  # and the top block's
+            "transients/all_gather_outputs": top_outs}, side=top_outs),
     ], key=lambda p: p.total)
 
     eager_held, eager_work = P.eager_forward
@@ -321,6 +324,9 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
                 "transients/gather_buffers": gather_emb,
                 "logits": prev_logits + root,
             }, states_made(ib, nL) if ib and not hooked else None))
+        if rs := fsdp2_moments.root_reduce_scatter_bytes(ctx):  # FSDP2's last reduce-scatter
+            candidates.append(Phase("backward", B, G, {"activations": int(prev * A_mb + A_emb),
+                                    "transients/reduce_buffers": rs, "logits": root}))
     backward = max(candidates, key=lambda p: p.total)
 
     optimizer = Phase("optimizer", B, gradients_at_step_bytes(ctx), {
@@ -463,12 +469,8 @@ def _fields(scn: Scenario, runs: list[_StageRun], pick: tuple[tuple[int, ...], i
     peak_phase = run.phases[peaks[worst]]
     terms = peak_phase.terms()
     terms["overhead"] = sum(run.overhead.values())
-    subterms: dict[str, int] = {}
-    for key, val in peak_phase.parts.items():
-        if "/" in key:
-            subterms[key] = val
-    for key, val in run.overhead.items():
-        subterms[f"overhead/{key}"] = val
+    subterms = {key: val for key, val in peak_phase.parts.items() if "/" in key}
+    subterms.update({f"overhead/{key}": val for key, val in run.overhead.items()})
     host_nvme = _outside(scn, run.stage)
     gpus_per_node = scn.cluster.gpus_per_node if scn.cluster else 1
     return {

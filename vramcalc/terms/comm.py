@@ -153,14 +153,15 @@ def edge_units(ctx: RankContext) -> bool:
             and ctx.parallel.fsdp != "grad-op")
 
 
-def _unsharded(ctx: RankContext, groups: tuple[str, ...]) -> int:
+def unsharded_bytes(ctx: RankContext, groups: tuple[str, ...]) -> int:
+    """These parameter groups of this stage, unsharded, in the compute dtype."""
     return ctx.shapes.nbytes(ctx.training.compute_dtype, 1, 1, "tensor", groups)
 
 
 def fsdp_root_bytes(ctx: RankContext) -> int:
     """FSDP2 root parameters (embedding, final norm, head on this stage), unsharded; with
     edge units the final norm alone."""
-    return _unsharded(ctx, ("final",) if edge_units(ctx) else ROOT_GROUPS)
+    return unsharded_bytes(ctx, ("final",) if edge_units(ctx) else ROOT_GROUPS)
 
 
 def fsdp_layer_bytes(ctx: RankContext) -> int:
@@ -204,9 +205,9 @@ def copy_in_stream_bytes(ctx: RankContext) -> int:
         return 0
     cast = ctx.training.is_autocast or float8_gather(ctx)
     edge = edge_units(ctx)
-    outs = [fsdp_root_bytes(ctx)] + ([_unsharded(ctx, ("embedding",))] if edge else [])
+    outs = [fsdp_root_bytes(ctx)] + ([unsharded_bytes(ctx, ("embedding",))] if edge else [])
     outs += [fsdp_layer_bytes(ctx)] * min(ctx.num_layers, 3)
-    outs += [_unsharded(ctx, ("head",))] if edge else []
+    outs += [unsharded_bytes(ctx, ("head",))] if edge else []
     pool = CachingAllocator(expandable=ctx.training.expandable)
     prev = 0
     for out in (n for n in outs if n):
@@ -290,29 +291,13 @@ def _ds_gathered_numel(key: tuple, knobs: tuple[int, int, int, int]) -> int:
     return max(retained, largest) + prefetch
 
 
-def forward_start_outputs_bytes(ctx: RankContext) -> int:
-    """FSDP2 all-gather outputs alive at the first block's copy-out in forward: the previous
-    group's output is kept in `all_gather_state` until the next group's copy-out
-    (`copy_in_stream_bytes`), so the root's (or, with edge units, the embedding unit's)
-    output sits beside the first block's output and its unsharded copy. With a large
-    vocabulary and short sequences this is the forward's peak. 0 outside FSDP2."""
-    if ctx.engine != "fsdp2" or ctx.parallel.flat_fsdp(ctx.training.framework):
-        return 0
-    if ctx.parallel.shard_degree <= 1 or not ctx.num_layers:
-        return 0
-    outs = [fsdp_root_bytes(ctx)] + ([_unsharded(ctx, ("embedding",))]
-                                     if edge_units(ctx) else [])
-    outs.append(fsdp_layer_bytes(ctx))
-    return max(a + b for a, b in zip(outs, outs[1:], strict=False))
-
-
 def gather_bytes(ctx: RankContext, at: str = "blocks") -> int:
     """Unsharded parameters alive during forward and backward (ZeRO-3 / FSDP2). With edge
     units (`edge_units`) the blocks' instants hold the root and one block; at the "head"
     (the output projection's forward, the loss backward) the output unit and one block (the
     top block, prefetched for its backward); at the "embedding"'s backward that unit."""
     if at != "blocks" and edge_units(ctx):
-        unit = _unsharded(ctx, (at,))
+        unit = unsharded_bytes(ctx, (at,))
         return fsdp_root_bytes(ctx) + unit + (fsdp_layer_bytes(ctx) if at == "head" else 0)
     if ctx.engine == "deepspeed" and ctx.parallel.zero >= 3:
         return alloc(ds_gathered_numel(ctx), ctx.training.weight_dtype)
@@ -336,7 +321,7 @@ def prefetch_bytes(ctx: RankContext, layer: int) -> int:
     if ctx.engine != "fsdp2" or ctx.parallel.fsdp == "grad-op":
         return 0
     if layer == ctx.num_layers - 1 and edge_units(ctx):  # the embedding unit comes next
-        return _unsharded(ctx, ("embedding",))
+        return unsharded_bytes(ctx, ("embedding",))
     return fsdp_layer_bytes(ctx) if layer < ctx.num_layers - 1 else 0
 
 
@@ -393,7 +378,13 @@ def reduce_bytes(ctx: RankContext, layer: int = 0, done: float = 1.0,
         freed = act.layer_backward_working_bytes(ctx) + act.layer_activation_bytes(ctx)
     prefetch = prefetch_bytes(ctx, layer)
     early = int(done * (whole - g)) + (rs_input if layer > 0 else 0)
-    late = int((1 - done) * g) + whole + rs_input - freed
+    # post_backward reshards the block (its parameters freed), then foreach_reduce copies
+    # the gradients into the input (whole + input), frees them, and casts the output to
+    # the sharded parameters' dtype (input + output + g; the output is g when one dtype)
+    sharded_dt = tr.weight_dtype if trained is None else a_dt
+    rs_out = alloc(ceil_div(n, ctx.parallel.shard_degree), rs_dt) if rs_dt != sharded_dt else 0
+    late = (int((1 - done) * g) + max(whole + rs_input - g, rs_input + rs_out) - freed
+            - fsdp_layer_bytes(ctx))
     return max(early, late, 0) + prefetch
 
 
