@@ -81,11 +81,9 @@ def candidate_stages(scn: Scenario) -> list[int]:
     rank. Every rank's chunks hold layers in the same proportions (1/v of its layers each),
     so the schedule's per-chunk counting in `in_flight_microbatches` does not separate two
     ranks with the same layers either."""
-    p = scn.parallel.pp
-    out = {0, p - 1}
     par = scn.parallel
-    uneven = par.uneven_split
-    if (scn.model.is_moe or uneven) and p > 2:
+    p, out = par.pp, {0, par.pp - 1}
+    if (scn.model.is_moe or par.uneven_split) and p > 2:
         chunks = pipeline_chunks(scn.model, par)
         seen: set[tuple[int, int]] = set()
         for st in range(p - 1):
@@ -226,6 +224,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     }, 0)
 
     G_late = late_gradient_bytes(ctx)  # the (untied) embedding's: after the bottom layer
+    G_top, G_end = fsdp2_moments.root_gradients(ctx, max(G_head - G_late, 0), G_head)
     comm_bwd = comm.layer_backward_comm_bytes(ctx)
     root = P.loss_root
 
@@ -244,7 +243,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
         """Instant `mom` of the backward of the i-th layer from the top (0-based); `hook`:
         a parameter's (gradient, step temporaries) inside backward (optim_in_bwd.py)."""
         done = P.grad_fraction[mom.grads]
-        grads = G if keep_grads else max(G_head - G_late, 0) + int((i + done) * g_layer)
+        grads = G if keep_grads else G_top + int((i + done) * g_layer)
         step = {"transients/optimizer_step": hook[1], "transients/tied_grad": ib.waiting
                 } if ib else {}
         return Phase("backward", B, hook[0] if ib else min(grads, G), {
@@ -302,8 +301,8 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     if norm_work:
         lm_in = P.head_freed_at_final_norm
         wait = {"transients/tied_grad": ib.waiting} if ib else {}
-        candidates.append(Phase("backward", B, 0 if ib else G if keep_grads else max(
-            G_head - G_late, 0), {**wait, "activations": int(k * A_mb - lm_in),
+        candidates.append(Phase("backward", B, 0 if ib else G if keep_grads else G_top, {
+            **wait, "activations": int(k * A_mb - lm_in),
             "transients/autocast_cache": int(prev * C_mb + C_kept - cache_head),
             "transients/layer_backward": norm_work,
             "transients/gather_buffers": gather,
@@ -314,7 +313,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
         # embeddings the head's share waits in autograd's input buffer and the embedding's
         # is added to it (terms/gradients.py `embedding_backward_bytes`)
         tied, emb_work = embedding_backward_bytes(ctx, keep_grads)
-        end_grads = ib.embed[0] if ib else G + tied
+        end_grads = ib.embed[0] if ib else G + tied + G_end
         for work, hooked in ((ib.summing, {}), (0, {"transients/optimizer_step": ib.embed[1]})
                              ) if ib else ((emb_work, {}),):
             candidates.append(Phase("backward", B, end_grads, {

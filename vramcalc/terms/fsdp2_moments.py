@@ -57,10 +57,9 @@ def root_reduce_scatter_bytes(ctx: RankContext) -> int:
     bound to `unsharded_grad` until the function returns (a real two-rank gloo run shows it
     alive at the cast, freed after). 0 outside full FSDP2 training with sync on, under edge
     units and HSDP."""
-    par, tr = ctx.parallel, ctx.training
-    if (ctx.engine != "fsdp2" or fsdp1.flat(ctx) or finetunes(tr) or accumulates_unsharded(ctx)
-            or edge_units(ctx) or par.fsdp == "hybrid" or not ctx.is_first_stage):
+    if not _root_reduced_last(ctx):
         return 0
+    par, tr = ctx.parallel, ctx.training
     n, rs_dt = ctx.shapes.numel(ROOT_GROUPS), reduce_dtype(tr)
     out = alloc(n, rs_dt)
     if rs_dt != tr.weight_dtype:  # else the output is the gradient itself
@@ -68,3 +67,29 @@ def root_reduce_scatter_bytes(ctx: RankContext) -> int:
     if ctx.is_last_stage and not ctx.spec.tie_word_embeddings:
         out += alloc(ctx.shapes.numel(("head",)), tr.compute_dtype)
     return out
+
+
+def root_gradients(ctx: RankContext, top: int, root: int) -> tuple[int, int]:
+    """FSDP2 computes the root's gradients unsharded, in the all-gather (compute) dtype, and
+    reduce-scatters them at the end of backward. Returns (what the sweep holds in place of
+    `top`, the head's and final norm's shards: the head's gradient, a tied one's share
+    waiting in autograd's buffer, and the norm's; what the embedding's backward adds to the
+    gradients: an untied embedding's unsharded gradient beside those, in place of every
+    root shard `root`, a tied one's is `gradients.embedding_backward_bytes`'). Outside
+    (`top`, 0)."""
+    if not _root_reduced_last(ctx) or not ctx.is_last_stage:
+        return top, 0
+    c = ctx.training.compute_dtype
+    head = ctx.shapes.numel(("embedding" if ctx.spec.tie_word_embeddings else "head",))
+    during = alloc(head, c) + alloc(ctx.shapes.numel(("final",)), c)
+    if ctx.spec.tie_word_embeddings:
+        return during, 0
+    return during, during + alloc(ctx.shapes.numel(("embedding",)), c) - root
+
+
+def _root_reduced_last(ctx: RankContext) -> bool:
+    """Full FSDP2 training with sync on, one pipeline stage, no edge units or HSDP: the
+    root (embedding, final norm, head) is reduce-scattered once, after the embedding."""
+    par, tr = ctx.parallel, ctx.training
+    return not (ctx.engine != "fsdp2" or fsdp1.flat(ctx) or finetunes(tr) or par.pp > 1
+                or accumulates_unsharded(ctx) or edge_units(ctx) or par.fsdp == "hybrid")
