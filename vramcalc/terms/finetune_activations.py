@@ -207,7 +207,8 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
         # casts x to the compute dtype before MatMul4Bit), not the fp32 product
         cast = f"mlp.{down_input}" if bnb_keeps_inputs(ctx) else ""
         out = [dataclasses.replace(t, dtype=x.r) if t.name in (
-            "mlp.gate", "mlp.up", "mlp.gate_up", "mlp.act", "mlp.down_input", "mlp.fc_out")
+            "mlp.gate", "mlp.up", "mlp.gate_up", "mlp.act", "mlp.down_input", "mlp.fc_out",
+            "mlp.gelu.half_x")  # GPT-2's NewGELU: 0.5·x of the fp32 fc output
             and t.name != cast else t for t in out]
     return out + added
 

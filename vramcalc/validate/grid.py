@@ -237,6 +237,9 @@ FINETUNE_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
                                 "optimizer": "paged-adamw-8bit", "lora_targets": "all-linear"}),
     ("llama-gqa", "reference", {"finetune": "dora"}),
     ("gpt2", "reference", {"finetune": "lora", "lora_targets": "all-linear"}),
+    # transformers' bitsandbytes integration quantizes GPT-2's Conv1D; NewGELU in fp32
+    ("gpt2", "hf", {"finetune": "qlora", "lora_targets": "all-linear",
+                    "precision": "amp-bf16"}),
     ("moe-shared", "reference", {"finetune": "qlora", "lora_targets": "all-linear"}),
     ("llama-gqa", "hf", {"finetune": "lora"}),
     ("llama-gqa", "hf", {"finetune": "qlora", "lora_targets": "all-linear",
