@@ -156,14 +156,16 @@ def layer_gradient_bytes(ctx: RankContext) -> int:
     return total // n
 
 
-def tied_embedding_grad_bytes(ctx: RankContext) -> int:
-    """One copy of the tied token embedding's gradient (0 when the head is untied, and under
-    LoRA/QLoRA/DoRA, where the tied matrix is frozen: an adapted or copied embedding trains
-    tensors of its own, apart from the head's)."""
+def tied_embedding_grad_bytes(ctx: RankContext, shard: int | None = None,
+                              dtype: str | None = None) -> int:
+    """One copy of the tied token embedding's gradient, sharded as the gradients are (or
+    over `shard`, in `dtype`); 0 when the head is untied, and under LoRA/QLoRA/DoRA, where
+    the tied matrix is frozen: an adapted or copied embedding trains tensors of its own,
+    apart from the head's."""
     if not ctx.spec.tie_word_embeddings or finetunes(ctx.training):
         return 0
-    shard = ctx.grad_shard
-    return sum(t.count * alloc(-(-t.numel // shard), grad_dtype(ctx)) for t in ctx.tensors
+    n, dt = shard or ctx.grad_shard, dtype or grad_dtype(ctx)
+    return sum(t.count * alloc(-(-t.numel // n), dt) for t in ctx.tensors
                if t.name == "embed_tokens")
 
 
@@ -201,9 +203,8 @@ def embedding_backward_bytes(ctx: RankContext, keep_grads: bool) -> tuple[int, i
         copies = 2 if tied_sum_in_place(ctx) else 3
         if ctx.grad_shard == 1:
             return (tied if keep_grads else 0), (copies - 1) * tied
-        dtype = ctx.training.compute_dtype if ctx.engine == "fsdp2" else grad_dtype(ctx)
-        full = sum(t.count * alloc(t.numel, dtype) for t in ctx.tensors
-                   if t.name == "embed_tokens")
+        full = tied_embedding_grad_bytes(ctx, 1, ctx.training.compute_dtype
+                                         if ctx.engine == "fsdp2" else None)
         return (0 if keep_grads else -tied), copies * full
     if tied or not keep_grads or ctx.engine not in ("single", "ddp") or not ctx.spec.is_encoder:
         return (tied if keep_grads else 0), 2 * tied

@@ -219,19 +219,12 @@ def _hf(model: nn.Module, scn: Any) -> nn.Module:
             for name, mod in list(layer.named_modules()):
                 if name.rsplit(".", 1)[-1] in ("router", "gate", "shared_expert_gate"):
                     continue
-                if isinstance(mod, Conv1D):  # GPT-2's (in, out) weights: transformers'
-                    # bitsandbytes integration makes a Linear4bit(in, out) of each
-                    # (integrations/bitsandbytes.py `_replace_with_bnb_linear`)
-                    new = NF4Linear(mod.weight.shape[0], mod.weight.shape[1],
-                                    bias=mod.bias is not None, device=mod.weight.device,
-                                    dtype=mod.weight.dtype, compute_dtype=compute,
-                                    layout=tr.nf4)
-                elif isinstance(mod, nn.Linear) and not isinstance(mod, NF4Linear):
-                    new = NF4Linear.from_linear(mod, compute, tr.nf4)
-                else:
-                    continue
-                parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
-                setattr(parent, name.rsplit(".", 1)[-1], new)
+                if isinstance(mod, Conv1D) or (isinstance(mod, nn.Linear)
+                                                and not isinstance(mod, NF4Linear)):
+                    parent = (layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name
+                              else layer)
+                    setattr(parent, name.rsplit(".", 1)[-1],
+                            NF4Linear.from_linear(mod, compute, tr.nf4))
     if tr.kbit_prepare:
         # PEFT's own preparation (peft 0.21.2 utils/other.py prepare_model_for_kbit_training):
         # freezes everything, casts the 16-bit parameters to fp32 (the NF4 codes are uint8),

@@ -191,8 +191,13 @@ class NF4Linear(nn.Linear):
         return _NF4MatMul.apply(x, self.weight, self, bias).to(inp_dtype)
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, compute_dtype: torch.dtype,
+    def from_linear(cls, lin: nn.Module, compute_dtype: torch.dtype,
                     layout: NF4Layout = DEFAULT_LAYOUT) -> NF4Linear:
-        return cls(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                   device=lin.weight.device, dtype=lin.weight.dtype, compute_dtype=compute_dtype,
-                   layout=layout)
+        """A 4-bit copy of an nn.Linear, or of transformers' Conv1D (GPT-2), whose (in, out)
+        weight its bitsandbytes integration also makes a Linear4bit(in, out) of
+        (integrations/bitsandbytes.py `_replace_with_bnb_linear`)."""
+        w: torch.Tensor = lin.weight  # type: ignore[assignment]
+        in_f, out_f = ((lin.in_features, lin.out_features) if isinstance(lin, nn.Linear)
+                       else (w.shape[0], w.shape[1]))
+        return cls(in_f, out_f, bias=lin.bias is not None, device=w.device, dtype=w.dtype,
+                   compute_dtype=compute_dtype, layout=layout)

@@ -140,13 +140,18 @@ class MemoryTracker(TorchDispatchMode):
         return Snapshot(self.total, {k: v for k, v in self.terms.items() if v}, len(self.blocks),
                         a.allocated - a.stream_allocated[0])
 
-    def _update_peak(self) -> None:
-        if self._peak is not None and self.total > self._peak.total:
-            self._peak = self.snapshot()
+    def _update_peak(self, snap: Snapshot | None = None,
+                     live: list[tuple[int, str, str]] | None = None) -> None:
+        """Keep the current moment (or `snap`, a moment kept for later) if it is the
+        phase's largest so far."""
+        total = self.total if snap is None else snap.total
+        if self._peak is not None and total > self._peak.total:
+            self._peak = self.snapshot() if snap is None else snap
             assert self._peak_key is not None
             self.peaks[self._peak_key] = self._peak
             if self.debug:
-                self.peak_blocks[self._peak_key] = (self._origin, self.live())
+                self.peak_blocks[self._peak_key] = (self._origin,
+                                                    self.live() if live is None else live)
 
     # ---- counting --------------------------------------------------------------------
     def default_term(self) -> str:
@@ -248,12 +253,7 @@ class MemoryTracker(TorchDispatchMode):
             new.handle, old.handle = old.handle, 0
             return
         new.handle = self.allocator.malloc(new.nbytes, stream)
-        if self._peak is not None and snap.total > self._peak.total:
-            self._peak = snap
-            assert self._peak_key is not None
-            self.peaks[self._peak_key] = snap
-            if self.debug:
-                self.peak_blocks[self._peak_key] = (self._origin, live)
+        self._update_peak(snap, live)
 
     def _input_buffer_sum(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
                           ) -> int | None:
