@@ -23,6 +23,18 @@ Sources (GB = 1e9 bytes unless said):
   calibrated rows; bytes), Llama-3.2-3B on an L40S, batch 4, sequences up to 768 tokens.
 - torchtune README (pytorch/torchtune 1814feb): the Llama-3.2-3B optimisation table ("Peak
   Memory Active (GiB)") on an A100, batch 2, packed to 4096 where said.
+- torchtune README (pytorch/torchtune 30b8519e, September 2024; unchanged at 1814feb), the
+  Llama 3.1 table "Memory and training speed" (GiB, the 405B row GB). The README gives
+  batch 2 without accumulation, a dataset packed to 2048 and compile for every row; the
+  rest follows the linked `recipes/configs/llama3_1` files at 30b8519e: 8B_full_single_device
+  (bitsandbytes PagedAdamW8bit stepped in backward, checkpointing, CEWithChunkedOutputLoss),
+  8B_lora_single_device (r 8 on q, v, fused AdamW, checkpointing, chunked loss), 70B_full
+  (FSDP2 with CPUOffloadPolicy, `custom_sharded_layers: ['tok_embeddings', 'output']`,
+  fused AdamW, checkpointing), 70B_lora (r 16 on q, k, v), 405B_qlora (r 16 on every
+  linear, torch.nn.CrossEntropyLoss; its `batch_size: 1` kept). Rows marked ‡ (A6000)
+  ran settings the README does not give: with the configs' checkpointing they come out at
+  half the figures, so they are shown without it (a reading of the figures, not a
+  source). The Llama 3.1 8B QLoRA row of this table is a calibration record.
 """
 
 from __future__ import annotations
@@ -42,8 +54,10 @@ GB, GIB = 10**9, 2**30
 _LIT = {"gpus": "1xA10G", "precision": "bf16-pure", "optimizer": "adamw",
         "framework": "lightning", "attention": "flash", "recompute": "none", "seq_len": 512,
         "finetune": "lora", "lora_rank": 32, "lora_targets": "q,v", "lora_dropout": 0.05}
-_LIT_Q = {**_LIT, "finetune": "qlora", "nf4_double_quant": False, "quantize_head": True,
-          "bnb_version": "0.42.0"}
+# a bnb.* quantization makes finetune/lora.py build bitsandbytes' PagedAdamW instead of the
+# configured torch optimizer (litgpt 00af8b0d `instantiate_bnb_optimizer`)
+_LIT_Q = {**_LIT, "finetune": "qlora", "optimizer": "paged-adamw", "nf4_double_quant": False,
+          "quantize_head": True, "bnb_version": "0.42.0"}
 # the Gemma and Phi-3 yamls adapt every linear and the head (`lora_head: true`); the head's
 # adapter is left out (rows marked *: --lora-head is modelled for the hf profile only; its
 # A and B are r·(h + V) parameters and one (128, V) chunk output at a time)
@@ -53,6 +67,10 @@ _ALL16 = {**_ALL8, "lora_rank": 16}
 _PEFT = {**_PEFT_MC, "micro_batch_size": 4, "lora_dropout": 0.0}
 _PACKED = {**_TUNE, "model": "@llama3.2-3b", "gpus": "1xA100-80GB", "micro_batch_size": 2,
            "packed": True, "seq_len": 4096}
+# the Llama 3.1 table: batch 2, packed to 2048, compile (README); configs at 30b8519e
+_TUNE31 = {**_TUNE, "model": "llama3.1-8b", "micro_batch_size": 2, "grad_accum": 1,
+           "packed": True, "seq_len": 2048, "compile": True, "chunked_ce": 8}
+_TUNE31_LORA = {"finetune": "lora", "lora_rank": 8, "lora_targets": "q,v", "lora_dropout": 0.0}
 
 # (source, row, published value, unit, metric, flags)
 ROWS: list[tuple[str, str, float, str, str, dict[str, Any]]] = [
@@ -119,6 +137,27 @@ ROWS: list[tuple[str, str, float, str, str, dict[str, Any]]] = [
      {**_PACKED, "recompute": "full", "compile": True, "chunked_ce": 8,
       "activation_offload": True, "finetune": "qlora", "lora_rank": 64,
       "lora_targets": "q,v,o,gate,up,down", "qlora_impl": "torchao", "load": "torchtune"}),
+    ("torchtune", "Llama 3.1 8B full, 1x 4090", 18.9, "GiB", "allocated",
+     {**_TUNE31, "gpus": "1xRTX4090", "optimizer": "paged-adamw-8bit",
+      "optimizer_in_backward": True}),
+    ("torchtune", "Llama 3.1 8B full, 1x A6000 ‡", 37.4, "GiB", "allocated",
+     {**_TUNE31, "gpus": "1xA6000", "optimizer": "paged-adamw-8bit",
+      "optimizer_in_backward": True, "recompute": "none"}),
+    ("torchtune", "Llama 3.1 8B LoRA, 1x 4090", 16.2, "GiB", "allocated",
+     {**_TUNE31, "gpus": "1xRTX4090", **_TUNE31_LORA}),
+    ("torchtune", "Llama 3.1 8B LoRA, 1x A6000 ‡", 30.3, "GiB", "allocated",
+     {**_TUNE31, "gpus": "1xA6000", **_TUNE31_LORA, "recompute": "none"}),
+    ("torchtune", "Llama 3.1 70B full, 8x A100", 13.9, "GiB", "allocated",
+     {**_TUNE31, "model": "llama3.1-70b", "gpus": "8xA100-80GB", "fsdp": "full",
+      "fsdp_edge_units": True, "offload": "params,optimizer"}),
+    ("torchtune", "Llama 3.1 70B LoRA, 8x A100", 27.6, "GiB", "allocated",
+     {**_TUNE31, "model": "llama3.1-70b", "gpus": "8xA100-80GB", "fsdp": "full",
+      **_TUNE31_LORA, "lora_rank": 16, "lora_targets": "q,k,v"}),
+    ("torchtune", "Llama 3.1 405B QLoRA, 8x A100", 44.8, "GB", "allocated",
+     {**_TUNE31, "model": "llama3.1-405b", "gpus": "8xA100-80GB", "fsdp": "full",
+      "micro_batch_size": 1, "chunked_ce": 1, "finetune": "qlora", "lora_rank": 16,
+      "lora_targets": "q,k,v,o,gate,up,down", "lora_dropout": 0.0,
+      "qlora_impl": "torchao"}),
 ]
 
 
