@@ -162,11 +162,11 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
 
     g_acc = G if keep_grads else 0
 
-    def fwd_point(activations: float, logits: int, extra: dict[str, int],
-                  gathered: int = gather, side: int = 0) -> Phase:
+    def fwd_point(activations: float, logits: int, extra: dict[str, int], gathered: int = gather,
+                  side: int = 0, head: bool = False) -> Phase:  # head: its weight's cast exists
         return Phase("forward", B, g_acc, {
             "activations": int(activations),
-            "transients/autocast_cache": int(k * C_mb),
+            "transients/autocast_cache": int(k * C_mb - (0 if head else cache_head)),
             "transients/gather_buffers": gathered,
             "logits": prev_logits + logits,
             **extra,
@@ -178,7 +178,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     head_extra = P.head_forward_extra
     A_head = A_edges - A_emb
     casts = {"transients/autocast_cache": int(k * C_mb) + P.loss_forward_casts}
-    loss_fwd = fwd_point(k * A_mb + head_extra, fwd_logits, casts, gather_head)
+    loss_fwd = fwd_point(k * A_mb + head_extra, fwd_logits, casts, gather_head, head=True)
     before = P.previous_graph  # LitGPT's loop keeps the previous micro-batch's graph
     start_outs = fsdp2_moments.forward_start_outputs_bytes(ctx)
     top_outs = fsdp2_moments.forward_top_outputs_bytes(ctx)
@@ -188,7 +188,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
         fwd_point(k * A_mb - A_head, 0, {"transients/layer_forward": fwd_work}),
         fwd_point(k * A_mb + head_extra, P.lit_returned, {  # (terms/litgpt_loop.py)
             "logits/previous_micro_batch": before[0],
-            "activations/previous_graph": before[1]}, gather_head),
+            "activations/previous_graph": before[1]}, gather_head, head=True),
         fwd_point(prev * A_mb + A_emb, 0, {  # FSDP2's first block copy-out (comm.py)
             "transients/all_gather_outputs": start_outs}, side=start_outs),
         fwd_point(prev * A_mb + A_emb + A_bottom(nL - 1), 0, {  # and the top block's

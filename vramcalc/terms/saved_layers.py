@@ -205,9 +205,11 @@ def _attention_saved(ctx: RankContext, x: Dims) -> list[Saved]:
                      "fused c_attn output; q, k, v are views of it")]
     elif fused_qkv:  # phi3, lightning: q and k rotated copies, v a view of the qkv output
         qk = x.r if (x.amp and selective) else c  # see below
-        qkv = [Saved("attn.qkv", x.b * x.s * (x.a + 2 * x.g) * x.d, c, "(b, s, (a+2g)·d)",
-                     "fused qkv_proj output, alive through the v view"),
-               Saved("attn.q", bsad, qk, "(b, a, s, d)", "rotated q"),
+        v_kept = (Saved("attn.v", bsgd, c, "(b, g, s, d)", "autocast's cast of the fp32 v")
+                  if _qkv_in_residual_dtype(ctx, x) and not selective else
+                  Saved("attn.qkv", x.b * x.s * (x.a + 2 * x.g) * x.d, c, "(b, s, (a+2g)·d)",
+                        "fused qkv_proj output, alive through the v view"))
+        qkv = [v_kept, Saved("attn.q", bsad, qk, "(b, a, s, d)", "rotated q"),
                Saved("attn.k", bsgd, qk, "(b, g, s, d)", "rotated k")]
     else:
         # hf RoPE runs in r under autocast (its tables are in the residual dtype): SDPA keeps
@@ -230,6 +232,14 @@ def _attention_saved(ctx: RankContext, x: Dims) -> list[Saved]:
     return out
 
 
+def _qkv_in_residual_dtype(ctx: RankContext, x: Dims) -> bool:
+    """QLoRA under autocast: bitsandbytes' Linear4bit returns its input's dtype
+    (`out.to(inp_dtype)`), so a fused 4-bit qkv projection fed by an fp32 norm gives an fp32
+    output; autocast then hands attention a 16-bit cast of v, which is what it keeps, not
+    the fused output's storage (as the MLP's fp32 outputs: terms/finetune_activations.py)."""
+    return ctx.training.finetune == "qlora" and x.amp and x.r != x.c
+
+
 def _hf_eager_qkv(ctx: RankContext, x: Dims, fam: str) -> list[Saved]:
     """hf eager attention's q, k, v as kept by the two matmuls (repeat_kv copies for GQA)."""
     c, bsad = x.c, x.b * x.s * x.a * x.d
@@ -244,7 +254,8 @@ def _hf_eager_qkv(ctx: RankContext, x: Dims, fam: str) -> list[Saved]:
            Saved("attn.k", k_keep, c, "(b, a, s, d)", "rotated k (repeat_kv copy for GQA)")]
     # Phi-3's v is a view of the fused qkv output, kept as such unless repeat_kv copies it
     # or matmul cannot fold (b, a) into one batch dimension (b > 1) and copies it
-    v_view = fam == "phi3" and x.b == 1 and (x.g == x.a or x.g == 1)
+    v_view = (fam == "phi3" and x.b == 1 and (x.g == x.a or x.g == 1)
+              and not _qkv_in_residual_dtype(ctx, x))
     if v_view:
         out.append(Saved("attn.qkv", x.b * x.s * (x.a + 2 * x.g) * x.d, c, "(b, s, (a+2g)·d)",
                          "fused qkv_proj output, kept through the v view"))
