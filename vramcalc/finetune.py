@@ -54,6 +54,7 @@ from vramcalc.errors import InputError
 from vramcalc.model import ModelSpec
 from vramcalc.model_tensors import param_tensors
 from vramcalc.parallel import ParallelConfig
+from vramcalc.peft_file import analytic_refusal
 from vramcalc.qlora import (  # noqa: F401  (re-exported: the NF4 layout constants)
     NF4_BLOCK,
     NF4_CODE_ELEMS,
@@ -331,6 +332,8 @@ def check_finetune(ctx: Rank) -> None:
     (GPT-2's c_attn, Phi-3's qkv_proj and gate_up_proj) get one adapter per fused module,
     as PEFT gives them (`fused_groups`)."""
     tr = ctx.training
+    if tr.finetune == "peft":
+        raise analytic_refusal()
     if tr.framework == "megatron":
         raise InputError(f"--finetune {tr.finetune}: the megatron profile models full training "
                          "only; use --framework reference or hf")

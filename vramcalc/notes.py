@@ -9,6 +9,7 @@ from vramcalc.finetune import fused_family, fused_groups, shapes_for
 from vramcalc.hardware import GPUProfile
 from vramcalc.hf_stack import trainer_no_sync
 from vramcalc.model import ModelSpec
+from vramcalc.peft_file import peft_type_of
 from vramcalc.qlora import compiled_dequant_kept, nf4_tensor_bytes
 from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
@@ -132,7 +133,10 @@ def finetune_notes(ctx: RankContext) -> list[str]:
     entropy and paged memory."""
     tr = ctx.training
     out: list[str] = []
-    if finetunes(tr):
+    if tr.finetune == "peft":
+        out.append(f"peft: {peft_type_of(tr.peft_config)} from --peft-config, built by PEFT's "
+                   "get_peft_model on transformers' model (trace engine)")
+    elif finetunes(tr):
         fs = shapes_for(ctx)
         n_train = fs.adapters.numel()
         n_all = n_train + fs.frozen.numel() + fs.quantized.numel()

@@ -22,6 +22,7 @@ from vramcalc.hardware import alias_note, parse_gpus
 from vramcalc.hf_config import with_task
 from vramcalc.hf_stack import HF_OPTIMS, parse_modules_to_save
 from vramcalc.parallel import ParallelConfig
+from vramcalc.peft_file import checked_peft_config
 from vramcalc.scenario import Scenario
 from vramcalc.training import (
     ATTENTIONS,
@@ -130,7 +131,10 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "adamw-8bit).",
         FRAMEWORKS),
     Opt("finetune", str, "full", "full | lora | qlora (NF4 base) | dora: frozen base weights "
-        "plus trained adapters.", FINETUNES),
+        "plus trained adapters; peft: --peft-config's method.", (*FINETUNES, "peft")),
+    Opt("peft_config", str, None, "A PEFT adapter config (adapter_config.json, or its "
+        "folder): any PEFT method (IA3, prompt tuning, LoHa, OFT, ...) built by PEFT itself "
+        "on the hf profile and measured by `vramcalc trace`; implies --finetune peft."),
     Opt("lora_rank", int, 8, "LoRA rank r (PEFT default 8)."),
     Opt("lora_targets", str, "q,v", "Adapted linears, comma-separated: q,k,v,o,gate,up,down, "
         "or all-linear (default q,v: PEFT's default for Llama)."),
@@ -317,7 +321,7 @@ STACK_PRECISION = {"torchtitan": "amp-bf16", "torchtune": "bf16-pure"}
 
 _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
                   "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "kbit_prepare", "sync_each_batch", "liger", "recompute_method",
-                  "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "lora_embedding", "lora_head", "modules_to_save", "dropout",
+                  "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "lora_embedding", "lora_head", "modules_to_save", "peft_config", "dropout",
                   "moe_dispatcher", "deterministic", "transformer_impl", "litgpt_norm", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
                   "optimizer_in_backward", "compile", "packed", "float8", "float8_all_gather", "async_tp", "qlora_impl", "bnb_version",
@@ -420,6 +424,12 @@ def _validated(cls: Any, values: dict[str, Any]) -> Any:
                          f"(got {values[name]!r})") from None
 
 
+# values with a parser of their own (offload's also turns None into "none")
+_PARSERS = {"offload": parse_offload, "lora_targets": parse_targets,
+            "stage_layers": parse_stage_layers, "modules_to_save": parse_modules_to_save,
+            "peft_config": checked_peft_config}
+
+
 def normalize_values(values: dict[str, Any]) -> dict[str, Any]:
     """Check names, coerce types and choices; fill defaults. Unknown keys raise."""
     out: dict[str, Any] = {}
@@ -427,17 +437,8 @@ def normalize_values(values: dict[str, Any]) -> dict[str, Any]:
         if key not in OPTIONS_BY_NAME:
             raise InputError(f"unknown option {key!r}{suggest(key, list(OPTIONS_BY_NAME))}")
         opt = OPTIONS_BY_NAME[key]
-        if key == "offload":
-            out[key] = parse_offload(raw)
-            continue
-        if key == "lora_targets" and raw is not None:
-            out[key] = parse_targets(raw)
-            continue
-        if key == "stage_layers" and raw is not None:
-            out[key] = parse_stage_layers(raw)
-            continue
-        if key == "modules_to_save" and raw is not None:
-            out[key] = parse_modules_to_save(raw)
+        if key in _PARSERS and (raw is not None or key == "offload"):
+            out[key] = _PARSERS[key](raw)
             continue
         v = _coerce(opt, raw)
         if v is not None and opt.choices:
@@ -445,6 +446,8 @@ def normalize_values(values: dict[str, Any]) -> dict[str, Any]:
         out[key] = v
     if out.get("precision") is None:  # the stack's own default
         out["precision"] = STACK_PRECISION.get(out.get("framework") or "reference", "bf16")
+    if out.get("peft_config") is not None and out.get("finetune") in (None, "full"):
+        out["finetune"] = "peft"  # --peft-config implies --finetune peft
     for opt in SCENARIO_OPTIONS:
         out.setdefault(opt.name, parse_offload(opt.default) if opt.name == "offload"
                        else opt.default)

@@ -163,7 +163,9 @@ class TrainingConfig(BaseModel):
     framework: Literal["reference", "hf", "megatron", "torchtitan", "torchtune",
                        "lightning", "unsloth"] = "reference"
     # fine-tuning (vramcalc/finetune.py): frozen base + adapters; PEFT's defaults
-    finetune: Literal["full", "lora", "qlora", "dora"] = "full"
+    # "peft": a PEFT adapter config file (`peft_config`), traced only (vramcalc/peft_file.py)
+    finetune: Literal["full", "lora", "qlora", "dora", "peft"] = "full"
+    peft_config: str | None = Field(None, exclude_if=lambda v: v is None)
     lora_rank: int = Field(8, gt=0, le=65_536)
     lora_targets: str = DEFAULT_TARGETS  # canonical, see parse_targets
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
@@ -231,6 +233,12 @@ class TrainingConfig(BaseModel):
                     parse_version(text)
                 except ValueError as err:
                     raise ValueError(f"--{name.replace('_', '-')}: {err}") from None
+        if (self.finetune == "peft") != (self.peft_config is not None):
+            raise ValueError("--finetune peft and --peft-config FILE go together (the file is "
+                             "the PEFT adapter config to trace)")
+        if self.finetune == "peft" and self.framework != "hf":
+            raise ValueError("--peft-config: PEFT runs on transformers' models: use "
+                             "--framework hf")
         if self.qlora_impl == "torchao" and self.nf4_double_quant is False:
             raise ValueError("--no-nf4-double-quant: torchao's NF4Tensor always quantizes its "
                              "scalers (scaler_block_size 256); use --qlora-impl bnb")

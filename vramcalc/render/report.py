@@ -68,7 +68,9 @@ def strategy_line(strategy: dict[str, Any]) -> str:
         parts.append(f"packed ({s.get('packed_mask') or 'flex'} mask)")
     if s.get("dropout") is not None:
         parts.append(f"dropout {s['dropout']}")
-    if s.get("finetune", "full") != "full":
+    if s.get("finetune") == "peft":
+        parts.append(f"peft config {s.get('peft_config')}")
+    elif s.get("finetune", "full") != "full":
         ft = f"{s['finetune']} r{s.get('lora_rank')} on {s.get('lora_targets')}"
         if s.get("lora_dropout"):
             ft += f" dropout {s['lora_dropout']}"

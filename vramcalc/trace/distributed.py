@@ -323,8 +323,9 @@ def _run(scn: Scenario, model: Any, tracker: Any, mesh: Any, tick: Any, report_p
 
     no_sync = trainer_no_sync(tr, scn.parallel)
     from vramcalc.trace.liger import liger_rope
+    from vramcalc.trace.lora import peft_trace_limits
 
-    with liger_rope(model, tr.liger):
+    with liger_rope(model, tr.liger), peft_trace_limits(tr):
         run_steps(scn, tracker, model, params, opt, iterations, tick, seq_lens=seq_lens,
                   after_backward=label_grads, before_micro=sync if no_sync else None,
                   state_label="optimizer_states")

@@ -255,8 +255,9 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
         opt = (in_backward_optimizer(tracker, tr, params) if tr.optimizer_in_backward
                else tracked_optimizer(tracker, tr, params))
         from vramcalc.trace.liger import liger_rope  # Liger's RoPE while the steps run
+        from vramcalc.trace.lora import peft_trace_limits
 
-        with liger_rope(model, tr.liger):
+        with liger_rope(model, tr.liger), peft_trace_limits(tr):
             run_steps(scn, tracker, model, params, opt, iterations, tick, autocast=autocast,
                       debug=debug, seq_lens=seq_lens)
         report_progress("done", 1.0)

@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramcalc.errors import InputError
+from vramcalc.errors import InputError, one_line, shown_path
 from vramcalc.finetune import adapted_linears, fused_family, targeted_linears
+from vramcalc.peft_file import peft_config_path, peft_type_of, read_peft_config
 from vramcalc.trace.nf4 import NF4Linear
 
 LORA_ALPHA = 16  # changes values only (scaling α/r), not memory
@@ -174,16 +175,17 @@ def _fake_module_casts() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _fake_deepcopies() -> Iterator[None]:
-    """Let PEFT's ModulesToSaveWrapper copy a module of fake parameters.
+    """Let PEFT copy a module of fake parameters.
 
     `copy.deepcopy` of a FakeTensor makes it in a new FakeTensorMode, which the trace's mode
     refuses to mix with; seeding deepcopy's memo with a fresh `empty_like` of each parameter
     and buffer (made in the active mode) copies the module with storages of the same sizes
-    and dtypes, which is all the trace counts (peft 0.21.2 utils/other.py
-    `ModulesToSaveWrapper.update` calls `copy.deepcopy(self.original_module)`)."""
+    and dtypes, which is all the trace counts. PEFT copies through `copy.deepcopy`
+    (peft 0.21.2 utils/other.py `ModulesToSaveWrapper.update`) or a `deepcopy` it imported
+    (tuners/ln_tuning/layer.py `LNTuningLayer.update_layer`): both names are re-pointed in
+    every loaded peft module while PEFT builds its layers."""
+    import sys
     import types
-
-    import peft.utils.other as other
 
     def deepcopy(obj: Any, memo: dict[int, Any] | None = None) -> Any:
         memo = {} if memo is None else memo
@@ -194,12 +196,20 @@ def _fake_deepcopies() -> Iterator[None]:
                 memo[id(b)] = torch.empty_like(b)
         return copy.deepcopy(obj, memo)
 
-    original = other.copy
-    other.copy = types.SimpleNamespace(deepcopy=deepcopy)  # type: ignore[assignment]
+    shim = types.SimpleNamespace(deepcopy=deepcopy)
+    saved: list[tuple[Any, str, Any]] = []
+    for name, mod in list(sys.modules.items()):
+        if name == "peft" or name.startswith("peft."):
+            for attr, new in (("copy", shim), ("deepcopy", deepcopy)):
+                old = getattr(mod, attr, None)
+                if old is copy or old is copy.deepcopy:
+                    saved.append((mod, attr, old))
+                    setattr(mod, attr, new)
     try:
         yield
     finally:
-        other.copy = original
+        for mod, attr, old in saved:
+            setattr(mod, attr, old)
 
 
 def _hf(model: nn.Module, scn: Any) -> nn.Module:
@@ -248,19 +258,81 @@ def _hf(model: nn.Module, scn: Any) -> nn.Module:
                      modules_to_save=tr.modules_to_save.split(",") if tr.modules_to_save else None)
     with _fake_module_casts(), _fake_deepcopies():
         model = get_peft_model(model, cfg)
-    for mod in list(model.modules()):  # PEFT's lora_dropout ModuleDicts: CUDA's kernel
-        drops = getattr(mod, "lora_dropout", None)
-        if isinstance(drops, nn.ModuleDict):
-            for key, d in list(drops.items()):
-                if isinstance(d, nn.Dropout):
-                    drops[key] = CudaDropout(d.p)
+    return _cuda_dropouts(model)
+
+
+def _cuda_dropouts(model: nn.Module) -> nn.Module:
+    """PEFT's adapter dropouts (`lora_dropout` and the like, ModuleDicts by adapter name)
+    as CUDA's kernel runs them (`CudaDropout`)."""
+    for mod in list(model.modules()):
+        for attr in ("lora_dropout", "hra_dropout", "module_dropout", "rank_dropout"):
+            drops = getattr(mod, attr, None)
+            if isinstance(drops, nn.ModuleDict):
+                for key, d in list(drops.items()):
+                    if isinstance(d, nn.Dropout):
+                        drops[key] = CudaDropout(d.p)
     return model
+
+
+def peft_from_file(model: nn.Module, scn: Any) -> nn.Module:
+    """--peft-config: PEFT's `get_peft_model` with the file's config, whatever the method
+    (vramcalc/peft_file.py). PEFT's defaults hold (`autocast_adapter_dtype=True`: 16-bit
+    adapter weights upcast to fp32)."""
+    try:
+        from peft import PeftConfig, get_peft_model
+    except ImportError:  # pragma: no cover - peft is a test dependency
+        raise InputError("--peft-config needs peft: pip install peft") from None
+    path = scn.training.peft_config
+    doc = read_peft_config(path)
+    where = f"--peft-config {shown_path(str(peft_config_path(path)))}"
+    try:
+        cfg = PeftConfig.from_peft_type(**doc)
+    except KeyError:
+        raise InputError(f"{where}: PEFT has no method peft_type "
+                         f"{shown_path(str(doc['peft_type']))}") from None
+    except ImportError as err:  # a method's own dependency (AdaMSS: scikit-learn)
+        raise InputError(f"{where}: PEFT needs a package for it: {one_line(str(err))}") from None
+    except (TypeError, ValueError, AttributeError) as err:
+        raise InputError(f"{where}: PEFT does not accept it: {one_line(str(err))}") from None
+    try:
+        with _fake_module_casts(), _fake_deepcopies(), peft_trace_limits(scn.training):
+            model = get_peft_model(model, cfg)
+    except InputError:  # peft_trace_limits' own
+        raise
+    except ImportError as err:
+        raise InputError(f"{where}: PEFT needs a package for it: {one_line(str(err))}") from None
+    except (TypeError, ValueError, KeyError, AttributeError, NotImplementedError) as err:
+        raise InputError(f"{where}: PEFT cannot apply it to {scn.model.name}: "
+                         f"{one_line(str(err))}") from None
+    return _cuda_dropouts(model)
+
+
+@contextlib.contextmanager
+def peft_trace_limits(tr: Any) -> Iterator[None]:
+    """A PEFT method whose forward needs tensor values (data-dependent shapes, such as
+    `nonzero`), which a fake-tensor trace has none of: one clear error instead of torch's."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException) as err:
+        if tr.finetune != "peft":
+            raise
+        raise InputError(f"--peft-config: PEFT's {peft_type_of(tr.peft_config)} computes "
+                         f"shapes from tensor values ({err.func}), which a fake-tensor trace "
+                         "has none of: it cannot be measured without a GPU (vramcalc probe "
+                         "--run measures a real step)") from None
 
 
 def apply_finetune(model: nn.Module, scn: Any) -> nn.Module:
     """The fine-tuning model for `scn.training.finetune` (see the module docstring)."""
     if scn.training.finetune == "full":
         return model
+    if scn.training.finetune == "peft":
+        return peft_from_file(model, scn)
     if scn.training.framework == "hf":
         return _hf(model, scn)
     return _reference(model, scn)

@@ -1,0 +1,116 @@
+"""--peft-config: any PEFT method from its adapter config, traced with PEFT's own modules
+(vramcalc/peft_file.py, vramcalc/trace/lora.py `peft_from_file`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vramcalc.cli import main
+from vramcalc.units import ALLOC_ROUND_BYTES, alloc
+
+# validate's llama-gqa shape: h 1024, 2 layers, 16 heads of 64, 4 KV heads, f 2816
+H, L, KV, F = 1024, 2, 4 * 64, 2816
+
+
+def _write(tmp_path: Path, doc: object, name: str = "adapter_config.json") -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    return str(path)
+
+
+def _trace(config: str, **kw: object):  # noqa: ANN202
+    pytest.importorskip("peft")
+    from vramcalc.trace.engine import trace
+    from vramcalc.validate import scenario_for
+
+    _, scn = scenario_for("llama-gqa", framework="hf", finetune="peft", peft_config=config,
+                          seq_len=256, **kw)
+    return trace(scn)
+
+
+def test_ia3_trains_peft_s_scaling_vectors(tmp_path: Path) -> None:
+    """IA3 on k_proj, v_proj and down_proj (feedforward): PEFT's ia3/layer.py gives each
+    target one vector, (out, 1) on an attention output and (1, in) on a feedforward input,
+    upcast to fp32 (`autocast_adapter_dtype=True`). The trace's gradients and AdamW states
+    are those vectors and nothing of the frozen base: 2 layers x (256 + 256 + 2816)
+    fp32 values, each tensor a block of its own."""
+    cfg = _write(tmp_path, {"peft_type": "IA3", "task_type": "CAUSAL_LM",
+                            "target_modules": ["k_proj", "v_proj", "down_proj"],
+                            "feedforward_modules": ["down_proj"]})
+    res = _trace(cfg)
+    vectors = L * (2 * alloc(KV, "fp32") + alloc(F, "fp32"))
+    step = res.phases["optimizer"].parts
+    assert step["gradients"] == vectors
+    # AdamW fused (the hf profile's): exp_avg, exp_avg_sq and a 0-dim step tensor on the
+    # device per parameter (torch/optim/adam.py `_init_group`, fused or capturable)
+    assert step["optimizer_states/states"] == 2 * vectors + 3 * L * ALLOC_ROUND_BYTES
+
+
+def test_prompt_tuning_trains_the_virtual_token_embeddings(tmp_path: Path) -> None:
+    """Prompt tuning: PEFT's PromptEmbedding is an nn.Embedding of (virtual tokens,
+    token_dim) in fp32; its gradient is all that trains, and the virtual tokens lengthen
+    every sequence, so more of them keep more activations."""
+    def prompt(n: int) -> str:
+        return _write(tmp_path, {"peft_type": "PROMPT_TUNING", "task_type": "CAUSAL_LM",
+                                 "num_virtual_tokens": n, "token_dim": H,
+                                 "num_transformer_submodules": 1}, f"p{n}.json")
+
+    short, long = _trace(prompt(20)), _trace(prompt(200))
+    assert short.phases["optimizer"].parts["gradients"] == alloc(20 * H, "fp32")
+    assert long.phases["optimizer"].parts["gradients"] == alloc(200 * H, "fp32")
+    assert (long.phases["forward"].terms()["activations"]
+            > short.phases["forward"].terms()["activations"])
+
+
+def test_a_folder_holding_adapter_config_json_is_read(tmp_path: Path) -> None:
+    _write(tmp_path, {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4,
+                      "target_modules": ["q_proj"]})
+    res = _trace(str(tmp_path))
+    # one LoRA A (4 x 1024) and B (1024 x 4) per layer, fp32
+    assert res.phases["optimizer"].parts["gradients"] == L * 2 * alloc(4 * H, "fp32")
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+BASE = ["--model", "llama3.2-1b", "--framework", "hf", "--seq-len", "64"]
+
+
+@pytest.mark.parametrize("command", ["estimate", "explain", "plan"])
+def test_the_analytic_commands_point_to_the_trace(command: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = _write(tmp_path, {"peft_type": "IA3"})
+    code, err = _run([command, *BASE, "--peft-config", cfg], capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "vramcalc trace" in lines[0]
+
+
+@pytest.mark.parametrize(("doc", "flags", "says"), [
+    (None, [], "not found"),
+    ([1], [], "JSON object"),
+    ({"r": 8}, [], "peft_type"),
+    ({"peft_type": "NOPE"}, [], "no method"),
+    ({"peft_type": "LORA", "target_modules": ["nothing_here"]}, [], "cannot apply"),
+    ({"peft_type": "IA3"}, ["--framework", "torchtune"], "--framework hf"),
+])
+def test_bad_peft_configs_get_one_error_line(doc: object, flags: list[str], says: str,
+                                             tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("peft")
+    cfg = str(tmp_path / "missing.json") if doc is None else _write(tmp_path, doc)
+    argv = ["trace", *BASE, *flags, "--peft-config", cfg]
+    code, err = _run(argv, capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], lines
+
+
+def test_finetune_peft_needs_the_file(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _run(["trace", *BASE, "--finetune", "peft"], capsys)
+    assert code == 2 and "--peft-config" in err
