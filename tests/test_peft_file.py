@@ -114,3 +114,28 @@ def test_bad_peft_configs_get_one_error_line(doc: object, flags: list[str], says
 def test_finetune_peft_needs_the_file(capsys: pytest.CaptureFixture[str]) -> None:
     code, err = _run(["trace", *BASE, "--finetune", "peft"], capsys)
     assert code == 2 and "--peft-config" in err
+
+
+def test_methods_that_need_tensor_values_get_one_error_line(tmp_path: Path) -> None:
+    """FROD and SHiRA (`nonzero`), UniLoRA (`bincount`) compute shapes from tensor values,
+    VB-LoRA checks them (`isinf(...).any()`): under --peft-config these end as an
+    InputError naming the method; for the built-in methods they stay torch's own errors."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    from vramcalc.errors import InputError
+    from vramcalc.trace.lora import peft_trace_limits
+
+    cfg = _write(tmp_path, {"peft_type": "SHIRA"})
+    peft = SimpleNamespace(finetune="peft", peft_config=cfg)
+    with pytest.raises(InputError, match="SHIRA computes shapes from tensor values"):
+        with peft_trace_limits(peft):
+            raise DynamicOutputShapeException(torch.ops.aten.nonzero.default)
+    with pytest.raises(InputError, match="could not run on fake tensors"):
+        with peft_trace_limits(peft):
+            raise RuntimeError("Found infinity values")
+    with pytest.raises(DynamicOutputShapeException):
+        with peft_trace_limits(SimpleNamespace(finetune="lora", peft_config=None)):
+            raise DynamicOutputShapeException(torch.ops.aten.nonzero.default)

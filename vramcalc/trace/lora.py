@@ -325,6 +325,12 @@ def peft_trace_limits(tr: Any) -> Iterator[None]:
                          f"shapes from tensor values ({err.func}), which a fake-tensor trace "
                          "has none of: it cannot be measured without a GPU (vramcalc probe "
                          "--run measures a real step)") from None
+    except RuntimeError as err:  # a method's own check of tensor values (VB-LoRA's isinf)
+        if tr.finetune != "peft":
+            raise
+        raise InputError(f"--peft-config: PEFT's {peft_type_of(tr.peft_config)} could not "
+                         f"run on fake tensors, which hold no values: {one_line(str(err))}"
+                         ) from None
 
 
 def apply_finetune(model: nn.Module, scn: Any) -> nn.Module:
