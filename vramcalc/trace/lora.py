@@ -262,15 +262,13 @@ def _hf(model: nn.Module, scn: Any) -> nn.Module:
 
 
 def _cuda_dropouts(model: nn.Module) -> nn.Module:
-    """PEFT's adapter dropouts (`lora_dropout` and the like, ModuleDicts by adapter name)
-    as CUDA's kernel runs them (`CudaDropout`)."""
+    """PEFT's adapter dropouts (`lora_dropout`, `vera_dropout`, ...: ModuleDicts by adapter
+    name) as CUDA's kernel runs them (`CudaDropout`)."""
     for mod in list(model.modules()):
-        for attr in ("lora_dropout", "hra_dropout", "module_dropout", "rank_dropout"):
-            drops = getattr(mod, attr, None)
-            if isinstance(drops, nn.ModuleDict):
-                for key, d in list(drops.items()):
-                    if isinstance(d, nn.Dropout):
-                        drops[key] = CudaDropout(d.p)
+        if isinstance(mod, nn.ModuleDict):
+            for key, d in list(mod.items()):
+                if type(d) is nn.Dropout:
+                    mod[key] = CudaDropout(d.p)
     return model
 
 
