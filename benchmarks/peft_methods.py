@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -33,6 +34,16 @@ from vramcalc.trace.engine import trace
 GB = 10**9
 RESULTS = "method_comparison/MetaMathQA/results"
 FLAGS = {**_PEFT_MC, "micro_batch_size": 4}  # the calibrated PEFT rows' settings
+
+
+def _why(message: str) -> str:
+    """The trace's refusal, short: what stopped it."""
+    op = re.search(r"\((aten\.[\w.]+)\)", message)
+    if op:
+        return f"not traced: shapes from tensor values ({op.group(1)})"
+    if "fake tensors" in message:
+        return "not traced: checks tensor values"
+    return "not traced: " + message.rsplit(": ", 1)[-1]
 
 
 def rows(repo: Path, only: list[str]) -> list[tuple[str, str, float, float | None, str]]:
@@ -55,7 +66,7 @@ def rows(repo: Path, only: list[str]) -> list[tuple[str, str, float, float | Non
                 res = trace(build_scenario({**FLAGS, "framework": "hf",
                                             "peft_config": str(cfg_file)}))
             except InputError as err:
-                out.append((name, cfg["peft_type"], recorded, None, str(err)))
+                out.append((name, cfg["peft_type"], recorded, None, _why(str(err))))
                 continue
             took = f"{time.perf_counter() - start:.0f} s"
             out.append((name, cfg["peft_type"], recorded,
