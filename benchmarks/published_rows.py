@@ -23,6 +23,15 @@ Sources (GB = 1e9 bytes unless said):
   calibrated rows; bytes), Llama-3.2-3B on an L40S, batch 4, sequences up to 768 tokens.
 - torchtune README (pytorch/torchtune 1814feb): the Llama-3.2-3B optimisation table ("Peak
   Memory Active (GiB)") on an A100, batch 2, packed to 4096 where said.
+- LitGPT `tutorials/resource-tables.md` (Lightning-AI/litgpt 0cc02afa, October 2023; runs at
+  8641822): "Max GPU RAM" (`max_memory_allocated`, never reset), Alpaca, LoRA r 8 on query
+  and value, one A100 40GB unless said, `bf16-true`; the rows not in the calibration set,
+  with the calibrated rows' flags (benchmarks/calibration.py `_LITGPT`): each model at its
+  longest Alpaca sample (1,044 phi-1.5 tokens, 1,304 Llama 2 tokens), which the first batch
+  holds; `bnb.nf4` / `bnb.nf4-dq` as Lightning's BitsandbytesPrecision with bitsandbytes
+  0.41.1 and PagedAdamW; several devices: FSDPStrategy with checkpointing per block and 128
+  samples per step. The StableLM Alpha rows are left out: their longest sample under
+  StableLM's tokenizer is not established here.
 - torchtune README (pytorch/torchtune 30b8519e, September 2024; unchanged at 1814feb), the
   Llama 3.1 table "Memory and training speed" (GiB, the 405B row GB). The README gives
   batch 2 without accumulation, a dataset packed to 2048 and compile for every row; the
@@ -44,7 +53,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from calibration import _LLAMA32_3B, _PEFT_MC, _TUNE, model_yaml
+from calibration import _LITGPT, _LITGPT_PHI15, _LLAMA32_3B, _PEFT_MC, _TUNE, model_yaml
 
 from vramcalc.analytic import estimate
 from vramcalc.options import build_scenario
@@ -67,6 +76,15 @@ _ALL16 = {**_ALL8, "lora_rank": 16}
 _PEFT = {**_PEFT_MC, "micro_batch_size": 4, "lora_dropout": 0.0}
 _PACKED = {**_TUNE, "model": "@llama3.2-3b", "gpus": "1xA100-80GB", "micro_batch_size": 2,
            "packed": True, "seq_len": 4096}
+# LitGPT's 2023 resource table: the calibrated rows' settings (benchmarks/calibration.py),
+# each model at its longest Alpaca sample (the first batch holds it)
+_LIT23_PHI = {**_LITGPT, "model": "@phi-1.5", "seq_len": 1044}
+_LIT23_7B = {**_LITGPT, "model": "llama2-7b", "seq_len": 1304}
+_LIT23_13B = {**_LITGPT, "model": "llama2-13b", "seq_len": 1304}
+_NF4 = {"finetune": "qlora", "optimizer": "paged-adamw", "bnb_version": "0.41.1",
+        "nf4_double_quant": False, "quantize_head": True}
+_NF4DQ = {**_NF4, "nf4_double_quant": True}
+_FSDP2X = {"gpus": "2xA100-40GB", "fsdp": "full", "recompute": "full"}
 # the Llama 3.1 table: batch 2, packed to 2048, compile (README); configs at 30b8519e
 _TUNE31 = {**_TUNE, "model": "llama3.1-8b", "micro_batch_size": 2, "grad_accum": 1,
            "packed": True, "seq_len": 2048, "compile": True, "chunked_ce": 8}
@@ -137,6 +155,28 @@ ROWS: list[tuple[str, str, float, str, str, dict[str, Any]]] = [
      {**_PACKED, "recompute": "full", "compile": True, "chunked_ce": 8,
       "activation_offload": True, "finetune": "qlora", "lora_rank": 64,
       "lora_targets": "q,v,o,gate,up,down", "qlora_impl": "torchao", "load": "torchtune"}),
+    ("LitGPT 2023", "phi-1.5 bnb.nf4", 3.78, "GB", "allocated", {**_LIT23_PHI, **_NF4}),
+    ("LitGPT 2023", "phi-1.5 bnb.nf4-dq", 3.72, "GB", "allocated", {**_LIT23_PHI, **_NF4DQ}),
+    ("LitGPT 2023", "phi-1.5 micro-batch 2", 6.76, "GB", "allocated",
+     {**_LIT23_PHI, "micro_batch_size": 2}),
+    ("LitGPT 2023", "phi-1.5 micro-batch 4", 10.68, "GB", "allocated",
+     {**_LIT23_PHI, "micro_batch_size": 4}),
+    ("LitGPT 2023", "Llama 2 7B bnb.nf4-dq", 13.84, "GB", "allocated",
+     {**_LIT23_7B, **_NF4DQ}),
+    ("LitGPT 2023", "Llama 2 7B micro-batch 2", 29.07, "GB", "allocated",
+     {**_LIT23_7B, "micro_batch_size": 2}),
+    ("LitGPT 2023", "Llama 2 13B", 38.12, "GB", "allocated", _LIT23_13B),
+    ("LitGPT 2023", "Llama 2 13B bnb.nf4", 23.14, "GB", "allocated", {**_LIT23_13B, **_NF4}),
+    ("LitGPT 2023", "Llama 2 13B bnb.nf4-dq", 22.55, "GB", "allocated",
+     {**_LIT23_13B, **_NF4DQ}),
+    ("LitGPT 2023", "phi-1.5, 2 x A100", 4.86, "GB", "allocated",
+     {**_LIT23_PHI, **_FSDP2X, "grad_accum": 128}),
+    ("LitGPT 2023", "phi-1.5 micro-batch 2, 2 x A100", 5.05, "GB", "allocated",
+     {**_LIT23_PHI, **_FSDP2X, "micro_batch_size": 2, "grad_accum": 64}),
+    ("LitGPT 2023", "phi-1.5 micro-batch 4, 2 x A100", 5.88, "GB", "allocated",
+     {**_LIT23_PHI, **_FSDP2X, "micro_batch_size": 4, "grad_accum": 32}),
+    ("LitGPT 2023", "Llama 2 13B, 4 x A100", 35.57, "GB", "allocated",
+     {**_LIT23_13B, **_FSDP2X, "gpus": "4xA100-40GB", "grad_accum": 128}),
     ("torchtune", "Llama 3.1 8B full, 1x 4090", 18.9, "GiB", "allocated",
      {**_TUNE31, "gpus": "1xRTX4090", "optimizer": "paged-adamw-8bit",
       "optimizer_in_backward": True}),
@@ -166,11 +206,13 @@ def run() -> list[tuple[str, str, float, float, str, str]]:
     """(source, row, published, estimate, unit, flags) per row."""
     out = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_file = Path(tmp) / "llama3.2-3b.yaml"
-        model_file.write_text(model_yaml(_LLAMA32_3B), encoding="utf-8")
+        files = {}
+        for fields in (_LLAMA32_3B, _LITGPT_PHI15):
+            path = Path(tmp) / f"{fields['name']}.yaml"
+            path.write_text(model_yaml(fields), encoding="utf-8")
+            files["@" + fields["name"]] = str(path)
         for source, row, value, unit, metric, flags in ROWS:
-            values = {k: (str(model_file) if v == "@llama3.2-3b" else v)
-                      for k, v in flags.items()}
+            values = {k: files.get(v, v) if isinstance(v, str) else v for k, v in flags.items()}
             rep = estimate(build_scenario(values))
             got = rep.peak_reserved_bytes if metric == "reserved" else rep.peak_allocated_bytes
             div = GIB if unit == "GiB" else GB
