@@ -10,7 +10,8 @@ Draws: argv values (over-long integers, NaN/inf, negative and zero counts, contr
 characters, long names, `~nosuchuser`, special files) and files (JSON and YAML with
 duplicate keys, deep nesting, huge integers, non-finite numbers, wrong types, binary junk;
 FIFOs, /dev/zero, folders, symlink loops, missing paths) for estimate, explain, plan, size,
-check, gpus, models, validate --records, probe --run and trace; serve when it exists.
+check, gpus, models, validate --records, probe --run and trace (and its --peft-config
+file); serve when it exists.
 CI draws FUZZ_EXAMPLES cases in all (derandomized, tests/conftest.py);
 `FUZZ_EXAMPLES=20000 HYPOTHESIS_PROFILE=explore pytest tests/test_fuzz.py` is the longer
 run on demand.
@@ -236,7 +237,7 @@ SPECIAL = ["fifo", "dev_zero", "dir", "loop", "missing", "long_name", "no_user",
 def hostile_files(draw: st.DrawFn) -> tuple[str, str, str]:
     """(command, what the file is, its text or the name of a special file)."""
     cmd = draw(st.sampled_from(["estimate", "explain", "plan", "size", "check", "check",
-                                "deepspeed", "profile", "validate", "trace"]))
+                                "deepspeed", "profile", "validate", "trace", "peft"]))
     if draw(st.integers(0, 5)) == 0:
         return cmd, "special", draw(st.sampled_from(SPECIAL))
     if cmd in ("estimate", "explain", "plan", "size", "trace"):
@@ -245,6 +246,10 @@ def hostile_files(draw: st.DrawFn) -> tuple[str, str, str]:
         base = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                 "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}
         return cmd, "ds.json", _json_doc(draw, base)
+    if cmd == "peft":  # a PEFT adapter config for `trace --peft-config`
+        base = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8,
+                "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
+        return cmd, "adapter_config.json", _json_doc(draw, base)
     if cmd == "validate":
         base = {"schema": "vramcalc.probe/1", "kind": "builtin", "status": "ok",
                 "scenario": {"model": "gpt2", "seq_len": 64}, "device": {"name": "x"},
@@ -305,6 +310,12 @@ def _argv(cmd: str, path: Path, folder: Path) -> list[str]:
         return ["plan", "--model", p, "--gpus", "2xH100", "--json"]
     if cmd == "trace":
         return ["trace", "--model", p, "--seq-len", "16", "--json"]
+    if cmd == "peft":
+        model = folder / "model"  # beside the drawn file, which may be a FIFO
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(LLAMA), encoding="utf-8")
+        return ["trace", "--model", str(model), "--framework", "hf", "--seq-len", "16",
+                "--peft-config", p, "--json"]
     return [cmd, "--model", p, "--seq-len", "64", "--json"]
 
 
@@ -312,9 +323,11 @@ def _argv(cmd: str, path: Path, folder: Path) -> list[str]:
 @given(hostile_files())
 def test_fuzz_files(drawn: tuple[str, str, str]) -> None:
     cmd, name, text = drawn
-    if cmd == "trace":  # load the torch engine outside the hang guard (seconds, once)
+    if cmd in ("trace", "peft"):  # load the torch engine outside the hang guard (seconds, once)
         pytest.importorskip("torch")
         import vramcalc.trace.distributed  # noqa: F401
+        if cmd == "peft":
+            pytest.importorskip("peft")
     with tempfile.TemporaryDirectory(prefix="vramcalc-fuzz-") as tmp:
         folder = Path(tmp)
         check_invariant(_argv(cmd, _materialize(folder, name, text), folder))
