@@ -90,6 +90,9 @@ def print_max(console: Console, res: MaxResult) -> None:
         console.print(f"[bold]{m.name}[/bold]{gpus}")
         console.print(f"Strategy: {strategy_line(res.report.strategy)}")
     console.print(answer_line(res))
+    if res.answer is None:
+        console.print("try: vramcalc plan with the same flags: it lists the smallest changes "
+                      "that fit (fine-tuning, optimizer, offload, more or other GPUs)")
     if len(res.points) > 1:
         console.print()
         for line in chart_lines(res.points, res.usable_bytes, res.capacity_bytes,
