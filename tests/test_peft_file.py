@@ -139,3 +139,25 @@ def test_methods_that_need_tensor_values_get_one_error_line(tmp_path: Path) -> N
     with pytest.raises(DynamicOutputShapeException):
         with peft_trace_limits(SimpleNamespace(finetune="lora", peft_config=None)):
             raise DynamicOutputShapeException(torch.ops.aten.nonzero.default)
+
+
+def test_a_lora_config_file_traces_as_finetune_lora(tmp_path: Path) -> None:
+    """A LoRA adapter config gives the trace that --finetune lora gives (both build PEFT's
+    LoraConfig), which the analytic engine's LoRA model matches: the file path adds no
+    memory of its own."""
+    pytest.importorskip("peft")
+    from vramcalc.analytic import estimate
+    from vramcalc.trace.engine import trace
+    from vramcalc.validate import scenario_for
+
+    cfg = _write(tmp_path, {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8,
+                            "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],
+                            "lora_dropout": 0.0})
+    from_file = _trace(cfg)
+    _, scn = scenario_for("llama-gqa", framework="hf", finetune="lora", lora_rank=8,
+                          lora_targets="q,v", seq_len=256)
+    flags = trace(scn)
+    assert {p: s.total for p, s in from_file.phases.items()} == {
+        p: s.total for p, s in flags.phases.items()}
+    ana = estimate(scn).peak_allocated_bytes
+    assert abs(ana / from_file.report.peak_allocated_bytes - 1) < 0.01
