@@ -161,3 +161,26 @@ def test_a_lora_config_file_traces_as_finetune_lora(tmp_path: Path) -> None:
         p: s.total for p, s in flags.phases.items()}
     ana = estimate(scn).peak_allocated_bytes
     assert abs(ana / from_file.report.peak_allocated_bytes - 1) < 0.01
+
+
+def test_probe_compares_a_peft_config_run_with_the_trace(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    """`probe --device cpu` (the dry run) of a --peft-config scenario: the record holds the
+    trace's comparison and no analytic one; validate --records leaves it out and says why."""
+    pytest.importorskip("peft")
+    cfg = _write(tmp_path, {"peft_type": "IA3", "task_type": "CAUSAL_LM",
+                            "target_modules": ["k_proj", "v_proj", "down_proj"],
+                            "feedforward_modules": ["down_proj"]})
+    out, model = tmp_path / "records", tmp_path / "model"
+    model.mkdir()  # a small Llama (transformers' config.json keys)
+    _write(model, {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100},
+           "config.json")
+    code = main(["probe", "--model", str(model), "--framework", "hf", "--seq-len", "32",
+                 "--peft-config", cfg, "--device", "cpu", "--out", str(out), "--json"])
+    rec = json.loads(capsys.readouterr().out)
+    assert code == 0 and rec["status"] == "ok" and rec["analytic"] is None
+    assert rec["trace"]["peak_allocated_bytes"] == rec["measured"]["max_memory_allocated_bytes"]
+    code, err = _run(["validate", "--records", str(out)], capsys)
+    assert code == 2 and "--peft-config" in err and err.count("\n") == 1

@@ -121,12 +121,15 @@ def probe_record(scn: Scenario, values: dict[str, Any], device: Device, iteratio
     """One probe record: device, versions, scenario, measured, analytic and trace peaks."""
     from vramcalc.analytic import estimate
 
-    analytic = estimate(scn)
+    # --peft-config: PEFT's own methods are the trace engine's alone (vramcalc/peft_file.py)
+    analytic = None if scn.training.finetune == "peft" else estimate(scn)
     trace_peak = None
-    if with_trace or device.type == "cpu":
+    if with_trace or device.type == "cpu" or analytic is None:
         from vramcalc.trace.engine import run_trace
+        from vramcalc.trace.hf_models import quiet_libraries
 
-        trace_peak = run_trace(scn).peak_allocated_bytes
+        with quiet_libraries():
+            trace_peak = run_trace(scn).peak_allocated_bytes
     if device.type == "cpu":
         # dry-run fallback: the trace tracker stands in for the device counters
         measured: dict[str, Any] = {"status": "ok", "max_memory_allocated_bytes": trace_peak,
@@ -152,7 +155,7 @@ def probe_record(scn: Scenario, values: dict[str, Any], device: Device, iteratio
         "analytic": {"peak_allocated_bytes": analytic.peak_allocated_bytes,
                      "device_total_bytes": analytic.device_total_bytes,
                      "rel_error": rel_error(analytic.peak_allocated_bytes, peak)
-                     if status == "ok" else None},
+                     if status == "ok" else None} if analytic is not None else None,
         "trace": {"peak_allocated_bytes": trace_peak,
                   "rel_error": rel_error(trace_peak, peak) if status == "ok" else None}
         if trace_peak is not None else None,

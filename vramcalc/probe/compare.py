@@ -30,7 +30,8 @@ def compare_records(folder: Path, with_trace: bool = False) -> dict[str, Any]:
                          "some with `vramcalc probe --out DIR` on a GPU)")
     rows = []
     for rec in records:
-        if rec.get("status") != "ok" or rec.get("kind") != "builtin":
+        if (rec.get("status") != "ok" or rec.get("kind") != "builtin"
+                or rec["scenario"].get("peft_config")):  # a --peft-config run: trace only
             continue
         measured = rec["measured"]
         peak = measured.get("max_memory_allocated_bytes")
@@ -70,8 +71,9 @@ def compare_records(folder: Path, with_trace: bool = False) -> dict[str, Any]:
         rows.append(row)
     if not rows:
         raise InputError(f"none of the {len(records)} probe records in {folder} is a completed "
-                         "built-in measurement (kind builtin, status ok, a measured peak): "
-                         "nothing to validate")
+                         "built-in measurement (kind builtin, status ok, a measured peak) of a "
+                         "scenario the analytic engine models (a --peft-config run's record "
+                         "holds its trace comparison): nothing to validate")
     errs = [abs(r["rel_error"]) for r in rows if r["rel_error"] is not None]
     failed = [r for r in rows if (r["rel_error"] is not None and abs(r["rel_error"]) >
                                   PEAK_TOLERANCE) or r.get("device_total_covers") is False]

@@ -126,11 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         record["measured"] = measured
         from vramcalc.analytic import estimate
 
-        rep = estimate(scn)
-        record["analytic"] = {"peak_allocated_bytes": rep.peak_allocated_bytes,
-                              "device_total_bytes": rep.device_total_bytes,
-                              "rel_error": rel_error(rep.peak_allocated_bytes,
-                                                     measured.get("max_memory_allocated_bytes"))}
+        record["analytic"] = None  # --peft-config: the trace engine's alone
+        if scn.training.finetune != "peft":
+            rep = estimate(scn)
+            record["analytic"] = {
+                "peak_allocated_bytes": rep.peak_allocated_bytes,
+                "device_total_bytes": rep.device_total_bytes,
+                "rel_error": rel_error(rep.peak_allocated_bytes,
+                                       measured.get("max_memory_allocated_bytes"))}
     except torch.OutOfMemoryError as err:  # type: ignore[attr-defined]
         record["status"] = "oom"
         record["oom"] = {"message": " ".join(str(err).split())[:500]}

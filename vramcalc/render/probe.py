@@ -40,9 +40,10 @@ def print_probe_record(console: Console, rec: dict[str, Any]) -> None:
             table.add_row(eng, _gb(part["peak_allocated_bytes"]), _pct(part.get("rel_error")))
     console.print(table)
     if m.get("max_memory_reserved_bytes") is not None:
+        total = (f", analytic device total {_gb(rec['analytic']['device_total_bytes'])}"
+                 if rec.get("analytic") else "")
         console.print(f"reserved peak {_gb(m['max_memory_reserved_bytes'])}, context "
-                      f"{_gb(m.get('context_bytes'))}, analytic device total "
-                      f"{_gb(rec['analytic']['device_total_bytes'])}")
+                      f"{_gb(m.get('context_bytes'))}{total}")
     if rec.get("_written_to"):
         console.print(f"record: {rec['_written_to']}")
 

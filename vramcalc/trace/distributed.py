@@ -61,6 +61,7 @@ from vramcalc.trace.engine import (
     watch_logits,
     with_lengths_note,
 )
+from vramcalc.trace.hf_models import quiet_libraries
 
 if TYPE_CHECKING:
     import torch
@@ -349,33 +350,7 @@ def trace_any(scn: Scenario, progress: Progress | None = None,
               seq_lens: Sequence[int] | None = None) -> MemoryReport:
     """The trace engine's report: one rank, or FSDP2 data parallelism on a fake process
     group (rank 0); `seq_lens` as in engine.trace."""
-    with _quiet_libraries():
+    with quiet_libraries():
         if scn.parallel.fsdp == "none":
             return run_trace(scn, progress, seq_lens)
         return distributed_trace(scn, progress, seq_lens=seq_lens).report
-
-
-@contextlib.contextmanager
-def _quiet_libraries() -> Iterator[None]:
-    """transformers' and PEFT's own warnings (deprecations, ignored config keys, an
-    unrecognised loss type) are not the report's: a trace prints its report or one error
-    line."""
-    import logging
-    import os
-    import warnings
-
-    hf_log = logging.getLogger("transformers")
-    level, env = hf_log.level, os.environ.get("TRANSFORMERS_VERBOSITY")
-    # transformers sets its logger's level from this variable when it is first imported
-    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hf_log.setLevel(logging.ERROR)
-        try:
-            yield
-        finally:
-            hf_log.setLevel(level)
-            if env is None:
-                del os.environ["TRANSFORMERS_VERBOSITY"]
-            else:
-                os.environ["TRANSFORMERS_VERBOSITY"] = env

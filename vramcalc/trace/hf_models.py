@@ -374,3 +374,29 @@ def build_hf_model(spec: ModelSpec, training: TrainingConfig, dtype: Any) -> Any
             model.gradient_checkpointing_enable)  # renamed in transformers 5.x
         enable({"use_reentrant": training.reentrant})
     return model
+
+
+@contextlib.contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """transformers' and PEFT's own warnings (deprecations, ignored config keys, an
+    unrecognised loss type) are not the report's: a trace prints its report or one error
+    line."""
+    import logging
+    import os
+    import warnings
+
+    hf_log = logging.getLogger("transformers")
+    level, env = hf_log.level, os.environ.get("TRANSFORMERS_VERBOSITY")
+    # transformers sets its logger's level from this variable when it is first imported
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf_log.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            hf_log.setLevel(level)
+            if env is None:
+                del os.environ["TRANSFORMERS_VERBOSITY"]
+            else:
+                os.environ["TRANSFORMERS_VERBOSITY"] = env
