@@ -171,14 +171,38 @@ def test_the_previous_micro_batch_is_held_until_the_model_returns() -> None:
     assert previous_held_bytes(_ctx()) == 0
     assert previous_logits_bytes(_ctx(framework="reference", litgpt_norm=None)) == 0
     q = {"finetune": "qlora", "litgpt_norm": None, "nf4_double_quant": False}
-    # q/k/v's input (norm_1's bf16 output), fc_1/fc_2's (norm_2's output) and proj's (the
-    # SwiGLU product); the attention proj's input is a view of SDPA's saved output (the
-    # flash kernel writes it (b, s, a, d)-major, so LitGPT's `y.transpose(1, 2).reshape`
-    # copies nothing); layer 0's q/k/v input needs no gradient (`ctx.tensors = (None, None)`)
-    per_layer = 2 * _alloc(S * H * 2) + _alloc(S * F * 2)
+    # q/k/v's input (norm_1's bf16 output), fc_1/fc_2's (norm_2's output), the MLP proj's
+    # (the SwiGLU product) and the attention proj's: a view of SDPA's output (the flash
+    # kernel writes it (b, s, a, d)-major, so LitGPT's `y.transpose(1, 2).reshape` copies
+    # nothing), whose storage SDPA's node released in backward and the proj's `ctx.tensors`
+    # still holds; layer 0's q/k/v input needs no gradient (`ctx.tensors = (None, None)`)
+    per_layer = 3 * _alloc(S * H * 2) + _alloc(S * F * 2)
     held = previous_held_bytes(_ctx(**q, bnb_version="0.42.0"))
     assert held == 32 * per_layer - _alloc(S * H * 2)
     assert previous_held_bytes(_ctx(**q, bnb_version="0.43.2")) == 0
+    # a 4-bit head: its chunks are views of the final norm's output, which it holds too
+    head = previous_held_bytes(_ctx(**q, bnb_version="0.42.0", quantize_head=True))
+    assert head - held == _alloc(S * H * 2)
+
+
+def test_a_4bit_head_runs_beside_its_earlier_chunks() -> None:
+    """LitGPT's last 128-token head chunk (24 tokens here) dequantizes the V·h weight to fp16,
+    casts it to bf16 (both alive during `.to`; the fp32 absmax of single quantization is read
+    as it is), while the ten earlier chunks' bf16 outputs
+    wait in the list `GPT.forward` returns. In backward autograd runs every loss and fp32
+    cast node (created after the head's) first, so the last chunk's head node runs beside
+    every chunk's bf16 gradient and the fp32 list the loop holds; there it dequantizes
+    again, then the bf16 weight meets dL/dx (24, h)."""
+    q = {"finetune": "qlora", "litgpt_norm": None, "nf4_double_quant": False,
+         "bnb_version": "0.42.0", "quantize_head": True}
+    ctx = _ctx(**q)
+    w, earlier = V * H, 10 * _alloc(128 * V * 2)
+    fwd = earlier + max(2 * _alloc(w * 2), _alloc(w * 2) + _alloc(24 * V * 2))
+    assert lg.nf4_head_forward_bytes(ctx) == fwd
+    fp32_list = 10 * _alloc(128 * V * 4) + _alloc(24 * V * 4)
+    grads = earlier + _alloc(24 * V * 2)
+    bwd = fp32_list + grads + max(2 * _alloc(w * 2), _alloc(w * 2) + _alloc(24 * H * 2))
+    assert lg.logits_backward_peak_bytes(ctx) == bwd  # above the loss's own backward
 
 
 def test_lightning_dequantizes_through_fp16() -> None:

@@ -312,10 +312,21 @@ def _nf4_head_bytes(ctx: RankContext, backward: bool) -> int:
     if tr.finetune != "qlora" or not tr.quantize_head:
         return 0
     x = dims(ctx)
+    w = x.V * x.h
+    if tr.framework == "lightning":
+        # LitGPT's 128-token head chunks: forward, the earlier chunks' outputs beside the
+        # last chunk's matmul; backward, every chunk's gradient in c (autograd runs all the
+        # losses' and Fabric's fp32 casts' nodes, created after the head's, first) beside
+        # the fp32 list the loop's `logits` holds
+        chunks = [alloc(n, x.c) for n in _lit_chunks(ctx)]
+        n = _lit_chunks(ctx)[-1] // x.V
+        if backward:
+            return (lit_logits_lists(ctx)[1] + sum(chunks)
+                    + dequant_backward_bytes(w, x.c, tr.nf4, alloc(n * x.h, x.c)))
+        return sum(chunks[:-1]) + dequant_matmul_bytes(w, x.c, tr.nf4, chunks[-1])
     n = chunk_tokens(ctx)[-1] if chunks_loss(tr) else x.b * x.s
     saved = chunked_saved_bytes(ctx) if chunks_loss(tr) else 0
     others = saved - (alloc(n * x.V, "fp32") + ALLOC_ROUND_BYTES if chunks_loss(tr) else 0)
-    w = x.V * x.h
     if backward:
         return (others + alloc(n * x.V, x.c)
                 + dequant_backward_bytes(w, x.c, tr.nf4, alloc(n * x.h, x.c)))
