@@ -108,7 +108,11 @@ def map_record(source: str, case: dict[str, Any]) -> Mapping:
 
 
 # ---- megatron.yaml --------------------------------------------------------------------
-PLATFORM_GPU = {"dgx_a100": "A100-80GB", "dgx_h100": "H100"}
+PLATFORM_GPU = {"dgx_a100": "A100-80GB", "dgx_h100": "H100", "dgx_gb200": "GB200",
+                # the same GPUs: a second CI cluster, and DGX A100 / H100 in other clouds
+                "dgx_a100_2nd": "A100-80GB", "dgx_h100_2nd": "H100", "dgx_gb200_2nd": "GB200",
+                "dgxa100_dracooci": "A100-80GB", "dgxa100_dracooci-ord": "A100-80GB",
+                "dgxh100_dgxc": "H100"}
 # Megatron arguments the mapping below has reviewed: those that change what is allocated
 # are turned into flags (or a missing feature), the rest only touch numerics, data loading
 # or logging. Any other argument makes the record "not expressible" until it is reviewed.

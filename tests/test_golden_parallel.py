@@ -108,6 +108,32 @@ def test_megatron_bytes_per_param(precision: str, without: int, fixed: int, shar
         fixed * PSI + sharded * PSI // d)
 
 
+@pytest.mark.parametrize("zero", [0, 1])
+def test_megatron_fp16_main_grads_exist_for_the_step_only(zero: int) -> None:
+    """Megatron-LM d98e8a64: with fp16 weights the grad buffer stays fp16
+    (training/arguments.py forces fp32 accumulation for bf16 only); the optimizer makes fp32
+    main gradients for its step (`_copy_model_grads_to_main_grads`: `main_param.grad =
+    model_param.main_grad.float()`, core/optimizer/optimizer.py; the shard's in
+    distrib_optimizer.py) and train_step's `optimizer.zero_grad()` drops them before the next
+    forward (training/training.py). So they are in the optimizer phase, 4 B per (sharded)
+    parameter, and not in forward or backward; bf16 makes none."""
+    from vramcalc.analytic import stage_phases
+    from vramcalc.options import build_scenario
+
+    def parts(precision: str) -> dict[str, dict[str, int]]:
+        scn = build_scenario({"model": "gpt2", "gpus": "8xH100", "framework": "megatron",
+                              "precision": precision, "zero": zero})
+        return {p.name: p.parts for p in stage_phases(scn, 0, None)[0]}
+
+    fp16, bf16 = parts("fp16"), parts("bf16")
+    master = fp16["optimizer"]["optimizer_states/master"]
+    assert master == bf16["optimizer"]["optimizer_states/master"] > 0
+    assert fp16["optimizer"]["optimizer_states/main_grads"] == master
+    for phase in ("forward", "backward"):
+        assert fp16[phase].get("optimizer_states/main_grads", 0) == 0
+    assert bf16["optimizer"].get("optimizer_states/main_grads", 0) == 0
+
+
 # ---- Korthikanti et al. 2022, Table 2 ---------------------------------------------------------
 # GPT-3 175B layer (Table 3): h = 12288, a = 96, s = 2048, b = 1, t = 8; FFN 4h.
 GPT3 = ModelSpec(hidden_size=12288, num_hidden_layers=96, num_attention_heads=96,

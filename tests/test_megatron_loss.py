@@ -31,8 +31,10 @@ B, S, V = 4, 1024, 50304
 N = B * S  # 4096 tokens: every (N) vector below is a multiple of 512 B
 
 
-def _ctx(precision: str = "bf16", tp: int = 1, framework: str = "megatron") -> RankContext:
-    tr = TrainingConfig(seq_len=S, micro_batch_size=B, precision=precision, framework=framework)
+def _ctx(precision: str = "bf16", tp: int = 1, framework: str = "megatron",
+         fusion: bool = False) -> RankContext:
+    tr = TrainingConfig(seq_len=S, micro_batch_size=B, precision=precision, framework=framework,
+                        cross_entropy_loss_fusion=fusion)
     return RankContext(GPT_SMALL, tr, ParallelConfig(dp=1, tp=tp))
 
 
@@ -63,6 +65,30 @@ def test_backward_peak_is_the_in_place_gradient_and_its_cast(precision: str,
     operands = N * 4 + N * 8 + N * 4  # grad_output, arange_1d, softmax_update
     scalars = 3 * 512  # loss, its scaled copy, the root gradient
     assert logits_backward_peak_bytes(_ctx(precision)) == big + saved_small + operands + scalars
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fused_loss_backward_writes_a_new_fp32_gradient_back(tp: int) -> None:
+    """--cross-entropy-loss-fusion: fusions/fused_cross_entropy.py runs the same steps under
+    torch.compile (core/jit.py: `jit_fuser = torch.compile` from torch 2.2). Compiling its
+    four functions with torch 2.13 (TORCH_LOGS=output_code): the forward ones write into
+    their inputs (the fp32 copy `calculate_logits_max` returns), but `calculate_gradients`,
+    which mutates the saved softmax through an index_put on a view and then `mul_`, computes
+    the gradient into a new (N, V') fp32 buffer, writes it back into the softmax and returns
+    the bf16 cast: 4 + 4 + 2 bytes per logit, its (N) operands inside the one kernel."""
+    v = V // tp
+    big = N * v * (4 + 4 + 2)
+    saved_small = N * 1 + N * 8 + N * 4  # target_mask, masked_target_1d, loss_mask
+    scalars = 3 * 512
+    assert logits_backward_peak_bytes(_ctx(tp=tp, fusion=True)) == big + saved_small + scalars
+    # the forward keeps what the unfused loss keeps
+    assert logits_forward_peak_bytes(_ctx(tp=tp, fusion=True)) == logits_forward_peak_bytes(
+        _ctx(tp=tp))
+
+
+def test_loss_fusion_is_megatron_only() -> None:
+    with pytest.raises(ValueError, match="needs --framework megatron"):
+        _ctx(framework="hf", fusion=True)
 
 
 def test_megatron_loss_holds_half_the_reference_backward_per_logit() -> None:

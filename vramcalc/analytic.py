@@ -330,7 +330,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
 
     optimizer = Phase("optimizer", B, gradients_at_step_bytes(ctx), {
         "transients/optimizer_step": 0 if ib else P.optimizer_step,
-    })
+        "optimizer_states/main_grads": opt["main_grads"]})  # Megatron fp16
     load = load_parts(ctx)  # the model being loaded and prepared (terms/load.py)
     phases = ([] if load and ctx.training.load_only else [forward, backward, optimizer]) + (
         [Phase("load", StageBase({}, {}), 0, load)] if load else [])

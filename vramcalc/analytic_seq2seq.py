@@ -366,7 +366,8 @@ def seq2seq_stage_phases(scn: Scenario, gpu: GPUProfile | None
     backward = max(cands, key=lambda p: p.total)
 
     optimizer = Phase("optimizer", B, gradients_at_step_bytes(ctx), {
-        "transients/optimizer_step": tr.optimizer_step_temp_bytes(ctx)})
+        "transients/optimizer_step": tr.optimizer_step_temp_bytes(ctx),
+        "optimizer_states/main_grads": opt["main_grads"]})
     load = load_parts(ctx)
     phases = [forward, backward, optimizer] + ([Phase("load", StageBase({}, {}), 0, load)]
                                                if load else [])

@@ -147,6 +147,10 @@ def explain(scn: Scenario) -> dict[str, Any]:
     if tr.has_master_weights:
         lines.append(f"Mixed precision adds an fp32 master copy (4 B/param): "
                      f"{_gb(split['master'])} — the ZeRO paper's K = 12 with Adam (4 + 4 + 4).")
+    if split["main_grads"]:
+        lines.append(f"Megatron-LM's fp16 optimizer copies the gradients to fp32 for the step "
+                     f"(4 B/param, freed by the next zero_grad): {_gb(split['main_grads'])}, "
+                     "in the optimizer phase only.")
     sections.append({"title": "Optimizer states", "lines": lines})
     if low_precision(tr):  # vramcalc/terms/lowprec.py
         sections.append({"title": "FP8" if tr.precision == "fp8" else "Quantization-aware "
@@ -323,7 +327,10 @@ def logits_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
         out.append(f"Megatron-LM's vocab-parallel cross entropy turns one fp32 copy of the "
                    f"logits into the softmax in place and writes the gradient into it: "
                    f"(4 + {c}) B per logit at both peaks = {nv:,} x {4 + c} B "
-                   f"= {_gb(nv * (4 + c))}.")
+                   f"= {_gb(nv * (4 + c))}."
+                   + (" With --cross-entropy-loss-fusion (torch.compile'd) the backward "
+                      "computes the gradient into a new fp32 buffer first: (4 + 4 + 2) B per "
+                      "logit there." if tr.cross_entropy_loss_fusion else ""))
     elif loss_parallel(ctx):  # vramcalc/terms/torchtitan_tp.py
         c = DTYPE_BITS[tr.compute_dtype] // 8
         out.append(f"torchtitan's loss parallel (torch's loss_parallel on each rank's vocabulary "

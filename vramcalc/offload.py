@@ -70,7 +70,7 @@ def offload_footprint(ctx: RankContext) -> OffloadFootprint:
     part = ceil_div(ctx.train_shapes.numel(), shard)  # this rank's trained partition
     w16 = tr.weight_dtype
     states = optimizer_state_split_on_device(ctx)
-    opt_bytes = states["states"] + states["master"]
+    opt_bytes = sum(states.values())
     if ctx.engine == "fsdp2":  # the parameters as stored, the trained ones' gradients
         w = offloaded_weight_bytes(ctx)
         g = ctx.train_shapes.nbytes(grad_dtype(ctx), shard, ctx.expert_shard(shard), "dim0")

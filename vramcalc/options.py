@@ -155,14 +155,14 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "no dropout masks. The reference and hf profiles model dropout off and accept only "
         "0."),
     Opt("moe_dispatcher", str, None, "Megatron-LM's MoE token dispatcher (megatron "
-        "profile, MoE models): allgather (gathers every token of the TP x EP group, "
-        "Megatron's default) | alltoall (sends each token to its experts' ranks). Default: "
-        "allgather. The reference and hf profiles route tokens their own way and accept "
-        "none.", MOE_DISPATCHERS),
+        "profile, MoE models): allgather (gathers every token of the TP x EP group, the "
+        "default) | alltoall (sends each token to its experts' ranks).", MOE_DISPATCHERS),
     Opt("deterministic", bool, False, "Megatron-LM's --deterministic-mode (megatron profile): "
-        "torch.use_deterministic_algorithms(True); MoE layers then keep the expert output "
-        "(unpermute's index_add_) and the router's row index; cuBLAS workspaces of 32 MiB "
-        "(CUBLAS_WORKSPACE_CONFIG=:4096:8)."),
+        "deterministic algorithms; MoE layers keep the expert output (unpermute's index_add_) "
+        "and the router's row index; 32 MiB cuBLAS workspaces (CUBLAS_WORKSPACE_CONFIG)."),
+    Opt("cross_entropy_loss_fusion", bool, False, "Megatron-LM's --cross-entropy-loss-fusion "
+        "(megatron profile; the native impl): the torch.compile'd vocab-parallel loss, whose "
+        "backward computes the gradient into a new fp32 buffer before writing it back."),
     Opt("transformer_impl", str, None, "Megatron-LM's --transformer-impl (megatron profile): "
         "transformer_engine (the default: TE's own cuBLAS workspace, 32 MiB on sm90+, 4 MiB "
         "before) | local.", ("transformer_engine", "local")),
@@ -322,7 +322,7 @@ STACK_PRECISION = {"torchtitan": "amp-bf16", "torchtune": "bf16-pure"}
 _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
                   "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "kbit_prepare", "sync_each_batch", "liger", "recompute_method",
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "lora_embedding", "lora_head", "modules_to_save", "peft_config", "dropout",
-                  "moe_dispatcher", "deterministic", "transformer_impl", "litgpt_norm", "chunked_ce",
+                  "moe_dispatcher", "deterministic", "cross_entropy_loss_fusion", "transformer_impl", "litgpt_norm", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
                   "optimizer_in_backward", "compile", "packed", "float8", "float8_all_gather", "async_tp", "qlora_impl", "bnb_version",
                   "torchao_version", "nf4_double_quant", "quantize_head", "load",

@@ -179,13 +179,13 @@ class TrainingConfig(BaseModel):
     # the megatron profile's hidden and attention dropout probability; None: the stack's
     # default (Megatron's 0.1; the reference and hf profiles model no dropout: 0 only)
     dropout: float | None = Field(None, ge=0.0, lt=1.0)
-    # the megatron profile's MoE token dispatcher; None: the stack's default (Megatron's
-    # allgather). The reference and hf profiles route tokens their own way: None only
+    # the megatron profile's MoE token dispatcher; None: Megatron's allgather (megatron only)
     moe_dispatcher: Literal["allgather", "alltoall"] | None = None
     # Megatron-LM's --deterministic-mode (megatron profile): torch.use_deterministic_algorithms,
     # which switches MoE routing and unpermute to index_put_/index_add_ (terms/saved_layers.py),
     # and CUBLAS_WORKSPACE_CONFIG :4096:8 (terms/transients.py `cublas_workspace_bytes`)
     deterministic: bool = False
+    cross_entropy_loss_fusion: bool = False  # Megatron's compiled loss (terms/logits.py)
     # Megatron-LM's --transformer-impl (megatron); None: transformer_engine (TE's workspace)
     transformer_impl: Literal["transformer_engine", "local"] | None = None
     # LitGPT's RMSNorm (lightning): None = fp32, as since lit-gpt 6178c7cc (terms/saved_layers.py)
@@ -345,8 +345,10 @@ class TrainingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _deterministic_modelled(self) -> TrainingConfig:
-        if self.transformer_impl and self.framework != "megatron":
-            raise ValueError("--transformer-impl (Megatron-LM's option) needs --framework megatron")
+        for name in ("transformer_impl", "cross_entropy_loss_fusion"):
+            if getattr(self, name) and self.framework != "megatron":
+                raise ValueError(f"--{name.replace('_', '-')} (Megatron-LM's option) needs "
+                                 "--framework megatron")
         if self.deterministic and self.framework != "megatron":
             raise ValueError("--deterministic: only the megatron profile models what "
                              "deterministic algorithms keep (Megatron-LM's MoE index_add_ "

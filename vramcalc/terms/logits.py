@@ -156,6 +156,15 @@ def _megatron_backward_peak_bytes(ctx: RankContext) -> int:
     softmax_update) + the three 0-dim tensors of the backward root."""
     x = dims(ctx)
     n = x.b * x.s
+    if ctx.training.cross_entropy_loss_fusion:
+        # --cross-entropy-loss-fusion (fusions/fused_cross_entropy.py): `calculate_gradients`
+        # under torch.compile (core/jit.py `jit_fuser`) mutates its input, the saved
+        # softmax, so inductor computes the gradient into a new fp32 buffer and writes it
+        # back, beside the bf16 result (`grad_input.to(torch.bfloat16)`); the (N) operands
+        # stay inside the one kernel (torch 2.13's generated code)
+        return (2 * alloc(_nv(ctx), "fp32") + alloc(_nv(ctx), "bf16")
+                + _megatron_mtp_losses_bytes(ctx) + _megatron_small_bytes(ctx)
+                + 3 * ALLOC_ROUND_BYTES)
     return (alloc(_nv(ctx), "fp32") + _megatron_c_logits_bytes(ctx)
             + _megatron_mtp_losses_bytes(ctx)
             + _megatron_small_bytes(ctx) + 2 * alloc(n, "fp32") + alloc(n, "int64")

@@ -21,9 +21,12 @@ Only trainable tensors have states (`ctx.train_shapes`: the adapters under LoRA/
 Mixed precision `bf16`/`fp16` adds an fp32 master copy (4n): the ZeRO paper's K = 12 with
 Adam = 4 (master) + 8 (m, v). Sharded ÷N_d from ZeRO-1 (DeepSpeed flat partitions,
 Megatron's distributed optimizer over DP×CP, FSDP2 DTensor shards). Megatron-LM with fp16
-weights also keeps fp32 main gradients in the optimizer (4n, counted with the master:
-Megatron docs, fp16 row 20 = 2 + 2 + 16). Offloaded ones move to host RAM
-(`host_bytes_per_node`).
+weights also makes fp32 main gradients (4n, sharded as the master; Megatron docs, fp16 row
+20 = 2 + 2 + 16), but only for the step: `_copy_model_grads_to_main_grads` sets each main
+parameter's `.grad = main_grad.float()` (core/optimizer/optimizer.py, distrib_optimizer.py
+at d98e8a64) and train_step's `optimizer.zero_grad()` drops them before the next forward
+(training/training.py), so they are 'main_grads', counted in the optimizer phase only.
+Offloaded ones move to host RAM (`host_bytes_per_node`).
 """
 
 from __future__ import annotations
@@ -100,14 +103,15 @@ def has_master(ctx: RankContext) -> bool:
 
 
 def optimizer_state_split(ctx: RankContext) -> dict[str, int]:
-    """Device bytes: {'states': ..., 'master': ...} on this rank."""
+    """Device bytes: {'states': ..., 'master': ..., 'main_grads': ...} on this rank."""
     if "optimizer" in ctx.parallel.offload or (ctx.engine == "fsdp2" and ctx.parallel.offload):
-        return {"states": 0, "master": 0}
+        return {"states": 0, "master": 0, "main_grads": 0}
     return optimizer_state_split_on_device(ctx)
 
 
 def optimizer_state_split_on_device(ctx: RankContext) -> dict[str, int]:
-    """{'states', 'master'} as if nothing were offloaded (host RAM uses the same numbers)."""
+    """{'states', 'master', 'main_grads'} as if nothing were offloaded (host RAM uses the
+    same numbers)."""
     tr = ctx.training
     shard = ctx.state_shard
     es = ctx.expert_shard(shard)
@@ -147,13 +151,10 @@ def optimizer_state_split_on_device(ctx: RankContext) -> dict[str, int]:
         count = (sum(t.count for t in shapes.tensors) if finetunes(tr) else
                  module_param_count(ctx.spec, tr.framework, shapes))
         states += count * alloc(1, "fp32")
-    master = 0
-    if has_master(ctx):
-        master = shapes.nbytes("fp32", shard, es, layout)
-        if key[-2]:  # Megatron fp16: fp32 main gradients live in the optimizer too
-            master *= 2
-    shapes._memo[key] = (("states", states), ("master", master))
-    return {"states": states, "master": master}
+    master = shapes.nbytes("fp32", shard, es, layout) if has_master(ctx) else 0
+    main_grads = master if key[-2] else 0  # Megatron fp16: for the step (module docstring)
+    shapes._memo[key] = (("states", states), ("master", master), ("main_grads", main_grads))
+    return {"states": states, "master": master, "main_grads": main_grads}
 
 
 def optimizer_states_bytes(ctx: RankContext) -> int:
