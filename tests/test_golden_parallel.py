@@ -108,6 +108,17 @@ def test_megatron_bytes_per_param(precision: str, without: int, fixed: int, shar
         fixed * PSI + sharded * PSI // d)
 
 
+@pytest.mark.parametrize(("dp", "instances"), [(8, 2), (8, 4), (16, 2)])
+def test_megatron_optimizer_instances_shard_within_each(dp: int, instances: int) -> None:
+    """Megatron-LM d98e8a64 --num-distributed-optimizer-instances k: each instance shards
+    the optimizer over its dp/k ranks (parallel_state.py's intra-partial data-parallel group;
+    the grad buffer stays whole): bf16 6 + 12/(dp/k) bytes per parameter (--shard-group)."""
+    tr = TrainingConfig(precision="bf16", optimizer="adam", framework="megatron")
+    group = dp // instances
+    got = model_states(ALIGNED, tr, ParallelConfig(dp=dp, zero=1, shard_group=group))
+    assert got == 6 * PSI + 12 * PSI // group
+
+
 @pytest.mark.parametrize("zero", [0, 1])
 def test_megatron_fp16_main_grads_exist_for_the_step_only(zero: int) -> None:
     """Megatron-LM d98e8a64: with fp16 weights the grad buffer stays fp16

@@ -99,15 +99,13 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("recompute", str, "none", "Activation recomputation: none | selective | full.",
         RECOMPUTES),
     Opt("use_reentrant", bool, None, "hf profile with --recompute full: HF gradient "
-        "checkpointing's use_reentrant (gradient_checkpointing_kwargs). On: torch's "
-        "reentrant checkpoint, which holds the layer's incoming gradient through its "
-        "backward (the default of transformers 4.35 to 4.57). Default: off, transformers "
-        "5.x's."),
+        "checkpointing's use_reentrant. On: torch's reentrant checkpoint, which holds the "
+        "layer's incoming gradient through its backward (transformers 4.35 to 4.57's "
+        "default). Default: off, as in transformers 5.x."),
     Opt("kbit_prepare", bool, False, "hf profile, --finetune qlora: PEFT's "
-        "prepare_model_for_kbit_training(model) with its defaults: every parameter that is "
-        "not 4-bit cast to fp32 (give --precision amp-bf16, HF Trainer's bf16=True), "
-        "gradient checkpointing on (give --recompute full), reentrant unless "
-        "--no-use-reentrant."),
+        "prepare_model_for_kbit_training(model): every parameter that is not 4-bit cast to "
+        "fp32 (give --precision amp-bf16, HF Trainer's bf16=True), gradient checkpointing "
+        "(give --recompute full), reentrant unless --no-use-reentrant."),
     Opt("recompute_method", str, None, "Megatron-LM's --recompute-method with --recompute full "
         "(megatron profile): block = only the first --recompute-num-layers layers of each "
         "pipeline chunk are checkpointed, the rest keep all activations; uniform = "
@@ -164,8 +162,8 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "(megatron profile; the native impl): the torch.compile'd vocab-parallel loss, whose "
         "backward computes the gradient into a new fp32 buffer before writing it back."),
     Opt("transformer_impl", str, None, "Megatron-LM's --transformer-impl (megatron profile): "
-        "transformer_engine (the default: TE's own cuBLAS workspace, 32 MiB on sm90+, 4 MiB "
-        "before) | local.", ("transformer_engine", "local")),
+        "transformer_engine (default; TE's own cuBLAS workspace) | local.",
+        ("transformer_engine", "local")),
     Opt("litgpt_norm", str, None, "LitGPT's RMSNorm (lightning profile): fp32 (the default: "
         "it upcasts x to fp32, as LitGPT has since lit-gpt 6178c7cc, October 2023) | input "
         "(earlier lit-gpt checkouts computed in the input's dtype).", ("fp32", "input")),
@@ -280,7 +278,9 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "instead of in the root, which keeps them unsharded from forward to the end of "
         "backward (torchtune's custom_sharded_layers: ['tok_embeddings', 'output'], set in "
         "its Llama 3/3.1 8B and 70B full fine-tune configs).", group="parallel"),
-    Opt("shard_group", int, None, "Ranks per shard group for --fsdp hybrid.", group="parallel"),
+    Opt("shard_group", int, None, "Ranks per shard group: --fsdp hybrid's, or one Megatron-LM "
+        "distributed-optimizer instance (--zero 1; dp x cp / its "
+        "--num-distributed-optimizer-instances).", group="parallel"),
     Opt("offload", str, "none", "Offload, comma-separated: optimizer,gradients,params.",
         _OFFLOAD, group="parallel"),
     Opt("offload_device", str, "cpu", "Offload target: cpu | nvme.", ("cpu", "nvme"),

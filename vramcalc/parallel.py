@@ -104,8 +104,8 @@ class ParallelConfig(BaseModel):
         (Megatron's distributed optimizer uses the DP x CP group; torchtitan shards FSDP over
         dp_shard x cp); hybrid sharding uses the shard group only.
         """
-        if self.fsdp == "hybrid" and self.shard_group:
-            return self.shard_group
+        if self.shard_group and (self.fsdp == "hybrid" or self.zero):
+            return self.shard_group  # an HSDP group, or a Megatron optimizer instance
         return self.dp_degree * self.cp
 
     @property
@@ -121,7 +121,10 @@ class ParallelConfig(BaseModel):
         expert_tensor_model_pipeline_parallel_size); dp·cp/ep when etp = tp."""
         if self.fsdp == "hybrid" and self.shard_group:
             return max(self.shard_group // self.ep, 1) if self.shard_group % self.ep == 0 else 1
-        return max(self.dp_degree * self.cp * self.tp // (self.expert_tp * self.ep), 1)
+        edp = max(self.dp_degree * self.cp * self.tp // (self.expert_tp * self.ep), 1)
+        if self.zero and self.shard_group:  # each optimizer instance takes its share of it
+            return max(edp * self.shard_group // (self.dp_degree * self.cp), 1)
+        return edp
 
     @property
     def uneven_split(self) -> bool:
@@ -218,8 +221,12 @@ def resolve_layout(
             )
         if parallel.shard_group % ep:
             raise InputError(f"ep={ep} does not divide --shard-group {parallel.shard_group}")
-    elif parallel.shard_group:
-        raise InputError("--shard-group only applies to --fsdp hybrid")
+    elif parallel.shard_group and not (training.framework == "megatron" and parallel.zero):
+        raise InputError("--shard-group applies to --fsdp hybrid, and to the megatron "
+                         "profile's distributed optimizer (--zero 1)")
+    elif parallel.shard_group and (dp * cp) % parallel.shard_group:
+        raise InputError(f"--shard-group {parallel.shard_group} does not divide dp x cp = "
+                         f"{dp * cp}")
     _check_fsdp_impl(training, parallel)
     resolved = parallel.model_copy(update={"dp": dp})
     _check_engine(training, resolved)
