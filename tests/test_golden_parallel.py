@@ -241,6 +241,25 @@ def test_interleaved_first_stage_factor(p: int, v: int) -> None:
         1 + Fraction(p - 1, p * v))
 
 
+def test_interleaved_counts_each_chunks_own_layers() -> None:
+    """Megatron-LM d98e8a64 schedules.py, 6 layers, p 4, v 2, 4 micro-batches, embedding and
+    loss each counted as a layer (--account-for-embedding/loss-in-pipeline-split): the 8
+    chunks hold 0,1 | 1,1 | 1,1 | 1,0 layers (rank 0's first and rank 3's last chunk give a
+    layer's place away). Rank 3 runs (p − r − 1)·2 + (v − 1)·p = 4 warm-up forwards, all
+    through its first chunk (`get_model_chunk_id`: micro-batch groups of p), then one
+    forward of its loss chunk before its first backward: 4 micro-batches of its one layer.
+    Rank 0: 2·3 + 4 + 1 = 11 > m·v = 8, all 8 forwards: 4 through an empty chunk, 4 through
+    a one-layer chunk, so 4 of its one layer (equal chunks would give 8 / v = 4 too)."""
+    spec = ModelSpec(hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
+                     intermediate_size=2048, vocab_size=50304)
+    par = ParallelConfig(dp=1, pp=4, pp_schedule="interleaved", virtual_stages=2,
+                         num_microbatches=4, embedding_in_split=True, loss_in_split=True)
+    scn = Scenario(model=spec, parallel=par).resolved()
+    assert in_flight_microbatches(scn, 3) == 4  # not 5 chunk forwards / v = 2.5
+    assert in_flight_microbatches(scn, 0) == 4
+    assert in_flight_microbatches(scn, 1) == min(2 * 2 + 4 + 1, 8) / 2  # equal chunks
+
+
 def test_gpipe_holds_all_microbatches() -> None:
     scn = _pp(4, 12, "gpipe")
     assert {in_flight_microbatches(scn, r) for r in range(4)} == {12}

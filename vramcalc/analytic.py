@@ -78,9 +78,8 @@ def candidate_stages(scn: Scenario) -> list[int]:
     (`in_flight_microbatches` falls with the rank), and neither the embedding (rank 0 only)
     nor the head and loss (the last rank only). For dense models split evenly that leaves
     {0, p − 1}; an uneven split (`sharding.chunk_layers`) adds rank 1, the first middle
-    rank. Every rank's chunks hold layers in the same proportions (1/v of its layers each),
-    so the schedule's per-chunk counting in `in_flight_microbatches` does not separate two
-    ranks with the same layers either."""
+    rank. Ranks 1 … p − 2 hold 1/v of their layers in each chunk, so the schedule's
+    per-chunk counting in `in_flight_microbatches` does not separate two of them either."""
     par = scn.parallel
     p, out = par.pp, {0, par.pp - 1}
     if (scn.model.is_moe or par.uneven_split) and p > 2:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from vramcalc.scenario import Scenario
+from vramcalc.sharding import pipeline_chunks
 
 
 def in_flight_microbatches(scn: Scenario, stage: int) -> float:
@@ -12,8 +13,11 @@ def in_flight_microbatches(scn: Scenario, stage: int) -> float:
     - 1F1B (PipeDream-flush, Narayanan et al. 2021): rank r runs p − r − 1 warm-up forwards
       then one more before its first backward: min(p − r, m).
     - interleaved with v chunks (Megatron-LM schedules.py): (p − r − 1)·2 + (v − 1)·p warm-up
-      chunk forwards plus one, at most m·v, each holding 1/v of the rank's layers; rank 0
-      holds p·(1 + (p − 1)/(p·v)) (Korthikanti et al. 2022 Sec. 4.2.3).
+      chunk forwards plus one, at most m·v, the k-th through chunk (k mod p·v) // p
+      (`get_model_chunk_id`, micro-batch groups of p); with 1/v of the rank's layers in
+      each chunk rank 0 holds p·(1 + (p − 1)/(p·v)) (Korthikanti et al. 2022 Sec. 4.2.3).
+      Chunks of unequal size (--embedding-in-split / --loss-in-split take a layer's place
+      in rank 0's first and the last rank's last chunk) count their own layers.
     - GPipe: all m forwards before any backward.
     """
     par = scn.parallel
@@ -26,5 +30,8 @@ def in_flight_microbatches(scn: Scenario, stage: int) -> float:
     if par.pp_schedule == "interleaved" and par.virtual_stages > 1:
         v = par.virtual_stages
         chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
-        return chunks / v
+        layers = [row[stage] for row in pipeline_chunks(scn.model, par)]
+        if not sum(layers):
+            return chunks / v
+        return sum(layers[(k % (p * v)) // p] for k in range(chunks)) / sum(layers)
     return min(p - stage, m)
