@@ -80,6 +80,7 @@ NON_MEMORY_ARGS = frozenset({
     "rotary-interleaved", "use-rotary-position-embeddings", "use-tp-pp-dp-mapping",
     # grad/param buckets are the contiguous buffers the profile counts either way
     "overlap-grad-reduce", "overlap-param-gather", "ddp-average-in-collective",
+    "overlap-param-gather-with-optimizer-step",  # the same buffers, gathered earlier
     "moe-router-load-balancing-type", "moe-aux-loss-coeff", "moe-z-loss-coeff",
     "moe-router-score-function", "moe-router-topk-scaling-factor", "moe-router-pre-softmax",
     "moe-router-enable-expert-bias", "moe-router-bias-update-rate", "moe-router-dtype",
@@ -89,7 +90,8 @@ NON_MEMORY_ARGS = frozenset({
     "ffn-hidden-size", "group-query-attention", "num-query-groups", "kv-channels",
     "make-vocab-size-divisible-by", "vocab-size", "moe-ffn-hidden-size",
     "moe-token-dispatcher-type", "moe-grouped-gemm", "fp16", "optimizer", "qk-layernorm",
-    "moe-shared-expert-intermediate-size",
+    "moe-shared-expert-intermediate-size", "multi-latent-attention", "q-lora-rank",
+    "kv-lora-rank", "qk-head-dim", "qk-pos-emb-head-dim", "v-head-dim",
     # layouts, read into flags below
     "decoder-first-pipeline-num-layers", "decoder-last-pipeline-num-layers",
     "account-for-embedding-in-pipeline-split", "account-for-loss-in-pipeline-split",
@@ -123,6 +125,8 @@ def vocab_size(a: dict[str, Any]) -> int | None:
         return GPT2_VOCAB
     if kind == "NullTokenizer" and "vocab-size" in a:
         return int(a["vocab-size"]) + 1  # _NullTokenizer adds its eod id
+    if kind == "TikTokenizer":  # tokenizers/utils/build_tokenizer.py, tiktoken_tokenizer.py
+        return int(a.get("vocab-size") or 2**17)  # DEFAULT_TIKTOKEN_MAX_VOCAB
     return None
 
 
@@ -242,6 +246,13 @@ def mapping(name: str, env: str, platform: str, args: dict[str, Any], world: int
     m.missing = [x for x in m.missing if not x.startswith(("unreviewed Megatron argument",
                                                            "MoE grouped GEMM"))]
     assert m.flags is not None and m.model_fields is not None
+    if args.get("multi-latent-attention"):  # MLATransformerConfig's defaults
+        nope, rope = args.get("qk-head-dim", 128), args.get("qk-pos-emb-head-dim", 64)
+        m.model_fields.update(q_lora_rank=args.get("q-lora-rank"),
+                              kv_lora_rank=args.get("kv-lora-rank", 512), qk_nope_head_dim=nope,
+                              qk_rope_head_dim=rope, v_head_dim=args.get("v-head-dim", 128),
+                              head_dim=nope + rope)
+        m.model_fields = {k: v for k, v in m.model_fields.items() if v is not None}
     if args.get("qk-layernorm"):
         m.model_fields["qk_norm"] = True
     if args.get("moe-shared-expert-intermediate-size"):
