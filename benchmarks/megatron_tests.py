@@ -99,6 +99,9 @@ NON_MEMORY_ARGS = frozenset({
     # gamma (TE `zero_centered_gamma`): the same tensors
     "calculate-per-token-loss", "apply-layernorm-1p",
     "num-distributed-optimizer-instances", "num-virtual-stages-per-pipeline-rank",
+    "microbatch-group-size-per-virtual-pipeline-stage",
+    # posts the warm-up and flush receives early: one (s, b, h) buffer each, not counted
+    "overlap-p2p-communication-warmup-flush",
 })
 # Megatron-LM d98e8a64 fusions/fused_cross_entropy.py keeps what the unfused vocab-parallel
 # cross entropy keeps (vramcalc/terms/logits.py); the TE implementation is not mapped
@@ -274,6 +277,8 @@ def mapping(name: str, env: str, platform: str, args: dict[str, Any], world: int
         cp = args.get("context-parallel-size", 1)
         m.flags["shard_group"] = (d["data_parallel_size"] * cp
                                   // args["num-distributed-optimizer-instances"])
+    if args.get("microbatch-group-size-per-virtual-pipeline-stage"):
+        m.flags["pp_group_size"] = args["microbatch-group-size-per-virtual-pipeline-stage"]
     if args.get("num-virtual-stages-per-pipeline-rank", 1) > 1:
         m.flags.update(pp_schedule="interleaved",
                        virtual_stages=args["num-virtual-stages-per-pipeline-rank"])

@@ -260,6 +260,29 @@ def test_interleaved_counts_each_chunks_own_layers() -> None:
     assert in_flight_microbatches(scn, 1) == min(2 * 2 + 4 + 1, 8) / 2  # equal chunks
 
 
+def test_interleaved_group_size_sets_the_warm_up() -> None:
+    """--pp-group-size g (Megatron's --microbatch-group-size-per-virtual-pipeline-stage):
+    (p − r − 1)·2 + (v − 1)·g warm-up forwards plus one, in get_schedule_table's order.
+    p 4, v 2, m 8, g 5 on the last rank: 5 + 1 = 6 chunk forwards, 6 / v = 3 micro-batches
+    through all its layers (g = p: 4 + 1 = 5, so 2.5)."""
+    scn = _pp(4, 8, "interleaved", 2)
+    assert in_flight_microbatches(scn, 3) == 2.5
+    grouped = scn.model_copy(update={"parallel": scn.parallel.model_copy(
+        update={"pp_group_size": 5})})
+    assert in_flight_microbatches(grouped, 3) == 3
+
+
+@pytest.mark.parametrize("g", [3, 9])
+def test_group_size_outside_pp_and_the_micro_batches_is_refused(g: int) -> None:
+    from vramcalc.errors import InputError
+    from vramcalc.options import build_scenario
+
+    with pytest.raises(InputError, match="pp-group-size"):
+        build_scenario({"model": "gpt2", "gpus": "4xH100", "pp": 4, "num_microbatches": 8,
+                        "pp_schedule": "interleaved", "virtual_stages": 2,
+                        "pp_group_size": g}).resolved()
+
+
 def test_gpipe_holds_all_microbatches() -> None:
     scn = _pp(4, 12, "gpipe")
     assert {in_flight_microbatches(scn, r) for r in range(4)} == {12}

@@ -156,8 +156,7 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "profile, MoE models): allgather (gathers every token of the TP x EP group, the "
         "default) | alltoall (sends each token to its experts' ranks).", MOE_DISPATCHERS),
     Opt("deterministic", bool, False, "Megatron-LM's --deterministic-mode (megatron profile): "
-        "deterministic algorithms; MoE layers keep the expert output (unpermute's index_add_) "
-        "and the router's row index; 32 MiB cuBLAS workspaces (CUBLAS_WORKSPACE_CONFIG)."),
+        "MoE layers keep the expert output and router row index; 32 MiB cuBLAS workspaces."),
     Opt("cross_entropy_loss_fusion", bool, False, "Megatron-LM's --cross-entropy-loss-fusion "
         "(megatron profile; the native impl): the torch.compile'd vocab-parallel loss, whose "
         "backward computes the gradient into a new fp32 buffer before writing it back."),
@@ -202,11 +201,9 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "--training.compile (torchtitan profile): each block compiled, the loss eager; "
         "with --recompute none or full, no TP or CP."),
     Opt("packed", bool, False, "torchtune's dataset.packed: True (torchtune profile): every "
-        "batch is a full pack of --seq-len tokens (give the pack size), with input_pos and a "
-        "block-causal document mask: flex attention's BlockMask on CUDA GPUs of compute "
-        "capability >= 7.5, else a dense (b, s, s) bool mask that sends SDPA to its "
-        "memory-efficient kernel (each layer keeps an additive copy). RoPE gathers "
-        "cache[input_pos] per call (kept for backward)."),
+        "batch is a full pack of --seq-len tokens, with input_pos and a block-causal mask: "
+        "flex attention's BlockMask on compute capability >= 7.5, else a dense (b, s, s) "
+        "bool mask (SDPA's memory-efficient kernel; each layer keeps an additive copy)."),
     Opt("float8", bool, False, "torchtitan's --float8.enable_float8_linear (torchtitan "
         "profile, with --compile): torchao's Float8Linear, dynamic tensorwise scaling, for "
         "every linear but the output projection; bf16 FSDP2 all-gathers."),
@@ -289,6 +286,9 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         group="parallel"),
     Opt("virtual_stages", int, 1, "Virtual stages per rank (interleaved schedule).",
         group="parallel"),
+    Opt("pp_group_size", int, None, "Megatron-LM's --microbatch-group-size-per-virtual-"
+        "pipeline-stage (interleaved): micro-batches per chunk in turn; default --pp.",
+        group="parallel"),
     Opt("first_stage_layers", int, None, "Layers on the first pipeline stage (Megatron-LM "
         "--decoder-first-pipeline-num-layers); the rest split evenly.", group="parallel"),
     Opt("last_stage_layers", int, None, "Layers on the last pipeline stage (Megatron-LM "
@@ -329,7 +329,7 @@ _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "pr
                   "set_to_none", "torch_version", "transformers_version", "load_only")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",
                   "fsdp_impl", "fsdp_edge_units", "shard_group", "offload_device",
-                  "pp_schedule", "virtual_stages",
+                  "pp_schedule", "virtual_stages", "pp_group_size",
                   "first_stage_layers", "last_stage_layers", "stage_layers",
                   "embedding_in_split", "loss_in_split", "mtp_layers", "num_microbatches",
                   "capacity_factor")

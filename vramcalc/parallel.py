@@ -46,17 +46,14 @@ class ParallelConfig(BaseModel):
     pp: int = Field(1, gt=0, le=100_000)
     cp: int = Field(1, gt=0, le=100_000)
     ep: int = Field(1, gt=0, le=100_000)
-    # Megatron-LM's --expert-tensor-parallel-size; None: the same as tp (Megatron's default,
-    # megatron/training/arguments.py "if args.expert_tensor_parallel_size is None")
+    # Megatron-LM's --expert-tensor-parallel-size; None: tp (Megatron's arguments.py default)
     etp: int | None = Field(None, gt=0, le=100_000)
     sequence_parallel: bool = False
     zero: int = Field(0, ge=0, le=3)
     fsdp: Literal["none", "full", "grad-op", "hybrid"] = "none"
     shard_group: int | None = Field(None, gt=0, le=10_000_000)
-    # which PyTorch FSDP shards (--fsdp-impl): fsdp2 (`fully_shard`, per-parameter DTensor
-    # shards) or fsdp1 (FullyShardedDataParallel, one FlatParameter per wrapped module,
-    # vramcalc/terms/fsdp1.py); None: the stack's (lightning: fsdp1, else fsdp2). Left out of
-    # dumps when None, so other reports keep their keys
+    # --fsdp-impl: fsdp2 (`fully_shard`) or fsdp1 (one FlatParameter per wrapped module,
+    # vramcalc/terms/fsdp1.py); None: the stack's (lightning: fsdp1, else fsdp2)
     fsdp_impl: Literal["fsdp2", "fsdp1"] | None = Field(None, exclude_if=lambda v: v is None)
     # --fsdp-edge-units: the embedding and the head as FSDP2 units of their own
     fsdp_edge_units: bool = Field(False, exclude_if=lambda v: not v)
@@ -64,15 +61,15 @@ class ParallelConfig(BaseModel):
     offload_device: Literal["cpu", "nvme"] = "cpu"
     pp_schedule: Literal["1f1b", "interleaved", "gpipe"] = "1f1b"
     virtual_stages: int = Field(1, gt=0, le=1000)
+    pp_group_size: int | None = Field(None, gt=0, le=100_000, exclude_if=lambda v: v is None)
     # uneven pipeline splits (Megatron-LM --decoder-first/last-pipeline-num-layers,
     # --account-for-embedding/loss-in-pipeline-split); vramcalc.sharding.chunk_layers
     first_stage_layers: int | None = Field(None, gt=0, le=1_000_000)
     last_stage_layers: int | None = Field(None, gt=0, le=1_000_000)
     embedding_in_split: bool = False
     loss_in_split: bool = False
-    # --stage-layers: layers of each pipeline stage in stage order (pp x virtual stages
-    # entries; stage s on rank s mod pp); the torchtitan profile fills in torchtitan's own
-    # split when its layers do not divide evenly and no split is given
+    # --stage-layers: layers of each pipeline stage in order (pp x virtual stages; stage s
+    # on rank s mod pp); the torchtitan profile fills in its own split for uneven layers
     stage_layers: tuple[int, ...] | None = Field(None, exclude_if=lambda v: v is None)
     # Megatron-LM --mtp-num-layers: multi-token-prediction depths on the last pipeline stage
     mtp_layers: int = Field(0, ge=0, le=64, exclude_if=lambda v: v == 0)
@@ -98,12 +95,9 @@ class ParallelConfig(BaseModel):
 
     @property
     def shard_degree(self) -> int:
-        """Ranks one dense parameter/gradient/optimizer shard is spread over.
-
-        Data-parallel and context-parallel ranks hold the same weights, so both shard them
-        (Megatron's distributed optimizer uses the DP x CP group; torchtitan shards FSDP over
-        dp_shard x cp); hybrid sharding uses the shard group only.
-        """
+        """Ranks one dense parameter/gradient/optimizer shard is spread over: DP x CP, which
+        hold the same weights (Megatron's distributed optimizer, torchtitan's dp_shard x cp
+        FSDP mesh); a hybrid-sharding group or a Megatron optimizer instance only."""
         if self.shard_group and (self.fsdp == "hybrid" or self.zero):
             return self.shard_group  # an HSDP group, or a Megatron optimizer instance
         return self.dp_degree * self.cp
@@ -335,8 +329,13 @@ def _torchtitan_split(spec: ModelSpec, training: TrainingConfig,
 
 def _check_pipeline(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig) -> None:
     pp = parallel.pp
-    if parallel.pp_schedule != "interleaved" and parallel.virtual_stages != 1:
-        raise InputError("--virtual-stages needs --pp-schedule interleaved")
+    if parallel.pp_schedule != "interleaved" and (parallel.virtual_stages != 1
+                                                   or parallel.pp_group_size):
+        raise InputError("--virtual-stages and --pp-group-size need --pp-schedule interleaved")
+    m = parallel.num_microbatches or training.grad_accum
+    if parallel.pp_group_size and not pp <= parallel.pp_group_size <= m:
+        raise InputError(f"--pp-group-size {parallel.pp_group_size}: between --pp {pp} and "
+                         f"the micro-batches per step, {m} (Megatron-LM's check)")
     if parallel.pp_schedule == "interleaved" and pp == 1:
         raise InputError("--pp-schedule interleaved needs --pp > 1")
     v = parallel.pp_chunks
@@ -486,12 +485,13 @@ def _microbatches(training: TrainingConfig, par: ParallelConfig) -> int | None:
     elif m is not None and par.pp == 1 and m != training.grad_accum:
         raise InputError("--num-microbatches applies to pipeline parallelism; use --grad-accum")
     eff = m if m is not None else training.grad_accum
-    if par.pp_schedule == "interleaved" and eff % par.pp:
-        # Megatron-LM (schedules.py): the interleaved schedule needs m divisible by pp
+    if par.pp_schedule == "interleaved" and 0 < eff % (par.pp_group_size or par.pp) < par.pp:
+        # Megatron-LM d98e8a64 schedules.py: the last group of g (default pp) micro-batches
+        # holds all g or at least pp of them
         raise InputError(
             f"the interleaved schedule needs the number of micro-batches ({eff}) to be a "
-            f"multiple of pp={par.pp}; set --num-microbatches"
-        )
+            f"multiple of {par.pp_group_size or par.pp} or to leave at least pp={par.pp} "
+            "over; set --num-microbatches")
     return m
 
 

@@ -185,7 +185,7 @@ class TrainingConfig(BaseModel):
     # which switches MoE routing and unpermute to index_put_/index_add_ (terms/saved_layers.py),
     # and CUBLAS_WORKSPACE_CONFIG :4096:8 (terms/transients.py `cublas_workspace_bytes`)
     deterministic: bool = False
-    cross_entropy_loss_fusion: bool = False  # Megatron's compiled loss (terms/logits.py)
+    cross_entropy_loss_fusion: bool = Field(False, exclude_if=lambda v: not v)  # Megatron
     # Megatron-LM's --transformer-impl (megatron); None: transformer_engine (TE's workspace)
     transformer_impl: Literal["transformer_engine", "local"] | None = None
     # LitGPT's RMSNorm (lightning): None = fp32, as since lit-gpt 6178c7cc (terms/saved_layers.py)

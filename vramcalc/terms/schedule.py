@@ -12,12 +12,14 @@ def in_flight_microbatches(scn: Scenario, stage: int) -> float:
 
     - 1F1B (PipeDream-flush, Narayanan et al. 2021): rank r runs p − r − 1 warm-up forwards
       then one more before its first backward: min(p − r, m).
-    - interleaved with v chunks (Megatron-LM schedules.py): (p − r − 1)·2 + (v − 1)·p warm-up
-      chunk forwards plus one, at most m·v, the k-th through chunk (k mod p·v) // p
-      (`get_model_chunk_id`, micro-batch groups of p); with 1/v of the rank's layers in
-      each chunk rank 0 holds p·(1 + (p − 1)/(p·v)) (Korthikanti et al. 2022 Sec. 4.2.3).
-      Chunks of unequal size (--embedding-in-split / --loss-in-split take a layer's place
-      in rank 0's first and the last rank's last chunk) count their own layers.
+    - interleaved with v chunks (Megatron-LM schedules.py): (p − r − 1)·2 + (v − 1)·g warm-up
+      chunk forwards plus one, at most m·v, in `get_schedule_table`'s order: groups of g
+      micro-batches (--pp-group-size, Megatron's microbatch_group_size_per_vp_stage;
+      default p, the last group the rest) run through chunk 0, then chunk 1, ...; with 1/v
+      of the rank's layers in each chunk rank 0 holds p·(1 + (p − 1)/(p·v)) (Korthikanti et
+      al. 2022 Sec. 4.2.3). Chunks of unequal size (--embedding-in-split / --loss-in-split
+      take a layer's place in rank 0's first and the last rank's last chunk) count their
+      own layers.
     - GPipe: all m forwards before any backward.
     """
     par = scn.parallel
@@ -28,10 +30,12 @@ def in_flight_microbatches(scn: Scenario, stage: int) -> float:
     if par.pp_schedule == "gpipe":
         return m
     if par.pp_schedule == "interleaved" and par.virtual_stages > 1:
-        v = par.virtual_stages
-        chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, m * v)
+        v, g = par.virtual_stages, par.pp_group_size or p
+        chunks = min(2 * (p - stage - 1) + (v - 1) * g + 1, m * v)
         layers = [row[stage] for row in pipeline_chunks(scn.model, par)]
         if not sum(layers):
             return chunks / v
-        return sum(layers[(k % (p * v)) // p] for k in range(chunks)) / sum(layers)
+        order = [j for start in range(0, m, g) for j in range(v)
+                 for _ in range(start, m if start + g >= m else start + g)]
+        return sum(layers[j] for j in order[:chunks]) / sum(layers)
     return min(p - stage, m)
