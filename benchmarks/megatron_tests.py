@@ -81,6 +81,7 @@ NON_MEMORY_ARGS = frozenset({
     # grad/param buckets are the contiguous buffers the profile counts either way
     "overlap-grad-reduce", "overlap-param-gather", "ddp-average-in-collective",
     "overlap-param-gather-with-optimizer-step",  # the same buffers, gathered earlier
+    "test-mode",  # attention.py `run_realtime_tests`: checks, no tensors kept
     "moe-router-load-balancing-type", "moe-aux-loss-coeff", "moe-z-loss-coeff",
     "moe-router-score-function", "moe-router-topk-scaling-factor", "moe-router-pre-softmax",
     "moe-router-enable-expert-bias", "moe-router-bias-update-rate", "moe-router-dtype",

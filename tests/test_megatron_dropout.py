@@ -94,3 +94,21 @@ def test_other_profiles_model_dropout_off_and_accept_only_0() -> None:
 def test_probability_bounds(p: float) -> None:
     with pytest.raises(InputError, match="--dropout"):
         _scenario(framework="megatron", dropout=p)
+
+
+@pytest.mark.parametrize(("tp", "norm", "stats"), [(1, "layernorm", 2), (4, "layernorm", 2),
+                                                   (4, "rmsnorm", 1)])
+def test_qk_layernorm_keeps_q_k_and_their_row_statistics(tp: int, norm: str,
+                                                         stats: int) -> None:
+    """--qk-layernorm: Transformer Engine's norm on each q and k head (the model's
+    normalization): ops/basic/layer_norm.py `save_for_backward(x, means, rstdevs)`,
+    rmsnorm.py `(x, rstdevs)`. Per layer on a TP rank: q and k in bf16, (s·b·a/t)·d·2 B
+    each, and 4 B per statistic per (token, head); the rest of the layer is unchanged."""
+    spec = GPT_SMALL.model_copy(update={"norm_kind": norm})
+    tr = TrainingConfig(seq_len=S, micro_batch_size=B, precision="bf16", framework="megatron")
+    par = ParallelConfig(dp=1, tp=tp)
+    plain = megatron_layer_bytes(RankContext(spec, tr, par))
+    qk = megatron_layer_bytes(RankContext(spec.model_copy(update={"qk_norm": True}), tr, par))
+    d = H // A
+    rows = S * B * A // tp  # (token, head) rows of q on this rank; k has as many (no GQA)
+    assert qk - plain == 2 * (rows * d * 2) + 2 * stats * rows * 4

@@ -123,6 +123,7 @@ def megatron_layer_bytes(ctx: RankContext, moe: bool = False) -> int:
         core = 2 * a * s / h  # (b, a, s, s): the softmax output, bmm's input itself
     else:
         core = 4 * a / h  # (b, a, s) fp32 logsumexp
+    base += qk_norm_coef(ctx)  # sharded, as q and k are
     experts = megatron_moe_bytes(ctx) if moe else 0
     scales = 0
     if ctx.training.precision == "fp8":  # FP8 GEMM inputs (MoE layers are refused)
@@ -132,6 +133,19 @@ def megatron_layer_bytes(ctx: RankContext, moe: bool = False) -> int:
     if ctx.parallel.sequence_parallel:
         return int(s * b * h / t * (base + core)) + experts + scales
     return int(s * b * h * (replicated + (base - replicated) / t + core / t)) + experts + scales
+
+
+def qk_norm_coef(ctx: RankContext) -> float:
+    """--qk-layernorm (`qk_norm`): Transformer Engine's norm on each q and k head (Megatron's
+    --normalization; transformer_engine/pytorch/ops/basic/layer_norm.py saves x, means and
+    rstdevs, rmsnorm.py x and rstdevs), in s·b·h units before ÷t: the 16-bit q and k
+    (2·a·d/h + 2·g·d/h) and 4 B per statistic per (token, head)."""
+    spec = ctx.spec
+    if not spec.qk_norm:
+        return 0.0
+    a, g, d, h = spec.num_attention_heads, spec.kv_heads, spec.head_size, spec.hidden_size
+    stats = 2 if spec.norm_kind == "layernorm" else 1
+    return (2 * (a + g) * d + 4 * stats * (a + g)) / h
 
 
 def megatron_moe_bytes(ctx: RankContext) -> int:
@@ -258,6 +272,9 @@ def megatron_layer_tensors(ctx: RankContext, moe: bool = False) -> list[tuple[st
         out.append(("softmax output", "2 as²b", 2 * a * s * s * b / t))
     else:
         out.append(("flash softmax statistics (fp32 logsumexp)", "4 asb", 4 * a * s * b / t))
+    if ctx.spec.qk_norm:
+        qk = qk_norm_coef(ctx)
+        out.append(("q/k norm inputs and statistics", f"{qk:.3g} sbh", shard(qk)))
     out.append(("output projection input", f"{g8} sbh", shard(g8)))
     if drop:
         out.append(("bias-dropout-add mask (attention)", "sbh", rep(1)))
