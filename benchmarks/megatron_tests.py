@@ -100,7 +100,8 @@ NON_MEMORY_ARGS = frozenset({
     # gamma (TE `zero_centered_gamma`): the same tensors
     "calculate-per-token-loss", "apply-layernorm-1p",
     "num-distributed-optimizer-instances", "num-virtual-stages-per-pipeline-rank",
-    "microbatch-group-size-per-virtual-pipeline-stage",
+    "microbatch-group-size-per-virtual-pipeline-stage", "defer-embedding-wgrad-compute",
+    "wgrad-deferral-limit",
     # posts the warm-up and flush receives early: one (s, b, h) buffer each, not counted
     "overlap-p2p-communication-warmup-flush",
 })
@@ -278,6 +279,8 @@ def mapping(name: str, env: str, platform: str, args: dict[str, Any], world: int
         cp = args.get("context-parallel-size", 1)
         m.flags["shard_group"] = (d["data_parallel_size"] * cp
                                   // args["num-distributed-optimizer-instances"])
+    if args.get("defer-embedding-wgrad-compute"):
+        m.flags["defer_embedding_wgrad"] = args.get("wgrad-deferral-limit", 0)
     if args.get("microbatch-group-size-per-virtual-pipeline-stage"):
         m.flags["pp_group_size"] = args["microbatch-group-size-per-virtual-pipeline-stage"]
     if args.get("num-virtual-stages-per-pipeline-rank", 1) > 1:

@@ -119,3 +119,43 @@ def test_interleaved_last_rank_holds_one_loss_at_a_time() -> None:
     one_f_one_b, interleaved = last_stage("1f1b", 1), last_stage("interleaved", 3)
     assert interleaved[0] == one_f_one_b[0]
     assert interleaved[1] > one_f_one_b[1]
+
+
+@pytest.mark.parametrize(("limit", "held"), [(2, 2), (0, 3), (9, 3)])
+def test_deferred_embedding_wgrad_waits_until_the_flush(limit: int, held: int) -> None:
+    """--defer-embedding-wgrad N (Megatron-LM d98e8a64 --defer-embedding-wgrad-compute,
+    --wgrad-deferral-limit N; 0 = no limit): the last stage's output layer keeps its input
+    (ColumnParallelLinear.forward appends it to embedding_activation_buffer) and its bf16
+    logits gradient (the backward appends grad_output) for the step's first N micro-batches
+    and computes their weight gradients in the flush. With 4 micro-batches, from the second
+    one on min(N, 3) of them wait beside everything else; the optimizer step has none."""
+    from vramcalc.analytic import stage_phases
+    from vramcalc.options import build_scenario
+
+    def phases(defer: int | None) -> dict[str, dict[str, int]]:
+        scn = build_scenario({"model": "gpt2", "gpus": "4xH100", "framework": "megatron",
+                              "pp": 2, "tp": 2, "num_microbatches": 4, "seq_len": S,
+                              "micro_batch_size": B, "defer_embedding_wgrad": defer})
+        return {p.name: p.parts for p in stage_phases(scn, 1, None)[0]}
+
+    got = phases(limit)
+    v = -(-50257 // 2)  # GPT-2's vocabulary on each of 2 tensor-parallel ranks
+    one = B * S * 768 * 2 + B * S * v * 2  # the output layer's input + logits gradient, bf16
+    per = [-(-n // 512) * 512 for n in (B * S * 768 * 2, B * S * v * 2)]
+    assert got["forward"]["logits/deferred_wgrad"] == held * sum(per) >= held * one
+    assert got["backward"]["logits/deferred_wgrad"] == held * sum(per)
+    assert "logits/deferred_wgrad" not in got["optimizer"]
+    assert "logits/deferred_wgrad" not in phases(None)["forward"]
+    assert "logits/deferred_wgrad" not in stage_phases(build_scenario(
+        {"model": "gpt2", "gpus": "4xH100", "framework": "megatron", "pp": 2, "tp": 2,
+         "num_microbatches": 4, "defer_embedding_wgrad": limit}), 0, None)[0][0].parts
+
+
+def test_deferred_embedding_wgrad_needs_megatron_pipelines() -> None:
+    from vramcalc.errors import InputError
+    from vramcalc.options import build_scenario
+
+    for values in ({"framework": "megatron"}, {"pp": 2}):
+        with pytest.raises(InputError, match="defer-embedding-wgrad"):
+            build_scenario({"model": "gpt2", "gpus": "2xH100", "defer_embedding_wgrad": 0,
+                            **values}).resolved()

@@ -342,7 +342,7 @@ def test_pipelined_fsdp_stage_holds_every_gradient_unsharded_until_the_step() ->
 # stages one more while L mod S lasts, the last stage the rest; stage s runs on rank s mod pp
 # (`stage_ids_this_rank`, style "loop").
 def test_torchtitan_default_split_by_hand() -> None:
-    from vramcalc.parallel import torchtitan_stage_layers
+    from vramcalc.stack_rules import torchtitan_stage_layers
 
     assert torchtitan_stage_layers(126, 8) == (15, 16, 16, 16, 16, 16, 16, 15)
     assert torchtitan_stage_layers(126, 16) == (7,) + (8,) * 14 + (7,)

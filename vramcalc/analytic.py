@@ -53,7 +53,7 @@ from vramcalc.terms.gradients import (
 )
 from vramcalc.terms.load import init_reserved_bytes, load_parts
 from vramcalc.terms.lowprec import check_lowprec
-from vramcalc.terms.megatron_layer import local_attention_buffer_bytes
+from vramcalc.terms.megatron_layer import megatron_held_parts
 from vramcalc.terms.modifiers import persistent_parts
 from vramcalc.terms.optim_in_bwd import in_backward, states_made
 from vramcalc.terms.optimizer_states import (
@@ -152,9 +152,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     prev_logits = 0 if scn.parallel.pp_schedule == "interleaved" else int(prev * logits_keep)
 
     held_parts = persistent_parts(ctx, gpu)  # FP8 weight cache, QAT qparams (modifiers)
-    attention_buffer = local_attention_buffer_bytes(ctx)  # Megatron's GlobalMemoryBuffer
-    if attention_buffer:
-        held_parts["transients/attention_buffer"] = attention_buffer
+    held_parts.update(megatron_held_parts(ctx))  # GlobalMemoryBuffer, deferred wgrad
     B = StageBase({**w_parts, **held_parts, "optimizer_states/states": opt["states"],
                    "optimizer_states/master": opt["master"]},
                   {"transients/cublas_workspace": cublas, "transients/comm_buffers": persistent})
@@ -327,7 +325,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
                                     "transients/reduce_buffers": rs, "logits": root}))
     backward = max(candidates, key=lambda p: p.total)
 
-    optimizer = Phase("optimizer", B, gradients_at_step_bytes(ctx), {
+    optimizer = Phase("optimizer", B.without("logits/deferred_wgrad"), gradients_at_step_bytes(ctx), {
         "transients/optimizer_step": 0 if ib else P.optimizer_step,
         "optimizer_states/main_grads": opt["main_grads"]})  # Megatron fp16
     load = load_parts(ctx)  # the model being loaded and prepared (terms/load.py)

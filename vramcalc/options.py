@@ -204,9 +204,8 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "batch is a full pack of --seq-len tokens, with input_pos and a block-causal mask: "
         "flex attention's BlockMask on compute capability >= 7.5, else a dense (b, s, s) "
         "bool mask (SDPA's memory-efficient kernel; each layer keeps an additive copy)."),
-    Opt("float8", bool, False, "torchtitan's --float8.enable_float8_linear (torchtitan "
-        "profile, with --compile): torchao's Float8Linear, dynamic tensorwise scaling, for "
-        "every linear but the output projection; bf16 FSDP2 all-gathers."),
+    Opt("float8", bool, False, "torchtitan's --float8.enable_float8_linear (with --compile): "
+        "torchao's Float8Linear (dynamic tensorwise) on every linear but the output layer."),
     Opt("float8_all_gather", bool, False, "torchtitan's --float8.enable_fsdp_float8_all_gather "
         "(with --float8 and FSDP over dp > 1): FSDP2 all-gathers the Float8Linear weights in "
         "float8 (1 byte per element; norms and the root module stay bf16), and the forward "
@@ -303,10 +302,11 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("loss_in_split", bool, False, "Count the loss as one layer of the last pipeline "
         "stage (Megatron-LM --account-for-loss-in-pipeline-split).", group="parallel"),
     Opt("mtp_layers", int, None, "Multi-token prediction depths (Megatron-LM "
-        "--mtp-num-layers; megatron profile): each adds one transformer layer, two norms, "
-        "the (2h -> h) eh_proj, a final norm and a second loss over the shared output layer "
-        "to the last pipeline stage, which also holds the embedding. Default 0.",
-        group="parallel"),
+        "--mtp-num-layers; megatron profile): each adds a transformer layer, norms, eh_proj "
+        "and a second loss to the last pipeline stage. Default 0.", group="parallel"),
+    Opt("defer_embedding_wgrad", int, None, "Megatron-LM's --defer-embedding-wgrad-compute "
+        "with --wgrad-deferral-limit N (0: all): the last stage keeps N micro-batches' output-"
+        "layer input and logits gradient until the step's flush.", group="parallel"),
     Opt("num_microbatches", int, None, "Micro-batches per step for pipeline parallelism "
         "(default: --grad-accum).", group="parallel"),
     Opt("capacity_factor", float, 1.0, "MoE token capacity factor.", group="parallel"),
@@ -331,7 +331,7 @@ _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zer
                   "fsdp_impl", "fsdp_edge_units", "shard_group", "offload_device",
                   "pp_schedule", "virtual_stages", "pp_group_size",
                   "first_stage_layers", "last_stage_layers", "stage_layers",
-                  "embedding_in_split", "loss_in_split", "mtp_layers", "num_microbatches",
+                  "embedding_in_split", "loss_in_split", "mtp_layers", "defer_embedding_wgrad", "num_microbatches",
                   "capacity_factor")
 
 

@@ -28,6 +28,7 @@ from vramcalc.stack_rules import (
     edge_units_problem,
     liger_problem,
     torchtitan_layout_problem,
+    torchtitan_split,
     torchtune_layout_problem,
 )
 from vramcalc.training import TrainingConfig
@@ -71,8 +72,10 @@ class ParallelConfig(BaseModel):
     # --stage-layers: layers of each pipeline stage in order (pp x virtual stages; stage s
     # on rank s mod pp); the torchtitan profile fills in its own split for uneven layers
     stage_layers: tuple[int, ...] | None = Field(None, exclude_if=lambda v: v is None)
-    # Megatron-LM --mtp-num-layers: multi-token-prediction depths on the last pipeline stage
-    mtp_layers: int = Field(0, ge=0, le=64, exclude_if=lambda v: v == 0)
+    mtp_layers: int = Field(0, ge=0, le=64, exclude_if=lambda v: v == 0)  # --mtp-num-layers
+    # --defer-embedding-wgrad-compute's --wgrad-deferral-limit (0: all; terms/logits.py)
+    defer_embedding_wgrad: int | None = Field(None, ge=0, le=10_000_000,
+                                              exclude_if=lambda v: v is None)
     num_microbatches: int | None = Field(None, gt=0, le=10_000_000)
     global_batch_size: int | None = Field(None, gt=0, le=1_000_000_000)
     capacity_factor: float = Field(1.0, gt=0, le=100)
@@ -180,7 +183,7 @@ def resolve_layout(
         raise InputError(
             f"tp={tp} does not divide num_key_value_heads={spec.kv_heads} (nor is it a multiple)"
         )
-    parallel = _torchtitan_split(spec, training, parallel)
+    parallel = torchtitan_split(spec, training, parallel)
     _check_pipeline(spec, training, parallel)
     if ep > 1:
         if not spec.is_moe:
@@ -292,39 +295,10 @@ def pipeline_split_problem(spec: ModelSpec, training: TrainingConfig,
     """`resolve_layout`'s refusal of this layout's pipeline split, or None (the planner
     asks it which pp an uneven split allows)."""
     try:
-        _check_pipeline(spec, training, _torchtitan_split(spec, training, parallel))
+        _check_pipeline(spec, training, torchtitan_split(spec, training, parallel))
     except InputError as err:
         return str(err)
     return None
-
-
-def torchtitan_stage_layers(num_layers: int, stages: int) -> tuple[int, ...]:
-    """torchtitan's default pipeline split (9dec370, torchtitan/parallelisms/
-    pipelining_utils.py `generate_split_points`, used when no
-    --experimental.pipeline_parallel_split_points is given): the first stage holds
-    L // stages layers, the middle stages one more while the remainder lasts, then
-    L // stages, and the last stage the rest."""
-    base, extra = divmod(num_layers, stages)
-    counts = [base]
-    for _ in range(stages - 2):
-        counts.append(base + (extra > 0))
-        extra -= extra > 0
-    return (*counts, num_layers - sum(counts))
-
-
-def _torchtitan_split(spec: ModelSpec, training: TrainingConfig,
-                      parallel: ParallelConfig) -> ParallelConfig:
-    """The torchtitan profile's layout with its own default split where the layers do not
-    divide evenly over the pipeline stages and no split is given."""
-    stages = parallel.pp * parallel.pp_chunks
-    if (training.framework != "torchtitan" or parallel.pp == 1 or parallel.uneven_split
-            or not spec.num_hidden_layers % stages):
-        return parallel
-    if stages > spec.num_hidden_layers:
-        raise InputError(f"{stages} pipeline stages for {spec.num_hidden_layers} layers: "
-                         "torchtitan needs a layer per stage at least")
-    return parallel.model_copy(update={
-        "stage_layers": torchtitan_stage_layers(spec.num_hidden_layers, stages)})
 
 
 def _check_pipeline(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig) -> None:
@@ -333,6 +307,9 @@ def _check_pipeline(spec: ModelSpec, training: TrainingConfig, parallel: Paralle
                                                    or parallel.pp_group_size):
         raise InputError("--virtual-stages and --pp-group-size need --pp-schedule interleaved")
     m = parallel.num_microbatches or training.grad_accum
+    if parallel.defer_embedding_wgrad is not None and (pp == 1
+                                                      or training.framework != "megatron"):
+        raise InputError("--defer-embedding-wgrad: Megatron-LM's, with --pp > 1")
     if parallel.pp_group_size and not pp <= parallel.pp_group_size <= m:
         raise InputError(f"--pp-group-size {parallel.pp_group_size}: between --pp {pp} and "
                          f"the micro-batches per step, {m} (Megatron-LM's check)")

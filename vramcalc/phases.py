@@ -18,6 +18,13 @@ class StageBase:
         _add_terms(self.terms, tail)
 
 
+    def without(self, key: str) -> StageBase:
+        """This base less one of its head parts (what a later moment no longer holds)."""
+        if key not in self.head:
+            return self
+        return StageBase({k: v for k, v in self.head.items() if k != key}, self.tail)
+
+
 def _add_terms(out: dict[str, int], parts: dict[str, int]) -> dict[str, int]:
     """Add sub-term bytes ("term/detail" keys) into `out` by term."""
     for key, val in parts.items():

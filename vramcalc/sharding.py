@@ -179,7 +179,7 @@ def chunk_layers(num_layers: int, pp: int, v: int = 1, first: int | None = None,
       (loss) counts as one layer, (L + e + l)/(p·v) per chunk, and the first chunk of rank 0
       (the last chunk of rank p−1) builds one transformer layer less.
 
-    - `stages` (torchtitan's split, `parallel.torchtitan_stage_layers`): the layers of each
+    - `stages` (torchtitan's split, `stack_rules.torchtitan_stage_layers`): the layers of each
       pipeline stage in order, stage s = chunk s // p of rank s mod p (torchtitan's "loop"
       stage assignment, pipelining_utils.py `stage_ids_this_rank`).
 

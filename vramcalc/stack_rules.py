@@ -1,11 +1,14 @@
 """Which training settings each stack profile can run: one function per rule, asked by
 TrainingConfig's validators (vramcalc/training.py) and by the planner for every precision,
-optimizer and method it tries. Each returns why the settings cannot be expressed, or None.
-`tr` is a TrainingConfig (typed loosely: this module sits below vramcalc/training.py)."""
+optimizer and method it tries. Each returns why the settings cannot be expressed, or None;
+`torchtitan_split` fills in torchtitan's own pipeline split. `tr` is a TrainingConfig
+(typed loosely: this module sits below vramcalc/training.py and vramcalc/parallel.py)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from vramcalc.errors import InputError
 
 
 def torchtitan_training_problem(tr: Any) -> str | None:
@@ -307,3 +310,30 @@ def liger_problem(spec: Any, training: Any, par: Any) -> str | None:
         return "--liger is modelled with data parallelism only (no --tp, --pp or --cp)"
     return None
 
+
+def torchtitan_stage_layers(num_layers: int, stages: int) -> tuple[int, ...]:
+    """torchtitan's default pipeline split (9dec370, torchtitan/parallelisms/
+    pipelining_utils.py `generate_split_points`, used when no
+    --experimental.pipeline_parallel_split_points is given): the first stage holds
+    L // stages layers, the middle stages one more while the remainder lasts, then
+    L // stages, and the last stage the rest."""
+    base, extra = divmod(num_layers, stages)
+    counts = [base]
+    for _ in range(stages - 2):
+        counts.append(base + (extra > 0))
+        extra -= extra > 0
+    return (*counts, num_layers - sum(counts))
+
+
+def torchtitan_split(spec: Any, training: Any, parallel: Any) -> Any:
+    """The torchtitan profile's layout with its own default split where the layers do not
+    divide evenly over the pipeline stages and no split is given."""
+    stages = parallel.pp * parallel.pp_chunks
+    if (training.framework != "torchtitan" or parallel.pp == 1 or parallel.uneven_split
+            or not spec.num_hidden_layers % stages):
+        return parallel
+    if stages > spec.num_hidden_layers:
+        raise InputError(f"{stages} pipeline stages for {spec.num_hidden_layers} layers: "
+                         "torchtitan needs a layer per stage at least")
+    return parallel.model_copy(update={
+        "stage_layers": torchtitan_stage_layers(spec.num_hidden_layers, stages)})

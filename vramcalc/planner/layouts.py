@@ -68,7 +68,7 @@ def split_schedules(base: Scenario, pp: int) -> tuple[bool, bool]:
     """(1F1B, interleaved with v = 2) at pipeline size `pp`: whether the base's layers split
     over it — evenly, as its uneven split asks (the estimate's own check,
     `pipeline_split_problem`), or, for the torchtitan profile, as torchtitan splits them
-    (`parallel.torchtitan_stage_layers`)."""
+    (`stack_rules.torchtitan_stage_layers`)."""
     spec, L = base.model, base.model.num_hidden_layers
     if not pipeline_split(base):
         if base.training.framework == "torchtitan":  # it splits unevenly by itself, a

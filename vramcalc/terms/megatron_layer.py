@@ -40,6 +40,35 @@ def local_attention_buffer_bytes(ctx: RankContext) -> int:
     return alloc(x.b * x.a * x.s * x.s, x.c)
 
 
+def deferred_wgrad_bytes(ctx: RankContext) -> int:
+    """--defer-embedding-wgrad N (Megatron-LM d98e8a64 --defer-embedding-wgrad-compute with
+    --wgrad-deferral-limit N, 0 = no limit): the last stage's output layer appends its input
+    to `embedding_activation_buffer` in forward (tensor_parallel/layers.py
+    ColumnParallelLinear.forward) and its c-typed logits gradient to `grad_output_buffer`
+    in backward (LinearWithGradAccumulationAndAsyncCommunication.backward) for the first N
+    micro-batches of the step, and computes their weight gradients in the pipeline flush
+    (schedules.py `finish_embedding_wgrad_compute`). From the second micro-batch's forward
+    to the flush, min(N, m − 1) of them wait: (b·s/t or b·s) x h input + b·s x V/t gradient
+    each (last stage)."""
+    n = ctx.parallel.defer_embedding_wgrad
+    if n is None or not ctx.is_last_stage:
+        return 0
+    m = ctx.parallel.num_microbatches or ctx.training.grad_accum
+    held = min(n or m, m - 1)
+    x = dims(ctx)
+    rows = x.b * x.s // (ctx.parallel.tp if ctx.parallel.sequence_parallel else 1)
+    return held * (alloc(rows * x.h, x.c) + alloc(x.b * x.s * x.V, x.c))
+
+
+def megatron_held_parts(ctx: RankContext) -> dict[str, int]:
+    """Report sub-terms of the megatron profile held beside the layers: the local core's
+    GlobalMemoryBuffer (the whole step) and the deferred embedding wgrad buffers (forward
+    and backward; the optimizer phase drops them, `StageBase.without`)."""
+    parts = {"transients/attention_buffer": local_attention_buffer_bytes(ctx),
+             "logits/deferred_wgrad": deferred_wgrad_bytes(ctx)}
+    return {k: v for k, v in parts.items() if v}
+
+
 def megatron_layer_bytes(ctx: RankContext, moe: bool = False) -> int:
     """Bytes one Megatron-LM layer keeps for backward, one micro-batch (t = tp, SP and
     selective recompute): Korthikanti et al. 2022 (arXiv:2205.05198) Table 2,
