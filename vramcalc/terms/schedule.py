@@ -35,7 +35,9 @@ def in_flight_microbatches(scn: Scenario, stage: int) -> float:
         layers = [row[stage] for row in pipeline_chunks(scn.model, par)]
         if not sum(layers):
             return chunks / v
-        order = [j for start in range(0, m, g) for j in range(v)
-                 for _ in range(start, m if start + g >= m else start + g)]
-        return sum(layers[j] for j in order[:chunks]) / sum(layers)
+        held = 0
+        for k in range(chunks):  # the k-th forward: its group's start and size, its chunk
+            start = k // (g * v) * g
+            held += layers[(k - start * v) // (g if start + g < m else m - start)]
+        return held / sum(layers)
     return min(p - stage, m)
