@@ -73,7 +73,7 @@ class ParallelConfig(BaseModel):
     # on rank s mod pp); the torchtitan profile fills in its own split for uneven layers
     stage_layers: tuple[int, ...] | None = Field(None, exclude_if=lambda v: v is None)
     mtp_layers: int = Field(0, ge=0, le=64, exclude_if=lambda v: v == 0)  # --mtp-num-layers
-    # --defer-embedding-wgrad-compute's --wgrad-deferral-limit (0: all; terms/logits.py)
+    # --defer-embedding-wgrad-compute's --wgrad-deferral-limit (0: all; megatron_layer.py)
     defer_embedding_wgrad: int | None = Field(None, ge=0, le=10_000_000,
                                               exclude_if=lambda v: v is None)
     num_microbatches: int | None = Field(None, gt=0, le=10_000_000)
