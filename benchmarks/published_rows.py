@@ -25,6 +25,12 @@ Sources (GB = 1e9 bytes unless said):
   calibrated rows; bytes), Llama-3.2-3B on an L40S, batch 4, sequences up to 768 tokens.
 - torchtune README (pytorch/torchtune 1814feb): the Llama-3.2-3B optimisation table ("Peak
   Memory Active (GiB)") on an A100, batch 2, packed to 4096 where said.
+- torchtune's LoRA tutorial (docs/source/tutorials/lora_finetune.rst, ff594c2): the table's
+  other three rows (peak memory reserved, GB), with the calibrated q/v r 8 row's flags.
+  "all layers" is q, k, v, output_proj, the MLP and the output projection (rows marked *
+  leave out the output projection's adapter, modelled for the hf profile only); lora_llama2
+  at ff594c2 gives the MLP adapters no dropout, so `--lora-dropout 0.05` counts one
+  recomputed layer's MLP masks the run lacked (under 0.06 GB).
 - LitGPT `tutorials/resource-tables.md` (Lightning-AI/litgpt 0cc02afa, October 2023; runs at
   8641822): "Max GPU RAM" (`max_memory_allocated`, never reset), Alpaca, LoRA r 8 on query
   and value, one A100 40GB unless said, `bf16-true`; the rows not in the calibration set,
@@ -92,6 +98,11 @@ _TUNE31 = {**_TUNE, "model": "llama3.1-8b", "micro_batch_size": 2, "grad_accum":
            "packed": True, "seq_len": 2048, "compile": True, "chunked_ce": 8}
 _TUNE31_LORA = {"finetune": "lora", "lora_rank": 8, "lora_targets": "q,v", "lora_dropout": 0.0}
 
+# torchtune's LoRA tutorial table (ff594c2): the calibrated q/v r 8 row's flags
+_TUNE_LORA_TUT = {"model": "llama2-7b", **_TUNE, "seq_len": 512, "optimizer_impl": "foreach",
+                  "finetune": "lora", "lora_rank": 8, "lora_targets": "q,v",
+                  "lora_dropout": 0.05, "micro_batch_size": 2, "grad_accum": 64}
+
 # (source, row, published value, unit, metric, flags)
 ROWS: list[tuple[str, str, float, str, str, dict[str, Any]]] = [
     ("LitGPT", "llama-2-7b/lora.yaml", 19.77, "GB", "allocated",
@@ -132,6 +143,12 @@ ROWS: list[tuple[str, str, float, str, str, dict[str, Any]]] = [
      {**_LIT, "model": "gemma2-2b", "micro_batch_size": 2, "grad_accum": 3, **_ALL8}),
     ("LitGPT", "gemma2-9b/qlora.yaml * †", 20.92, "GB", "allocated",
      {**_LIT_Q, "model": "gemma2-9b", "micro_batch_size": 1, "grad_accum": 6, **_ALL16}),
+    ("torchtune", "LoRA tutorial, all layers, r 8 *", 15.87, "GB", "reserved",
+     {**_TUNE_LORA_TUT, "lora_targets": "q,k,v,o,gate,up,down"}),
+    ("torchtune", "LoRA tutorial, q and v, r 64", 15.86, "GB", "reserved",
+     {**_TUNE_LORA_TUT, "lora_rank": 64}),
+    ("torchtune", "LoRA tutorial, all layers, r 64 *", 17.04, "GB", "reserved",
+     {**_TUNE_LORA_TUT, "lora_rank": 64, "lora_targets": "q,k,v,o,gate,up,down"}),
     ("PEFT", "lora--llama-3.2-3B-rank64", 22552772608 / GB, "GB", "reserved",
      {**_PEFT, "finetune": "lora", "lora_rank": 64, "lora_targets": "q,v"}),
     ("PEFT", "lora--llama-3.2-3B-rank32-dora", 24532484096 / GB, "GB", "reserved",
