@@ -87,6 +87,22 @@ def test_selective_recompute_drops_only_the_logsumexp() -> None:
     assert megatron_layer_bytes(_ctx(tp=8, sp=True, recompute="full")) == 2 * T * H // 8
 
 
+@pytest.mark.parametrize(("tp", "sp"), [(1, False), (8, True)])
+def test_unfused_core_keeps_the_scores_in_place_of_the_logsumexp(tp: int, sp: bool) -> None:
+    """--attention eager (TE's UnfusedDotProductAttention, which Megatron's
+    --attention-backend unfused selects): the (b, a/t, s, s) softmax output (2 B), the
+    dropout mask (1 B) and output (2 B) at the default dropout 0.1 (Korthikanti et al.
+    2022 Table 2's 5·a·s²·b), where the flash core keeps its fp32 logsumexp (4·a per
+    token)."""
+    def ctx(attention: str) -> RankContext:
+        tr = TrainingConfig(seq_len=S, micro_batch_size=B, precision="bf16",
+                            framework="megatron", attention=attention)
+        return RankContext(SPEC, tr, ParallelConfig(dp=1, tp=tp, sequence_parallel=sp))
+
+    diff = megatron_layer_bytes(ctx("eager")) - megatron_layer_bytes(ctx("flash"))
+    assert diff == 5 * B * A * S * S // tp - T * 4 * A // tp
+
+
 def test_moe_layer_keeps_the_same_attention() -> None:
     rows = [(name, nbytes) for name, _, nbytes in megatron_layer_tensors(_ctx(8, True), True)]
     names = [name for name, _ in rows]
@@ -121,7 +137,6 @@ def _write(tmp_path: Path, cfg: dict[str, Any]) -> str:
 
 @pytest.mark.parametrize(("extra", "missing"),
                          [(["--cp", "2", "--gpus", "2xH100"], "cp=2"),
-                          (["--attention", "eager"], "--attention eager"),
                           (["--precision", "fp8", "--gpus", "1xH100"], "FP8")])
 def test_megatron_mla_refusals_are_one_line(tmp_path: Path, capsys: Any, extra: list[str],
                                             missing: str) -> None:

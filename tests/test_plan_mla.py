@@ -121,7 +121,7 @@ def test_plan_notes_name_the_held_axes(framework: str, held: str,
 
 
 @pytest.mark.parametrize("argv", [
-    ["--precision", "fp8"], ["--attention", "eager"], ["--finetune", "lora"],
+    ["--precision", "fp8"], ["--finetune", "lora"],
 ])
 def test_settings_no_layout_covers_are_refused_with_the_estimates_message(
         argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,8 +24,7 @@ def mla_unsupported(scn: Scenario) -> str | None:
     tr, par = scn.training, scn.parallel
     if tr.framework == "megatron":  # vramcalc/terms/megatron_mla.py: TE flash, any TP / SP
         return next((piece for piece, on in (
-            (f"cp={par.cp}", par.cp > 1), ("--attention eager", tr.attention == "eager"),
-            ("fine-tuning", tr.finetune != "full"),
+            (f"cp={par.cp}", par.cp > 1), ("fine-tuning", tr.finetune != "full"),
             ("FP8 / quantization-aware training", tr.precision == "fp8" or tr.qat != "none"))
             if on), None)
     why = {"hf": "transformers' DeepseekV3 attention is not traced yet",
@@ -49,7 +48,7 @@ def mla_problem(scn: Scenario) -> str | None:
         return None
     if scn.training.framework == "megatron":
         return (f"{scn.model.name}: multi-latent attention's activations are modelled for "
-                "--framework megatron with TE flash attention, tensor and sequence "
+                "--framework megatron with tensor and sequence "
                 f"parallelism, 16/32-bit full training, so far; not {missing}")
     return (f"{scn.model.name}: multi-latent attention's activations are modelled for "
             "--framework megatron (tensor and sequence parallelism) and --framework reference "

@@ -79,6 +79,12 @@ def megatron_mla_tensors(ctx: RankContext, drop: bool) -> list[tuple[str, str, f
             ("value", "2 sb·a·dv", heads(dv))]
     if ctx.training.recompute == "selective":
         out.append(("flash logsumexp", "recomputed (core_attn)", 0.0))
+    elif ctx.training.attention == "eager":  # TE's UnfusedDotProductAttention: Table 2's core
+        scores = x.b * a * x.s * x.s / t
+        out.append(("softmax output", "2 as²b", 2 * scores))
+        if drop:
+            out += [("attention dropout mask", "as²b", scores),
+                    ("attention dropout output", "2 as²b", 2 * scores)]
     else:
         out.append(("flash softmax statistics (fp32 logsumexp)", "4 asb", heads(1, 4)))
     out.append(("core output (linear_proj input)", "2 sb·a·dv", heads(dv)))
