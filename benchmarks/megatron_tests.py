@@ -274,8 +274,6 @@ def mapping(name: str, env: str, platform: str, args: dict[str, Any], world: int
     if args.get(NATIVE_LOSS_FUSION):
         m.flags["cross_entropy_loss_fusion"] = True
     if args.get("num-distributed-optimizer-instances", 1) > 1 and m.flags.get("zero"):
-        d = derived(args, world)
-        assert isinstance(d, dict)
         cp = args.get("context-parallel-size", 1)
         m.flags["shard_group"] = (d["data_parallel_size"] * cp
                                   // args["num-distributed-optimizer-instances"])

@@ -327,8 +327,9 @@ def _nf4_head_bytes(ctx: RankContext, backward: bool) -> int:
         # last chunk's matmul; backward, every chunk's gradient in c (autograd runs all the
         # losses' and Fabric's fp32 casts' nodes, created after the head's, first) beside
         # the fp32 list the loop's `logits` holds
-        chunks = [alloc(n, x.c) for n in _lit_chunks(ctx)]
-        n = _lit_chunks(ctx)[-1] // x.V
+        logits = _lit_chunks(ctx)
+        chunks = [alloc(n, x.c) for n in logits]
+        n = logits[-1] // x.V
         if backward:
             return (lit_logits_lists(ctx)[1] + sum(chunks)
                     + dequant_backward_bytes(w, x.c, tr.nf4, alloc(n * x.h, x.c)))
