@@ -36,18 +36,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "phi3": {"kv": None, "head_dim": None, "tie": False, "act": "silu", "pos": 4096},
     "gemma": {"kv": 16, "head_dim": 256, "tie": True, "act": "gelu_pytorch_tanh", "pos": 8192},
     "gemma2": {"kv": 4, "head_dim": 256, "tie": True, "act": "gelu_pytorch_tanh", "pos": 8192},
-    "gemma3_text": {
-        "kv": 4,
-        "head_dim": 256,
-        "tie": True,
-        "act": "gelu_pytorch_tanh",
-        "pos": 131072,
-    },
+    "gemma3_text": {"kv": 4, "head_dim": 256, "tie": True, "act": "gelu_pytorch_tanh",
+                    "pos": 131072},
     "gpt_neox": {"kv": None, "head_dim": None, "tie": False, "act": "gelu", "pos": 2048},
     "phi": {"kv": None, "head_dim": None, "tie": False, "act": "gelu_new", "pos": 2048},
     "deepseek_v2": {"kv": None, "head_dim": None, "tie": False, "act": "silu", "pos": 2048},
     "deepseek_v3": {"kv": 128, "head_dim": None, "tie": False, "act": "silu", "pos": 4096},
     "llama4_text": {"kv": 8, "head_dim": 128, "tie": False, "act": "silu", "pos": 131072},
+    "nemotron": {"kv": None, "head_dim": None, "tie": False, "act": "relu2", "pos": 4096},
 }
 # Multi-latent attention and MoE defaults (configuration_deepseek_v2.py / _v3.py):
 # kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
@@ -417,12 +413,18 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
     else:
         defaults = _DEFAULTS.get(model_type, _GENERIC_DEFAULTS)
         fields = _decoder_fields(c, model_type or "(none)", defaults)
-        if model_type in ("llama", "gemma", "qwen3", "qwen3_moe", "gemma2", "gemma3_text"):
+        if model_type in ("llama", "gemma", "qwen3", "qwen3_moe", "gemma2", "gemma3_text",
+                          "nemotron"):
             # q, k, v and o all take `bias=config.attention_bias`
             bias = c.get_bool("attention_bias", False)
             fields.update(attention_bias=bias, attention_out_bias=bias)
-        if model_type == "llama":
+        if model_type in ("llama", "nemotron"):
             fields["mlp_bias"] = c.get_bool("mlp_bias", False)
+        if model_type == "nemotron":
+            # modeling_nemotron.py: NemotronMLP is up_proj, act, down_proj (no gate);
+            # NemotronLayerNorm1P a LayerNorm with a bias (weight + 1 at run time); the
+            # partial rotary embedding holds no parameters
+            fields.update(mlp_kind="standard", norm_kind="layernorm", norm_bias=True)
         elif model_type == "qwen2":
             fields["attention_bias"] = True  # q, k, v biases, none on o (modeling_qwen2.py)
         elif model_type == "qwen2_moe":

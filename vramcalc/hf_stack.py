@@ -225,6 +225,30 @@ def release_model_problem(spec: Any, tr: Any) -> str | None:
             f"the model); give {first} or later")
 
 
+def gpt2_shaped(spec: Any) -> bool:
+    """Whether a LayerNorm / learned-position / 2-matrix-MLP decoder has GPT-2's shape, the
+    only such architecture the hf profile builds (GPT2Config, vramcalc/trace/hf_models.py)."""
+    return (spec.norm_kind == "layernorm" and spec.norm_bias and spec.position_embedding
+            == "learned" and spec.mlp_kind == "standard" and spec.attention_bias
+            and spec.attention_out_bias and spec.mlp_bias and spec.tie_word_embeddings
+            and spec.kv_heads == spec.num_attention_heads and spec.final_norm
+            and spec.head_size * spec.num_attention_heads == spec.hidden_size
+            and not spec.is_moe and not spec.qk_norm)
+
+
+def layernorm_model_problem(spec: Any, tr: Any) -> str | None:
+    """Why the hf profile cannot model this decoder (None: it can): its LayerNorm decoders
+    are GPT-2's shape; any other (Nemotron's, GPT-NeoX's) would be counted as GPT-2."""
+    if tr.framework != "hf" or spec.is_encoder or spec.is_encoder_decoder or (
+            spec.parallel_residual):  # refused with its own reason (vramcalc/scenario.py)
+        return None
+    if (spec.norm_kind == "layernorm" or spec.position_embedding == "learned"
+            or spec.mlp_kind == "standard") and not gpt2_shaped(spec):
+        return (f"{spec.name}: the hf profile models LayerNorm and 2-matrix-MLP decoders "
+                "with GPT-2's shape only; use --framework reference")
+    return None
+
+
 # transformers' defaults that changed with the release (`--transformers-version`): the
 # Trainer's optimizer, adamw_torch from 4.32 to 4.53 and adamw_torch_fused from 4.54
 # (training_args.py `default_optim`; v4.46.0 and v4.50.0 set "adamw_torch"), and

@@ -25,12 +25,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vramcalc.encoder_shapes import encoder_rows
-from vramcalc.errors import InputError
+from vramcalc.errors import InputError, shown
 from vramcalc.seq2seq_shapes import seq2seq_num_params
 
 MAX_DIM = 10_000_000
 MAX_LAYERS = 100_000
 MAX_EXPERTS = 1024
+# the activations whose saved tensors the engines model (transformers ACT2FN names; relu2 is
+# ReLUSquaredActivation, Nemotron's and Megatron-LM's --squared-relu)
+Activation = Literal["silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast",
+                     "gelu_python_tanh", "relu", "relu2"]
 
 
 class ModelSpec(BaseModel):
@@ -49,7 +53,7 @@ class ModelSpec(BaseModel):
     vocab_size: int = Field(gt=0, le=MAX_DIM * 10)
     max_position_embeddings: int = Field(4096, gt=0, le=100_000_000)
     mlp_kind: Literal["gated", "standard"] = "gated"
-    hidden_act: str = "silu"
+    hidden_act: Activation = "silu"
     norm_kind: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     norm_bias: bool = False
     attention_bias: bool = False  # biases on q, k, v projections
@@ -413,6 +417,8 @@ def validation_message(err: Any, allowed: list[str]) -> str:
     else:
         cause = (first.get("ctx") or {}).get("error")
         text = str(cause) if isinstance(cause, Exception) else first.get("msg", "invalid")
+        if first.get("type") == "literal_error":  # name the value given
+            loc = f"{loc} {shown(first.get('input'))}"
         msg = f"{loc}: {text}" if loc else text
     if len(errors) > 1:
         msg += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"

@@ -7,10 +7,11 @@ from pydantic import BaseModel, ConfigDict
 from vramcalc.errors import InputError
 from vramcalc.hardware import Cluster, GPUProfile
 from vramcalc.hf_config import ROBERTA_TYPES
-from vramcalc.hf_stack import release_model_problem
+from vramcalc.hf_stack import layernorm_model_problem, release_model_problem
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig, resolve_layout
 from vramcalc.stack_rules import (
+    activation_problem,
     optimizer_in_backward_problem,
     torchtune_packed_mask,
     torchtune_training_problem,
@@ -156,7 +157,9 @@ class Scenario(BaseModel):
         """Validate the layout against model and world size; fill in dp, the optimizer
         step's implementation where a torch optimizer steps (DeepSpeed and Megatron-LM step
         their own fused optimizers) and the allocator's expandable segments (the stack's)."""
-        problem = mla_problem(self) or release_model_problem(self.model, self.training)
+        problem = (mla_problem(self) or release_model_problem(self.model, self.training)
+                   or layernorm_model_problem(self.model, self.training)
+                   or activation_problem(self.model, self.training))
         if problem:
             raise InputError(problem)
         mtp = self.parallel.mtp_layers

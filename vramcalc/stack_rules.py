@@ -311,6 +311,19 @@ def liger_problem(spec: Any, training: Any, par: Any) -> str | None:
     return None
 
 
+def activation_problem(spec: Any, tr: Any) -> str | None:
+    """Why this MLP activation cannot be modelled for the stack, or None. A gated relu2 runs
+    its gate product on the square's fp32 output under autocast (not modelled); Megatron-LM's
+    MLP activations are GeLU, SwiGLU and --squared-relu (relu2, 2-matrix)."""
+    act, gated = spec.hidden_act, spec.mlp_kind == "gated"
+    if gated and act == "relu2":
+        return f"{spec.name}: a gated MLP with relu2 is not modelled (2-matrix relu2 is)"
+    if tr.framework == "megatron" and act == "relu":
+        return (f"{spec.name}: Megatron-LM's MLP runs GeLU, SwiGLU or --squared-relu "
+                f"(relu2), not hidden_act '{act}'")
+    return None
+
+
 def torchtitan_stage_layers(num_layers: int, stages: int) -> tuple[int, ...]:
     """torchtitan's default pipeline split (9dec370, torchtitan/parallelisms/
     pipelining_utils.py `generate_split_points`, used when no

@@ -190,8 +190,8 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
         if selective and not eager:
             drop.add("attn.out")  # the core's output, kept only by o_proj
     down_input = "down_input" if gated else "act"
-    if "down" not in keep:
-        drop.add(f"mlp.{down_input}")
+    if "down" not in keep and (gated or spec.hidden_act != "relu"):  # relu's own backward
+        drop.add(f"mlp.{down_input}")  # reads its output, the frozen down's input
         drop.update(f"shared_expert{i}.{down_input}" for i in range(spec.num_shared_experts))
         drop.add(f"shared_expert.{down_input}")  # the hf profile's name
     if moe and not (bnb_keeps_inputs(ctx) and not hf):  # frozen router, routed experts

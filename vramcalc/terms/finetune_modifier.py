@@ -6,6 +6,7 @@ for the tables and their sources)."""
 from __future__ import annotations
 
 from vramcalc.features import finetunes
+from vramcalc.finetune import adapted_linears
 from vramcalc.qlora import dequant_backward_bytes
 from vramcalc.rank import RankContext
 from vramcalc.terms.finetune_activations import (
@@ -37,17 +38,22 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
     down = sum(t.nbytes for t in saved if t.name.startswith("lora.down."))
     qkv = sum(t.nbytes for t in saved if t.name.startswith(("lora.q.", "lora.k.", "lora.v.",
                                                              "lora.qkv.")))
+    # a 2-matrix MLP with an adapted down projection: its input gets two gradients, the
+    # adapter's and the base's, whose sum is a new tensor while both live (3·T·f in c)
+    g_res = alloc(x.T * x.h, x.r)
+    two = g_res + 3 * alloc(x.N * x.f, x.c) if ctx.spec.mlp_kind != "gated" and (
+        "down" in adapted_linears(ctx.spec, ctx.training.lora_targets,
+                                  ctx.training.framework)) else 0
     out = []
     for m in moments:
         if m.name == "mlp":
-            m = Moment(m.name, m.held - down, m.work, m.grads)
+            m = Moment(m.name, m.held - down, max(m.work, two), m.grads)
         elif m.name == "attention":
             m = Moment(m.name, m.held + qkv, m.work, m.grads)
         out.append(m)
     if ctx.training.finetune == "qlora" and ctx.spec.mlp_kind == "gated" and not (
             ctx.spec.is_moe and ctx.spec.num_dense_layers == 0):
         total = sum(t.nbytes for t in saved)
-        g_res = alloc(x.T * x.h, x.r)
         dx = alloc(x.T * x.f, x.c)
         if compiled_nf4(ctx):  # down's kept dequantized weight is read by its dL/dx
             kept = sum(t.nbytes for t in saved if t.name == "lora.down.w_deq")

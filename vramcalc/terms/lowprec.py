@@ -236,6 +236,9 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     selective_flash = tr.recompute == "selective" and tr.attention == "flash"
     out = [t for t in saved if t.name not in (_ATTN_IN, _MLP_IN, down_name, _O_IN)
            and not (selective_flash and t.name == "attn.out")]
+    if not gated and ctx.spec.hidden_act == "relu":  # relu's backward reads its output
+        out += [dataclasses.replace(t, name="mlp.relu", why="relu output (threshold_backward)")
+                for t in saved if t.name == down_name]
     # (name, elements per copy, copies, shape, what reads it)
     inputs = [(_ATTN_IN, T * x.h, 3, "(b, s, h)", "q, k, v"),
               (_O_IN, T * o_in, 1, "(b, s, a·d)", "o_proj"),
@@ -276,10 +279,13 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
     def gone(names: tuple[str, ...]) -> int:
         return sum(t.nbytes for t in saved if t.name in names)
 
+    # relu: moments.py keeps "mlp.act" (relu's output, read by threshold_backward); here it
+    # is the projection's own quantized copy, freed with it (the output is "mlp.relu")
+    relu = ("mlp.act",) if ctx.spec.mlp_kind != "gated" and ctx.spec.hidden_act == "relu" else ()
     out = []
     for m in moments:
         if m.name == "mlp":
-            m = dataclasses.replace(m, held=m.held - gone(_DOWN_EXTRA))
+            m = dataclasses.replace(m, held=m.held - gone(_DOWN_EXTRA + relu))
         elif m.name == "attention":
             m = dataclasses.replace(m, held=m.held - gone(_O_EXTRA))
         out.append(m)

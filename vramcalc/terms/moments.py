@@ -115,6 +115,13 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
             # hf's Python GELU: the 0.5x · (1 + tanh) product's backward: d out, d 0.5x,
             # d (1 + tanh), with only the product (c_proj's input) freed
             gone, n_f = ("mlp.act",), 3
+        elif ctx.spec.hidden_act == "relu":  # d act, d fc; relu's output (proj's input)
+            gone, n_f = (), 2  # is kept until threshold_backward has run
+        elif ctx.spec.hidden_act == "relu2":
+            # square's backward (pow_backward: grad · (2 · r.pow(1))): d act and three
+            # temporaries, in fp32 under autocast (pow is on CUDA's fp32 list)
+            gone, n_f = ("mlp.act",), 4
+            bsf = alloc(rows * f, "fp32" if x.amp else c)
         else:  # the activation's backward: d act, d fc
             gone, n_f = ("mlp.act",), 2
         freed = sum(t.nbytes for t in mlp_saved if t.name in gone)

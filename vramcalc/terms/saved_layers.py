@@ -279,16 +279,25 @@ def mlp_saved(ctx: RankContext, x: Dims, tokens: int, ffn: int, name: str = "mlp
         if fam == "phi3":
             out.append(Saved(f"{name}.gate_up", 2 * bsf, c, "(T, 2f)",
                              "fused gate_up output; gate and up are views"))
-        else:
-            out += [Saved(f"{name}.gate", bsf, c, "(T, f)", "activation input"),
-                    Saved(f"{name}.up", bsf, c, "(T, f)", "kept by act · up")]
+        else:  # relu keeps its output (threshold_backward), not the gate
+            out += [Saved(f"{name}.gate", bsf, c, "(T, f)", "activation input")] * (
+                ctx.spec.hidden_act != "relu")
+            out.append(Saved(f"{name}.up", bsf, c, "(T, f)", "kept by act · up"))
         out += [Saved(f"{name}.act", bsf, c, "(T, f)", "activation output, kept by act · up"),
                 Saved(f"{name}.down_input", bsf, c, "(T, f)", "act · up, down_proj input")]
         return out
     if readers_input:
         out += _linear_inputs(x, f"{name}.input", tokens * x.h, 1, "(T, h) normed")
-    out.append(Saved(f"{name}.fc_out", bsf, c, "(T, f)", "activation input"))
-    if hf and ctx.spec.hidden_act == "gelu_new":
+    act = ctx.spec.hidden_act
+    if act == "relu":  # threshold_backward reads relu's output, which is also proj's input
+        return [*out, Saved(f"{name}.act", bsf, c, "(T, f)", "relu output, proj input")]
+    # relu2 (square(relu(x))): relu's output, kept by relu and by the square (under
+    # autocast the square runs on an fp32 copy, which it keeps: pow is on CUDA's fp32 list)
+    out.append(Saved(f"{name}.fc_out", bsf, c, "(T, f)",
+                     "relu output" if act == "relu2" else "activation input"))
+    if act == "relu2" and x.amp:
+        out.append(Saved(f"{name}.relu2.fp32", bsf, "fp32", "(T, f)", "fp32 relu output"))
+    if hf and act == "gelu_new":
         out += _new_gelu_saved(x, bsf, name)
     else:
         out.append(Saved(f"{name}.act", bsf, c, "(T, f)", "activation output, proj input"))

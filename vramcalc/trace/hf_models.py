@@ -34,7 +34,7 @@ from typing import Any
 
 from vramcalc.errors import InputError, shown
 from vramcalc.hf_config import ROBERTA_TYPES
-from vramcalc.hf_stack import copies_shifted_logits, loss_in_forward
+from vramcalc.hf_stack import copies_shifted_logits, gpt2_shaped, loss_in_forward
 from vramcalc.model import ModelSpec
 from vramcalc.trace.hf_seq2seq import seq2seq_config
 from vramcalc.training import TrainingConfig
@@ -67,13 +67,7 @@ def hf_family(spec: ModelSpec) -> str:
         return spec.model_type
     if spec.norm_kind == "layernorm" or spec.position_embedding == "learned" or (
             spec.mlp_kind == "standard"):
-        ok = (spec.norm_kind == "layernorm" and spec.norm_bias and spec.position_embedding
-              == "learned" and spec.mlp_kind == "standard" and spec.attention_bias
-              and spec.attention_out_bias and spec.mlp_bias and spec.tie_word_embeddings
-              and spec.kv_heads == spec.num_attention_heads and spec.final_norm
-              and spec.head_size * spec.num_attention_heads == spec.hidden_size
-              and not spec.is_moe and not spec.qk_norm)
-        if not ok:
+        if not gpt2_shaped(spec):
             raise _unsupported(spec, "only GPT-2-style LayerNorm models are supported")
         return "gpt2"
     if spec.is_moe:

@@ -150,8 +150,11 @@ def activation(name: str):  # noqa: ANN201
         return F.gelu
     if name == "relu":
         return F.relu
+    if name == "relu2":  # transformers ReLUSquaredActivation, Megatron-LM squared_relu
+        return lambda x: torch.square(F.relu(x))
     raise InputError(f"trace: unsupported hidden_act {shown(name)} (supported: silu, swish, "
-                     "gelu, gelu_new, gelu_pytorch_tanh, gelu_fast, gelu_python_tanh, relu)")
+                     "gelu, gelu_new, gelu_pytorch_tanh, gelu_fast, gelu_python_tanh, relu, "
+                     "relu2)")
 
 
 def rope_tables(s: int, d: int, device: torch.device, dtype: torch.dtype):  # noqa: ANN201

@@ -64,6 +64,13 @@ def default_grid() -> list[tuple[str, Scenario]]:
         grid.append(scenario_for("llama-deep", **fw, seq_len=2048))
         grid.append(scenario_for("llama-deep", **fw, precision="amp-bf16", attention="eager",
                          recompute="selective", micro_batch_size=1))
+    # relu and squared-relu MLPs (relu keeps its output; the square runs in fp32 under
+    # autocast)
+    for prec in ("bf16-pure", "amp-bf16"):
+        grid.append(scenario_for("gpt2-relu", framework="hf", precision=prec))
+        grid.append(scenario_for("nemotron-relu2", precision=prec))
+    grid.append(scenario_for("gpt2-relu", finetune="qlora", lora_targets="all-linear"))
+    grid.append(scenario_for("nemotron-relu2", finetune="lora", recompute="selective"))
     for shape in ("gpt2", "phi3-fused", "gemma-mqa"):
         grid.append(scenario_for(shape, framework="hf", attention="eager", seq_len=1024))
     grid.append(scenario_for("phi3-fused", framework="hf", precision="amp-bf16", recompute="selective"))

@@ -47,6 +47,20 @@ SHAPES: dict[str, ModelSpec] = {
                       hidden_act="gelu_new", norm_kind="layernorm", norm_bias=True,
                       attention_bias=True, attention_out_bias=True, mlp_bias=True,
                       position_embedding="learned", tie_word_embeddings=True),
+    # relu MLPs: OPT's relu (its output is proj's input) in GPT-2's shape; Nemotron's
+    # squared relu with a biased LayerNorm, GQA and a small vocabulary (peak in the layers)
+    "gpt2-relu": ModelSpec(name="gpt2-relu", model_type="gpt2", hidden_size=768,
+                           num_hidden_layers=2, num_attention_heads=12,
+                           intermediate_size=3072, vocab_size=1024,
+                           max_position_embeddings=1024, mlp_kind="standard",
+                           hidden_act="relu", norm_kind="layernorm", norm_bias=True,
+                           attention_bias=True, attention_out_bias=True, mlp_bias=True,
+                           position_embedding="learned", tie_word_embeddings=True),
+    "nemotron-relu2": ModelSpec(name="nemotron-relu2", model_type="nemotron", hidden_size=1024,
+                                num_hidden_layers=4, num_attention_heads=16,
+                                num_key_value_heads=4, intermediate_size=4096,
+                                vocab_size=1024, mlp_kind="standard", hidden_act="relu2",
+                                norm_kind="layernorm", norm_bias=True),
     # deeper, with a small vocabulary: the peak moves from the loss into the layers
     "llama-deep": ModelSpec(name="llama-deep", hidden_size=1024, num_hidden_layers=4,
                             num_attention_heads=16, num_key_value_heads=4,

@@ -1,0 +1,134 @@
+"""MLP activations: what relu and squared relu (relu2) keep, Nemotron's config, refusals.
+
+- relu keeps its output (aten threshold_backward reads `result`), which is also the down
+  projection's input: a 2-matrix relu MLP keeps one (T, f) tensor where GELU keeps two.
+- relu2 is square(relu(x)) (transformers ReLUSquaredActivation, Megatron-LM squared_relu):
+  relu's output (kept by relu and by pow, whose backward reads `self`) and the square (the
+  projection's input). pow is on CUDA autocast's fp32 list (aten/src/ATen/autocast_mode.h),
+  so under autocast the square runs on an fp32 copy of relu's output, which it keeps.
+- An adapted down projection of a 2-matrix MLP gives its input two gradients (the adapter's
+  and the base's). On (b, s, f) activations each is a view of its matmul's 2-D output, so
+  autograd's input buffer sums them out of place (torch/csrc/autograd/input_buffer.cpp
+  `can_accumulate_inplace` needs the last reference to the storage): 3·T·f at that moment.
+- Each figure is checked against the trace engine, which runs these ops under
+  FakeTensorMode; the byte differences below are derived by hand from the rules above.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from vramcalc.errors import InputError
+from vramcalc.hf_config import from_hf_config
+from vramcalc.model import ModelSpec, spec_from_fields
+from vramcalc.parallel import ParallelConfig
+from vramcalc.scenario import Scenario
+from vramcalc.training import TrainingConfig
+from vramcalc.validate.shapes import SHAPES, scenario_for
+
+L, H, F, V = 4, 1024, 4096, 1024  # layers, hidden, ffn, vocab
+BASE = dict(name="mlp", hidden_size=H, num_hidden_layers=L, num_attention_heads=16,
+            num_key_value_heads=4, intermediate_size=F, vocab_size=V, mlp_kind="standard",
+            norm_kind="layernorm", norm_bias=True)
+
+
+def layer_bytes(act: str, **kw: Any) -> int:
+    """One layer's saved bytes (vramcalc.terms.activations.layer_saved)."""
+    from vramcalc.rank import RankContext
+    from vramcalc.terms.activations import layer_saved
+
+    spec = ModelSpec(**BASE, hidden_act=act)
+    tr = TrainingConfig(seq_len=512, micro_batch_size=2, **kw)
+    return sum(t.nbytes for t in layer_saved(RankContext(spec, tr, ParallelConfig(dp=1))))
+
+
+def test_relu_keeps_one_tensor_relu2_two() -> None:
+    T = 2 * 512
+    gelu = layer_bytes("gelu", precision="bf16-pure")
+    assert gelu - layer_bytes("relu", precision="bf16-pure") == T * F * 2
+    assert layer_bytes("relu2", precision="bf16-pure") == gelu
+
+
+def test_relu2_keeps_an_fp32_copy_under_autocast() -> None:
+    T = 2 * 512
+    extra = layer_bytes("relu2", precision="amp-bf16") - layer_bytes("gelu", precision="amp-bf16")
+    assert extra == T * F * 4
+
+
+CASES = [
+    ("gpt2-relu", {"framework": "hf", "precision": "bf16-pure"}),
+    ("gpt2-relu", {"finetune": "lora", "lora_targets": "all-linear"}),
+    ("gpt2-relu", {"framework": "hf", "precision": "amp-bf16"}),
+    ("gpt2-relu", {"finetune": "qlora", "lora_targets": "all-linear"}),
+    ("gpt2-relu", {"precision": "fp8"}),
+    ("nemotron-relu2", {"precision": "bf16-pure"}),
+    ("nemotron-relu2", {"precision": "amp-bf16"}),
+    ("nemotron-relu2", {"finetune": "lora", "lora_targets": "all-linear"}),
+    ("nemotron-relu2", {"qat": "int8"}),
+]
+
+
+@pytest.mark.parametrize(("shape", "kw"), CASES,
+                         ids=[f"{s}-{','.join(map(str, k.values()))}" for s, k in CASES])
+def test_analytic_agrees_with_trace(shape: str, kw: dict[str, Any]) -> None:
+    pytest.importorskip("torch")
+    from vramcalc.validate import compare
+
+    name, scn = scenario_for(shape, **kw)
+    r = compare(name, scn)
+    assert "error" not in r, r.get("error")
+    assert r["terms"]["activations"]["analytic"] == pytest.approx(
+        r["terms"]["activations"]["trace"], rel=1e-3)
+    assert abs(r["rel_error"]) <= 0.003, r["rel_error"]
+
+
+def test_lora_on_a_gelu_down_projection_sums_two_gradients() -> None:
+    """GELU's 2-matrix MLP with every linear adapted, small vocabulary: the peak is the
+    down projection's backward (before: 2·T·f of work, 2.3 % under the trace)."""
+    pytest.importorskip("torch")
+    from vramcalc.validate import compare
+
+    spec = SHAPES["nemotron-relu2"].model_copy(update={"hidden_act": "gelu"})
+    scn = Scenario(model=spec, training=TrainingConfig(
+        seq_len=1024, micro_batch_size=4, finetune="lora", lora_targets="all-linear"))
+    r = compare("gelu-lora", scn)
+    assert r["trace_peak_phase"] == "backward"
+    assert abs(r["rel_error"]) <= 0.001, r["rel_error"]
+
+
+# nvidia/Minitron-4B-Base's shape (config.json): NemotronConfig's relu2, 2-matrix MLP
+MINITRON = {"model_type": "nemotron", "hidden_size": 3072, "intermediate_size": 9216,
+            "num_hidden_layers": 32, "num_attention_heads": 24, "num_key_value_heads": 8,
+            "head_dim": 128, "vocab_size": 256000, "max_position_embeddings": 4096,
+            "partial_rotary_factor": 0.5, "tie_word_embeddings": False}
+
+
+def test_nemotron_config_counts_match_transformers() -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    spec = from_hf_config(MINITRON, "config.json")
+    assert (spec.mlp_kind, spec.hidden_act, spec.norm_kind, spec.norm_bias) == (
+        "standard", "relu2", "layernorm", True)
+    config = transformers.AutoConfig.for_model(**MINITRON)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert spec.num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_unknown_activations_and_unmodelled_stacks_are_refused() -> None:
+    with pytest.raises(InputError, match="hidden_act"):
+        spec_from_fields({**BASE, "hidden_act": "quick_gelu"}, "m.yaml")
+    with pytest.raises(InputError, match="hidden_act"):
+        from_hf_config({**MINITRON, "hidden_act": "relu6"}, "config.json")
+    nemotron = from_hf_config(MINITRON, "config.json")
+    with pytest.raises(InputError, match="GPT-2's shape"):
+        Scenario(model=nemotron, training=TrainingConfig(framework="hf")).resolved()
+    with pytest.raises(InputError, match="gated MLP with relu2"):
+        Scenario(model=ModelSpec(**{**BASE, "mlp_kind": "gated"}, hidden_act="relu2"),
+                 training=TrainingConfig()).resolved()
+    relu = ModelSpec(**BASE, hidden_act="relu")
+    with pytest.raises(InputError, match="Megatron-LM's MLP"):
+        Scenario(model=relu, training=TrainingConfig(framework="megatron"),
+                 parallel=ParallelConfig()).resolved()
