@@ -144,6 +144,9 @@ def explain(scn: Scenario) -> dict[str, Any]:
         + (f"; paged, the state buffers of tensors with n >= {BNB_PAGED_MIN_NUMEL:,} live in "
            "CUDA unified memory (Overhead below)" if tr.optimizer in PAGED_OPTIMIZERS else "")
         + f"{shard}: {_gb(split['states'])} in the allocator."]
+    if tr.optimizer == "muon":
+        lines.append("torch.optim.Muon keeps one momentum buffer per layer matrix; the "
+                     "embeddings, head, norms and biases step with AdamW (two states each).")
     if tr.has_master_weights:
         lines.append(f"Mixed precision adds an fp32 master copy (4 B/param): "
                      f"{_gb(split['master'])} — the ZeRO paper's K = 12 with Adam (4 + 4 + 4).")

@@ -81,8 +81,8 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "Engine FP8 block linears, bf16 weights + fp32 master; FP8-capable GPUs). Default: "
         "the stack's (torchtitan amp-bf16, torchtune bf16-pure), else bf16.", PRECISIONS),
     Opt("optimizer", str, "adamw", "adamw | adam | sgd | sgd-momentum | lion | adafactor | "
-        "adamw-8bit | paged-adamw | paged-adamw-8bit (bitsandbytes; paged states live in "
-        "unified memory, reported as overhead).", OPTIMIZERS),
+        "adamw-8bit | paged-adamw | paged-adamw-8bit (bitsandbytes; paged states in unified "
+        "memory, shown as overhead) | muon (torch.optim.Muon + AdamW, reference).", OPTIMIZERS),
     Opt("optimizer_dtype", str, None, "Optimizer state dtype: fp32 (default) or bf16.",
         ("fp32", "bf16")),
     Opt("optimizer_impl", str, None, "How a torch optimizer steps: foreach (one temporary "

@@ -12,6 +12,7 @@ from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig, resolve_layout
 from vramcalc.stack_rules import (
     activation_problem,
+    muon_problem,
     optimizer_in_backward_problem,
     torchtune_packed_mask,
     torchtune_training_problem,
@@ -203,6 +204,9 @@ class Scenario(BaseModel):
             if tr.framework == "reference":  # one profile for encoders: transformers' code
                 tr = tr.model_copy(update={"framework": "hf"})
         par = resolve_layout(self.model, tr, self.parallel, self.world_size)
+        problem = muon_problem(tr, par.engine(tr.framework))
+        if problem:
+            raise InputError(problem)
         if not tr.set_to_none and (par.engine(tr.framework) not in ("single", "ddp")
                                    or tr.has_master_weights or tr.optimizer_in_backward):
             raise InputError("--no-set-to-none is modelled on one GPU or DDP with the "

@@ -37,7 +37,7 @@ from vramcalc.stack_rules import (
 Precision = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"]
 OptimizerName = Literal[
     "adamw", "adam", "sgd", "sgd-momentum", "lion", "adafactor", "adamw-8bit",
-    "paged-adamw", "paged-adamw-8bit",
+    "paged-adamw", "paged-adamw-8bit", "muon",
 ]
 PRECISIONS: tuple[str, ...] = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure",
                                 "fp8")
@@ -51,7 +51,7 @@ COMPUTE_DTYPE: dict[str, str] = {"fp32": "fp32", "amp-bf16": "bf16", "amp-fp16":
 QATS: tuple[str, ...] = ("none", "int8", "int4")  # vramcalc/terms/lowprec.py
 OPTIMIZERS: tuple[str, ...] = (
     "adamw", "adam", "sgd", "sgd-momentum", "lion", "adafactor", "adamw-8bit",
-    "paged-adamw", "paged-adamw-8bit",
+    "paged-adamw", "paged-adamw-8bit", "muon",
 )
 FINETUNES: tuple[str, ...] = ("full", "lora", "qlora", "dora")  # vramcalc/finetune.py
 ADAPTER_METHODS: tuple[str, ...] = ("lora", "qlora", "dora")

@@ -12,6 +12,7 @@ Per parameter tensor of numel n (after sharding), in the state dtype (fp32 by de
 | adamw-8bit   | 2n uint8 + 2·⌈n/256⌉ fp32 absmax; 2n fp32 when n < 4096 | bitsandbytes blockwise 8-bit AdamW (Dettmers et al. 2022; block 256 since 0.44, min_8bit_size 4096) |
 | paged-adamw  | 2n fp32 (bitsandbytes 32-bit kernel) | bitsandbytes PagedAdamW |
 | paged-adamw-8bit | as adamw-8bit                  | bitsandbytes PagedAdamW8bit |
+| muon         | n (momentum_buffer) for a layer's matrix, 2n (AdamW) for the rest | torch.optim.Muon (torch 2.9+; Jordan et al. 2024), AdamW on embeddings, head, norms, biases |
 
 Paged optimizers keep the state buffers of tensors with at least 1e5 elements in CUDA unified
 memory (bitsandbytes optim/optimizer.py `get_state_buffer`): those bytes are not in these
@@ -64,10 +65,18 @@ def bnb_state_split(n: int, optimizer: str) -> tuple[int, int]:
     return 2 * alloc(n, dtype) + absmax, 0
 
 
+def muon_matrix(t: RankTensor) -> bool:
+    """A tensor torch.optim.Muon steps: a 2-D weight inside the layers (attention, MLP,
+    experts, router); embeddings, the head, norms and biases go to AdamW."""
+    return bool(t.rows) and t.group in ("layer", "expert")
+
+
 def state_bytes_for_tensor(t: RankTensor, optimizer: str, state_dtype: str, shard: int,
                            dim0: bool = False) -> int:
     """Optimizer-state bytes of one tensor (one copy), allocator-rounded per state tensor."""
     n = dim0_numel(t, shard) if dim0 else sharded_numel(t.numel, shard)
+    if optimizer == "muon":
+        return (1 if muon_matrix(t) else 2) * alloc(n, state_dtype)
     if optimizer in ("adam", "adamw"):
         return 2 * alloc(n, state_dtype)
     if optimizer in ("sgd-momentum", "lion"):

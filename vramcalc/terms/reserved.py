@@ -59,6 +59,7 @@ from vramcalc.sharding import dim0_numel, sharded_numel
 from vramcalc.terms.activations import layer_saved
 from vramcalc.terms.comm import copy_in_stream_bytes
 from vramcalc.terms.gradients import grad_dtype, gradients_at_step_bytes
+from vramcalc.terms.optimizer_states import muon_matrix
 from vramcalc.terms.saved import mostly_moe
 from vramcalc.units import alloc
 
@@ -87,6 +88,8 @@ def live_blocks(ctx: RankContext, phase: str, grads: int, states: int, master: i
         out.append((alloc(n, t.dtype or tr.weight_dtype), t.count))
     n_states = _STATE_TENSORS.get(tr.optimizer, 2 if tr.optimizer.endswith("8bit") else 0)
     for t in ctx.train_tensors:
+        if tr.optimizer == "muon":  # a layer matrix's momentum, AdamW's two states else
+            n_states = 1 if muon_matrix(t) else 2
         gshard = ctx.expert_shard(ctx.grad_shard) if t.is_expert else ctx.grad_shard
         sshard = ctx.expert_shard(ctx.state_shard) if t.is_expert else ctx.state_shard
         if grads:

@@ -16,6 +16,7 @@ from vramcalc.seq2seq_shapes import seq2seq_param_order
 from vramcalc.sharding import layer_param_numels, sharded_numel  # noqa: F401
 from vramcalc.terms import comm
 from vramcalc.terms.modifiers import modifiers
+from vramcalc.terms.optimizer_states import muon_matrix
 from vramcalc.training import TrainingConfig
 from vramcalc.units import ALLOC_ROUND_BYTES, MiB, alloc
 
@@ -127,12 +128,35 @@ def optimizer_step_parts(ctx: RankContext) -> tuple[int, int, int]:
         inner = 0  # torch._fused_adam(w)_: one kernel updates params and states in place
     elif tr.optimizer in ("adam", "adamw", "lion"):
         inner = sum(c * alloc(n, sd) for n, c, _ in tensors)
+    elif tr.optimizer == "muon":
+        inner = _muon_step_peak(ctx)
     elif tr.optimizer == "adafactor":
         matrices = sum(c * (alloc(n, sd) + ALLOC_ROUND_BYTES) for n, c, rows in tensors
                        if rows and shard == 1)
         vectors = sum(c * alloc(n, sd) for n, c, rows in tensors if not (rows and shard == 1))
         inner = max(matrices, vectors)
     return temp, inner, copy_peak
+
+
+def _muon_step_peak(ctx: RankContext) -> int:
+    """torch.optim.Muon beside a foreach AdamW, stepped one after the other. AdamW (the
+    embeddings, head, norms, biases): `_foreach_sqrt` copies their second moments. Muon
+    (torch/optim/_muon.py `_single_tensor_muon`, one matrix at a time): the Nesterov update
+    `grad.lerp(buf, momentum)` (m·n in the gradients' dtype), then
+    `_zeropower_via_newtonschulz`: its bf16 copy (the update itself when already bf16)
+    and, in each of the five iterations, X·Xᵀ and the addmm update (k² bf16, k = min(m, n))
+    and the new X (m·n bf16) beside the previous one: m·n·g + 2·m·n·2 + 2·k²·2 at the
+    largest matrix."""
+    sd = ctx.training.state_dtype
+    adamw = muon = 0
+    for t in ctx.train_tensors:
+        if muon_matrix(t):
+            k = min(t.rows, t.numel // t.rows)
+            muon = max(muon, alloc(t.numel, sd) + 2 * alloc(t.numel, "bf16")
+                       + 2 * alloc(k * k, "bf16"))
+        else:
+            adamw += t.count * alloc(t.numel, sd)
+    return max(adamw, muon)
 
 
 def _loop_step_peak(ctx: RankContext, shard: int, temps: int = 2) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.optim import Optimizer
@@ -174,6 +174,8 @@ class MixedPrecisionOptimizer:
                  make_inner: Callable[[Sequence[torch.Tensor]], Optimizer]) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.masters = [torch.nn.Parameter(p.detach().float()) for p in self.params]
+        for p, m in zip(self.params, self.masters, strict=True):
+            setattr(m, "vramcalc_muon", getattr(p, "vramcalc_muon", False))  # noqa: B010
         self.inner = make_inner(self.masters)
 
     @property
@@ -219,10 +221,41 @@ def make_optimizer(name: str, params: Sequence[torch.Tensor], impl: str = "forea
         return torch.optim.Adafactor(params, lr=1e-2, foreach=True)
     if name == "lion":
         return Lion(params)
+    if name == "muon":
+        return cast(Optimizer, MuonWithAdamW(params, foreach, fused))  # its duck type
     if name in ("adamw-8bit", "paged-adamw", "paged-adamw-8bit"):
         return AdamW8bitStandIn(params, eight_bit=name.endswith("8bit"),
                                 paged=name.startswith("paged-"))
     raise ValueError(f"unknown optimizer {name!r}")
+
+
+class MuonWithAdamW:
+    """torch.optim.Muon (torch 2.9+) on the parameters the engine flags `vramcalc_muon` (the
+    layers' matrices), torch's AdamW on the rest, stepped one after the other."""
+
+    def __init__(self, params: Sequence[torch.Tensor], foreach: bool, fused: bool) -> None:
+        mats = [p for p in params if getattr(p, "vramcalc_muon", False)]
+        rest = [p for p in params if not getattr(p, "vramcalc_muon", False)]
+        self.optimizers: list[Optimizer] = [torch.optim.Muon(mats, lr=LR)] if mats else []
+        if rest:
+            self.optimizers.append(torch.optim.AdamW(rest, lr=LR, weight_decay=0.01,
+                                                     foreach=foreach, fused=fused))
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {k: v for opt in self.optimizers for k, v in opt.state.items()}
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
 
 
 def build_optimizer(name: str, params: list[torch.Tensor], master_weights: bool,  # noqa: ANN201

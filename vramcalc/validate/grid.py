@@ -76,6 +76,9 @@ def default_grid() -> list[tuple[str, Scenario]]:
     grid.append(scenario_for("phi3-fused", framework="hf", precision="amp-bf16", recompute="selective"))
     grid.append(scenario_for("moe", precision="amp-bf16", recompute="selective"))
     grid.append(scenario_for("llama-gqa", optimizer="paged-adamw-8bit"))
+    # torch.optim.Muon on the layers' matrices beside AdamW (vramcalc/trace/optim.py)
+    grid.append(scenario_for("llama-deep", optimizer="muon"))
+    grid.append(scenario_for("moe", optimizer="muon", precision="amp-bf16"))
     # the optimizer step's implementation (the hf profile's AdamW is fused by default)
     for impl, prec in (("fused", "bf16"), ("loop", "bf16"), ("loop", "fp32"),
                        ("fused", "amp-bf16")):
