@@ -72,6 +72,7 @@ def test_analytic_agrees_with_torch_muon(shape: str, kw: dict[str, Any]) -> None
     ({"framework": "hf"}, "--framework reference"),
     ({"gpus": "8xH100", "fsdp": "full"}, "one GPU or DDP"),
     ({"gpus": "8xH100", "zero": 1}, "one GPU or DDP"),
+    ({"gpus": "8xH100", "tp": 2}, "TP"),
     ({"finetune": "lora"}, "full training"),
 ])
 def test_refused_where_not_modelled(flags: dict[str, Any], needle: str) -> None:

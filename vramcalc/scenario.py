@@ -204,7 +204,7 @@ class Scenario(BaseModel):
             if tr.framework == "reference":  # one profile for encoders: transformers' code
                 tr = tr.model_copy(update={"framework": "hf"})
         par = resolve_layout(self.model, tr, self.parallel, self.world_size)
-        problem = muon_problem(tr, par.engine(tr.framework))
+        problem = muon_problem(tr, par.engine(tr.framework), par.tp)
         if problem:
             raise InputError(problem)
         if not tr.set_to_none and (par.engine(tr.framework) not in ("single", "ddp")

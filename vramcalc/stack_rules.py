@@ -324,16 +324,16 @@ def activation_problem(spec: Any, tr: Any) -> str | None:
     return None
 
 
-def muon_problem(tr: Any, engine: str) -> str | None:
+def muon_problem(tr: Any, engine: str, tp: int = 1) -> str | None:
     """Why `--optimizer muon` cannot be modelled here, or None: torch.optim.Muon (torch 2.9+)
     on the layers' matrices beside AdamW, stepped by a training loop of one's own (the
     reference profile) on one GPU or DDP; it orthogonalizes whole matrices, so sharded
     states (FSDP, ZeRO) and the stacks' own Muon variants are not modelled."""
     if tr.optimizer != "muon":
         return None
-    if tr.framework != "reference" or engine not in ("single", "ddp"):
+    if tr.framework != "reference" or engine not in ("single", "ddp") or tp > 1:
         return ("--optimizer muon: torch.optim.Muon is modelled with --framework reference on "
-                "one GPU or DDP (whole matrices; not FSDP, ZeRO or a stack's own Muon)")
+                "one GPU or DDP (whole matrices; not FSDP, ZeRO, TP or a stack's own Muon)")
     if tr.finetune != "full" or tr.optimizer_in_backward or tr.optimizer_dtype:
         return ("--optimizer muon: modelled for full training, stepped after backward, its "
                 "momentum in the gradients' dtype")
