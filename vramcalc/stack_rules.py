@@ -327,8 +327,9 @@ def activation_problem(spec: Any, tr: Any) -> str | None:
 def muon_problem(tr: Any, engine: str, tp: int = 1) -> str | None:
     """Why `--optimizer muon` cannot be modelled here, or None: torch.optim.Muon (torch 2.9+)
     on the layers' matrices beside AdamW, stepped by a training loop of one's own (the
-    reference profile) on one GPU or DDP; it orthogonalizes whole matrices, so sharded
-    states (FSDP, ZeRO) and the stacks' own Muon variants are not modelled."""
+    reference profile) on ranks that hold whole matrices (one GPU, DDP, and PP, CP or EP
+    beside them); it orthogonalizes whole matrices, so sharded states (FSDP, ZeRO), tensor
+    parallelism and the stacks' own Muon variants are not modelled."""
     if tr.optimizer != "muon":
         return None
     if tr.framework != "reference" or engine not in ("single", "ddp") or tp > 1:

@@ -279,9 +279,9 @@ def mlp_saved(ctx: RankContext, x: Dims, tokens: int, ffn: int, name: str = "mlp
         if fam == "phi3":
             out.append(Saved(f"{name}.gate_up", 2 * bsf, c, "(T, 2f)",
                              "fused gate_up output; gate and up are views"))
-        else:  # relu keeps its output (threshold_backward), not the gate
-            out += [Saved(f"{name}.gate", bsf, c, "(T, f)", "activation input")] * (
-                ctx.spec.hidden_act != "relu")
+        else:
+            if ctx.spec.hidden_act != "relu":  # relu keeps its output (the act), not the gate
+                out.append(Saved(f"{name}.gate", bsf, c, "(T, f)", "activation input"))
             out.append(Saved(f"{name}.up", bsf, c, "(T, f)", "kept by act · up"))
         out += [Saved(f"{name}.act", bsf, c, "(T, f)", "activation output, kept by act · up"),
                 Saved(f"{name}.down_input", bsf, c, "(T, f)", "act · up, down_proj input")]

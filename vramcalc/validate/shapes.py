@@ -47,15 +47,8 @@ SHAPES: dict[str, ModelSpec] = {
                       hidden_act="gelu_new", norm_kind="layernorm", norm_bias=True,
                       attention_bias=True, attention_out_bias=True, mlp_bias=True,
                       position_embedding="learned", tie_word_embeddings=True),
-    # relu MLPs: OPT's relu (its output is proj's input) in GPT-2's shape; Nemotron's
-    # squared relu with a biased LayerNorm, GQA and a small vocabulary (peak in the layers)
-    "gpt2-relu": ModelSpec(name="gpt2-relu", model_type="gpt2", hidden_size=768,
-                           num_hidden_layers=2, num_attention_heads=12,
-                           intermediate_size=3072, vocab_size=1024,
-                           max_position_embeddings=1024, mlp_kind="standard",
-                           hidden_act="relu", norm_kind="layernorm", norm_bias=True,
-                           attention_bias=True, attention_out_bias=True, mlp_bias=True,
-                           position_embedding="learned", tie_word_embeddings=True),
+    # Nemotron's squared relu with a biased LayerNorm, GQA and a small vocabulary (peak in
+    # the layers); "gpt2-relu" below: OPT's relu (its output is proj's input), GPT-2's shape
     "nemotron-relu2": ModelSpec(name="nemotron-relu2", model_type="nemotron", hidden_size=1024,
                                 num_hidden_layers=4, num_attention_heads=16,
                                 num_key_value_heads=4, intermediate_size=4096,
@@ -114,6 +107,8 @@ SHAPES: dict[str, ModelSpec] = {
                                  num_experts_per_tok=2, moe_intermediate_size=704,
                                  qk_norm=True, moe_layers=(1, 3)),
 }
+SHAPES["gpt2-relu"] = SHAPES["gpt2"].model_copy(
+    update={"name": "gpt2-relu", "hidden_act": "relu", "vocab_size": 1024})
 
 
 def scenario_for(shape: str, framework: str = "reference", **kw: Any) -> tuple[str, Scenario]:
