@@ -206,6 +206,8 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
         # an old 4-bit down projection holds its own 16-bit cast of its input (Linear4bit
         # casts x to the compute dtype before MatMul4Bit), not the fp32 product
         cast = f"mlp.{down_input}" if bnb_keeps_inputs(ctx) else ""
+        # relu2's square already runs on the fp32 output: no autocast copy of it
+        out = [t for t in out if t.name != "mlp.relu2.fp32"]
         out = [dataclasses.replace(t, dtype=x.r) if t.name in (
             "mlp.gate", "mlp.up", "mlp.gate_up", "mlp.act", "mlp.down_input", "mlp.fc_out",
             "mlp.gelu.half_x")  # GPT-2's NewGELU: 0.5·x of the fp32 fc output

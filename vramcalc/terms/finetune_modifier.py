@@ -6,7 +6,7 @@ for the tables and their sources)."""
 from __future__ import annotations
 
 from vramcalc.features import finetunes
-from vramcalc.finetune import adapted_linears
+from vramcalc.finetune import adapted_linears, shapes_for
 from vramcalc.qlora import dequant_backward_bytes
 from vramcalc.rank import RankContext
 from vramcalc.terms.finetune_activations import (
@@ -44,12 +44,14 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
     two = g_res + 3 * alloc(x.N * x.f, x.c) if ctx.spec.mlp_kind != "gated" and (
         "down" in adapted_linears(ctx.spec, ctx.training.lora_targets,
                                   ctx.training.framework)) else 0
+    casts = _recomputed_casts(ctx)
     out = []
     for m in moments:
         if m.name == "mlp":
-            m = Moment(m.name, m.held - down, max(m.work, two), m.grads)
+            held = m.held - down + casts.get("mlp", 0)
+            m = Moment(m.name, held, max(m.work, two), m.grads)
         elif m.name == "attention":
-            m = Moment(m.name, m.held + qkv, m.work, m.grads)
+            m = Moment(m.name, m.held + qkv + casts.get("attention", 0), m.work, m.grads)
         out.append(m)
     if ctx.training.finetune == "qlora" and ctx.spec.mlp_kind == "gated" and not (
             ctx.spec.is_moe and ctx.spec.num_dense_layers == 0):
@@ -62,6 +64,25 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
             work = dequant_backward_bytes(x.h * x.f, x.c, ctx.training.nf4, dx)
             out.append(Moment("dequant_down", total - down, g_res + work, "down"))
     return out
+
+
+def _recomputed_casts(ctx: RankContext) -> dict[str, int]:
+    """LoRA/DoRA under autocast with full recompute: the recomputed layer casts its frozen
+    fp32 weights to 16 bits again, and each matmul keeps its cast for dL/dx (autocast caches
+    only casts of weights that need a gradient): at the MLP instant every cast but
+    down_proj's (its backward ran), at the attention core's the q, k and v ones (o's ran).
+    Dense layers (no NF4 weights, which are dequantized, not cast)."""
+    tr = ctx.training
+    if (tr.recompute != "full" or not dims(ctx).amp or tr.finetune not in ("lora", "dora")
+            or ctx.spec.is_moe):
+        return {}
+    c = tr.compute_dtype
+    frozen = {t.name: alloc(t.numel, c) for t in shapes_for(ctx).frozen.tensors
+              if t.group == "layer" and t.rows and t.name.endswith(".weight")
+              and "norm" not in t.name}
+    qkv = sum(v for k, v in frozen.items() if k.startswith(("attn.q_", "attn.k_", "attn.v_")))
+    down = ("mlp.down_proj.weight", "mlp.proj.weight")
+    return {"mlp": sum(v for k, v in frozen.items() if k not in down), "attention": qkv}
 
 
 def dequantized_saved(ctx: RankContext) -> list[Saved]:

@@ -30,12 +30,19 @@ def plain_forward_working_bytes(ctx: RankContext) -> int:
     if ctx.training.recompute == "full":
         f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
         n = 4 if ctx.spec.mlp_kind == "gated" else 2
+        dt = x.c
         if ctx.training.liger:  # a, b and c (terms/liger.py) beside the normed input Y (r)
             # and the attention's residual
             n, normed = 3, 2 * alloc(bsh(x), x.r)
+        elif ctx.training.finetune == "qlora" and x.amp:
+            # bitsandbytes' Linear4bit returns its input's dtype, fp32 under autocast: up,
+            # act and act·up (gate is freed once act exists) in fp32, beside the normed input
+            # and the attention's residual
+            n, normed, dt = (3 if ctx.spec.mlp_kind == "gated" else 2), 2 * alloc(
+                bsh(x), x.r), x.r
         else:
             normed = alloc(bsh(x), x.c)
-        out = max(out, normed + n * alloc(x.N * f, x.c))
+        out = max(out, normed + n * alloc(x.N * f, dt))
     return out
 
 
@@ -106,7 +113,9 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
         # outputs and gradients are (N, f/t), not the sequence shard's (vramcalc/terms/
         # torchtitan_tp.py)
         rows = x.N  # the column-parallel outputs: every token (vramcalc/terms/saved.py)
-        bsf = alloc(rows * f, c)
+        # QLoRA under autocast: the 4-bit linears return fp32, so the MLP's gradients are
+        # fp32 (the forward's dtype; plain_forward_working_bytes)
+        bsf = alloc(rows * f, x.r if tr.finetune == "qlora" and x.amp else c)
         kind = ctx.spec.mlp_kind
         gone: tuple[str, ...]
         if kind == "gated":  # act · up backward: d(act·up), d act, d up

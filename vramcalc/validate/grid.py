@@ -76,6 +76,12 @@ def default_grid() -> list[tuple[str, Scenario]]:
     grid.append(scenario_for("phi3-fused", framework="hf", precision="amp-bf16", recompute="selective"))
     grid.append(scenario_for("moe", precision="amp-bf16", recompute="selective"))
     grid.append(scenario_for("llama-gqa", optimizer="paged-adamw-8bit"))
+    # autocast with a frozen or 4-bit base where the layer's own work is the peak (small
+    # vocabulary): QLoRA's fp32 MLP, LoRA's recomputed weight casts
+    grid.append(scenario_for("llama-deep", framework="hf", precision="amp-bf16",
+                             finetune="qlora", recompute="full"))
+    grid.append(scenario_for("llama-deep", precision="amp-bf16", finetune="lora",
+                             recompute="full"))
     # torch.optim.Muon on the layers' matrices beside AdamW (vramcalc/trace/optim.py)
     grid.append(scenario_for("llama-deep", optimizer="muon"))
     grid.append(scenario_for("moe", optimizer="muon", precision="amp-bf16"))
