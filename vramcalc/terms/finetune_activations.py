@@ -208,9 +208,12 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
         cast = f"mlp.{down_input}" if bnb_keeps_inputs(ctx) else ""
         # relu2's square already runs on the fp32 output: no autocast copy of it
         out = [t for t in out if t.name != "mlp.relu2.fp32"]
+        # under selective recompute the checkpointed core keeps its own inputs: the 4-bit
+        # projections' fp32 q, k and v (SDPA's 16-bit casts are made again in backward)
+        core = ("attn.q", "attn.k", "attn.v") if tr.recompute == "selective" else ()
         out = [dataclasses.replace(t, dtype=x.r) if t.name in (
             "mlp.gate", "mlp.up", "mlp.gate_up", "mlp.act", "mlp.down_input", "mlp.fc_out",
-            "mlp.gelu.half_x")  # GPT-2's NewGELU: 0.5·x of the fp32 fc output
+            "mlp.gelu.half_x", *core)  # GPT-2's NewGELU: 0.5·x of the fp32 fc output
             and t.name != cast else t for t in out]
     return out + added
 
