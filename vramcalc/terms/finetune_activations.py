@@ -53,7 +53,14 @@ from vramcalc.finetune import (
 from vramcalc.qlora import compiled_dequant_kept, dequant_matmul_bytes
 from vramcalc.rank import RankContext
 from vramcalc.terms.fsdp1 import mixed_units
-from vramcalc.terms.saved import Dims, Saved, dims, mostly_moe
+from vramcalc.terms.saved import (
+    Dims,
+    Saved,
+    dims,
+    mostly_moe,
+    qlora_fp32_outputs,
+    relu_output_is_down_input,
+)
 from vramcalc.terms.saved_layers import plain_layer_saved
 from vramcalc.training import TrainingConfig
 from vramcalc.units import alloc, ceil_div
@@ -88,16 +95,9 @@ def _covers(targets: set[str] | tuple[str, ...]) -> set[str]:
     return out
 
 
-def _fp32_mlp(ctx: RankContext, x: Dims) -> bool:
-    """QLoRA under autocast: bitsandbytes' Linear4bit returns its output in its input's
-    dtype (`.to(inp_dtype)`), so the MLP's gate/up outputs and everything elementwise after
-    them stay in the residual's fp32."""
-    return ctx.training.finetune == "qlora" and x.amp
-
-
 def _input_dtype(ctx: RankContext, x: Dims, target: str) -> str:
     """dtype of the tensor a LoRA layer receives: a norm output (r) or a c-typed tensor."""
-    if target == "down" and _fp32_mlp(ctx, x):
+    if target == "down" and qlora_fp32_outputs(ctx, x):
         return x.r
     return x.c if target in ("o", "down") else x.r
 
@@ -190,8 +190,8 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
         if selective and not eager:
             drop.add("attn.out")  # the core's output, kept only by o_proj
     down_input = "down_input" if gated else "act"
-    if "down" not in keep and (gated or spec.hidden_act != "relu"):  # relu's own backward
-        drop.add(f"mlp.{down_input}")  # reads its output, the frozen down's input
+    if "down" not in keep and not relu_output_is_down_input(ctx):
+        drop.add(f"mlp.{down_input}")
         drop.update(f"shared_expert{i}.{down_input}" for i in range(spec.num_shared_experts))
         drop.add(f"shared_expert.{down_input}")  # the hf profile's name
     if moe and not (bnb_keeps_inputs(ctx) and not hf):  # frozen router, routed experts
@@ -202,7 +202,7 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     py_norm = tr.framework in ("hf", "torchtune")
     out = [t for t in saved if t.name not in drop
            and not ((py_norm or lit) and t.name.endswith((".xhat", ".xhat_fp32")))]
-    if _fp32_mlp(ctx, x):
+    if qlora_fp32_outputs(ctx, x):
         # an old 4-bit down projection holds its own 16-bit cast of its input (Linear4bit
         # casts x to the compute dtype before MatMul4Bit), not the fp32 product
         cast = f"mlp.{down_input}" if bnb_keeps_inputs(ctx) else ""

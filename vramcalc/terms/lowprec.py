@@ -68,7 +68,7 @@ from vramcalc.features import finetunes, low_precision
 from vramcalc.hardware import GPUProfile
 from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
-from vramcalc.terms.saved import Modifier, Moment, Saved, dims
+from vramcalc.terms.saved import Modifier, Moment, Saved, dims, relu_output_is_down_input
 from vramcalc.units import alloc
 
 # TE DelayedScaling defaults (common/recipe/__init__.py): amax_history_len = 1024.
@@ -236,7 +236,7 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     selective_flash = tr.recompute == "selective" and tr.attention == "flash"
     out = [t for t in saved if t.name not in (_ATTN_IN, _MLP_IN, down_name, _O_IN)
            and not (selective_flash and t.name == "attn.out")]
-    if not gated and ctx.spec.hidden_act == "relu":  # relu's backward reads its output
+    if relu_output_is_down_input(ctx):
         out += [dataclasses.replace(t, name="mlp.relu", why="relu output (threshold_backward)")
                 for t in saved if t.name == down_name]
     # (name, elements per copy, copies, shape, what reads it)
@@ -281,7 +281,7 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
 
     # relu: moments.py keeps "mlp.act" (relu's output, read by threshold_backward); here it
     # is the projection's own quantized copy, freed with it (the output is "mlp.relu")
-    relu = ("mlp.act",) if ctx.spec.mlp_kind != "gated" and ctx.spec.hidden_act == "relu" else ()
+    relu = ("mlp.act",) if relu_output_is_down_input(ctx) else ()
     out = []
     for m in moments:
         if m.name == "mlp":

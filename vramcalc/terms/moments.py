@@ -10,7 +10,16 @@ from __future__ import annotations
 from vramcalc.rank import RankContext
 from vramcalc.terms import encoder as enc
 from vramcalc.terms import modernbert as mb
-from vramcalc.terms.saved import Moment, Saved, bsh, dims, flash_scratch_bytes, hf_family
+from vramcalc.terms.saved import (
+    Moment,
+    Saved,
+    bsh,
+    dims,
+    flash_scratch_bytes,
+    hf_family,
+    qlora_fp32_outputs,
+    relu_output_is_down_input,
+)
 from vramcalc.terms.torchtitan import checkpointed_forward_work as tt_checkpointed_forward_work
 from vramcalc.terms.torchtitan import recompute_extra as tt_recompute_extra
 from vramcalc.units import alloc, ceil_div
@@ -34,7 +43,7 @@ def plain_forward_working_bytes(ctx: RankContext) -> int:
         if ctx.training.liger:  # a, b and c (terms/liger.py) beside the normed input Y (r)
             # and the attention's residual
             n, normed = 3, 2 * alloc(bsh(x), x.r)
-        elif ctx.training.finetune == "qlora" and x.amp:
+        elif qlora_fp32_outputs(ctx, x):
             # bitsandbytes' Linear4bit returns its input's dtype, fp32 under autocast: up,
             # act and act·up (gate is freed once act exists) in fp32, beside the normed input
             # and the attention's residual
@@ -115,7 +124,7 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
         rows = x.N  # the column-parallel outputs: every token (vramcalc/terms/saved.py)
         # QLoRA under autocast: the 4-bit linears return fp32, so the MLP's gradients are
         # fp32 (the forward's dtype; plain_forward_working_bytes)
-        bsf = alloc(rows * f, x.r if tr.finetune == "qlora" and x.amp else c)
+        bsf = alloc(rows * f, x.r if qlora_fp32_outputs(ctx, x) else c)
         kind = ctx.spec.mlp_kind
         gone: tuple[str, ...]
         if kind == "gated":  # act · up backward: d(act·up), d act, d up
@@ -124,7 +133,7 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
             # hf's Python GELU: the 0.5x · (1 + tanh) product's backward: d out, d 0.5x,
             # d (1 + tanh), with only the product (c_proj's input) freed
             gone, n_f = ("mlp.act",), 3
-        elif ctx.spec.hidden_act == "relu":  # d act, d fc; relu's output (proj's input)
+        elif relu_output_is_down_input(ctx):  # d act, d fc; relu's output (proj's input)
             gone, n_f = (), 2  # is kept until threshold_backward has run
         elif ctx.spec.hidden_act == "relu2":
             # square's backward (pow_backward: grad · (2 · r.pow(1))): d act and three

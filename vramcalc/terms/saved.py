@@ -98,6 +98,21 @@ def dims(ctx: RankContext) -> Dims:
     return cached
 
 
+def qlora_fp32_outputs(ctx: RankContext, x: Dims) -> bool:
+    """QLoRA under autocast: bitsandbytes' Linear4bit returns its input's dtype
+    (`out.to(inp_dtype)`), so 4-bit projections fed by the fp32 residual's norms give fp32
+    outputs: the MLP's intermediates and their gradients, a fused qkv, the attention inputs
+    a checkpointed core keeps."""
+    return ctx.training.finetune == "qlora" and x.amp
+
+
+def relu_output_is_down_input(ctx: RankContext) -> bool:
+    """A 2-matrix relu MLP: relu keeps its output for its own backward
+    (`threshold_backward(grad, result)`), the tensor the down projection reads, so that
+    tensor stays when the down projection no longer needs it."""
+    return ctx.spec.mlp_kind != "gated" and ctx.spec.hidden_act == "relu"
+
+
 def _dims(ctx: RankContext) -> Dims:
     spec, tr, par = ctx.spec, ctx.training, ctx.parallel
     tp = par.tp

@@ -11,7 +11,7 @@ from vramcalc.terms import encoder as enc
 from vramcalc.terms import modernbert as mb
 from vramcalc.terms import torchtitan_tp as ttp
 from vramcalc.terms.packed import packed_batch_saved
-from vramcalc.terms.saved import Dims, Saved, bsh, dims, hf_family
+from vramcalc.terms.saved import Dims, Saved, bsh, dims, hf_family, qlora_fp32_outputs
 from vramcalc.units import ceil_div
 
 
@@ -237,7 +237,7 @@ def _qkv_in_residual_dtype(ctx: RankContext, x: Dims) -> bool:
     (`out.to(inp_dtype)`), so a fused 4-bit qkv projection fed by an fp32 norm gives an fp32
     output; autocast then hands attention a 16-bit cast of v, which is what it keeps, not
     the fused output's storage (as the MLP's fp32 outputs: terms/finetune_activations.py)."""
-    return ctx.training.finetune == "qlora" and x.amp and x.r != x.c
+    return qlora_fp32_outputs(ctx, x) and x.r != x.c
 
 
 def _hf_eager_qkv(ctx: RankContext, x: Dims, fam: str) -> list[Saved]:

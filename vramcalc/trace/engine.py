@@ -238,9 +238,9 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
         model.train()
         all_params = list(model.parameters())
         params = [p for p in all_params if p.requires_grad]
-        for name, p in model.named_parameters():  # torch.optim.Muon's (trace/optim.py)
-            p.vramcalc_muon = tr.optimizer == "muon" and name.startswith("layers.") and (
-                p.ndim == 2)
+        if tr.optimizer == "muon":  # the layers' matrices (trace/optim.py MuonWithAdamW)
+            for name, p in model.named_parameters():
+                p.vramcalc_muon = name.startswith("layers.") and p.ndim == 2
         tracker.register_params(all_params)
         for buf in model.buffers():
             tracker.label(buf, "weights/buffers")
