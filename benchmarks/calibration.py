@@ -13,7 +13,9 @@ compares the figure the record measured:
   (the reserved pool plus the CUDA context); `max_memory_reserved` -> the reserved peak
   (`peak_reserved_bytes`, the caching allocator's segments; vramcalc/terms/reserved.py).
   Both reserved readings take the trace engine's allocator replay where the trace runs the
-  record, else the analytic packing floor.
+  record, else the analytic packing floor; a capacity boundary (the largest run that fits)
+  takes the trace's fit, the smallest capacity its requests run in (vramcalc/allocator.py
+  `min_capacity`), else the analytic device total.
 
 A record that needs a mechanism vramcalc lacks is printed as "not expressible" with the
 missing feature; no flag or constant is ever adjusted to move a number. The mapping is the
@@ -688,7 +690,8 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
                   "transformers_version": "4.46.1", "seq_len": 5789, "micro_batch_size": 1},
         "capacity_bytes": 24 * GIB,
         "notes": ["the largest fitting sequence of the README's Hugging Face + FA2 column; "
-                  "compared: the device total at 5,789 tokens (the fit check's figure) "
+                  "compared: the device total at 5,789 tokens (the fit check's figure: the "
+                  "trace's smallest capacity its allocations run in, plus the context) "
                   "with 24 GiB (Unsloth prints GiB as GB); the column is a line in VRAM "
                   "(404.75 tokens per GB), so the row is that line at 24",
                   "settings the source leaves out: gradient checkpointing (the column's "
@@ -785,9 +788,14 @@ def estimate_row(m: Mapping, model_dir: Path) -> Row:
             row.estimate_bytes = report.device_total_bytes
     elif m.metric == CAPACITY:
         # the largest length that fits: what the fit check compares with the card, the
-        # device total, in which an OOM retry has freed the allocator's cached blocks (an
-        # unbounded replay of the trace would keep them)
-        row.estimate_bytes = report.device_total_bytes
+        # device total. Where the trace runs, its fit: the smallest capacity its requests
+        # run in, an OOM retry releasing the cached whole segments first (vramcalc/
+        # allocator.py `min_capacity`), plus the context; else the analytic device total
+        traced_total = trace_device_total(build_scenario(values))
+        if traced_total is not None:
+            row.estimate_bytes, row.engine = traced_total, "trace"
+        else:
+            row.estimate_bytes = report.device_total_bytes
     elif m.metric in (RESERVED, UNKNOWN):
         # the reserved high-water mark depends on the order of allocations and frees: the
         # trace engine replays its own through the caching-allocator model; the analytic
@@ -823,6 +831,17 @@ def trace_reserved(scn: Any) -> int | None:
     except InputError:
         return None
     return trace_any(scn).peak_reserved_bytes
+
+
+def trace_device_total(scn: Any) -> int | None:
+    """The trace engine's device total (its fit), or None where it cannot run."""
+    from vramcalc.trace.distributed import check_any_traceable, trace_any
+
+    try:
+        check_any_traceable(scn)
+    except InputError:
+        return None
+    return trace_any(scn).device_total_bytes
 
 
 def run(calib_dir: Path) -> list[Row]:

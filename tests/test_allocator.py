@@ -15,7 +15,15 @@ import time
 
 import pytest
 
-from vramcalc.allocator import CachingAllocator, allocation_size, packed_reserved, round_size
+from vramcalc.allocator import (
+    CachingAllocator,
+    OutOfMemory,
+    allocation_size,
+    min_capacity,
+    packed_reserved,
+    replay,
+    round_size,
+)
 
 MiB = 2**20
 
@@ -244,3 +252,64 @@ def test_packed_reserved_is_a_floor_when_blocks_leave_gaps() -> None:
         for _ in range(n):
             a.malloc(size)
     assert a.reserved == 20 * MiB
+
+
+# ---- the out-of-memory path: release_cached_blocks, then an error ---------------------
+def test_a_whole_cached_segment_is_released_before_an_out_of_memory_error() -> None:
+    # malloc → alloc_block fails → release_cached_blocks frees every cached block with no
+    # neighbour (a whole segment) → alloc_block again
+    a = CachingAllocator(capacity=120 * MiB)
+    a.free(a.malloc(100 * MiB))  # a 100 MiB segment, cached
+    a.malloc(120 * MiB)  # 100 + 120 > 120: the cached segment goes back, then it fits
+    assert a.reserved == 120 * MiB
+    assert a.num_segments == 1
+
+
+def test_a_segment_holding_a_live_block_keeps_its_free_remainder() -> None:
+    # a 30 MiB request splits the cached 100 MiB segment (best fit; the 70 MiB rest is a
+    # free block beside it), so release_cached_blocks cannot return the segment: a new
+    # 100 MiB request needs 200 MiB of capacity although only 130 MiB are ever allocated
+    def run(capacity: int | None) -> CachingAllocator:
+        a = CachingAllocator(capacity=capacity, record=True)
+        a.free(a.malloc(100 * MiB))
+        a.malloc(30 * MiB)
+        a.malloc(100 * MiB)
+        return a
+
+    with pytest.raises(OutOfMemory):
+        run(199 * MiB)
+    done = run(200 * MiB)
+    assert done.peak_allocated == 130 * MiB
+    assert done.reserved == 200 * MiB
+    assert min_capacity(run(None).events or []) == 200 * MiB
+
+
+def test_min_capacity_without_splits_is_the_largest_live_set() -> None:
+    # every block in a segment of its own: whatever is cached can be released, so the
+    # smallest capacity is the allocated high-water mark (150 MiB), though an unconstrained
+    # run reserves 250 MiB (the 100 MiB segment is cached when 150 MiB are asked for)
+    a = CachingAllocator(record=True)
+    a.free(a.malloc(100 * MiB))
+    h = a.malloc(150 * MiB)
+    a.free(h)
+    assert a.peak_reserved == 250 * MiB
+    assert min_capacity(a.events or []) == 150 * MiB
+
+
+def test_replay_of_recorded_events_reproduces_the_run() -> None:
+    rng = random.Random(3)
+    a = CachingAllocator(record=True)
+    live: list[int] = []
+    for _ in range(2000):
+        if live and rng.random() < 0.45:
+            a.free(live.pop(rng.randrange(len(live))))
+        else:
+            live.append(a.malloc(rng.choice((4096, 300_000, 3 * MiB, 40 * MiB)), rng.choice((0, 1))))
+    b = replay(a.events or [])
+    assert (b.peak_allocated, b.peak_reserved, b.allocated, b.reserved) == (
+        a.peak_allocated, a.peak_reserved, a.allocated, a.reserved)
+    need = min_capacity(a.events or [])
+    assert a.peak_allocated <= need <= a.peak_reserved
+    replay(a.events or [], capacity=need)  # runs
+    with pytest.raises(OutOfMemory):
+        replay(a.events or [], capacity=need - 2 * MiB)

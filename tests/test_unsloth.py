@@ -208,3 +208,48 @@ def test_explain_describes_the_fused_loss(capsys: pytest.CaptureFixture[str]) ->
     out = capsys.readouterr().out
     assert code == 0 and "fused cross entropy" in out and "4 chunks" in out
     assert "fp32 log-probabilities (kept" not in out  # not the plain loss's formula
+
+
+def test_adapters_stored_in_fp32() -> None:
+    # prepare_model_for_training (float32_mixed_precision=True for a bf16 model) casts every
+    # trainable parameter to fp32: Llama-3-8B's r-32 adapters on all seven linears are
+    # 32 · (2·(h+h) + 2·(h+1024) + 3·(h+f)) = 2,621,440 parameters a layer, 4 bytes each
+    from vramcalc.analytic import estimate
+
+    scn = build_scenario({"model": "llama3-8b", "gpus": "1xRTX4090", "precision": "bf16",
+                          "framework": "unsloth", "finetune": "qlora", "lora_rank": 32,
+                          "lora_targets": "all-linear", "seq_len": 1024})
+    per_layer = 32 * (2 * (H + H) + 2 * (H + 1024) + 3 * (H + F))
+    assert per_layer == 2_621_440
+    assert estimate(scn).subterms["weights/adapters"] == L * per_layer * 4
+
+
+def test_embedding_output_held_through_the_step() -> None:
+    # enable_input_require_grads makes the embedding output a leaf that requires grad; the
+    # first checkpoint node's edge to it is an AccumulateGrad, which holds the tensor, so the
+    # pinned copy does not free it: T·h bf16 for the whole step. Under torch's own checkpoint
+    # (small inputs) or without recompute the layer keeps it anyway: no extra tensor
+    from vramcalc.terms.activations import embedding_saved
+
+    s = 4096
+    held = [t for t in embedding_saved(_ctx(seq_len=s)) if t.name == "unsloth.embedding_output"]
+    assert len(held) == 1 and held[0].nbytes == s * H * 2
+    for ctx in (_ctx(seq_len=256), _ctx(seq_len=s, recompute="none")):
+        assert not [t for t in embedding_saved(ctx) if t.name.startswith("unsloth.")]
+
+
+def test_recomputed_input_is_the_reload_buffer() -> None:
+    # UnslothCheckpointFunction.backward re-runs the layer on `x = buffer.detach()` (the
+    # persistent reload buffer; the last layer on its kept input): the input the first norm
+    # saves is no new tensor, so each backward instant holds the layer's saved set less it
+    from vramcalc.terms.activations import layer_backward_moments, without_recompute
+
+    s = 2048
+    ctx = _ctx(seq_len=s)
+    saved = {t.name: t.nbytes for t in layer_saved(without_recompute(ctx))}
+    moments = {m.name: m for m in layer_backward_moments(ctx)}
+    # at the MLP instant: every saved tensor but the aliased input, plus the re-run's output
+    # (T·h), which the backward binds until torch.autograd.backward returns
+    assert saved["input_norm.input"] == s * H * 2
+    mlp_held = sum(saved.values()) - saved["input_norm.input"] + s * H * 2
+    assert moments["mlp"].held == mlp_held

@@ -33,14 +33,25 @@ Written from the rules of `c10/cuda/CUDACachingAllocator.cpp` (pytorch/pytorch a
   so any other fitting block is preferred. Splitting keeps any remainder >= 512 B; every
   freed block merges with its neighbours across the whole mapped range.
 
+- Out of memory (`DeviceCachingAllocator::malloc`): with no fitting cached block the
+  allocator asks CUDA for a segment (`alloc_block`); when that would pass the device's
+  capacity it calls `release_available_cached_blocks` (a no-op unless max_split_size is
+  set) and then `release_cached_blocks`, which returns to CUDA every cached block that is
+  a whole segment (`release_blocks`: `!block->prev && !block->next`), and asks again;
+  only then is the request an out-of-memory error. A segment that still holds one live
+  block keeps its free remainder: that is what a job near its GPU's limit needs beyond its
+  allocated bytes. `capacity` turns this path on (default segments; with expandable
+  segments torch unmaps the free pages inside any block instead, which is not modelled),
+  and `min_capacity` bisects for the smallest capacity a recorded sequence of requests
+  runs in. Under max_split_size the partial release of step two is not modelled (step
+  three releases a superset).
+
 Not modelled, as they do not change the peaks of one training process: CUDA events and
 cross-stream uses (`recordStream`, `process_events`: a block waits for another stream's
 work before it is reused; FSDP2 orders its streams with events instead), CUDA graph private pools,
-IPC sharing, garbage_collection_threshold and per-process memory fractions. The OOM path
-(`release_available_cached_blocks`, `release_cached_blocks`: free unsplit cached segments
-and retry) and `empty_cache` are not modelled either: there is no device capacity here, so
-the peak reserved is the allocator's unconstrained high-water mark; a job near its GPU's
-limit may reserve less by releasing cached segments (and runs slower for it).
+IPC sharing, garbage_collection_threshold and per-process memory fractions, and
+`empty_cache`. Without a capacity the peak reserved is the allocator's unconstrained
+high-water mark: what `torch.cuda.max_memory_reserved` reads on a GPU with room to spare.
 """
 
 from __future__ import annotations
@@ -55,6 +66,11 @@ K_LARGE_BUFFER = 20 << 20  # kLargeBuffer: segment for 1-10 MiB requests, 20 MiB
 K_MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc: 10 MiB
 K_ROUND_LARGE = 2 << 20  # kRoundLarge: larger requests rounded up to 2 MiB
 _NO_LIMIT = 1 << 62  # max_split_size unset (SIZE_MAX in torch)
+
+
+class OutOfMemory(Exception):
+    """A request that does not fit in the capacity even after the cached segments are
+    released (torch.OutOfMemoryError)."""
 
 
 def round_size(nbytes: int) -> int:
@@ -136,9 +152,13 @@ class CachingAllocator:
     `peak_reserved` what `torch.cuda.max_memory_allocated` / `max_memory_reserved` read.
     """
 
-    def __init__(self, expandable: bool = False, max_split_size: int | None = None) -> None:
+    def __init__(self, expandable: bool = False, max_split_size: int | None = None,
+                 capacity: int | None = None, record: bool = False) -> None:
         self.expandable = expandable
         self.max_split = max_split_size or _NO_LIMIT
+        self.capacity = None if expandable else capacity  # bytes CUDA can hand out
+        # every request in order, for `min_capacity`: (handle, bytes, stream), bytes -1 = free
+        self.events: list[tuple[int, int, int]] | None = [] if record else None
         # segments get disjoint virtual addresses; expandable pools reserve a huge range
         # (the default stream's at 2**57 and 2**58, other streams' 2**52 apart above 3·2**57)
         self._pools: dict[int, tuple[_Pool, _Pool]] = {
@@ -162,6 +182,11 @@ class CachingAllocator:
         pool = pools[0] if size <= K_SMALL_SIZE else pools[1]
         block = self._find_free(pool, size)
         if block is None:
+            if self.capacity is not None and self.reserved + allocation_size(size) > self.capacity:
+                self.release_cached()  # alloc_block failed: release_cached_blocks, retry
+                if self.reserved + allocation_size(size) > self.capacity:
+                    raise OutOfMemory(f"{size} bytes on stream {stream}: {self.reserved} of "
+                                      f"{self.capacity} reserved, {self.allocated} allocated")
             before = self.reserved
             block = self._grow(pool, size) if self.expandable else self._segment(pool, size)
             self.stream_reserved[stream] = (self.stream_reserved.get(stream, 0)
@@ -187,9 +212,13 @@ class CachingAllocator:
         self.stream_allocated[stream] = self.stream_allocated.get(stream, 0) + block.size
         if self.allocated > self.peak_allocated:
             self.peak_allocated = self.allocated
+        if self.events is not None:
+            self.events.append((block.addr, nbytes, stream))
         return block.addr
 
     def free(self, handle: int) -> None:
+        if self.events is not None:
+            self.events.append((handle, -1, 0))
         block, pool, stream = self._live.pop(handle)
         block.used = False
         self.allocated -= block.size
@@ -199,6 +228,20 @@ class CachingAllocator:
                 pool.remove(nb)
                 self._absorb(pool, block, nb)
         pool.add(block)
+
+    def release_cached(self) -> int:
+        """`release_cached_blocks`: every cached free block that is a whole segment (no
+        neighbour in it) goes back to CUDA; the bytes released. Default segments only."""
+        released = 0
+        for stream, pools in self._pools.items():
+            for pool in pools:
+                for b in [b for b in pool.blocks.values() if b.prev is None and b.next is None]:
+                    pool.remove(b)
+                    released += b.size
+                    self.stream_reserved[stream] -= b.size
+                    self.num_segments -= 1
+        self.reserved -= released
+        return released
 
     # ---- rules ---------------------------------------------------------------------
     def _find_free(self, pool: _Pool, size: int) -> _Block | None:
@@ -263,3 +306,51 @@ class CachingAllocator:
         dst.size += src.size
         if pool.tail is src:
             pool.tail = dst
+
+
+def replay(events: Iterable[tuple[int, int, int]], capacity: int | None = None,
+           expandable: bool = False) -> CachingAllocator:
+    """A new allocator that has served `events` (CachingAllocator.events) in order; raises
+    OutOfMemory when they do not fit in `capacity`."""
+    a = CachingAllocator(expandable=expandable, capacity=capacity)
+    handles: dict[int, int] = {}
+    for key, nbytes, stream in events:
+        if nbytes < 0:
+            a.free(handles.pop(key))
+        else:
+            handles[key] = a.malloc(nbytes, stream)
+    return a
+
+
+def from_start(events: list[tuple[int, int, int]], start: int) -> list[tuple[int, int, int]]:
+    """`events` from index `start` on, after the blocks live at `start` requested anew in
+    the order they were first requested (their earlier history and its cached blocks
+    dropped)."""
+    live: dict[int, tuple[int, int, int]] = {}
+    for key, nbytes, stream in events[:start]:
+        if nbytes < 0:
+            del live[key]
+        else:
+            live[key] = (key, nbytes, stream)
+    return [*live.values(), *events[start:]]
+
+
+def min_capacity(events: list[tuple[int, int, int]]) -> int:
+    """The smallest device capacity (bytes the allocator may hold, default segments) in
+    which `events` run without an out-of-memory error. Every segment is a multiple of
+    kRoundLarge (2 MiB), so only multiples of it matter: bisected between the peak
+    allocated bytes (never enough less) and the unconstrained peak reserved (always
+    enough)."""
+    free_run = replay(events)
+    unit = K_ROUND_LARGE
+    lo = -(-free_run.peak_allocated // unit) - 1  # in units; lo is known not to be enough
+    hi = -(-free_run.peak_reserved // unit)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            replay(events, capacity=mid * unit)
+        except OutOfMemory:
+            lo = mid
+        else:
+            hi = mid
+    return hi * unit

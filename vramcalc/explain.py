@@ -188,8 +188,9 @@ def explain(scn: Scenario) -> dict[str, Any]:
         + (" + resident paged optimizer states" if "overhead/paged_optimizer_states"
            in report.subterms else "") + " (overhead "
         f"{_gb(report.terms.overhead)}) = {_gb(report.device_total_bytes)}: cached blocks "
-        "are not counted, since the allocator frees them and retries before it reports an "
-        "out-of-memory error.",
+        "are not counted, since the allocator frees its cached whole segments and retries "
+        "before it reports an out-of-memory error. A floor: near the card's limit a segment "
+        "that still holds a live block keeps its free rest, which `vramcalc trace` replays.",
     ]})
     if report.gpu is not None and report.usable_bytes is not None:
         sections.append({"title": "Fit", "lines": [

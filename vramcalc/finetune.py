@@ -15,7 +15,9 @@ Frozen tensors have no gradients and no optimizer states. The adapters' dtype de
 profile: `hf` follows PEFT's `get_peft_model(..., autocast_adapter_dtype=True)` default,
 which upcasts bf16/fp16 adapters to fp32 (peft/tuners/tuners_utils.py `cast_adapter_dtype`),
 so under a 16-bit policy they are fp32 parameters with fp32 gradients and no master copy;
-`reference` keeps them in the policy's weight dtype (torchtune's choice: the whole model,
+`unsloth` does the same (unsloth_zoo/training_utils.py `prepare_model_for_training`, at
+ce232d6c: `float32_mixed_precision=True` by default casts every trainable parameter to
+fp32 for a bf16 or fp16 model); `reference` keeps them in the policy's weight dtype (torchtune's choice: the whole model,
 adapters included, in the training dtype). Under tensor parallelism the adapters are split
 with their base, as Megatron-style parallel LoRA does (PEFT tuners/lora/tp_layer.py
 `LoraParallelLinear`; NeMo's ParallelLinearAdapter likewise): column-parallel bases (q, k,
@@ -92,9 +94,9 @@ class Rank(Protocol):
 
 
 def adapter_dtype(framework: str, weight_dtype: str) -> str:
-    """Adapter parameters' dtype: PEFT (hf) upcasts 16-bit adapters to fp32; the reference
-    model keeps the policy's weight dtype (see the module docstring)."""
-    return "fp32" if framework == "hf" else weight_dtype
+    """Adapter parameters' dtype: PEFT (hf) and Unsloth upcast 16-bit adapters to fp32; the
+    reference model keeps the policy's weight dtype (see the module docstring)."""
+    return "fp32" if framework in ("hf", "unsloth") else weight_dtype
 
 
 # ---- which linears, which tensors --------------------------------------------------------

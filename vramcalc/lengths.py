@@ -5,8 +5,8 @@ DataCollatorWithPadding, torchtune's padded_collate_sft) gives every step anothe
 PyTorch's caching allocator keeps the segments each shape made and splits them for the next
 ones, so `max_memory_reserved` (and nvidia-smi) creeps above what one step at the longest
 length reserves, while memory is ample: before it reports an out-of-memory error the
-allocator frees its unused cached segments and retries, so the fit check (the device total)
-does not count them. The analytic engine counts one step at --seq-len; `trace --lengths
+allocator frees its cached whole segments and retries, so the fit check (the device total)
+does not count those (docs/trace.md, "The fit"). The analytic engine counts one step at --seq-len; `trace --lengths
 FILE` replays many steps whose lengths are drawn from the user's own dataset through the
 allocator model (vramcalc/allocator.py), for the reserved reading such a run reports.
 

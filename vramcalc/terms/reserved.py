@@ -33,7 +33,11 @@ the same.
 
 The reported reserved peak adds one cached block to this floor: the loss's freed c-typed
 logits (vramcalc/terms/logits.py `freed_logits_bytes`, vramcalc/analytic.py). The fit check
-leaves it out: the allocator frees cached blocks and retries before an out-of-memory error.
+leaves it out: the allocator frees cached whole segments and retries before an
+out-of-memory error. The fit is this floor too: under memory pressure a segment split by a
+block that is still live keeps its free rest, which depends on the order of every request;
+the trace engine replays that order under a capacity (vramcalc/allocator.py
+`min_capacity`, docs/trace.md).
 
 Streams (`side_stream_bytes`): the caching allocator hands a freed block only to requests
 on the stream it was allocated on (`get_free_block` compares the block's stream; with

@@ -12,6 +12,7 @@ from vramcalc.terms import modernbert as mb
 from vramcalc.terms import torchtitan_tp as ttp
 from vramcalc.terms.packed import packed_batch_saved
 from vramcalc.terms.saved import Dims, Saved, bsh, dims, hf_family, qlora_fp32_outputs
+from vramcalc.terms.unsloth import offloads_checkpoints
 from vramcalc.units import ceil_div
 
 
@@ -457,6 +458,12 @@ def embedding_saved(ctx: RankContext) -> list[Saved]:
         if tr.attention == "eager":
             out.append(Saved("attn.mask", x.b * x.s * x.s, x.r, "(b, 1, s, s)",
                              "additive causal mask, checkpoint input"))
+    if offloads_checkpoints(ctx) and ctx.is_first_stage:
+        # the embedding output, made a leaf that requires grad (enable_input_require_grads),
+        # is the first checkpoint's input: its pinned copy goes to the host, but the
+        # checkpoint node's AccumulateGrad edge holds the device tensor until backward ends
+        out.append(Saved("unsloth.embedding_output", x.T * x.h, x.r, "(b, s, h)",
+                         "leaf held by its AccumulateGrad"))
     if tr.framework == "torchtitan":
         pass  # RoPE reads the freqs_cis buffer (vramcalc/terms/torchtitan.py): nothing saved
     elif spec.position_embedding == "rope":

@@ -183,6 +183,14 @@ class UnslothCheckpointing(Modifier):
     def host_bytes(self, ctx: RankContext, saved: list[Saved], in_flight: float) -> int:
         return checkpoint_host_bytes(ctx)
 
+    def backward_moments(self, ctx: RankContext, moments: list[Moment],
+                         saved: list[Saved]) -> list[Moment]:
+        # the re-run's input is the reload buffer (`x = buffer.detach()`), or the last
+        # layer's kept input: both counted already, so the input the recomputed layer's
+        # first norm saves is no tensor of its own
+        alias = sum(t.nbytes for t in saved if t.name == "input_norm.input")
+        return [Moment(m.name, m.held - alias, m.work, m.grads) for m in moments]
+
     def persistent_parts(self, ctx: RankContext, gpu: GPUProfile | None) -> dict[str, int]:
         return {"transients/unsloth_gc_buffer": reload_buffer_bytes(ctx)}
 

@@ -422,16 +422,13 @@ def _result(scn: Scenario, tracker: Any, param_bytes: int, iterations: int) -> T
     first = max(_snap(tracker.peaks[(0, ph)], extra).total for ph in PHASE_NAMES)
     peak_name = max(PHASE_NAMES, key=lambda ph: phases[ph].total)
     peak = phases[peak_name]
-    # the allocator replay's high-water mark (vramcalc/allocator.py; the workspace included),
-    # every stream's pools: the blocks FSDP's side streams (all-gather copy-in,
-    # reduce-scatter) do not use at the peak are cached there, outside the fit (an OOM
-    # retry frees them; terms/reserved.py), the default stream's excess is fragmentation
-    alloc = tracker.allocator
-    reserved = max(alloc.peak_reserved, peak.total)
-    side = alloc.peak_reserved - alloc.stream_reserved[0]
-    cached = max(side - tracker.peaks[(last, peak_name)].side_allocated, 0)
+    # the allocator replay's high-water mark (the workspace included, every stream's pools)
+    # reads as max_memory_reserved on a GPU with room to spare; the fit is the capacity the
+    # steps need under memory pressure (MemoryTracker.fit_bytes)
+    reserved = max(tracker.allocator.peak_reserved, peak.total)
+    needed = tracker.fit_bytes(tracker.peaks[(last, peak_name)].side_allocated, peak.total)
     ovh = overhead_split(context_bytes(gpu, scn.training), scn.world_size,
-                         max(reserved - cached - peak.total, 0))
+                         max(needed - peak.total, 0))
     if scn.training.optimizer.startswith("paged-"):  # outside the allocator, as analytic
         paged = paged_state_bytes(RankContext(scn.model, scn.training, scn.parallel, 0))
         ovh["paged_optimizer_states"] = paged_residency(

@@ -24,7 +24,8 @@ is delegated to `cuda_rules.rewrite_op`.
 
 Every allocation and free is also replayed, in order, through the caching-allocator model
 (vramcalc/allocator.py): `allocator.peak_reserved` is the trace's estimate of
-`torch.cuda.max_memory_reserved`. A storage resized in place is a new block then the old
+`torch.cuda.max_memory_reserved`, and the recorded requests (`allocator.events`) give the
+smallest capacity the run fits in (`allocator.min_capacity`). A storage resized in place is a new block then the old
 one freed (`resize_` copies into a new allocation); the cuBLAS workspace, which torch takes
 from the caching allocator at the first matmul (aten/src/ATen/cuda/CublasHandlePool.cpp keeps
 it as a DataPtr of CUDACachingAllocator), is requested when the first forward starts, and
@@ -57,7 +58,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from vramcalc.allocator import CachingAllocator
+from vramcalc.allocator import CachingAllocator, from_start, min_capacity
 from vramcalc.trace import cuda_rules
 from vramcalc.units import round_alloc
 
@@ -93,7 +94,7 @@ class MemoryTracker(TorchDispatchMode):
     def __init__(self, debug: bool = False, expandable_segments: bool = False,
                  workspace_bytes: tuple[int, int] = (0, 0)) -> None:
         super().__init__()
-        self.allocator = CachingAllocator(expandable=expandable_segments)
+        self.allocator = CachingAllocator(expandable=expandable_segments, record=True)
         self._workspace = dict(zip(("forward", "backward"), workspace_bytes, strict=True))
         self.debug = debug
         self._origin = ""
@@ -106,6 +107,9 @@ class MemoryTracker(TorchDispatchMode):
         self.terms: dict[str, int] = {}
         self.total = 0
         self.phase = "build"
+        # where training starts in allocator.events (the first forward): the capacity the
+        # fit needs is replayed from there, the build's blocks requested anew
+        self.training_start: int | None = None
         self.region: str | None = None
         self.iteration = 0
         self.peaks: dict[tuple[int, str], Snapshot] = {}
@@ -121,6 +125,8 @@ class MemoryTracker(TorchDispatchMode):
     def set_phase(self, phase: str, region: str | None = None) -> None:
         """Start (or continue) a phase of the current iteration; its peak starts from now."""
         self._settle()
+        if self.training_start is None and phase == "forward":
+            self.training_start = len(self.allocator.events or [])
         self.phase, self.region = phase, region
         if self._workspace.get(phase):  # held for the process's lifetime
             self.allocator.malloc(self._workspace.pop(phase))
@@ -130,6 +136,21 @@ class MemoryTracker(TorchDispatchMode):
         if self._peak is None or self.total > self._peak.total:
             self._peak = self.snapshot()
             self.peaks[key] = self._peak
+
+    def fit_bytes(self, side_allocated: int, peak_total: int) -> int:
+        """The capacity the traced steps need (docs/trace.md, "The fit"): with default
+        segments the smallest capacity in which the training steps' requests run, an
+        out-of-memory error releasing the cached whole segments first, as torch does
+        (allocator.min_capacity), replayed from the first forward with the blocks then live
+        requested anew (the fake-device build is no loader's order). With expandable
+        segments torch unmaps the free pages of any block instead, which is not replayed:
+        the reserved peak (at least `peak_total`, the allocated peak) less the side
+        streams' blocks the peak does not use (`side_allocated`: those in use at it)."""
+        a = self.allocator
+        if a.expandable or not a.events:
+            side = a.peak_reserved - a.stream_reserved[0]
+            return max(a.peak_reserved, peak_total) - max(side - side_allocated, 0)
+        return min_capacity(from_start(a.events, self.training_start or 0))
 
     def mark(self, name: str) -> None:
         self._settle()
