@@ -253,3 +253,121 @@ def test_recomputed_input_is_the_reload_buffer() -> None:
     assert saved["input_norm.input"] == s * H * 2
     mlp_held = sum(saved.values()) - saved["input_norm.input"] + s * H * 2
     assert moments["mlp"].held == mlp_held
+
+
+# ---- --unsloth-version 2024.12.4 (unsloth d9ed4bef09, unsloth-zoo 9c643b66,
+# ml-cross-entropy 24.12.1 1f3ebdb), each value from the lines the docstrings cite -------
+OLD = "2024.12.4"
+
+
+def test_old_release_loss_is_cut_cross_entropy() -> None:
+    # b·s > 1024: LinearCrossEntropyFunction keeps e (T·h bf16), lse (T fp32), the valid
+    # index (T int64) and logit_avg (V fp32), beside the shifted labels (T int64); its
+    # backward makes de = zeros_like(e), dc = zeros_like(c) (V·h bf16, the frozen head's),
+    # de_locks (T int32 at h/64 = 64 columns), dc_locks (V int32) and argsort(logit_avg)
+    s = 4096
+    ctx = _ctx(seq_len=s, unsloth_version=OLD)
+    kept = _alloc(s * H * 2) + _alloc(s * 4) + _alloc(s * 8) + _alloc(s * 8) + _alloc(V * 4)
+    assert lg.logits_saved_bytes(ctx) == kept
+    assert lg.logits_forward_peak_bytes(ctx) == kept  # no logits
+    back = _alloc(s * H * 2) + _alloc(V * H * 2) + _alloc(s * 4) + 2 * _alloc(V * 4)
+    assert lg.logits_backward_peak_bytes(ctx) == kept + back
+
+
+def test_old_release_short_batches_keep_bf16_logits() -> None:
+    # b·s <= 1024 sets RETURN_LOGITS: the bf16 logits go to Fast_CrossEntropyLoss, which keeps
+    # them and its logsumexp (T fp32) and writes the gradient into them; then lm_head's dX
+    s = 1000
+    ctx = _ctx(seq_len=s, unsloth_version=OLD)
+    kept = _alloc(s * V * 2) + _alloc(s * 4) + _alloc(s * 8)
+    assert lg.logits_saved_bytes(ctx) == lg.logits_forward_peak_bytes(ctx) == kept
+    assert lg.logits_backward_peak_bytes(ctx) == kept + _alloc(s * H * 2)
+
+
+def test_old_release_reloads_into_new_tensors() -> None:
+    # Unsloth_Offloaded_Gradient_Checkpointer: every layer's input goes to the host whatever
+    # its size (no MINIMUM_SIZE, no kept last layer) and comes back with .to("cuda:0"), a new
+    # tensor the re-run saves: no persistent buffer, no aliasing
+    from vramcalc.terms.activations import layer_backward_moments, without_recompute
+
+    for s in (256, 2048):
+        ctx = _ctx(seq_len=s, unsloth_version=OLD)
+        assert layer_saved(ctx) == []
+        assert not [t for t in head_saved(ctx) if t.name == "unsloth.last_layer_input"]
+        assert "transients/unsloth_gc_buffer" not in persistent_parts(ctx, None)
+        assert activation_host_bytes(ctx) == L * s * H * 2
+    s = 2048
+    ctx = _ctx(seq_len=s, unsloth_version=OLD)
+    saved = sum(t.nbytes for t in layer_saved(without_recompute(ctx)))
+    moments = {m.name: m for m in layer_backward_moments(ctx)}
+    assert moments["mlp"].held == saved + s * H * 2  # + the re-run's bound output
+
+
+def test_old_release_lora_sum_temporary() -> None:
+    # matmul_lora: `out += (X @ A) @ (s * B)` makes DW's LoRA product, a second (T, f)
+    # tensor, before the in-place add (2026: out.addmm_)
+    from vramcalc.terms.activations import layer_backward_moments
+
+    s = 2048
+    old = {m.name: m for m in layer_backward_moments(_ctx(seq_len=s, unsloth_version=OLD))}
+    new = {m.name: m for m in layer_backward_moments(_ctx(seq_len=s))}
+    assert old["mlp"].work - new["mlp"].work == s * F * 2
+
+
+@pytest.mark.parametrize(("s", "rows"), [(4096, 8192), (40000, 40960)])
+def test_old_release_rope_caches_per_layer(s: int, rows: int) -> None:
+    # each attention module's rotary embedding caches cos and sin for min(4·8192, 8192)
+    # positions of Llama-3-8B (max_position_embeddings 8192) in bf16, the model one more;
+    # extend_rope_embedding regrows every layer's to whole steps of 8192 positions (40000
+    # tokens: 5 steps, 40960 rows), not the model's
+    from vramcalc.terms.activations import embedding_saved
+
+    ctx = _ctx(seq_len=s, unsloth_version=OLD)
+    assert ctx.spec.max_position_embeddings == 8192
+    assert persistent_parts(ctx, None)["transients/unsloth_rope_caches"] == 2 * (
+        L * _alloc(rows * 128 * 2) + _alloc(8192 * 128 * 2))
+    assert "transients/unsloth_dequant_buffer" not in persistent_parts(ctx, None)
+    assert not [t for t in embedding_saved(ctx) if t.name == "rope.cos_sin"]
+
+
+@pytest.mark.parametrize("flags", [
+    ["--unsloth-version", "2024.11.1"],
+    ["--unsloth-version", "2024.12.4", "--framework", "hf"],
+    ["--unsloth-version", "latest"]])
+def test_unsloth_version_refusals(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["estimate", "--model", "llama3-8b", "--gpus", "1xRTX4090", "--framework",
+            "unsloth", "--finetune", "qlora", "--precision", "bf16"]
+    code = main(base + flags)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "unsloth" in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("release", "fused_ce", "gc_buffer", "addmm", "global_buf", "shared_rope"), [
+    ("2024.12.4", False, False, False, False, False),
+    ("2025.1.1", False, False, False, False, True),  # 63782ea3af: one rotary embedding
+    ("2025.2.2", False, False, False, True, True),  # 144190bd06: use_global_buffer=True
+    ("2025.3.1", False, True, True, True, True),  # UnslothCheckpointFunction; addmm_
+    ("2025.8.4", False, True, True, True, True),
+    ("2025.8.5", True, True, True, True, True),  # 806bee2433: unsloth_fused_ce_loss
+    (None, True, True, True, True, True)])  # 2026.8.19, the release modelled
+def test_release_boundaries(release: str | None, fused_ce: bool, gc_buffer: bool, addmm: bool,
+                            global_buf: bool, shared_rope: bool) -> None:
+    # the first PyPI release of each change, each found in that release's wheel and not in
+    # the one before it (2024.12.12, 2025.1.8, 2025.2.15, 2025.8.4)
+    from vramcalc.terms import unsloth as u
+    from vramcalc.terms.activations import layer_backward_moments
+
+    s = 4096
+    ctx = _ctx(seq_len=s, unsloth_version=release)
+    parts = persistent_parts(ctx, None)
+    assert (not u.old_loss(ctx)) is fused_ce
+    assert u.reload_buffer(ctx) is gc_buffer
+    assert ("transients/unsloth_gc_buffer" in parts) is gc_buffer
+    assert ("transients/unsloth_dequant_buffer" in parts) is global_buf
+    assert ("transients/unsloth_rope_caches" not in parts) is shared_rope
+    new = {m.name: m for m in layer_backward_moments(_ctx(seq_len=s))}
+    work = {m.name: m for m in layer_backward_moments(ctx)}["mlp"].work
+    # the MLP instant's work: the 2026 kernels' DW (new["mlp"]), plus the sum's (T, f)
+    # temporary before addmm_, less nothing else
+    assert work - new["mlp"].work == (0 if addmm else s * F * 2)

@@ -216,14 +216,14 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "outside the caching allocator (device total only)."),
     Opt("qlora_impl", str, None, "QLoRA's 4-bit base (--finetune qlora): bnb (bitsandbytes "
         "Linear4bit: HF/PEFT, Lightning) | torchao (NF4Tensor: torchtune). Default: torchao "
-        "under --framework torchtune, else bnb.",
-        ("bnb", "torchao")),
+        "under --framework torchtune, else bnb.", ("bnb", "torchao")),
     Opt("bnb_version", str, None, "bitsandbytes release, e.g. 0.41.1: before 0.43.2 each "
         "4-bit matmul keeps its input until the autograd graph is freed. Default: 0.50.1 "
         "(keeps none)."),
     Opt("torchao_version", str, None, "torchao release with --qlora-impl torchao, e.g. 0.1: "
         "before 0.2 to_nf4 quantizes a whole weight at once at load; before 0.3 each "
         "weight keeps a 1/64-size scaler-factor storage. Default: 0.5.0."),
+    Opt("unsloth_version", str, None, "Unsloth release with --framework unsloth, e.g. 2024.12.4 (its loss, checkpoint offload, LoRA kernels and rotary caches changed since; vramcalc/terms/unsloth.py). Default: 2026.8.19."),
     Opt("nf4_double_quant", bool, None, "bitsandbytes double quantization of the absmax "
         "(Linear4bit compress_statistics, HF bnb_4bit_use_double_quant, Lightning "
         "'nf4-dq'). Default: on."),
@@ -325,7 +325,7 @@ _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "pr
                   "moe_dispatcher", "deterministic", "cross_entropy_loss_fusion", "transformer_impl", "litgpt_norm", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
                   "optimizer_in_backward", "compile", "packed", "float8", "float8_all_gather", "async_tp", "qlora_impl", "bnb_version",
-                  "torchao_version", "nf4_double_quant", "quantize_head", "load",
+                  "torchao_version", "unsloth_version", "nf4_double_quant", "quantize_head", "load",
                   "set_to_none", "torch_version", "transformers_version", "load_only")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",
                   "fsdp_impl", "fsdp_edge_units", "shard_group", "offload_device",

@@ -9,6 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from vramcalc.errors import InputError
+from vramcalc.qlora import parse_version
+
+# the oldest Unsloth release vramcalc models (unsloth d9ed4bef09; vramcalc/terms/unsloth.py)
+UNSLOTH_OLDEST = (2024, 12, 4)
 
 
 def torchtitan_training_problem(tr: Any) -> str | None:
@@ -84,9 +88,13 @@ def unsloth_training_problem(tr: Any) -> str | None:
     "unsloth" (--recompute full) or False (none), no selective mode; its own attention
     kernels (flash); its fused cross entropy, no --chunked-ce."""
     if tr.framework != "unsloth":
-        return None
+        return None if tr.unsloth_version is None else (
+            "--unsloth-version names the release --framework unsloth models")
     flag = None
-    if tr.finetune not in ("lora", "qlora"):
+    if tr.unsloth_version is not None and parse_version(tr.unsloth_version) < UNSLOTH_OLDEST:
+        flag = (f"--unsloth-version {tr.unsloth_version}: vramcalc models Unsloth from "
+                f"{'.'.join(map(str, UNSLOTH_OLDEST))} on")
+    elif tr.finetune not in ("lora", "qlora"):
         flag = (f"--finetune {tr.finetune}: the unsloth profile models get_peft_model's "
                 "LoRA and QLoRA (use --finetune lora or qlora)")
     elif tr.precision not in ("bf16", "fp16"):

@@ -197,8 +197,7 @@ class TrainingConfig(BaseModel):
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (vramcalc/allocator.py); None: the
     # stack's launcher (see `expandable`). Changes reserved memory only
     expandable_segments: bool | None = None
-    # torchtune's optimizer_in_bwd: one optimizer per parameter, stepped by its post-
-    # accumulate-grad hook inside backward (vramcalc/terms/optim_in_bwd.py); dumped if on
+    # torchtune's optimizer_in_bwd: per-parameter steps in backward (terms/optim_in_bwd.py)
     optimizer_in_backward: bool = Field(False, exclude_if=lambda v: not v)
     # torchtune's `compile: True` (torchtune profile): each transformer layer and the loss's
     # cross entropy compiled (vramcalc/terms/torchtune.py); left out of dumps when off
@@ -217,6 +216,7 @@ class TrainingConfig(BaseModel):
     qlora_impl: Literal["bnb", "torchao"] | None = Field(None, exclude_if=lambda v: v is None)
     bnb_version: str | None = Field(None, exclude_if=lambda v: v is None)
     torchao_version: str | None = Field(None, exclude_if=lambda v: v is None)
+    unsloth_version: str | None = Field(None, exclude_if=lambda v: v is None)
     nf4_double_quant: bool | None = Field(None, exclude_if=lambda v: v is None)
     quantize_head: bool = Field(False, exclude_if=lambda v: not v)
     # how the model is loaded and prepared before the first step (vramcalc/terms/load.py);
@@ -226,7 +226,7 @@ class TrainingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _qlora_layout_valid(self) -> TrainingConfig:
-        for name in ("bnb_version", "torchao_version", "torch_version", "transformers_version"):
+        for name in ("bnb_version", "torchao_version", "unsloth_version", "torch_version", "transformers_version"):
             text = getattr(self, name)
             if text is not None:
                 try:

@@ -19,6 +19,7 @@ DTYPE_BITS: dict[str, int] = {
     "int4": 4,
     "nf4": 4,
     "int64": 64,
+    "int32": 32,
     "bool": 8,
 }
 

@@ -12,7 +12,7 @@ from vramcalc.terms import modernbert as mb
 from vramcalc.terms import torchtitan_tp as ttp
 from vramcalc.terms.packed import packed_batch_saved
 from vramcalc.terms.saved import Dims, Saved, bsh, dims, hf_family, qlora_fp32_outputs
-from vramcalc.terms.unsloth import offloads_checkpoints
+from vramcalc.terms.unsloth import layer_rope_caches, offloads_checkpoints
 from vramcalc.units import ceil_div
 
 
@@ -466,7 +466,7 @@ def embedding_saved(ctx: RankContext) -> list[Saved]:
                          "leaf held by its AccumulateGrad"))
     if tr.framework == "torchtitan":
         pass  # RoPE reads the freqs_cis buffer (vramcalc/terms/torchtitan.py): nothing saved
-    elif spec.position_embedding == "rope":
+    elif spec.position_embedding == "rope" and not layer_rope_caches(ctx):
         # cos, sin (s, d): reference in c, hf in the residual dtype; MLA rotates dr dims
         width = spec.qk_rope_head_dim or x.d
         out.append(Saved("rope.cos_sin", x.s * width, x.r if hf else x.c, "(s, d)",

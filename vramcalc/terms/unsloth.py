@@ -55,6 +55,7 @@ offloaded checkpointing only the recomputed layer holds them.
 from __future__ import annotations
 
 from vramcalc.hardware import GPUProfile
+from vramcalc.qlora import parse_version
 from vramcalc.rank import RankContext
 from vramcalc.terms.saved import SAVED_BITS, Modifier, Moment, Saved, dims
 from vramcalc.units import ALLOC_ROUND_BYTES, alloc, ceil_div
@@ -71,6 +72,46 @@ CHUNK_TARGET_BYTES = 4 * GIB
 NF4_BLOCK = 64  # bitsandbytes' 4-bit blocksize: one absmax per 64 weights
 LABEL_BITS = 64  # int64 labels
 
+# --unsloth-version: the release modelled by default (unsloth/_version.py at 015bdef0;
+# unsloth-zoo 2026.8.13 at ce232d6c); the oldest one modelled is stack_rules.UNSLOTH_OLDEST
+# (unsloth/models/_utils.py at d9ed4bef09, unsloth-zoo 2024.12.2 at 9c643b66: `OLD` below)
+UNSLOTH_CURRENT = "2026.8.19"
+# the first PyPI releases that run what the module docstring describes, each behaviour's
+# own (checked against each release's wheel); before them, what `OLD` does:
+FUSED_CE_FROM = (2025, 8, 5)  # llama.py calls unsloth_fused_ce_loss (806bee2433)
+GC_BUFFER_FROM = (2025, 3, 1)  # "unsloth" checkpointing is UnslothCheckpointFunction (3e5f0611)
+ADDMM_LORA_FROM = (2025, 3, 1)  # matmul_lora's out.addmm_(XA, B, alpha=s) (4f166026d7)
+GLOBAL_DEQUANT_FROM = (2025, 2, 2)  # matmul_lora's use_global_buffer=True (144190bd06)
+SHARED_ROPE_FROM = (2025, 1, 1)  # one rotary embedding for the model (63782ea3af)
+ROPE_CACHE_POSITIONS = 4 * 8192  # LlamaRotaryEmbedding: current_rope_size = min(4·8192, P)
+ROPE_CACHE_STEP = 8192  # extend_rope_embedding grows it in steps of 8192 positions
+
+
+def version(ctx: RankContext) -> tuple[int, int, int]:
+    """The Unsloth release the scenario names (--unsloth-version), else the one modelled."""
+    return parse_version(ctx.training.unsloth_version or UNSLOTH_CURRENT)
+
+
+def cut_cross_entropy(ctx: RankContext) -> bool:
+    """OLD's loss: Apple's cut cross-entropy (unsloth_zoo/loss_utils.py
+    `fused_linear_cross_entropy` -> `cut_cross_entropy.linear_cross_entropy`, ml-cross-entropy
+    24.12.1 1f3ebdb), taken by `CausalLM_fast_forward` when b·s > 1024 and labels are given."""
+    x = dims(ctx)
+    return old_loss(ctx) and x.T > 1024
+
+
+def old_loss(ctx: RankContext) -> bool:
+    """Whether the release predates the chunked fused cross entropy (FUSED_CE_FROM)."""
+    return version(ctx) < FUSED_CE_FROM
+
+
+def reload_buffer(ctx: RankContext) -> bool:
+    """Whether the offloaded checkpoints come back into the persistent GPU buffer (and the
+    last layer and small inputs stay on the device); OLD reloads each input into a fresh
+    tensor (`Unsloth_Offloaded_Gradient_Checkpointer.backward`: `.to("cuda:0")`) and
+    offloads every layer whatever its size."""
+    return version(ctx) >= GC_BUFFER_FROM
+
 
 def unsloth(ctx: RankContext) -> bool:
     return ctx.training.framework == "unsloth"
@@ -83,7 +124,7 @@ def offloads_checkpoints(ctx: RankContext) -> bool:
     if not unsloth(ctx) or ctx.training.recompute != "full" or ctx.spec.is_encoder:
         return False
     x = dims(ctx)
-    return x.T * x.h > MINIMUM_NUMEL
+    return x.T * x.h > MINIMUM_NUMEL or not reload_buffer(ctx)
 
 
 def reload_buffer_bytes(ctx: RankContext) -> int:
@@ -97,6 +138,8 @@ def checkpoint_host_bytes(ctx: RankContext) -> int:
     input (the first step offloads all L), the rest of the 200 initial ones unchanged."""
     x = dims(ctx)
     bits = SAVED_BITS[x.r]
+    if not reload_buffer(ctx):  # OLD: a pinned copy of each layer's input, nothing else
+        return ctx.num_layers * ceil_div(x.T * x.h * bits, 8)
     per = ceil_div(max(x.T * x.h, INITIAL_CPU_BUFFER_NUMEL) * bits, 8)
     idle = max(INITIAL_CPU_BUFFER_COUNT - ctx.num_layers, 0)
     return ctx.num_layers * per + idle * ceil_div(INITIAL_CPU_BUFFER_NUMEL * bits, 8)
@@ -128,9 +171,36 @@ def chunk_logits_bytes(ctx: RankContext) -> int:
     return alloc(ceil_div(x.T, num_chunks(ctx)) * x.V, "fp32")
 
 
+def old_loss_parts(ctx: RankContext) -> tuple[int, int, int]:
+    """OLD's loss (before FUSED_CE_FROM): (kept for backward, forward peak, backward peak).
+
+    - b·s > 1024, cut cross-entropy (ml-cross-entropy 1f3ebdb cce.py
+      `LinearCrossEntropyFunction`): no logits; it keeps e (the normed hidden states, T·h
+      in c), lse (T fp32), the valid-token index (T int64) and logit_avg (V fp32), and its
+      backward (cce_backward.py) allocates de = zeros_like(e), dc = zeros_like(c) — a full
+      V·h gradient of the frozen lm_head, made whether c needs it or not — their int32 lock
+      tables (about T and V entries) and the argsort of logit_avg (V int32).
+    - b·s <= 1024 (`RETURN_LOGITS = True`, llama.py `CausalLM_fast_forward`): the bf16
+      logits (T·V·c), which `Fast_CrossEntropyLoss` keeps with its logsumexp (T fp32) and
+      overwrites with their gradient in backward (kernels/cross_entropy_loss.py), then
+      lm_head's dL/dhidden (T·h, c); the shifted labels (T int64) in both cases."""
+    x = dims(ctx)
+    labels = alloc(ceil_div(x.T * LABEL_BITS, 8), "int8")
+    if not cut_cross_entropy(ctx):
+        kept = alloc(x.T * x.V, x.c) + alloc(x.T, "fp32") + labels
+        return kept, kept, kept + alloc(x.T * x.h, x.c)
+    kept = (alloc(x.T * x.h, x.c) + alloc(x.T, "fp32") + labels + alloc(x.T, "int64")
+            + alloc(x.V, "fp32"))
+    back = (alloc(x.T * x.h, x.c) + alloc(x.V * x.h, x.c) + alloc(x.T, "int32")
+            + 2 * alloc(x.V, "int32"))
+    return kept, kept, kept + back
+
+
 def fused_ce_saved_bytes(ctx: RankContext) -> int:
     """Kept from the loss's forward into backward: dL/dhidden (T·h, c), the shifted labels
-    (T int64) and the loss and divisor scalars."""
+    (T int64) and the loss and divisor scalars (OLD: `old_loss_parts`)."""
+    if old_loss(ctx):
+        return old_loss_parts(ctx)[0]
     x = dims(ctx)
     labels = alloc(ceil_div(x.T * LABEL_BITS, 8), "int8")
     return alloc(x.T * x.h, x.c) + labels + 2 * ALLOC_ROUND_BYTES
@@ -138,27 +208,61 @@ def fused_ce_saved_bytes(ctx: RankContext) -> int:
 
 def fused_ce_forward_peak_bytes(ctx: RankContext) -> int:
     """The loss in forward: what it keeps plus one chunk's fp32 logits."""
+    if old_loss(ctx):
+        return old_loss_parts(ctx)[1]
     return fused_ce_saved_bytes(ctx) + chunk_logits_bytes(ctx)
 
 
 def fused_ce_backward_peak_bytes(ctx: RankContext) -> int:
     """The loss in backward: what it kept plus the out-of-place `grad_inputs *
     scale_factor` it returns (T·h, c)."""
+    if old_loss(ctx):
+        return old_loss_parts(ctx)[2]
     x = dims(ctx)
     return fused_ce_saved_bytes(ctx) + alloc(x.T * x.h, x.c)
+
+
+def rope_cache_bytes(ctx: RankContext) -> int:
+    """OLD (before SHARED_ROPE_FROM): each attention module owns a rotary embedding whose
+    cos and sin caches (positions × head width, cast to c) cover min(4·8192, max positions)
+    positions, the model one more (llama.py `LlamaRotaryEmbedding`, `current_rope_size`;
+    `patch_llama_rope_scaling`); a longer sequence regrows every layer's to whole steps of
+    8192 positions (`extend_rope_embedding`), not the model's. Read at their first rows, so
+    no per-token table exists."""
+    x, spec = dims(ctx), ctx.spec
+    base = min(ROPE_CACHE_POSITIONS, spec.max_position_embeddings)
+    grown = max(base, ceil_div(x.s, ROPE_CACHE_STEP) * ROPE_CACHE_STEP)
+    return 2 * (ctx.num_layers * alloc(grown * x.d, x.c) + alloc(base * x.d, x.c))
+
+
+def layer_rope_caches(ctx: RankContext) -> bool:
+    return (unsloth(ctx) and version(ctx) < SHARED_ROPE_FROM
+            and ctx.spec.position_embedding == "rope")
 
 
 def unsloth_notes(ctx: RankContext) -> list[str]:
     """What the report says of Unsloth's offload and fused loss."""
     out = []
-    if offloads_checkpoints(ctx):
+    old = old_loss(ctx)
+    if offloads_checkpoints(ctx) and reload_buffer(ctx):
         out.append("unsloth checkpointing: every layer input but the last waits in pinned "
                    "host memory (host RAM above) and comes back into one reusable device "
                    "buffer in backward")
-    n = num_chunks(ctx)
-    out.append(f"unsloth fused cross entropy: {n} chunk{'s' * (n > 1)} of fp32 logits at "
-               "Unsloth's 4 GiB cap, none kept; with under 8 GiB free at the first step "
-               "Unsloth picks smaller chunks (this estimate is then an upper bound)")
+    elif offloads_checkpoints(ctx):
+        out.append("unsloth checkpointing (--unsloth-version): every layer input waits in "
+                   "pinned host memory (host RAM above) and comes back as a new device "
+                   "tensor in its layer's backward")
+    if old and cut_cross_entropy(ctx):
+        out.append("unsloth cut cross-entropy (--unsloth-version): no logits; its backward "
+                   "allocates a full gradient of the frozen lm_head")
+    elif old:
+        out.append("unsloth cross entropy (--unsloth-version, b·s <= 1024): the bf16 logits "
+                   "are kept and overwritten by their gradient")
+    else:
+        n = num_chunks(ctx)
+        out.append(f"unsloth fused cross entropy: {n} chunk{'s' * (n > 1)} of fp32 logits at "
+                   "Unsloth's 4 GiB cap, none kept; with under 8 GiB free at the first step "
+                   "Unsloth picks smaller chunks (this estimate is then an upper bound)")
     return out
 
 
@@ -175,7 +279,10 @@ class UnslothCheckpointing(Modifier):
 
     def head_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
         # the last checkpointed layer's input stays on the device (kept, like the head's
-        # tensors, from the end of forward into the first layer backward reaches)
+        # tensors, from the end of forward into the first layer backward reaches); OLD
+        # offloads it too
+        if not reload_buffer(ctx):
+            return saved
         x = dims(ctx)
         return saved + [Saved("unsloth.last_layer_input", x.T * x.h, x.r, "(b, s, h)",
                               "last checkpointed layer, not offloaded")]
@@ -188,11 +295,15 @@ class UnslothCheckpointing(Modifier):
         # the re-run's input is the reload buffer (`x = buffer.detach()`), or the last
         # layer's kept input: both counted already, so the input the recomputed layer's
         # first norm saves is no tensor of its own
+        # (OLD reloads it into a new tensor: the saved input is that tensor)
+        if not reload_buffer(ctx):
+            return moments
         alias = sum(t.nbytes for t in saved if t.name == "input_norm.input")
         return [Moment(m.name, m.held - alias, m.work, m.grads) for m in moments]
 
     def persistent_parts(self, ctx: RankContext, gpu: GPUProfile | None) -> dict[str, int]:
-        return {"transients/unsloth_gc_buffer": reload_buffer_bytes(ctx)}
+        return {"transients/unsloth_gc_buffer": reload_buffer_bytes(ctx)} if reload_buffer(
+            ctx) else {}
 
 
 def lora_kernels(ctx: RankContext) -> bool:
@@ -227,19 +338,29 @@ class UnslothLoraKernels(Modifier):
         # LoRA_MLP.backward: DW = dY·downᵀ (T·f, new), then `_backward_function(DW, e, g)`
         # writes h, df, de into DW, e and g in place: one T·f buffer where autograd's
         # act·up backward has three
+        # OLD's matmul_lora adds the LoRA term out of place, `out += (X @ A) @ (s * B)`
+        # (kernels/utils.py): DW's own (T, f) product exists beside DW for that add
         x = dims(ctx)
-        fewer = 2 * alloc(x.T * x.f, x.c)
+        fewer = (2 if version(ctx) >= ADDMM_LORA_FROM else 1) * alloc(x.T * x.f, x.c)
         return [Moment(m.name, m.held, m.work - fewer, m.grads) if m.name == "mlp" else m
                 for m in moments]
 
 
 class UnslothDequantBuffer(Modifier):
-    """Unsloth's QLoRA forward: the global dequantized-weight buffer."""
+    """Unsloth's persistent buffers: QLoRA's global dequantized-weight buffer; OLD's rotary
+    caches, one per layer."""
 
     name = "unsloth_dequant_buffer"
 
     def applies(self, ctx: RankContext) -> bool:
-        return unsloth(ctx) and ctx.training.finetune == "qlora"
+        return unsloth(ctx) and (ctx.training.finetune == "qlora" or layer_rope_caches(ctx))
 
     def persistent_parts(self, ctx: RankContext, gpu: GPUProfile | None) -> dict[str, int]:
-        return {"transients/unsloth_dequant_buffer": dequant_buffer_bytes(ctx)}
+        # OLD dequantizes into fresh tensors (`fast_dequantize` without a global buffer) and
+        # keeps a rotary cache per layer (rope_cache_bytes)
+        out = {}
+        if ctx.training.finetune == "qlora" and version(ctx) >= GLOBAL_DEQUANT_FROM:
+            out["transients/unsloth_dequant_buffer"] = dequant_buffer_bytes(ctx)
+        if layer_rope_caches(ctx):
+            out["transients/unsloth_rope_caches"] = rope_cache_bytes(ctx)
+        return out
