@@ -57,3 +57,18 @@ def test_plan_states_one_overshoot() -> None:
     _, out = _run("plan", "--model", "70b", "--gpus", "8xH100")
     overs = {round(float(x.replace(",", "")), 2) for x in re.findall(r"over by ([\d,.]+) GB", out)}
     assert len(overs) == 1, out
+
+
+def test_a_tight_analytic_fit_points_to_the_trace() -> None:
+    # within a fifth of the card the analytic device total (the packing floor) gets a hint
+    # that the allocator can need more near the limit (docs/trace.md, "The fit"); with room
+    # to spare, or when it does not fit, none
+    base = ("estimate", "--model", "llama3.1-8b", "--gpus", "1xRTX4090", "--framework", "hf",
+            "--precision", "amp-bf16", "--finetune", "qlora", "--kbit-prepare",
+            "--lora-targets", "all-linear", "--recompute", "full")
+    flags = ("--json",)
+    for seq, tight in (("6000", True), ("512", False), ("60000", False)):
+        doc = json.loads(_run(*base, "--seq-len", seq, *flags)[1])
+        assert (doc["fits"] and doc["free_bytes"] < 0.2 * doc["usable_bytes"]) is tight
+        text = _run(*base, "--seq-len", seq)[1]
+        assert ("vramcalc trace" in text) is tight

@@ -172,8 +172,27 @@ def print_report(console: Console, report: MemoryReport) -> None:
     if report.nvme_bytes_per_node:
         console.print(f"NVMe for offload: {fmt_gb(report.nvme_bytes_per_node)} per node")
     console.print(verdict_text(report))
+    hint = tight_fit_hint(report)
+    if hint:
+        console.print(note_markup(hint))
     for note in report.notes:
         console.print(note_markup(note))
+
+
+TIGHT_FRACTION = 0.2  # the most the trace's fit added to the floor on docs/trace.md's rows
+
+
+def tight_fit_hint(report: MemoryReport) -> str | None:
+    """For an analytic fit within TIGHT_FRACTION of the card: its device total is the
+    allocator's packing floor, and near the limit segments split by live tensors keep their
+    free rest, which only the trace replays (docs/trace.md, "The fit")."""
+    if (report.engine != "analytic" or not report.fits or report.usable_bytes is None
+            or report.free_bytes is None
+            or report.free_bytes >= TIGHT_FRACTION * report.usable_bytes):
+        return None
+    return ("close to the card: the device total is the allocator's packing floor; near "
+            "the limit the segments live tensors split keep their free rest (up to ~20 % "
+            "more on long sequences): `vramcalc trace` with the same flags replays that")
 
 
 def print_explain(console: Console, doc: dict[str, Any]) -> None:
