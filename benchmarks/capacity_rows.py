@@ -2,9 +2,9 @@
 
     python benchmarks/capacity_rows.py [--markdown]
 
-Unsloth's README (unslothai/unsloth 000252c9, 'Llama 3.1 (8B) max. context length', measured
-for its December 2024 Llama 3.3 post) lists, per card size, the longest sequence that fit
-for Llama-3.1-8B-Instruct QLoRA (4-bit NF4, LoRA r 32 on q, k, v, o, gate, up and down,
+Unsloth's README (unslothai/unsloth 000252c9, 'Llama 3.1 (8B) max. context length' and
+'Llama 3.3 (70B) max. context length', measured for its December 2024 Llama 3.3 post) lists,
+per card size, the longest sequence that fit for Llama-3.1-8B-Instruct (and Llama-3.3-70B) QLoRA (4-bit NF4, LoRA r 32 on q, k, v, o, gate, up and down,
 batch 1) with Hugging Face transformers + FlashAttention-2. For each row this prints the
 device total at that length from the analytic engine (live tensors packed into segments)
 and from the trace engine (the smallest capacity its recorded allocations run in, cached
@@ -33,9 +33,12 @@ FLAGS: dict[str, Any] = {
     "recompute": "full", "hf_optim": "adamw_torch", "transformers_version": "4.46.1",
     "micro_batch_size": 1}
 
-# (card GiB, longest sequence that fit) of the README's 'Hugging Face + FA2' column
-ROWS: list[tuple[int, int]] = [(12, 932), (16, 2551), (24, 5789), (40, 12264), (48, 15502),
-                               (80, 28454)]
+# (model, card GiB, longest sequence that fit) of the README's 'Hugging Face + FA2' columns
+# (Llama 3.1 8B; Llama 3.3 70B on an 80 GB A100, the same settings)
+ROWS: list[tuple[str, int, int]] = [
+    ("llama3.1-8b", 12, 932), ("llama3.1-8b", 16, 2551), ("llama3.1-8b", 24, 5789),
+    ("llama3.1-8b", 40, 12264), ("llama3.1-8b", 48, 15502), ("llama3.1-8b", 80, 28454),
+    ("llama3.3-70b", 80, 6916)]
 
 # the same table's 'Unsloth context length' column: --framework unsloth with Unsloth's
 # notebook settings (bf16 base beside the NF4 layers, adamw_8bit, use_gradient_checkpointing
@@ -46,30 +49,31 @@ UNSLOTH_FLAGS: dict[str, Any] = {
     "precision": "bf16", "finetune": "qlora", "lora_rank": 32, "lora_targets": "all-linear",
     "lora_dropout": 0.0, "attention": "flash", "recompute": "full", "optimizer": "adamw-8bit",
     "micro_batch_size": 1}
-UNSLOTH_ROWS: list[tuple[int, int]] = [(8, 2972), (12, 21848), (16, 40724), (24, 78475),
-                                       (40, 153977), (48, 191728), (80, 342733)]
+UNSLOTH_ROWS: list[tuple[str, int, int]] = [
+    ("llama3.1-8b", 8, 2972), ("llama3.1-8b", 12, 21848), ("llama3.1-8b", 16, 40724),
+    ("llama3.1-8b", 24, 78475), ("llama3.1-8b", 40, 153977), ("llama3.1-8b", 48, 191728),
+    ("llama3.1-8b", 80, 342733), ("llama3.3-70b", 48, 12106), ("llama3.3-70b", 80, 89389)]
 
 
-def run_unsloth() -> list[tuple[int, int, float, float]]:
-    """(card GiB, tokens, device total GiB at 2024.12.4, at the current release) per row."""
+def run_unsloth() -> list[tuple[str, int, int, float, float]]:
+    """(model, card GiB, tokens, device total GiB at 2024.12.4, at the current release)."""
     out = []
-    for card, tokens in UNSLOTH_ROWS:
-        then = build_scenario({**UNSLOTH_FLAGS, "seq_len": tokens,
-                               "unsloth_version": "2024.12.4"})
-        now = build_scenario({**UNSLOTH_FLAGS, "seq_len": tokens})
-        out.append((card, tokens, estimate(then).device_total_bytes / GIB,
-                    estimate(now).device_total_bytes / GIB))
+    for model, card, tokens in UNSLOTH_ROWS:
+        flags = {**UNSLOTH_FLAGS, "model": model, "seq_len": tokens}
+        then = build_scenario({**flags, "unsloth_version": "2024.12.4"})
+        out.append((model, card, tokens, estimate(then).device_total_bytes / GIB,
+                    estimate(build_scenario(flags)).device_total_bytes / GIB))
     return out
 
 
-def run() -> list[tuple[int, int, float, float]]:
-    """(card GiB, tokens, analytic device total GiB, trace device total GiB) per row."""
+def run() -> list[tuple[str, int, int, float, float]]:
+    """(model, card GiB, tokens, analytic device total GiB, trace device total GiB)."""
     from vramcalc.trace.distributed import trace_any
 
     out = []
-    for card, tokens in ROWS:
-        scn = build_scenario({**FLAGS, "seq_len": tokens})
-        out.append((card, tokens, estimate(scn).device_total_bytes / GIB,
+    for model, card, tokens in ROWS:
+        scn = build_scenario({**FLAGS, "model": model, "seq_len": tokens})
+        out.append((model, card, tokens, estimate(scn).device_total_bytes / GIB,
                     trace_any(scn).device_total_bytes / GIB))
     return out
 
@@ -80,19 +84,20 @@ def main() -> None:
     args = parser.parse_args()
     rows = run()
     if args.markdown:
-        print("| card | longest that fit | analytic GiB | error | trace GiB | error |")
-        print("|---|---|---|---|---|---|")
-    for card, tokens, ana, tra in rows:
-        cells = [f"{card} GB", f"{tokens:,}", f"{ana:.2f}", f"{(ana - card) / card:+.1%}",
+        print("| model | card | longest that fit | analytic GiB | error | trace GiB | error |")
+        print("|---|---|---|---|---|---|---|")
+    for model, card, tokens, ana, tra in rows:
+        cells = [model, f"{card} GB", f"{tokens:,}", f"{ana:.2f}", f"{(ana - card) / card:+.1%}",
                  f"{tra:.2f}", f"{(tra - card) / card:+.1%}"]
         print("| " + " | ".join(cells) + " |" if args.markdown else "  ".join(cells))
     print()
     if args.markdown:
-        print("| card | longest that fit (Unsloth) | 2024.12.4 GiB | error | current GiB | error |")
-        print("|---|---|---|---|---|---|")
-    for card, tokens, then, now in run_unsloth():
-        cells = [f"{card} GB", f"{tokens:,}", f"{then:.2f}", f"{(then - card) / card:+.1%}",
-                 f"{now:.2f}", f"{(now - card) / card:+.1%}"]
+        print("| model | card | longest that fit (Unsloth) | 2024.12.4 GiB | error | current GiB "
+              "| error |")
+        print("|---|---|---|---|---|---|---|")
+    for model, card, tokens, then, now in run_unsloth():
+        cells = [model, f"{card} GB", f"{tokens:,}", f"{then:.2f}",
+                 f"{(then - card) / card:+.1%}", f"{now:.2f}", f"{(now - card) / card:+.1%}"]
         print("| " + " | ".join(cells) + " |" if args.markdown else "  ".join(cells))
 
 
