@@ -338,19 +338,38 @@ def from_start(events: list[tuple[int, int, int]], start: int) -> list[tuple[int
 def min_capacity(events: list[tuple[int, int, int]]) -> int:
     """The smallest device capacity (bytes the allocator may hold, default segments) in
     which `events` run without an out-of-memory error. Every segment is a multiple of
-    kRoundLarge (2 MiB), so only multiples of it matter: bisected between the peak
-    allocated bytes (never enough less) and the unconstrained peak reserved (always
-    enough)."""
-    free_run = replay(events)
+    kRoundLarge (2 MiB), so only multiples of it matter. The search starts just below the
+    highest sum of live rounded requests (never enough less: reserved >= allocated >= it),
+    tries the next capacity up, then doubles its step until one runs and bisects back: a
+    run that needs little more than its live blocks costs one or two replays, and a
+    capacity that fails stops at its error."""
     unit = K_ROUND_LARGE
-    lo = -(-free_run.peak_allocated // unit) - 1  # in units; lo is known not to be enough
-    hi = -(-free_run.peak_reserved // unit)
+    live = peak = 0
+    sizes: dict[int, int] = {}
+    for key, nbytes, _ in events:
+        if nbytes < 0:
+            live -= sizes.pop(key)
+        else:
+            sizes[key] = round_size(nbytes)
+            live += sizes[key]
+            peak = max(peak, live)
+
+    def runs(units: int) -> bool:
+        try:
+            replay(events, capacity=units * unit)
+        except OutOfMemory:
+            return False
+        return True
+
+    lo = -(-peak // unit) - 1  # in units: known not to be enough
+    step = 1
+    while not runs(lo + step):
+        lo, step = lo + step, step * 2
+    hi = lo + step
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        try:
-            replay(events, capacity=mid * unit)
-        except OutOfMemory:
-            lo = mid
-        else:
+        if runs(mid):
             hi = mid
+        else:
+            lo = mid
     return hi * unit
