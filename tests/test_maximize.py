@@ -178,3 +178,32 @@ def test_step_beyond_the_sequence_limit_is_bad_input(capsys: pytest.CaptureFixtu
     code, _, err = _run(capsys, "max", "--model", "llama3-8b", "--gpus", "1xH100", "--step",
                         "1000000000000")
     assert code == 2 and err.startswith("error: --step must be between")
+
+
+def test_trace_engine_bisects_the_trace_fit() -> None:
+    # --engine trace: the trace's fit (the allocator's smallest capacity, at least the
+    # analytic floor) bisected up to the analytic answer: its answer fits by the trace's own
+    # report, is no larger than the analytic one, and every value traced is a chart point
+    from vramcalc.trace.distributed import trace_any
+
+    base = build_scenario({"model": "gpt2", "gpus": "1xRTX4090", "framework": "hf",
+                           "precision": "fp32", "attention": "eager", "seq_len": 1024})
+    analytic = most_that_fits(base, "micro-batch")
+    traced = most_that_fits(base, "micro-batch", engine=trace_any)
+    assert analytic.answer is not None and traced.answer is not None
+    assert traced.answer <= analytic.answer
+    assert traced.report is not None and traced.report.engine == "trace"
+    assert traced.report.fits
+    seen = {p.value: p for p in traced.points}
+    assert seen[traced.answer].fits
+    if traced.next_value is not None and traced.next_value in seen:
+        assert not seen[traced.next_value].fits
+    assert all(p.value <= (analytic.next_value or analytic.answer) for p in traced.points)
+
+
+def test_cli_engine_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys, "max", "--model", "gpt2", "--gpus", "1xH100", "--engine", "x")
+    assert code == 2 and err.startswith("error:") and "--engine" in err
+    code, _, err = _run(capsys, "max", "--model", "llama3-8b", "--gpus", "1xH100",
+                        "--framework", "megatron", "--engine", "trace")
+    assert code == 2 and err.startswith("error:")

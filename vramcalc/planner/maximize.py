@@ -20,7 +20,8 @@ Pure: no I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from math import lcm
 from typing import Any
 
@@ -101,16 +102,19 @@ def _values(base: Scenario, dimension: str, step: int) -> list[int] | None:
 
 
 class _Probe:
-    """Estimates at values of the dimension, each once."""
+    """Reports at values of the dimension, each once: the analytic estimate, or `engine`'s
+    report (the trace engine's, from the CLI)."""
 
-    def __init__(self, base: Scenario, dimension: str) -> None:
-        self.base, self.dimension = base, dimension
+    def __init__(self, base: Scenario, dimension: str,
+                 engine: Callable[[Scenario], MemoryReport] | None = None) -> None:
+        self.base, self.dimension, self.engine = base, dimension, engine
         self.seen: dict[int, MemoryReport] = {}
 
     def report(self, value: int) -> MemoryReport:
         if value not in self.seen:
-            self.seen[value] = estimate(scenario_at(self.base, self.dimension, value),
-                                        every_stage=False)
+            scn = scenario_at(self.base, self.dimension, value)
+            self.seen[value] = (estimate(scn, every_stage=False) if self.engine is None
+                                else self.engine(scn))
         return self.seen[value]
 
     def fits(self, value: int) -> bool:
@@ -152,14 +156,25 @@ def _chart_values(values: list[int] | None, step: int, answer: int, limit: int,
 
 
 def most_that_fits(base: Scenario, dimension: str, step: int = 1,
-                   chart_points: int = 10) -> MaxResult:
+                   chart_points: int = 10,
+                   engine: Callable[[Scenario], MemoryReport] | None = None) -> MaxResult:
     """The largest sequence length (in multiples of the layout's step) or micro-batch that
     fits `base`'s cluster, with the device total at about `chart_points` values from the
     smallest to twice the answer.
 
     The boundary: `estimate(answer).fits` and not `estimate(next_value).fits`, where
     next_value is the next value searched above the answer (None at the limit).
+
+    With `engine` (the trace engine's report, whose fit replays the caching allocator near
+    the limit and is at least the analytic floor), the analytic answer bounds the search:
+    the engine's fit is bisected from the smallest value up to the analytic answer's next
+    value, and the chart shows only the values it traced.
     """
+    if engine is not None:
+        bound = most_that_fits(base, dimension, step, chart_points)
+        if bound.answer is None:
+            return bound
+        return _engine_search(base, dimension, bound, engine)
     if dimension not in DIMENSIONS:
         raise InputError(f"--maximize must be one of {', '.join(DIMENSIONS)}, got {dimension!r}")
     if base.cluster is None or base.usable_bytes is None:
@@ -199,3 +214,29 @@ def most_that_fits(base: Scenario, dimension: str, step: int = 1,
                                           chart_points))
     return MaxResult(dimension, step, answer, next_value, probe.report(answer), usable,
                      capacity, points, base.model.max_position_embeddings)
+
+
+def _engine_search(base: Scenario, dimension: str, bound: MaxResult,
+                   engine: Callable[[Scenario], MemoryReport]) -> MaxResult:
+    """`most_that_fits` with `engine`'s fit, over the values up to the analytic answer's
+    next one (`bound`)."""
+    assert bound.answer is not None and base.usable_bytes is not None
+    step = bound.step
+    values = _values(base, dimension, step)
+    top = bound.next_value if bound.next_value is not None else bound.answer
+    if values is not None:
+        searched = [v for v in values if v <= top]
+    else:
+        searched = list(range(step, top + 1, step))
+    probe = _Probe(base, dimension, engine)
+    if not probe.fits(searched[0]):
+        rep = probe.report(searched[0])
+        return replace(bound, answer=None, next_value=searched[0], report=rep,
+                       points=(Point(searched[0], rep.device_total_bytes, False),))
+    i = _largest(lambda k: probe.fits(searched[k]), len(searched))
+    answer = searched[i]
+    points = tuple(Point(v, r.device_total_bytes, bool(r.fits))
+                   for v, r in sorted(probe.seen.items()))
+    return replace(bound, answer=answer,
+                   next_value=searched[i + 1] if i + 1 < len(searched) else None,
+                   report=probe.report(answer), points=points)
