@@ -248,3 +248,22 @@ def test_stage_layers_key_takes_a_list_or_a_string(tmp_path: Path,
         assert main(["check", str(cfg)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_engine_trace_checks_the_allocator_fit(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # GPT-2 fp32 at micro-batch 10 on a 4090: the analytic floor leaves 0.48 GB, the trace's
+    # fit (the allocator's smallest capacity; docs/trace.md, "The fit") is over the card:
+    # the CI guard exits 1 with --engine trace, 0 without
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text("model: gpt2\ngpus: 1xRTX4090\nframework: hf\nprecision: fp32\n"
+                   "attention: eager\nseq_len: 1024\nmicro_batch_size: 10\nheadroom: 0\n",
+                   encoding="utf-8")
+    assert main(["check", str(cfg), "--json"]) == 0
+    analytic = json.loads(capsys.readouterr().out)
+    assert main(["check", str(cfg), "--json", "--engine", "trace"]) == 1
+    traced = json.loads(capsys.readouterr().out)
+    assert traced["report"]["engine"] == "trace"
+    assert traced["device_total_bytes"] > analytic["device_total_bytes"]
+    assert main(["check", str(cfg), "--engine", "quantum"]) == 2
+    assert capsys.readouterr().err.startswith("error: --engine")

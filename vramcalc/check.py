@@ -28,6 +28,7 @@ Precedence: command-line flags, then the YAML config, then the DeepSpeed file.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,15 +206,23 @@ def merge_values(config: dict[str, Any] | None, deepspeed: dict[str, Any] | None
     return out
 
 
+# the report function for a scenario (None: the analytic estimate), chosen once the scenario
+# is known (the CLI's --engine trace checks that the trace runs the layout first)
+EngineChoice = Callable[[Scenario], Callable[[Scenario], MemoryReport] | None]
+
+
 def run_check(values: dict[str, Any], train_batch_size: int | None = None,
               profile_dirs: list[Path] | None = None,
               explicit: frozenset[str] = frozenset(),
-              deepspeed: DeepSpeedConfig | None = None) -> CheckResult:
-    """Build the scenario, reconcile DeepSpeed's train_batch_size, estimate."""
+              deepspeed: DeepSpeedConfig | None = None,
+              engine: EngineChoice | None = None) -> CheckResult:
+    """Build the scenario, reconcile DeepSpeed's train_batch_size, estimate (or report
+    with the engine `engine` picks)."""
     values = dict(values)
     values.setdefault("headroom", DEFAULT_CHECK_HEADROOM)
     scn, notes = checked_scenario(values, train_batch_size, profile_dirs, explicit, deepspeed)
-    report = estimate(scn)
+    chosen = engine(scn) if engine is not None else None
+    report = chosen(scn) if chosen is not None else estimate(scn)
     usable = scn.usable_bytes
     if usable is None:
         raise InputError("check needs gpus (e.g. gpus: 8xH100)")
@@ -310,12 +319,13 @@ def read_inputs(config: Path | None, deepspeed: Path | None, cli_values: dict[st
 
 
 def check_files(config: Path | None, deepspeed: Path | None, cli_values: dict[str, Any],
-                profile_dirs: list[Path] | None = None) -> tuple[CheckResult, str]:
+                profile_dirs: list[Path] | None = None,
+                engine: EngineChoice | None = None) -> tuple[CheckResult, str]:
     """`vramcalc check`: the estimate of a config file and/or a DeepSpeed JSON, under the
     option values given on the command line (`read_inputs`); and the name of the source
     checked, for the output."""
     inp = read_inputs(config, deepspeed, cli_values)
     result = run_check(inp.values, inp.train_batch_size, profile_dirs, frozenset(inp.values),
-                       inp.deepspeed)
+                       inp.deepspeed, engine)
     result.notes[:0] = inp.notes
     return result, inp.source

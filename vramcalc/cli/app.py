@@ -80,6 +80,27 @@ PROFILES_DIR = option("profiles_dir", Optional[Path], None, "--profiles-dir",
 AS_JSON = option("as_json", bool, False, "--json", help="One JSON document on stdout.")
 
 
+ENGINE = option("engine", str, "analytic", "--engine",
+                help="analytic (default) or trace: the trace engine's fit, which replays the "
+                     "caching allocator near the card's limit (needs torch; a fake-tensor "
+                     "training step per scenario tried).")
+
+
+def fit_engine(name: str, scn: Any) -> Callable[[Any], Any] | None:
+    """The report function `--engine` names for `scn`: None for the analytic estimate, the
+    trace engine's (torch loaded here only) after checking the trace runs the layout."""
+    if name not in ("analytic", "trace"):
+        raise InputError(f"--engine must be analytic or trace, got {name!r}")
+    if name == "analytic":
+        return None
+    try:  # the torch engine loads for this option only (torch is an optional extra)
+        from vramcalc.trace.distributed import check_any_traceable, trace_any
+    except ImportError as err:
+        raise InputError(f"--engine trace needs PyTorch: pip install torch ({err})") from None
+    check_any_traceable(scn)
+    return trace_any
+
+
 def scenario_command(help_text: str, extra: list[inspect.Parameter] | None = None,
                      defaults: dict[str, Any] | None = None, with_context: bool = False,
                      ) -> Callable[[Callable[..., None]], Callable[..., None]]:

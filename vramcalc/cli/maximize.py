@@ -10,8 +10,7 @@ from typing import Any, Optional
 import typer
 
 from vramcalc.analytic import estimate
-from vramcalc.cli.app import emit_json, option, scenario_command, split_values
-from vramcalc.errors import InputError
+from vramcalc.cli.app import ENGINE, emit_json, fit_engine, option, scenario_command, split_values
 from vramcalc.options import build_scenario
 from vramcalc.planner.maximize import DIMENSIONS, most_that_fits, scenario_at
 from vramcalc.render.console import make_console
@@ -24,10 +23,7 @@ MAX_PARAMS = [
     option("step", int, 256, "--step",
            help="Sequence-length step in tokens (rounded up to what the layout accepts: "
                 "seq/cp even, tp x cp dividing it under sequence parallelism)."),
-    option("engine", str, "analytic", "--engine",
-           help="analytic (default) or trace: bisect with the trace engine's fit, which "
-                "replays the caching allocator near the card's limit (needs torch; a trace "
-                "per value tried, up to the analytic answer)."),
+    ENGINE,
     option("plot", Optional[Path], None, "--plot",
            help="Also draw the chart into FILE.png or FILE.svg (needs matplotlib: "
                 "pip install 'llm-vramcalc[plot]')."),
@@ -48,16 +44,7 @@ def max_cmd(**kwargs: Any) -> None:
     if plot is not None:
         check_plot_path(plot)
     base = build_scenario(values, dirs)
-    if engine_name not in ("analytic", "trace"):
-        raise InputError(f"--engine must be analytic or trace, got {engine_name!r}")
-    engine = None
-    if engine_name == "trace":
-        try:  # the torch engine loads for this option only (torch is an optional extra)
-            from vramcalc.trace.distributed import check_any_traceable, trace_any
-        except ImportError as err:
-            raise InputError(f"--engine trace needs PyTorch: pip install torch ({err})") from None
-        check_any_traceable(base)
-        engine = trace_any
+    engine = fit_engine(engine_name, base)
     res = most_that_fits(base, dimension, step, engine=engine)
     if res.answer is not None and engine is None:  # the answer's report, every stage
         res = replace(res, report=estimate(scenario_at(base, dimension, res.answer)))

@@ -17,9 +17,11 @@ import typer
 
 from vramcalc.check import check_files, read_inputs
 from vramcalc.cli.app import (
+    ENGINE,
     KW,
     emit_json,
     emit_text,
+    fit_engine,
     given_values,
     note,
     option,
@@ -327,17 +329,20 @@ size_cmd.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
                "activation checkpointing)."),
         option("markdown", bool, False, "--markdown",
                help="A markdown summary for a pull-request comment."),
+        ENGINE,
     ],
     defaults={o.name: None for o in SCENARIO_OPTIONS},
 )
 def check_cmd(**kwargs: Any) -> None:
+    engine_name: str = kwargs.pop("engine", "analytic")
     values, dirs, as_json = split_values(kwargs)
     config: Path | None = kwargs.pop("config", None)
     ds_path: Path | None = kwargs.pop("deepspeed", None)
     markdown: bool = kwargs.pop("markdown", False)
     if as_json and markdown:
         raise InputError("choose one of --json and --markdown")
-    result, source = check_files(config, ds_path, values, dirs)
+    result, source = check_files(config, ds_path, values, dirs,
+                                 lambda scn: fit_engine(engine_name, scn))
     if as_json:
         emit_json({"config": source, **result.to_json()})
     elif markdown:
