@@ -319,8 +319,9 @@ def test_torchtitan_70b_2d_record_is_expressed_as_its_config(calib) -> None:
 
 
 def test_a_capacity_record_is_compared_with_its_budget(calib, tmp_path: Path) -> None:
-    """A largest-fitting-length record: the estimate at that length (the device total, the
-    fit check's figure) against the budget its entry states; without a budget, refused."""
+    """A largest-fitting-length record: the device total at that length (the fit check's
+    figure: the trace's fit where the trace runs it, docs/trace.md "The fit") against the
+    budget its entry states; without a budget, refused."""
     case = {"id": "unsloth-hf-fa2-llama31-8b-qlora-r32-maxctx-24gb",
             "metric": "max context length fitting in the VRAM budget (OOM boundary)",
             "seq_len": "5,789 tokens", "micro_batch": 1, "grad_accum": None,
@@ -329,8 +330,13 @@ def test_a_capacity_record_is_compared_with_its_budget(calib, tmp_path: Path) ->
     assert m.expressible and m.metric == calib.CAPACITY, m.missing
     assert m.measured_bytes == 24 * 2**30 and m.flags["seq_len"] == 5789
     row = calib.estimate_row(m, tmp_path)
-    report = calib.estimate(calib.build_scenario(dict(m.flags)))
-    assert row.estimate_bytes == report.device_total_bytes and row.engine == "analytic"
+    scn = calib.build_scenario(dict(m.flags))
+    from vramcalc.trace.distributed import trace_any
+
+    assert row.engine == "trace"
+    assert row.estimate_bytes == trace_any(scn).device_total_bytes
+    # the trace's fit is at least the analytic floor
+    assert row.estimate_bytes >= calib.estimate(scn).device_total_bytes
     other = calib.measured_mapping({**case, "id": "no-such-record"})
     assert not other.expressible
     assert calib.METRIC_MISSING[calib.CAPACITY] in other.missing
