@@ -93,6 +93,11 @@ def print_max(console: Console, res: MaxResult) -> None:
     if res.answer is None:
         console.print("try: vramcalc plan with the same flags: it lists the smallest changes "
                       "that fit (fine-tuning, optimizer, offload, more or other GPUs)")
+    elif res.report is not None and res.report.engine == "analytic":
+        console.print("[dim]note: the answer's device total is the allocator's packing floor; "
+                      "near the limit segments that live tensors split keep their free rest; "
+                      "where the trace runs the layout, --engine trace bisects with its fit "
+                      "(docs/trace.md)[/dim]")
     if len(res.points) > 1:
         console.print()
         for line in chart_lines(res.points, res.usable_bytes, res.capacity_bytes,
