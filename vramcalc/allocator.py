@@ -42,8 +42,9 @@ Written from the rules of `c10/cuda/CUDACachingAllocator.cpp` (pytorch/pytorch a
   block keeps its free remainder: that is what a job near its GPU's limit needs beyond its
   allocated bytes. `capacity` turns this path on (default segments; with expandable
   segments torch unmaps the free pages inside any block instead, which is not modelled),
-  and `min_capacity` bisects for the smallest capacity a recorded sequence of requests
-  runs in. Under max_split_size the partial release of step two is not modelled (step
+  and `min_capacity` searches for the smallest capacity a recorded sequence of requests
+  runs in (near the limit the outcome is not monotone in the capacity: best fit places
+  blocks differently, so the answer is a boundary the search found). Under max_split_size the partial release of step two is not modelled (step
   three releases a superset).
 
 Not modelled, as they do not change the peaks of one training process: CUDA events and
@@ -342,7 +343,9 @@ def min_capacity(events: list[tuple[int, int, int]]) -> int:
     highest sum of live rounded requests (never enough less: reserved >= allocated >= it),
     tries the next capacity up, then doubles its step until one runs and bisects back: a
     run that needs little more than its live blocks costs one or two replays, and a
-    capacity that fails stops at its error."""
+    capacity that fails stops at its error. The outcome is not monotone in the capacity near
+    the limit, so the answer runs and one unit less does not, but a smaller capacity may
+    run too."""
     unit = K_ROUND_LARGE
     live = peak = 0
     sizes: dict[int, int] = {}
