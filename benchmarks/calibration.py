@@ -822,26 +822,27 @@ def _allocated(report: Any, values: dict[str, Any]) -> int:
     return int(report.peak_allocated_bytes)
 
 
-def trace_reserved(scn: Any) -> int | None:
-    """The trace engine's reserved peak of the worst rank, or None where it cannot run."""
+def trace_report(scn: Any) -> Any | None:
+    """The trace engine's report (the worst rank's), or None where it cannot run."""
     from vramcalc.trace.distributed import check_any_traceable, trace_any
 
     try:
         check_any_traceable(scn)
     except InputError:
         return None
-    return trace_any(scn).peak_reserved_bytes
+    return trace_any(scn)
+
+
+def trace_reserved(scn: Any) -> int | None:
+    """The trace engine's reserved peak, or None where it cannot run."""
+    rep = trace_report(scn)
+    return None if rep is None else int(rep.peak_reserved_bytes)
 
 
 def trace_device_total(scn: Any) -> int | None:
     """The trace engine's device total (its fit), or None where it cannot run."""
-    from vramcalc.trace.distributed import check_any_traceable, trace_any
-
-    try:
-        check_any_traceable(scn)
-    except InputError:
-        return None
-    return trace_any(scn).device_total_bytes
+    rep = trace_report(scn)
+    return None if rep is None else int(rep.device_total_bytes)
 
 
 def run(calib_dir: Path) -> list[Row]:
