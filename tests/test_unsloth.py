@@ -274,14 +274,35 @@ def test_old_release_loss_is_cut_cross_entropy() -> None:
     assert lg.logits_backward_peak_bytes(ctx) == kept + back
 
 
-def test_old_release_short_batches_keep_bf16_logits() -> None:
-    # b·s <= 1024 sets RETURN_LOGITS: the bf16 logits go to Fast_CrossEntropyLoss, which keeps
-    # them and its logsumexp (T fp32) and writes the gradient into them; then lm_head's dX
-    s = 1000
-    ctx = _ctx(seq_len=s, unsloth_version=OLD)
+@pytest.mark.parametrize(("release", "s"), [("2024.12.5", 1000), ("2025.10.7", 1000),
+                                            ("2024.11.7", 4096), ("2024.8", 4096)])
+def test_logits_path_keeps_bf16_logits(release: str, s: int) -> None:
+    # before cut cross-entropy (2024.11.8), and for b·s <= 1024 from 2024.12.5 (RETURN_LOGITS)
+    # until 2025.10.8: the bf16 logits go to Fast_CrossEntropyLoss, which keeps them and its
+    # logsumexp (T fp32) and writes the gradient into them; then lm_head's dX. The model
+    # returns them, and the Trainer's bf16 mixed precision (accelerate's
+    # convert_outputs_to_fp32) makes a T·V fp32 copy at the end of forward
+    from vramcalc.terms import unsloth as u
+
+    ctx = _ctx(seq_len=s, unsloth_version=release)
+    assert u.loss_path(ctx) == "logits"
     kept = _alloc(s * V * 2) + _alloc(s * 4) + _alloc(s * 8)
-    assert lg.logits_saved_bytes(ctx) == lg.logits_forward_peak_bytes(ctx) == kept
+    assert lg.logits_saved_bytes(ctx) == kept
+    assert lg.logits_forward_peak_bytes(ctx) == kept + _alloc(s * V * 4)
     assert lg.logits_backward_peak_bytes(ctx) == kept + _alloc(s * H * 2)
+
+
+@pytest.mark.parametrize(("release", "s", "path"), [
+    ("2024.11.8", 1000, "cce"),  # the first release with cut cross-entropy, any length
+    ("2024.12.4", 1000, "cce"),  # its wheel lacks d9ed4bef09's RETURN_LOGITS lines
+    ("2024.12.5", 4096, "cce"),
+    ("2025.8.5", 1000, "logits"),  # the fused loss, but b·s <= 1024 still returns logits
+    ("2025.8.5", 4096, "fused"),
+    ("2025.10.8", 1000, "fused")])
+def test_loss_path_by_release(release: str, s: int, path: str) -> None:
+    from vramcalc.terms import unsloth as u
+
+    assert u.loss_path(_ctx(seq_len=s, unsloth_version=release)) == path
 
 
 def test_old_release_reloads_into_new_tensors() -> None:
@@ -331,7 +352,7 @@ def test_old_release_rope_caches_per_layer(s: int, rows: int) -> None:
 
 
 @pytest.mark.parametrize("flags", [
-    ["--unsloth-version", "2024.11.1"],
+    ["--unsloth-version", "2024.7.1"],
     ["--unsloth-version", "2024.12.4", "--framework", "hf"],
     ["--unsloth-version", "latest"]])
 def test_unsloth_version_refusals(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -344,6 +365,7 @@ def test_unsloth_version_refusals(flags: list[str], capsys: pytest.CaptureFixtur
 
 
 @pytest.mark.parametrize(("release", "fused_ce", "gc_buffer", "addmm", "global_buf", "shared_rope"), [
+    ("2024.8", False, False, False, False, False),  # the first PyPI release
     ("2024.12.4", False, False, False, False, False),
     ("2025.1.1", False, False, False, False, True),  # 63782ea3af: one rotary embedding
     ("2025.2.2", False, False, False, True, True),  # 144190bd06: use_global_buffer=True

@@ -11,8 +11,8 @@ from typing import Any
 from vramcalc.errors import InputError
 from vramcalc.qlora import parse_version
 
-# the oldest Unsloth release vramcalc models (unsloth d9ed4bef09; vramcalc/terms/unsloth.py)
-UNSLOTH_OLDEST = (2024, 12, 4)
+# the oldest Unsloth release vramcalc models, its first on PyPI (vramcalc/terms/unsloth.py)
+UNSLOTH_OLDEST = (2024, 8, 0)
 
 
 def torchtitan_training_problem(tr: Any) -> str | None:
@@ -92,8 +92,8 @@ def unsloth_training_problem(tr: Any) -> str | None:
             "--unsloth-version names the release --framework unsloth models")
     flag = None
     if tr.unsloth_version is not None and parse_version(tr.unsloth_version) < UNSLOTH_OLDEST:
-        flag = (f"--unsloth-version {tr.unsloth_version}: vramcalc models Unsloth from "
-                f"{'.'.join(map(str, UNSLOTH_OLDEST))} on")
+        flag = (f"--unsloth-version {tr.unsloth_version}: vramcalc models Unsloth's PyPI "
+                f"releases, the first {'.'.join(map(str, UNSLOTH_OLDEST[:2]))}")
     elif tr.finetune not in ("lora", "qlora"):
         flag = (f"--finetune {tr.finetune}: the unsloth profile models get_peft_model's "
                 "LoRA and QLoRA (use --finetune lora or qlora)")

@@ -73,12 +73,17 @@ NF4_BLOCK = 64  # bitsandbytes' 4-bit blocksize: one absmax per 64 weights
 LABEL_BITS = 64  # int64 labels
 
 # --unsloth-version: the release modelled by default (unsloth/_version.py at 015bdef0;
-# unsloth-zoo 2026.8.13 at ce232d6c); the oldest one modelled is stack_rules.UNSLOTH_OLDEST
-# (unsloth/models/_utils.py at d9ed4bef09, unsloth-zoo 2024.12.2 at 9c643b66: `OLD` below)
+# unsloth-zoo 2026.8.13 at ce232d6c). `OLD` below: unsloth d9ed4bef09 (in-tree 2024.12.4),
+# unsloth-zoo 9c643b66, whose memory is that of every PyPI release from the first, 2024.8
+# (stack_rules.UNSLOTH_OLDEST), to 2025.1.1 but for the loss (`loss_path`)
 UNSLOTH_CURRENT = "2026.8.19"
 # the first PyPI releases that run what the module docstring describes, each behaviour's
 # own (checked against each release's wheel); before them, what `OLD` does:
 FUSED_CE_FROM = (2025, 8, 5)  # llama.py calls unsloth_fused_ce_loss (806bee2433)
+CUT_CE_FROM = (2024, 11, 8)  # llama.py calls fused_linear_cross_entropy (fa8e59eb1b)
+# b·s <= 1024 returns the logits (`RETURN_LOGITS = True`, b9fe2588e5) from 2024.12.5 until
+# 2025.10.8, which drops that shortcut
+SHORT_LOGITS = ((2024, 12, 5), (2025, 10, 8))
 GC_BUFFER_FROM = (2025, 3, 1)  # "unsloth" checkpointing is UnslothCheckpointFunction (3e5f0611)
 ADDMM_LORA_FROM = (2025, 3, 1)  # matmul_lora's out.addmm_(XA, B, alpha=s) (4f166026d7)
 GLOBAL_DEQUANT_FROM = (2025, 2, 2)  # matmul_lora's use_global_buffer=True (144190bd06)
@@ -92,17 +97,26 @@ def version(ctx: RankContext) -> tuple[int, int, int]:
     return parse_version(ctx.training.unsloth_version or UNSLOTH_CURRENT)
 
 
+def loss_path(ctx: RankContext) -> str:
+    """Which loss `CausalLM_fast_forward` runs with labels given: "fused" (the chunked
+    fused cross entropy of the module docstring), "cce" (Apple's cut cross-entropy:
+    unsloth_zoo/loss_utils.py `fused_linear_cross_entropy` -> ml-cross-entropy 24.12.1
+    1f3ebdb `linear_cross_entropy`) or "logits" (the bf16 logits into
+    `fast_cross_entropy_loss`): logits before CUT_CE_FROM, and for b·s <= 1024 within
+    SHORT_LOGITS; then cut cross-entropy until FUSED_CE_FROM."""
+    v = version(ctx)
+    if v < CUT_CE_FROM or (dims(ctx).T <= 1024 and SHORT_LOGITS[0] <= v < SHORT_LOGITS[1]):
+        return "logits"
+    return "cce" if v < FUSED_CE_FROM else "fused"
+
+
 def cut_cross_entropy(ctx: RankContext) -> bool:
-    """OLD's loss: Apple's cut cross-entropy (unsloth_zoo/loss_utils.py
-    `fused_linear_cross_entropy` -> `cut_cross_entropy.linear_cross_entropy`, ml-cross-entropy
-    24.12.1 1f3ebdb), taken by `CausalLM_fast_forward` when b·s > 1024 and labels are given."""
-    x = dims(ctx)
-    return old_loss(ctx) and x.T > 1024
+    return loss_path(ctx) == "cce"
 
 
 def old_loss(ctx: RankContext) -> bool:
-    """Whether the release predates the chunked fused cross entropy (FUSED_CE_FROM)."""
-    return version(ctx) < FUSED_CE_FROM
+    """Whether the loss is not the chunked fused cross entropy (`loss_path`)."""
+    return loss_path(ctx) != "fused"
 
 
 def reload_buffer(ctx: RankContext) -> bool:
@@ -172,23 +186,28 @@ def chunk_logits_bytes(ctx: RankContext) -> int:
 
 
 def old_loss_parts(ctx: RankContext) -> tuple[int, int, int]:
-    """OLD's loss (before FUSED_CE_FROM): (kept for backward, forward peak, backward peak).
+    """The loss before the fused one (`loss_path`): (kept for backward, forward peak,
+    backward peak).
 
-    - b·s > 1024, cut cross-entropy (ml-cross-entropy 1f3ebdb cce.py
+    - "cce", cut cross-entropy (ml-cross-entropy 1f3ebdb cce.py
       `LinearCrossEntropyFunction`): no logits; it keeps e (the normed hidden states, T·h
       in c), lse (T fp32), the valid-token index (T int64) and logit_avg (V fp32), and its
       backward (cce_backward.py) allocates de = zeros_like(e), dc = zeros_like(c) — a full
       V·h gradient of the frozen lm_head, made whether c needs it or not — their int32 lock
       tables (about T and V entries) and the argsort of logit_avg (V int32).
-    - b·s <= 1024 (`RETURN_LOGITS = True`, llama.py `CausalLM_fast_forward`): the bf16
-      logits (T·V·c), which `Fast_CrossEntropyLoss` keeps with its logsumexp (T fp32) and
-      overwrites with their gradient in backward (kernels/cross_entropy_loss.py), then
-      lm_head's dL/dhidden (T·h, c); the shifted labels (T int64) in both cases."""
+    - "logits": the bf16 logits (T·V·c), which `Fast_CrossEntropyLoss` keeps with its
+      logsumexp (T fp32) and overwrites with their gradient in backward (kernels/
+      cross_entropy_loss.py), then lm_head's dL/dhidden (T·h, c). The model returns them,
+      and the Trainer's mixed precision (Unsloth's notebooks set bf16 or fp16) wraps the
+      forward in accelerate's `convert_outputs_to_fp32` (accelerator.py `prepare_model`,
+      utils/operations.py `convert_to_fp32`): a T·V fp32 copy at the end of forward, beside
+      the kept bf16 ones, dropped when the Trainer's compute_loss returns.
+    The shifted labels (T int64) in both."""
     x = dims(ctx)
     labels = alloc(ceil_div(x.T * LABEL_BITS, 8), "int8")
     if not cut_cross_entropy(ctx):
         kept = alloc(x.T * x.V, x.c) + alloc(x.T, "fp32") + labels
-        return kept, kept, kept + alloc(x.T * x.h, x.c)
+        return kept, kept + alloc(x.T * x.V, "fp32"), kept + alloc(x.T * x.h, x.c)
     kept = (alloc(x.T * x.h, x.c) + alloc(x.T, "fp32") + labels + alloc(x.T, "int64")
             + alloc(x.V, "fp32"))
     back = (alloc(x.T * x.h, x.c) + alloc(x.V * x.h, x.c) + alloc(x.T, "int32")
@@ -256,8 +275,9 @@ def unsloth_notes(ctx: RankContext) -> list[str]:
         out.append("unsloth cut cross-entropy (--unsloth-version): no logits; its backward "
                    "allocates a full gradient of the frozen lm_head")
     elif old:
-        out.append("unsloth cross entropy (--unsloth-version, b·s <= 1024): the bf16 logits "
-                   "are kept and overwritten by their gradient")
+        out.append("unsloth cross entropy (--unsloth-version): the bf16 logits are kept and "
+                   "overwritten by their gradient; the Trainer's mixed precision returns an "
+                   "fp32 copy at the end of forward")
     else:
         n = num_chunks(ctx)
         out.append(f"unsloth fused cross entropy: {n} chunk{'s' * (n > 1)} of fp32 logits at "
