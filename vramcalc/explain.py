@@ -316,7 +316,8 @@ def logits_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
                    "keeps the normed hidden states, lse and logit_avg, and its backward "
                    "allocates a full gradient of the frozen lm_head beside dL/dhidden."
                    if cut_cross_entropy(ctx) else "Unsloth's cross entropy keeps the c "
-                   "logits (b·s <= 1024) and writes their gradient into them.")
+                   "logits and writes their gradient into them; the Trainer's mixed precision "
+                   "returns an fp32 copy of them at the end of forward.")
     elif tr.framework == "unsloth":  # vramcalc/terms/unsloth.py
         n = num_chunks(ctx)
         out.append(f"Unsloth's fused cross entropy computes the loss and dL/dhidden in forward, "
