@@ -315,7 +315,7 @@ def logits_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
         out.append("Unsloth's cut cross-entropy (Apple's ml-cross-entropy) makes no logits; it "
                    "keeps the normed hidden states, lse and logit_avg, and its backward "
                    "allocates a full gradient of the frozen lm_head beside dL/dhidden."
-                   if cut_cross_entropy(ctx) else "Unsloth's cross entropy keeps the c "
+                   if cut_cross_entropy(ctx) else f"Unsloth's cross entropy keeps the {x.c} "
                    "logits and writes their gradient into them; the Trainer's mixed precision "
                    "returns an fp32 copy of them at the end of forward.")
     elif tr.framework == "unsloth":  # vramcalc/terms/unsloth.py
