@@ -383,7 +383,7 @@ def test_release_boundaries(release: str | None, fused_ce: bool, gc_buffer: bool
     s = 4096
     ctx = _ctx(seq_len=s, unsloth_version=release)
     parts = persistent_parts(ctx, None)
-    assert (not u.old_loss(ctx)) is fused_ce
+    assert (u.loss_path(ctx) == "fused") is fused_ce
     assert u.reload_buffer(ctx) is gc_buffer
     assert ("transients/unsloth_gc_buffer" in parts) is gc_buffer
     assert ("transients/unsloth_dequant_buffer" in parts) is global_buf

@@ -44,8 +44,8 @@ Written from the rules of `c10/cuda/CUDACachingAllocator.cpp` (pytorch/pytorch a
   segments torch unmaps the free pages inside any block instead, which is not modelled),
   and `min_capacity` searches for the smallest capacity a recorded sequence of requests
   runs in (near the limit the outcome is not monotone in the capacity: best fit places
-  blocks differently, so the answer is a boundary the search found). Under max_split_size the partial release of step two is not modelled (step
-  three releases a superset).
+  blocks differently, so the answer is a boundary the search found). Under max_split_size
+  the partial release of step two is not modelled (step three releases a superset).
 
 Not modelled, as they do not change the peaks of one training process: CUDA events and
 cross-stream uses (`recordStream`, `process_events`: a block waits for another stream's
@@ -309,11 +309,11 @@ class CachingAllocator:
             pool.tail = dst
 
 
-def replay(events: Iterable[tuple[int, int, int]], capacity: int | None = None,
-           expandable: bool = False) -> CachingAllocator:
-    """A new allocator that has served `events` (CachingAllocator.events) in order; raises
-    OutOfMemory when they do not fit in `capacity`."""
-    a = CachingAllocator(expandable=expandable, capacity=capacity)
+def replay(events: Iterable[tuple[int, int, int]], capacity: int | None = None
+           ) -> CachingAllocator:
+    """A new allocator (default segments) that has served `events` (CachingAllocator.events)
+    in order; raises OutOfMemory when they do not fit in `capacity`."""
+    a = CachingAllocator(capacity=capacity)
     handles: dict[int, int] = {}
     for key, nbytes, stream in events:
         if nbytes < 0:

@@ -61,7 +61,7 @@ from vramcalc.terms.transients import (
     optimizer_step_temp_bytes,
 )
 from vramcalc.terms.tune_init import init_replay
-from vramcalc.terms.unsloth import chunk_logits_bytes, cut_cross_entropy, num_chunks, old_loss
+from vramcalc.terms.unsloth import chunk_logits_bytes, loss_path, num_chunks
 from vramcalc.terms.weights import finetune_weight_parts, weights_by_group
 from vramcalc.units import DTYPE_BITS, GB, fmt_gb
 
@@ -311,11 +311,11 @@ def logits_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
     if chunks_loss(tr):
         out.append(f"Chunked cross entropy ({tr.chunked_ce} chunks): the fp32 logits and their "
                    "gradients exist one chunk at a time; the log-probabilities are all kept.")
-    elif tr.framework == "unsloth" and old_loss(ctx):  # --unsloth-version before the fused CE
+    elif tr.framework == "unsloth" and loss_path(ctx) != "fused":  # --unsloth-version
         out.append("Unsloth's cut cross-entropy (Apple's ml-cross-entropy) makes no logits; it "
                    "keeps the normed hidden states, lse and logit_avg, and its backward "
                    "allocates a full gradient of the frozen lm_head beside dL/dhidden."
-                   if cut_cross_entropy(ctx) else f"Unsloth's cross entropy keeps the {x.c} "
+                   if loss_path(ctx) == "cce" else f"Unsloth's cross entropy keeps the {x.c} "
                    "logits and writes their gradient into them; the Trainer's mixed precision "
                    "returns an fp32 copy of them at the end of forward.")
     elif tr.framework == "unsloth":  # vramcalc/terms/unsloth.py

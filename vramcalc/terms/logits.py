@@ -222,7 +222,7 @@ def logits_saved_bytes(ctx: RankContext) -> int:
     if ctx.training.framework == "lightning":
         return _lit_saved_bytes(ctx)
     if ctx.training.framework == "unsloth":  # fused CE, no logits kept (terms/unsloth.py)
-        return uns.fused_ce_saved_bytes(ctx)
+        return uns.loss_parts(ctx)[0]
     if lig.liger(ctx):  # Liger's fused linear cross entropy (terms/liger.py)
         return lig.saved_bytes(ctx)
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
@@ -256,7 +256,7 @@ def _loss_forward_peak_bytes(ctx: RankContext) -> int:
     if ctx.training.framework == "lightning":  # the saved set is the loss's peak
         return _lit_saved_bytes(ctx)
     if ctx.training.framework == "unsloth":
-        return uns.fused_ce_forward_peak_bytes(ctx)
+        return uns.loss_parts(ctx)[1]
     if lig.liger(ctx):
         return lig.forward_peak_bytes(ctx)
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
@@ -352,7 +352,7 @@ def _loss_backward_peak_bytes(ctx: RankContext) -> int:
     if ctx.training.framework == "lightning":
         return _lit_backward_peak_bytes(ctx)
     if ctx.training.framework == "unsloth":  # the kept dL/dhidden and its scaled copy
-        return uns.fused_ce_backward_peak_bytes(ctx)
+        return uns.loss_parts(ctx)[2]
     if lig.liger(ctx):  # the kept gradients, scaled in place
         return lig.backward_peak_bytes(ctx)
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py

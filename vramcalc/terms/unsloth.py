@@ -110,15 +110,6 @@ def loss_path(ctx: RankContext) -> str:
     return "cce" if v < FUSED_CE_FROM else "fused"
 
 
-def cut_cross_entropy(ctx: RankContext) -> bool:
-    return loss_path(ctx) == "cce"
-
-
-def old_loss(ctx: RankContext) -> bool:
-    """Whether the loss is not the chunked fused cross entropy (`loss_path`)."""
-    return loss_path(ctx) != "fused"
-
-
 def reload_buffer(ctx: RankContext) -> bool:
     """Whether the offloaded checkpoints come back into the persistent GPU buffer (and the
     last layer and small inputs stay on the device); OLD reloads each input into a fresh
@@ -185,10 +176,12 @@ def chunk_logits_bytes(ctx: RankContext) -> int:
     return alloc(ceil_div(x.T, num_chunks(ctx)) * x.V, "fp32")
 
 
-def old_loss_parts(ctx: RankContext) -> tuple[int, int, int]:
-    """The loss before the fused one (`loss_path`): (kept for backward, forward peak,
-    backward peak).
+def loss_parts(ctx: RankContext) -> tuple[int, int, int]:
+    """The loss `loss_path` names: (kept for backward, forward peak, backward peak).
 
+    - "fused" (module docstring): dL/dhidden (T·h, c), the shifted labels and the loss and
+      divisor scalars kept; forward adds one chunk's fp32 logits, backward the out-of-place
+      `grad_inputs * scale_factor` it returns (T·h, c).
     - "cce", cut cross-entropy (ml-cross-entropy 1f3ebdb cce.py
       `LinearCrossEntropyFunction`): no logits; it keeps e (the normed hidden states, T·h
       in c), lse (T fp32), the valid-token index (T int64) and logit_avg (V fp32), and its
@@ -202,10 +195,14 @@ def old_loss_parts(ctx: RankContext) -> tuple[int, int, int]:
       forward in accelerate's `convert_outputs_to_fp32` (accelerator.py `prepare_model`,
       utils/operations.py `convert_to_fp32`): a T·V fp32 copy at the end of forward, beside
       the kept bf16 ones, dropped when the Trainer's compute_loss returns.
-    The shifted labels (T int64) in both."""
+    The shifted labels (T int64) in all three."""
     x = dims(ctx)
     labels = alloc(ceil_div(x.T * LABEL_BITS, 8), "int8")
-    if not cut_cross_entropy(ctx):
+    path = loss_path(ctx)
+    if path == "fused":
+        kept = alloc(x.T * x.h, x.c) + labels + 2 * ALLOC_ROUND_BYTES
+        return kept, kept + chunk_logits_bytes(ctx), kept + alloc(x.T * x.h, x.c)
+    if path == "logits":
         kept = alloc(x.T * x.V, x.c) + alloc(x.T, "fp32") + labels
         return kept, kept + alloc(x.T * x.V, "fp32"), kept + alloc(x.T * x.h, x.c)
     kept = (alloc(x.T * x.h, x.c) + alloc(x.T, "fp32") + labels + alloc(x.T, "int64")
@@ -213,32 +210,6 @@ def old_loss_parts(ctx: RankContext) -> tuple[int, int, int]:
     back = (alloc(x.T * x.h, x.c) + alloc(x.V * x.h, x.c) + alloc(x.T, "int32")
             + 2 * alloc(x.V, "int32"))
     return kept, kept, kept + back
-
-
-def fused_ce_saved_bytes(ctx: RankContext) -> int:
-    """Kept from the loss's forward into backward: dL/dhidden (T·h, c), the shifted labels
-    (T int64) and the loss and divisor scalars (OLD: `old_loss_parts`)."""
-    if old_loss(ctx):
-        return old_loss_parts(ctx)[0]
-    x = dims(ctx)
-    labels = alloc(ceil_div(x.T * LABEL_BITS, 8), "int8")
-    return alloc(x.T * x.h, x.c) + labels + 2 * ALLOC_ROUND_BYTES
-
-
-def fused_ce_forward_peak_bytes(ctx: RankContext) -> int:
-    """The loss in forward: what it keeps plus one chunk's fp32 logits."""
-    if old_loss(ctx):
-        return old_loss_parts(ctx)[1]
-    return fused_ce_saved_bytes(ctx) + chunk_logits_bytes(ctx)
-
-
-def fused_ce_backward_peak_bytes(ctx: RankContext) -> int:
-    """The loss in backward: what it kept plus the out-of-place `grad_inputs *
-    scale_factor` it returns (T·h, c)."""
-    if old_loss(ctx):
-        return old_loss_parts(ctx)[2]
-    x = dims(ctx)
-    return fused_ce_saved_bytes(ctx) + alloc(x.T * x.h, x.c)
 
 
 def rope_cache_bytes(ctx: RankContext) -> int:
@@ -262,7 +233,7 @@ def layer_rope_caches(ctx: RankContext) -> bool:
 def unsloth_notes(ctx: RankContext) -> list[str]:
     """What the report says of Unsloth's offload and fused loss."""
     out = []
-    old = old_loss(ctx)
+    path = loss_path(ctx)
     if offloads_checkpoints(ctx) and reload_buffer(ctx):
         out.append("unsloth checkpointing: every layer input but the last waits in pinned "
                    "host memory (host RAM above) and comes back into one reusable device "
@@ -271,10 +242,10 @@ def unsloth_notes(ctx: RankContext) -> list[str]:
         out.append("unsloth checkpointing (--unsloth-version): every layer input waits in "
                    "pinned host memory (host RAM above) and comes back as a new device "
                    "tensor in its layer's backward")
-    if old and cut_cross_entropy(ctx):
+    if path == "cce":
         out.append("unsloth cut cross-entropy (--unsloth-version): no logits; its backward "
                    "allocates a full gradient of the frozen lm_head")
-    elif old:
+    elif path == "logits":
         out.append("unsloth cross entropy (--unsloth-version): the bf16 logits are kept and "
                    "overwritten by their gradient; the Trainer's mixed precision returns an "
                    "fp32 copy at the end of forward")

@@ -25,8 +25,8 @@ is delegated to `cuda_rules.rewrite_op`.
 Every allocation and free is also replayed, in order, through the caching-allocator model
 (vramcalc/allocator.py): `allocator.peak_reserved` is the trace's estimate of
 `torch.cuda.max_memory_reserved`, and the recorded requests (`allocator.events`) give the
-smallest capacity the run fits in (`allocator.min_capacity`). A storage resized in place is a new block then the old
-one freed (`resize_` copies into a new allocation); the cuBLAS workspace, which torch takes
+smallest capacity the run fits in (`allocator.min_capacity`). A storage resized in place is
+a new block then the old one freed (`resize_` copies into a new allocation); the cuBLAS workspace, which torch takes
 from the caching allocator at the first matmul (aten/src/ATen/cuda/CublasHandlePool.cpp keeps
 it as a DataPtr of CUDACachingAllocator), is requested when the first forward starts, and
 the backward thread's own when the first backward starts (terms/transients.py
