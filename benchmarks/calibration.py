@@ -368,6 +368,9 @@ _LLAMA32_3B = {"name": "llama3.2-3b", "model_type": "llama", "hidden_size": 3072
                "max_position_embeddings": 131072, "mlp_kind": "gated", "hidden_act": "silu",
                "norm_kind": "rmsnorm", "position_embedding": "rope",
                "tie_word_embeddings": True}
+_V010 = ("--torchtune-version 0.1.0: the commit lies in the 0.1 series (between v0.1.0-rc1 "
+         "and v0.1.1), whose recipes slice the fp32 logits for the loss and keep the copy "
+         "all step, and wrap FSDP1")
 _PACKED = ("--packed: dataset.packed True, PackedDataset pads every pack to max_seq_len, so "
            "every batch is 2 x 4096 tokens (--seq-len 4096 is the pack size); on the A100 "
            "(compute capability 8.0 >= 7.5) torchtune builds flex attention's BlockMask, "
@@ -445,16 +448,16 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
     "torchtune-llama2-7b-lora-r8-qv-1gpu": {
         "flags": {"model": "llama2-7b", **_TUNE, "seq_len": 512, "optimizer_impl": "foreach",
                   "finetune": "lora", "lora_rank": 8, "lora_targets": "q,v",
-                  "lora_dropout": 0.05},
-        "notes": [_ALPACA_512, "torchtune ff594c2 7B_lora_single_device.yaml: "
+                  "lora_dropout": 0.05, "torchtune_version": "0.1.0"},
+        "notes": [_ALPACA_512, _V010, "torchtune ff594c2 7B_lora_single_device.yaml: "
                   "torch.optim.AdamW without `fused` (foreach), torch.nn.CrossEntropyLoss "
                   "(no chunking), lora_llama2_7b's lora_dropout 0.05"]},
     "torchtune-llama2-7b-qlora-r8-1gpu": {
         "flags": {"model": "llama2-7b", **_TUNE, "seq_len": 512, "optimizer_impl": "foreach",
                   "finetune": "qlora", "lora_rank": 8, "lora_targets": "q,k,v,o,gate,up,down",
                   "lora_dropout": 0.05, "qlora_impl": "torchao", "torchao_version": "0.1",
-                  "load": "torchtune"},
-        "notes": [_ALPACA_512, "torchtune 0914d5cf 7B_qlora_single_device.yaml: "
+                  "load": "torchtune", "torchtune_version": "0.1.0"},
+        "notes": [_ALPACA_512, _V010, "torchtune 0914d5cf 7B_qlora_single_device.yaml: "
                   "qlora_llama2_7b (lora_llama2_7b with quantize_base) on q, k, v, "
                   "output_proj and the MLP; lora_dropout 0.05 reaches the attention adapters "
                   "only (lora_llama2 does not pass it to lora_llama2_mlp), so --lora-dropout "
@@ -472,18 +475,20 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
         "flags": {"model": "llama2-7b", **_TUNE, "gpus": "2xRTX4090", "recompute": "none",
                   "seq_len": 512, "optimizer_impl": "foreach", "finetune": "lora",
                   "lora_rank": 8, "lora_targets": "q,v", "lora_dropout": 0.05,
-                  "fsdp": "full", "fsdp_impl": "fsdp1"},
-        "notes": [_ALPACA_512, "torchtune fef3ed10 7B_lora.yaml (lora_finetune_distributed): "
+                  "fsdp": "full", "torchtune_version": "0.1.0"},
+        "notes": [_ALPACA_512, _V010, "torchtune fef3ed10 7B_lora.yaml (lora_finetune_distributed): "
                   "enable_activation_checkpointing False, batch 2 per GPU, torch.optim.AdamW "
                   "(foreach); FSDP1 (--fsdp-impl fsdp1) with lora_fsdp_wrap_policy: each LoRA "
-                  "A and B a unit of its own, the blocks' flat parameters frozen and resharded "
-                  "in backward, so the bytes are FSDP2's (the trace runs FSDP2 in its place); "
+                  "A and B a unit of its own (FSDP1 by --torchtune-version 0.1.0), the blocks' "
+                  "flat parameters frozen and resharded in backward, so the bytes are "
+                  "FSDP2's (the trace runs FSDP2 in its place); "
                   "the remaining gap is not explained by the recipe's FSDP1 (docs/"
                   "methodology.md section 16)"]},
     "torchtune-readme-apr24-llama2-7b-full-lowmem-1x4090": {
         "flags": {"model": "llama2-7b", **_TUNE, "gpus": "1xRTX4090", "seq_len": 512,
-                  "optimizer": "paged-adamw", "optimizer_in_backward": True},
-        "notes": [
+                  "optimizer": "paged-adamw", "optimizer_in_backward": True,
+                  "torchtune_version": "0.1.0"},
+        "notes": [_V010, 
             "--seq-len 512: batches are padded to their longest sample, truncated at "
             "alpaca_dataset's max_seq_len 512 (tatsu-lab/alpaca, train_on_input True); of "
             "the 5000 randomly drawn samples in tatsu-lab/stanford_alpaca 5e69c50 "

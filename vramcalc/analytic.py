@@ -67,6 +67,7 @@ from vramcalc.terms.reserved import reserved_pad_bytes, side_stream_bytes
 from vramcalc.terms.saved import Moment
 from vramcalc.terms.schedule import in_flight_microbatches
 from vramcalc.terms.torchtitan_tp import async_tp_overhead
+from vramcalc.terms.torchtune import recipe_held
 from vramcalc.terms.weights import weight_parts
 
 
@@ -153,6 +154,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
 
     held_parts = persistent_parts(ctx, gpu)  # FP8 weight cache, QAT qparams (modifiers)
     held_parts.update(megatron_held_parts(ctx))  # GlobalMemoryBuffer, deferred wgrad
+    held_parts.update(recipe_held(ctx))  # torchtune before 0.3: the recipe's shifted logits
     B = StageBase({**w_parts, **held_parts, "optimizer_states/states": opt["states"],
                    "optimizer_states/master": opt["master"]},
                   {"transients/cublas_workspace": cublas, "transients/comm_buffers": persistent})

@@ -223,10 +223,9 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("torchao_version", str, None, "torchao release with --qlora-impl torchao, e.g. 0.1: "
         "before 0.2 to_nf4 quantizes a whole weight at once at load; before 0.3 each "
         "weight keeps a 1/64-size scaler-factor storage. Default: 0.5.0."),
+    Opt("torchtune_version", str, None, "torchtune release with --framework torchtune, from 0.1.0, e.g. 0.2.1: before 0.3 the recipes slice the fp32 logits for the loss and keep them all step, and shard with FSDP1 (vramcalc/terms/torchtune.py). Default: the current release."),
     Opt("unsloth_version", str, None, "Unsloth release with --framework unsloth, from 2024.8 (its first on PyPI), e.g. 2024.12.4: its loss, checkpoint offload, LoRA kernels and rotary caches changed since (vramcalc/terms/unsloth.py). Default: 2026.8.19."),
-    Opt("nf4_double_quant", bool, None, "bitsandbytes double quantization of the absmax "
-        "(Linear4bit compress_statistics, HF bnb_4bit_use_double_quant, Lightning "
-        "'nf4-dq'). Default: on."),
+    Opt("nf4_double_quant", bool, None, "bitsandbytes double quantization of the absmax (Linear4bit compress_statistics, HF bnb_4bit_use_double_quant, Lightning 'nf4-dq'). Default: on."),
     Opt("quantize_head", bool, False, "QLoRA: lm_head in NF4 too (Lightning's "
         "BitsandbytesPrecision replaces every nn.Linear; transformers keeps the head out)."),
     Opt("load", str, "none", "Model the load phase (the peak while the model is loaded "
@@ -325,7 +324,7 @@ _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "pr
                   "moe_dispatcher", "deterministic", "cross_entropy_loss_fusion", "transformer_impl", "litgpt_norm", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",
                   "optimizer_in_backward", "compile", "packed", "float8", "float8_all_gather", "async_tp", "qlora_impl", "bnb_version",
-                  "torchao_version", "unsloth_version", "nf4_double_quant", "quantize_head", "load",
+                  "torchao_version", "unsloth_version", "torchtune_version", "nf4_double_quant", "quantize_head", "load",
                   "set_to_none", "torch_version", "transformers_version", "load_only")
 _PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",
                   "fsdp_impl", "fsdp_edge_units", "shard_group", "offload_device",

@@ -11,9 +11,11 @@ from vramcalc.hf_stack import layernorm_model_problem, release_model_problem
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig, resolve_layout
 from vramcalc.stack_rules import (
+    TORCHTUNE_0_3,
     activation_problem,
     muon_problem,
     optimizer_in_backward_problem,
+    torchtune_before,
     torchtune_packed_mask,
     torchtune_training_problem,
 )
@@ -203,7 +205,12 @@ class Scenario(BaseModel):
                                  f"training, no or full recompute; not {missing}")
             if tr.framework == "reference":  # one profile for encoders: transformers' code
                 tr = tr.model_copy(update={"framework": "hf"})
-        par = resolve_layout(self.model, tr, self.parallel, self.world_size)
+        par = self.parallel
+        if (tr.framework == "torchtune" and torchtune_before(tr, TORCHTUNE_0_3)
+                and par.fsdp != "none" and par.fsdp_impl is None):
+            # the recipes wrapped FullyShardedDataParallel until 0.3's `shard_model` (FSDP2)
+            par = par.model_copy(update={"fsdp_impl": "fsdp1"})
+        par = resolve_layout(self.model, tr, par, self.world_size)
         problem = muon_problem(tr, par.engine(tr.framework), par.tp)
         if problem:
             raise InputError(problem)

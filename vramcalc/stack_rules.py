@@ -13,6 +13,18 @@ from vramcalc.qlora import parse_version
 
 # the oldest Unsloth release vramcalc models, its first on PyPI (vramcalc/terms/unsloth.py)
 UNSLOTH_OLDEST = (2024, 8, 0)
+# torchtune releases (pytorch/torchtune tags) where what the profile models changed: its first
+# release; PackedDataset, and `del logits` in lora_finetune_distributed (cb3ed29, #1046);
+# labels shifted by `torch.hstack` in place of the recipe's logits slice, CEWithChunkedOutputLoss,
+# `compile_loss` and FSDP2's `shard_model`; OffloadActivations (vramcalc/terms/torchtune.py)
+TORCHTUNE_OLDEST, TORCHTUNE_0_2, TORCHTUNE_0_3, TORCHTUNE_OFFLOAD = (
+    (0, 1, 0), (0, 2, 0), (0, 3, 0), (0, 3, 1))
+
+
+def torchtune_before(tr: Any, release: tuple[int, ...]) -> bool:
+    """Whether --torchtune-version names a release older than `release` (not given: the
+    current one, which is not)."""
+    return tr.torchtune_version is not None and parse_version(tr.torchtune_version) < release
 
 
 def torchtitan_training_problem(tr: Any) -> str | None:
@@ -148,7 +160,9 @@ def torchtune_training_problem(tr: Any) -> str | None:
     torchtitan's."""
     flag = None
     if tr.framework != "torchtune":
-        if (tr.float8 or tr.float8_all_gather) and tr.framework != "torchtitan":
+        if tr.torchtune_version is not None:
+            flag = "--torchtune-version names the release --framework torchtune models"
+        elif (tr.float8 or tr.float8_all_gather) and tr.framework != "torchtitan":
             name = "--float8" if tr.float8 else "--float8-all-gather"
             flag = (f"{name}: torchao's Float8Linear is modelled for the torchtitan profile "
                     f"only, not {tr.framework} (use --framework torchtitan)")
@@ -164,7 +178,18 @@ def torchtune_training_problem(tr: Any) -> str | None:
                     f"torch.compile; not the {tr.framework} profile (use --framework "
                     "torchtune or torchtitan, or leave it out)")
         return flag
-    if tr.precision not in ("bf16-pure", "fp32"):
+    if torchtune_before(tr, TORCHTUNE_OLDEST):
+        flag = f"--torchtune-version {tr.torchtune_version}: vramcalc models 0.1.0 and later"
+    elif torchtune_before(tr, TORCHTUNE_0_3) and (tr.chunked_ce > 1 or tr.compile):
+        flag = (f"--torchtune-version {tr.torchtune_version}: chunked cross entropy and the "
+                "compiled layers and loss came in 0.3.0 (before it `compile: True` compiled "
+                "the whole model, which is not modelled)")
+    elif torchtune_before(tr, TORCHTUNE_OFFLOAD) and tr.activation_offload:
+        flag = (f"--torchtune-version {tr.torchtune_version}: activation offloading came in "
+                "0.3.1")
+    elif torchtune_before(tr, TORCHTUNE_0_2) and tr.packed:
+        flag = f"--torchtune-version {tr.torchtune_version}: PackedDataset came in 0.2.0"
+    elif tr.precision not in ("bf16-pure", "fp32"):
         flag = (f"--precision {tr.precision}: torchtune trains in its `dtype` (bf16 or fp32 "
                 "parameters, gradients and optimizer states, no autocast and no fp32 master "
                 "copy): use --precision bf16-pure or fp32")

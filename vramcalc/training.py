@@ -194,13 +194,11 @@ class TrainingConfig(BaseModel):
     activation_offload: bool = False  # saved activations to pinned host memory
     # quantization-aware training: fake-quantized block linears (vramcalc/terms/lowprec.py)
     qat: Literal["none", "int8", "int4"] = "none"
-    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (vramcalc/allocator.py); None: the
-    # stack's launcher (see `expandable`). Changes reserved memory only
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (allocator.py); None: the stack's launcher
     expandable_segments: bool | None = None
     # torchtune's optimizer_in_bwd: per-parameter steps in backward (terms/optim_in_bwd.py)
     optimizer_in_backward: bool = Field(False, exclude_if=lambda v: not v)
-    # torchtune's `compile: True` (torchtune profile): each transformer layer and the loss's
-    # cross entropy compiled (vramcalc/terms/torchtune.py); left out of dumps when off
+    # torchtune's `compile: True`: each layer and the loss compiled (terms/torchtune.py)
     compile: bool = Field(False, exclude_if=lambda v: not v)
     # torchtune's `dataset.packed: True`: full packs of seq_len tokens with input_pos and a
     # document mask (terms/packed.py), "flex" or "dense" by the GPU (Scenario.resolved)
@@ -211,12 +209,13 @@ class TrainingConfig(BaseModel):
     float8: bool = Field(False, exclude_if=lambda v: not v)
     float8_all_gather: bool = Field(False, exclude_if=lambda v: not v)
     async_tp: bool = Field(False, exclude_if=lambda v: not v)
-    # QLoRA's 4-bit implementation and release (vramcalc/qlora.py): None = bitsandbytes at its
-    # current release, double-quantized, lm_head in the policy dtype; not dumped at defaults
+    # QLoRA's 4-bit implementation and release (vramcalc/qlora.py; None = bitsandbytes, current,
+    # double-quantized, head unquantized), stack releases (terms/unsloth.py, terms/torchtune.py)
     qlora_impl: Literal["bnb", "torchao"] | None = Field(None, exclude_if=lambda v: v is None)
     bnb_version: str | None = Field(None, exclude_if=lambda v: v is None)
     torchao_version: str | None = Field(None, exclude_if=lambda v: v is None)
     unsloth_version: str | None = Field(None, exclude_if=lambda v: v is None)
+    torchtune_version: str | None = Field(None, exclude_if=lambda v: v is None)
     nf4_double_quant: bool | None = Field(None, exclude_if=lambda v: v is None)
     quantize_head: bool = Field(False, exclude_if=lambda v: not v)
     # how the model is loaded and prepared before the first step (vramcalc/terms/load.py);
@@ -226,7 +225,8 @@ class TrainingConfig(BaseModel):
 
     @model_validator(mode="after")
     def _qlora_layout_valid(self) -> TrainingConfig:
-        for name in ("bnb_version", "torchao_version", "unsloth_version", "torch_version", "transformers_version"):
+        for name in ("bnb_version", "torchao_version", "unsloth_version", "torchtune_version",
+                     "torch_version", "transformers_version"):
             text = getattr(self, name)
             if text is not None:
                 try:

@@ -215,6 +215,8 @@ def logits_saved_bytes(ctx: RankContext) -> int:
         return 0
     if ctx.spec.is_encoder:  # vramcalc/terms/encoder.py
         return enc.logits_saved_bytes(ctx)
+    if ttn.shifts_logits(ctx):  # torchtune before 0.3 (vramcalc/terms/torchtune.py)
+        return ttn.shifted_saved_bytes(ctx)
     if ctx.training.framework == "torchtune" and (chunks_loss(ctx.training)
                                                    or ctx.training.compile):
         return (ttn.saved_bytes(ctx) if chunks_loss(ctx.training)
@@ -249,6 +251,8 @@ def logits_forward_peak_bytes(ctx: RankContext) -> int:
 
 def _loss_forward_peak_bytes(ctx: RankContext) -> int:
     """The loss in forward: logits, their upcast and what the loss keeps (last stage)."""
+    if ttn.shifts_logits(ctx):
+        return ttn.shifted_forward_peak_bytes(ctx)
     if ctx.training.framework == "torchtune" and (chunks_loss(ctx.training)
                                                    or ctx.training.compile):
         return (ttn.forward_peak_bytes(ctx) if chunks_loss(ctx.training)
@@ -345,6 +349,8 @@ def _nf4_head_bytes(ctx: RankContext, backward: bool) -> int:
 
 def _loss_backward_peak_bytes(ctx: RankContext) -> int:
     """The loss backward: kept log-probabilities and the fp32 gradient buffers."""
+    if ttn.shifts_logits(ctx):
+        return ttn.shifted_backward_peak_bytes(ctx)
     if ctx.training.framework == "torchtune" and (chunks_loss(ctx.training)
                                                    or ctx.training.compile):
         return (ttn.backward_peak_bytes(ctx) if chunks_loss(ctx.training)

@@ -39,12 +39,28 @@ Without chunking (`--chunked-ce 1`, torch.nn.CrossEntropyLoss): the model return
 `self.output(h).float()` and the loss is the reference profile's (vramcalc/terms/logits.py),
 or, compiled (the whole loss module compiled), it keeps its fp32 input and the two (N)
 vectors and its backward makes one fp32 (N, V) gradient.
+
+Releases before 0.3.0 (`--torchtune-version`; v0.1.0 and v0.2.1 recipes/*_finetune_*.py,
+`train`) shift in the recipe: `logits = logits[..., :-1, :].contiguous()` (a fp32 copy of
+N' = b·(s-1) positions; with b = 1 the slice is contiguous and `.contiguous()` returns the
+model's output itself), `labels = labels[..., 1:].contiguous()`, `logits =
+logits.transpose(1, 2)` and `torch.nn.CrossEntropyLoss` over (b, V, s-1). CUDA's log_softmax
+makes a contiguous copy of that transposed input while it runs (aten/src/ATen/native/cuda/
+SoftMax.cu `host_softmax`: `input_.contiguous()`), beside its output, the kept
+log-probabilities. The recipe's `logits` names the shifted copy until the next micro-batch's
+model returns: through backward, the optimizer step and the next forward (`recipe_held`),
+except in lora_finetune_distributed from 0.2.0, which deletes it after the loss (cb3ed29,
+"del logits to save peak memory"). In backward, nll_loss's gradient and log_softmax's
+(contiguous: no copies) join the kept log-probabilities. From 0.3.0 labels are shifted with
+`torch.hstack` and the logits reshaped, not sliced (the table above); the distributed
+recipes moved from FullyShardedDataParallel to FSDP2 then (vramcalc/scenario.py).
 """
 
 from __future__ import annotations
 
 from vramcalc.features import finetunes
 from vramcalc.rank import RankContext
+from vramcalc.stack_rules import TORCHTUNE_0_2, TORCHTUNE_0_3, torchtune_before
 from vramcalc.terms.gradients import grad_dtype
 from vramcalc.terms.lowmem import head_input_split
 from vramcalc.terms.saved import Saved, dims
@@ -173,3 +189,66 @@ def unchunked_compiled_backward_peak_bytes(ctx: RankContext) -> int:
     """The kept set + the compiled backward's fp32 gradient (N·V·4)."""
     x = dims(ctx)
     return unchunked_compiled_saved_bytes(ctx) + alloc(x.b * x.s * x.V, "fp32")
+
+
+# ---- before 0.3.0: the recipe slices the logits (module docstring) --------------------------
+def shifts_logits(ctx: RankContext) -> bool:
+    """Whether the recipe shifts the logits itself (--torchtune-version before 0.3.0)."""
+    tr = ctx.training
+    return tr.framework == "torchtune" and torchtune_before(tr, TORCHTUNE_0_3)
+
+
+def _shifted(ctx: RankContext) -> int:
+    """One fp32 (b, s-1, V) buffer."""
+    x = dims(ctx)
+    return alloc(x.b * (x.s - 1) * x.V, "fp32")
+
+
+def _deletes_logits(ctx: RankContext) -> bool:
+    """lora_finetune_distributed from 0.2.0 deletes `logits` after the loss."""
+    return (finetunes(ctx.training) and ctx.parallel.dp_degree > 1
+            and not torchtune_before(ctx.training, TORCHTUNE_0_2))
+
+
+def _recipe_logits(ctx: RankContext) -> int:
+    """The storage the recipe's `logits` holds: the shifted copy, or with b = 1 the model's
+    fp32 output (the slice is contiguous already)."""
+    x = dims(ctx)
+    return alloc(x.b * x.s * x.V, "fp32") if x.b == 1 else _shifted(ctx)
+
+
+def recipe_held(ctx: RankContext) -> dict[str, int]:
+    """Held all step on the last stage: the recipe's `logits` (unless deleted) and its
+    shifted labels copy (b > 1)."""
+    if not shifts_logits(ctx) or not ctx.is_last_stage:
+        return {}
+    x = dims(ctx)
+    labels = alloc(x.b * (x.s - 1), "int64") if x.b > 1 else 0
+    return {"logits/recipe_logits": labels + (0 if _deletes_logits(ctx) else _recipe_logits(ctx))}
+
+
+def shifted_saved_bytes(ctx: RankContext) -> int:
+    """Kept for backward besides `recipe_held`: the log-probabilities, the loss and
+    nll_loss's total weight."""
+    return _shifted(ctx) + 2 * ALLOC_ROUND_BYTES
+
+
+def shifted_forward_peak_bytes(ctx: RankContext) -> int:
+    """Besides `recipe_held`, the largest of: the model's output and its fp32 upcast; the
+    upcast and the shifted copy (b > 1); log_softmax's output and the contiguous copy of its
+    transposed input (none when s - 1 = 1); the log-probabilities and the two scalars. The
+    recipe's copy is counted here where `recipe_held` does not count it."""
+    x = dims(ctx)
+    nv = x.b * x.s * x.V
+    own = _recipe_logits(ctx) if _deletes_logits(ctx) else 0
+    upcast = alloc(nv, "fp32")
+    cast = upcast + (0 if x.c == "fp32" else alloc(nv, x.c))
+    shift = upcast + (own if x.b > 1 else 0)
+    copy = _shifted(ctx) if x.s > 2 else 0
+    return max(cast, shift, own + _shifted(ctx) + max(copy, 2 * ALLOC_ROUND_BYTES))
+
+
+def shifted_backward_peak_bytes(ctx: RankContext) -> int:
+    """log_softmax's backward: the kept log-probabilities, nll_loss's gradient and its own
+    output (fp32 (b, V, s-1) each), the loss, its scaled copy and their gradient."""
+    return 3 * _shifted(ctx) + 3 * ALLOC_ROUND_BYTES

@@ -24,6 +24,10 @@ fake CPU tensors and this module makes them allocate what CUDA would:
      runs CUDA's memory-efficient kernel (`efficient_sdpa`), whose philox seed and offset are
      host tensors (the tracker does not count them); its backward allocates dq, dk, dv, the
      bias gradient (b, a, q, k₁₆) in the bias dtype and `efficient_backward_workspace`.
+   - softmax / log_softmax on a strided input (a transposed (b, V, s) logits view): CUDA's
+     `host_softmax` makes a contiguous copy first (`input_.contiguous()`), and its
+     backward copies a strided gradient or output (aten/src/ATen/native/cuda/SoftMax.cu),
+     scratch freed when the op returns; the CPU meta kernels allocate the output only.
    - LayerNorm: CUDA keeps mean and rstd in fp32 for 16-bit inputs (acc type); the CPU
      meta kernel returns them in the input dtype.
    - `.item()` (aten._local_scalar_dense) reads a value on the host: answered with 1, no
@@ -219,6 +223,13 @@ def cuda_biased_sdpa() -> Iterator[None]:
         F.scaled_dot_product_attention = original  # type: ignore[assignment]
 
 
+# softmax and log_softmax (forward: the input; backward: the gradient and the output) on
+# strided tensors: host_softmax / host_softmax_backward copy them contiguous first
+_SOFTMAX_OPS = {aten._softmax.default: 1, aten._log_softmax.default: 1,
+                aten._softmax_backward_data.default: 2,
+                aten._log_softmax_backward_data.default: 2}
+
+
 def rewrite_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                track: Callable[[Any], None]) -> tuple[bool, Any]:
     """Run `func` as CUDA would allocate it, when that differs from CPU: (handled, result).
@@ -245,6 +256,16 @@ def rewrite_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         result = func(*args, **kwargs)  # dq, dk, dv, d bias, then the scratch
         tree_map(track, result)
         scratch = efficient_backward_workspace(args[1])
+        for t in scratch:
+            track(t)
+        del scratch, t
+        return True, result
+    if func in _SOFTMAX_OPS and not all(
+            t.is_contiguous() for t in args[:_SOFTMAX_OPS[func]]):
+        result = func(*args, **kwargs)  # the output first (the structured kernel's), then
+        track(result)                   # the contiguous copies of its strided inputs
+        scratch = [t.new_empty(t.shape) for t in args[:_SOFTMAX_OPS[func]]
+                   if not t.is_contiguous()]
         for t in scratch:
             track(t)
         del scratch, t

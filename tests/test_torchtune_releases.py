@@ -1,0 +1,156 @@
+"""torchtune releases before 0.3.0 (`--torchtune-version`, vramcalc/terms/torchtune.py).
+
+Expected values come from outside the analytic code:
+- the v0.1.0 / v0.2.1 recipes' loss lines, run on fake tensors and counted by the trace
+  engine's tracker (with CUDA's contiguous copy inside log_softmax, aten/src/ATen/native/
+  cuda/SoftMax.cu `host_softmax`);
+- hand derivations from tensor shapes × dtype sizes and 512-byte allocator blocks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vramcalc.cli import main
+from vramcalc.model import ModelSpec
+from vramcalc.parallel import ParallelConfig
+from vramcalc.rank import RankContext
+from vramcalc.terms import logits as lg
+from vramcalc.terms import torchtune as ttn
+from vramcalc.training import TrainingConfig
+from vramcalc.units import ALLOC_ROUND_BYTES
+
+torch = pytest.importorskip("torch")
+
+H, V = 256, 3000
+SMALL = ModelSpec(name="small", hidden_size=H, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2, intermediate_size=768, vocab_size=V,
+                  tie_word_embeddings=False)
+
+
+def ctx_of(b: int, s: int, version: str = "0.1.0", dp: int = 1,
+           finetune: str = "full") -> RankContext:
+    tr = TrainingConfig(framework="torchtune", precision="bf16-pure", seq_len=s,
+                        micro_batch_size=b, torchtune_version=version, finetune=finetune)
+    return RankContext(SMALL, tr, ParallelConfig(dp=dp), 0)
+
+
+def _recipe_loss(b: int, s: int, delete: bool) -> tuple[int, int, int, int]:
+    """The v0.1.0 recipes' loop from the model's output on, on fake tensors, two micro-batches:
+    (forward peak, kept after forward, backward peak, held after backward) of the second, above
+    what existed before the first (the loop's `logits` and `labels` live on between them)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramcalc.trace.tracker import MemoryTracker
+
+    F = torch.nn.functional
+    tracker = MemoryTracker()
+    loop: dict[str, object] = {}
+    with FakeTensorMode(), tracker:
+        x = torch.empty(b, s, H, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.empty(V, H, dtype=torch.bfloat16)  # a frozen head (LoRA)
+        batch = torch.zeros(b, s, dtype=torch.long)  # the loop's `batch` keeps the labels
+        base = tracker.total
+        for it in range(2):
+            tracker.iteration = it
+            tracker.set_phase("forward")
+            out = F.linear(x, w).float()  # modules/transformer.py `self.output(h).float()`
+            loop["logits"] = out  # recipes/*_finetune_*.py `train`
+            del out
+            loop["logits"] = loop["logits"][..., :-1, :].contiguous()  # type: ignore[index]
+            loop["labels"] = batch[..., 1:].contiguous()
+            loop["logits"] = loop["logits"].transpose(1, 2)  # type: ignore[attr-defined]
+            loss = torch.nn.CrossEntropyLoss()(loop["logits"], loop["labels"])
+            if delete:  # lora_finetune_distributed from 0.2.0
+                del loop["logits"]
+            kept = tracker.total - base
+            tracker.set_phase("backward")
+            loss.backward()
+            x.grad = None
+            del loss
+        fwd = tracker.peaks[(1, "forward")].total - base
+        bwd = tracker.peaks[(1, "backward")].total - base
+        held = tracker.total - base
+    return fwd, kept, bwd, held
+
+
+@pytest.mark.parametrize(("b", "s", "delete"), [(2, 96, False), (1, 96, False),
+                                                 (2, 96, True), (3, 50, False), (2, 2, False)])
+def test_recipe_loss_equals_the_trace(b: int, s: int, delete: bool) -> None:
+    fwd, kept, bwd, held = _recipe_loss(b, s, delete)
+    ctx = (ctx_of(b, s, "0.2.1", dp=2, finetune="lora") if delete else ctx_of(b, s))
+    recipe = sum(ttn.recipe_held(ctx).values())
+    slack = 2 * ALLOC_ROUND_BYTES  # 0-dim temporaries not modelled
+    assert 0 <= held - recipe <= slack
+    assert 0 <= kept - (recipe + lg.logits_saved_bytes(ctx)) <= slack
+    assert 0 <= fwd - (recipe + lg.logits_forward_peak_bytes(ctx)) <= slack
+    assert abs(bwd - (recipe + lg.logits_backward_peak_bytes(ctx))) <= slack
+
+
+def test_llama2_7b_tutorial_batch_by_hand() -> None:
+    # b = 2, s = 512, V = 32000: the shifted copy is 2 x 511 x 32000 x 4 B = 130,816,000 B
+    # (a multiple of 512), the labels copy 2 x 511 x 8 = 8,176 B -> 8,192 B
+    spec = ModelSpec(name="l2", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=32, intermediate_size=11008, vocab_size=32000)
+    tr = TrainingConfig(framework="torchtune", precision="bf16-pure", seq_len=512,
+                        micro_batch_size=2, torchtune_version="0.1", finetune="lora")
+    ctx = RankContext(spec, tr, ParallelConfig(dp=1), 0)
+    assert ttn.recipe_held(ctx) == {"logits/recipe_logits": 130_816_000 + 8_192}
+    # log_softmax's output and the copy of its transposed input (the model's bf16 output and
+    # its upcast, 2 x 512 x 32000 x 6 B = 196,608,000 B, come earlier)
+    assert lg.logits_forward_peak_bytes(ctx) == 2 * 130_816_000
+    assert lg.logits_backward_peak_bytes(ctx) == 3 * 130_816_000 + 3 * 512
+    # lora_finetune_distributed deletes it from 0.2.0, not in 0.1.0 or the other recipes
+    dist = RankContext(spec, tr.model_copy(update={"torchtune_version": "0.2.0"}),
+                       ParallelConfig(dp=2), 0)
+    assert ttn.recipe_held(dist) == {"logits/recipe_logits": 8_192}
+    assert not ttn.recipe_held(RankContext(spec, tr.model_copy(
+        update={"torchtune_version": "0.3.0"}), ParallelConfig(dp=1), 0))
+
+
+def _estimate(*flags: str, capsys: pytest.CaptureFixture[str]) -> dict:  # type: ignore[type-arg]
+    code = main(["estimate", "--model", "llama2-7b", "--framework", "torchtune", "--precision",
+                 "bf16-pure", "--seq-len", "512", "--micro-batch-size", "2", "--json", *flags])
+    out = capsys.readouterr().out
+    assert code == 0
+    return json.loads(out)  # type: ignore[no-any-return]
+
+
+def test_the_held_logits_reach_every_phase(capsys: pytest.CaptureFixture[str]) -> None:
+    # full fine-tuning on one GPU: the recipe's logits are alive in the optimizer step too
+    now = _estimate("--gpus", "1xH100", capsys=capsys)
+    old = _estimate("--gpus", "1xH100", "--torchtune-version", "0.1.0", capsys=capsys)
+    held = 130_816_000 + 8_192
+    assert old["phases"]["optimizer"] - now["phases"]["optimizer"] == held
+
+
+def test_distributed_recipes_before_0_3_wrap_fsdp1(capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ("--gpus", "2xRTX4090", "--fsdp", "full", "--finetune", "lora", "--lora-targets",
+             "q,v")
+    fsdp2 = _estimate(*flags, capsys=capsys)
+    old = _estimate(*flags, "--torchtune-version", "0.1.0", capsys=capsys)
+    fsdp1 = _estimate(*flags, "--fsdp-impl", "fsdp1", "--torchtune-version", "0.1.0",
+                      capsys=capsys)
+    assert old == fsdp1 and old != fsdp2
+    assert any("FSDP1" in n for n in old["notes"])
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--torchtune-version", "0.0.9"], "0.1.0 and later"),
+    (["--torchtune-version", "0.2.1", "--chunked-ce", "8"], "came in 0.3.0"),
+    (["--torchtune-version", "0.2.1", "--compile"], "came in 0.3.0"),
+    (["--torchtune-version", "0.3.0", "--recompute", "full", "--activation-offload"],
+     "came in 0.3.1"),
+    (["--torchtune-version", "0.1.0", "--packed"], "came in 0.2.0"),
+    (["--torchtune-version", "0.1.0", "--framework", "hf", "--precision", "bf16"],
+     "--framework torchtune"),
+    (["--torchtune-version", "one"], "--torchtune-version")])
+def test_refused_releases_exit_2(flags: list[str], words: str,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["estimate", "--model", "llama2-7b", "--gpus", "1xH100", "--framework",
+                 "torchtune", "--precision", "bf16-pure", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and words in err
+    assert err.count("\n") == 1
