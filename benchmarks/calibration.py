@@ -488,7 +488,7 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
         "flags": {"model": "llama2-7b", **_TUNE, "gpus": "1xRTX4090", "seq_len": 512,
                   "optimizer": "paged-adamw", "optimizer_in_backward": True,
                   "torchtune_version": "0.1.0"},
-        "notes": [_V010, 
+        "notes": [_V010,
             "--seq-len 512: batches are padded to their longest sample, truncated at "
             "alpaca_dataset's max_seq_len 512 (tatsu-lab/alpaca, train_on_input True); of "
             "the 5000 randomly drawn samples in tatsu-lab/stanford_alpaca 5e69c50 "

@@ -26,7 +26,8 @@ Sources (GB = 1e9 bytes unless said):
 - torchtune README (pytorch/torchtune 1814feb): the Llama-3.2-3B optimisation table ("Peak
   Memory Active (GiB)") on an A100, batch 2, packed to 4096 where said.
 - torchtune's LoRA tutorial (docs/source/tutorials/lora_finetune.rst, ff594c2): the table's
-  other three rows (peak memory reserved, GB), with the calibrated q/v r 8 row's flags.
+  other three rows (peak memory reserved, GB), with the calibrated q/v r 8 row's flags
+  (`--torchtune-version 0.1.0`: the commit, like the Llama 3 tutorial's, is in the 0.1 series).
   "all layers" is q, k, v, output_proj, the MLP and the output projection (rows marked *
   leave out the output projection's adapter, modelled for the hf profile only); lora_llama2
   at ff594c2 gives the MLP adapters no dropout, so `--lora-dropout 0.05` counts one
@@ -36,6 +37,10 @@ Sources (GB = 1e9 bytes unless said):
   q and v, dropout 0.05, batch 2, checkpointing, foreach AdamW, alpaca_cleaned at 512
   tokens), compared as the LoRA tutorial's reserved figure; the GPU is not stated (the
   text names a 24 GB consumer card).
+- torchtune PR #961 (May 2024, main between v0.1.1 and v0.2.0): "seeing 20.2 peak memory
+  allocated" for `full_finetune_single_device --config llama2/7B_full_low_memory.yaml
+  batch_size=4` with every batch replaced by zeros of 2048 tokens (bitsandbytes PagedAdamW
+  stepped in backward, checkpointing, torch.nn.CrossEntropyLoss); the GPU is not stated.
 - torchtune's end-to-end tutorial (docs/source/tutorials/e2e_flow.rst, 97bd210b): the log's
   "Memory stats after model init", "GPU peak memory allocation: 6.21 GiB", of
   llama3_2/3B_lora_single_device (LoRA r 64 on q, v, output_proj and the MLP, bf16), as
@@ -110,7 +115,8 @@ _TUNE31_LORA = {"finetune": "lora", "lora_rank": 8, "lora_targets": "q,v", "lora
 # torchtune's LoRA tutorial table (ff594c2): the calibrated q/v r 8 row's flags
 _TUNE_LORA_TUT = {"model": "llama2-7b", **_TUNE, "seq_len": 512, "optimizer_impl": "foreach",
                   "finetune": "lora", "lora_rank": 8, "lora_targets": "q,v",
-                  "lora_dropout": 0.05, "micro_batch_size": 2, "grad_accum": 64}
+                  "lora_dropout": 0.05, "micro_batch_size": 2, "grad_accum": 64,
+                  "torchtune_version": "0.1.0"}
 
 # (source, row, published value, unit, metric, flags)
 ROWS: list[tuple[str, str, float, str, str, dict[str, Any]]] = [
@@ -160,6 +166,10 @@ ROWS: list[tuple[str, str, float, str, str, dict[str, Any]]] = [
      {**_TUNE_LORA_TUT, "lora_rank": 64, "lora_targets": "q,k,v,o,gate,up,down"}),
     ("torchtune", "Llama 3 tutorial, 8B LoRA", 18.5, "GB", "reserved",
      {**_TUNE_LORA_TUT, "model": "llama3-8b", "gpus": "1xRTX4090"}),
+    ("torchtune", "PR #961, 7B full, low memory, 4 x 2048 tokens", 20.2, "GB", "allocated",
+     {**_TUNE, "model": "llama2-7b", "gpus": "1xRTX4090", "optimizer": "paged-adamw",
+      "optimizer_in_backward": True, "seq_len": 2048, "micro_batch_size": 4,
+      "grad_accum": 1, "torchtune_version": "0.1.0"}),
     ("torchtune", "e2e tutorial, 3B LoRA, model init", 6.21, "GiB", "allocated",
      {**_TUNE, "model": "llama3.2-3b", "gpus": "1xA100-80GB", "micro_batch_size": 4,
       "finetune": "lora", "lora_rank": 64, "lora_targets": "q,v,o,gate,up,down",

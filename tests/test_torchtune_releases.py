@@ -154,3 +154,32 @@ def test_refused_releases_exit_2(flags: list[str], words: str,
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and words in err
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("version", ["0.1.0", "0.2.1"])
+def test_distributed_trace_moves_as_the_analytic_engine(version: str) -> None:
+    # the FSDP2 trace of a LoRA run on two ranks (where both engines place each phase's peak
+    # at the same moment), with and without the recipe's loss: each phase's peak moves by
+    # what the analytic engine's moves (held copy, log_softmax's input copy; 0.2.1's
+    # lora_finetune_distributed deletes the copy after the loss)
+    from vramcalc.analytic import estimate
+    from vramcalc.scenario import Scenario
+    from vramcalc.trace.distributed import trace_any
+    from vramcalc.validate import SHAPES
+
+    def scn(release: str | None) -> Scenario:
+        tr = TrainingConfig(framework="torchtune", precision="bf16-pure", seq_len=128,
+                            micro_batch_size=2, grad_accum=2, finetune="lora",
+                            torchtune_version=release)
+        return Scenario(model=SHAPES["llama-gqa"], training=tr,
+                        parallel=ParallelConfig(dp=2, fsdp="full", fsdp_impl="fsdp2"))
+
+    now, old = scn(None), scn(version)
+    ana_now, ana_old = estimate(now), estimate(old)
+    tra_now, tra_old = trace_any(now), trace_any(old)
+    for phase in ("forward", "backward", "optimizer"):
+        moved = ana_old.phases[phase] - ana_now.phases[phase]
+        assert tra_old.phases[phase] - tra_now.phases[phase] == moved, phase
+    # the copy outlives the loss only where the recipe does not delete it
+    held = ana_old.phases["optimizer"] - ana_now.phases["optimizer"]
+    assert (held > 10**6) == (version == "0.1.0")

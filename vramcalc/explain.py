@@ -54,6 +54,7 @@ from vramcalc.terms.optimizer_states import (
 from vramcalc.terms.overhead import NCCL_BYTES_MULTI_GPU, NCCL_BYTES_TWO_GPU
 from vramcalc.terms.saved import dims, mostly_moe
 from vramcalc.terms.torchtitan_tp import loss_parallel
+from vramcalc.terms.torchtune import recipe_held, shifts_logits
 from vramcalc.terms.transients import (
     autocast_cache_layer_bytes,
     gather_buffer_bytes,
@@ -61,7 +62,6 @@ from vramcalc.terms.transients import (
     optimizer_step_temp_bytes,
 )
 from vramcalc.terms.tune_init import init_replay
-from vramcalc.terms.torchtune import recipe_held, shifts_logits
 from vramcalc.terms.unsloth import chunk_logits_bytes, loss_path, num_chunks
 from vramcalc.terms.weights import finetune_weight_parts, weights_by_group
 from vramcalc.units import DTYPE_BITS, GB, fmt_gb
@@ -312,7 +312,7 @@ def logits_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
     if chunks_loss(tr):
         out.append(f"Chunked cross entropy ({tr.chunked_ce} chunks): the fp32 logits and their "
                    "gradients exist one chunk at a time; the log-probabilities are all kept.")
-    elif shifts_logits(ctx):  # --torchtune-version before 0.3 (vramcalc/terms/torchtune.py)
+    elif shifts_logits(tr):  # --torchtune-version before 0.3 (vramcalc/terms/torchtune.py)
         held = sum(recipe_held(ctx).values())
         out.append("torchtune's recipe (before 0.3) copies the fp32 logits of positions 0..s-2 "
                    f"for the loss, its `logits` holding {_gb(held)} all step with the labels "

@@ -215,7 +215,7 @@ def logits_saved_bytes(ctx: RankContext) -> int:
         return 0
     if ctx.spec.is_encoder:  # vramcalc/terms/encoder.py
         return enc.logits_saved_bytes(ctx)
-    if ttn.shifts_logits(ctx):  # torchtune before 0.3 (vramcalc/terms/torchtune.py)
+    if ttn.shifts_logits(ctx.training):  # torchtune before 0.3 (vramcalc/terms/torchtune.py)
         return ttn.shifted_saved_bytes(ctx)
     if ctx.training.framework == "torchtune" and (chunks_loss(ctx.training)
                                                    or ctx.training.compile):
@@ -251,7 +251,7 @@ def logits_forward_peak_bytes(ctx: RankContext) -> int:
 
 def _loss_forward_peak_bytes(ctx: RankContext) -> int:
     """The loss in forward: logits, their upcast and what the loss keeps (last stage)."""
-    if ttn.shifts_logits(ctx):
+    if ttn.shifts_logits(ctx.training):
         return ttn.shifted_forward_peak_bytes(ctx)
     if ctx.training.framework == "torchtune" and (chunks_loss(ctx.training)
                                                    or ctx.training.compile):
@@ -349,7 +349,7 @@ def _nf4_head_bytes(ctx: RankContext, backward: bool) -> int:
 
 def _loss_backward_peak_bytes(ctx: RankContext) -> int:
     """The loss backward: kept log-probabilities and the fp32 gradient buffers."""
-    if ttn.shifts_logits(ctx):
+    if ttn.shifts_logits(ctx.training):
         return ttn.shifted_backward_peak_bytes(ctx)
     if ctx.training.framework == "torchtune" and (chunks_loss(ctx.training)
                                                    or ctx.training.compile):

@@ -66,6 +66,7 @@ from vramcalc.terms.lowmem import head_input_split
 from vramcalc.terms.saved import Saved, dims
 from vramcalc.terms.torchtitan import plain_layer_saved as titan_layer_saved
 from vramcalc.terms.torchtitan_compile import compiled_block_saved
+from vramcalc.training import TrainingConfig
 from vramcalc.units import ALLOC_ROUND_BYTES, alloc, ceil_div
 
 
@@ -192,9 +193,8 @@ def unchunked_compiled_backward_peak_bytes(ctx: RankContext) -> int:
 
 
 # ---- before 0.3.0: the recipe slices the logits (module docstring) --------------------------
-def shifts_logits(ctx: RankContext) -> bool:
+def shifts_logits(tr: TrainingConfig) -> bool:
     """Whether the recipe shifts the logits itself (--torchtune-version before 0.3.0)."""
-    tr = ctx.training
     return tr.framework == "torchtune" and torchtune_before(tr, TORCHTUNE_0_3)
 
 
@@ -204,10 +204,13 @@ def _shifted(ctx: RankContext) -> int:
     return alloc(x.b * (x.s - 1) * x.V, "fp32")
 
 
+def deletes_logits(tr: TrainingConfig, dp: int) -> bool:
+    """lora_finetune_distributed (dp > 1) from 0.2.0 deletes `logits` after the loss."""
+    return finetunes(tr) and dp > 1 and not torchtune_before(tr, TORCHTUNE_0_2)
+
+
 def _deletes_logits(ctx: RankContext) -> bool:
-    """lora_finetune_distributed from 0.2.0 deletes `logits` after the loss."""
-    return (finetunes(ctx.training) and ctx.parallel.dp_degree > 1
-            and not torchtune_before(ctx.training, TORCHTUNE_0_2))
+    return deletes_logits(ctx.training, ctx.parallel.dp_degree)
 
 
 def _recipe_logits(ctx: RankContext) -> int:
@@ -220,7 +223,7 @@ def _recipe_logits(ctx: RankContext) -> int:
 def recipe_held(ctx: RankContext) -> dict[str, int]:
     """Held all step on the last stage: the recipe's `logits` (unless deleted) and its
     shifted labels copy (b > 1)."""
-    if not shifts_logits(ctx) or not ctx.is_last_stage:
+    if not shifts_logits(ctx.training) or not ctx.is_last_stage:
         return {}
     x = dims(ctx)
     labels = alloc(x.b * (x.s - 1), "int64") if x.b > 1 else 0

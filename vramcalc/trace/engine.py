@@ -165,7 +165,8 @@ def build_model(scn: Scenario) -> Any:
         from vramcalc.trace.liger import apply_liger
 
         model = apply_liger(model)
-    if tr.chunked_ce > 1 or tr.activation_offload:  # vramcalc/trace/lowmem.py
+    if tr.chunked_ce > 1 or tr.activation_offload or (  # vramcalc/trace/lowmem.py
+            tr.framework == "torchtune" and tr.torchtune_version is not None):
         from vramcalc.trace.lowmem import apply_memory_options
 
         model = apply_memory_options(model, scn)

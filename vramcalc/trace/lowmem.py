@@ -16,6 +16,11 @@ vramcalc/terms/lowmem.py).
   tensor (the trace marks the copy as host memory and drops the device reference); in
   backward each comes back to the device when its node runs and is released after it.
 
+- `apply_recipe_loss(model, scn)`: torchtune's recipes before 0.3 (vramcalc/terms/
+  torchtune.py): the loop's `logits` holds the shifted fp32 copy of the logits from the
+  loss until the next micro-batch's output exists (or, lora_finetune_distributed from
+  0.2.0, only through the loss), and the loss runs over the transposed copy.
+
 torch is imported only when a trace runs.
 """
 
@@ -27,6 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vramcalc.terms.torchtune import deletes_logits, shifts_logits
 
 MIN_OFFLOAD_BYTES = 1024  # torchtune OffloadActivations(min_offload_size=1024)
 
@@ -130,8 +137,32 @@ def apply_activation_offload(model: nn.Module, scn: Any) -> nn.Module:
     return model
 
 
+def apply_recipe_loss(model: nn.Module, scn: Any) -> nn.Module:
+    """The reference model's loss as torchtune's recipes before 0.3 compute it (module
+    docstring; their `train`): `self.output(h).float()`, then in the loop `logits =
+    logits[..., :-1, :].contiguous()`, `labels[..., 1:].contiguous()`, the transpose and
+    torch.nn.CrossEntropyLoss over (b, V, s - 1)."""
+    loop: dict[str, torch.Tensor] = {}  # the recipe's loop variables, alive between calls
+    delete = deletes_logits(scn.training, scn.parallel.dp_degree)
+
+    def loss_head(head: nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loop["logits"] = head(x).float()  # the previous micro-batch's copy goes now
+        loop["logits"] = loop["logits"][..., :-1, :].contiguous()
+        loop["labels"] = labels[..., 1:].contiguous()
+        loss = F.cross_entropy(loop["logits"].transpose(1, 2), loop["labels"])
+        if delete:
+            del loop["logits"]
+        return loss
+
+    duck: Any = model
+    duck.loss_head = loss_head
+    return model
+
+
 def apply_memory_options(model: nn.Module, scn: Any) -> nn.Module:
     """Chunked cross entropy and activation offload, when the scenario asks for them."""
+    if shifts_logits(scn.training):
+        model = apply_recipe_loss(model, scn)
     if scn.training.chunked_ce > 1:
         model = apply_chunked_ce(model, scn)
     if scn.training.activation_offload:
