@@ -478,8 +478,8 @@ MEASURED_TABLE: dict[str, dict[str, Any]] = {
                   "fsdp": "full", "torchtune_version": "0.1.0"},
         "notes": [_ALPACA_512, _V010, "torchtune fef3ed10 7B_lora.yaml (lora_finetune_distributed): "
                   "enable_activation_checkpointing False, batch 2 per GPU, torch.optim.AdamW "
-                  "(foreach); FSDP1 (--fsdp-impl fsdp1) with lora_fsdp_wrap_policy: each LoRA "
-                  "A and B a unit of its own (FSDP1 by --torchtune-version 0.1.0), the blocks' "
+                  "(foreach); FSDP1 (the 0.1 recipe's, so --fsdp-impl fsdp1 by default) with "
+                  "lora_fsdp_wrap_policy: each LoRA A and B a unit of its own, the blocks' "
                   "flat parameters frozen and resharded in backward, so the bytes are "
                   "FSDP2's (the trace runs FSDP2 in its place); "
                   "the remaining gap is not explained by the recipe's FSDP1 (docs/"
