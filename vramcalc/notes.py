@@ -70,9 +70,9 @@ def _fsdp1_note(ctx: RankContext) -> str:
     """FSDP1's flat gradients, with this scenario's figure (vramcalc/terms/fsdp1.py)."""
     how = ("unsharded, accumulated under no_sync() until the last micro-batch"
            if fsdp1.no_sync(ctx) else "one shard per rank")
-    mixed = (": each block's frozen weights share its flat parameter with the adapters and "
-             "get gradients too" if fsdp1.mixed_units(ctx) else "")
-    return (f"FSDP1 flat parameters (FullyShardedDataParallel, use_orig_params=True){mixed}; "
+    mixed = (", use_orig_params=True: each block's frozen weights share its flat parameter "
+             "with the adapters and get gradients too" if fsdp1.mixed_units(ctx) else "")
+    return (f"FSDP1 flat parameters (FullyShardedDataParallel{mixed}); "
             f"gradients {fmt_gb(gradients_bytes(ctx))} ({how})")
 
 
