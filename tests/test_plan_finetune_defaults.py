@@ -87,3 +87,31 @@ def test_activation_offload_is_suggested_when_layer_inputs_overflow() -> None:
     sg = _suggestion(doc, "activation_offload")
     assert sg["change"] == {"activation_offload": True}
     assert sg["candidate"]["strategy"]["activation_offload"] is True
+
+
+def test_next_steps_carry_every_option_given(tmp_path: object) -> None:
+    # plan's "see one strategy" command and its `check` config describe the run the plan
+    # ranked: the stack, its release and the adapters' settings go with the strategy (the
+    # device total each gives equals the plan's best, which a run without them would not)
+    import shlex
+    from pathlib import Path
+
+    given = ["--model", "llama2-7b", "--gpus", "2xRTX4090", "--framework", "torchtune",
+             "--torchtune-version", "0.1.0", "--finetune", "lora", "--lora-rank", "64",
+             "--lora-targets", "all-linear", "--lora-dropout", "0.1", "--seq-len", "1024"]
+    runner = CliRunner()
+    best = json.loads(runner.invoke(app, ["plan", *given, "--json"]).stdout)
+    total = best["candidates"][0]["device_total_bytes"]
+    text = runner.invoke(app, ["plan", *given], env={"COLUMNS": "400"}).stdout
+    cmd = next(line for line in text.splitlines() if "see one strategy:" in line)
+    argv = shlex.split(cmd.split("see one strategy:", 1)[1])[1:]
+    for flag in ("--torchtune-version", "--lora-rank", "--lora-targets", "--lora-dropout",
+                 "--framework"):
+        assert flag in argv
+    shown = json.loads(runner.invoke(app, [*argv, "--json"]).stdout)
+    assert shown["device_total_bytes"] == total
+    yaml_lines = text.split("`vramcalc check train.yaml` (docs/ci.md)", 1)[1].splitlines()
+    cfg = Path(str(tmp_path)) / "train.yaml"
+    cfg.write_text("\n".join(line.strip() for line in yaml_lines if line.strip()) + "\n")
+    checked = json.loads(runner.invoke(app, ["check", str(cfg), "--json"]).stdout)
+    assert checked["device_total_bytes"] == total

@@ -120,10 +120,21 @@ def _estimate(*flags: str, capsys: pytest.CaptureFixture[str]) -> dict:  # type:
 
 def test_the_held_logits_reach_every_phase(capsys: pytest.CaptureFixture[str]) -> None:
     # full fine-tuning on one GPU: the recipe's logits are alive in the optimizer step too
-    now = _estimate("--gpus", "1xH100", capsys=capsys)
-    old = _estimate("--gpus", "1xH100", "--torchtune-version", "0.1.0", capsys=capsys)
+    now = _estimate("--gpus", "1xH100", "--optimizer-impl", "foreach", capsys=capsys)
+    old = _estimate("--gpus", "1xH100", "--optimizer-impl", "foreach", "--torchtune-version",
+                    "0.1.0", capsys=capsys)
     held = 130_816_000 + 8_192
     assert old["phases"]["optimizer"] - now["phases"]["optimizer"] == held
+
+
+@pytest.mark.parametrize(("version", "impl"), [("0.3.0", "foreach"), ("0.3.1", "fused"),
+                                               (None, "fused")])
+def test_configs_fuse_adamw_from_0_3_1(version: str | None, impl: str) -> None:
+    # torchtune cca50f0 (#1575, in v0.3.1) put `fused: True` in the AdamW configs; before
+    # it torch.optim.AdamW ran torch's CUDA default, foreach
+    tr = TrainingConfig(framework="torchtune", precision="bf16-pure",
+                        torchtune_version=version)
+    assert tr.step_impl == impl
 
 
 def test_distributed_recipes_before_0_3_wrap_fsdp1(capsys: pytest.CaptureFixture[str]) -> None:

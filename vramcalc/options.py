@@ -223,7 +223,7 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("torchao_version", str, None, "torchao release with --qlora-impl torchao, e.g. 0.1: "
         "before 0.2 to_nf4 quantizes a whole weight at once at load; before 0.3 each "
         "weight keeps a 1/64-size scaler-factor storage. Default: 0.5.0."),
-    Opt("torchtune_version", str, None, "torchtune release with --framework torchtune, from 0.1.0, e.g. 0.2.1: before 0.3 the recipes slice the fp32 logits for the loss and keep them all step, and shard with FSDP1 (vramcalc/terms/torchtune.py). Default: the current release."),
+    Opt("torchtune_version", str, None, "torchtune release with --framework torchtune, from 0.1.0, e.g. 0.2.1: before 0.3 the recipes slice the fp32 logits for the loss and keep them all step, and shard with FSDP1; before 0.3.1 AdamW steps foreach, not fused (vramcalc/terms/torchtune.py). Default: the current release."),
     Opt("unsloth_version", str, None, "Unsloth release with --framework unsloth, from 2024.8 (its first on PyPI), e.g. 2024.12.4: its loss, checkpoint offload, LoRA kernels and rotary caches changed since (vramcalc/terms/unsloth.py). Default: 2026.8.19."),
     Opt("nf4_double_quant", bool, None, "bitsandbytes double quantization of the absmax (Linear4bit compress_statistics, HF bnb_4bit_use_double_quant, Lightning 'nf4-dq'). Default: on."),
     Opt("quantize_head", bool, False, "QLoRA: lm_head in NF4 too (Lightning's "

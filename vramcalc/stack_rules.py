@@ -16,8 +16,9 @@ UNSLOTH_OLDEST = (2024, 8, 0)
 # torchtune releases (pytorch/torchtune tags) where what the profile models changed: its first
 # release; PackedDataset, and `del logits` in lora_finetune_distributed (cb3ed29, #1046);
 # labels shifted by `torch.hstack` in place of the recipe's logits slice, CEWithChunkedOutputLoss,
-# `compile_loss` and FSDP2's `shard_model`; OffloadActivations (vramcalc/terms/torchtune.py)
-TORCHTUNE_OLDEST, TORCHTUNE_0_2, TORCHTUNE_0_3, TORCHTUNE_OFFLOAD = (
+# `compile_loss` and FSDP2's `shard_model`; OffloadActivations and the configs' fused AdamW
+# (cca50f0, #1575) (vramcalc/terms/torchtune.py)
+TORCHTUNE_OLDEST, TORCHTUNE_0_2, TORCHTUNE_0_3, TORCHTUNE_0_3_1 = (
     (0, 1, 0), (0, 2, 0), (0, 3, 0), (0, 3, 1))
 
 
@@ -184,7 +185,7 @@ def torchtune_training_problem(tr: Any) -> str | None:
         flag = (f"--torchtune-version {tr.torchtune_version}: chunked cross entropy and the "
                 "compiled layers and loss came in 0.3.0 (before it `compile: True` compiled "
                 "the whole model, which is not modelled)")
-    elif torchtune_before(tr, TORCHTUNE_OFFLOAD) and tr.activation_offload:
+    elif torchtune_before(tr, TORCHTUNE_0_3_1) and tr.activation_offload:
         flag = (f"--torchtune-version {tr.torchtune_version}: activation offloading came in "
                 "0.3.1")
     elif torchtune_before(tr, TORCHTUNE_0_2) and tr.packed:

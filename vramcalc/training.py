@@ -27,9 +27,11 @@ from vramcalc.errors import InputError, suggest
 from vramcalc.hf_stack import HF_OPTIMS, hf_stack_problem, parse_modules_to_save, trainer_defaults
 from vramcalc.qlora import NF4Layout, nf4_layout, parse_version
 from vramcalc.stack_rules import (
+    TORCHTUNE_0_3_1,
     lightning_training_problem,
     optimizer_in_backward_problem,
     torchtitan_training_problem,
+    torchtune_before,
     torchtune_training_problem,
     unsloth_training_problem,
 )
@@ -445,20 +447,18 @@ class TrainingConfig(BaseModel):
     # ---- precision policy ---------------------------------------------
     @property
     def step_impl(self) -> str:
-        """The optimizer step's implementation: as given, else the stack's default. The hf
-        profile (HF Trainer) steps AdamW as --hf-optim says (HF_OPTIMS), else as the
-        release's `TrainingArguments.optim` default (hf_stack.trainer_defaults: fused
-        from transformers 4.54 with torch >= 2.8); everything else runs PyTorch's default on
-        CUDA, foreach (torch/optim/optimizer.py `_default_to_fused_or_foreach`)."""
+        """The optimizer step's implementation: as given, else the stack's default. HF
+        Trainer steps AdamW as --hf-optim says (HF_OPTIMS), else as the release's
+        `TrainingArguments.optim` (hf_stack.trainer_defaults: fused from transformers 4.54
+        with torch >= 2.8); else PyTorch's CUDA default, foreach (`_default_to_fused_or_foreach`)."""
         if self.optimizer_impl is not None:
             return self.optimizer_impl
         if self.hf_optim is not None or (self.framework == "hf" and self.optimizer == "adamw"):
             return HF_OPTIMS[self.hf_optim or trainer_defaults(self)[0]]
-        # torchtitan (9dec370, torchtitan/optimizer.py `build_optimizers`): fused =
-        # --optimizer.fused (default False, config_manager.py), foreach = not fused
-        # torchtune (1814feb): its configs build torch.optim.AdamW with `fused: True`
-        # (recipes/configs/llama3_2/3B_lora_single_device.yaml and the other LoRA configs)
-        fused = self.framework in ("hf", "torchtune") and self.optimizer == "adamw"
+        # torchtitan 9dec370 `build_optimizers`: --optimizer.fused (default False);
+        # torchtune's configs build torch.optim.AdamW with `fused: True` from 0.3.1 (cca50f0)
+        tune = self.framework == "torchtune" and not torchtune_before(self, TORCHTUNE_0_3_1)
+        fused = (self.framework == "hf" or tune) and self.optimizer == "adamw"
         return "fused" if fused else "foreach"
 
     @property

@@ -76,6 +76,24 @@ SIZE_TIME_BUDGET_S = 60.0
 
 
 # ---- shared helpers --------------------------------------------------------------------------
+def _flag(name: str, v: Any) -> list[str]:
+    """An option's value as command-line words (a list as its comma-joined names)."""
+    opt = OPTIONS_BY_NAME[name]
+    if opt.kind is bool:
+        return [opt.flag if v else "--no-" + opt.flag[2:]]
+    return [opt.flag, (",".join(v) or "none") if isinstance(v, (tuple, list)) else str(v)]
+
+
+def _carried(values: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
+    """The options given that the strategy does not set (the stack, its releases, the
+    adapters, --headroom ...): they go with the best strategy into its `estimate` command
+    and its `check` config, which would otherwise describe another run."""
+    used = {f[2:].replace("-", "_") for f in strategy_flags(s) if f.startswith("--")}
+    skip = used | set(SEARCHED_OPTIONS) | set(ALLOWABLE) | {"model", "gpus", "seq_len"}
+    return {k: v for k, v in values.items()
+            if k in OPTIONS_BY_NAME and k not in skip and v != OPTIONS_BY_NAME[k].default}
+
+
 def _command_line(command: str, values: dict[str, Any], extra: dict[str, Any]) -> str:
     """The command that reruns with `values`, leaving out options at their defaults."""
     parts = ["vramcalc", command]
@@ -85,12 +103,7 @@ def _command_line(command: str, values: dict[str, Any], extra: dict[str, Any]) -
         v = values.get(opt.name)
         if v is None or (v == defaults[opt.name] and opt.name not in ("model", "gpus")):
             continue
-        if opt.kind is bool:
-            parts.append(opt.flag if v else "--no-" + opt.flag[2:])
-            continue
-        if isinstance(v, (tuple, list)):
-            v = ",".join(v) or "none"
-        parts += [opt.flag, str(v)]
+        parts += _flag(opt.name, v)
     for flag, v in extra.items():
         if v is not None:
             parts += [flag, str(v)]
@@ -186,15 +199,13 @@ def plan_cmd(ctx: typer.Context, **kwargs: Any) -> None:
     model_text, gpus_text = str(values["model"]), str(values.get("gpus", "1xH100"))
     if result.entries:
         s = result.entries[0].report.strategy
-        common = {k: values[k] for k in ("attention", "framework", "optimizer_dtype",
-                                         "headroom", "capacity_factor", "offload_device")
-                  if k in values and values[k] != OPTIONS_BY_NAME[k].default}
+        carried = _carried(values, s)
         doc["estimate_cmd"] = " ".join(
             ["vramcalc", "estimate", "--model", shlex.quote(model_text), "--gpus",
              shlex.quote(gpus_text)] + strategy_flags(s)
-            + [f"--{k.replace('_', '-')} {v}" for k, v in common.items()]
+            + [shlex.quote(p) for k, v in carried.items() for p in _flag(k, v)]
             + ([f"--deepspeed {shlex.quote(str(ds_path))}"] if ds_path is not None else []))
-        doc["config_yaml"] = config_yaml(model_text, gpus_text, s, base.headroom_fraction)
+        doc["config_yaml"] = config_yaml(model_text, gpus_text, s, carried)
     doc["apply"] = [_command_line("plan", {**values, **sg.change}, extras)
                     for sg in suggestions]
     if markdown:

@@ -123,8 +123,9 @@ def strategy_flags(s: dict[str, Any]) -> list[str]:
     return flags
 
 
-def config_yaml(model: str, gpus: str, s: dict[str, Any], headroom: float) -> str:
-    """A `vramcalc check` config for a strategy (keys = option names)."""
+def config_yaml(model: str, gpus: str, s: dict[str, Any], carried: dict[str, Any]) -> str:
+    """A `vramcalc check` config for a strategy and the options carried with it (keys =
+    option names)."""
     flags = strategy_flags(s)
     lines = [f"model: {model}", f"gpus: {gpus}"]
     i = 0
@@ -136,7 +137,10 @@ def config_yaml(model: str, gpus: str, s: dict[str, Any], headroom: float) -> st
         else:
             lines.append(f"{key}: true")
             i += 1
-    lines.append(f"headroom: {headroom:g}")
+    for key, v in carried.items():
+        text = (str(v).lower() if isinstance(v, bool) else ",".join(v)
+                if isinstance(v, (tuple, list)) else f"{v:g}" if isinstance(v, float) else v)
+        lines.append(f"{key}: {text}")
     return "\n".join(lines)
 
 
