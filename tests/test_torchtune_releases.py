@@ -194,3 +194,42 @@ def test_distributed_trace_moves_as_the_analytic_engine(version: str) -> None:
     # the copy outlives the loss only where the recipe does not delete it
     held = ana_old.phases["optimizer"] - ana_now.phases["optimizer"]
     assert (held > 10**6) == (version == "0.1.0")
+
+
+@pytest.mark.parametrize("flags", [
+    {}, {"recompute": "full"}, {"finetune": "lora", "lora_targets": "q,v"},
+    {"finetune": "lora", "lora_targets": "all-linear", "recompute": "full", "chunked_ce": 4},
+    {"finetune": "qlora", "recompute": "full"}, {"chunked_ce": 4},
+    {"finetune": "lora", "recompute": "full", "activation_offload": True},
+    {"optimizer_in_backward": True, "recompute": "full"},
+    {"finetune": "lora", "torchtune_version": "0.1.0", "recompute": "full"},
+    {"torchtune_version": "0.2.1"}], ids=repr)
+def test_the_trace_runs_torchtunes_layer_and_loss(flags: dict[str, object]) -> None:
+    # the single-rank trace of the torchtune profile (the reference model with torchtune's
+    # layer: plain-op RMSNorm, complex-pair RoPE, repeated k and v; its chunked loss; the
+    # recipe's loss before 0.3) agrees with the analytic profile phase by phase, within the
+    # rotary table the traced model registers as a buffer (s x d/2 complex64)
+    from vramcalc.analytic import estimate
+    from vramcalc.scenario import Scenario
+    from vramcalc.trace.distributed import trace_any
+    from vramcalc.validate import SHAPES
+
+    spec = SHAPES["llama-gqa"]
+    tr = TrainingConfig(framework="torchtune", precision="bf16-pure", seq_len=256,
+                        micro_batch_size=2, **flags)  # type: ignore[arg-type]
+    scn = Scenario(model=spec, training=tr)
+    ana, tra = estimate(scn), trace_any(scn)
+    table = 256 * spec.head_size // 2 * 8
+    for phase, traced in tra.phases.items():
+        assert 0 <= traced - ana.phases[phase] <= table + 4 * 512, phase
+    assert ana.peak_phase == tra.peak_phase
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--compile"], "analytic engine"), (["--load", "torchtune"], "--load torchtune")])
+def test_what_the_torchtune_trace_leaves_to_the_analytic_engine(
+        flags: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["trace", "--model", "llama3.2-1b", "--gpus", "1xH100", "--framework",
+                 "torchtune", "--precision", "bf16-pure", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and words in err

@@ -90,11 +90,10 @@ def check_distributed(scn: Scenario) -> Scenario:
                          "parameters are modelled analytically (use --fsdp-impl fsdp2)")
     if par.dp_degree < 2:
         raise InputError("the distributed trace needs dp >= 2")
-    if tr.packed:
-        raise InputError("--packed: the traces build unpacked batches (no input_pos or "
-                         "document mask); packed sequences are estimated by the analytic "
-                         "engine (vramcalc/terms/packed.py)")
     check_eager_titan(scn)
+    from vramcalc.trace.tune import check_tune  # torch, loaded with the trace
+
+    check_tune(scn)
     return scn
 
 

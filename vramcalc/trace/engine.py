@@ -97,13 +97,16 @@ def check_traceable(scn: Scenario) -> Scenario:
         raise InputError(
             "trace supports single-rank layouts; got " + ", ".join(multi)
             + " (trace one GPU, e.g. --gpus 1xH100, without parallel options)")
-    if tr.load_only:
-        raise InputError("--load-only: the trace engine runs training steps; the reading "
-                         "right after loading is the analytic engine's (vramcalc estimate)")
-    if tr.framework in ("megatron", "torchtune", "lightning", "unsloth"):
-        raise InputError(f"trace runs the reference, hf and torchtitan profiles; "
+    if tr.load_only or tr.load != "none":
+        raise InputError(f"--load{'-only' if tr.load_only else ' ' + tr.load}: the trace "
+                         "engine runs training steps from a build of its own; the load "
+                         "phase is the analytic engine's (vramcalc estimate)")
+    if tr.framework in ("megatron", "lightning", "unsloth"):
+        raise InputError(f"trace runs the reference, hf, torchtitan and torchtune profiles; "
                          f"{tr.framework} has no traceable model (use --framework reference "
                          "or hf)")
+    from vramcalc.trace.tune import check_tune  # torch, loaded with the trace
+    check_tune(scn)
     spec = scn.model
     if spec.position_embedding == "learned" and tr.seq_len > spec.max_position_embeddings:
         raise InputError(f"seq_len={tr.seq_len} exceeds {spec.name}'s learned positions "
@@ -152,7 +155,8 @@ def build_model(scn: Scenario) -> Any:
         from vramcalc.trace.reference_model import ReferenceModel
 
         model = ReferenceModel(scn.model, attention=tr.attention, recompute=tr.recompute,
-                               capacity_factor=scn.parallel.capacity_factor, dtype=dtype)
+                               capacity_factor=scn.parallel.capacity_factor, dtype=dtype,
+                               tune_seq_len=tr.seq_len if tr.framework == "torchtune" else 0)
     if tr.finetune != "full":  # LoRA / QLoRA / DoRA (vramcalc/trace/lora.py)
         from vramcalc.trace.lora import apply_finetune
 

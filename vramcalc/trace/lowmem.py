@@ -16,11 +16,6 @@ vramcalc/terms/lowmem.py).
   tensor (the trace marks the copy as host memory and drops the device reference); in
   backward each comes back to the device when its node runs and is released after it.
 
-- `apply_recipe_loss(model, scn)`: torchtune's recipes before 0.3 (vramcalc/terms/
-  torchtune.py): the loop's `logits` holds the shifted fp32 copy of the logits from the
-  loss until the next micro-batch's output exists (or, lora_finetune_distributed from
-  0.2.0, only through the loss), and the loss runs over the transposed copy.
-
 torch is imported only when a trace runs.
 """
 
@@ -33,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vramcalc.terms.torchtune import deletes_logits, shifts_logits
+from vramcalc.terms.torchtune import shifts_logits
+from vramcalc.trace.tune import apply_recipe_loss, output_chunked_cross_entropy
 
 MIN_OFFLOAD_BYTES = 1024  # torchtune OffloadActivations(min_offload_size=1024)
 
@@ -54,11 +50,15 @@ def chunked_cross_entropy(head: nn.Module, x: torch.Tensor, labels: torch.Tensor
 
 
 def apply_chunked_ce(model: nn.Module, scn: Any) -> nn.Module:
-    """Make the model's loss the chunked cross entropy (reference: its `loss_head` hook;
-    hf: the causal LM's forward returns the loss of its decoder's hidden states)."""
+    """Make the model's loss the chunked cross entropy (reference: its `loss_head` hook,
+    torchtune's own under the torchtune profile; hf: the causal LM's forward returns the
+    loss of its decoder's hidden states)."""
     n = scn.training.chunked_ce
     # a ReferenceModel, or a transformers causal LM (or the PEFT model around one): duck-typed
     duck: Any = model
+    if scn.training.framework == "torchtune":
+        duck.loss_head = lambda head, x, labels: output_chunked_cross_entropy(head, x, labels, n)
+        return model
     if scn.training.framework != "hf":
         duck.loss_head = lambda head, x, labels: chunked_cross_entropy(head, x, labels, n)
         return model
@@ -134,28 +134,6 @@ def apply_activation_offload(model: nn.Module, scn: Any) -> nn.Module:
                 return _orig(*args, **kw)
 
         layer.forward = forward
-    return model
-
-
-def apply_recipe_loss(model: nn.Module, scn: Any) -> nn.Module:
-    """The reference model's loss as torchtune's recipes before 0.3 compute it (module
-    docstring; their `train`): `self.output(h).float()`, then in the loop `logits =
-    logits[..., :-1, :].contiguous()`, `labels[..., 1:].contiguous()`, the transpose and
-    torch.nn.CrossEntropyLoss over (b, V, s - 1)."""
-    loop: dict[str, torch.Tensor] = {}  # the recipe's loop variables, alive between calls
-    delete = deletes_logits(scn.training, scn.parallel.dp_degree)
-
-    def loss_head(head: nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loop["logits"] = head(x).float()  # the previous micro-batch's copy goes now
-        loop["logits"] = loop["logits"][..., :-1, :].contiguous()
-        loop["labels"] = labels[..., 1:].contiguous()
-        loss = F.cross_entropy(loop["logits"].transpose(1, 2), loop["labels"])
-        if delete:
-            del loop["logits"]
-        return loss
-
-    duck: Any = model
-    duck.loss_head = loss_head
     return model
 
 

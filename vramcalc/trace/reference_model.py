@@ -27,7 +27,7 @@ C = ⌈capacity_factor · N·k / E⌉ expert capacity.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,8 @@ from torch.utils.checkpoint import checkpoint
 
 from vramcalc.errors import InputError, shown
 from vramcalc.model import ModelSpec
+from vramcalc.trace.titan_model import RMSNorm as PlainRMSNorm
+from vramcalc.trace.titan_model import freqs_cis, repeat_kv, rotary
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -134,10 +136,12 @@ class RMSNorm(nn.Module):
         return rms_norm_op(x, self.weight, self.eps)[0]
 
 
-def make_norm(spec: ModelSpec, width: int, **kw: Unpack[Factory]) -> nn.Module:
+def make_norm(spec: ModelSpec, width: int, tune: bool = False,
+              **kw: Unpack[Factory]) -> nn.Module:
+    """The spec's norm; `tune`: torchtune's RMSNorm in plain ops (its fp32 copy and x̂ kept)."""
     if spec.norm_kind == "layernorm":
         return nn.LayerNorm(width, eps=NORM_EPS, bias=spec.norm_bias, **kw)
-    return RMSNorm(width, **kw)
+    return PlainRMSNorm(width, **kw) if tune else RMSNorm(width, **kw)
 
 
 def activation(name: str):  # noqa: ANN201
@@ -172,9 +176,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, attention: str, recompute: str,
+    def __init__(self, spec: ModelSpec, attention: str, recompute: str, tune: bool = False,
                  **kw: Unpack[Factory]) -> None:
         super().__init__()
+        self.tune = tune  # torchtune's: complex-pair RoPE in fp32, k and v repeated to a heads
         h, a, g, d = spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.head_size
         self.a, self.g, self.d = a, g, d
         self.q_proj = nn.Linear(h, a * d, bias=spec.attention_bias, **kw)
@@ -191,7 +196,7 @@ class Attention(nn.Module):
         """softmax(q kᵀ/√d) v: q (b, a, s, d), k and v (b, g, s, d) -> (b, a, s, d)."""
         if self.attention == "flash":
             return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                  enable_gqa=self.g != self.a)
+                                                  enable_gqa=k.shape[1] != q.shape[1])
         if self.g != self.a:  # eager attention needs k and v for every head: (b, a, s, d)
             k = k.repeat_interleave(self.a // self.g, dim=1)
             v = v.repeat_interleave(self.a // self.g, dim=1)
@@ -210,7 +215,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, s, self.g, self.d)  # (b, s, g, d)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
+        if self.tune:  # torchtune's layer (vramcalc/terms/torchtune.py): torchtitan's ops
+            assert isinstance(rope, torch.Tensor)
+            q, k = rotary(q, k, rope)
+            k, v = repeat_kv(k, self.a // self.g), repeat_kv(v, self.a // self.g)
+        elif rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, heads, s, d)
         if self.selective:
@@ -364,11 +373,12 @@ class MoE(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, spec: ModelSpec, moe: bool, attention: str, recompute: str,
-                 capacity_factor: float, **kw: Unpack[Factory]) -> None:
+                 capacity_factor: float, tune: bool = False, **kw: Unpack[Factory]) -> None:
         super().__init__()
-        self.input_layernorm = make_norm(spec, spec.hidden_size, **kw)
-        self.attn = (MLAttention if spec.is_mla else Attention)(spec, attention, recompute, **kw)
-        self.post_attention_layernorm = (make_norm(spec, spec.hidden_size, **kw)
+        self.input_layernorm = make_norm(spec, spec.hidden_size, tune, **kw)
+        self.attn = (MLAttention(spec, attention, recompute, **kw) if spec.is_mla
+                     else Attention(spec, attention, recompute, tune, **kw))
+        self.post_attention_layernorm = (make_norm(spec, spec.hidden_size, tune, **kw)
                                          if spec.num_layer_norms >= 2 else None)
         self.mlp: nn.Module = (MoE(spec, capacity_factor, **kw) if moe
                                else MLP(spec, spec.intermediate_size, **kw))
@@ -390,19 +400,25 @@ class ReferenceModel(nn.Module):
 
     def __init__(self, spec: ModelSpec, attention: str = "flash", recompute: str = "none",
                  capacity_factor: float = 1.0, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, tune_seq_len: int = 0) -> None:
         super().__init__()
         kw: Factory = {"dtype": dtype, "device": device}
         h, V = spec.hidden_size, spec.vocab_size
         self.spec, self.attention, self.recompute = spec, attention, recompute
+        # tune_seq_len > 0: torchtune's layer (its norms, RoPE and repeated k/v: torchtitan's
+        # ops, vramcalc/terms/torchtune.py), the rotary table built for that many positions
+        tune = tune_seq_len > 0
         self.embed_tokens = nn.Embedding(V, h, **kw)
         self.embed_positions = (nn.Embedding(spec.max_position_embeddings, h, **kw)
                                 if spec.position_embedding == "learned" else None)
         self.layers = nn.ModuleList(
             Block(spec, spec.is_moe_layer(i), attention, recompute,
-                  capacity_factor, **kw)
+                  capacity_factor, tune, **kw)
             for i in range(spec.num_hidden_layers))
-        self.norm = make_norm(spec, h, **kw) if spec.final_norm else None
+        self.norm = make_norm(spec, h, tune, **kw) if spec.final_norm else None
+        table = (freqs_cis(spec.head_size, tune_seq_len, device)
+                 if tune and spec.position_embedding == "rope" else None)
+        self.register_buffer("freqs_cis", table, persistent=False)  # None: not registered
         self.lm_head = nn.Linear(h, V, bias=spec.lm_head_bias, **kw)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -413,8 +429,10 @@ class ReferenceModel(nn.Module):
         x = self.embed_tokens(input_ids)  # (b, s, h)
         if self.embed_positions is not None:
             x = x + self.embed_positions(torch.arange(s, device=x.device))  # + (s, h)
-        rope = None
-        if self.spec.position_embedding == "rope":
+        rope: Any = None
+        if self.freqs_cis is not None:
+            rope = self.freqs_cis
+        elif self.spec.position_embedding == "rope":
             rope = rope_tables(s, self.spec.qk_rope_head_dim or self.spec.head_size, x.device,
                                compute_dtype(x))
         mask = None

@@ -110,6 +110,13 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
+def freqs_cis(d: int, seq_len: int, device: torch.device | str | None) -> torch.Tensor:
+    """precompute_freqs_cis(head_dim, max_seq_len): (max_seq_len, d/2) complex64."""
+    inv = 1.0 / ROPE_THETA ** (torch.arange(0, d, 2, device=device)[: d // 2].float() / d)
+    freqs = torch.outer(torch.arange(seq_len, device=device).float(), inv)
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
 def rotary(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(b, s, heads, d) q and k rotated as complex pairs in fp32, back in their dtype."""
@@ -198,11 +205,7 @@ class TitanLlama(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(spec, m, **kw) for m in modes)
         self.norm = RMSNorm(h, **kw)
         self.output = nn.Linear(h, V, bias=False, **kw)
-        # precompute_freqs_cis(head_dim, max_seq_len): (max_seq_len, d/2) complex64
-        inv = 1.0 / ROPE_THETA ** (torch.arange(0, d, 2, device=device)[: d // 2].float() / d)
-        freqs = torch.outer(torch.arange(seq_len, device=device).float(), inv)
-        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(freqs), freqs),
-                             persistent=True)
+        self.register_buffer("freqs_cis", freqs_cis(d, seq_len, device), persistent=True)
 
     @property
     def lm_head(self) -> nn.Module:
