@@ -111,6 +111,7 @@ def default_grid() -> list[tuple[str, Scenario]]:
     grid += lowprec_grid()  # FP8 (Transformer Engine stand-in) and QAT
     grid += fsdp_grid()
     grid += titan_grid()
+    grid += tune_grid()
     grid += encoder_grid()
     grid += seq2seq_grid()
     return grid
@@ -207,6 +208,25 @@ def titan_grid() -> list[tuple[str, Scenario]]:
                                  recompute=rec)
         par = ParallelConfig(dp=4, fsdp="full")
         out.append((f"{name}/fsdp-full4", scn.model_copy(update={"parallel": par})))
+    return out
+
+
+def tune_grid() -> list[tuple[str, Scenario]]:
+    """The torchtune profile (vramcalc/terms/torchtune.py; the trace runs torchtune's layer,
+    its chunked loss and the pre-0.3 recipe's loss, vramcalc/trace/tune.py): full training,
+    LoRA with the chunked loss, QLoRA, the 0.1 recipe, and LoRA on two FSDP2 ranks."""
+    cases: tuple[tuple[str, dict[str, Any]], ...] = (
+        ("", {}), ("lora/chunked4", {"finetune": "lora", "recompute": "full", "chunked_ce": 4}),
+        ("qlora", {"finetune": "qlora", "recompute": "full"}),
+        ("lora/v0.1", {"finetune": "lora", "torchtune_version": "0.1.0"}))
+    out: list[tuple[str, Scenario]] = []
+    for tag, kw in cases:
+        name, scn = scenario_for("llama-gqa", framework="torchtune", precision="bf16-pure", **kw)
+        out.append((name + (f"/{tag}" if tag else ""), scn))
+    name, scn = scenario_for("llama-gqa", framework="torchtune", precision="bf16-pure",
+                             finetune="lora", recompute="full")
+    out.append((f"{name}/lora/fsdp-full2", scn.model_copy(
+        update={"parallel": ParallelConfig(dp=2, fsdp="full", fsdp_impl="fsdp2")})))
     return out
 
 
