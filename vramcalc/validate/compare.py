@@ -13,7 +13,7 @@ What is compared, per scenario (steady state, the trace's second iteration):
 | gradients         | gradients term                    | gradients alive at end of backward  | exact     |
 | optimizer_states  | states + fp32 masters             | alive at end of the step            | exact     |
 | activations       | k·A_mb (forward phase)            | alive at end of forward, labelled activations | ACTIVATIONS_REL_ERROR |
-| logits            | fp32 log-probabilities kept       | alive at end of forward, labelled logits | LOGITS_REL_ERROR |
+| logits            | fp32 log-probabilities kept (+ a recipe's logits) | alive at end of forward, labelled logits | LOGITS_REL_ERROR |
 
 rel_error = (analytic − trace) / trace. The trace is the referee.
 """
@@ -33,6 +33,7 @@ from vramcalc.scenario import Scenario
 from vramcalc.terms import activations as act
 from vramcalc.terms import logits as lg
 from vramcalc.terms import seq2seq as s2
+from vramcalc.terms.torchtune import recipe_held
 
 PEAK_MEDIAN_REL_ERROR = 0.01  # median |error| of the peak over the grid
 PEAK_MAX_REL_ERROR = 0.03  # every scenario's peak
@@ -72,6 +73,7 @@ def analytic_points(scn: Scenario) -> dict[str, int]:
         activations, logits = s2.microbatch_activation_bytes(x), s2.logits_saved_bytes(x)
     else:
         activations, logits = act.microbatch_activation_bytes(ctx), lg.logits_saved_bytes(ctx)
+        logits += sum(recipe_held(ctx).values())  # torchtune before 0.3: the loop's copy
     return {
         "weights": by_name["optimizer"].get("weights", 0) - buffers,
         "gradients": by_name["optimizer"].get("gradients", 0),
