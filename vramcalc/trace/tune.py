@@ -26,8 +26,8 @@ from vramcalc.terms.torchtune import deletes_logits
 
 
 def check_tune(scn: Scenario) -> None:
-    """What the torchtune trace (the reference model with torchtune's layer, loss and
-    recipe, vramcalc/trace/lowmem.py) does not run: compiled layers and loss (their saved
+    """What the torchtune trace (the reference model with torchtune's layer, and the losses
+    below) does not run: compiled layers and loss (their saved
     sets are the partitioner's, vramcalc/terms/torchtune.py), packed batches (any profile's
     trace: the option is torchtune's)."""
     tr = scn.training
@@ -41,7 +41,6 @@ def check_tune(scn: Scenario) -> None:
         raise InputError("--packed: the traces build unpacked batches (no input_pos or "
                          "document mask); packed sequences are estimated by the analytic "
                          "engine (vramcalc/terms/packed.py)")
-
 
 
 def output_chunked_cross_entropy(head: nn.Module, x: torch.Tensor, labels: torch.Tensor,
