@@ -233,3 +233,17 @@ def test_what_the_torchtune_trace_leaves_to_the_analytic_engine(
                  "torchtune", "--precision", "bf16-pure", *flags])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and words in err
+
+
+def test_the_torchtune_trace_runs_models_without_rotary_positions() -> None:
+    # learned positions (GPT-2's shape): torchtune's layer without its RoPE step
+    from vramcalc.analytic import estimate
+    from vramcalc.scenario import Scenario
+    from vramcalc.trace.distributed import trace_any
+    from vramcalc.validate import SHAPES
+
+    tr = TrainingConfig(framework="torchtune", precision="bf16-pure", seq_len=256,
+                        micro_batch_size=2)
+    scn = Scenario(model=SHAPES["gpt2"], training=tr)
+    ana, tra = estimate(scn), trace_any(scn)
+    assert abs(ana.peak_allocated_bytes - tra.peak_allocated_bytes) <= 4 * 512

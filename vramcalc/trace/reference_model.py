@@ -216,8 +216,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.tune:  # torchtune's layer (vramcalc/terms/torchtune.py): torchtitan's ops
-            assert isinstance(rope, torch.Tensor)
-            q, k = rotary(q, k, rope)
+            if rope is not None:
+                q, k = rotary(q, k, rope)
             k, v = repeat_kv(k, self.a // self.g), repeat_kv(v, self.a // self.g)
         elif rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
