@@ -416,8 +416,8 @@ class ReferenceModel(nn.Module):
                   capacity_factor, tune, **kw)
             for i in range(spec.num_hidden_layers))
         self.norm = make_norm(spec, h, tune, **kw) if spec.final_norm else None
-        table = (freqs_cis(spec.head_size, tune_seq_len, device)
-                 if tune and spec.position_embedding == "rope" else None)
+        table = (freqs_cis(spec.head_size, tune_seq_len, device)  # (MLA keeps its own RoPE)
+                 if tune and spec.position_embedding == "rope" and not spec.is_mla else None)
         self.register_buffer("freqs_cis", table, persistent=False)  # None: not registered
         self.lm_head = nn.Linear(h, V, bias=spec.lm_head_bias, **kw)
         if spec.tie_word_embeddings:
