@@ -216,7 +216,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.tune:  # torchtune's layer (vramcalc/terms/torchtune.py): torchtitan's ops
-            if rope is not None:
+            if isinstance(rope, torch.Tensor):  # the complex table (None: learned positions)
                 q, k = rotary(q, k, rope)
             k, v = repeat_kv(k, self.a // self.g), repeat_kv(v, self.a // self.g)
         elif rope is not None:
