@@ -38,6 +38,7 @@ from vramcalc.report import (
 from vramcalc.scenario import Scenario, check_capabilities
 from vramcalc.terms.optimizer_states import paged_residency, paged_state_bytes
 from vramcalc.terms.overhead import context_bytes, overhead_split
+from vramcalc.terms.torchtune import shifts_logits
 from vramcalc.terms.transients import blas_workspace_parts, cublas_workspace_bytes
 
 ITERATIONS = 2  # the second iteration is the steady state (optimizer states exist)
@@ -169,8 +170,7 @@ def build_model(scn: Scenario) -> Any:
         from vramcalc.trace.liger import apply_liger
 
         model = apply_liger(model)
-    if tr.chunked_ce > 1 or tr.activation_offload or (  # vramcalc/trace/lowmem.py
-            tr.framework == "torchtune" and tr.torchtune_version is not None):
+    if tr.chunked_ce > 1 or tr.activation_offload or shifts_logits(tr):  # trace/lowmem.py
         from vramcalc.trace.lowmem import apply_memory_options
 
         model = apply_memory_options(model, scn)
