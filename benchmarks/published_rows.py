@@ -41,6 +41,14 @@ Sources (GB = 1e9 bytes unless said):
   allocated" for `full_finetune_single_device --config llama2/7B_full_low_memory.yaml
   batch_size=4` with every batch replaced by zeros of 2048 tokens (bitsandbytes PagedAdamW
   stepped in backward, checkpointing, torch.nn.CrossEntropyLoss); the GPU is not stated.
+- torchtune README (pytorch/torchtune fef3ed10, April 2024, "Memory update (#775)"), the
+  table "Peak Memory per GPU": the rows outside the calibration set, compared as reserved
+  (the table's QLoRA row equals the QLoRA tutorial's "peak memory reserved, training"), with
+  the calibrated LoRA rows' settings and `--torchtune-version 0.1.0`: 7B_lora_single_device
+  (as the LoRA tutorial's q/v row) and 7B_full (full_finetune_distributed on 4 GPUs: FSDP1
+  FULL_SHARD without mixed precision, checkpointing per layer, batch 2 without accumulation,
+  foreach AdamW, alpaca_dataset at 512 tokens). The same table's two-GPU LoRA row is a
+  calibration record (docs/methodology.md section 16).
 - torchtune's end-to-end tutorial (docs/source/tutorials/e2e_flow.rst, 97bd210b): the log's
   "Memory stats after model init", "GPU peak memory allocation: 6.21 GiB", of
   llama3_2/3B_lora_single_device (LoRA r 64 on q, v, output_proj and the MLP, bf16), as
@@ -166,6 +174,12 @@ ROWS: list[tuple[str, str, float, str, str, dict[str, Any]]] = [
      {**_TUNE_LORA_TUT, "lora_rank": 64, "lora_targets": "q,k,v,o,gate,up,down"}),
     ("torchtune", "Llama 3 tutorial, 8B LoRA", 18.5, "GB", "reserved",
      {**_TUNE_LORA_TUT, "model": "llama3-8b", "gpus": "1xRTX4090"}),
+    ("torchtune", "README Apr 2024, 7B LoRA, 1x 4090", 17.18, "GB", "reserved",
+     {**_TUNE_LORA_TUT, "gpus": "1xRTX4090"}),
+    ("torchtune", "README Apr 2024, 7B full, 4x 4090, FSDP1", 22.9, "GB", "reserved",
+     {**_TUNE, "model": "llama2-7b", "gpus": "4xRTX4090", "fsdp": "full",
+      "optimizer_impl": "foreach", "seq_len": 512, "micro_batch_size": 2, "grad_accum": 1,
+      "torchtune_version": "0.1.0"}),
     ("torchtune", "PR #961, 7B full, low memory, 4 x 2048 tokens", 20.2, "GB", "allocated",
      {**_TUNE, "model": "llama2-7b", "gpus": "1xRTX4090", "optimizer": "paged-adamw",
       "optimizer_in_backward": True, "seq_len": 2048, "micro_batch_size": 4,
