@@ -55,6 +55,17 @@ def test_gpt2_fits_on_a_4090_and_405b_does_not() -> None:
     assert big["fits"] is False and big["free_bytes"] < 0
 
 
+def test_a_table_that_does_not_fit_points_to_plan() -> None:
+    # 405B x 16 B/param of model states alone is 6.5 TB against one 80 GB card
+    args = ["--model", "405b", "--gpus", "H100", "--recompute", "full"]
+    over = runner.invoke(app, ["estimate", *args])
+    assert "DOES NOT FIT" in over.stdout and "try: vramcalc plan with the same flags" in over.stdout
+    # the flags an estimate takes are plan's too: the suggestion is a command that runs
+    assert runner.invoke(app, ["plan", *args]).exit_code in (0, 1)
+    fits = runner.invoke(app, ["estimate", "--model", "gpt2", "--gpus", "4090"])
+    assert "FITS" in fits.stdout and "try:" not in fits.stdout
+
+
 def test_table_layout() -> None:
     result = runner.invoke(app, ["estimate", "--model", "gpt2", "--gpus", "4090",
                                  "--seq-len", "1024"])

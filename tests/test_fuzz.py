@@ -54,12 +54,21 @@ PINS = ["--tp", "--pp", "--dp", "--cp", "--ep", "--zero", "--micro-batch-size",
         "--grad-accum", "--virtual-stages", "--num-microbatches", "--shard-group"]
 CHOICES = {"--fsdp": ["full", "hybrid", "grad-op", "bogus"],
            "--precision": ["amp-bf16", "fp8", "fp32", "fp64"],
-           "--framework": ["megatron", "torchtitan", "hf", "nope"],
+           "--framework": ["megatron", "torchtitan", "hf", "torchtune", "lightning", "unsloth",
+                           "deepspeed", "nope"],
+           "--fsdp-impl": ["fsdp1", "fsdp2", "x"], "--optimizer-impl": ["foreach", "fused", "x"],
+           "--load": ["hf-fp32", "torchtune", "x"], "--qlora-impl": ["torchao", "bnb", "x"],
            "--qat": ["int4", "int8"], "--recompute": ["full", "selective", "x"],
            "--offload": ["optimizer", "params,optimizer", "gpu"],
            "--pp-schedule": ["interleaved", "gpipe"], "--finetune": ["lora", "qlora"],
            "--stage-layers": ["16,16", "15,16,16,16,16,16,16,15", "0,1", "a,b", ",", "9" * 30,
                               ",".join(["1"] * 200_000)]}
+# stack releases: every one of them must parse or refuse with one line
+VERSIONS = ["0.1.0", "0.2", "0.3.1", "2.4", "4.39.0", "9999.1", "x", "", "0.1.0.dev0", "1e3",
+            "-1", "1..2", "v0.1", "9" * 30, HUGE]
+for _flag in ("--torchtune-version", "--transformers-version", "--torch-version",
+              "--bnb-version", "--torchao-version", "--unsloth-version"):
+    CHOICES[_flag] = VERSIONS
 FLOATS = ["--headroom", "--capacity-factor", "--lora-dropout", "--dropout"]
 
 

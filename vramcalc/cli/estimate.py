@@ -43,7 +43,12 @@ def show_report(report: MemoryReport, as_json: bool, markdown: str | None = None
             headroom = 1 - report.usable_bytes / report.gpu.memory_total_bytes
         emit_text(estimate_markdown(report, headroom, markdown, notes or []))
     else:
-        print_report(make_console(), report)
+        console = make_console()
+        print_report(console, report)
+        if report.fits is False:
+            console.print("try: vramcalc plan with the same flags: it lists the smallest "
+                          "changes that fit (recomputation, sharding, fine-tuning, optimizer, "
+                          "offload, more or other GPUs)")
 
 
 MARKDOWN = option("markdown", bool, False, "--markdown",
