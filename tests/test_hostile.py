@@ -112,6 +112,15 @@ def test_model_names(model: str, needle: str) -> None:
     assert "\x1b" not in line and len(line) < 1000
 
 
+def test_file_options_with_names_too_long(tmp_path: Path) -> None:
+    # a name past NAME_MAX makes stat() raise ENAMETOOLONG, which pathlib's is_dir() passes on
+    long = str(tmp_path / ("n" * 300))
+    one_error(["estimate", "--model", "gpt2", "--finetune", "peft", "--peft-config",
+               long + ".json"], "--peft-config", "File name too long")
+    one_error(["max", "--model", "gpt2", "--gpus", "4090", "--plot", long + "/x.png"],
+              "--plot", "no such folder")
+
+
 def test_profile_lookup_with_long_names(tmp_path: Path) -> None:
     one_error(["estimate", "--model", "8b", "--gpus", "a" * 300], "unknown GPU")
     one_error(["estimate", "--model", "8b", "--profiles-dir", "/x" * 3000], "not a valid path")

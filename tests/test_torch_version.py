@@ -25,6 +25,7 @@ from vramcalc.analytic import estimate
 from vramcalc.cli import main
 from vramcalc.model import ModelSpec
 from vramcalc.options import build_scenario
+from vramcalc.qlora import parse_version
 from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.terms import activations as act
@@ -117,7 +118,7 @@ def test_old_softmax_on_a_decoder_is_refused() -> None:
              "--torch-version 1.10")
 
 
-@pytest.mark.parametrize("bad", ["abc", "1", "1.x"])
+@pytest.mark.parametrize("bad", ["abc", "1", "1.x", "1..2", "", "9" * 5000])
 def test_bad_torch_version_is_refused(bad: str) -> None:
     _refused(["estimate", "--model", "llama3-8b", "--torch-version", bad], "--torch-version")
 
@@ -176,3 +177,27 @@ def test_load_only_text_and_refusals() -> None:
     for cmd in ("trace", "plan", "max"):
         _refused([cmd, "--model", "bert-large", "--seq-len", "512", "--gpus", "1xV100-16GB",
                   "--load", "hf-fp32", "--load-only"], "--load-only")
+
+
+
+@pytest.mark.parametrize(("text", "release"), [
+    ("2.5.1+cu121", (2, 5, 1)),  # torch.__version__ of a CUDA wheel
+    ("2.6.0.dev20241112", (2, 6, 0)),  # a nightly
+    ("2.4.0a0+git1234abc", (2, 4, 0)),  # a source build
+    ("4.47.0.dev0", (4, 47, 0)),  # transformers installed from main
+    ("2.5.0rc1", (2, 5, 0)),
+    ("v0.3", (0, 3, 0)),
+    ("2024.12.4", (2024, 12, 4)),  # Unsloth's calendar releases
+])
+def test_the_version_strings_pip_prints_are_releases(text: str, release: tuple[int, ...]) -> None:
+    """What `pip show` or `__version__` prints is its release (PEP 440, read by packaging),
+    so a user can paste it: '2.5.1+cu121' was refused before."""
+    assert parse_version(text) == release
+
+
+def test_a_local_build_follows_its_release() -> None:
+    # eager CUDA module loading ends with the 1.13 release, whatever the build's suffix
+    def eager(version: str) -> bool:
+        return build_scenario({"model": "gpt2", "torch_version": version}).training \
+            .eager_module_loading
+    assert eager("1.12.1+cu113") and not eager("1.13.0.dev20220901") and not eager("2.5.1+cu121")

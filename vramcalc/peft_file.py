@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vramcalc.errors import InputError, shown_path
-from vramcalc.safeio import read_json, user_path
+from vramcalc.safeio import path_kind, read_json, user_path
 
 FLAG = "--peft-config"
 CONFIG_NAME = "adapter_config.json"  # PEFT's CONFIG_NAME (peft/utils/constants.py)
@@ -26,7 +26,7 @@ CONFIG_NAME = "adapter_config.json"  # PEFT's CONFIG_NAME (peft/utils/constants.
 def peft_config_path(text: str) -> Path:
     """The config file `text` names (a folder: its adapter_config.json)."""
     path = user_path(text, FLAG)
-    return path / CONFIG_NAME if path.is_dir() else path
+    return path / CONFIG_NAME if path_kind(path) == "dir" else path
 
 
 def read_peft_config(text: str) -> dict[str, Any]:

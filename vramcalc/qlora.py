@@ -53,8 +53,9 @@ Dequantizing for a matmul (forward, and again in backward for dL/dx):
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from packaging.version import Version
 
 from vramcalc.units import alloc, ceil_div
 
@@ -71,15 +72,18 @@ NF4_SCALER_BLOCK = 256  # bnb quantize_blockwise of the absmax / torchao scaler_
 NF4_STATE2_CODE_ELEMS = 256  # state2.code: the 8-bit dynamic map, copied per tensor
 NF4_CODE_ELEMS = 16  # the NF4 lookup table, one per tensor
 
-_VERSION = re.compile(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?\s*$")
-
-
 def parse_version(text: str) -> tuple[int, int, int]:
-    """'0.41.1' / 'v0.3' -> (0, 41, 1) / (0, 3, 0); ValueError for anything else."""
-    m = _VERSION.match(str(text))
-    if not m:
-        raise ValueError(f"expected a release such as 0.41.1, got {text!r}")
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+    """A release as pip or `__version__` prints it -> (major, minor, patch): '0.41.1' ->
+    (0, 41, 1), 'v0.3' -> (0, 3, 0). A pre-release, nightly or local build counts as the
+    release it leads to ('2.6.0.dev20241112' -> (2, 6, 0), '2.5.1+cu121' -> (2, 5, 1));
+    ValueError for anything else."""
+    try:
+        release = Version(str(text).strip()).release
+    except ValueError:  # InvalidVersion, or a number past int()'s digit limit
+        release = ()
+    if len(release) < 2:
+        raise ValueError(f"expected a release such as 0.41.1 or 2.5.1+cu121, got {text!r}")
+    return release[0], release[1], release[2] if len(release) > 2 else 0
 
 
 @dataclass(frozen=True)

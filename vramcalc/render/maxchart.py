@@ -18,6 +18,7 @@ from vramcalc.errors import InputError
 from vramcalc.planner.maximize import MaxResult, Point
 from vramcalc.render.report import strategy_line
 from vramcalc.report import fit_phrase
+from vramcalc.safeio import path_kind
 from vramcalc.units import GB
 
 _LABEL = {"seq-len": "sequence length (tokens)", "micro-batch": "micro-batch (sequences)"}
@@ -109,7 +110,7 @@ def check_plot_path(path: Path) -> None:
     """A plot file must end in .png or .svg, in a folder that exists."""
     if path.suffix.lower() not in PLOT_SUFFIXES:
         raise InputError(f"--plot {path}: the file must end in .png or .svg")
-    if not path.parent.is_dir():
+    if path_kind(path.parent) != "dir":
         raise InputError(f"--plot {path}: no such folder: {path.parent}")
 
 
