@@ -223,9 +223,12 @@ def _json_doc(draw: st.DrawFn, base: dict[str, Any]) -> str:
 
 YAML_VALUES = ["8b", "70b", "8xH100", "0", "-1", HUGE, ".inf", ".nan", "-.inf", "1e400",
                "[1, 2]", "{a: 1}", "null", "~", "yes", "!!python/object:os.system x",
-               "&a [1]", "*a", "'\x1b[2J'", "x" * 400]
+               "&a [1]", "*a", "'\x1b[2J'", "x" * 400, "0.1", "'0.1.0'", "torchtune", "hf",
+               "lora", "qlora", "fsdp1", "full", "q,v", "true"]
 YAML_KEYS = ["model", "gpus", "seq_len", "micro_batch_size", "zero", "tp", "precision",
-             "deepspeed", "headroom", "offload", "modle", "model"]
+             "deepspeed", "headroom", "offload", "modle", "model", "framework", "finetune",
+             "fsdp", "fsdp_impl", "torchtune_version", "transformers_version", "lora_targets",
+             "load", "packed", "compile", "chunked_ce", "peft_config"]
 PROFILE_KEYS = ["memory_total_bytes", "mfu_fraction", "dense_tflops", "gpus_per_node",
                 "context_overhead_bytes", "memory_bandwidth_bytes_per_s", "id", "aliases",
                 "price_usd_per_hour", "marketed_gb"]

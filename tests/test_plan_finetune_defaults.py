@@ -89,7 +89,8 @@ def test_activation_offload_is_suggested_when_layer_inputs_overflow() -> None:
     assert sg["candidate"]["strategy"]["activation_offload"] is True
 
 
-def test_next_steps_carry_every_option_given(tmp_path: object) -> None:
+@pytest.mark.parametrize("release", ["0.1.0", "0.2"])  # YAML reads a bare 0.2 as a number
+def test_next_steps_carry_every_option_given(tmp_path: object, release: str) -> None:
     # plan's "see one strategy" command and its `check` config describe the run the plan
     # ranked: the stack, its release and the adapters' settings go with the strategy (the
     # device total each gives equals the plan's best, which a run without them would not)
@@ -97,7 +98,7 @@ def test_next_steps_carry_every_option_given(tmp_path: object) -> None:
     from pathlib import Path
 
     given = ["--model", "llama2-7b", "--gpus", "2xRTX4090", "--framework", "torchtune",
-             "--torchtune-version", "0.1.0", "--finetune", "lora", "--lora-rank", "64",
+             "--torchtune-version", release, "--finetune", "lora", "--lora-rank", "64",
              "--lora-targets", "all-linear", "--lora-dropout", "0.1", "--seq-len", "1024"]
     runner = CliRunner()
     best = json.loads(runner.invoke(app, ["plan", *given, "--json"]).stdout)

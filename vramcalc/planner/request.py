@@ -73,10 +73,12 @@ UNSUPPORTED: dict[str, tuple[frozenset[str], str]] = {
                    "DeepSpeed ZeRO stages), runs DDP only without TP/PP/CP, TP only with "
                    "sequence parallelism, keeps blocks unsharded after forward only under PP "
                    "and has no expert parallelism: other layouts are not proposed"),
-    # torchtune 1814feb: single-device recipes or FSDP2 data parallelism
+    # torchtune 1814feb: single-device recipes or FSDP2 data parallelism (FSDP1 before
+    # 0.3, --torchtune-version)
     # (vramcalc.parallel._check_torchtune refuses the rest for every layout)
-    "torchtune": (frozenset({"pp", "ep"}), "torchtune (1814feb) runs one GPU or FSDP2 data "
-                  "parallelism only: other layouts are not proposed"),
+    "torchtune": (frozenset({"pp", "ep"}), "torchtune (1814feb) runs one GPU or data "
+                  "parallelism with FSDP (FSDP1 before 0.3) only: other layouts are not "
+                  "proposed"),
     # LitGPT 8641822 on Lightning Fabric 2.1: data parallelism (DDP, FSDPStrategy's FSDP1,
     # DeepSpeed); FSDP1 with tp/cp is refused per layout (vramcalc.parallel._check_fsdp_impl)
     "lightning": (frozenset({"pp", "ep"}), "LitGPT on Lightning Fabric runs no pipeline or "

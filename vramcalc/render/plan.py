@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
+import yaml
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -140,6 +142,8 @@ def config_yaml(model: str, gpus: str, s: dict[str, Any], carried: dict[str, Any
     for key, v in carried.items():
         text = (str(v).lower() if isinstance(v, bool) else ",".join(v)
                 if isinstance(v, (tuple, list)) else f"{v:g}" if isinstance(v, float) else v)
+        if isinstance(v, str) and yaml.safe_load(text) != v:
+            text = json.dumps(v)  # a release such as 0.2 would read back as a number
         lines.append(f"{key}: {text}")
     return "\n".join(lines)
 
