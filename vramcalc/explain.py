@@ -303,15 +303,15 @@ def logits_lines(ctx: RankContext, report: MemoryReport) -> list[str]:
     tr = ctx.training
     n_tok = x.b * x.s
     nv = n_tok * x.V
-    where = f"the last pipeline stage (stage {ctx.parallel.pp - 1})" if ctx.parallel.pp > 1 \
-        else "this rank"
+    where = f"stage {ctx.parallel.pp - 1} (the last)" if ctx.parallel.pp > 1 else "this rank"
     out = [f"On {where}: N = b·s = {n_tok:,} tokens x V' = V/tp = {x.V:,} vocabulary entries "
            f"= {nv:,} logits per micro-batch; the loss runs in fp32."]
     saved = logits_saved_bytes(ctx)
     fwd, bwd = logits_forward_peak_bytes(ctx), logits_backward_peak_bytes(ctx)
     if chunks_loss(tr):
         out.append(f"Chunked cross entropy ({tr.chunked_ce} chunks): the fp32 logits and their "
-                   "gradients exist one chunk at a time; the log-probabilities are all kept.")
+                   "gradients exist one chunk at a time; the " + ("16-bit logits (compiled)" if
+                   tr.compile and tr.framework == "torchtune" else "log-probabilities") + " are all kept.")
     elif shifts_logits(tr):  # --torchtune-version before 0.3 (vramcalc/terms/torchtune.py)
         held = sum(recipe_held(ctx).values())
         out.append("torchtune's recipe (before 0.3) copies the fp32 logits of positions 0..s-2 "
