@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -57,11 +58,17 @@ def test_gpt2_fits_on_a_4090_and_405b_does_not() -> None:
 
 def test_a_table_that_does_not_fit_points_to_plan() -> None:
     # 405B x 16 B/param of model states alone is 6.5 TB against one 80 GB card
-    args = ["--model", "405b", "--gpus", "H100", "--recompute", "full"]
-    over = runner.invoke(app, ["estimate", *args])
-    assert "DOES NOT FIT" in over.stdout and "try: vramcalc plan with the same flags" in over.stdout
-    # the flags an estimate takes are plan's too: the suggestion is a command that runs
-    assert runner.invoke(app, ["plan", *args]).exit_code in (0, 1)
+    args = ["--model", "405b", "--gpus", "H100", "--recompute", "full", "--framework", "hf",
+            "--finetune", "lora", "--lora-targets", "all-linear", "--transformers-version",
+            "4.46.0"]
+    over = runner.invoke(app, ["estimate", *args], env={"COLUMNS": "80"})
+    assert "DOES NOT FIT" in over.stdout
+    # the plan of the same flags, on one line however narrow the terminal, and it runs
+    line = next(t for t in over.stdout.splitlines() if t.startswith("try: "))
+    cmd = shlex.split(line[len("try: "):])
+    pairs = sorted(zip(args[::2], args[1::2], strict=True))
+    assert cmd[:2] == ["vramcalc", "plan"] and sorted(zip(cmd[2::2], cmd[3::2], strict=True)) == pairs
+    assert runner.invoke(app, cmd[1:]).exit_code in (0, 1)
     fits = runner.invoke(app, ["estimate", "--model", "gpt2", "--gpus", "4090"])
     assert "FITS" in fits.stdout and "try:" not in fits.stdout
 

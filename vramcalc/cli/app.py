@@ -12,6 +12,7 @@ import inspect
 import io
 import json
 import os
+import shlex
 import sys
 import traceback
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from typing import Any, Optional
 import typer
 
 from vramcalc.errors import InputError, one_line
-from vramcalc.options import SCENARIO_OPTIONS, Opt
+from vramcalc.options import OPTIONS_BY_NAME, SCENARIO_OPTIONS, Opt
 from vramcalc.provenance import provenance
 
 app = typer.Typer(
@@ -53,6 +54,32 @@ def _root(
                                       help="Print the version and the catalog revisions."),
 ) -> None:
     """Will this training job fit in GPU memory, how should it run, what should I buy?"""
+
+
+# ---- command lines ----------------------------------------------------------------
+def option_words(name: str, v: Any) -> list[str]:
+    """An option's value as command-line words (a list as its comma-joined names)."""
+    opt = OPTIONS_BY_NAME[name]
+    if opt.kind is bool:
+        return [opt.flag if v else "--no-" + opt.flag[2:]]
+    return [opt.flag, (",".join(v) or "none") if isinstance(v, (tuple, list)) else str(v)]
+
+
+def command_line(command: str, values: dict[str, Any], extra: dict[str, Any],
+                 defaults: dict[str, Any] | None = None) -> str:
+    """The command that reruns with `values`, leaving out options at their defaults (the
+    scenario options' own, or `defaults` where the command has others)."""
+    parts = ["vramcalc", command]
+    default = {o.name: o.default for o in SCENARIO_OPTIONS} | (defaults or {})
+    for opt in SCENARIO_OPTIONS:
+        v = values.get(opt.name)
+        if v is None or (v == default[opt.name] and opt.name not in ("model", "gpus")):
+            continue
+        parts += option_words(opt.name, v)
+    for flag, v in extra.items():
+        if v is not None:
+            parts += [flag, str(v)]
+    return " ".join(shlex.quote(p) for p in parts)
 
 
 # ---- shared scenario options -------------------------------------------------

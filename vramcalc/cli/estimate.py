@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from rich.text import Text
 
 from vramcalc.analytic import estimate
 from vramcalc.check import checked_scenario, read_inputs
 from vramcalc.cli.app import (
+    command_line,
     emit_json,
     emit_text,
     given_values,
@@ -32,9 +34,10 @@ from vramcalc.report import MemoryReport
 
 
 def show_report(report: MemoryReport, as_json: bool, markdown: str | None = None,
-                notes: list[str] | None = None) -> None:
+                notes: list[str] | None = None, plan_command: str | None = None) -> None:
     """A memory report as JSON, as markdown (for a pull-request comment; `markdown` names
-    the scenario) or as the table with the fit verdict."""
+    the scenario) or as the table with the fit verdict (and, when it does not fit,
+    `plan_command`: the plan of the same flags)."""
     if as_json:
         emit_json(report.to_json_dict())
     elif markdown is not None:
@@ -45,10 +48,10 @@ def show_report(report: MemoryReport, as_json: bool, markdown: str | None = None
     else:
         console = make_console()
         print_report(console, report)
-        if report.fits is False:
-            console.print("try: vramcalc plan with the same flags: it lists the smallest "
-                          "changes that fit (recomputation, sharding, fine-tuning, optimizer, "
-                          "offload, more or other GPUs)")
+        if report.fits is False and plan_command:  # one line, so that it pastes whole
+            console.print(Text(f"try: {plan_command}"), soft_wrap=True)
+            console.print("  (it lists the smallest changes that fit: recomputation, sharding, "
+                          "fine-tuning, optimizer, offload, more or other GPUs)")
 
 
 MARKDOWN = option("markdown", bool, False, "--markdown",
@@ -88,14 +91,16 @@ def estimate_cmd(ctx: typer.Context, **kwargs: Any) -> None:
         show_serve(run_serve(str(values["model"]), str(values.get("gpus", "1xH100")),
                              serve_values, dirs[0] if dirs else None), as_json, False)
         return
+    plan = None if values.get("load_only") else command_line(  # for a table that does not fit
+        "plan", values, {"--deepspeed": ds_path, "--profiles-dir": dirs[0] if dirs else None})
     if ds_path is None:
-        show_report(estimate(build_scenario(values, dirs)), as_json, md)
+        show_report(estimate(build_scenario(values, dirs)), as_json, md, plan_command=plan)
         return
     # the DeepSpeed file fills what the command line leaves at its defaults
     inp = read_inputs(None, ds_path, given_values(ctx, values), command="estimate")
     scn, notes = checked_scenario(inp.values, inp.train_batch_size, dirs,
                                   frozenset(inp.values), inp.deepspeed)
-    show_report(estimate(scn), as_json, md, inp.notes + notes)
+    show_report(estimate(scn), as_json, md, inp.notes + notes, plan_command=plan)
     if md is None:
         for text in inp.notes + notes:
             note(text)

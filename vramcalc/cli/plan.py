@@ -19,12 +19,14 @@ from vramcalc.check import check_files, read_inputs
 from vramcalc.cli.app import (
     ENGINE,
     KW,
+    command_line,
     emit_json,
     emit_text,
     fit_engine,
     given_values,
     note,
     option,
+    option_words,
     scenario_command,
     split_values,
 )
@@ -76,14 +78,6 @@ SIZE_TIME_BUDGET_S = 60.0
 
 
 # ---- shared helpers --------------------------------------------------------------------------
-def _flag(name: str, v: Any) -> list[str]:
-    """An option's value as command-line words (a list as its comma-joined names)."""
-    opt = OPTIONS_BY_NAME[name]
-    if opt.kind is bool:
-        return [opt.flag if v else "--no-" + opt.flag[2:]]
-    return [opt.flag, (",".join(v) or "none") if isinstance(v, (tuple, list)) else str(v)]
-
-
 def _carried(values: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
     """The options given that the strategy does not set (the stack, its releases, the
     adapters, --headroom ...): they go with the best strategy into its `estimate` command
@@ -95,19 +89,8 @@ def _carried(values: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
 
 
 def _command_line(command: str, values: dict[str, Any], extra: dict[str, Any]) -> str:
-    """The command that reruns with `values`, leaving out options at their defaults."""
-    parts = ["vramcalc", command]
-    defaults = {o.name: o.default for o in SCENARIO_OPTIONS}
-    defaults["headroom"] = DEFAULT_HEADROOM
-    for opt in SCENARIO_OPTIONS:
-        v = values.get(opt.name)
-        if v is None or (v == defaults[opt.name] and opt.name not in ("model", "gpus")):
-            continue
-        parts += _flag(opt.name, v)
-    for flag, v in extra.items():
-        if v is not None:
-            parts += [flag, str(v)]
-    return " ".join(shlex.quote(p) for p in parts)
+    """The command that reruns with `values`, leaving out options at plan's defaults."""
+    return command_line(command, values, extra, {"headroom": DEFAULT_HEADROOM})
 
 
 # ---- plan ----------------------------------------------------------------------------------
@@ -203,7 +186,7 @@ def plan_cmd(ctx: typer.Context, **kwargs: Any) -> None:
         doc["estimate_cmd"] = " ".join(
             ["vramcalc", "estimate", "--model", shlex.quote(model_text), "--gpus",
              shlex.quote(gpus_text)] + strategy_flags(s)
-            + [shlex.quote(p) for k, v in carried.items() for p in _flag(k, v)]
+            + [shlex.quote(p) for k, v in carried.items() for p in option_words(k, v)]
             + ([f"--deepspeed {shlex.quote(str(ds_path))}"] if ds_path is not None else []))
         doc["config_yaml"] = config_yaml(model_text, gpus_text, s, carried)
     doc["apply"] = [_command_line("plan", {**values, **sg.change}, extras)

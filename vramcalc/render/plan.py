@@ -228,7 +228,8 @@ def print_plan(console: Console, doc: dict[str, Any]) -> None:
         console.print(speed_text(best.speed))
         console.print()
         console.print("[bold]Next[/bold]")
-        console.print(f"  see one strategy:  {doc['estimate_cmd']}")
+        # commands stay one line (the terminal wraps them), so that they paste whole
+        console.print(Text(f"  see one strategy:  {doc['estimate_cmd']}"), soft_wrap=True)
         console.print("  guard it in CI:    save the config below as train.yaml and run "
                       "`vramcalc check train.yaml` (docs/ci.md)")
         console.print(Text(_indent(doc["config_yaml"], 4), style="dim"))
@@ -253,7 +254,7 @@ def print_plan(console: Console, doc: dict[str, Any]) -> None:
     for i, s in enumerate(sugg, 1):
         console.print(f"  {i}. {suggestion_line(s)}")
         console.print(f"     [dim]{s.entry.report.strategy and _short(s.entry)}[/dim]")
-        console.print(f"     [dim]try: {doc['apply'][i - 1]}[/dim]")
+        console.print(Text(f"     try: {doc['apply'][i - 1]}", style="dim"), soft_wrap=True)
 
 
 def suggestion_line(s: Any) -> str:
