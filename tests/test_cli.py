@@ -63,9 +63,11 @@ def test_a_table_that_does_not_fit_points_to_plan() -> None:
             "4.46.0"]
     over = runner.invoke(app, ["estimate", *args], env={"COLUMNS": "80"})
     assert "DOES NOT FIT" in over.stdout
-    # the plan of the same flags, on one line however narrow the terminal, and it runs
-    line = next(t for t in over.stdout.splitlines() if t.startswith("try: "))
-    cmd = shlex.split(line[len("try: "):])
+    # the plan of the same flags: folded to 80 columns with `\` continuations, it still
+    # pastes as one command, and it runs
+    text = over.stdout.split("try: ", 1)[1].split("\n  (it lists", 1)[0]
+    assert max(len(t) for t in over.stdout.splitlines()) <= 80
+    cmd = shlex.split(text.replace("\\\n", " "))
     pairs = sorted(zip(args[::2], args[1::2], strict=True))
     assert cmd[:2] == ["vramcalc", "plan"] and sorted(zip(cmd[2::2], cmd[3::2], strict=True)) == pairs
     assert runner.invoke(app, cmd[1:]).exit_code in (0, 1)

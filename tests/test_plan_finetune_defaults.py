@@ -104,8 +104,9 @@ def test_next_steps_carry_every_option_given(tmp_path: object, release: str) -> 
     best = json.loads(runner.invoke(app, ["plan", *given, "--json"]).stdout)
     total = best["candidates"][0]["device_total_bytes"]
     text = runner.invoke(app, ["plan", *given], env={"COLUMNS": "80"}).stdout  # one line even so
-    cmd = next(line for line in text.splitlines() if "see one strategy:" in line)
-    argv = shlex.split(cmd.split("see one strategy:", 1)[1])[1:]
+    # the command is folded with `\` continuations: it pastes as one
+    cmd = text.split("see one strategy:", 1)[1].split("guard it in CI:", 1)[0]
+    argv = shlex.split(cmd.replace("\\\n", " "))[1:]
     for flag in ("--torchtune-version", "--lora-rank", "--lora-targets", "--lora-dropout",
                  "--framework"):
         assert flag in argv

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import Progress
+from rich.text import Text
 
 
 def make_console() -> Console:
@@ -21,6 +23,31 @@ def make_console() -> Console:
         width = int(cols) if cols.isdigit() and 20 <= int(cols) <= 1000 else 120
         out = Console(highlight=False, width=width)
     return out
+
+
+def print_command(console: Console, lead: str, cmd: str, style: str = "") -> None:
+    """A shell command after `lead`, folded to the console's width between options, each
+    line but the last ending in ` \\`: it fits the terminal and still pastes as one
+    command. An option and its value stay together; quoting is kept."""
+    words = [shlex.quote(w) for w in shlex.split(cmd)]
+    units: list[str] = []
+    for w in words:  # "--flag value" as one unit
+        if units and units[-1].startswith("--") and " " not in units[-1] \
+                and not w.startswith("--"):
+            units[-1] += " " + w
+        else:
+            units.append(w)
+    pad = " " * (len(lead) - len(lead.lstrip()) + 4)
+    lines, line = [], lead
+    for u in units:
+        if line.strip() and line != lead and len(line) + 1 + len(u) + 2 > console.width:
+            lines.append(line + " \\")
+            line = pad + u
+        else:
+            line = f"{line} {u}" if line != lead else lead + u
+    lines.append(line)
+    for text in lines:
+        console.print(Text(text, style=style), soft_wrap=True)
 
 
 def with_progress(label: str, run: Callable[[Any], Any], quiet: bool) -> Any:

@@ -13,6 +13,7 @@ from rich.text import Text
 
 from vramcalc.planner.search import paged_host_bytes
 from vramcalc.provenance import provenance
+from vramcalc.render.console import print_command
 from vramcalc.render.report import TERM_LABELS, note_markup, print_report, strategy_line
 from vramcalc.render.tables import Column, fitted_table
 from vramcalc.report import MemoryReport, fit_phrase, paged_resident_bytes
@@ -228,8 +229,7 @@ def print_plan(console: Console, doc: dict[str, Any]) -> None:
         console.print(speed_text(best.speed))
         console.print()
         console.print("[bold]Next[/bold]")
-        # commands stay one line (the terminal wraps them), so that they paste whole
-        console.print(Text(f"  see one strategy:  {doc['estimate_cmd']}"), soft_wrap=True)
+        print_command(console, "  see one strategy:  ", doc["estimate_cmd"])
         console.print("  guard it in CI:    save the config below as train.yaml and run "
                       "`vramcalc check train.yaml` (docs/ci.md)")
         console.print(Text(_indent(doc["config_yaml"], 4), style="dim"))
@@ -254,7 +254,7 @@ def print_plan(console: Console, doc: dict[str, Any]) -> None:
     for i, s in enumerate(sugg, 1):
         console.print(f"  {i}. {suggestion_line(s)}")
         console.print(f"     [dim]{s.entry.report.strategy and _short(s.entry)}[/dim]")
-        console.print(Text(f"     try: {doc['apply'][i - 1]}", style="dim"), soft_wrap=True)
+        print_command(console, "     try: ", doc["apply"][i - 1], style="dim")
 
 
 def suggestion_line(s: Any) -> str:
