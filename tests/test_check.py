@@ -201,6 +201,25 @@ def test_table_output_with_cli_runner() -> None:
     assert r.exit_code == 1 and "DOES NOT FIT" in r.output
 
 
+def test_a_config_that_does_not_fit_points_to_its_plan(tmp_path: Path) -> None:
+    # the plan command of the config's values (a list as names, a quoted release), folded
+    # at 80 columns with `\` continuations; it runs
+    import shlex
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text("model: 70b\ngpus: 2xH100\nseq_len: 8192\nframework: torchtune\n"
+                   "finetune: lora\nlora_targets: [q, k, v]\ntorchtune_version: '0.2'\n"
+                   "fsdp: full\n")
+    r = CliRunner().invoke(app, ["check", str(cfg)], env={"COLUMNS": "80"})
+    assert r.exit_code == 1 and "DOES NOT FIT" in r.stdout
+    cmd = shlex.split(r.stdout.split("try: ", 1)[1].split("\n  (it lists", 1)[0]
+                      .replace("\\\n", " "))
+    assert cmd[:2] == ["vramcalc", "plan"]
+    for pair in (["--lora-targets", "q,k,v"], ["--torchtune-version", "0.2"],
+                 ["--seq-len", "8192"]):
+        assert pair[1] == cmd[cmd.index(pair[0]) + 1]
+    assert CliRunner().invoke(app, cmd[1:]).exit_code in (0, 1)
+
+
 def test_plan_reads_a_deepspeed_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # the file's stage pins the search, its train_batch_size is the global batch, and its
     # memory keys reach every layout: the best plan's device total is what `estimate

@@ -57,6 +57,7 @@ class CheckResult:
     usable_bytes: int
     headroom_fraction: float
     notes: list[str] = field(default_factory=list)
+    values: dict[str, Any] = field(default_factory=dict)  # the option values checked
 
     @property
     def fits(self) -> bool:
@@ -227,7 +228,7 @@ def run_check(values: dict[str, Any], train_batch_size: int | None = None,
     if usable is None:
         raise InputError("check needs gpus (e.g. gpus: 8xH100)")
     return CheckResult(report=report, usable_bytes=usable,
-                       headroom_fraction=scn.headroom_fraction, notes=notes)
+                       headroom_fraction=scn.headroom_fraction, notes=notes, values=values)
 
 
 def checked_scenario(values: dict[str, Any], train_batch_size: int | None = None,

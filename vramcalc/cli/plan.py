@@ -50,7 +50,7 @@ from vramcalc.planner.prepare import (  # noqa: F401  (prepare_plan: tests impor
     SEARCHED_OPTIONS,
     prepare_plan,
 )
-from vramcalc.render.console import LazyProgress, make_console
+from vramcalc.render.console import LazyProgress, make_console, print_command
 from vramcalc.render.markdown import plan_markdown, plan_summary
 from vramcalc.render.plan import check_markdown, config_yaml, print_plan, print_size, strategy_flags
 from vramcalc.render.report import print_report
@@ -347,5 +347,9 @@ def check_cmd(**kwargs: Any) -> None:
         print_report(console, result.report)
         for text in result.notes:
             console.print(f"[dim]note: {text}[/dim]")
+        if not result.fits and not result.values.get("load_only"):
+            print_command(console, "try: ", _command_line("plan", result.values, {
+                "--deepspeed": ds_path, "--profiles-dir": dirs[0] if dirs else None}))
+            console.print("  (it lists the smallest changes that fit)")
     if not result.fits:
         raise typer.Exit(1)
