@@ -218,6 +218,8 @@ def test_a_config_that_does_not_fit_points_to_its_plan(tmp_path: Path) -> None:
                  ["--seq-len", "8192"]):
         assert pair[1] == cmd[cmd.index(pair[0]) + 1]
     assert CliRunner().invoke(app, cmd[1:]).exit_code in (0, 1)
+    md = CliRunner().invoke(app, ["check", str(cfg), "--markdown"]).stdout
+    assert f"Next: `{' '.join(cmd)}` lists the smallest changes that fit." in md
 
 
 def test_plan_reads_a_deepspeed_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -62,7 +62,8 @@ def option_words(name: str, v: Any) -> list[str]:
     opt = OPTIONS_BY_NAME[name]
     if opt.kind is bool:
         return [opt.flag if v else "--no-" + opt.flag[2:]]
-    return [opt.flag, (",".join(v) or "none") if isinstance(v, (tuple, list)) else str(v)]
+    return [opt.flag, (",".join(map(str, v)) or "none") if isinstance(v, (tuple, list))
+            else str(v)]
 
 
 def command_line(command: str, values: dict[str, Any], extra: dict[str, Any],

@@ -43,7 +43,7 @@ def show_report(report: MemoryReport, as_json: bool, markdown: str | None = None
         headroom = 0.0
         if report.usable_bytes is not None and report.gpu is not None:
             headroom = 1 - report.usable_bytes / report.gpu.memory_total_bytes
-        emit_text(estimate_markdown(report, headroom, markdown, notes or []))
+        emit_text(estimate_markdown(report, headroom, markdown, notes or [], plan_command))
     else:
         console = make_console()
         print_report(console, report)
@@ -90,7 +90,7 @@ def estimate_cmd(ctx: typer.Context, **kwargs: Any) -> None:
         show_serve(run_serve(str(values["model"]), str(values.get("gpus", "1xH100")),
                              serve_values, dirs[0] if dirs else None), as_json, False)
         return
-    plan = None if values.get("load_only") else command_line(  # for a table that does not fit
+    plan = None if as_json or values.get("load_only") else command_line(  # when it does not fit
         "plan", values, {"--deepspeed": ds_path, "--profiles-dir": dirs[0] if dirs else None})
     if ds_path is None:
         show_report(estimate(build_scenario(values, dirs)), as_json, md, plan_command=plan)

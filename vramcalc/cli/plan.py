@@ -337,19 +337,21 @@ def check_cmd(**kwargs: Any) -> None:
         raise InputError("choose one of --json and --markdown")
     result, source = check_files(config, ds_path, values, dirs,
                                  lambda scn: fit_engine(engine_name, scn))
+    plan = None if result.fits or as_json or result.values.get("load_only") else _command_line(
+        "plan", result.values, {"--deepspeed": ds_path,
+                                "--profiles-dir": dirs[0] if dirs else None})
     if as_json:
         emit_json({"config": source, **result.to_json()})
     elif markdown:
         emit_text(check_markdown(result.report, result.usable_bytes, result.headroom_fraction,
-                                 source, result.notes))
+                                 source, result.notes, plan_command=plan))
     else:
         console = make_console()
         print_report(console, result.report)
         for text in result.notes:
             console.print(f"[dim]note: {text}[/dim]")
-        if not result.fits and not result.values.get("load_only"):
-            print_command(console, "try: ", _command_line("plan", result.values, {
-                "--deepspeed": ds_path, "--profiles-dir": dirs[0] if dirs else None}))
+        if plan:
+            print_command(console, "try: ", plan)
             console.print("  (it lists the smallest changes that fit)")
     if not result.fits:
         raise typer.Exit(1)

@@ -23,10 +23,11 @@ _MARKUP = re.compile(r"\[/?[a-z ]+\]")  # rich markup in the plan's fixed line
 
 
 def estimate_markdown(report: MemoryReport, headroom: float, command_line: str,
-                      notes: list[str]) -> str:
+                      notes: list[str], plan_command: str | None = None) -> str:
     """One scenario's breakdown and fit verdict, as `check --markdown` writes it."""
     usable = report.usable_bytes if report.usable_bytes is not None else 0
-    return check_markdown(report, usable, headroom, command_line, notes, command="estimate")
+    return check_markdown(report, usable, headroom, command_line, notes, command="estimate",
+                          plan_command=plan_command)
 
 
 def _cell(text: str) -> str:

@@ -352,9 +352,11 @@ def print_size(console: Console, rows: Sequence[Any], title: str, notes: Sequenc
 
 # ---- check ------------------------------------------------------------------------------
 def check_markdown(report: MemoryReport, usable_bytes: int, headroom: float, source: str,
-                   notes: Sequence[str] = (), command: str = "check") -> str:
+                   notes: Sequence[str] = (), command: str = "check",
+                   plan_command: str | None = None) -> str:
     """A markdown summary to paste into a pull-request comment (`command` names the
-    vramcalc command in the heading)."""
+    vramcalc command in the heading; `plan_command`, for a run that does not fit, the plan
+    of the same options)."""
     fits = bool(report.fits)
     total = max(report.device_total_bytes, 1)
     head = "✅ fits" if fits else "❌ does not fit"
@@ -382,6 +384,8 @@ def check_markdown(report: MemoryReport, usable_bytes: int, headroom: float, sou
                        paged=paged_resident_bytes(report))
     lines.append(f"Per GPU: **{words}** "
                  f"({headroom:.0%} headroom requested).")
+    if not fits and plan_command:
+        lines.append(f"Next: `{plan_command}` lists the smallest changes that fit.")
     if report.host_bytes_per_node:
         lines.append(f"Host RAM for offload and paging: {report.host_bytes_per_node / GB:,.2f} GB per node.")
     for n in list(report.notes) + list(notes):
