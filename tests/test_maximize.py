@@ -104,7 +104,7 @@ def test_cli_json_and_text(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_nothing_fits_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, "max", "--model", "llama3-70b", "--gpus", "1xRTX4090")
     assert code == 1 and "Nothing fits" in out
-    assert "try: vramcalc plan with the same flags" in out  # where to go next
+    assert "try: vramcalc plan --model llama3-70b --gpus 1xRTX4090\n" in out  # where next
     code, plan_out, _ = _run(capsys, "plan", "--model", "llama3-70b", "--gpus", "1xRTX4090")
     assert "Smallest changes that fit" in plan_out  # and that command answers it
 

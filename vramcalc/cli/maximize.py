@@ -10,7 +10,15 @@ from typing import Any, Optional
 import typer
 
 from vramcalc.analytic import estimate
-from vramcalc.cli.app import ENGINE, emit_json, fit_engine, option, scenario_command, split_values
+from vramcalc.cli.app import (
+    ENGINE,
+    command_line,
+    emit_json,
+    fit_engine,
+    option,
+    scenario_command,
+    split_values,
+)
 from vramcalc.options import build_scenario
 from vramcalc.planner.maximize import DIMENSIONS, most_that_fits, scenario_at
 from vramcalc.render.console import make_console
@@ -55,7 +63,8 @@ def max_cmd(**kwargs: Any) -> None:
     if as_json:
         emit_json({"maximize": res.to_json()})
     else:
-        print_max(make_console(), res)
+        print_max(make_console(), res, command_line("plan", values, {
+            "--profiles-dir": dirs[0] if dirs else None}))
         if plot is not None:
             make_console().print(f"chart written to {plot}")
     if res.answer is None:

@@ -16,6 +16,7 @@ from rich.text import Text
 
 from vramcalc.errors import InputError
 from vramcalc.planner.maximize import MaxResult, Point
+from vramcalc.render.console import print_command
 from vramcalc.render.report import strategy_line
 from vramcalc.report import fit_phrase
 from vramcalc.safeio import path_kind
@@ -83,8 +84,9 @@ def chart_lines(points: tuple[Point, ...], usable_bytes: int, capacity_bytes: in
     return out
 
 
-def print_max(console: Console, res: MaxResult) -> None:
-    """The answer, the layout it holds for, and the chart."""
+def print_max(console: Console, res: MaxResult, plan_command: str | None = None) -> None:
+    """The answer, the layout it holds for, and the chart (and when nothing fits,
+    `plan_command`: the plan of the same options)."""
     if res.report is not None:
         m, g = res.report.model, res.report.gpu
         gpus = f" on {g.num_gpus} x {g.name}" if g else ""
@@ -92,8 +94,9 @@ def print_max(console: Console, res: MaxResult) -> None:
         console.print(f"Strategy: {strategy_line(res.report.strategy)}")
     console.print(answer_line(res))
     if res.answer is None:
-        console.print("try: vramcalc plan with the same flags: it lists the smallest changes "
-                      "that fit (fine-tuning, optimizer, offload, more or other GPUs)")
+        print_command(console, "try: ", plan_command or "vramcalc plan")
+        console.print("  (it lists the smallest changes that fit: fine-tuning, optimizer, "
+                      "offload, more or other GPUs)")
     elif res.report is not None and res.report.engine == "analytic":
         console.print("[dim]note: the answer's device total is the allocator's packing floor; "
                       "near the limit segments that live tensors split keep their free rest; "
