@@ -26,7 +26,7 @@ from vramcalc.errors import InputError
 from vramcalc.explain import explain
 from vramcalc.lengths import padded_batches, read_lengths
 from vramcalc.options import build_scenario
-from vramcalc.render.console import make_console, print_command, with_progress
+from vramcalc.render.console import make_console, print_plan_hint, with_progress
 from vramcalc.render.markdown import estimate_markdown
 from vramcalc.render.report import print_explain, print_report
 from vramcalc.report import MemoryReport
@@ -48,9 +48,7 @@ def show_report(report: MemoryReport, as_json: bool, markdown: str | None = None
         console = make_console()
         print_report(console, report)
         if report.fits is False and plan_command:
-            print_command(console, "try: ", plan_command)
-            console.print("  (it lists the smallest changes that fit: recomputation, sharding, "
-                          "fine-tuning, optimizer, offload, more or other GPUs)")
+            print_plan_hint(console, plan_command)
 
 
 MARKDOWN = option("markdown", bool, False, "--markdown",

@@ -50,7 +50,7 @@ from vramcalc.planner.prepare import (  # noqa: F401  (prepare_plan: tests impor
     SEARCHED_OPTIONS,
     prepare_plan,
 )
-from vramcalc.render.console import LazyProgress, make_console, print_command
+from vramcalc.render.console import LazyProgress, make_console, print_plan_hint
 from vramcalc.render.markdown import plan_markdown, plan_summary
 from vramcalc.render.plan import check_markdown, config_yaml, print_plan, print_size, strategy_flags
 from vramcalc.render.report import print_report
@@ -351,7 +351,6 @@ def check_cmd(**kwargs: Any) -> None:
         for text in result.notes:
             console.print(f"[dim]note: {text}[/dim]")
         if plan:
-            print_command(console, "try: ", plan)
-            console.print("  (it lists the smallest changes that fit)")
+            print_plan_hint(console, plan)
     if not result.fits:
         raise typer.Exit(1)

@@ -50,6 +50,13 @@ def print_command(console: Console, lead: str, cmd: str, style: str = "") -> Non
         console.print(Text(text, style=style), soft_wrap=True)
 
 
+def print_plan_hint(console: Console, plan_command: str) -> None:
+    """Where a run that does not fit goes next: the plan of the same options."""
+    print_command(console, "try: ", plan_command)
+    console.print("  (it lists the smallest changes that fit: recomputation, sharding, "
+                  "fine-tuning, optimizer, offload, more or other GPUs)")
+
+
 def with_progress(label: str, run: Callable[[Any], Any], quiet: bool) -> Any:
     """`run(progress)` under a transient progress bar (`progress(message, fraction)`);
     without one when `quiet` (JSON output)."""

@@ -16,7 +16,7 @@ from rich.text import Text
 
 from vramcalc.errors import InputError
 from vramcalc.planner.maximize import MaxResult, Point
-from vramcalc.render.console import print_command
+from vramcalc.render.console import print_plan_hint
 from vramcalc.render.report import strategy_line
 from vramcalc.report import fit_phrase
 from vramcalc.safeio import path_kind
@@ -94,9 +94,7 @@ def print_max(console: Console, res: MaxResult, plan_command: str | None = None)
         console.print(f"Strategy: {strategy_line(res.report.strategy)}")
     console.print(answer_line(res))
     if res.answer is None:
-        print_command(console, "try: ", plan_command or "vramcalc plan")
-        console.print("  (it lists the smallest changes that fit: fine-tuning, optimizer, "
-                      "offload, more or other GPUs)")
+        print_plan_hint(console, plan_command or "vramcalc plan")
     elif res.report is not None and res.report.engine == "analytic":
         console.print("[dim]note: the answer's device total is the allocator's packing floor; "
                       "near the limit segments that live tensors split keep their free rest; "
