@@ -231,6 +231,12 @@ def test_memory_api_and_bf16_flags() -> None:
         ("V100", "v100_32gb"),
         ("V100-16GB", "v100_16gb"),
         ("  H100  ", "h100_sxm"),
+        ("A100-80G", "a100_80gb"),
+        ("A100 40G", "a100_40gb"),
+        ("A800-80G", "a800"),
+        ("V100-16G", "v100_16gb"),
+        ("A10G", "a10g"),
+        ("NVIDIA A10G", "a10g"),
     ],
 )
 def test_resolve_gpu_aliases(name: str, gpu_id: str) -> None:

@@ -179,9 +179,11 @@ class Cluster(BaseModel):
 
 
 def normalize_name(name: str) -> str:
-    """Lookup key for ids and aliases: lower case, '-' and ' ' become '_', runs collapsed."""
-    key = re.sub(r"[\s\-_]+", "_", name.strip().lower())
-    return key.strip("_")
+    """Lookup key for ids and aliases: lower case, '-' and ' ' become '_', runs collapsed,
+    and a memory size written with a bare G reads as GB (A800-80G, as cluster inventories
+    write it; A10G, a model name, keeps its G)."""
+    key = re.sub(r"[\s\-_]+", "_", name.strip().lower()).strip("_")
+    return re.sub(r"(?<=_)(\d+)g(?=_|$)", r"\1gb", key)
 
 
 def builtin_profiles_dir() -> Path:
