@@ -14,7 +14,13 @@ from rich.text import Text
 from vramcalc.planner.search import paged_host_bytes
 from vramcalc.provenance import provenance
 from vramcalc.render.console import print_command
-from vramcalc.render.report import TERM_LABELS, note_markup, print_report, strategy_line
+from vramcalc.render.report import (
+    TERM_LABELS,
+    evidence_line,
+    note_markup,
+    print_report,
+    strategy_line,
+)
 from vramcalc.render.tables import Column, fitted_table
 from vramcalc.report import MemoryReport, fit_phrase, paged_resident_bytes
 from vramcalc.units import GB, GiB, fmt_gb
@@ -384,6 +390,8 @@ def check_markdown(report: MemoryReport, usable_bytes: int, headroom: float, sou
                        paged=paged_resident_bytes(report))
     lines.append(f"Per GPU: **{words}** "
                  f"({headroom:.0%} headroom requested).")
+    if (evidence := evidence_line(report)) is not None:
+        lines.append(f"{evidence}  ")
     if not fits and plan_command:
         lines.append(f"Next: `{plan_command}` lists the smallest changes that fit.")
     if report.host_bytes_per_node:

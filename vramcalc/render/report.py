@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from vramcalc.evidence import ALL, band_for
 from vramcalc.report import MemoryReport, fit_phrase, paged_resident_bytes
 from vramcalc.units import GB, GiB, fmt_gb, fmt_gib
 
@@ -172,11 +173,34 @@ def print_report(console: Console, report: MemoryReport) -> None:
     if report.nvme_bytes_per_node:
         console.print(f"NVMe for offload: {fmt_gb(report.nvme_bytes_per_node)} per node")
     console.print(verdict_text(report))
+    if (line := evidence_line(report)) is not None:
+        console.print(line)
     hint = tight_fit_hint(report)
     if hint:
         console.print(note_markup(hint))
     for note in report.notes:
         console.print(note_markup(note))
+
+
+def evidence_line(report: MemoryReport) -> str | None:
+    """How far vramcalc fell from published runs of this stack profile (vramcalc/evidence.py),
+    and whether the fit margin lies inside that: beyond the error of one run in ten."""
+    if report.fits is None or report.free_bytes is None:
+        return None
+    framework = str(report.strategy.get("framework", "reference"))
+    who, band = band_for(framework)
+    runs = (f"{band.runs} published {framework} runs" if who != ALL else
+            f"{band.runs} published runs of every stack (none of the {framework} profile)")
+    wide = band.p90_pct / 100 * report.device_total_bytes
+    if abs(report.free_bytes) >= wide:
+        return (f"evidence: {runs}: half within ±{band.median_pct:.1f} %, 9 in 10 within "
+                f"±{band.p90_pct:.1f} %, the worst {band.worst_pct:.1f} % off "
+                "(docs/validation.md)")
+    gap = (f"the {fmt_gb(report.free_bytes)} margin" if report.fits else
+           f"the {fmt_gb(-report.free_bytes)} excess")
+    return (f"evidence: {gap} is less than the error of 1 in 10 of {runs} (±{band.p90_pct:.1f} "
+            f"% = {fmt_gb(round(wide))}; half within ±{band.median_pct:.1f} %, "
+            "docs/validation.md): confirm on the GPU with `vramcalc probe`")
 
 
 TIGHT_FRACTION = 0.2  # the most the trace's fit added to the floor on docs/trace.md's rows
