@@ -190,7 +190,7 @@ def evidence_line(report: MemoryReport) -> str | None:
     framework = str(report.strategy.get("framework", "reference"))
     who, band = band_for(framework)
     runs = (f"{band.runs} published {framework} runs" if who != ALL else
-            f"{band.runs} published runs of every stack (none of the {framework} profile)")
+            f"{band.runs} published runs of all stacks (none with the {framework} profile)")
     wide = band.p90_pct / 100 * report.device_total_bytes
     if abs(report.free_bytes) >= wide:
         return (f"evidence: {runs}: half within ±{band.median_pct:.1f} %, 9 in 10 within "
