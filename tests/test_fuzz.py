@@ -157,6 +157,8 @@ def command_lines(draw: st.DrawFn) -> list[str]:
                  "--global-batch-size"]), max_size=3, unique=True)):
             value = draw(number)
             args += [flag, f"H100={value}" if flag == "--price" else value]
+        for flag in draw(st.lists(st.sampled_from(sorted(CHOICES)), max_size=2, unique=True)):
+            args += [flag, draw(st.sampled_from(CHOICES[flag]))]  # every training option
         return args + (["--json"] if draw(st.booleans()) else [])
     if cmd == "check":
         args = [cmd, draw(st.sampled_from(TEXTS + ["examples/train.yaml"]))]

@@ -14,8 +14,11 @@ fits up to the knee: it stops before the first count whose MFU is below half the
 seen (past it, each added GPU returns less than half its worth, because the fixed global
 batch leaves data parallelism nothing to split). Without a deadline the answer is the
 largest size whose GPU-hours are within 10 % of the cheapest size's (the fastest run that
-costs about the least); with `days`, the smallest size in the table that meets the deadline,
-or, when none does, the global batch that would let the cluster grow far enough.
+costs about the least); for a fine-tuning job (`fewest`: a LoRA/QLoRA/DoRA method or
+--finetune given) the smallest such size, since its token budget is small enough that the
+fastest cluster would finish in minutes; with `days`, the smallest size in the table that
+meets the deadline, or, when none does, the global batch that would let the cluster grow
+far enough.
 
 Stopping early: a count is not searched when the GPU's CUDA context and cuBLAS workspace
 alone (what every rank holds, whatever the layout) leave no usable memory, and the scan over
@@ -140,10 +143,12 @@ def _option(n: int, entry: PlanEntry, tokens: int, price: float | None) -> SizeO
 
 def size_one(base: Scenario, gpu: GPUProfile, tokens: int, req: PlanRequest,
              days: float | None = None, price: float | None = None,
-             max_gpus: int = DEFAULT_MAX_GPUS, deadline: float | None = None) -> SizeRow:
+             max_gpus: int = DEFAULT_MAX_GPUS, deadline: float | None = None,
+             fewest: bool = False) -> SizeRow:
     """Size one GPU type: the table from the smallest fitting count to the knee, and the
-    answer (the knee, or the smallest count that meets `days`). `deadline`
-    (time.monotonic()) stops the scan over counts when reached."""
+    answer (the knee, or the smallest count that meets `days`; with `fewest`, the smallest
+    count that costs about the least). `deadline` (time.monotonic()) stops the scan over
+    counts when reached."""
     counts = size_counts(gpu.gpus_per_node, max_gpus)
     price = price if price is not None else gpu.price_usd_per_hour
     floor = gpu.context_overhead_bytes + gpu.blas_workspace_bytes
@@ -187,8 +192,8 @@ def size_one(base: Scenario, gpu: GPUProfile, tokens: int, req: PlanRequest,
                      "not searched")
     suggested = None
     cheapest = min(o.gpu_hours for o in table)
-    chosen = max((o for o in table if o.gpu_hours <= (1 + COST_SLACK) * cheapest),
-                 key=lambda o: o.num_gpus)
+    cheap = [o for o in table if o.gpu_hours <= (1 + COST_SLACK) * cheapest]
+    chosen = cheap[0] if fewest else cheap[-1]
     if need is not None:
         chosen = table[-1]
     B = req.batch_for(base.training.seq_len)
@@ -222,7 +227,7 @@ def size_cluster(base: Scenario, gpus: Sequence[GPUProfile], tokens: int, req: P
                  days: float | None = None, prices: Mapping[str, float] | None = None,
                  max_gpus: int = DEFAULT_MAX_GPUS,
                  progress: ProgressFn | None = None,
-                 time_budget_s: float | None = None) -> list[SizeRow]:
+                 time_budget_s: float | None = None, fewest: bool = False) -> list[SizeRow]:
     """One row per GPU type, in the order given; the scan over GPU counts stops once
     `time_budget_s` seconds (all types together) have passed, saying so in the row."""
     deadline = time.monotonic() + time_budget_s if time_budget_s is not None else None
@@ -236,7 +241,7 @@ def size_cluster(base: Scenario, gpus: Sequence[GPUProfile], tokens: int, req: P
         if progress is not None:
             progress(f"sizing {gpu.name}", k, len(gpus))
         rows.append(size_one(base, gpu, tokens, req, days, (prices or {}).get(gpu.id),
-                             max_gpus, deadline))
+                             max_gpus, deadline, fewest))
     if progress is not None:
         progress("done", len(gpus), len(gpus))
     return rows

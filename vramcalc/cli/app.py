@@ -131,9 +131,10 @@ def fit_engine(name: str, scn: Any) -> Callable[[Any], Any] | None:
 
 def scenario_command(help_text: str, extra: list[inspect.Parameter] | None = None,
                      defaults: dict[str, Any] | None = None, with_context: bool = False,
+                     exclude: tuple[str, ...] = (),
                      ) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Make `func(**kwargs)` a typer command taking every scenario option (one table:
-    vramcalc.options), to register on `app` (vramcalc/cli/__init__.py).
+    vramcalc.options) but those in `exclude`, to register on `app` (vramcalc/cli/__init__.py).
 
     `extra` adds the command's own options and `defaults` overrides the table's; with
     `with_context` the command gets typer's Context as `ctx` (for commands that take
@@ -146,7 +147,7 @@ def scenario_command(help_text: str, extra: list[inspect.Parameter] | None = Non
             params.append(inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                             annotation=typer.Context))
         params += [_param(o, (defaults or {}).get(o.name, inspect.Parameter.empty))
-                   for o in SCENARIO_OPTIONS]
+                   for o in SCENARIO_OPTIONS if o.name not in exclude]
         params += list(extra or []) + [PROFILES_DIR, AS_JSON]
 
         def command(**kwargs: Any) -> None:
@@ -170,7 +171,7 @@ def given_values(ctx: typer.Context, values: dict[str, Any]) -> dict[str, Any]:
 def split_values(kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[Path] | None, bool]:
     """Take the scenario options out of a command's `kwargs`: (the values given, the
     profile folders, --json). What is left in `kwargs` are the command's own options."""
-    values = {o.name: kwargs.pop(o.name) for o in SCENARIO_OPTIONS}
+    values = {o.name: kwargs.pop(o.name) for o in SCENARIO_OPTIONS if o.name in kwargs}
     values = {k: v for k, v in values.items() if v is not None}
     pdir = kwargs.pop("profiles_dir", None)
     as_json = kwargs.pop("as_json", False)

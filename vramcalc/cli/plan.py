@@ -215,41 +215,35 @@ def _speed_notes(result: PlanResult) -> list[str]:
 
 
 # ---- size ----------------------------------------------------------------------------------
-def size_cmd(
-    model: Optional[str] = typer.Option(None, "--model", help=OPTIONS_BY_NAME["model"].help),
-    tokens: Optional[str] = typer.Option(None, "--tokens",
-                                         help="Training tokens, e.g. 2T, 15.6e12, 300B."),
-    gpu: Optional[list[str]] = typer.Option(None, "--gpu",
-                                            help="GPU type to size (repeat: --gpu H100 --gpu "
-                                                 "A100-80GB --gpu 910B)."),
-    days: Optional[float] = typer.Option(None, "--days",
-                                         help="Finish within this many days (GPUs sized to it)."),
-    price: Optional[list[str]] = typer.Option(None, "--price",
-                                              help="USD per GPU-hour, GPU=USD (repeatable); "
-                                                   "overrides the profile's indicative price."),
-    seq_len: int = typer.Option(4096, "--seq-len", help=OPTIONS_BY_NAME["seq_len"].help),
-    global_batch_size: Optional[int] = _BATCH_PARAMS[0].default,
-    global_batch_tokens: Optional[str] = _BATCH_PARAMS[1].default,
-    precision: str = typer.Option("bf16", "--precision", help=OPTIONS_BY_NAME["precision"].help),
-    optimizer: str = typer.Option("adamw", "--optimizer", help=OPTIONS_BY_NAME["optimizer"].help),
-    attention: str = typer.Option("flash", "--attention", help=OPTIONS_BY_NAME["attention"].help),
-    framework: str = typer.Option("reference", "--framework",
-                                  help=OPTIONS_BY_NAME["framework"].help),
-    headroom: float = typer.Option(DEFAULT_HEADROOM, "--headroom",
-                                   help=OPTIONS_BY_NAME["headroom"].help),
-    allow: Optional[str] = _BATCH_PARAMS[2].default,
-    mfu: Optional[float] = _BATCH_PARAMS[3].default,
-    max_gpus: int = typer.Option(131072, "--max-gpus", help="Largest GPU count considered."),
-    profiles_dir: Optional[Path] = typer.Option(None, "--profiles-dir",
-                                                help="Extra folder of GPU profile YAML files."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
-    **serve_opts: Any,
-) -> None:
-    """GPUs, days, GPU-hours and cost to train a model on a token budget, per GPU type (with
-    --serve: to serve it at a concurrency, per month)."""
-    if serve_opts.get("serve"):
-        size_serve(model, gpu, serve_opts, [profiles_dir] if profiles_dir else None, as_json)
+@scenario_command(
+    "GPUs, days, GPU-hours and cost to train a model on a token budget, per GPU type (with "
+    "--serve: to serve it at a concurrency, per month). Every training option of `plan` "
+    "applies (--finetune, the stack and its releases ...); --gpu names the types to size.",
+    extra=[option("tokens", Optional[str], None, "--tokens",
+                  help="Training tokens, e.g. 2T, 15.6e12, 300B (fine-tuning: the dataset's "
+                       "tokens times the epochs)."),
+           option("gpu", Optional[list[str]], None, "--gpu",
+                  help="GPU type to size (repeat: --gpu H100 --gpu A100-80GB --gpu 910B)."),
+           option("days", Optional[float], None, "--days",
+                  help="Finish within this many days (GPUs sized to it)."),
+           option("price", Optional[list[str]], None, "--price",
+                  help="USD per GPU-hour, GPU=USD (repeatable); overrides the profile's "
+                       "indicative price."),
+           *_BATCH_PARAMS,
+           option("max_gpus", int, 131072, "--max-gpus", help="Largest GPU count considered."),
+           *SERVE_PLAN_PARAMS],
+    defaults={**{k: None for k in SEARCHED_OPTIONS}, "headroom": DEFAULT_HEADROOM},
+    with_context=True,
+    exclude=("gpus",),
+)
+def size_cmd(ctx: typer.Context, **kwargs: Any) -> None:
+    serve_opts = pop_serve_options(kwargs)
+    values, dirs, as_json = split_values(kwargs)
+    model, gpu = values.get("model"), kwargs.get("gpu")
+    if serve_opts["serve"]:
+        size_serve(model, gpu, serve_opts, dirs, as_json)
         return
+    tokens, days, max_gpus = kwargs.get("tokens"), kwargs.get("days"), kwargs["max_gpus"]
     if not model:
         raise InputError("--model is required (e.g. --model 70b)")
     if not tokens:
@@ -259,14 +253,13 @@ def size_cmd(
     if not 1 <= max_gpus <= 1_000_000:
         raise InputError(f"--max-gpus must be between 1 and 1,000,000, got {max_gpus}")
     n_tokens = parse_count(tokens)
-    dirs = [profiles_dir] if profiles_dir else None
     profiles: list[GPUProfile] = []
     for name in gpu:
         p = resolve_gpu(name, dirs)
         if p.id not in [q.id for q in profiles]:
             profiles.append(p)
     prices: dict[str, float] = {}
-    for item in price or []:
+    for item in kwargs.get("price") or []:
         name, sep, usd = item.partition("=")
         if not sep:
             raise InputError(f"--price {item!r}: expected GPU=USD, e.g. H100=2.50")
@@ -280,34 +273,34 @@ def size_cmd(
         if p.id not in [q.id for q in profiles]:
             raise InputError(f"--price {item!r}: {p.id} is not one of the --gpu types")
         prices[p.id] = value
-    values = {"model": model, "gpus": f"1x{gpu[0]}", "seq_len": seq_len, "precision": precision,
-              "optimizer": optimizer, "attention": attention, "framework": framework,
-              "headroom": headroom}
-    base, req, notes = prepare_plan(values, global_batch_size, global_batch_tokens, allow, 1,
-                                    mfu, dirs)
+    values["gpus"] = f"1x{gpu[0]}"
+    finetuning = "finetune" in given_values(ctx, values)
+    base, req, notes = prepare_plan(values, kwargs.get("global_batch_size"),
+                                    kwargs.get("global_batch_tokens"), kwargs.get("allow"), 1,
+                                    kwargs.get("mfu"), dirs, None, finetuning)
+    finetuning = finetuning or base.training.finetune != "full"
+    if (limits := stack_note(base.training.framework)) is not None:
+        notes = [limits, *notes]
     progress = LazyProgress(enabled=not as_json)
     try:
         rows = size_cluster(base, profiles, n_tokens, req, days, prices, max_gpus, progress,
-                            SIZE_TIME_BUDGET_S)
+                            SIZE_TIME_BUDGET_S, fewest=finetuning)
     finally:
         progress.close()
     if as_json:
         emit_json({"rows": [r.to_json() for r in rows]})
         return
-    B = req.batch_for(seq_len)
-    title = (f"{base.model.name}: {n_tokens:,} tokens, seq {seq_len}, global batch {B:,} "
-             f"sequences, {precision}, {optimizer}"
+    tr, seq_len = base.training, base.training.seq_len
+    method = "" if tr.finetune == "full" else f", {tr.finetune}"
+    title = (f"{base.model.name}: {n_tokens:,} tokens, seq {seq_len}, global batch "
+             f"{req.batch_for(seq_len):,} sequences, {tr.precision}, {tr.optimizer}{method}"
              + (f", finish within {days:g} days" if days is not None else
                 ": from the smallest cluster that fits to where MFU falls below half its "
-                "best"))
+                "best" + ("; ◀ the fewest GPUs within 10 % of the least GPU-hours"
+                          if finetuning else "")))
     print_size(make_console(), rows, title, notes + ([
         "prices are indicative per-GPU-hour rates from the GPU profiles; '?' = unknown "
         "(give --price GPU=USD)"] if any(r.price_usd_per_hour is None for r in rows) else []))
-
-
-size_cmd.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-    [p for p in inspect.signature(size_cmd).parameters.values() if p.kind != p.VAR_KEYWORD]
-    + SERVE_PLAN_PARAMS)
 
 
 # ---- check ---------------------------------------------------------------------------------

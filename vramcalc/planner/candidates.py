@@ -249,7 +249,7 @@ class Enumerator:
         assert cluster is not None
         hit = []
         for sh in sharding_options(dp, cp, tp, pp, ep, cluster.gpus_per_node, self.req.pinned,
-                             training.framework == "torchtitan"):
+                             training.framework in ("torchtitan", "torchtune")):
             for off in offload_options(sh[3], self.allow_off, self.req.pinned):
                 if dp == 1 and sh[0] == 1 and not off and not self.zero_pinned:
                     continue

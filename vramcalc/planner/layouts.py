@@ -131,7 +131,7 @@ def sharding_options(dp: int, cp: int, tp: int, pp: int, ep: int, gpn: int,
     """
     opts: list[Sharding] = [(0, "none", None, 0), (1, "none", None, 1)]  # dp 1: for offload
     if dp > 1:
-        if pp == 1:  # torchtitan (fsdp_only): FSDP2 full; its ZeRO stages are refused
+        if pp == 1:  # torchtitan, torchtune (fsdp_only): FSDP2 full; ZeRO stages refused
             opts += [(0, "full", None, 3)] if fsdp_only else [(2, "none", None, 2), (3, "none", None, 3)]
         else:
             opts += [(0, "grad-op", None, 2), (0, "full", None, 3)]

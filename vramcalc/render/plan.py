@@ -327,7 +327,7 @@ def size_table(rows: Sequence[Any], title: str, width: int = 120) -> Table:
             cells.append([
                 r.gpu.id if i == 0 else "", f"{o.num_gpus:,}{mark}",
                 f"{o.num_gpus // gpn:,}" if o.num_gpus >= gpn else f"{o.num_gpus}/{gpn}",
-                f"{o.days:,.1f}", f"{o.gpu_hours:,.0f}",
+                f"{o.days:,.1f}" if o.days >= 1 else f"{o.days:.2g}", f"{o.gpu_hours:,.0f}",
                 f"{o.cost_usd:,.0f}" if o.cost_usd is not None else "?",
                 f"{o.entry.speed.tokens_per_s:,.0f}", f"{100 * o.entry.speed.mfu:.1f}%",
                 layout_text(s), sharding_text(s), str(s.get("recompute", "none"))])
@@ -336,6 +336,18 @@ def size_table(rows: Sequence[Any], title: str, width: int = 120) -> Table:
         table.caption = f"(narrow terminal: {', '.join(dropped)} not shown; --json has all)"
         table.caption_justify = "left"
     return table
+
+
+def _gpus(n: int) -> str:
+    return f"{n:,} GPU" + ("" if n == 1 else "s")
+
+
+def _duration(days: float) -> str:
+    """Days from one day up, else hours, else minutes."""
+    if days >= 1:
+        return f"{days:,.1f} days"
+    hours = 24 * days
+    return f"{hours:.1f} hours" if hours >= 1 else f"{60 * hours:.0f} minutes"
 
 
 def print_size(console: Console, rows: Sequence[Any], title: str, notes: Sequence[str]) -> None:
@@ -347,9 +359,9 @@ def print_size(console: Console, rows: Sequence[Any], title: str, notes: Sequenc
         price = (f" at ${r.price_usd_per_hour:,.2f}/GPU-hour" if r.price_usd_per_hour
                  is not None else "")
         cost = f", ${r.cost_usd:,.0f}{price}" if r.cost_usd is not None else ""
-        console.print(f"{r.gpu.name}: {r.num_gpus:,} GPUs, {r.days:,.1f} days, "
+        console.print(f"{r.gpu.name}: {_gpus(r.num_gpus)}, {_duration(r.days)}, "
                       f"{r.gpu_hours:,.0f} GPU-hours{cost} (smallest that fits: "
-                      f"{r.min_gpus:,} GPUs)")
+                      f"{_gpus(r.min_gpus)})")
         for n in r.notes:
             console.print(f"[dim]note ({r.gpu.id}): {n}[/dim]")
     for n in notes:
