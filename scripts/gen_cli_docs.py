@@ -61,6 +61,10 @@ COMMANDS: list[tuple[str, str, list[str]]] = [
     ("Size a cluster", "",
      ["size", "--model", "70b", "--tokens", "2T", "--gpu", "H100", "--gpu", "A100",
       "--gpu", "910B", "--days", "30"]),
+    ("Size a fine-tuning job", "Every training option of `plan` applies; a fine-tuning job "
+     "gets the fewest GPUs within 10 % of the least GPU-hours.",
+     ["size", "--model", "70b", "--finetune", "qlora", "--tokens", "100M", "--gpu", "RTX4090",
+      "--gpu", "H100"]),
     ("Guard a config in CI", "",
      ["check", "examples/train.yaml"]),
     ("Estimate from a DeepSpeed config", "The Hugging Face Trainer's ZeRO-3 template: "
