@@ -102,5 +102,5 @@ def test_margin_outside_the_band_gives_the_band() -> None:
     out = _verdict(["--model", "7b", "--gpus", "1xH100", "--recompute", "full"])
     band = bands()[ALL]
     assert (f"evidence: {band.runs} published runs of all stacks (none with the reference "
-            f"profile): half within ±{band.median_pct:.1f} %") in out
+            f"profile): half within ±{band.median_pct:.1f}%") in out
     assert "confirm on the GPU" not in out

@@ -193,13 +193,13 @@ def evidence_line(report: MemoryReport) -> str | None:
             f"{band.runs} published runs of all stacks (none with the {framework} profile)")
     wide = band.p90_pct / 100 * report.device_total_bytes
     if abs(report.free_bytes) >= wide:
-        return (f"evidence: {runs}: half within ±{band.median_pct:.1f} %, 9 in 10 within "
-                f"±{band.p90_pct:.1f} %, the worst {band.worst_pct:.1f} % off "
+        return (f"evidence: {runs}: half within ±{band.median_pct:.1f}%, 9 in 10 within "
+                f"±{band.p90_pct:.1f}%, the worst {band.worst_pct:.1f}% off "
                 "(docs/validation.md)")
     gap = (f"the {fmt_gb(report.free_bytes)} margin" if report.fits else
            f"the {fmt_gb(-report.free_bytes)} excess")
-    return (f"evidence: {gap} is less than the error of 1 in 10 of {runs} (±{band.p90_pct:.1f} "
-            f"% = {fmt_gb(round(wide))}; half within ±{band.median_pct:.1f} %, "
+    return (f"evidence: {gap} is less than the error of 1 in 10 of {runs} (±{band.p90_pct:.1f}% "
+            f"= {fmt_gb(round(wide))}; half within ±{band.median_pct:.1f}%, "
             "docs/validation.md): confirm on the GPU with `vramcalc probe`")
 
 
