@@ -75,6 +75,18 @@ def test_a_table_that_does_not_fit_points_to_plan() -> None:
     assert "FITS" in fits.stdout and "try:" not in fits.stdout
 
 
+def test_a_trace_that_does_not_fit_points_to_plan() -> None:
+    # GPT-2 small in fp32 at 64 x 1,024 tokens: the eager logits alone (64 x 1,024 x 50,257
+    # x 4 B = 13.2 GB) leave a 16 GB T4 nothing for the rest
+    args = ["--model", "gpt2", "--gpus", "1xT4", "--precision", "fp32", "--seq-len", "1024",
+            "--micro-batch-size", "64"]
+    over = runner.invoke(app, ["trace", *args], env={"COLUMNS": "200"})
+    assert "DOES NOT FIT" in over.stdout
+    cmd = shlex.split(over.stdout.split("try: ", 1)[1].split("\n", 1)[0])
+    assert cmd[:2] == ["vramcalc", "plan"] and sorted(zip(cmd[2::2], cmd[3::2], strict=True)) == (
+        sorted(zip(args[::2], args[1::2], strict=True)))
+
+
 def test_table_layout() -> None:
     result = runner.invoke(app, ["estimate", "--model", "gpt2", "--gpus", "4090",
                                  "--seq-len", "1024"])

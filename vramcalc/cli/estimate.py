@@ -145,4 +145,6 @@ def trace_cmd(**kwargs: Any) -> None:
     # FSDP2 data parallelism runs on a fake process group
     report = with_progress("tracing", lambda progress: trace_any(scn, progress, seq_lens),
                            as_json)
-    show_report(report, as_json)
+    plan = None if as_json or values.get("load_only") else command_line(  # when it does not fit
+        "plan", values, {"--profiles-dir": dirs[0] if dirs else None})
+    show_report(report, as_json, plan_command=plan)
