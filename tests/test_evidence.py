@@ -104,3 +104,22 @@ def test_margin_outside_the_band_gives_the_band() -> None:
     assert (f"evidence: {band.runs} published runs of all stacks (none with the reference "
             f"profile): half within ±{band.median_pct:.1f}%") in out
     assert "confirm on the GPU" not in out
+
+
+def test_check_json_says_whether_the_margin_is_inside_the_band(tmp_path: Path) -> None:
+    import json
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text("model: 8b\ngpus: 1xRTX4090\nframework: torchtune\nfinetune: lora\n"
+                   "recompute: full\nheadroom: 0\n", encoding="utf-8")
+    result = runner.invoke(app, ["check", str(cfg), "--json"])
+    doc = json.loads(result.stdout)
+    ev, total = doc["evidence"], doc["device_total_bytes"]
+    band = bands()["torchtune"]
+    assert (ev["runs_of"], ev["runs"], ev["p90_abs_error_pct"]) == ("torchtune", band.runs,
+                                                                   band.p90_pct)
+    margin = doc["usable_bytes"] - total
+    assert 0 < margin < band.p90_pct / 100 * total  # the case this test is about
+    assert ev["margin_within_p90"] is True
+    cfg.write_text("model: gpt2\ngpus: 1xH100\n", encoding="utf-8")
+    roomy = json.loads(runner.invoke(app, ["check", str(cfg), "--json"]).stdout)["evidence"]
+    assert (roomy["runs_of"], roomy["margin_within_p90"]) == (ALL, False)

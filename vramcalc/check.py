@@ -39,6 +39,7 @@ from vramcalc.catalog import resolve_model
 from vramcalc.ds_config import DeepSpeedConfig
 from vramcalc.ds_json import deepspeed_settings, scenario_notes
 from vramcalc.errors import InputError, shown, suggest
+from vramcalc.evidence import evidence_json
 from vramcalc.options import OPTIONS_BY_NAME, build_scenario, normalize_values
 from vramcalc.report import MemoryReport
 from vramcalc.scenario import Scenario
@@ -67,7 +68,11 @@ class CheckResult:
         return {"fits": self.fits, "device_total_bytes": self.report.device_total_bytes,
                 "usable_bytes": self.usable_bytes, "headroom_fraction": self.headroom_fraction,
                 "over_bytes": max(self.report.device_total_bytes - self.usable_bytes, 0),
-                "notes": self.notes, "report": self.report.to_json_dict()}
+                "notes": self.notes,
+                "evidence": evidence_json(str(self.report.strategy.get("framework", "reference")),
+                                          self.report.device_total_bytes,
+                                          self.usable_bytes - self.report.device_total_bytes),
+                "report": self.report.to_json_dict()}
 
 
 def load_config_file(path: Path) -> dict[str, Any]:

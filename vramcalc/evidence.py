@@ -42,3 +42,18 @@ def band_for(framework: str) -> tuple[str, Band]:
     every compared run's (ALL)."""
     own = bands().get(framework)
     return (framework, own) if own is not None else (ALL, bands()[ALL])
+
+
+def within_band(band: Band, device_total_bytes: int, margin_bytes: int) -> bool:
+    """Whether a fit margin (negative: the excess) is narrower than the error nine in ten
+    compared runs stay within, taken on the device total."""
+    return abs(margin_bytes) < band.p90_pct / 100 * device_total_bytes
+
+
+def evidence_json(framework: str, device_total_bytes: int, margin_bytes: int) -> dict[str, object]:
+    """The band as `check --json` reports it: whose runs, the band, and whether the margin
+    lies inside it."""
+    who, band = band_for(framework)
+    return {"runs_of": who, "runs": band.runs, "median_abs_error_pct": band.median_pct,
+            "p90_abs_error_pct": band.p90_pct, "worst_abs_error_pct": band.worst_pct,
+            "margin_within_p90": within_band(band, device_total_bytes, margin_bytes)}

@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from vramcalc.evidence import ALL, band_for
+from vramcalc.evidence import ALL, band_for, within_band
 from vramcalc.report import MemoryReport, fit_phrase, paged_resident_bytes
 from vramcalc.units import GB, GiB, fmt_gb, fmt_gib
 
@@ -192,7 +192,7 @@ def evidence_line(report: MemoryReport) -> str | None:
     runs = (f"{band.runs} published {framework} runs" if who != ALL else
             f"{band.runs} published runs of all stacks (none with the {framework} profile)")
     wide = band.p90_pct / 100 * report.device_total_bytes
-    if abs(report.free_bytes) >= wide:
+    if not within_band(band, report.device_total_bytes, report.free_bytes):
         return (f"evidence: {runs}: half within ±{band.median_pct:.1f}%, 9 in 10 within "
                 f"±{band.p90_pct:.1f}%, the worst {band.worst_pct:.1f}% off "
                 "(docs/validation.md)")
