@@ -62,6 +62,7 @@ from vramcalc.terms.optimizer_states import (
     paged_state_bytes,
 )
 from vramcalc.terms.overhead import context_bytes, overhead_split
+from vramcalc.terms.pipelining import pipelining_held
 from vramcalc.terms.profile import profile
 from vramcalc.terms.reserved import reserved_pad_bytes, side_stream_bytes
 from vramcalc.terms.saved import Moment
@@ -155,6 +156,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     held_parts = persistent_parts(ctx, gpu)  # FP8 weight cache, QAT qparams (modifiers)
     held_parts.update(megatron_held_parts(ctx))  # GlobalMemoryBuffer, deferred wgrad
     held_parts.update(recipe_held(ctx))  # torchtune before 0.3: the recipe's shifted logits
+    held_parts.update(pipelining_held(ctx, m))  # torch.distributed.pipelining's buffers
     B = StageBase({**w_parts, **held_parts, "optimizer_states/states": opt["states"],
                    "optimizer_states/master": opt["master"]},
                   {"transients/cublas_workspace": cublas, "transients/comm_buffers": persistent})

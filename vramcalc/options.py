@@ -241,8 +241,9 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "from_pretrained(...).to('cuda'). Needs --load."),
     Opt("torch_version", str, None, "PyTorch release of the run, e.g. 1.10: before 1.11 "
         "softmax and log_softmax keep their input for backward too (encoder models); before "
-        "1.13 the CUDA context loads every kernel at start (the GPU profile's "
-        "context_eager_bytes). Default: a current release (lazy loading)."),
+        "1.13 the CUDA context loads every kernel at start (the GPU profile's context_eager_bytes);"
+        " before 2.8 torchtitan's pipeline stages keep every micro-batch's output, before 2.7 "
+        "an FSDP reduce-scatter input too (terms/pipelining.py). Default: a current release."),
     Opt("transformers_version", str, None, "transformers release of an HF Trainer run "
         "(--framework hf), e.g. 4.47.1: before 4.46 the model's forward upcasts the logits "
         "and returns them in fp32 (llama from 4.31, mistral, mixtral, qwen2, gemma, "
