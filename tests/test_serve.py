@@ -390,3 +390,19 @@ def test_probe_compare_serve_estimate() -> None:
     assert doc["peak_allocated_bytes"] == (terms["weights"] + terms["activation_peak"]
                                            + terms["kv_cache"])
     assert serve["model"] == "llama3.1-8b" and serve["max_model_len"] == 8192
+
+
+@pytest.mark.parametrize("engine", ["vllm", "vllm-v0", "sglang"])
+def test_a_cache_too_small_names_the_longest_max_model_len(engine: str) -> None:
+    # as vLLM's start-up check does ("the estimated maximum model length is N"): the cache's
+    # capacity in tokens, which then fits, and one block more does not
+    base = ["serve", "--model", "llama3.1-8b", "--gpus", "RTX4090", "--engine", engine]
+    doc = json.loads(runner.invoke(app, [*base, "--max-model-len", "131072", "--json"]).stdout)
+    longest = doc["kv_capacity_tokens"]
+    assert not doc["fits"] and 1024 < longest < 131072
+    assert any(f"lower --max-model-len to at most {longest} " in r for r in doc["reasons"])
+    step = 1 if engine == "sglang" else 16  # SGLang keeps one cell per token
+    at = json.loads(runner.invoke(app, [*base, "--max-model-len", str(longest), "--json"]).stdout)
+    over = json.loads(runner.invoke(
+        app, [*base, "--max-model-len", str(longest + step), "--json"]).stdout)
+    assert (at["fits"], over["fits"]) == (True, False)

@@ -252,8 +252,12 @@ def serve_estimate(spec: ModelSpec, cluster: Cluster, cfg: ServeConfig) -> Serve
     terms = ServeTerms(weights=w, activation_peak=act, non_torch=non_torch, kv_cache=kv_bytes,
                        cuda_graphs=graphs, context_nccl=context, unused=unused)
     device_total = sum(terms.as_dict().values())
+    # the longest sequence the cache holds, as the engines' start-up check computes it
+    # (blocks x block size; one cell per token in SGLang); with several KV groups (sliding
+    # windows) it is not a single block count, and is left out
+    longest = tokens if v0 or cfg.engine != "vllm" or groups.num_groups == 1 else None
     reasons = _reasons(cfg, total, context, budget, kv_mem, concurrency, device_total, max_len,
-                       act + graphs, fraction)
+                       act + graphs, fraction, longest)
     if layout.num_sliding_layers and cfg.engine == "sglang":
         notes.append("SGLang's v0.3/v0.4 pool keeps every layer at full length; newer "
                      "releases add a separate sliding-window pool")
@@ -286,8 +290,10 @@ def _kv_info(spec: ModelSpec, layout: KVLayout, max_len: int) -> KVInfo:
 
 def _reasons(cfg: ServeConfig, total: int, context: int, budget: int, kv_mem: int,
              concurrency: float, device_total: int, max_len: int, outside: int,
-             fraction: float) -> list[str]:
-    """Why the engine would fail to start (empty: it starts)."""
+             fraction: float, longest: int | None = None) -> list[str]:
+    """Why the engine would fail to start (empty: it starts). `longest`: the longest
+    --max-model-len the KV cache holds (vLLM names it "the estimated maximum model length",
+    vllm/v1/core/kv_cache_utils.py `check_enough_kv_cache_memory`)."""
     out = []
     if cfg.engine == "vllm" and total - context < budget:
         out.append(f"free memory at start-up ({(total - context) / 2**30:.2f} GiB) is below "
@@ -296,8 +302,10 @@ def _reasons(cfg: ServeConfig, total: int, context: int, budget: int, kv_mem: in
         out.append("no memory left for the KV cache after weights"
                    + (" and the profiling peak" if cfg.engine in ("vllm", "vllm-v0") else ""))
     elif concurrency < 1:
+        lower = (f"lower --max-model-len to at most {longest}" if longest else
+                 "lower --max-model-len")
         out.append(f"the KV cache holds {concurrency:.2f} sequences of max-model-len "
-                   f"{max_len}: lower --max-model-len or add GPUs")
+                   f"{max_len}: {lower} or add GPUs")
     if cfg.engine == "sglang" and outside > (total - context) * (1 - fraction):
         out.append("activations and CUDA graphs exceed the (1 − mem_fraction_static) share")
     if device_total > total:
