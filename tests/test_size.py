@@ -242,3 +242,17 @@ def test_durations_read_in_days_hours_or_minutes() -> None:
     from vramcalc.render.plan import _duration
     assert [_duration(d) for d in (2.54, 1.0, 0.5, 1 / 24, 0.01)] == [
         "2.5 days", "1.0 days", "12.0 hours", "1.0 hours", "14 minutes"]
+
+
+@pytest.mark.parametrize("framework", ["torchtune", "unsloth"])
+def test_fine_tuning_stacks_plan_fine_tuning_jobs(framework: str) -> None:
+    # torchtune's recipes and Unsloth fine-tune: a full fine-tune there is still a
+    # fine-tuning job (Alpaca's 128-sequence batch, the fewest GPUs in size)
+    values = {"model": "8b", "gpus": "1xH100", "framework": framework}
+    if framework == "unsloth":
+        values.update(finetune="lora", precision="bf16")
+    base, req, notes = prepare_plan(values, top=1, finetune_given=False)
+    assert req.finetuning and req.batch_for(base.training.seq_len) == 128
+    assert any(n.startswith("fine-tuning: a global batch of 128") for n in notes)
+    base, req, _ = prepare_plan({"model": "8b", "gpus": "1xH100"}, top=1)
+    assert not req.finetuning  # the reference profile without --finetune: pretraining

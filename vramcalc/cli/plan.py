@@ -274,11 +274,11 @@ def size_cmd(ctx: typer.Context, **kwargs: Any) -> None:
             raise InputError(f"--price {item!r}: {p.id} is not one of the --gpu types")
         prices[p.id] = value
     values["gpus"] = f"1x{gpu[0]}"
-    finetuning = "finetune" in given_values(ctx, values)
     base, req, notes = prepare_plan(values, kwargs.get("global_batch_size"),
                                     kwargs.get("global_batch_tokens"), kwargs.get("allow"), 1,
-                                    kwargs.get("mfu"), dirs, None, finetuning)
-    finetuning = finetuning or base.training.finetune != "full"
+                                    kwargs.get("mfu"), dirs, None,
+                                    "finetune" in given_values(ctx, values))
+    finetuning = req.finetuning
     if (limits := stack_note(base.training.framework)) is not None:
         notes = [limits, *notes]
     progress = LazyProgress(enabled=not as_json)

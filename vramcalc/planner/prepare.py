@@ -140,7 +140,10 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
                          "gradient accumulation: the global batch is the micro-batch)")
     if not 1 <= top <= 1000:
         raise InputError(f"--top must be between 1 and 1000, got {top}")
-    finetuning = finetune_given or base.training.finetune != "full"
+    # torchtune's recipes (full_finetune_*, lora_*) and Unsloth fine-tune a trained model:
+    # every run of those profiles is a fine-tuning job, full fine-tuning included
+    finetuning = (finetune_given or base.training.finetune != "full"
+                  or base.training.framework in ("torchtune", "unsloth"))
     req = PlanRequest(global_batch_size=size, global_batch_tokens=tokens, top_n=top,
                       allow=allowed, pinned=pinned, efficiency=parse_mfu(mfu),
                       finetuning=finetuning)
