@@ -19,7 +19,7 @@ from vramcalc.options import (
     normalize_values,
     parse_stage_layers,
 )
-from vramcalc.planner.layouts import SPLIT_KEYS, finetune_supported, given, mla_note
+from vramcalc.planner.layouts import SPLIT_KEYS, finetune_supported, mla_note
 from vramcalc.planner.request import DEFAULT_FINETUNE_BATCH, PlanRequest, recomputes_of
 from vramcalc.scenario import Scenario
 from vramcalc.units import parse_count
@@ -130,9 +130,6 @@ def prepare_plan(values: dict[str, Any], global_batch_size: int | None = None,
         raise InputError(f"--recompute {pinned['recompute']}: the {base.training.framework} "
                          "profile runs none or full (torchtune checkpoints whole layers)")
     assert base.cluster is not None
-    if base.training.framework == "torchtune" and base.cluster.num_gpus > 1 and not (
-            given(pinned, "fsdp") or given(pinned, "zero")):
-        pinned["fsdp"] = "full"  # torchtune's distributed recipes shard with FSDP2 only
     allowed, notes = parse_allow(allow)
     size, tokens = parse_batch(global_batch_size, global_batch_tokens)
     if base.training.optimizer_in_backward and size is None and tokens is None:
