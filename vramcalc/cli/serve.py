@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any, Optional
 
@@ -12,7 +13,7 @@ from vramcalc.catalog import resolve_model
 from vramcalc.cli.app import emit_json, emit_text, note
 from vramcalc.errors import InputError
 from vramcalc.hardware import parse_gpus
-from vramcalc.render.console import make_console
+from vramcalc.render.console import make_console, print_command
 from vramcalc.render.serve import print_serve, serve_markdown
 from vramcalc.serve import ServeConfig, ServeReport, serve_estimate
 from vramcalc.serve.weights import QUANTIZATIONS
@@ -47,15 +48,32 @@ def run_serve(model: str, gpus: str, values: dict[str, Any], profiles_dir: Path 
     return report
 
 
-def show_serve(report: ServeReport, as_json: bool, markdown: bool) -> None:
+def plan_serve_command(model: str, gpus: str, values: dict[str, Any]) -> str:
+    """`vramcalc plan --serve` of a serve run's model, GPUs and engine flags: the layouts
+    that fit, and on these GPUs the changes that do."""
+    words = ["vramcalc plan --serve --model", shlex.quote(model), "--gpus", shlex.quote(gpus)]
+    for name, default in (("engine", "vllm"), ("quantization", "none"),
+                          ("kv_cache_dtype", "auto"), ("max_model_len", None)):
+        if values.get(name, default) not in (default, None):
+            words.append(f"--{name.replace('_', '-')} {values[name]}")
+    return " ".join(words)
+
+
+def show_serve(report: ServeReport, as_json: bool, markdown: bool,
+               plan_command: str | None = None) -> None:
     """The report as JSON (the one place the serve document is built), markdown or table;
-    exit code 1 when it does not fit."""
+    exit code 1 when it does not fit, after `plan_command` (the layouts that do)."""
     if as_json:
         emit_json(report.to_json_dict())
     elif markdown:
         emit_text(serve_markdown(report))
     else:
-        print_serve(make_console(), report)
+        console = make_console()
+        print_serve(console, report)
+        if not report.fits and plan_command:
+            print_command(console, "try: ", plan_command)
+            console.print("  (it lists the layouts that fit, and on these GPUs the shorter "
+                          "context, fp8 KV cache or lighter weights that do)")
     if not report.fits:
         raise typer.Exit(EXIT_DOES_NOT_FIT)
 
@@ -111,4 +129,5 @@ def serve_cmd(
               "gpu_memory_utilization": gpu_memory_utilization,
               "expert_parallel": expert_parallel, "enforce_eager": enforce_eager,
               "hf_cache": hf_cache}
-    show_serve(run_serve(model, gpus, values, profiles_dir), as_json, markdown)
+    show_serve(run_serve(model, gpus, values, profiles_dir), as_json, markdown,
+               plan_serve_command(model, gpus, values))

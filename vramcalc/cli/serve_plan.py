@@ -4,6 +4,7 @@ context length, fewest GPUs first, and what they cost per month."""
 from __future__ import annotations
 
 import inspect
+import shlex
 from pathlib import Path
 from typing import Any, Optional
 
@@ -14,9 +15,18 @@ from vramcalc.cli.app import emit_json, note
 from vramcalc.cli.serve import serve_config
 from vramcalc.errors import InputError
 from vramcalc.hardware import GPUProfile, parse_gpus, resolve_gpu
-from vramcalc.render.console import make_console
+from vramcalc.model import ModelSpec
+from vramcalc.render.console import make_console, print_command
 from vramcalc.render.serve import print_serve_options
-from vramcalc.serve.plan import HOURS_PER_MONTH, ServeOption, cheapest_per_gpu, serve_options
+from vramcalc.serve import ServeConfig
+from vramcalc.serve.plan import (
+    HOURS_PER_MONTH,
+    ServeFix,
+    ServeOption,
+    cheapest_per_gpu,
+    fixes_within,
+    serve_options,
+)
 
 KW = inspect.Parameter.KEYWORD_ONLY
 
@@ -46,19 +56,36 @@ def pop_serve_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {name: kwargs.pop(name) for name in SERVE_PLAN_NAMES if name in kwargs}
 
 
-def _options(model: str, gpus: list[GPUProfile], opts: dict[str, Any]
-             ) -> tuple[list[ServeOption], str, list[str]]:
-    spec, model_note = resolve_model(model)
+def _base(opts: dict[str, Any]) -> tuple[ServeConfig, int]:
     base = serve_config({"engine": opts["engine"], "quantization": opts["quantization"],
                          "kv_cache_dtype": opts["kv_cache_dtype"],
                          "max_model_len": opts["max_model_len"]})
-    concurrency = opts["concurrency"] if opts["concurrency"] is not None else 1
+    return base, opts["concurrency"] if opts["concurrency"] is not None else 1
+
+
+def _options(spec: ModelSpec, gpus: list[GPUProfile], opts: dict[str, Any]
+             ) -> tuple[list[ServeOption], str]:
+    base, concurrency = _base(opts)
     found = serve_options(spec, gpus, base, concurrency)
     max_len = base.max_model_len or spec.max_position_embeddings
     title = (f"{spec.name} served by {base.engine}: {concurrency} concurrent sequence"
              f"{'s' if concurrency > 1 else ''} of {max_len:,} tokens, quantization "
              f"{base.quantization}, kv-cache-dtype {base.kv_cache_dtype}")
-    return found, title, [model_note] if model_note else []
+    return found, title
+
+
+def serve_command(model: str, base: ServeConfig, fix: ServeFix) -> str:
+    """The `vramcalc serve` line of a fix: its layout on its GPUs, the changed flags."""
+    o = fix.option
+    cfg = base.model_copy(update=fix.change)
+    words = ["vramcalc serve --model", shlex.quote(model), f"--gpus {o.num_gpus}x{o.gpu.id}",
+             f"--tp {o.tp}"] + ([f"--pp {o.pp}"] if o.pp > 1 else [])
+    for name, default in (("engine", "vllm"), ("quantization", "none"),
+                          ("kv_cache_dtype", "auto"), ("max_model_len", None)):
+        value = getattr(cfg, name)
+        if value != default:
+            words.append(f"--{name.replace('_', '-')} {value}")
+    return " ".join(words)
 
 
 def plan_serve(model: str | None, gpus: str, opts: dict[str, Any], dirs: list[Path] | None,
@@ -67,15 +94,30 @@ def plan_serve(model: str | None, gpus: str, opts: dict[str, Any], dirs: list[Pa
     if not model:
         raise InputError("--model is required (e.g. --model 70b)")
     cluster = parse_gpus(gpus, dirs)
-    found, title, notes = _options(model, [cluster.gpu], opts)
+    spec, model_note = resolve_model(model)
+    found, title = _options(spec, [cluster.gpu], opts)
     within = [o for o in found if o.num_gpus <= cluster.num_gpus]
+    base, concurrency = _base(opts)
+    fixes = [] if within else fixes_within(spec, cluster.gpu, base, concurrency,
+                                           cluster.num_gpus)
     if as_json:
         emit_json({"options": [o.to_json() for o in found[:top]],
-                   "within_gpus": cluster.num_gpus, "num_within": len(within)})
+                   "within_gpus": cluster.num_gpus, "num_within": len(within),
+                   "fixes_within": [{**f.to_json(), "command": serve_command(model, base, f)}
+                                    for f in fixes]})
         return
-    notes.append(f"{len(within)} of these layouts use at most the {cluster.num_gpus} "
-                 f"GPU{'s' if cluster.num_gpus > 1 else ''} of --gpus")
-    print_serve_options(make_console(), found[:top], title, False, notes)
+    gpus_text = f"{cluster.num_gpus} GPU{'s' if cluster.num_gpus > 1 else ''}"
+    notes = ([model_note] if model_note else []) + [
+        f"{len(within)} of these layouts use at most the {gpus_text} of --gpus"]
+    console = make_console()
+    print_serve_options(console, found[:top], title, False, notes)
+    if fixes:
+        console.print(f"On {gpus_text} these changes fit:")
+        for f in fixes:
+            print_command(console, "  ", serve_command(model, base, f))
+    elif not within:
+        console.print(f"On {gpus_text} no lighter weights, fp8 KV cache or shorter context "
+                      "fits: more GPUs are needed")
 
 
 def size_serve(model: str | None, gpu: list[str] | None, opts: dict[str, Any],
@@ -91,7 +133,9 @@ def size_serve(model: str | None, gpu: list[str] | None, opts: dict[str, Any],
         p = resolve_gpu(name, dirs)
         if p.id not in [q.id for q in profiles]:
             profiles.append(p)
-    found, title, notes = _options(model, profiles, opts)
+    spec, model_note = resolve_model(model)
+    found, title = _options(spec, profiles, opts)
+    notes = [model_note] if model_note else []
     best = cheapest_per_gpu(found)
     if as_json:
         emit_json({"rows": [o.to_json() for o in best], "hours_per_month": HOURS_PER_MONTH})

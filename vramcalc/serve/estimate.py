@@ -39,7 +39,7 @@ from vramcalc.serve.kv import (
     kv_layout,
     stage_layers,
 )
-from vramcalc.serve.weights import QUANTIZATIONS, stage_weight_bytes
+from vramcalc.serve.weights import QUANTIZATIONS, stage_weight_bytes, unsupported_layout
 from vramcalc.terms.overhead import nccl_bytes
 
 MAX_TOKENS = 100_000_000
@@ -154,6 +154,9 @@ def _validate(spec: ModelSpec, cfg: ServeConfig, cluster: Cluster, max_len: int)
     if spec.num_attention_heads % cfg.tp:
         raise InputError(f"--tp {cfg.tp} does not divide the {spec.num_attention_heads} "
                          "attention heads")
+    refused = unsupported_layout(cfg.quantization, cluster.gpu)
+    if refused and cfg.engine in ("vllm", "vllm-v0"):
+        raise InputError(refused)
     if max_len > spec.max_position_embeddings:
         raise InputError(f"--max-model-len {max_len} exceeds the model's "
                          f"max_position_embeddings ({spec.max_position_embeddings})")

@@ -5,17 +5,24 @@ attention heads, and the KV heads divide it or it them), PP in powers of two whi
 needs more than a node; each copy is `serve_estimate`d, and the replicas needed for the
 concurrency are ⌈concurrency / sequences one copy holds⌉ (the KV-limited count, bounded by
 max_num_seqs). Layouts that start and hold at least one sequence are ranked by GPUs needed,
-then by cost per hour, then by the larger KV capacity. Deterministic; no I/O.
+then by cost per hour, then by the larger KV capacity.
+
+When no layout holds the target on the GPUs a user has, `fixes_within` names the changes
+that do, each with the layout it fits in: lighter weights (fp8, then a 4-bit checkpoint,
+where the GPU runs vLLM's kernels for them),
+each at the longest --max-model-len that fits when the full length does not, and an fp8 KV
+cache. Deterministic; no I/O.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vramcalc.errors import InputError
 from vramcalc.hardware import Cluster, GPUProfile
 from vramcalc.model import ModelSpec
 from vramcalc.serve.estimate import ServeConfig, ServeReport, serve_estimate
+from vramcalc.serve.weights import unsupported_layout
 from vramcalc.units import ceil_div
 
 HOURS_PER_MONTH = 730  # 8,760 hours a year / 12
@@ -114,4 +121,81 @@ def cheapest_per_gpu(options: list[ServeOption]) -> list[ServeOption]:
         if o.gpu.id not in seen:
             seen.add(o.gpu.id)
             out.append(o)
+    return out
+
+
+# lighter weight layouts to suggest, per engine, in the order tried: vLLM and SGLang load fp8
+# and AWQ checkpoints; transformers loads bitsandbytes 4-bit
+LIGHTER_WEIGHTS = {"vllm": ("fp8", "awq"), "vllm-v0": ("fp8", "awq"), "sglang": ("fp8", "awq"),
+                   "hf": ("bnb-nf4",)}
+WEIGHT_BITS = {"none": 16, "fp8": 8, "int8": 8, "awq": 4, "gptq": 4, "bnb-nf4": 4}
+
+
+@dataclass(frozen=True)
+class ServeFix:
+    """A change of the serving flags, and the layout (fewest GPUs) that then fits."""
+
+    change: dict[str, object] = field(hash=False)  # ServeConfig field -> value
+    option: ServeOption
+
+    @property
+    def flags(self) -> str:
+        return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.change.items())
+
+    def to_json(self) -> dict[str, object]:
+        return {"change": dict(self.change), "option": self.option.to_json()}
+
+
+def _first_within(spec: ModelSpec, gpu: GPUProfile, cfg: ServeConfig, concurrency: int,
+                  num_gpus: int) -> ServeOption | None:
+    return next((o for o in serve_options(spec, [gpu], cfg, concurrency)
+                 if o.num_gpus <= num_gpus), None)
+
+
+def _longest(spec: ModelSpec, gpu: GPUProfile, cfg: ServeConfig, concurrency: int,
+             num_gpus: int, max_len: int) -> tuple[int, ServeOption] | None:
+    """The longest max_model_len below `max_len` that some layout within `num_gpus` serves
+    (a longer context only adds KV and, for vllm-v0 and hf, prefill tokens, so bisect)."""
+    found = _first_within(spec, gpu, cfg.model_copy(update={"max_model_len": 1}), concurrency,
+                          num_gpus)
+    if found is None:
+        return None
+    lo, hi = 1, max_len  # lo is served, hi is not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        o = _first_within(spec, gpu, cfg.model_copy(update={"max_model_len": mid}),
+                          concurrency, num_gpus)
+        if o is None:
+            hi = mid
+        else:
+            lo, found = mid, o
+    return lo, found
+
+
+def fixes_within(spec: ModelSpec, gpu: GPUProfile, base: ServeConfig, concurrency: int,
+                 num_gpus: int) -> list[ServeFix]:
+    """Changes that serve `concurrency` sequences on at most `num_gpus` GPUs of `gpu` when
+    the base flags do not (module docstring); empty when they do."""
+    if _first_within(spec, gpu, base, concurrency, num_gpus):
+        return []
+    max_len = base.max_model_len or spec.max_position_embeddings
+    out: list[ServeFix] = []
+    weights = [base.quantization] + [q for q in LIGHTER_WEIGHTS[base.engine]
+                                     if WEIGHT_BITS[q] < WEIGHT_BITS[base.quantization]
+                                     and not unsupported_layout(q, gpu)]
+    for quant in weights:
+        cfg = base.model_copy(update={"quantization": quant})
+        change: dict[str, object] = {} if quant == base.quantization else {"quantization": quant}
+        full = _first_within(spec, gpu, cfg, concurrency, num_gpus)
+        if full:
+            out.append(ServeFix(change, full))
+            break
+        shorter = _longest(spec, gpu, cfg, concurrency, num_gpus, max_len)
+        if shorter:
+            out.append(ServeFix({**change, "max_model_len": shorter[0]}, shorter[1]))
+    if base.engine != "hf" and base.kv_cache_dtype != "fp8":
+        cfg = base.model_copy(update={"kv_cache_dtype": "fp8"})
+        full = _first_within(spec, gpu, cfg, concurrency, num_gpus)
+        if full:
+            out.append(ServeFix({"kv_cache_dtype": "fp8"}, full))
     return out

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramcalc.finetune import nf4_constant_bytes
+from vramcalc.hardware import GPUProfile
 from vramcalc.model import ModelSpec, ParamTensor
 from vramcalc.model_tensors import param_tensors
 from vramcalc.serve.kv import kv_heads_per_rank
@@ -39,8 +40,27 @@ QUANTIZATIONS = ("none", "fp8", "int8", "awq", "gptq", "bnb-nf4")
 QUANT_GROUP_SIZE = 128  # AWQ and GPTQ checkpoints' usual q_group_size / group_size
 VOCAB_PADDING = 64  # vllm/model_executor/layers/vocab_parallel_embedding.py
 MODEL_DTYPE_BYTES = 2  # bf16 (fp16 where the GPU lacks bf16: the same size)
+# the lowest compute capability (major·10 + minor) vLLM's kernels for a layout run on, its
+# `QuantizationConfig.get_min_capability` (vllm/model_executor/layers/quantization/): fp8.py
+# 80 (weight-only FP8 Marlin on Ampere, W8A8 from 8.9), awq.py 75 ("Turing or newer"),
+# bitsandbytes.py 70; the other layouts are not checked
+MIN_CAPABILITY = {"fp8": 80, "awq": 75, "bnb-nf4": 70}
 _ROW_PARALLEL = ("o_proj.weight", "down_proj.weight", "proj.weight")
 _UNQUANTIZED = ("router.weight", "shared_expert_gate.weight")
+
+
+def unsupported_layout(method: str, gpu: GPUProfile) -> str | None:
+    """Why vLLM refuses `method` on `gpu` (its start-up ValueError), or None when it runs
+    or the profile gives no CUDA compute capability."""
+    need = MIN_CAPABILITY.get(method)
+    if need is None or gpu.cuda_capability is None:
+        return None
+    major, minor = (int(v) for v in gpu.cuda_capability.split("."))
+    have = 10 * major + minor
+    if have >= need:
+        return None
+    return (f"--quantization {method} needs compute capability {need // 10}.{need % 10} or "
+            f"newer (vLLM's minimum); {gpu.name} has {gpu.cuda_capability}")
 
 
 def quantized_matrix_bytes(out: int, inp: int, method: str, group: int = QUANT_GROUP_SIZE
