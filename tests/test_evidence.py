@@ -123,3 +123,15 @@ def test_check_json_says_whether_the_margin_is_inside_the_band(tmp_path: Path) -
     cfg.write_text("model: gpt2\ngpus: 1xH100\n", encoding="utf-8")
     roomy = json.loads(runner.invoke(app, ["check", str(cfg), "--json"]).stdout)["evidence"]
     assert (roomy["runs_of"], roomy["margin_within_p90"]) == (ALL, False)
+
+
+def test_estimate_json_carries_the_band_check_json_does(tmp_path: Path) -> None:
+    import json
+    flags = ["--model", "8b", "--gpus", "1xRTX4090", "--framework", "torchtune", "--finetune",
+             "lora", "--recompute", "full", "--headroom", "0"]
+    est = json.loads(runner.invoke(app, ["estimate", *flags, "--json"]).stdout)
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text("model: 8b\ngpus: 1xRTX4090\nframework: torchtune\nfinetune: lora\n"
+                   "recompute: full\nheadroom: 0\n", encoding="utf-8")
+    chk = json.loads(runner.invoke(app, ["check", str(cfg), "--json"]).stdout)
+    assert est["evidence"] == chk["evidence"] and est["evidence"]["margin_within_p90"] is True

@@ -23,6 +23,7 @@ from vramcalc.cli.app import (
 )
 from vramcalc.cli.serve import run_serve, show_serve
 from vramcalc.errors import InputError
+from vramcalc.evidence import evidence_json
 from vramcalc.explain import explain
 from vramcalc.lengths import padded_batches, read_lengths
 from vramcalc.options import build_scenario
@@ -38,7 +39,12 @@ def show_report(report: MemoryReport, as_json: bool, markdown: str | None = None
     the scenario) or as the table with the fit verdict (and, when it does not fit,
     `plan_command`: the plan of the same flags)."""
     if as_json:
-        emit_json(report.to_json_dict())
+        doc = report.to_json_dict()
+        if report.usable_bytes is not None:  # as check --json: the published runs' band
+            doc["evidence"] = evidence_json(str(report.strategy.get("framework", "reference")),
+                                            report.device_total_bytes,
+                                            report.usable_bytes - report.device_total_bytes)
+        emit_json(doc)
     elif markdown is not None:
         headroom = 0.0
         if report.usable_bytes is not None and report.gpu is not None:
