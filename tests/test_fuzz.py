@@ -177,7 +177,7 @@ def command_lines(draw: st.DrawFn) -> list[str]:
         elif cmd == "serve":
             args += [draw(st.sampled_from(SERVE_FLAGS)), draw(st.sampled_from(
                 NUMBERS + ["fp8", "auto", "awq", "gptq", "bnb-nf4", "vllm", "vllm-v0", "sglang",
-                          "hf"]))]
+                          "hf"]))] + (["--enable-lora"] if draw(st.booleans()) else [])
         elif cmd == "max":
             args += [draw(st.sampled_from(["--maximize", "--step"])), draw(st.sampled_from(
                 NUMBERS + ["seq-len", "micro-batch", "batch"]))]
@@ -187,7 +187,8 @@ def command_lines(draw: st.DrawFn) -> list[str]:
 
 
 SERVE_FLAGS = ["--tp", "--pp", "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
-               "--kv-cache-dtype", "--quantization", "--engine", "--gpu-memory-utilization"]
+               "--kv-cache-dtype", "--quantization", "--engine", "--gpu-memory-utilization",
+               "--max-loras", "--max-lora-rank"]
 
 
 @settings(max_examples=ARGV_EXAMPLES, **SETTINGS)

@@ -112,6 +112,14 @@ def serve_cmd(
                                          "experts spread over the TP ranks (EP = TP)."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="No CUDA graphs."),
     hf_cache: str = typer.Option("static", "--hf-cache", help="hf: static | dynamic cache."),
+    enable_lora: bool = typer.Option(False, "--enable-lora", help="vLLM: LoRA adapter slots "
+                                     "in every linear (and, for Llama-family models, the "
+                                     "embedding and head), counted with the weights."),
+    max_loras: Optional[int] = typer.Option(None, "--max-loras", help="--enable-lora: "
+                                            "adapters in one batch (vLLM default 1)."),
+    max_lora_rank: Optional[int] = typer.Option(None, "--max-lora-rank", help="--enable-lora:"
+                                                " the slots' rank (vLLM default 16; 1, 8, 16, "
+                                                "32, 64, 128, 256, 320 or 512)."),
     profiles_dir: Optional[Path] = typer.Option(None, "--profiles-dir", help="Extra folder "
                                                 "of GPU profile YAML files."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
@@ -128,6 +136,7 @@ def serve_cmd(
               "kv_cache_dtype": kv_cache_dtype, "quantization": quantization,
               "gpu_memory_utilization": gpu_memory_utilization,
               "expert_parallel": expert_parallel, "enforce_eager": enforce_eager,
-              "hf_cache": hf_cache}
+              "hf_cache": hf_cache, "enable_lora": enable_lora, "max_loras": max_loras,
+              "max_lora_rank": max_lora_rank}
     show_serve(run_serve(model, gpus, values, profiles_dir), as_json, markdown,
                plan_serve_command(model, gpus, values))

@@ -14,6 +14,7 @@ from vramcalc.units import GB, GiB, fmt_gb, fmt_gib
 
 SERVE_LABELS = {
     "weights": "weights",
+    "lora_slots": "LoRA slots",
     "activation_peak": "activation peak",
     "non_torch": "non-torch",
     "kv_cache": "KV cache",
@@ -61,6 +62,11 @@ def _kv_lines(r: ServeReport) -> list[str]:
     return lines
 
 
+def _shown_terms(r: ServeReport) -> list[tuple[str, int]]:
+    """The terms in table order; LoRA slots only when --enable-lora made some."""
+    return [(k, v) for k, v in r.terms.as_dict().items() if k != "lora_slots" or v]
+
+
 def serve_table(r: ServeReport) -> Table:
     total = max(r.device_total_bytes, 1)
     table = Table(title=f"Per-GPU memory ({r.engine})", title_justify="left", show_edge=False,
@@ -68,7 +74,7 @@ def serve_table(r: ServeReport) -> Table:
     for name, justify in (("term", "left"), ("GB", "right"), ("GiB", "right"),
                           ("share", "right"), ("", "left")):
         table.add_column(name, justify=justify, no_wrap=name == "")  # type: ignore[arg-type]
-    for key, val in r.terms.as_dict().items():
+    for key, val in _shown_terms(r):
         table.add_row(SERVE_LABELS[key], f"{val / GB:,.2f}", f"{val / GiB:,.2f}",
                       f"{100 * val / total:4.1f}%", _bar(val / total))
     table.add_section()
@@ -103,7 +109,7 @@ def serve_markdown(r: ServeReport) -> str:
     out = [f"### vramcalc serve: {'fits' if r.fits else 'does not fit'}", ""]
     out += [f"- {line}" for line in _header(r)]
     out += ["", "| term | GB | GiB | share |", "|---|---:|---:|---:|"]
-    for key, val in r.terms.as_dict().items():
+    for key, val in _shown_terms(r):
         out.append(f"| {SERVE_LABELS[key]} | {val / GB:,.2f} | {val / GiB:,.2f} | "
                    f"{100 * val / total:.1f}% |")
     out.append(f"| **device total** | **{r.device_total_bytes / GB:,.2f}** | "

@@ -4,7 +4,8 @@
 Recognised flags (vLLM `EngineArgs.add_cli_args`, SGLang `ServerArgs.add_cli_args` names):
 tensor/pipeline parallel size, max model length (SGLang `--context-length`), max sequences
 (`--max-running-requests`), batched tokens (`--chunked-prefill-size`), KV-cache dtype,
-quantization, GPU memory share (`--mem-fraction-static`), eager mode. Others are ignored.
+quantization, GPU memory share (`--mem-fraction-static`), eager mode, vLLM's LoRA slots
+(`--enable-lora`, `--max-loras`, `--max-lora-rank`). Others are ignored.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ _INT = {
     "--max-num-seqs": "max_num_seqs", "--max-running-requests": "max_num_seqs",
     "--max-num-batched-tokens": "max_num_batched_tokens",
     "--chunked-prefill-size": "max_num_batched_tokens",
+    "--max-loras": "max_loras", "--max-lora-rank": "max_lora_rank",
 }
 _FLOAT = {"--gpu-memory-utilization": "gpu_memory_utilization",
           "--mem-fraction-static": "gpu_memory_utilization"}
@@ -74,8 +76,8 @@ def parse_serve_command(argv: list[str]) -> tuple[str, dict[str, Any]]:
                 values["enforce_eager"] = True
                 if value is not None:
                     i -= 1  # a flag without a value: the next word is not its value
-            elif word == "--enable-expert-parallel":
-                values["expert_parallel"] = True
+            elif word in ("--enable-expert-parallel", "--enable-lora"):
+                values["expert_parallel" if "expert" in word else "enable_lora"] = True
                 if value is not None:
                     i -= 1
         except ValueError:

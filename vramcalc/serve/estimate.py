@@ -39,6 +39,14 @@ from vramcalc.serve.kv import (
     kv_layout,
     stage_layers,
 )
+from vramcalc.serve.lora import (
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
+    EMBEDDING_LORA_MODEL_TYPES,
+    LORA_RANKS,
+    MAX_LORA_VOCAB,
+    stage_lora_bytes,
+)
 from vramcalc.serve.weights import QUANTIZATIONS, stage_weight_bytes, unsupported_layout
 from vramcalc.terms.overhead import nccl_bytes
 
@@ -62,12 +70,24 @@ class ServeConfig(BaseModel):
     expert_parallel: bool = False
     enforce_eager: bool = False
     hf_cache: Literal["static", "dynamic"] = "static"
+    enable_lora: bool = False
+    max_loras: int | None = Field(None, ge=1, le=4096)
+    max_lora_rank: int | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
         if self.quantization not in QUANTIZATIONS:
             raise InputError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "
                              f"got {self.quantization!r}")
+        if not self.enable_lora and (self.max_loras or self.max_lora_rank):
+            raise InputError("--max-loras and --max-lora-rank size vLLM's LoRA slots: add "
+                             "--enable-lora")
+        if self.enable_lora and self.engine != "vllm":
+            raise InputError("--enable-lora is modelled for --engine vllm (the V1 engine)")
+        if self.max_lora_rank is not None and self.max_lora_rank not in LORA_RANKS:
+            raise InputError(f"--max-lora-rank must be one of "
+                             f"{', '.join(map(str, LORA_RANKS))} (vLLM's), got "
+                             f"{self.max_lora_rank}")
         if self.engine == "hf" and (self.tp > 1 or self.pp > 1):
             raise InputError("--engine hf runs one GPU per model copy: --tp and --pp must be 1")
         return self
@@ -77,6 +97,7 @@ class ServeTerms(BaseModel):
     """Bytes per GPU, each part of the device total once."""
 
     weights: int
+    lora_slots: int  # vLLM --enable-lora: max_loras adapters of max_lora_rank per layer
     activation_peak: int
     non_torch: int
     kv_cache: int
@@ -154,6 +175,12 @@ def _validate(spec: ModelSpec, cfg: ServeConfig, cluster: Cluster, max_len: int)
     if spec.num_attention_heads % cfg.tp:
         raise InputError(f"--tp {cfg.tp} does not divide the {spec.num_attention_heads} "
                          "attention heads")
+    if cfg.enable_lora and spec.is_mla:
+        raise InputError(f"{spec.name}: LoRA slots of multi-latent attention are not modelled")
+    if cfg.enable_lora and spec.model_type in EMBEDDING_LORA_MODEL_TYPES \
+            and spec.vocab_size > MAX_LORA_VOCAB:
+        raise InputError(f"{spec.name}: vLLM's LoRA head takes a vocabulary of at most "
+                         f"{MAX_LORA_VOCAB} (this one has {spec.vocab_size})")
     refused = unsupported_layout(cfg.quantization, cluster.gpu)
     if refused and cfg.engine in ("vllm", "vllm-v0"):
         raise InputError(refused)
@@ -189,6 +216,9 @@ def serve_estimate(spec: ModelSpec, cluster: Cluster, cfg: ServeConfig) -> Serve
     for s, (first, count) in enumerate(stages):
         w = stage_weight_bytes(spec, cfg.tp, first, count, cfg.pp, s, cfg.quantization,
                                cfg.expert_parallel).total
+        lora = 0 if not cfg.enable_lora else stage_lora_bytes(
+            spec, cfg.tp, first, count, cfg.pp, s, cfg.max_loras or DEFAULT_MAX_LORAS,
+            cfg.max_lora_rank or DEFAULT_MAX_LORA_RANK, cfg.expert_parallel)
         layout = kv_layout(spec, cfg.tp, first, count, kv_b)
         if v0:
             w += vllm_v0.rotary_cache_bytes(spec)
@@ -198,7 +228,7 @@ def serve_estimate(spec: ModelSpec, cluster: Cluster, cfg: ServeConfig) -> Serve
             act = forward_peak_bytes(spec, batched, cfg.tp)
             if s == cfg.pp - 1:
                 act = max(act, sampler_peak_bytes(spec, min(seqs, batched), batched))
-        rows.append((w, act, layout))
+        rows.append((w, lora, act, layout))
     if v0:  # the context and NCCL are V0's non-torch memory, inside the budget
         fraction = cfg.gpu_memory_utilization or 0.9
         budget = int(total * fraction)
@@ -216,13 +246,13 @@ def serve_estimate(spec: ModelSpec, cluster: Cluster, cfg: ServeConfig) -> Serve
         graph_tokens = min(seqs, sglang_graph_max_bs(cfg.tp, total))
     graph_bytes = vllm_v0.forward_bytes if v0 else forward_peak_bytes
     graphs = 0 if cfg.enforce_eager else graph_bytes(spec, graph_tokens, cfg.tp)
-    for s, (w, act, layout) in enumerate(rows):
+    for s, (w, lora, act, layout) in enumerate(rows):
         groups = block_groups(layout)
         if v0:  # every layer of the stage in one block, sliding layers at full length
             kv_mem = budget - w - act - non_torch
             slot = layout.layer_token_bytes * prof.block_tokens * layout.num_layers
-        elif cfg.engine == "vllm":
-            kv_mem = budget - w - act - non_torch
+        elif cfg.engine == "vllm":  # the LoRA slots are measured with the weights
+            kv_mem = budget - w - lora - act - non_torch
             slot = layout.layer_token_bytes * prof.block_tokens * groups.group_size
         else:  # SGLang: one cell per token holds every layer (v0.3/v0.4 pools, no SWA pool)
             kv_mem = budget - w
@@ -232,7 +262,7 @@ def serve_estimate(spec: ModelSpec, cluster: Cluster, cfg: ServeConfig) -> Serve
             best = (blocks, s, kv_mem, slot)
     assert best is not None
     blocks, s, kv_mem, slot = best
-    w, act, layout = rows[s]
+    w, lora, act, layout = rows[s]
     groups = block_groups(layout)
     if v0:  # gpu_executor.py: blocks × block size / max_model_len
         tokens = blocks * prof.block_tokens
@@ -247,13 +277,14 @@ def serve_estimate(spec: ModelSpec, cluster: Cluster, cfg: ServeConfig) -> Serve
         concurrency = blocks / max_len
         tokens = blocks
     kv_bytes = blocks * slot
-    used = w + act + non_torch + kv_bytes
+    used = w + lora + act + non_torch + kv_bytes
     if cfg.engine in ("vllm", "vllm-v0"):
         unused = max(budget - used, 0)
     else:
         unused = max(int(total - context) - used - graphs, 0)
     terms = ServeTerms(weights=w, activation_peak=act, non_torch=non_torch, kv_cache=kv_bytes,
-                       cuda_graphs=graphs, context_nccl=context, unused=unused)
+                       lora_slots=lora, cuda_graphs=graphs, context_nccl=context,
+                       unused=unused)
     device_total = sum(terms.as_dict().values())
     # the longest sequence the cache holds, as the engines' start-up check computes it
     # (blocks x block size; one cell per token in SGLang); with several KV groups (sliding
@@ -267,6 +298,13 @@ def serve_estimate(spec: ModelSpec, cluster: Cluster, cfg: ServeConfig) -> Serve
     if v0:
         notes.append("V0 counts the CUDA context (and NCCL) as non-torch memory, inside "
                      "gpu_memory_utilization")
+    if cfg.enable_lora:
+        notes.append(f"LoRA: {cfg.max_loras or DEFAULT_MAX_LORAS} slot(s) of rank "
+                     f"{cfg.max_lora_rank or DEFAULT_MAX_LORA_RANK} in every linear"
+                     + (", the embedding and the head" if spec.model_type in
+                        EMBEDDING_LORA_MODEL_TYPES else "")
+                     + ", allocated at model load: vLLM counts them with the weights, so "
+                     "they come out of the KV cache")
     if cfg.engine in ("vllm", "vllm-v0") and not cfg.enforce_eager:
         notes.append("CUDA graphs are captured after the KV cache is allocated: outside "
                      "gpu_memory_utilization, on top of it")
@@ -329,7 +367,7 @@ def _hf(spec: ModelSpec, cluster: Cluster, cfg: ServeConfig, source: str, max_le
     cache = batch * layout.sequence_bytes(max_len)
     act = max(hf_prefill_peak_bytes(spec, batch, prompt), prefill_logits_bytes(spec, batch))
     total = gpu.memory_total_bytes
-    terms = ServeTerms(weights=w, activation_peak=act, non_torch=0, kv_cache=cache,
+    terms = ServeTerms(weights=w, activation_peak=act, non_torch=0, kv_cache=cache, lora_slots=0,
                        cuda_graphs=0, context_nccl=context, unused=0)
     device_total = sum(terms.as_dict().values())
     room = total - context - w - act

@@ -45,7 +45,7 @@ MODEL_DTYPE_BYTES = 2  # bf16 (fp16 where the GPU lacks bf16: the same size)
 # 80 (weight-only FP8 Marlin on Ampere, W8A8 from 8.9), awq.py 75 ("Turing or newer"),
 # bitsandbytes.py 70; the other layouts are not checked
 MIN_CAPABILITY = {"fp8": 80, "awq": 75, "bnb-nf4": 70}
-_ROW_PARALLEL = ("o_proj.weight", "down_proj.weight", "proj.weight")
+_ROW_PARALLEL = ("o_proj", "down_proj", "proj")  # row-parallel modules: the rest are columns
 _UNQUANTIZED = ("router.weight", "shared_expert_gate.weight")
 
 
@@ -98,7 +98,7 @@ class WeightBytes:
         return self.quantized + self.unquantized
 
 
-def _rank_rows_cols(t: ParamTensor, spec: ModelSpec, tp: int, ep: bool) -> tuple[int, int, int]:
+def rank_rows_cols(t: ParamTensor, spec: ModelSpec, tp: int, ep: bool) -> tuple[int, int, int]:
     """(rows, cols, copies) of one tensor on one rank (copies: experts on the rank)."""
     rows = t.rows or t.numel
     cols = t.numel // rows if t.rows else 1
@@ -116,7 +116,7 @@ def _rank_rows_cols(t: ParamTensor, spec: ModelSpec, tp: int, ep: bool) -> tuple
         if t.rows:
             return heads * spec.head_size, cols, copies
         return heads * spec.head_size, 1, copies  # bias
-    if t.rows and t.name.endswith(_ROW_PARALLEL):
+    if t.rows and t.name.split(".")[-2] in _ROW_PARALLEL:
         return rows, ceil_div(cols, tp), copies
     return ceil_div(rows, tp), cols, copies
 
@@ -127,7 +127,7 @@ def stage_weight_bytes(spec: ModelSpec, tp: int, first: int, count: int, pp: int
     quant = plain = 0
     last = stage == pp - 1
     for t in param_tensors(spec):
-        rows, cols, copies = _rank_rows_cols(t, spec, tp, ep)
+        rows, cols, copies = rank_rows_cols(t, spec, tp, ep)
         if t.group == "embedding":
             reps = 1 if stage == 0 or (last and spec.tie_word_embeddings) else 0
         elif t.group in ("head", "final"):
@@ -138,7 +138,7 @@ def stage_weight_bytes(spec: ModelSpec, tp: int, first: int, count: int, pp: int
                            if i >= spec.first_k_dense_replace)
             reps = moe_here * copies
         else:
-            reps = _layer_reps(t, spec, first, count)
+            reps = layer_reps(t, spec, first, count)
         if not reps:
             continue
         matrix = t.rows > 0 and t.group in ("layer", "expert") and not t.name.endswith(
@@ -150,7 +150,7 @@ def stage_weight_bytes(spec: ModelSpec, tp: int, first: int, count: int, pp: int
     return WeightBytes(quantized=quant, unquantized=plain)
 
 
-def _layer_reps(t: ParamTensor, spec: ModelSpec, first: int, count: int) -> int:
+def layer_reps(t: ParamTensor, spec: ModelSpec, first: int, count: int) -> int:
     """How many of a per-layer tensor's `t.count` copies live in layers [first, first+count):
     dense-MLP tensors sit in the leading dense layers, MoE-only tensors (router, shared
     expert) in the rest, the others in every layer."""
