@@ -101,3 +101,20 @@ def test_nothing_within_reach_says_more_gpus() -> None:
                               "1xRTX4090"])
     assert res.exit_code == 0
     assert "more GPUs are needed" in res.output
+
+
+def test_a_serving_option_without_serve_is_refused() -> None:
+    for args in (["--concurrency", "4"], ["--max-model-len", "4096"], ["--enable-lora"]):
+        res = subprocess.run([sys.executable, "-m", "vramcalc", "plan", "--model", "8b",
+                              "--gpus", "1xH100", *args], capture_output=True, text=True)
+        assert res.returncode == 2 and "add --serve" in res.stderr
+
+
+def test_fixes_keep_the_lora_slots() -> None:
+    doc = _plan("--model", "llama3.1-70b", "--gpus", "2xH100", "--enable-lora", "--max-loras",
+                "4", "--max-lora-rank", "64")
+    assert doc["fixes_within"]
+    for fix in doc["fixes_within"]:
+        assert "--enable-lora --max-loras 4 --max-lora-rank 64" in fix["command"]
+        report = _serve(fix["command"])
+        assert report["fits"] and report["terms"]["lora_slots"] > 0

@@ -53,9 +53,13 @@ def plan_serve_command(model: str, gpus: str, values: dict[str, Any]) -> str:
     that fit, and on these GPUs the changes that do."""
     words = ["vramcalc plan --serve --model", shlex.quote(model), "--gpus", shlex.quote(gpus)]
     for name, default in (("engine", "vllm"), ("quantization", "none"),
-                          ("kv_cache_dtype", "auto"), ("max_model_len", None)):
-        if values.get(name, default) not in (default, None):
-            words.append(f"--{name.replace('_', '-')} {values[name]}")
+                          ("kv_cache_dtype", "auto"), ("max_model_len", None),
+                          ("enable_lora", False), ("max_loras", None), ("max_lora_rank", None)):
+        value = values.get(name, default)
+        if value is True:
+            words.append(f"--{name.replace('_', '-')}")
+        elif value not in (default, None):
+            words.append(f"--{name.replace('_', '-')} {value}")
     return " ".join(words)
 
 

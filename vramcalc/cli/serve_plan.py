@@ -48,18 +48,33 @@ SERVE_PLAN_PARAMS = [
     _opt("quantization", str, "none", "--quantization", "--serve: none | fp8 | int8 | awq | "
          "gptq | bnb-nf4."),
     _opt("kv_cache_dtype", str, "auto", "--kv-cache-dtype", "--serve: auto | fp8 | fp16."),
+    _opt("enable_lora", bool, False, "--enable-lora", "--serve: vLLM's LoRA adapter slots "
+         "(serve --help)."),
+    _opt("max_loras", Optional[int], None, "--max-loras", "--serve --enable-lora: adapters "
+         "in one batch (default 1)."),
+    _opt("max_lora_rank", Optional[int], None, "--max-lora-rank", "--serve --enable-lora: "
+         "the slots' rank (default 16)."),
 ]
 SERVE_PLAN_NAMES = tuple(p.name for p in SERVE_PLAN_PARAMS)
+_SERVE_DEFAULTS = {p.name: p.default.default for p in SERVE_PLAN_PARAMS}
+_SERVE_KEYS = ("engine", "quantization", "kv_cache_dtype", "max_model_len", "enable_lora",
+               "max_loras", "max_lora_rank")
 
 
 def pop_serve_options(kwargs: dict[str, Any]) -> dict[str, Any]:
-    return {name: kwargs.pop(name) for name in SERVE_PLAN_NAMES if name in kwargs}
+    """The --serve options out of a plan or size call; one given without --serve is bad
+    input, not silently a training plan."""
+    opts = {name: kwargs.pop(name) for name in SERVE_PLAN_NAMES if name in kwargs}
+    if not opts.get("serve"):
+        for name, value in opts.items():
+            if value != _SERVE_DEFAULTS[name]:
+                raise InputError(f"--{name.replace('_', '-')} is a serving option: add "
+                                 "--serve")
+    return opts
 
 
 def _base(opts: dict[str, Any]) -> tuple[ServeConfig, int]:
-    base = serve_config({"engine": opts["engine"], "quantization": opts["quantization"],
-                         "kv_cache_dtype": opts["kv_cache_dtype"],
-                         "max_model_len": opts["max_model_len"]})
+    base = serve_config({k: opts[k] for k in _SERVE_KEYS})
     return base, opts["concurrency"] if opts["concurrency"] is not None else 1
 
 
@@ -80,10 +95,11 @@ def serve_command(model: str, base: ServeConfig, fix: ServeFix) -> str:
     cfg = base.model_copy(update=fix.change)
     words = ["vramcalc serve --model", shlex.quote(model), f"--gpus {o.num_gpus}x{o.gpu.id}",
              f"--tp {o.tp}"] + ([f"--pp {o.pp}"] if o.pp > 1 else [])
-    for name, default in (("engine", "vllm"), ("quantization", "none"),
-                          ("kv_cache_dtype", "auto"), ("max_model_len", None)):
+    for name in _SERVE_KEYS:
         value = getattr(cfg, name)
-        if value != default:
+        if value is True:
+            words.append(f"--{name.replace('_', '-')}")
+        elif value not in (_SERVE_DEFAULTS[name], None, False):
             words.append(f"--{name.replace('_', '-')} {value}")
     return " ".join(words)
 
