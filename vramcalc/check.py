@@ -41,6 +41,7 @@ from vramcalc.ds_json import deepspeed_settings, scenario_notes
 from vramcalc.errors import InputError, shown, suggest
 from vramcalc.evidence import evidence_json
 from vramcalc.options import OPTIONS_BY_NAME, build_scenario, normalize_values
+from vramcalc.recipe_files import is_torchtune_config, recipe_defaults, torchtune_values
 from vramcalc.report import MemoryReport
 from vramcalc.scenario import Scenario
 
@@ -75,9 +76,20 @@ class CheckResult:
                 "report": self.report.to_json_dict()}
 
 
-def load_config_file(path: Path) -> dict[str, Any]:
-    """Read a YAML training config: a mapping of option names (validated later)."""
+def read_config_file(path: Path) -> tuple[dict[str, Any], list[str], bool]:
+    """A YAML training config as option values, notes, and whether it is a torchtune
+    recipe config (vramcalc.recipe_files) rather than vramcalc's own keys."""
     data = safeio.read_yaml(path, "config file")
+    if isinstance(data, dict) and is_torchtune_config(data):
+        values, notes = torchtune_values(data)
+        return values, notes, True
+    return load_config_file(path, data), [], False
+
+
+def load_config_file(path: Path, data: Any = None) -> dict[str, Any]:
+    """Read a YAML training config: a mapping of option names (validated later)."""
+    if data is None:
+        data = safeio.read_yaml(path, "config file")
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -291,6 +303,7 @@ class FileInputs:
     deepspeed: DeepSpeedConfig | None
     notes: list[str]
     source: str
+    torchtune_recipe: bool = False
 
 
 def read_inputs(config: Path | None, deepspeed: Path | None, cli_values: dict[str, Any],
@@ -298,11 +311,10 @@ def read_inputs(config: Path | None, deepspeed: Path | None, cli_values: dict[st
     """Read a config file and/or a DeepSpeed JSON (`deepspeed`, or the config's own
     `deepspeed:` key) under the option values given on the command line (flags over the
     YAML over the DeepSpeed file); DeepSpeed's memory keys resolved for the model."""
-    cfg = load_config_file(config) if config is not None else {}
+    cfg, notes, recipe = read_config_file(config) if config is not None else ({}, [], False)
     ds_file = deepspeed or cfg.get("deepspeed")
     ds_vals: dict[str, Any] = {}
     tbs: int | None = None
-    notes: list[str] = []
     ds_doc: dict[str, Any] | None = None
     if ds_file:
         ds_doc = load_deepspeed_file(Path(ds_file))
@@ -321,7 +333,7 @@ def read_inputs(config: Path | None, deepspeed: Path | None, cli_values: dict[st
             notes.append("DeepSpeed ZeRO stage 0 is estimated as PyTorch DDP (DeepSpeed's own "
                          "gradient all-reduce buffers are not modelled)")
     source = str(config) if config is not None else str(ds_file or "command line")
-    return FileInputs(merged, tbs, ds_cfg, notes, source)
+    return FileInputs(merged, tbs, ds_cfg, notes, source, recipe)
 
 
 def check_files(config: Path | None, deepspeed: Path | None, cli_values: dict[str, Any],
@@ -331,6 +343,8 @@ def check_files(config: Path | None, deepspeed: Path | None, cli_values: dict[st
     option values given on the command line (`read_inputs`); and the name of the source
     checked, for the output."""
     inp = read_inputs(config, deepspeed, cli_values)
+    if inp.torchtune_recipe:
+        inp.values = recipe_defaults(inp.values, profile_dirs)
     result = run_check(inp.values, inp.train_batch_size, profile_dirs, frozenset(inp.values),
                        inp.deepspeed, engine)
     result.notes[:0] = inp.notes

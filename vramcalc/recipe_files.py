@@ -1,0 +1,222 @@
+"""Training configs written for a stack, read as vramcalc options: `vramcalc check` on the
+YAML a job already runs with.
+
+**torchtune recipe configs** (a `model:` mapping with a `_component_`), read as the recipes
+of pytorch/torchtune bd2a0fc7 use them (recipes/lora_finetune_single_device.py,
+full_finetune_distributed.py and the others: `_setup_model`, `_setup_optimizer`,
+`_setup_data`, and the components they instantiate):
+
+| torchtune key | option |
+|---|---|
+| model._component_ `torchtune.models.<family>.[lora_\\|qlora_]<builder>` | model (the builder's preset, or checkpointer.checkpoint_dir's config.json when it exists); finetune lora / qlora |
+| model.lora_rank, lora_dropout | lora_rank, lora_dropout |
+| model.lora_attn_modules (q_proj, k_proj, v_proj, output_proj), apply_lora_to_mlp (w1, w2, w3) | lora_targets |
+| tokenizer.max_seq_len | seq_len (batches are padded to their longest sample, at most this) |
+| dataset.packed | packed |
+| batch_size, gradient_accumulation_steps | micro_batch_size, grad_accum |
+| dtype (bf16, fp32) | precision bf16-pure, fp32 |
+| optimizer._component_ (torch.optim.AdamW / Adam / SGD, bitsandbytes.optim.PagedAdamW, PagedAdamW8bit, AdamW8bit, torchao.optim.AdamW8bit), optimizer.fused | optimizer, optimizer_impl (torch's default foreach unless fused) |
+| optimizer_in_bwd | optimizer_in_backward |
+| loss._component_ (LinearCrossEntropyLoss, CEWithChunkedOutputLoss: num_output_chunks, default 8; torch.nn.CrossEntropyLoss) | chunked_ce |
+| compile | compile |
+| enable_activation_checkpointing, enable_activation_offloading | recompute full / none, activation_offload |
+| fsdp_cpu_offload | offload params |
+| custom_sharded_layers | fsdp_edge_units |
+| tensor_parallel_dim | tp |
+
+A distributed recipe shards with FSDP2 (`training.shard_model`): on more than one GPU the
+run is FSDP full unless the command line says otherwise. GPUs, headroom and releases come
+from the command line. Keys that do not change memory (paths, learning rate, logging,
+seed, epochs) are ignored; a key that would change it but is not modelled is an error.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from vramcalc.errors import InputError, shown
+from vramcalc.hardware import parse_gpus
+
+_TT_MODELS = "torchtune.models."
+# torchtune builder (without lora_/qlora_ and _base/_instruct) -> vramcalc preset
+_TT_PRESETS = {
+    "llama2_7b": "llama2-7b", "llama2_13b": "llama2-13b", "llama2_70b": "llama2-70b",
+    "llama3_8b": "llama3-8b", "llama3_70b": "llama3-70b",
+    "llama3_1_8b": "llama3.1-8b", "llama3_1_70b": "llama3.1-70b",
+    "llama3_1_405b": "llama3.1-405b", "llama3_2_1b": "llama3.2-1b",
+    "llama3_2_3b": "llama3.2-3b", "llama3_3_70b": "llama3.3-70b",
+    "mistral_7b": "mistral-7b", "gemma_2b": "gemma-2b", "gemma_7b": "gemma-7b",
+    "gemma2_2b": "gemma2-2b", "gemma2_9b": "gemma2-9b", "gemma2_27b": "gemma2-27b",
+    "phi3_mini": "phi3-mini", "phi4_14b": "phi4",
+    "qwen2_5_7b": "qwen2.5-7b", "qwen2_5_72b": "qwen2.5-72b",
+    "qwen3_0_6b": "qwen3-0.6b", "qwen3_4b": "qwen3-4b", "qwen3_8b": "qwen3-8b",
+    "qwen3_14b": "qwen3-14b", "qwen3_32b": "qwen3-32b",
+}
+_TT_ATTN = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "output_proj": "o"}
+_TT_OPTIMIZERS = {
+    "torch.optim.AdamW": "adamw", "torch.optim.Adam": "adam", "torch.optim.SGD": "sgd",
+    "bitsandbytes.optim.PagedAdamW": "paged-adamw",
+    "bitsandbytes.optim.PagedAdamW8bit": "paged-adamw-8bit",
+    "bitsandbytes.optim.AdamW8bit": "adamw-8bit", "torchao.optim.AdamW8bit": "adamw-8bit",
+}
+_TT_CHUNKED = ("torchtune.modules.loss.LinearCrossEntropyLoss",
+               "torchtune.modules.loss.CEWithChunkedOutputLoss")
+_TT_PLAIN_LOSS = ("torch.nn.CrossEntropyLoss",)
+_TT_DEFAULT_CHUNKS = 8  # LinearCrossEntropyLoss / CEWithChunkedOutputLoss num_output_chunks
+
+
+def is_torchtune_config(data: dict[str, Any]) -> bool:
+    model = data.get("model")
+    return isinstance(model, dict) and "_component_" in model
+
+
+def _section(data: dict[str, Any], key: str) -> dict[str, Any]:
+    value = data.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InputError(f"torchtune config: {key} must be a mapping, got {shown(value)}")
+    return value
+
+
+def _component(section: dict[str, Any], key: str) -> str:
+    comp = section.get("_component_")
+    if not isinstance(comp, str) or not comp:
+        raise InputError(f"torchtune config: {key}._component_ must be a name, got "
+                         f"{shown(comp)}")
+    return comp
+
+
+def _flag(data: dict[str, Any], key: str, where: str = "") -> bool:
+    value = data.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InputError(f"torchtune config: {where}{key} must be True or False, got "
+                         f"{shown(value)}")
+    return value
+
+
+def _count(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"torchtune config: {key} must be a positive whole number, got "
+                         f"{shown(value)}")
+    return value
+
+
+def _torchtune_model(data: dict[str, Any], model: dict[str, Any]
+                     ) -> tuple[str, str | None, str]:
+    """(model option, finetune method or None, the builder) of the model section."""
+    comp = _component(model, "model")
+    if not comp.startswith(_TT_MODELS):
+        raise InputError(f"torchtune config: model._component_ {comp!r} is not a "
+                         "torchtune.models builder")
+    builder = comp.rsplit(".", 1)[-1]
+    method = None
+    for prefix in ("qlora_", "lora_"):
+        if builder.startswith(prefix):
+            method, builder = prefix[:-1], builder[len(prefix):]
+            break
+    base = re.sub(r"_(base|instruct)$", "", builder)
+    ckpt = _section(data, "checkpointer").get("checkpoint_dir")
+    if isinstance(ckpt, str) and ckpt:  # as torchtune opens it: relative to the cwd
+        if (Path(ckpt) / "config.json").is_file():
+            return str(Path(ckpt) / "config.json"), method, comp
+    if base not in _TT_PRESETS:
+        raise InputError(f"torchtune config: no built-in model for {comp} and no "
+                         "config.json in checkpointer.checkpoint_dir: pass --model with the "
+                         "checkpoint's config.json")
+    return _TT_PRESETS[base], method, comp
+
+
+def torchtune_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Option values of a torchtune recipe config (module table), and a note of what was
+    read."""
+    model = _section(data, "model")
+    name, method, comp = _torchtune_model(data, model)
+    vals: dict[str, Any] = {"framework": "torchtune", "model": name}
+    if method is not None:
+        vals["finetune"] = method
+        targets = model.get("lora_attn_modules") or []
+        if not isinstance(targets, list) or any(t not in _TT_ATTN for t in targets):
+            raise InputError("torchtune config: model.lora_attn_modules must list q_proj, "
+                             f"k_proj, v_proj or output_proj, got {shown(targets)}")
+        names = [_TT_ATTN[t] for t in targets]
+        if _flag(model, "apply_lora_to_mlp", "model."):
+            names += ["gate", "up", "down"]
+        if _flag(model, "apply_lora_to_output", "model."):
+            raise InputError("torchtune config: model.apply_lora_to_output (LoRA on the "
+                             "output projection) is not modelled for the torchtune profile")
+        if not names:
+            raise InputError("torchtune config: the LoRA model adapts no module")
+        vals["lora_targets"] = ",".join(names)
+        if model.get("lora_rank") is not None:
+            vals["lora_rank"] = _count(model["lora_rank"], "model.lora_rank")
+        if model.get("lora_dropout") is not None:
+            vals["lora_dropout"] = model["lora_dropout"]
+    seq = _section(data, "tokenizer").get("max_seq_len")
+    if seq is not None:
+        vals["seq_len"] = _count(seq, "tokenizer.max_seq_len")
+    if _flag(_section(data, "dataset"), "packed", "dataset."):
+        vals["packed"] = True
+    for key, name in (("batch_size", "micro_batch_size"),
+                      ("gradient_accumulation_steps", "grad_accum"),
+                      ("tensor_parallel_dim", "tp")):
+        if data.get(key) is not None:
+            vals[name] = _count(data[key], key)
+    dtype = data.get("dtype", "fp32")
+    if dtype not in ("bf16", "fp32"):
+        raise InputError(f"torchtune config: dtype must be bf16 or fp32, got {shown(dtype)}")
+    vals["precision"] = "bf16-pure" if dtype == "bf16" else "fp32"
+    opt = _section(data, "optimizer")
+    if opt:
+        comp_opt = _component(opt, "optimizer")
+        if comp_opt not in _TT_OPTIMIZERS:
+            raise InputError(f"torchtune config: optimizer {comp_opt} is not modelled (one of "
+                             f"{', '.join(_TT_OPTIMIZERS)})")
+        vals["optimizer"] = _TT_OPTIMIZERS[comp_opt]
+        if comp_opt == "torch.optim.SGD" and opt.get("momentum"):
+            vals["optimizer"] = "sgd-momentum"
+        if comp_opt.startswith("torch.optim."):
+            vals["optimizer_impl"] = "fused" if _flag(opt, "fused", "optimizer.") else "foreach"
+    loss = _section(data, "loss")
+    if loss:
+        comp_loss = _component(loss, "loss")
+        if comp_loss in _TT_CHUNKED:
+            vals["chunked_ce"] = _count(loss.get("num_output_chunks", _TT_DEFAULT_CHUNKS),
+                                        "loss.num_output_chunks")
+        elif comp_loss in _TT_PLAIN_LOSS:
+            vals["chunked_ce"] = 1
+        else:
+            raise InputError(f"torchtune config: loss {comp_loss} is not modelled (supervised "
+                             "fine-tuning losses only)")
+    for key, opt_name in (("optimizer_in_bwd", "optimizer_in_backward"),
+                          ("compile", "compile"),
+                          ("enable_activation_offloading", "activation_offload")):
+        if key in data:
+            vals[opt_name] = _flag(data, key)
+    vals["recompute"] = "full" if _flag(data, "enable_activation_checkpointing") else "none"
+    if _flag(data, "fsdp_cpu_offload"):
+        vals["offload"] = "params"
+    if data.get("custom_sharded_layers"):
+        vals["fsdp_edge_units"] = True
+    return vals, [f"read as a torchtune recipe config: {comp} is {vals['model']}"]
+
+
+def recipe_defaults(values: dict[str, Any], profile_dirs: list[Path] | None
+                    ) -> dict[str, Any]:
+    """What a torchtune recipe leaves to its launch: a distributed recipe on more than one
+    GPU shards with FSDP2 (`training.shard_model`) unless the options say otherwise; and a
+    recipe without tokenizer.max_seq_len needs the longest sample's length."""
+    if values.get("seq_len") is None:
+        raise InputError("the torchtune config sets no tokenizer.max_seq_len, so each batch is "
+                         "padded to its longest sample: give that length with --seq-len")
+    gpus = values.get("gpus")
+    if not gpus or values.get("fsdp") is not None or values.get("zero") is not None:
+        return values
+    if parse_gpus(str(gpus), profile_dirs).num_gpus > 1:
+        return {**values, "fsdp": "full"}
+    # one GPU: nothing to shard, so custom_sharded_layers changes nothing
+    return {k: v for k, v in values.items() if k != "fsdp_edge_units"}
