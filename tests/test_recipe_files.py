@@ -98,8 +98,9 @@ def test_lora_recipe_keys_become_options(tmp_path: Path) -> None:
         "framework": "torchtune", "model": "llama3.1-8b", "finetune": "lora",
         "lora_targets": "q,v,o,gate,up,down", "lora_rank": 8, "lora_dropout": 0.0,
         "micro_batch_size": 2, "grad_accum": 8, "precision": "bf16-pure",
-        "optimizer": "adamw", "optimizer_impl": "fused", "chunked_ce": 8, "compile": False,
-        "activation_offload": False, "recompute": "full"}
+        "optimizer": "adamw", "optimizer_impl": "fused", "chunked_ce": 8,
+        "torchtune_version": "0.7.0", "compile": False, "activation_offload": False,
+        "recompute": "full"}
     assert "lora_llama3_1_8b is llama3.1-8b" in notes[0]
 
 
@@ -110,7 +111,8 @@ def test_check_of_the_recipe_equals_check_of_its_options(tmp_path: Path) -> None
     own = _write(tmp_path, "model: llama3.1-8b\ngpus: 1xRTX4090\nseq_len: 2048\n"
                  "framework: torchtune\nfinetune: lora\nlora_targets: q,v,o,gate,up,down\n"
                  "micro_batch_size: 2\ngrad_accum: 8\nprecision: bf16-pure\n"
-                 "optimizer_impl: fused\nchunked_ce: 8\nrecompute: full\n", "own.yaml")
+                 "optimizer_impl: fused\nchunked_ce: 8\nrecompute: full\n"
+                 "torchtune_version: '0.7.0'\n", "own.yaml")
     from_own = json.loads(runner.invoke(app, ["check", str(own), "--json"]).stdout)
     assert from_recipe["device_total_bytes"] == from_own["device_total_bytes"] > 0
     # command-line flags still win over the recipe
@@ -178,3 +180,19 @@ def test_a_plain_vramcalc_config_is_unchanged(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "vramcalc", "check", str(own)],
                          capture_output=True, text=True)
     assert res.returncode == 2 and "unknown key 'model_component'" in res.stderr
+
+
+def test_the_release_loss_keeps_the_release(tmp_path: Path) -> None:
+    # CEWithChunkedOutputLoss is the loss of torchtune's releases (0.6.1 and before): no
+    # version is implied; LinearCrossEntropyLoss exists on its main branch only (0.7.0)
+    import yaml
+    text = LORA_8B.replace("LinearCrossEntropyLoss", "CEWithChunkedOutputLoss")
+    values, _ = torchtune_values(yaml.safe_load(text))
+    assert "torchtune_version" not in values and values["chunked_ce"] == 8
+    main = json.loads(runner.invoke(app, ["check", str(_write(tmp_path, LORA_8B)), "--gpus",
+                                          "1xRTX4090", "--seq-len", "2048", "--json"]).stdout)
+    release = json.loads(runner.invoke(app, ["check", str(_write(tmp_path, text, "rel.yaml")),
+                                             "--gpus", "1xRTX4090", "--seq-len", "2048",
+                                             "--json"]).stdout)
+    assert main["report"]["strategy"]["torchtune_version"] == "0.7.0"
+    assert main["device_total_bytes"] != release["device_total_bytes"]

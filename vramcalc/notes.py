@@ -14,6 +14,7 @@ from vramcalc.qlora import compiled_dequant_kept, nf4_tensor_bytes
 from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.terms import fsdp1
+from vramcalc.terms import linear_ce as lce
 from vramcalc.terms.gradients import gradients_bytes
 from vramcalc.terms.liger import chunk_tokens as liger_chunk_tokens
 from vramcalc.terms.liger import saved_bytes as liger_saved_bytes
@@ -169,7 +170,14 @@ def finetune_notes(ctx: RankContext) -> list[str]:
                    + f" from the forward ({fmt_gb(liger_saved_bytes(ctx))})")
     if tr.packed:
         out.append(_packed_note(tr))
-    if chunks_loss(tr) and tr.framework == "torchtune":
+    if lce.applies(tr):
+        kept = ("each chunk's 16-bit logits and two fp32 numbers per row are kept (compiled)"
+                if tr.compile else "the fp32 log-probabilities are all kept")
+        out.append(f"LinearCrossEntropyLoss ({tr.chunked_ce} chunks, torchtune's main branch):"
+                   " the model returns the final norm's output and the loss projects one "
+                   "chunk of rows at a time, so no list of every chunk's logits exists; "
+                   + kept)
+    elif chunks_loss(tr) and tr.framework == "torchtune":
         kept = ("each chunk's 16-bit logits and two fp32 numbers per token are kept "
                 "(compiled)" if tr.compile else "the fp32 log-probabilities are all kept")
         out.append(f"CEWithChunkedOutputLoss ({tr.chunked_ce} chunks): the model returns "

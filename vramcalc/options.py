@@ -121,7 +121,8 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("framework", str, "reference", "Stack profile: reference | hf | megatron | "
         "torchtitan (torchtitan 9dec370's Llama: per-op SAC for --recompute selective) | "
         "torchtune (torchtune 1814feb's recipes: --chunked-ce N is CEWithChunkedOutputLoss, "
-        "fused AdamW, offload with checkpointing) | "
+        "LinearCrossEntropyLoss with --torchtune-version 0.7; fused AdamW, offload with "
+        "checkpointing) | "
         "lightning (LitGPT 8641822 on Lightning Fabric: chunked head with fp32 outputs, fused "
         "qkv, FSDP1) | unsloth (Unsloth 015bdef0 / unsloth-zoo ce232d6c, LoRA and QLoRA with "
         "--precision bf16: --recompute full offloads layer inputs to pinned host memory, "
@@ -150,8 +151,7 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "amp-fp16, fp32)."),
     Opt("dropout", float, None, "Hidden and attention dropout probability, 0 <= P < 1 "
         "(megatron profile only; default: Megatron's 0.1, which keeps 1-byte masks). 0 keeps "
-        "no dropout masks. The reference and hf profiles model dropout off and accept only "
-        "0."),
+        "no dropout masks. The reference and hf profiles model dropout off (only 0)."),
     Opt("moe_dispatcher", str, None, "Megatron-LM's MoE token dispatcher (megatron "
         "profile, MoE models): allgather (gathers every token of the TP x EP group, the "
         "default) | alltoall (sends each token to its experts' ranks).", MOE_DISPATCHERS),
@@ -166,9 +166,9 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("litgpt_norm", str, None, "LitGPT's RMSNorm (lightning profile): fp32 (the default: "
         "it upcasts x to fp32, as LitGPT has since lit-gpt 6178c7cc, October 2023) | input "
         "(earlier lit-gpt checkouts computed in the input's dtype).", ("fp32", "input")),
-    Opt("chunked_ce", int, 1, "Cross entropy over N token chunks (torchtune's "
-        "LinearCrossEntropyLoss): the fp32 logits and their gradients exist one chunk at a "
-        "time; 1 = off."),
+    Opt("chunked_ce", int, 1, "Cross entropy over N token chunks (torchtune's Linear"
+        "CrossEntropyLoss; its releases' CEWithChunkedOutputLoss under the torchtune profile):"
+        " the fp32 logits and their gradients exist one chunk at a time; 1 = off."),
     Opt("set_to_none", bool, True, "zero_grad(set_to_none=...): --no-set-to-none keeps "
         "zeroed gradients allocated through the next forward (torch < 2.0's default, e.g. "
         "HF Trainer on torch 1.x); one GPU or DDP."),
@@ -223,7 +223,7 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("torchao_version", str, None, "torchao release with --qlora-impl torchao, e.g. 0.1: "
         "before 0.2 to_nf4 quantizes a whole weight at once at load; before 0.3 each "
         "weight keeps a 1/64-size scaler-factor storage. Default: 0.5.0."),
-    Opt("torchtune_version", str, None, "torchtune release with --framework torchtune, from 0.1.0, e.g. 0.2.1: before 0.3 the recipes slice the fp32 logits for the loss and keep them all step, and shard with FSDP1; before 0.3.1 AdamW steps foreach, not fused (vramcalc/terms/torchtune.py). Default: the current release."),
+    Opt("torchtune_version", str, None, "torchtune release with --framework torchtune, from 0.1.0, e.g. 0.2.1: before 0.3 the recipes slice the fp32 logits for the loss and keep them all step, and shard with FSDP1; before 0.3.1 AdamW steps foreach, not fused (vramcalc/terms/torchtune.py); 0.7 is the main branch after release 0.6.1, whose LinearCrossEntropyLoss projects the logits inside the loss, one chunk at a time (vramcalc/terms/linear_ce.py). Default: the current release, 0.6.1."),
     Opt("unsloth_version", str, None, "Unsloth release with --framework unsloth, from 2024.8 (its first on PyPI), e.g. 2024.12.4: its loss, checkpoint offload, LoRA kernels and rotary caches changed since (vramcalc/terms/unsloth.py). Default: 2026.8.19."),
     Opt("nf4_double_quant", bool, None, "bitsandbytes double quantization of the absmax (Linear4bit compress_statistics, HF bnb_4bit_use_double_quant, Lightning 'nf4-dq'). Default: on."),
     Opt("quantize_head", bool, False, "QLoRA: lm_head in NF4 too (Lightning's "

@@ -17,7 +17,7 @@ full_finetune_distributed.py and the others: `_setup_model`, `_setup_optimizer`,
 | dtype (bf16, fp32) | precision bf16-pure, fp32 |
 | optimizer._component_ (torch.optim.AdamW / Adam / SGD, bitsandbytes.optim.PagedAdamW, PagedAdamW8bit, AdamW8bit, torchao.optim.AdamW8bit), optimizer.fused | optimizer, optimizer_impl (torch's default foreach unless fused) |
 | optimizer_in_bwd | optimizer_in_backward |
-| loss._component_ (LinearCrossEntropyLoss, CEWithChunkedOutputLoss: num_output_chunks, default 8; torch.nn.CrossEntropyLoss) | chunked_ce |
+| loss._component_ (LinearCrossEntropyLoss, CEWithChunkedOutputLoss: num_output_chunks, default 8; torch.nn.CrossEntropyLoss) | chunked_ce; LinearCrossEntropyLoss, which only torchtune's main branch has (after 0.6.1), also torchtune_version 0.7.0 |
 | compile | compile |
 | enable_activation_checkpointing, enable_activation_offloading | recompute full / none, activation_offload |
 | fsdp_cpu_offload | offload params |
@@ -64,7 +64,9 @@ _TT_OPTIMIZERS = {
 _TT_CHUNKED = ("torchtune.modules.loss.LinearCrossEntropyLoss",
                "torchtune.modules.loss.CEWithChunkedOutputLoss")
 _TT_PLAIN_LOSS = ("torch.nn.CrossEntropyLoss",)
-_TT_DEFAULT_CHUNKS = 8  # LinearCrossEntropyLoss / CEWithChunkedOutputLoss num_output_chunks
+_TT_DEFAULT_CHUNKS = 8
+# LinearCrossEntropyLoss came after release 0.6.1 (9c06c8bd); main's version.txt is 0.7.0
+_TT_MAIN = "0.7.0"  # LinearCrossEntropyLoss / CEWithChunkedOutputLoss num_output_chunks
 
 
 def is_torchtune_config(data: dict[str, Any]) -> bool:
@@ -187,6 +189,8 @@ def torchtune_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if comp_loss in _TT_CHUNKED:
             vals["chunked_ce"] = _count(loss.get("num_output_chunks", _TT_DEFAULT_CHUNKS),
                                         "loss.num_output_chunks")
+            if comp_loss == _TT_CHUNKED[0]:  # only torchtune's main branch has it
+                vals["torchtune_version"] = _TT_MAIN
         elif comp_loss in _TT_PLAIN_LOSS:
             vals["chunked_ce"] = 1
         else:

@@ -37,6 +37,7 @@ from vramcalc.qlora import dequant_backward_bytes, dequant_matmul_bytes
 from vramcalc.rank import RankContext
 from vramcalc.terms import encoder as enc
 from vramcalc.terms import liger as lig
+from vramcalc.terms import linear_ce as lce
 from vramcalc.terms import torchtitan_tp as ttp
 from vramcalc.terms import torchtune as ttn
 from vramcalc.terms import unsloth as uns
@@ -217,6 +218,8 @@ def logits_saved_bytes(ctx: RankContext) -> int:
         return enc.logits_saved_bytes(ctx)
     if ttn.shifts_logits(ctx.training):  # torchtune before 0.3 (vramcalc/terms/torchtune.py)
         return ttn.shifted_saved_bytes(ctx)
+    if lce.applies(ctx.training):  # torchtune's main branch (vramcalc/terms/linear_ce.py)
+        return lce.saved_bytes(ctx)
     if ctx.training.framework == "torchtune" and (chunks_loss(ctx.training)
                                                    or ctx.training.compile):
         return (ttn.saved_bytes(ctx) if chunks_loss(ctx.training)
@@ -253,6 +256,8 @@ def _loss_forward_peak_bytes(ctx: RankContext) -> int:
     """The loss in forward: logits, their upcast and what the loss keeps (last stage)."""
     if ttn.shifts_logits(ctx.training):
         return ttn.shifted_forward_peak_bytes(ctx)
+    if lce.applies(ctx.training):
+        return lce.forward_peak_bytes(ctx)
     if ctx.training.framework == "torchtune" and (chunks_loss(ctx.training)
                                                    or ctx.training.compile):
         return (ttn.forward_peak_bytes(ctx) if chunks_loss(ctx.training)
@@ -351,6 +356,8 @@ def _loss_backward_peak_bytes(ctx: RankContext) -> int:
     """The loss backward: kept log-probabilities and the fp32 gradient buffers."""
     if ttn.shifts_logits(ctx.training):
         return ttn.shifted_backward_peak_bytes(ctx)
+    if lce.applies(ctx.training):
+        return lce.backward_peak_bytes(ctx)
     if ctx.training.framework == "torchtune" and (chunks_loss(ctx.training)
                                                    or ctx.training.compile):
         return (ttn.backward_peak_bytes(ctx) if chunks_loss(ctx.training)

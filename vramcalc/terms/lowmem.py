@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from vramcalc.features import chunks_loss, finetunes, offloads_activations
 from vramcalc.rank import RankContext
+from vramcalc.terms import linear_ce as lce
 from vramcalc.terms.gradients import grad_dtype
 from vramcalc.terms.saved import SAVED_BITS, Modifier, Moment, Saved, dims
 from vramcalc.terms.saved_layers import embedding_saved
@@ -50,6 +51,8 @@ def head_input_split(ctx: RankContext) -> bool:
     autocast each chunk's 16-bit cast is a new tensor. Otherwise it keeps views of the final
     norm's output, which is then one storage."""
     x = dims(ctx)
+    if lce.applies(ctx.training):  # the flattened rows' chunks are contiguous row ranges
+        return False
     return not finetunes(ctx.training) and (x.b > 1 or x.amp)
 
 

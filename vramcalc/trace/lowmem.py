@@ -28,8 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vramcalc.terms.linear_ce import applies as linear_ce
 from vramcalc.terms.torchtune import shifts_logits
-from vramcalc.trace.tune import apply_recipe_loss, output_chunked_cross_entropy
+from vramcalc.trace.tune import (
+    apply_recipe_loss,
+    linear_cross_entropy,
+    output_chunked_cross_entropy,
+)
 
 MIN_OFFLOAD_BYTES = 1024  # torchtune OffloadActivations(min_offload_size=1024)
 
@@ -57,7 +62,8 @@ def apply_chunked_ce(model: nn.Module, scn: Any) -> nn.Module:
     # a ReferenceModel, or a transformers causal LM (or the PEFT model around one): duck-typed
     duck: Any = model
     if scn.training.framework == "torchtune":
-        duck.loss_head = lambda head, x, labels: output_chunked_cross_entropy(head, x, labels, n)
+        loss = linear_cross_entropy if linear_ce(scn.training) else output_chunked_cross_entropy
+        duck.loss_head = lambda head, x, labels: loss(head, x, labels, n)
         return model
     if scn.training.framework != "hf":
         duck.loss_head = lambda head, x, labels: chunked_cross_entropy(head, x, labels, n)

@@ -2,7 +2,9 @@
 vramcalc/trace/reference_model.py): the recipe's loss and what the trace does not run.
 
 - `output_chunked_cross_entropy(head, x, labels, n)`: `chunked_output` and
-  CEWithChunkedOutputLoss (pytorch/torchtune 1814feb), the profile's `--chunked-ce n`.
+  CEWithChunkedOutputLoss (pytorch/torchtune 1814feb), the profile's `--chunked-ce n`
+  up to release 0.6.1; `linear_cross_entropy`: LinearCrossEntropyLoss, its main branch's
+  (`--torchtune-version 0.7`).
 - `apply_recipe_loss(model, scn)`: the recipes before 0.3 (vramcalc/terms/torchtune.py): the
   loop's `logits` holds the shifted fp32 copy of the logits from the loss until the next
   micro-batch's output exists (or, lora_finetune_distributed from 0.2.0, only through the
@@ -58,6 +60,26 @@ def output_chunked_cross_entropy(head: nn.Module, x: torch.Tensor, labels: torch
                                       reduction="sum")
     del logits
     return loss / total
+
+
+def linear_cross_entropy(head: nn.Module, x: torch.Tensor, labels: torch.Tensor,
+                         num_chunks: int) -> torch.Tensor:
+    """torchtune main's LinearCrossEntropyLoss (`--torchtune-version 0.7`,
+    vramcalc/terms/linear_ce.py): the final norm's output flattened, its labelled rows
+    selected (a copy, and the int64 indices its backward keeps; every row here, as a traced
+    batch has no ignored label: `torch.where` would be data-dependent under FakeTensorMode),
+    split into `num_chunks` row ranges, each projected, upcast and summed in turn."""
+    targets = labels.reshape(-1)
+    rows = torch.arange(targets.numel(), device=targets.device)
+    hidden = x.reshape(-1, x.shape[-1]).index_select(0, rows)
+    targets = targets.index_select(0, rows)
+    total: Any = 0.0
+    for h_chunk, y_chunk in zip(hidden.tensor_split(num_chunks, dim=0),
+                                targets.tensor_split(num_chunks, dim=0), strict=True):
+        logits = head(h_chunk)  # compute_cross_entropy's local: alive through the loss
+        total = total + F.cross_entropy(logits.float(), y_chunk, reduction="sum")
+        del logits
+    return total / targets.numel()
 
 
 def apply_recipe_loss(model: nn.Module, scn: Any) -> nn.Module:

@@ -213,12 +213,16 @@ def titan_grid() -> list[tuple[str, Scenario]]:
 
 def tune_grid() -> list[tuple[str, Scenario]]:
     """The torchtune profile (vramcalc/terms/torchtune.py; the trace runs torchtune's layer,
-    its chunked loss and the pre-0.3 recipe's loss, vramcalc/trace/tune.py): full training,
-    LoRA with the chunked loss, QLoRA, the 0.1 recipe, and LoRA on two FSDP2 ranks."""
+    its chunked losses and the pre-0.3 recipe's loss, vramcalc/trace/tune.py): full training,
+    LoRA with the chunked loss, QLoRA, the 0.1 recipe, the main branch's
+    LinearCrossEntropyLoss in full training and LoRA, and LoRA on two FSDP2 ranks."""
     cases: tuple[tuple[str, dict[str, Any]], ...] = (
         ("", {}), ("lora/chunked4", {"finetune": "lora", "recompute": "full", "chunked_ce": 4}),
         ("qlora", {"finetune": "qlora", "recompute": "full"}),
-        ("lora/v0.1", {"finetune": "lora", "torchtune_version": "0.1.0"}))
+        ("lora/v0.1", {"finetune": "lora", "torchtune_version": "0.1.0"}),
+        ("chunked4/main", {"recompute": "full", "chunked_ce": 4, "torchtune_version": "0.7.0"}),
+        ("lora/chunked4/main", {"finetune": "lora", "recompute": "full", "chunked_ce": 4,
+                                "torchtune_version": "0.7.0"}))
     out: list[tuple[str, Scenario]] = []
     for tag, kw in cases:
         name, scn = scenario_for("llama-gqa", framework="torchtune", precision="bf16-pure", **kw)
