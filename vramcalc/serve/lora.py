@@ -32,8 +32,7 @@ rows per slot in the embedding and head (`lora_extra_vocab_size`), not counted h
 from __future__ import annotations
 
 from vramcalc.model import ModelSpec
-from vramcalc.model_tensors import param_tensors
-from vramcalc.serve.weights import MODEL_DTYPE_BYTES, layer_reps, rank_rows_cols
+from vramcalc.serve.weights import MODEL_DTYPE_BYTES, block_tensors
 
 # vllm/config/lora.py (v0.12.0): `max_lora_rank` must be one of these; defaults 16 and 1
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -55,15 +54,7 @@ def stage_lora_bytes(spec: ModelSpec, tp: int, first: int, count: int, pp: int, 
         # other matrix h; a tied head has a LoRA slot of its own too
         ends = (stage == 0) + (stage == pp - 1)
         elements += ends * rank * (spec.vocab_size + spec.hidden_size)
-    for t in param_tensors(spec):
-        if t.rows == 0 or t.group not in ("layer", "expert"):
-            continue  # norms and biases have no LoRA
-        rows, cols, copies = rank_rows_cols(t, spec, tp, ep)
-        if t.group == "expert":
-            moe_here = sum(1 for i in range(first, first + count)
-                           if i >= spec.first_k_dense_replace)
-            reps = moe_here * copies
-        else:
-            reps = layer_reps(t, spec, first, count)
-        elements += reps * rank * (rows + cols)
+    for t, rows, cols, reps in block_tensors(spec, tp, first, count, ep):
+        if t.rows:  # norms and biases have no LoRA
+            elements += reps * rank * (rows + cols)
     return max_loras * elements * MODEL_DTYPE_BYTES

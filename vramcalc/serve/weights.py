@@ -27,6 +27,7 @@ tied embeddings, a copy of the embedding).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from vramcalc.finetune import nf4_constant_bytes
@@ -121,29 +122,40 @@ def rank_rows_cols(t: ParamTensor, spec: ModelSpec, tp: int, ep: bool) -> tuple[
     return ceil_div(rows, tp), cols, copies
 
 
+def block_tensors(spec: ModelSpec, tp: int, first: int, count: int, ep: bool = False
+                  ) -> Iterator[tuple[ParamTensor, int, int, int]]:
+    """The decoder blocks' tensors on one rank of the stage holding layers [first,
+    first + count): (tensor, rows, cols on the rank, copies held)."""
+    for t in param_tensors(spec):
+        if t.group not in ("layer", "expert"):
+            continue
+        rows, cols, copies = rank_rows_cols(t, spec, tp, ep)
+        if t.group == "expert":
+            # experts are counted once per MoE layer and expert: count = n_moe · E
+            reps = copies * sum(1 for i in range(first, first + count)
+                                if i >= spec.first_k_dense_replace)
+        else:
+            reps = layer_reps(t, spec, first, count)
+        if reps:
+            yield t, rows, cols, reps
+
+
 def stage_weight_bytes(spec: ModelSpec, tp: int, first: int, count: int, pp: int, stage: int,
                        method: str, ep: bool = False) -> WeightBytes:
     """Weights on one rank of pipeline stage `stage` holding layers [first, first + count)."""
     quant = plain = 0
     last = stage == pp - 1
     for t in param_tensors(spec):
-        rows, cols, copies = rank_rows_cols(t, spec, tp, ep)
         if t.group == "embedding":
             reps = 1 if stage == 0 or (last and spec.tie_word_embeddings) else 0
         elif t.group in ("head", "final"):
             reps = 1 if last else 0
-        elif t.group == "expert":
-            # experts are counted once per MoE layer and expert: count = n_moe · E
-            moe_here = sum(1 for i in range(first, first + count)
-                           if i >= spec.first_k_dense_replace)
-            reps = moe_here * copies
         else:
-            reps = layer_reps(t, spec, first, count)
-        if not reps:
             continue
-        matrix = t.rows > 0 and t.group in ("layer", "expert") and not t.name.endswith(
-            _UNQUANTIZED)
-        if matrix:
+        rows, cols, _ = rank_rows_cols(t, spec, tp, ep)
+        plain += reps * MODEL_DTYPE_BYTES * rows * cols
+    for t, rows, cols, reps in block_tensors(spec, tp, first, count, ep):
+        if t.rows > 0 and not t.name.endswith(_UNQUANTIZED):
             quant += reps * quantized_matrix_bytes(rows, cols, method)
         else:
             plain += reps * MODEL_DTYPE_BYTES * rows * cols
