@@ -161,6 +161,9 @@ def test_qlora_builder_and_a_local_checkpoint_config(tmp_path: Path,
     (("torch.optim.AdamW", "torch.optim.Adagrad"), "optimizer torch.optim.Adagrad"),
     (("lora_llama3_1_8b", "lora_llama3_2_vision_11b"), "no built-in model"),
     (("batch_size: 2", "batch_size: two"), "batch_size must be a positive whole number"),
+    (("fused: True", "fused: True\n  momentum: fast"), "optimizer.momentum must be a number"),
+    (("compile: False", "compile: {model: True}"), "compile must be True or False"),
+    (("dtype: bf16", "dtype: fp16"), "dtype must be bf16 or fp32"),
 ])
 def test_what_cannot_be_read_is_one_error_line(tmp_path: Path, change: tuple[str, str],
                                                 message: str) -> None:

@@ -179,7 +179,11 @@ def torchtune_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             raise InputError(f"torchtune config: optimizer {comp_opt} is not modelled (one of "
                              f"{', '.join(_TT_OPTIMIZERS)})")
         vals["optimizer"] = _TT_OPTIMIZERS[comp_opt]
-        if comp_opt == "torch.optim.SGD" and opt.get("momentum"):
+        momentum = opt.get("momentum", 0)
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
+            raise InputError(f"torchtune config: optimizer.momentum must be a number, got "
+                             f"{shown(momentum)}")
+        if comp_opt == "torch.optim.SGD" and momentum:
             vals["optimizer"] = "sgd-momentum"
         if comp_opt.startswith("torch.optim."):
             vals["optimizer_impl"] = "fused" if _flag(opt, "fused", "optimizer.") else "foreach"
