@@ -252,7 +252,8 @@ SPECIAL = ["fifo", "dev_zero", "dir", "loop", "missing", "long_name", "no_user",
 def hostile_files(draw: st.DrawFn) -> tuple[str, str, str]:
     """(command, what the file is, its text or the name of a special file)."""
     cmd = draw(st.sampled_from(["estimate", "explain", "plan", "size", "check", "check",
-                                "deepspeed", "profile", "validate", "trace", "peft"]))
+                                "deepspeed", "profile", "validate", "trace", "peft",
+                                "recipe"]))
     if draw(st.integers(0, 5)) == 0:
         return cmd, "special", draw(st.sampled_from(SPECIAL))
     if cmd in ("estimate", "explain", "plan", "size", "trace"):
@@ -274,7 +275,18 @@ def hostile_files(draw: st.DrawFn) -> tuple[str, str, str]:
         head = Path(__file__).resolve().parents[1].joinpath(
             "hardware_profiles", "h100_sxm.yaml").read_text()
         return cmd, "h100_sxm.yaml", _yaml_doc(draw, PROFILE_KEYS, head)
+    if cmd == "recipe":  # a torchtune recipe config for `check`
+        return cmd, "recipe.yaml", _yaml_doc(draw, RECIPE_KEYS, RECIPE_HEAD)
     return cmd, "train.yaml", _yaml_doc(draw, YAML_KEYS, "model: gpt2\ngpus: 1xH100")
+
+
+RECIPE_HEAD = ("model:\n  _component_: torchtune.models.llama3_2.lora_llama3_2_1b\n"
+               "  lora_attn_modules: [q_proj, v_proj]\ntokenizer:\n  max_seq_len: 64")
+RECIPE_KEYS = ["batch_size", "gradient_accumulation_steps", "dtype", "compile",
+               "optimizer_in_bwd", "enable_activation_checkpointing",
+               "enable_activation_offloading", "fsdp_cpu_offload", "custom_sharded_layers",
+               "tensor_parallel_dim", "optimizer", "loss", "dataset", "checkpointer", "model",
+               "tokenizer"]
 
 
 def _materialize(folder: Path, name: str, text: str) -> Path:
@@ -310,6 +322,8 @@ def _argv(cmd: str, path: Path, folder: Path) -> list[str]:
     p = str(path)
     if cmd == "check":
         return ["check", p, "--json"]
+    if cmd == "recipe":
+        return ["check", p, "--gpus", "1xH100", "--json"]
     if cmd == "deepspeed":
         return ["estimate", "--model", "gpt2", "--deepspeed", p, "--json"]
     if cmd == "profile":
@@ -347,7 +361,7 @@ def test_fuzz_files(drawn: tuple[str, str, str]) -> None:
         folder = Path(tmp)
         argv = _argv(cmd, _materialize(folder, name, text), folder)
         check_invariant(argv)
-        if cmd in ("check", "deepspeed") and name != "special":  # the table's path as well
+        if cmd in ("check", "deepspeed", "recipe") and name != "special":  # the table too
             check_invariant([a for a in argv if a != "--json"])
 
 
