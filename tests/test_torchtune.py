@@ -13,6 +13,8 @@ Expected values come from outside the analytic code:
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from vramcalc.analytic import estimate
@@ -349,3 +351,25 @@ def test_plan_keeps_the_edge_units(capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(capsys.readouterr().out)
     assert code == 0 and doc["candidates"]
     assert all(c["strategy"].get("fsdp_edge_units") for c in doc["candidates"])
+
+
+def test_builtin_rms_norm_keeps_what_the_python_norm_kept() -> None:
+    # torchtune 1450d61 (#2054, release 0.5 on): RMSNorm.forward is
+    # F.rms_norm(x.float(), normalized_shape, weight=self.scale, eps).to(x.dtype); with bf16
+    # weights the dtypes differ and torch runs its composite path, which keeps the fp32
+    # input, the rstd and the fp32 x-hat, as the profile's layer table counts
+    n, h = 6, 16
+    x = torch.randn(n, h, dtype=torch.bfloat16, requires_grad=True)
+    scale = torch.ones(h, dtype=torch.bfloat16, requires_grad=True)
+    kept: dict[int, int] = {}
+
+    def pack(t: object) -> object:
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()  # type: ignore[attr-defined]
+        return t
+
+    with warnings.catch_warnings(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        warnings.simplefilter("ignore")  # torch's "Cannot dispatch to fused implementation"
+        torch.nn.functional.rms_norm(x.float(), (h,), weight=scale, eps=1e-6).to(x.dtype)
+    storages = sorted(v for k, v in kept.items() if v != h * 2)  # the weight is a parameter
+    # rstd, x.float(), x-hat (a fused kernel would keep the input and rstd only)
+    assert storages == [4 * n, 4 * n * h, 4 * n * h]
