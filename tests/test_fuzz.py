@@ -275,13 +275,19 @@ def hostile_files(draw: st.DrawFn) -> tuple[str, str, str]:
         head = Path(__file__).resolve().parents[1].joinpath(
             "hardware_profiles", "h100_sxm.yaml").read_text()
         return cmd, "h100_sxm.yaml", _yaml_doc(draw, PROFILE_KEYS, head)
-    if cmd == "recipe":  # a torchtune recipe config for `check`
+    if cmd == "recipe":  # a torchtune recipe config or a LitGPT config for `check`
+        if draw(st.booleans()):
+            return cmd, "recipe.yaml", _yaml_doc(draw, LITGPT_KEYS, LITGPT_HEAD)
         return cmd, "recipe.yaml", _yaml_doc(draw, RECIPE_KEYS, RECIPE_HEAD)
     return cmd, "train.yaml", _yaml_doc(draw, YAML_KEYS, "model: gpt2\ngpus: 1xH100")
 
 
 RECIPE_HEAD = ("model:\n  _component_: torchtune.models.llama3_2.lora_llama3_2_1b\n"
                "  lora_attn_modules: [q_proj, v_proj]\ntokenizer:\n  max_seq_len: 64")
+LITGPT_HEAD = ("checkpoint_dir: checkpoints/meta-llama/Llama-3.2-1B\nprecision: bf16-true\n"
+               "lora_r: 8\ntrain:\n  micro_batch_size: 1\n  max_seq_length: 64")
+LITGPT_KEYS = ["precision", "quantize", "devices", "num_nodes", "lora_r", "lora_query",
+               "lora_mlp", "lora_head", "lora_dropout", "train", "optimizer", "checkpoint_dir"]
 RECIPE_KEYS = ["batch_size", "gradient_accumulation_steps", "dtype", "compile",
                "optimizer_in_bwd", "enable_activation_checkpointing",
                "enable_activation_offloading", "fsdp_cpu_offload", "custom_sharded_layers",

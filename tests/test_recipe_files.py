@@ -199,3 +199,104 @@ def test_the_release_loss_keeps_the_release(tmp_path: Path) -> None:
                                              "--json"]).stdout)
     assert main["report"]["strategy"]["torchtune_version"] == "0.7.0"
     assert main["device_total_bytes"] != release["device_total_bytes"]
+
+
+# ---- LitGPT ------------------------------------------------------------------------------
+# the keys and values of Lightning-AI/litgpt config_hub/finetune/llama-2-7b/qlora.yaml
+# (00af8b0d, the commit of its README's memory table, and 0077627d alike)
+LIT_QLORA = """\
+checkpoint_dir: checkpoints/meta-llama/Llama-2-7b-hf
+out_dir: out/finetune/qlora-llama2-7b
+precision: bf16-true
+quantize: bnb.nf4
+devices: 1
+num_nodes: 1
+lora_r: 32
+lora_alpha: 16
+lora_dropout: 0.05
+lora_query: true
+lora_key: false
+lora_value: true
+lora_projection: false
+lora_mlp: false
+lora_head: false
+data:
+  class_path: litgpt.data.Alpaca2k
+train:
+  save_interval: 200
+  global_batch_size: 8
+  micro_batch_size: 2
+  lr_warmup_steps: 10
+  epochs: 4
+  max_seq_length: 512
+optimizer:
+  class_path: torch.optim.AdamW
+  init_args:
+    lr: 0.0002
+    weight_decay: 0.0
+"""
+
+
+def test_litgpt_qlora_config_is_the_published_rows_flags() -> None:
+    # docs/validation.md's LitGPT rows were expressed by hand from these configs
+    # (benchmarks/published_rows.py `_LIT_Q`): the importer must give the same options
+    import yaml
+
+    from vramcalc.recipe_files import litgpt_values
+    values, notes = litgpt_values(yaml.safe_load(LIT_QLORA))
+    assert values == {
+        "framework": "lightning", "model": "meta-llama/Llama-2-7b-hf",
+        "precision": "bf16-pure", "nf4_double_quant": False, "quantize_head": True,
+        "finetune": "qlora", "lora_targets": "q,v", "lora_rank": 32, "lora_dropout": 0.05,
+        "micro_batch_size": 2, "grad_accum": 4, "seq_len": 512, "optimizer": "paged-adamw",
+        "_devices": 1}
+    assert "Llama-2-7b-hf is meta-llama/Llama-2-7b-hf" in notes[0]
+
+
+def test_litgpt_config_checks_as_its_flags(tmp_path: Path) -> None:
+    recipe = _write(tmp_path, LIT_QLORA)
+    doc = json.loads(runner.invoke(app, ["check", str(recipe), "--gpus", "1xA10G",
+                                         "--bnb-version", "0.42.0", "--json"]).stdout)
+    own = _write(tmp_path, "model: llama2-7b\ngpus: 1xA10G\nframework: lightning\n"
+                 "precision: bf16-pure\nfinetune: qlora\nlora_rank: 32\nlora_targets: q,v\n"
+                 "lora_dropout: 0.05\nmicro_batch_size: 2\ngrad_accum: 4\nseq_len: 512\n"
+                 "optimizer: paged-adamw\nnf4_double_quant: false\nquantize_head: true\n"
+                 "bnb_version: '0.42.0'\n", "own.yaml")
+    expected = json.loads(runner.invoke(app, ["check", str(own), "--json"]).stdout)
+    assert doc["device_total_bytes"] == expected["device_total_bytes"] > 0
+
+
+def test_litgpt_devices_fsdp_and_default_precision(tmp_path: Path) -> None:
+    lora = LIT_QLORA.replace("quantize: bnb.nf4\n", "")
+    two = _write(tmp_path, lora.replace("devices: 1", "devices: 2"), "two.yaml")
+    strategy = json.loads(runner.invoke(app, ["check", str(two), "--gpus", "2xA100",
+                                              "--json"]).stdout)["report"]["strategy"]
+    # Fabric's FSDPStrategy with activation_checkpointing_policy={Block} (finetune/lora.py)
+    assert (strategy["fsdp"], strategy["recompute"], strategy["dp"]) == ("full", "full", 2)
+    assert strategy["grad_accum"] == 2  # global 8 // 2 devices // micro 2
+    res = subprocess.run([sys.executable, "-m", "vramcalc", "check", str(two), "--gpus",
+                          "4xA100"], capture_output=True, text=True)
+    assert res.returncode == 2 and "devices × num_nodes = 2" in res.stderr
+    # no precision: get_default_supported_precision(training=True), by the GPU's bf16
+    bare = _write(tmp_path, lora.replace("precision: bf16-true\n", ""), "bare.yaml")
+    for gpu, precision in (("1xA10G", "amp-bf16"), ("1xT4", "amp-fp16")):
+        got = json.loads(runner.invoke(app, ["check", str(bare), "--gpus", gpu, "--json"]
+                                       ).stdout)["report"]["strategy"]["precision"]
+        assert got == precision
+
+
+@pytest.mark.parametrize("change, message", [
+    (("lora_head: false", "lora_head: true"), "lora_head"),
+    (("quantize: bnb.nf4", "quantize: bnb.int8-training"), "quantize 'bnb.int8-training'"),
+    (("max_seq_length: 512", "max_seq_length: null"), "train.max_seq_length"),
+    (("precision: bf16-true", "precision: bf16-mixed"), "mixed precision"),
+    (("precision: bf16-true\n", ""), "default mixed precision"),
+    (("devices: 1", "devices: 2"), "devices × num_nodes = 2"),
+])
+def test_litgpt_refusals(tmp_path: Path, change: tuple[str, str], message: str) -> None:
+    recipe = _write(tmp_path, LIT_QLORA.replace(*change))
+    res = subprocess.run([sys.executable, "-m", "vramcalc", "check", str(recipe), "--gpus",
+                          "1xA10G"], capture_output=True, text=True)
+    assert res.returncode == 2, res.stdout
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]

@@ -41,7 +41,13 @@ from vramcalc.ds_json import deepspeed_settings, scenario_notes
 from vramcalc.errors import InputError, shown, suggest
 from vramcalc.evidence import evidence_json
 from vramcalc.options import OPTIONS_BY_NAME, build_scenario, normalize_values
-from vramcalc.recipe_files import is_torchtune_config, recipe_defaults, torchtune_values
+from vramcalc.recipe_files import (
+    is_litgpt_config,
+    is_torchtune_config,
+    litgpt_values,
+    recipe_defaults,
+    torchtune_values,
+)
 from vramcalc.report import MemoryReport
 from vramcalc.scenario import Scenario
 
@@ -76,14 +82,17 @@ class CheckResult:
                 "report": self.report.to_json_dict()}
 
 
-def read_config_file(path: Path) -> tuple[dict[str, Any], list[str], bool]:
-    """A YAML training config as option values, notes, and whether it is a torchtune
-    recipe config (vramcalc.recipe_files) rather than vramcalc's own keys."""
+def read_config_file(path: Path) -> tuple[dict[str, Any], list[str], str | None]:
+    """A YAML training config as option values, notes, and the stack whose config it is
+    ("torchtune", "litgpt": vramcalc.recipe_files), or None for vramcalc's own keys."""
     data = safeio.read_yaml(path, "config file")
     if isinstance(data, dict) and is_torchtune_config(data):
         values, notes = torchtune_values(data)
-        return values, notes, True
-    return load_config_file(path, data), [], False
+        return values, notes, "torchtune"
+    if isinstance(data, dict) and is_litgpt_config(data):
+        values, notes = litgpt_values(data)
+        return values, notes, "litgpt"
+    return load_config_file(path, data), [], None
 
 
 def load_config_file(path: Path, data: Any = None) -> dict[str, Any]:
@@ -303,7 +312,7 @@ class FileInputs:
     deepspeed: DeepSpeedConfig | None
     notes: list[str]
     source: str
-    torchtune_recipe: bool = False
+    recipe: str | None = None  # the stack whose config file it is (recipe_files)
 
 
 def read_inputs(config: Path | None, deepspeed: Path | None, cli_values: dict[str, Any],
@@ -311,7 +320,7 @@ def read_inputs(config: Path | None, deepspeed: Path | None, cli_values: dict[st
     """Read a config file and/or a DeepSpeed JSON (`deepspeed`, or the config's own
     `deepspeed:` key) under the option values given on the command line (flags over the
     YAML over the DeepSpeed file); DeepSpeed's memory keys resolved for the model."""
-    cfg, notes, recipe = read_config_file(config) if config is not None else ({}, [], False)
+    cfg, notes, recipe = read_config_file(config) if config is not None else ({}, [], None)
     ds_file = deepspeed or cfg.get("deepspeed")
     ds_vals: dict[str, Any] = {}
     tbs: int | None = None
@@ -343,8 +352,8 @@ def check_files(config: Path | None, deepspeed: Path | None, cli_values: dict[st
     option values given on the command line (`read_inputs`); and the name of the source
     checked, for the output."""
     inp = read_inputs(config, deepspeed, cli_values)
-    if inp.torchtune_recipe:
-        inp.values = recipe_defaults(inp.values, profile_dirs)
+    if inp.recipe is not None:
+        inp.values = recipe_defaults(inp.values, inp.recipe, profile_dirs)
     result = run_check(inp.values, inp.train_batch_size, profile_dirs, frozenset(inp.values),
                        inp.deepspeed, engine)
     result.notes[:0] = inp.notes

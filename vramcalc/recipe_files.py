@@ -1,5 +1,5 @@
 """Training configs written for a stack, read as vramcalc options: `vramcalc check` on the
-YAML a job already runs with.
+YAML a job already runs with (torchtune recipe configs, LitGPT finetune configs).
 
 **torchtune recipe configs** (a `model:` mapping with a `_component_`), read as the recipes
 of pytorch/torchtune bd2a0fc7 use them (recipes/lora_finetune_single_device.py,
@@ -25,9 +25,28 @@ full_finetune_distributed.py and the others: `_setup_model`, `_setup_optimizer`,
 | tensor_parallel_dim | tp |
 
 A distributed recipe shards with FSDP2 (`training.shard_model`): on more than one GPU the
-run is FSDP full unless the command line says otherwise. GPUs, headroom and releases come
-from the command line. Keys that do not change memory (paths, learning rate, logging,
-seed, epochs) are ignored; a key that would change it but is not modelled is an error.
+run is FSDP full unless the command line says otherwise.
+
+**LitGPT configs** (`litgpt finetune_lora --config ...`: a top-level `checkpoint_dir`),
+read as Lightning-AI/litgpt's litgpt/finetune/lora.py `setup` and `main` use them, under
+the lightning profile:
+
+| LitGPT key | option |
+|---|---|
+| checkpoint_dir | model: its config.json when the folder exists, else the Hugging Face id `litgpt download` named it after (checkpoints/ORG/NAME) |
+| precision (bf16-true, bf16-mixed, 32-true, 16-mixed; none: bf16-mixed where the GPU has bf16, else 16-mixed) | precision bf16-pure, amp-bf16, fp32, amp-fp16 |
+| quantize (bnb.nf4, bnb.nf4-dq: BitsandbytesPrecision on every Linear, the head too) | finetune qlora, nf4_double_quant, quantize_head; optimizer paged-adamw (`instantiate_bnb_optimizer`) |
+| lora_r, lora_dropout, lora_query/key/value/projection/mlp | lora_rank, lora_dropout, lora_targets (no lora_* key: finetune_full) |
+| train.micro_batch_size, train.global_batch_size, devices × num_nodes | micro_batch_size, grad_accum = global // devices // micro (`TrainArgs.gradient_accumulation_iters`); the --gpus count must match |
+| train.max_seq_length | seq_len (batches are padded to their longest sample, at most this) |
+| optimizer (a name or class_path: AdamW, Adam, SGD) | optimizer |
+
+On more than one device LitGPT runs Fabric's FSDPStrategy with activation checkpointing
+per Block: FSDP full and recompute full unless the command line says otherwise.
+
+GPUs, headroom and releases come from the command line. Keys that do not change memory
+(paths, learning rate, logging, seed, epochs) are ignored; a key that would change it but
+is not modelled is an error.
 """
 
 from __future__ import annotations
@@ -64,9 +83,9 @@ _TT_OPTIMIZERS = {
 _TT_CHUNKED = ("torchtune.modules.loss.LinearCrossEntropyLoss",
                "torchtune.modules.loss.CEWithChunkedOutputLoss")
 _TT_PLAIN_LOSS = ("torch.nn.CrossEntropyLoss",)
-_TT_DEFAULT_CHUNKS = 8
+_TT_DEFAULT_CHUNKS = 8  # LinearCrossEntropyLoss / CEWithChunkedOutputLoss num_output_chunks
 # LinearCrossEntropyLoss came after release 0.6.1 (9c06c8bd); main's version.txt is 0.7.0
-_TT_MAIN = "0.7.0"  # LinearCrossEntropyLoss / CEWithChunkedOutputLoss num_output_chunks
+_TT_MAIN = "0.7.0"
 
 
 def is_torchtune_config(data: dict[str, Any]) -> bool:
@@ -74,12 +93,12 @@ def is_torchtune_config(data: dict[str, Any]) -> bool:
     return isinstance(model, dict) and "_component_" in model
 
 
-def _section(data: dict[str, Any], key: str) -> dict[str, Any]:
+def _section(data: dict[str, Any], key: str, who: str = "torchtune config") -> dict[str, Any]:
     value = data.get(key)
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise InputError(f"torchtune config: {key} must be a mapping, got {shown(value)}")
+        raise InputError(f"{who}: {key} must be a mapping, got {shown(value)}")
     return value
 
 
@@ -91,20 +110,19 @@ def _component(section: dict[str, Any], key: str) -> str:
     return comp
 
 
-def _flag(data: dict[str, Any], key: str, where: str = "") -> bool:
+def _flag(data: dict[str, Any], key: str, where: str = "", who: str = "torchtune config"
+          ) -> bool:
     value = data.get(key, False)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise InputError(f"torchtune config: {where}{key} must be True or False, got "
-                         f"{shown(value)}")
+        raise InputError(f"{who}: {where}{key} must be True or False, got {shown(value)}")
     return value
 
 
-def _count(value: Any, key: str) -> int:
+def _count(value: Any, key: str, who: str = "torchtune config") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InputError(f"torchtune config: {key} must be a positive whole number, got "
-                         f"{shown(value)}")
+        raise InputError(f"{who}: {key} must be a positive whole number, got {shown(value)}")
     return value
 
 
@@ -213,18 +231,142 @@ def torchtune_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return vals, [f"read as a torchtune recipe config: {comp} is {vals['model']}"]
 
 
-def recipe_defaults(values: dict[str, Any], profile_dirs: list[Path] | None
+# ---- LitGPT -----------------------------------------------------------------------------
+_LIT = "LitGPT config"
+# Lightning Fabric precision plugins (the lightning profile, methodology § 17)
+_LIT_PRECISION = {"bf16-true": "bf16-pure", "bf16-mixed": "amp-bf16", "32-true": "fp32",
+                  "16-mixed": "amp-fp16"}
+_LIT_QUANT = {"bnb.nf4": False, "bnb.nf4-dq": True}  # -> nf4_double_quant
+_LIT_OPTIMIZERS = {"AdamW": "adamw", "torch.optim.AdamW": "adamw", "Adam": "adam",
+                   "torch.optim.Adam": "adam", "SGD": "sgd", "torch.optim.SGD": "sgd"}
+
+
+def is_litgpt_config(data: dict[str, Any]) -> bool:
+    return "checkpoint_dir" in data and not is_torchtune_config(data)
+
+
+def _lit_model(data: dict[str, Any]) -> str:
+    """The checkpoint's config.json when the folder exists, else the folder's name under
+    `checkpoints/` as a Hugging Face id (`litgpt download` writes checkpoints/ORG/NAME)."""
+    ckpt = data.get("checkpoint_dir")
+    if not isinstance(ckpt, str) or not ckpt.strip("/"):
+        raise InputError(f"{_LIT}: checkpoint_dir must be a path, got {shown(ckpt)}")
+    if (Path(ckpt) / "config.json").is_file():
+        return str(Path(ckpt) / "config.json")
+    parts = Path(ckpt).parts
+    return "/".join(parts[1:] if parts[0] == "checkpoints" and len(parts) > 2 else parts[-2:])
+
+
+def litgpt_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Option values of a LitGPT finetune config (`litgpt finetune_lora` / `finetune_full`
+    --config; litgpt/finetune/lora.py `setup` and `main`, Lightning-AI/litgpt): module
+    docstring's LitGPT table."""
+    vals: dict[str, Any] = {"framework": "lightning", "model": _lit_model(data)}
+    precision = data.get("precision")
+    if precision is not None:
+        if precision not in _LIT_PRECISION:
+            raise InputError(f"{_LIT}: precision must be one of {', '.join(_LIT_PRECISION)}, "
+                             f"got {shown(precision)}")
+        vals["precision"] = _LIT_PRECISION[precision]
+    quantize = data.get("quantize")
+    if quantize is not None:
+        if quantize not in _LIT_QUANT:
+            raise InputError(f"{_LIT}: quantize {shown(quantize)} is not modelled (bnb.nf4 or "
+                             "bnb.nf4-dq)")
+        if precision is not None and "mixed" in precision:
+            raise InputError(f"{_LIT}: LitGPT refuses quantize with mixed precision")
+        vals.update(nf4_double_quant=_LIT_QUANT[quantize], quantize_head=True)
+    lora = {k: _flag(data, f"lora_{k}", who=_LIT)
+            for k in ("query", "key", "value", "projection", "mlp", "head")}
+    if any(key.startswith("lora_") for key in data):
+        if lora["head"]:
+            raise InputError(f"{_LIT}: lora_head (LoRA on the output head) is not modelled "
+                             "for the lightning profile")
+        vals["finetune"] = "qlora" if quantize else "lora"
+        if all(lora[k] for k in ("query", "key", "value", "projection", "mlp")):
+            vals["lora_targets"] = "all-linear"
+        else:
+            names = [n for k, n in (("query", "q"), ("key", "k"), ("value", "v"),
+                                    ("projection", "o")) if lora[k]]
+            names += ["gate", "up", "down"] if lora["mlp"] else []
+            if not names:
+                raise InputError(f"{_LIT}: the LoRA config adapts no layer")
+            vals["lora_targets"] = ",".join(names)
+        if data.get("lora_r") is not None:
+            vals["lora_rank"] = _count(data["lora_r"], "lora_r", _LIT)
+        if data.get("lora_dropout") is not None:
+            vals["lora_dropout"] = data["lora_dropout"]
+    elif quantize:
+        raise InputError(f"{_LIT}: quantize needs LoRA (finetune_lora's lora_* keys)")
+    train = _section(data, "train", _LIT)
+    devices = data.get("devices", 1)
+    nodes = data.get("num_nodes", 1)
+    if train.get("micro_batch_size") is not None:
+        vals["micro_batch_size"] = _count(train["micro_batch_size"], "train.micro_batch_size",
+                                          _LIT)
+        if train.get("global_batch_size") is not None and isinstance(devices, int):
+            # TrainArgs.gradient_accumulation_iters: global // devices // micro
+            per_rank = _count(train["global_batch_size"], "train.global_batch_size", _LIT)
+            vals["grad_accum"] = max(per_rank // max(devices, 1) // vals["micro_batch_size"], 1)
+    if train.get("max_seq_length") is not None:
+        vals["seq_len"] = _count(train["max_seq_length"], "train.max_seq_length", _LIT)
+    vals["optimizer"] = "paged-adamw" if quantize else _lit_optimizer(data.get("optimizer"))
+    if isinstance(devices, int) and isinstance(nodes, int):
+        vals["_devices"] = devices * nodes
+    return vals, [f"read as a LitGPT config: {data['checkpoint_dir']} is {vals['model']}"
+                  + ("" if vals.get("finetune") else " (no lora_* keys: finetune_full)")]
+
+
+def _lit_optimizer(spec: Any) -> str:
+    """A LitGPT optimizer: a name or {class_path, init_args} (bnb quantization replaces it
+    with PagedAdamW: finetune/lora.py `instantiate_bnb_optimizer`)."""
+    name = spec.get("class_path") if isinstance(spec, dict) else spec
+    if name is None:
+        return "adamw"  # litgpt's default "AdamW"
+    if name not in _LIT_OPTIMIZERS:
+        raise InputError(f"{_LIT}: optimizer {shown(name)} is not modelled (AdamW, Adam or "
+                         "SGD)")
+    return _LIT_OPTIMIZERS[name]
+
+
+def recipe_defaults(values: dict[str, Any], recipe: str, profile_dirs: list[Path] | None
                     ) -> dict[str, Any]:
-    """What a torchtune recipe leaves to its launch: a distributed recipe on more than one
-    GPU shards with FSDP2 (`training.shard_model`) unless the options say otherwise; and a
-    recipe without tokenizer.max_seq_len needs the longest sample's length."""
+    """What a stack's config leaves to its launch, once the command line is merged in.
+
+    torchtune: a distributed recipe on more than one GPU shards with FSDP2
+    (`training.shard_model`); a recipe without tokenizer.max_seq_len needs the longest
+    sample's length. LitGPT: `devices` × `num_nodes` must be the --gpus count; on more than
+    one it runs Fabric's FSDPStrategy with activation checkpointing per Block; without
+    `precision` it takes `get_default_supported_precision(training=True)` (bf16-mixed where
+    the GPU has bf16, else 16-mixed); without train.max_seq_length each batch is padded to
+    its longest sample."""
+    values = dict(values)
+    devices = values.pop("_devices", None)
     if values.get("seq_len") is None:
-        raise InputError("the torchtune config sets no tokenizer.max_seq_len, so each batch is "
-                         "padded to its longest sample: give that length with --seq-len")
+        where = ("tokenizer.max_seq_len" if recipe == "torchtune"
+                 else "train.max_seq_length")
+        raise InputError(f"the {recipe} config sets no {where}, so each batch is padded to "
+                         "its longest sample: give that length with --seq-len")
     gpus = values.get("gpus")
-    if not gpus or values.get("fsdp") is not None or values.get("zero") is not None:
+    if not gpus:
         return values
-    if parse_gpus(str(gpus), profile_dirs).num_gpus > 1:
-        return {**values, "fsdp": "full"}
-    # one GPU: nothing to shard, so custom_sharded_layers changes nothing
-    return {k: v for k, v in values.items() if k != "fsdp_edge_units"}
+    cluster = parse_gpus(str(gpus), profile_dirs)
+    if recipe == "litgpt":
+        if devices is not None and devices != cluster.num_gpus:
+            raise InputError(f"the LitGPT config runs on devices × num_nodes = {devices} GPUs, "
+                             f"--gpus gives {cluster.num_gpus}")
+        if values.get("precision") is None:
+            values["precision"] = "amp-bf16" if cluster.gpu.bf16_supported else "amp-fp16"
+            if values.get("finetune") == "qlora":
+                raise InputError("the LitGPT config quantizes without a precision, and "
+                                 "LitGPT refuses quantize with its default mixed precision")
+    sharded = values.get("fsdp") is not None or values.get("zero") is not None
+    if cluster.num_gpus > 1 and not sharded:
+        values["fsdp"] = "full"
+        if recipe == "litgpt" and values.get("recompute") is None:
+            values["recompute"] = "full"  # activation_checkpointing_policy={Block}
+        return values
+    if recipe == "torchtune" and not sharded:
+        # one GPU: nothing to shard, so custom_sharded_layers changes nothing
+        values.pop("fsdp_edge_units", None)
+    return values
