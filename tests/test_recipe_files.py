@@ -300,3 +300,14 @@ def test_litgpt_refusals(tmp_path: Path, change: tuple[str, str], message: str) 
     assert res.returncode == 2, res.stdout
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]
+
+
+def test_litgpt_lora_defaults_to_query_and_value(tmp_path: Path) -> None:
+    # finetune/lora.py setup(lora_query=True, lora_value=True, the others False)
+    import yaml
+
+    from vramcalc.recipe_files import litgpt_values
+    text = "\n".join(line for line in LIT_QLORA.splitlines()
+                     if not line.startswith(("lora_query", "lora_value", "lora_key")))
+    values, _ = litgpt_values(yaml.safe_load(text))
+    assert values["lora_targets"] == "q,v"

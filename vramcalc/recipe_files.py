@@ -276,7 +276,8 @@ def litgpt_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if precision is not None and "mixed" in precision:
             raise InputError(f"{_LIT}: LitGPT refuses quantize with mixed precision")
         vals.update(nf4_double_quant=_LIT_QUANT[quantize], quantize_head=True)
-    lora = {k: _flag(data, f"lora_{k}", who=_LIT)
+    # finetune/lora.py `setup`'s defaults: LoRA on the query and value projections
+    lora = {k: _flag({f"lora_{k}": k in ("query", "value"), **data}, f"lora_{k}", who=_LIT)
             for k in ("query", "key", "value", "projection", "mlp", "head")}
     if any(key.startswith("lora_") for key in data):
         if lora["head"]:
