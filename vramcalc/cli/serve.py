@@ -48,19 +48,29 @@ def run_serve(model: str, gpus: str, values: dict[str, Any], profiles_dir: Path 
     return report
 
 
-def plan_serve_command(model: str, gpus: str, values: dict[str, Any]) -> str:
-    """`vramcalc plan --serve` of a serve run's model, GPUs and engine flags: the layouts
-    that fit, and on these GPUs the changes that do."""
-    words = ["vramcalc plan --serve --model", shlex.quote(model), "--gpus", shlex.quote(gpus)]
-    for name, default in (("engine", "vllm"), ("quantization", "none"),
-                          ("kv_cache_dtype", "auto"), ("max_model_len", None),
-                          ("enable_lora", False), ("max_loras", None), ("max_lora_rank", None)):
+# the serving options `plan --serve` and `size --serve` share with `serve`, and defaults
+ENGINE_OPTIONS = (("engine", "vllm"), ("quantization", "none"), ("kv_cache_dtype", "auto"),
+                  ("max_model_len", None), ("enable_lora", False), ("max_loras", None),
+                  ("max_lora_rank", None))
+
+
+def engine_flags(values: dict[str, Any]) -> list[str]:
+    """Those of `values`' ENGINE_OPTIONS that differ from their defaults, as flags."""
+    words = []
+    for name, default in ENGINE_OPTIONS:
         value = values.get(name, default)
         if value is True:
             words.append(f"--{name.replace('_', '-')}")
-        elif value not in (default, None):
+        elif value not in (default, None, False):
             words.append(f"--{name.replace('_', '-')} {value}")
-    return " ".join(words)
+    return words
+
+
+def plan_serve_command(model: str, gpus: str, values: dict[str, Any]) -> str:
+    """`vramcalc plan --serve` of a serve run's model, GPUs and engine flags: the layouts
+    that fit, and on these GPUs the changes that do."""
+    return " ".join(["vramcalc plan --serve --model", shlex.quote(model), "--gpus",
+                     shlex.quote(gpus), *engine_flags(values)])
 
 
 def show_serve(report: ServeReport, as_json: bool, markdown: bool,

@@ -12,7 +12,7 @@ import typer
 
 from vramcalc.catalog import resolve_model
 from vramcalc.cli.app import emit_json, note
-from vramcalc.cli.serve import serve_config
+from vramcalc.cli.serve import ENGINE_OPTIONS, engine_flags, serve_config
 from vramcalc.errors import InputError
 from vramcalc.hardware import GPUProfile, parse_gpus, resolve_gpu
 from vramcalc.model import ModelSpec
@@ -57,8 +57,6 @@ SERVE_PLAN_PARAMS = [
 ]
 SERVE_PLAN_NAMES = tuple(p.name for p in SERVE_PLAN_PARAMS)
 _SERVE_DEFAULTS = {p.name: p.default.default for p in SERVE_PLAN_PARAMS}
-_SERVE_KEYS = ("engine", "quantization", "kv_cache_dtype", "max_model_len", "enable_lora",
-               "max_loras", "max_lora_rank")
 
 
 def pop_serve_options(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -74,7 +72,7 @@ def pop_serve_options(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _base(opts: dict[str, Any]) -> tuple[ServeConfig, int]:
-    base = serve_config({k: opts[k] for k in _SERVE_KEYS})
+    base = serve_config({k: opts[k] for k, _ in ENGINE_OPTIONS})
     return base, opts["concurrency"] if opts["concurrency"] is not None else 1
 
 
@@ -93,15 +91,9 @@ def serve_command(model: str, base: ServeConfig, fix: ServeFix) -> str:
     """The `vramcalc serve` line of a fix: its layout on its GPUs, the changed flags."""
     o = fix.option
     cfg = base.model_copy(update=fix.change)
-    words = ["vramcalc serve --model", shlex.quote(model), f"--gpus {o.num_gpus}x{o.gpu.id}",
-             f"--tp {o.tp}"] + ([f"--pp {o.pp}"] if o.pp > 1 else [])
-    for name in _SERVE_KEYS:
-        value = getattr(cfg, name)
-        if value is True:
-            words.append(f"--{name.replace('_', '-')}")
-        elif value not in (_SERVE_DEFAULTS[name], None, False):
-            words.append(f"--{name.replace('_', '-')} {value}")
-    return " ".join(words)
+    return " ".join(["vramcalc serve --model", shlex.quote(model),
+                     f"--gpus {o.num_gpus}x{o.gpu.id}", f"--tp {o.tp}"]
+                    + ([f"--pp {o.pp}"] if o.pp > 1 else []) + engine_flags(cfg.model_dump()))
 
 
 def plan_serve(model: str | None, gpus: str, opts: dict[str, Any], dirs: list[Path] | None,
