@@ -248,8 +248,8 @@ def test_litgpt_qlora_config_is_the_published_rows_flags() -> None:
         "framework": "lightning", "model": "meta-llama/Llama-2-7b-hf",
         "precision": "bf16-pure", "nf4_double_quant": False, "quantize_head": True,
         "finetune": "qlora", "lora_targets": "q,v", "lora_rank": 32, "lora_dropout": 0.05,
-        "micro_batch_size": 2, "grad_accum": 4, "seq_len": 512, "optimizer": "paged-adamw",
-        "_devices": 1}
+        "micro_batch_size": 2, "seq_len": 512, "optimizer": "paged-adamw",
+        "_devices": 1, "_global_batch": 8}  # accumulation 8 // 1 // 2 = 4 once --gpus is known
     assert "Llama-2-7b-hf is meta-llama/Llama-2-7b-hf" in notes[0]
 
 
@@ -277,6 +277,11 @@ def test_litgpt_devices_fsdp_and_default_precision(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "vramcalc", "check", str(two), "--gpus",
                           "4xA100"], capture_output=True, text=True)
     assert res.returncode == 2 and "devices × num_nodes = 2" in res.stderr
+    # devices: -1 (every GPU): the accumulation follows the --gpus count
+    every = _write(tmp_path, lora.replace("devices: 1", "devices: -1"), "every.yaml")
+    got = json.loads(runner.invoke(app, ["check", str(every), "--gpus", "4xA100", "--json"]
+                                   ).stdout)["report"]["strategy"]
+    assert (got["dp"], got["grad_accum"]) == (4, 1)  # 8 // 4 // 2
     # no precision: get_default_supported_precision(training=True), by the GPU's bf16
     bare = _write(tmp_path, lora.replace("precision: bf16-true\n", ""), "bare.yaml")
     for gpu, precision in (("1xA10G", "amp-bf16"), ("1xT4", "amp-fp16")):

@@ -305,15 +305,14 @@ def litgpt_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if train.get("micro_batch_size") is not None:
         vals["micro_batch_size"] = _count(train["micro_batch_size"], "train.micro_batch_size",
                                           _LIT)
-        if train.get("global_batch_size") is not None and isinstance(devices, int):
-            # TrainArgs.gradient_accumulation_iters: global // devices // micro
-            per_rank = _count(train["global_batch_size"], "train.global_batch_size", _LIT)
-            vals["grad_accum"] = max(per_rank // max(devices, 1) // vals["micro_batch_size"], 1)
+    if train.get("global_batch_size") is not None:  # the accumulation: recipe_defaults
+        vals["_global_batch"] = _count(train["global_batch_size"], "train.global_batch_size",
+                                       _LIT)
     if train.get("max_seq_length") is not None:
         vals["seq_len"] = _count(train["max_seq_length"], "train.max_seq_length", _LIT)
     vals["optimizer"] = "paged-adamw" if quantize else _lit_optimizer(data.get("optimizer"))
-    if isinstance(devices, int) and isinstance(nodes, int):
-        vals["_devices"] = devices * nodes
+    if isinstance(devices, int) and isinstance(nodes, int) and devices > 0 and nodes > 0:
+        vals["_devices"] = devices * nodes  # (-1 and "auto": every GPU there is)
     return vals, [f"read as a LitGPT config: {data['checkpoint_dir']} is {vals['model']}"
                   + ("" if vals.get("finetune") else " (no lora_* keys: finetune_full)")]
 
@@ -343,6 +342,7 @@ def recipe_defaults(values: dict[str, Any], recipe: str, profile_dirs: list[Path
     its longest sample."""
     values = dict(values)
     devices = values.pop("_devices", None)
+    global_batch = values.pop("_global_batch", None)
     if values.get("seq_len") is None:
         where = ("tokenizer.max_seq_len" if recipe == "torchtune"
                  else "train.max_seq_length")
@@ -356,6 +356,10 @@ def recipe_defaults(values: dict[str, Any], recipe: str, profile_dirs: list[Path
         if devices is not None and devices != cluster.num_gpus:
             raise InputError(f"the LitGPT config runs on devices × num_nodes = {devices} GPUs, "
                              f"--gpus gives {cluster.num_gpus}")
+        if global_batch is not None and values.get("grad_accum") is None:
+            # TrainArgs.gradient_accumulation_iters: global // devices // micro-batch
+            micro = int(values.get("micro_batch_size") or 1)
+            values["grad_accum"] = max(global_batch // cluster.num_gpus // micro, 1)
         if values.get("precision") is None:
             values["precision"] = "amp-bf16" if cluster.gpu.bf16_supported else "amp-fp16"
             if values.get("finetune") == "qlora":
