@@ -275,15 +275,23 @@ def hostile_files(draw: st.DrawFn) -> tuple[str, str, str]:
         head = Path(__file__).resolve().parents[1].joinpath(
             "hardware_profiles", "h100_sxm.yaml").read_text()
         return cmd, "h100_sxm.yaml", _yaml_doc(draw, PROFILE_KEYS, head)
-    if cmd == "recipe":  # a torchtune recipe config or a LitGPT config for `check`
-        if draw(st.booleans()):
+    if cmd == "recipe":  # a torchtune, LitGPT or LLaMA-Factory config for `check`
+        kind = draw(st.integers(0, 2))
+        if kind == 1:
             return cmd, "recipe.yaml", _yaml_doc(draw, LITGPT_KEYS, LITGPT_HEAD)
+        if kind == 2:
+            return cmd, "recipe.yaml", _yaml_doc(draw, LF_KEYS, LF_HEAD)
         return cmd, "recipe.yaml", _yaml_doc(draw, RECIPE_KEYS, RECIPE_HEAD)
     return cmd, "train.yaml", _yaml_doc(draw, YAML_KEYS, "model: gpt2\ngpus: 1xH100")
 
 
 RECIPE_HEAD = ("model:\n  _component_: torchtune.models.llama3_2.lora_llama3_2_1b\n"
                "  lora_attn_modules: [q_proj, v_proj]\ntokenizer:\n  max_seq_len: 64")
+LF_HEAD = "model_name_or_path: meta-llama/Llama-3.2-1B\nstage: sft\nbf16: true\ncutoff_len: 64"
+LF_KEYS = ["finetuning_type", "lora_rank", "lora_target", "quantization_bit", "pure_bf16",
+           "fp16", "per_device_train_batch_size", "gradient_accumulation_steps", "flash_attn",
+           "optim", "deepspeed", "disable_gradient_checkpointing", "use_reentrant_gc",
+           "double_quantization", "stage", "neat_packing", "additional_target"]
 LITGPT_HEAD = ("checkpoint_dir: checkpoints/meta-llama/Llama-3.2-1B\nprecision: bf16-true\n"
                "lora_r: 8\ntrain:\n  micro_batch_size: 1\n  max_seq_length: 64")
 LITGPT_KEYS = ["precision", "quantize", "devices", "num_nodes", "lora_r", "lora_query",

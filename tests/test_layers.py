@@ -35,7 +35,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "vramcalc.notes", "vramcalc.trace")),
     ("use", ("vramcalc.planner", "vramcalc.serve", "vramcalc.speed", "vramcalc.flops",
              "vramcalc.size", "vramcalc.explain", "vramcalc.explain_seq2seq",
-             "vramcalc.check", "vramcalc.ds_json", "vramcalc.recipe_files", "vramcalc.validate",
+             "vramcalc.check", "vramcalc.ds_json", "vramcalc.recipe_files", "vramcalc.recipe_llamafactory",
+             "vramcalc.validate",
              "vramcalc.probe",
              "vramcalc.api")),
     # the package itself: the public names of vramcalc.api, loaded on first access

@@ -48,6 +48,7 @@ from vramcalc.recipe_files import (
     recipe_defaults,
     torchtune_values,
 )
+from vramcalc.recipe_llamafactory import is_llamafactory_config, llamafactory_values
 from vramcalc.report import MemoryReport
 from vramcalc.scenario import Scenario
 
@@ -84,7 +85,8 @@ class CheckResult:
 
 def read_config_file(path: Path) -> tuple[dict[str, Any], list[str], str | None]:
     """A YAML training config as option values, notes, and the stack whose config it is
-    ("torchtune", "litgpt": vramcalc.recipe_files), or None for vramcalc's own keys."""
+    ("torchtune", "litgpt": vramcalc.recipe_files; "llamafactory":
+    vramcalc.recipe_llamafactory), or None for vramcalc's own keys."""
     data = safeio.read_yaml(path, "config file")
     if isinstance(data, dict) and is_torchtune_config(data):
         values, notes = torchtune_values(data)
@@ -92,6 +94,14 @@ def read_config_file(path: Path) -> tuple[dict[str, Any], list[str], str | None]
     if isinstance(data, dict) and is_litgpt_config(data):
         values, notes = litgpt_values(data)
         return values, notes, "litgpt"
+    if isinstance(data, dict) and is_llamafactory_config(data):
+        ds = data.get("deepspeed")  # a path the Trainer opens from the cwd
+        if ds is not None and not isinstance(ds, str):
+            raise InputError(f"{path}: deepspeed must be a path, got {shown(ds)}")
+        zo = load_deepspeed_file(Path(ds)).get("zero_optimization") if ds else None
+        values, notes = llamafactory_values(
+            data, zero3=isinstance(zo, dict) and zo.get("stage") == 3)
+        return values, notes, "llamafactory"
     return load_config_file(path, data), [], None
 
 

@@ -110,7 +110,7 @@ def _component(section: dict[str, Any], key: str) -> str:
     return comp
 
 
-def _flag(data: dict[str, Any], key: str, where: str = "", who: str = "torchtune config"
+def flag(data: dict[str, Any], key: str, where: str = "", who: str = "torchtune config"
           ) -> bool:
     value = data.get(key, False)
     if value is None:
@@ -120,7 +120,7 @@ def _flag(data: dict[str, Any], key: str, where: str = "", who: str = "torchtune
     return value
 
 
-def _count(value: Any, key: str, who: str = "torchtune config") -> int:
+def count(value: Any, key: str, who: str = "torchtune config") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InputError(f"{who}: {key} must be a positive whole number, got {shown(value)}")
     return value
@@ -164,28 +164,28 @@ def torchtune_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             raise InputError("torchtune config: model.lora_attn_modules must list q_proj, "
                              f"k_proj, v_proj or output_proj, got {shown(targets)}")
         names = [_TT_ATTN[t] for t in targets]
-        if _flag(model, "apply_lora_to_mlp", "model."):
+        if flag(model, "apply_lora_to_mlp", "model."):
             names += ["gate", "up", "down"]
-        if _flag(model, "apply_lora_to_output", "model."):
+        if flag(model, "apply_lora_to_output", "model."):
             raise InputError("torchtune config: model.apply_lora_to_output (LoRA on the "
                              "output projection) is not modelled for the torchtune profile")
         if not names:
             raise InputError("torchtune config: the LoRA model adapts no module")
         vals["lora_targets"] = ",".join(names)
         if model.get("lora_rank") is not None:
-            vals["lora_rank"] = _count(model["lora_rank"], "model.lora_rank")
+            vals["lora_rank"] = count(model["lora_rank"], "model.lora_rank")
         if model.get("lora_dropout") is not None:
             vals["lora_dropout"] = model["lora_dropout"]
     seq = _section(data, "tokenizer").get("max_seq_len")
     if seq is not None:
-        vals["seq_len"] = _count(seq, "tokenizer.max_seq_len")
-    if _flag(_section(data, "dataset"), "packed", "dataset."):
+        vals["seq_len"] = count(seq, "tokenizer.max_seq_len")
+    if flag(_section(data, "dataset"), "packed", "dataset."):
         vals["packed"] = True
     for key, name in (("batch_size", "micro_batch_size"),
                       ("gradient_accumulation_steps", "grad_accum"),
                       ("tensor_parallel_dim", "tp")):
         if data.get(key) is not None:
-            vals[name] = _count(data[key], key)
+            vals[name] = count(data[key], key)
     dtype = data.get("dtype", "fp32")
     if dtype not in ("bf16", "fp32"):
         raise InputError(f"torchtune config: dtype must be bf16 or fp32, got {shown(dtype)}")
@@ -204,12 +204,12 @@ def torchtune_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if comp_opt == "torch.optim.SGD" and momentum:
             vals["optimizer"] = "sgd-momentum"
         if comp_opt.startswith("torch.optim."):
-            vals["optimizer_impl"] = "fused" if _flag(opt, "fused", "optimizer.") else "foreach"
+            vals["optimizer_impl"] = "fused" if flag(opt, "fused", "optimizer.") else "foreach"
     loss = _section(data, "loss")
     if loss:
         comp_loss = _component(loss, "loss")
         if comp_loss in _TT_CHUNKED:
-            vals["chunked_ce"] = _count(loss.get("num_output_chunks", _TT_DEFAULT_CHUNKS),
+            vals["chunked_ce"] = count(loss.get("num_output_chunks", _TT_DEFAULT_CHUNKS),
                                         "loss.num_output_chunks")
             if comp_loss == _TT_CHUNKED[0]:  # only torchtune's main branch has it
                 vals["torchtune_version"] = _TT_MAIN
@@ -222,9 +222,9 @@ def torchtune_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                           ("compile", "compile"),
                           ("enable_activation_offloading", "activation_offload")):
         if key in data:
-            vals[opt_name] = _flag(data, key)
-    vals["recompute"] = "full" if _flag(data, "enable_activation_checkpointing") else "none"
-    if _flag(data, "fsdp_cpu_offload"):
+            vals[opt_name] = flag(data, key)
+    vals["recompute"] = "full" if flag(data, "enable_activation_checkpointing") else "none"
+    if flag(data, "fsdp_cpu_offload"):
         vals["offload"] = "params"
     if data.get("custom_sharded_layers"):
         vals["fsdp_edge_units"] = True
@@ -277,7 +277,7 @@ def litgpt_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             raise InputError(f"{_LIT}: LitGPT refuses quantize with mixed precision")
         vals.update(nf4_double_quant=_LIT_QUANT[quantize], quantize_head=True)
     # finetune/lora.py `setup`'s defaults: LoRA on the query and value projections
-    lora = {k: _flag({f"lora_{k}": k in ("query", "value"), **data}, f"lora_{k}", who=_LIT)
+    lora = {k: flag({f"lora_{k}": k in ("query", "value"), **data}, f"lora_{k}", who=_LIT)
             for k in ("query", "key", "value", "projection", "mlp", "head")}
     if any(key.startswith("lora_") for key in data):
         if lora["head"]:
@@ -294,7 +294,7 @@ def litgpt_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 raise InputError(f"{_LIT}: the LoRA config adapts no layer")
             vals["lora_targets"] = ",".join(names)
         if data.get("lora_r") is not None:
-            vals["lora_rank"] = _count(data["lora_r"], "lora_r", _LIT)
+            vals["lora_rank"] = count(data["lora_r"], "lora_r", _LIT)
         if data.get("lora_dropout") is not None:
             vals["lora_dropout"] = data["lora_dropout"]
     elif quantize:
@@ -303,13 +303,13 @@ def litgpt_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     devices = data.get("devices", 1)
     nodes = data.get("num_nodes", 1)
     if train.get("micro_batch_size") is not None:
-        vals["micro_batch_size"] = _count(train["micro_batch_size"], "train.micro_batch_size",
+        vals["micro_batch_size"] = count(train["micro_batch_size"], "train.micro_batch_size",
                                           _LIT)
     if train.get("global_batch_size") is not None:  # the accumulation: recipe_defaults
-        vals["_global_batch"] = _count(train["global_batch_size"], "train.global_batch_size",
+        vals["_global_batch"] = count(train["global_batch_size"], "train.global_batch_size",
                                        _LIT)
     if train.get("max_seq_length") is not None:
-        vals["seq_len"] = _count(train["max_seq_length"], "train.max_seq_length", _LIT)
+        vals["seq_len"] = count(train["max_seq_length"], "train.max_seq_length", _LIT)
     vals["optimizer"] = "paged-adamw" if quantize else _lit_optimizer(data.get("optimizer"))
     if isinstance(devices, int) and isinstance(nodes, int) and devices > 0 and nodes > 0:
         vals["_devices"] = devices * nodes  # (-1 and "auto": every GPU there is)
@@ -366,6 +366,8 @@ def recipe_defaults(values: dict[str, Any], recipe: str, profile_dirs: list[Path
                 raise InputError("the LitGPT config quantizes without a precision, and "
                                  "LitGPT refuses quantize with its default mixed precision")
     sharded = values.get("fsdp") is not None or values.get("zero") is not None
+    if recipe == "llamafactory":  # DDP, or its DeepSpeed file's ZeRO
+        return values
     if cluster.num_gpus > 1 and not sharded:
         values["fsdp"] = "full"
         if recipe == "litgpt" and values.get("recompute") is None:
