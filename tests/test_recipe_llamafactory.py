@@ -122,3 +122,10 @@ def test_refusals_are_one_error_line(tmp_path: Path, extra: str, message: str) -
 def test_no_precision_is_refused() -> None:
     with pytest.raises(Exception, match="set bf16, fp16 or pure_bf16"):
         _values(LORA_SFT.replace("bf16: true\n", ""))
+
+
+def test_the_autocast_approximation_is_said() -> None:
+    lora_notes = llamafactory_values(yaml.safe_load(LORA_SFT), False)[1]
+    assert any("autocast over the 16-bit base is estimated without it" in n for n in lora_notes)
+    full = LORA_SFT.replace("finetuning_type: lora", "finetuning_type: full")
+    assert len(llamafactory_values(yaml.safe_load(full), False)[1]) == 1

@@ -21,7 +21,11 @@ paths are under src/llamafactory/. Supervised fine-tuning (`stage: sft`) only.
 | deepspeed (a JSON path, opened from the cwd) | the DeepSpeed file's keys (vramcalc.check) |
 
 PEFT's `prepare_model_for_kbit_training` is never called (LLaMA-Factory prepares the model
-itself), so QLoRA keeps its norms and head in the checkpoint's dtype. What changes memory
+itself), so QLoRA keeps its norms and head in the checkpoint's dtype. The hf profile has no
+precision for 16-bit weights under autocast: LoRA's is estimated as `bf16` (or `fp16`)
+without it, so each adapter keeps PEFT's fp32 cast of its input (`_cast_input_dtype`)
+where autocast would keep a 16-bit cast of that copy: 2 bytes per input element too many,
+for the recomputed layer only under gradient checkpointing (a note says so). What changes memory
 but is not modelled is an error: other stages, freeze and OFT tuning, 8-bit quantization,
 packing with neat_packing, Unsloth, unsloth-style checkpointing, LLaMA-Factory's own
 optimizers (GaLore, APOLLO, BAdam, Adam-mini, Muon), upcast_layernorm and
@@ -130,9 +134,14 @@ def llamafactory_values(data: dict[str, Any], zero3: bool) -> tuple[dict[str, An
         vals["liger"] = True
     if data.get("deepspeed") is not None:
         vals["deepspeed"] = data["deepspeed"]
-    return vals, [f"read as a LLaMA-Factory config: {model}, {method}, precision "
-                  f"{vals['precision']}; samples cut at cutoff_len {vals['seq_len']} (a batch "
-                  "is padded to its longest: --seq-len to give that)"]
+    notes = [f"read as a LLaMA-Factory config: {model}, {method}, precision "
+             f"{vals['precision']}; samples cut at cutoff_len {vals['seq_len']} (a batch is "
+             "padded to its longest: --seq-len to give that)"]
+    if method != "full" and vals["precision"] in ("bf16", "fp16"):
+        notes.append("the Trainer's autocast over the 16-bit base is estimated without it: "
+                     "each adapter keeps PEFT's fp32 cast of its input where autocast keeps "
+                     "a 16-bit one (under checkpointing, one layer's worth too many)")
+    return vals, notes
 
 
 def _targets(target: Any) -> str:
