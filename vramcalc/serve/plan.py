@@ -138,10 +138,6 @@ class ServeFix:
     change: dict[str, object] = field(hash=False)  # ServeConfig field -> value
     option: ServeOption
 
-    @property
-    def flags(self) -> str:
-        return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.change.items())
-
     def to_json(self) -> dict[str, object]:
         return {"change": dict(self.change), "option": self.option.to_json()}
 
@@ -186,7 +182,8 @@ def fixes_within(spec: ModelSpec, gpu: GPUProfile, base: ServeConfig, concurrenc
     for quant in weights:
         cfg = base.model_copy(update={"quantization": quant})
         change: dict[str, object] = {} if quant == base.quantization else {"quantization": quant}
-        full = _first_within(spec, gpu, cfg, concurrency, num_gpus)
+        # the base layout's full length is known not to fit (above)
+        full = _first_within(spec, gpu, cfg, concurrency, num_gpus) if change else None
         if full:
             out.append(ServeFix(change, full))
             break
