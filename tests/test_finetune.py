@@ -32,6 +32,7 @@ from vramcalc.finetune import (
     shapes_for,
     target_param_names,
 )
+from vramcalc.lora_targets import parse_targets
 from vramcalc.model import ModelSpec
 from vramcalc.options import build_scenario
 from vramcalc.parallel import ParallelConfig
@@ -41,7 +42,7 @@ from vramcalc.terms import activations as act
 from vramcalc.terms.gradients import gradients_bytes
 from vramcalc.terms.optimizer_states import bnb_state_split, optimizer_state_split
 from vramcalc.terms.weights import weights_by_group
-from vramcalc.training import TrainingConfig, parse_targets
+from vramcalc.training import TrainingConfig
 from vramcalc.units import GB, alloc
 
 runner = CliRunner()

@@ -53,7 +53,7 @@ GPUS = ["H100", "8xH100", "2x8xA100-80GB", "4090", "0xH100", f"{HUGE}xH100", "8x
 PINS = ["--tp", "--pp", "--dp", "--cp", "--ep", "--zero", "--micro-batch-size",
         "--grad-accum", "--virtual-stages", "--num-microbatches", "--shard-group"]
 CHOICES = {"--fsdp": ["full", "hybrid", "grad-op", "bogus"],
-           "--precision": ["amp-bf16", "fp8", "fp32", "fp64"],
+           "--precision": ["amp-bf16", "fp8", "fp32", "fp64", "bf16-autocast"],
            "--framework": ["megatron", "torchtitan", "hf", "torchtune", "lightning", "unsloth",
                            "deepspeed", "nope"],
            "--fsdp-impl": ["fsdp1", "fsdp2", "x"], "--optimizer-impl": ["foreach", "fused", "x"],

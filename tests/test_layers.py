@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vramcalc"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("vramcalc.errors", "vramcalc.units", "vramcalc.safeio",
               "vramcalc.allocator",
-              "vramcalc.qlora", "vramcalc.stack_rules", "vramcalc.peft_file",
+              "vramcalc.qlora", "vramcalc.stack_rules", "vramcalc.peft_file", "vramcalc.lora_targets",
               "vramcalc.hf_reader", "vramcalc.seq2seq_shapes", "vramcalc.encoder_shapes")),
     ("types", ("vramcalc.model", "vramcalc.model_tensors", "vramcalc.training",
                "vramcalc.hardware", "vramcalc.parallel",

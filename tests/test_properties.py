@@ -48,7 +48,8 @@ trainings = st.builds(
     seq_len=st.sampled_from([16, 64, 256, 1024]),
     micro_batch_size=st.integers(1, 4),
     grad_accum=st.integers(1, 3),
-    precision=st.sampled_from(PRECISIONS),
+    # the reference profile's policies (the -autocast ones are HF Trainer's: test_autocast_16bit)
+    precision=st.sampled_from([p for p in PRECISIONS if not p.endswith("-autocast")]),
     optimizer=st.sampled_from(OPTIMIZERS),
     attention=st.sampled_from(["flash", "eager"]),
     recompute=st.sampled_from(["none", "selective", "full"]),

@@ -51,7 +51,7 @@ def test_lora_example_keys_and_defaults() -> None:
     assert _values(LORA_SFT) == {
         "framework": "hf", "model": "meta-llama/Meta-Llama-3-8B-Instruct", "finetune": "lora",
         # LoRA: the checkpoint's bf16 base, fp32 adapters, the Trainer's bf16 autocast
-        "precision": "bf16", "lora_rank": 8, "lora_dropout": 0.0, "lora_targets": "all-linear",
+        "precision": "bf16-autocast", "lora_rank": 8, "lora_dropout": 0.0, "lora_targets": "all-linear",
         # gradient checkpointing on and reentrant unless disabled (checkpointing.py)
         "recompute": "full", "use_reentrant": True, "seq_len": 2048, "micro_batch_size": 1,
         "grad_accum": 8, "attention": "flash"}
@@ -62,7 +62,7 @@ def test_lora_example_keys_and_defaults() -> None:
 
 def test_quantization_precision_and_checkpointing_keys() -> None:
     q = _values(LORA_SFT + "quantization_bit: 4\nquantization_method: bnb\n")
-    assert (q["finetune"], q["nf4_double_quant"], q["precision"]) == ("qlora", True, "bf16")
+    assert (q["finetune"], q["nf4_double_quant"], q["precision"]) == ("qlora", True, "bf16-autocast")
     q = _values(LORA_SFT + "quantization_bit: 4\ndouble_quantization: false\n")
     assert q["nf4_double_quant"] is False
     full = LORA_SFT.replace("finetuning_type: lora", "finetuning_type: full")
@@ -95,6 +95,7 @@ def test_check_reads_the_deepspeed_file_from_the_cwd(tmp_path: Path,
     lora = json.loads(runner.invoke(app, ["check", "lora.yaml", "--gpus", "1xH100",
                                           "--json"]).stdout)["report"]["strategy"]
     assert (lora["finetune"], lora["recompute"], lora["use_reentrant"]) == ("lora", "full", True)
+    assert lora["precision"] == "bf16-autocast"
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -124,8 +125,12 @@ def test_no_precision_is_refused() -> None:
         _values(LORA_SFT.replace("bf16: true\n", ""))
 
 
-def test_the_autocast_approximation_is_said() -> None:
-    lora_notes = llamafactory_values(yaml.safe_load(LORA_SFT), False)[1]
-    assert any("autocast over the 16-bit base is estimated without it" in n for n in lora_notes)
-    full = LORA_SFT.replace("finetuning_type: lora", "finetuning_type: full")
-    assert len(llamafactory_values(yaml.safe_load(full), False)[1]) == 1
+def test_lora_autocasts_unless_deepspeed_runs_it() -> None:
+    # accelerate's Accelerator sets native_amp (the autocast it wraps the forward in) for
+    # fp16/bf16 unless the distributed type is DeepSpeed or Megatron-LM
+    assert _values(LORA_SFT)["precision"] == "bf16-autocast"
+    fp16 = LORA_SFT.replace("bf16: true", "fp16: true")
+    assert _values(fp16)["precision"] == "fp16-autocast"
+    assert _values(LORA_SFT + "deepspeed: ds_z2.json\n")["precision"] == "bf16"
+    notes = llamafactory_values(yaml.safe_load(LORA_SFT), False)[1]
+    assert len(notes) == 1 and "precision bf16-autocast" in notes[0]

@@ -53,6 +53,7 @@ from functools import lru_cache
 from typing import Protocol
 
 from vramcalc.errors import InputError
+from vramcalc.lora_targets import ALL_LINEAR, TARGETS
 from vramcalc.model import ModelSpec
 from vramcalc.model_tensors import param_tensors
 from vramcalc.parallel import ParallelConfig
@@ -69,7 +70,7 @@ from vramcalc.qlora import (  # noqa: F401  (re-exported: the NF4 layout constan
     nf4_tensor_bytes,
 )
 from vramcalc.sharding import RankShapes, RankTensor, _rank_shapes, pipeline_chunks
-from vramcalc.training import ALL_LINEAR, TARGETS, TrainingConfig
+from vramcalc.training import TrainingConfig
 from vramcalc.units import DTYPE_BITS, ceil_div
 
 DEFAULT_RANK = 8  # peft LoraConfig.r default

@@ -123,6 +123,53 @@ def _peft_modules(tr: Any) -> str | None:
     return f"--modules-to-save {tr.modules_to_save} {flag}" if flag else None
 
 
+def _autocast_16bit(tr: Any) -> str | None:
+    """HF Trainer's `bf16=True` / `fp16=True` over a model loaded in 16 bits."""
+    if not tr.autocast_16bit:
+        return None
+    if tr.framework != "hf":
+        return (f"--precision {tr.precision} is HF Trainer's autocast over a model loaded in "
+                "16 bits: it needs --framework hf (16-bit weights without autocast: "
+                "--precision bf16-pure or fp16)")
+    if tr.precision == "fp16-autocast" and tr.finetune == "full":
+        # torch/amp/grad_scaler.py `_unscale_grads_`: "Attempting to unscale FP16 gradients."
+        return ("--precision fp16-autocast with --finetune full: the Trainer's GradScaler "
+                "refuses to unscale fp16 gradients, so this run stops at its first step; "
+                "full fine-tuning under fp16=True needs fp32 weights (--precision amp-fp16)")
+    return None
+
+
+def autocast_model_problem(spec: Any, tr: Any) -> str | None:
+    """Why a 16-bit model under the Trainer's autocast cannot be modelled for this model
+    (`spec`: a vramcalc.model.ModelSpec), or None. transformers' RMSNorms upcast to fp32
+    themselves and return the weight's dtype, so a 16-bit layer computes as it would
+    without autocast; nn.LayerNorm and NewGELU's pow are on CUDA autocast's fp32 list, so a
+    LayerNorm model keeps fp32 copies (norm inputs, GELU products) in a 16-bit residual
+    stream, which is not modelled."""
+    if not tr.autocast_16bit:
+        return None
+    if (spec.is_encoder or spec.is_encoder_decoder or spec.norm_kind != "rmsnorm"
+            or spec.hidden_act in ("gelu_new", "relu2")):
+        return (f"--precision {tr.precision} is modelled for RMSNorm decoders (Llama, "
+                f"Mistral, Qwen, Gemma, ...): {spec.name}'s LayerNorms or GELU run in fp32 "
+                "under autocast; use --precision amp-bf16 (an fp32 model) or bf16-pure")
+    return None
+
+
+def autocast_layout_problem(tr: Any, engine: str) -> str | None:
+    """Why a 16-bit model under the Trainer's autocast cannot be modelled on this layout
+    (`engine`: vramcalc.parallel.Engine), or None."""
+    if not tr.autocast_16bit or engine in ("single", "ddp"):
+        return None
+    if engine == "deepspeed":  # accelerate 1.12.0 accelerator.py: native_amp off under DeepSpeed
+        return (f"--precision {tr.precision} with DeepSpeed: the Trainer does not autocast "
+                "under DeepSpeed, whose engine holds 16-bit weights and fp32 masters: use "
+                "--precision bf16 (or fp16)")
+    return (f"--precision {tr.precision} is modelled on one GPU and under DDP; FSDP's mixed "
+            "precision casts the fp32 adapters to 16 bits itself (use --precision amp-bf16 "
+            "for an fp32 model under FSDP)")
+
+
 def _sync_each_batch(tr: Any) -> str | None:
     if tr.sync_each_batch and tr.framework != "hf":
         return ("--sync-each-batch (accelerate's GradientAccumulationPlugin option) needs "
@@ -153,7 +200,7 @@ def hf_stack_problem(tr: Any) -> str | None:
     """Why these training settings (a vramcalc.training.TrainingConfig) use an hf-stack
     option the model cannot express (None: they can)."""
     for check in (_reentrant, _kbit_prepare, _hf_optim, _peft_modules, _sync_each_batch,
-                  _liger, _transformers_version):
+                  _liger, _transformers_version, _autocast_16bit):
         problem = check(tr)
         if problem:
             return problem

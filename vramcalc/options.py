@@ -21,6 +21,7 @@ from vramcalc.errors import InputError, suggest
 from vramcalc.hardware import alias_note, parse_gpus
 from vramcalc.hf_config import with_task
 from vramcalc.hf_stack import HF_OPTIMS, parse_modules_to_save
+from vramcalc.lora_targets import parse_targets
 from vramcalc.parallel import ParallelConfig
 from vramcalc.peft_file import checked_peft_config
 from vramcalc.scenario import Scenario
@@ -36,7 +37,6 @@ from vramcalc.training import (
     RECOMPUTE_METHODS,
     RECOMPUTES,
     TrainingConfig,
-    parse_targets,
 )
 
 _FSDP = ("none", "full", "grad-op", "hybrid")
@@ -77,9 +77,10 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("micro_batch_size", int, 1, "Sequences per micro-batch per data-parallel rank."),
     Opt("grad_accum", int, 1, "Gradient-accumulation micro-steps per optimizer step."),
     Opt("precision", str, None, "fp32 | amp-bf16 | amp-fp16 (autocast, fp32 weights) | "
-        "bf16 | fp16 (16-bit weights+grads, fp32 master) | bf16-pure | fp8 (Transformer "
-        "Engine FP8 block linears, bf16 weights + fp32 master; FP8-capable GPUs). Default: "
-        "the stack's (torchtitan amp-bf16, torchtune bf16-pure), else bf16.", PRECISIONS),
+        "bf16 | fp16 (16-bit weights+grads, fp32 master) | bf16-pure | bf16-autocast | "
+        "fp16-autocast (HF Trainer's bf16/fp16=True over a model loaded in 16 bits) | fp8 "
+        "(TE FP8 block linears, bf16 weights + fp32 master; FP8 GPUs). Default: the stack's "
+        "(torchtitan amp-bf16, torchtune bf16-pure), else bf16.", PRECISIONS),
     Opt("optimizer", str, "adamw", "adamw | adam | sgd | sgd-momentum | lion | adafactor | "
         "adamw-8bit | paged-adamw | paged-adamw-8bit (bitsandbytes; paged states in unified "
         "memory, shown as overhead) | muon (torch.optim.Muon + AdamW, reference).", OPTIMIZERS),
@@ -127,8 +128,7 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "qkv, FSDP1) | unsloth (Unsloth 015bdef0 / unsloth-zoo ce232d6c, LoRA and QLoRA with "
         "--precision bf16: --recompute full offloads layer inputs to pinned host memory, "
         "fused cross entropy without logits, fp32 adapters; its notebooks use --optimizer "
-        "adamw-8bit).",
-        FRAMEWORKS),
+        "adamw-8bit).", FRAMEWORKS),
     Opt("finetune", str, "full", "full | lora | qlora (NF4 base) | dora: frozen base weights "
         "plus trained adapters; peft: --peft-config's method.", (*FINETUNES, "peft")),
     Opt("peft_config", str, None, "A PEFT adapter config (adapter_config.json, or its "

@@ -11,7 +11,7 @@ paths are under src/llamafactory/. Supervised fine-tuning (`stage: sft`) only.
 | finetuning_type (lora) | finetune lora or full; `quantization_bit: 4` (bnb) makes LoRA QLoRA; `use_dora` DoRA |
 | lora_rank (8), lora_dropout (0.0), lora_target (all: every Linear but the head, model_utils/misc.py `find_all_linear_modules`) | lora_rank, lora_dropout, lora_targets |
 | double_quantization (True) | nf4_double_quant |
-| bf16 / fp16 / pure_bf16 | precision: the weights load in the checkpoint's dtype (model/loader.py `torch_dtype="auto"`) and every trainable parameter is cast to fp32 unless pure_bf16 (model/adapter.py `init_adapter`), under the Trainer's autocast: LoRA and QLoRA bf16 (16-bit base, fp32 adapters), full fine-tuning amp-bf16 (fp32 weights), pure_bf16 bf16-pure; with DeepSpeed ZeRO-3 and no quantization nothing is cast: bf16 with its fp32 master |
+| bf16 / fp16 / pure_bf16 | precision: the weights load in the checkpoint's dtype (model/loader.py `torch_dtype="auto"`) and every trainable parameter is cast to fp32 unless pure_bf16 (model/adapter.py `init_adapter`), under the Trainer's autocast: LoRA and QLoRA bf16-autocast (16-bit base, fp32 adapters), full fine-tuning amp-bf16 (fp32 weights), pure_bf16 bf16-pure; under DeepSpeed (accelerate runs no autocast there) LoRA is bf16, and full fine-tuning with ZeRO-3 casts nothing: bf16 with its fp32 master |
 | disable_gradient_checkpointing (False), use_reentrant_gc (True) | recompute full, use_reentrant (model_utils/checkpointing.py `prepare_model_for_training`: on unless disabled, reentrant unless FSDP2) |
 | cutoff_len (2048) | seq_len: samples are cut there and a batch is padded to its longest (rounded to 8) |
 | per_device_train_batch_size (8, transformers'), gradient_accumulation_steps (1) | micro_batch_size, grad_accum |
@@ -21,11 +21,7 @@ paths are under src/llamafactory/. Supervised fine-tuning (`stage: sft`) only.
 | deepspeed (a JSON path, opened from the cwd) | the DeepSpeed file's keys (vramcalc.check) |
 
 PEFT's `prepare_model_for_kbit_training` is never called (LLaMA-Factory prepares the model
-itself), so QLoRA keeps its norms and head in the checkpoint's dtype. The hf profile has no
-precision for 16-bit weights under autocast: LoRA's is estimated as `bf16` (or `fp16`)
-without it, so each adapter keeps PEFT's fp32 cast of its input (`_cast_input_dtype`)
-where autocast would keep a 16-bit cast of that copy: 2 bytes per input element too many,
-for the recomputed layer only under gradient checkpointing (a note says so). What changes memory
+itself), so QLoRA keeps its norms and head in the checkpoint's dtype. What changes memory
 but is not modelled is an error: other stages, freeze and OFT tuning, 8-bit quantization,
 packing with neat_packing, Unsloth, unsloth-style checkpointing, LLaMA-Factory's own
 optimizers (GaLore, APOLLO, BAdam, Adam-mini, Muon), upcast_layernorm and
@@ -65,8 +61,10 @@ def _precision(data: dict[str, Any], method: str, zero3: bool) -> str:
         raise InputError(f"{_LF}: set bf16, fp16 or pure_bf16 (without them the Trainer runs no "
                          "autocast over the checkpoint's 16-bit weights, which vramcalc does "
                          "not model)")
+    if method != "full" and data.get("deepspeed") is None:
+        return half + "-autocast"  # the 16-bit base and fp32 adapters under autocast
     if method != "full" or zero3:
-        return half  # 16-bit base (or DeepSpeed's bf16 with its fp32 master)
+        return half  # DeepSpeed's 16-bit engine with its fp32 master, no autocast
     return "amp-" + half  # every trainable parameter cast to fp32, under autocast
 
 
@@ -137,10 +135,6 @@ def llamafactory_values(data: dict[str, Any], zero3: bool) -> tuple[dict[str, An
     notes = [f"read as a LLaMA-Factory config: {model}, {method}, precision "
              f"{vals['precision']}; samples cut at cutoff_len {vals['seq_len']} (a batch is "
              "padded to its longest: --seq-len to give that)"]
-    if method != "full" and vals["precision"] in ("bf16", "fp16"):
-        notes.append("the Trainer's autocast over the 16-bit base is estimated without it: "
-                     "each adapter keeps PEFT's fp32 cast of its input where autocast keeps "
-                     "a 16-bit one (under checkpointing, one layer's worth too many)")
     return vals, notes
 
 

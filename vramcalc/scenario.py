@@ -7,7 +7,12 @@ from pydantic import BaseModel, ConfigDict
 from vramcalc.errors import InputError
 from vramcalc.hardware import Cluster, GPUProfile
 from vramcalc.hf_config import ROBERTA_TYPES
-from vramcalc.hf_stack import layernorm_model_problem, release_model_problem
+from vramcalc.hf_stack import (
+    autocast_layout_problem,
+    autocast_model_problem,
+    layernorm_model_problem,
+    release_model_problem,
+)
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig, resolve_layout
 from vramcalc.stack_rules import (
@@ -162,7 +167,10 @@ class Scenario(BaseModel):
         their own fused optimizers) and the allocator's expandable segments (the stack's)."""
         problem = (mla_problem(self) or release_model_problem(self.model, self.training)
                    or layernorm_model_problem(self.model, self.training)
-                   or activation_problem(self.model, self.training))
+                   or activation_problem(self.model, self.training)
+                   or autocast_model_problem(self.model, self.training)
+                   or autocast_layout_problem(self.training,
+                                              self.parallel.engine(self.training.framework)))
         if problem:
             raise InputError(problem)
         mtp = self.parallel.mtp_layers

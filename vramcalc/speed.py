@@ -94,7 +94,7 @@ from vramcalc.hf_stack import trainer_no_sync
 from vramcalc.model import ModelSpec
 from vramcalc.model_tensors import param_tensors
 from vramcalc.scenario import Scenario
-from vramcalc.training import TrainingConfig
+from vramcalc.training import COMPUTE_DTYPE, WEIGHT_DTYPE, TrainingConfig
 from vramcalc.units import DTYPE_BITS
 
 # CPU optimizer step (DeepSpeed CPU-Adam): memory-bound; per parameter it reads and writes
@@ -111,11 +111,6 @@ NVME_BYTES_PER_S_PER_NODE = 26 * 10**9
 # bandwidth from the compute they run beside. Assumption: at least 10% of an overlapped
 # collective's time shows in the step (it also breaks ties in favour of less traffic).
 OVERLAP_EXPOSED_FRACTION = 0.1
-
-_COMPUTE_DTYPE = {"fp32": "fp32", "amp-bf16": "bf16", "amp-fp16": "fp16", "bf16": "bf16",
-                  "fp16": "fp16", "bf16-pure": "bf16", "fp8": "bf16"}
-_WEIGHT_DTYPE = {"fp32": "fp32", "amp-bf16": "fp32", "amp-fp16": "fp32", "bf16": "bf16",
-                 "fp16": "fp16", "bf16-pure": "bf16", "fp8": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -209,7 +204,7 @@ def peft_counts(spec: ModelSpec, precision: str, finetune: str, lora_rank: int =
     hf profile's modules_to_save, lora_embedding and lora_head (vramcalc/hf_stack.py)."""
     if finetune in ("full", "none", None):
         return None
-    w_dtype = _WEIGHT_DTYPE.get(precision, "bf16")
+    w_dtype = WEIGHT_DTYPE.get(precision, "bf16")
     a_dt = adapter_dtype(framework, w_dtype)
     fs = _finetune_shapes(spec, 1, ((spec.num_hidden_layers,),), 1, 0, finetune, lora_rank,
                           lora_targets, framework, a_dt, False, *extras)
@@ -243,9 +238,9 @@ class SpeedModel:
                  float8_gather: bool = False) -> None:
         self.spec, self.gpu, self.gpn, self.seq_len = spec, gpu, gpus_per_node, seq_len
         self.efficiency = efficiency if efficiency is not None else gpu.mfu_fraction
-        c_dtype = _COMPUTE_DTYPE[precision]
+        c_dtype = COMPUTE_DTYPE[precision]
         self.c = _bytes(c_dtype)
-        self.w = _bytes(_WEIGHT_DTYPE[precision])
+        self.w = _bytes(WEIGHT_DTYPE[precision])
         self.g = self.w  # gradients are stored in the weight dtype (vramcalc.training)
         self.peak, note = peak_flops(gpu, c_dtype)
         if precision == "fp8" or float8:  # block linears at the FP8 peak (TE or torchao)

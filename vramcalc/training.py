@@ -10,9 +10,15 @@ Precision policies (what each tensor is stored in):
 | bf16      | bf16    | bf16  | fp32        | bf16                  |
 | fp16      | fp16    | fp16  | fp32        | fp16                  |
 | bf16-pure | bf16    | bf16  | none        | bf16 (states bf16)    |
+| bf16-autocast | bf16 | bf16 | none       | bf16 (torch.autocast; states bf16) |
+| fp16-autocast | fp16 | fp16 | none       | fp16 (torch.autocast) |
 | fp8       | bf16    | bf16  | fp32        | bf16; block linears in FP8 (Transformer Engine, vramcalc/terms/lowprec.py) |
 
 `bf16`/`fp16` is the Megatron/DeepSpeed default (ZeRO paper: 2 + 2 + 12 bytes/param with Adam).
+`bf16-autocast`/`fp16-autocast` are HF Trainer's `bf16=True`/`fp16=True` over a model loaded in
+16 bits (`from_pretrained(..., dtype=torch.bfloat16)`): the hf profile's; autocast casts
+nothing but the trained fp32 adapters and the inputs PEFT upcasts for them
+(vramcalc/terms/finetune_activations.py).
 `qat` (int8 / int4 fake quantization of the block linears) combines with the non-autocast
 policies; see vramcalc/terms/lowprec.py.
 """
@@ -23,8 +29,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from vramcalc.errors import InputError, suggest
 from vramcalc.hf_stack import HF_OPTIMS, hf_stack_problem, parse_modules_to_save, trainer_defaults
+from vramcalc.lora_targets import DEFAULT_TARGETS, parse_targets
 from vramcalc.qlora import NF4Layout, nf4_layout, parse_version
 from vramcalc.stack_rules import (
     TORCHTUNE_0_3_1,
@@ -36,20 +42,21 @@ from vramcalc.stack_rules import (
     unsloth_training_problem,
 )
 
-Precision = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8"]
+Precision = Literal["fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure", "fp8",
+                    "bf16-autocast", "fp16-autocast"]
 OptimizerName = Literal[
     "adamw", "adam", "sgd", "sgd-momentum", "lion", "adafactor", "adamw-8bit",
     "paged-adamw", "paged-adamw-8bit", "muon",
 ]
 PRECISIONS: tuple[str, ...] = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure",
-                                "fp8")
+                                "fp8", "bf16-autocast", "fp16-autocast")
 # the precision policies of the table above: weights' and activations' dtypes
 WEIGHT_DTYPE: dict[str, str] = {"fp32": "fp32", "amp-bf16": "fp32", "amp-fp16": "fp32",
                                 "bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16",
-                                "fp8": "bf16"}
+                                "fp8": "bf16", "bf16-autocast": "bf16", "fp16-autocast": "fp16"}
 COMPUTE_DTYPE: dict[str, str] = {"fp32": "fp32", "amp-bf16": "bf16", "amp-fp16": "fp16",
                                  "bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16",
-                                 "fp8": "bf16"}
+                                 "fp8": "bf16", "bf16-autocast": "bf16", "fp16-autocast": "fp16"}
 QATS: tuple[str, ...] = ("none", "int8", "int4")  # vramcalc/terms/lowprec.py
 OPTIMIZERS: tuple[str, ...] = (
     "adamw", "adam", "sgd", "sgd-momentum", "lion", "adafactor", "adamw-8bit",
@@ -82,44 +89,6 @@ MOE_DISPATCHERS: tuple[str, ...] = ("allgather", "alltoall")
 MEGATRON_DEFAULT_DISPATCHER = "allgather"
 FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron", "torchtitan", "torchtune",
                                 "lightning", "unsloth")
-
-# LoRA target names: q, k, v, o projections and the MLP's gate, up (fc), down (proj)
-TARGETS: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
-ALL_LINEAR = "all-linear"
-# PEFT's default targets for Llama, Mistral, Qwen2 (and Mixtral): q_proj and v_proj
-# (peft/utils/constants.py TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, peft 0.21.2).
-DEFAULT_TARGETS = "q,v"
-_TARGET_ALIASES = {
-    "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "out_proj": "o",
-    "gate_proj": "gate", "up_proj": "up", "down_proj": "down", "fc": "up", "c_fc": "up",
-    "fc1": "up", "w1": "gate", "w3": "up", "w2": "down", "proj": "down", "fc2": "down",
-    "all_linear": ALL_LINEAR, "all": ALL_LINEAR,
-}
-
-
-def parse_targets(value: object) -> str:
-    """'q,v', 'Q_PROJ, v_proj', ['q', 'v'] or 'all-linear' -> canonical 'q,v' / 'all-linear'.
-
-    Unknown names raise InputError with suggestions."""
-    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
-    names: set[str] = set()
-    for raw in items:
-        word = str(raw).strip().lower().replace(" ", "")
-        if not word:
-            continue
-        word = _TARGET_ALIASES.get(word, word)
-        if word == ALL_LINEAR:
-            return ALL_LINEAR
-        if word not in TARGETS:
-            choices = list(TARGETS) + [ALL_LINEAR] + list(_TARGET_ALIASES)
-            raise InputError(f"--lora-targets: unknown target {raw!r}{suggest(word, choices)} "
-                             f"(choices: {', '.join(TARGETS)} or {ALL_LINEAR})")
-        names.add(word)
-    if not names:
-        raise InputError(f"--lora-targets: give at least one of {', '.join(TARGETS)} or "
-                         f"{ALL_LINEAR}")
-    return ",".join(t for t in TARGETS if t in names)
-
 
 class TrainingConfig(BaseModel):
     """One training job's per-step settings (parallel layout lives in ParallelConfig)."""
@@ -490,11 +459,25 @@ class TrainingConfig(BaseModel):
 
     @property
     def is_autocast(self) -> bool:
+        """fp32 weights under torch.autocast (amp-*): every matmul casts its weights."""
         return self.precision.startswith("amp-")
+
+    @property
+    def autocast_16bit(self) -> bool:
+        """torch.autocast over 16-bit weights (bf16-autocast, fp16-autocast): only the trained
+        fp32 adapters and what PEFT upcasts for them are cast."""
+        return self.precision.endswith("-autocast")
+
+    @property
+    def runs_autocast(self) -> bool:
+        """The forward runs under torch.autocast (either kind above)."""
+        return self.is_autocast or self.autocast_16bit
 
     @property
     def state_dtype(self) -> str:
         """Optimizer state dtype: fp32 unless bf16-pure or asked for."""
         if self.optimizer_dtype:
             return self.optimizer_dtype
-        return "bf16" if self.precision == "bf16-pure" and self.trainable_dtype == "bf16" else "fp32"
+        # torch's optimizers keep states in the parameter's dtype
+        pure = self.precision in ("bf16-pure", "bf16-autocast")
+        return "bf16" if pure and self.trainable_dtype == "bf16" else "fp32"

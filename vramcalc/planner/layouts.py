@@ -175,6 +175,8 @@ def variants(base: Scenario, req: PlanRequest, gpu: GPUProfile
     precs: list[str] = [tr.precision]
     if "precision" in req.allow:
         extra: tuple[str, ...] = ("bf16", "bf16-pure") if gpu.peak_tflops("bf16") else ("fp16",)
+        if tr.framework == "hf":  # HF Trainer's bf16=True over a model loaded in bf16
+            extra += ("bf16-autocast",) if gpu.peak_tflops("bf16") else ("fp16-autocast",)
         if gpu.peak_tflops("fp8") and not tr.float8:  # FP8 tensor cores (torchtitan: its
             extra += ("fp8",)  # --float8, candidates.precision_update); refusals go later
         precs = [p for p in precs + [x for x in extra if x not in precs]  # what the GPU runs

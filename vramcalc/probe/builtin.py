@@ -40,7 +40,7 @@ def _one_iteration(model: Any, opt: Any, scn: Scenario, device: Device) -> None:
     b, s, V = tr.micro_batch_size, tr.seq_len, scn.model.vocab_size
     dev_type = "cuda" if device.type in ("cuda", "rocm") else device.type
     autocast = (lambda: torch.autocast(dev_type, dtype=_torch_dtype(tr.compute_dtype))) if (
-        tr.is_autocast) else contextlib.nullcontext
+        tr.runs_autocast) else contextlib.nullcontext
     for _ in range(tr.grad_accum):
         ids = torch.randint(0, V, (b, s), device=device.torch_device)
         labels = torch.randint(0, V, (b, tr.target_len or s),  # seq2seq: decoder tokens

@@ -56,6 +56,7 @@ from vramcalc.terms.fsdp1 import mixed_units
 from vramcalc.terms.saved import (
     Dims,
     Saved,
+    autocasts_adapters,
     dims,
     mostly_moe,
     qlora_fp32_outputs,
@@ -110,6 +111,7 @@ def adapter_saved(ctx: RankContext, x: Dims, target: str) -> tuple[list[Saved], 
     width = _in_width(x, target)
     dt = _input_dtype(ctx, x, target)
     cast = tr.framework == "hf" and dt != a_dt  # PEFT _cast_input_dtype
+    ac = autocasts_adapters(ctx, x)
     if cast:
         dt = a_dt
     out: list[Saved] = []
@@ -118,7 +120,7 @@ def adapter_saved(ctx: RankContext, x: Dims, target: str) -> tuple[list[Saved], 
         out.append(Saved(f"{name}.dropout_mask", T * width, "bool", "(T, in)",
                          "native_dropout mask"))
     shares = False
-    if x.amp and dt != x.c:
+    if ac and dt != x.c:
         out.append(Saved(f"{name}.a_input_cast", T * width, x.c, "(T, in)",
                          "autocast's cast of A's input, kept by A"))
     elif p > 0:
@@ -129,11 +131,11 @@ def adapter_saved(ctx: RankContext, x: Dims, target: str) -> tuple[list[Saved], 
                          "PEFT's cast of x to the adapter dtype, kept by A"))
     else:
         shares = True
-    out.append(Saved(f"{name}.a_out", T * rank, x.c if x.amp else a_dt, "(T, r)",
+    out.append(Saved(f"{name}.a_out", T * rank, x.c if ac else a_dt, "(T, r)",
                      "A's output, kept by B"))
     if tr.finetune == "dora":
         o_w = _out_width(x, target)
-        o_dt = x.c if x.amp else a_dt
+        o_dt = x.c if ac else a_dt
         out += [Saved(f"{name}.dora_base_out", T * o_w, x.c, "(T, out)",
                       "base output, kept by (m/‖W‖ − 1) ·"),
                 Saved(f"{name}.dora_lora_out", T * o_w, o_dt, "(T, out)",
@@ -350,8 +352,8 @@ def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
 def autocast_cache_layer_bytes(ctx: RankContext) -> int:
     """Per-layer average of the 16-bit weight casts alive in forward under autocast: the
     trained adapters' (cached) and, unless layers are recomputed, the frozen fp32 linear
-    weights' (saved by their matmuls for dL/dx). NF4 weights are not cast; frozen biases'
-    casts are not saved. The first layer's q/k/v casts are not saved (no grad there) unless
+    weights' (saved by their matmuls for dL/dx; 16-bit ones, bf16-autocast, are not cast).
+    NF4 weights are not cast; frozen biases' casts are not saved. The first layer's q/k/v casts are not saved (no grad there) unless
     a trained embedding copy (modules_to_save) sends a gradient into it."""
     n = ctx.num_layers
     if not n:
@@ -360,7 +362,7 @@ def autocast_cache_layer_bytes(ctx: RankContext) -> int:
     fs = shapes_for(ctx)
     total = sum(t.count * alloc(t.numel, c) for t in fs.adapters.tensors
                 if t.group in ("layer", "expert") and t.rows)
-    if ctx.training.recompute != "full":
+    if ctx.training.recompute != "full" and ctx.training.is_autocast:
         frozen = [t for t in fs.frozen.tensors if t.group in ("layer", "expert") and t.rows
                   and t.name.endswith(".weight") and "norm" not in t.name]
         total += sum(t.count * alloc(t.numel, c) for t in frozen)
@@ -460,11 +462,14 @@ def forward_working_bytes(ctx: RankContext, saved: list[Saved], held: bool = Tru
         if adapted and tr.finetune == "dora":
             lora_moment = _dora_forward_bytes(ctx, x, t)
         elif adapted:
-            o_dt = c if x.amp else a_dt
+            ac = autocasts_adapters(ctx, x)
+            o_dt = c if ac else a_dt
             extra = 0
-            if hf and tr.lora_dropout > 0 and _input_dtype(ctx, x, t) != a_dt:
-                extra = alloc(T * w_in, a_dt)  # PEFT's cast, a temporary before dropout
-            sum_dt = "fp32" if hf and a_dt == "fp32" else c
+            if hf and (tr.lora_dropout > 0 or ac) and _input_dtype(ctx, x, t) != a_dt:
+                # PEFT's cast, bound to the forward's local `x` while the adapters run: A
+                # keeps the dropout output or (autocast) its own 16-bit cast instead
+                extra = alloc(T * w_in, a_dt)
+            sum_dt = "fp32" if hf and a_dt == "fp32" and not tr.autocast_16bit else c
             lora_moment = y + max(2 * alloc(T * w_out, o_dt),
                                   alloc(T * w_out, o_dt) + alloc(T * w_out, sum_dt)) + extra
         best = max(best, kept + work + max(base_moment, lora_moment))

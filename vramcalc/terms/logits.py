@@ -49,7 +49,7 @@ from vramcalc.terms.lowmem import (
     head_input_split,
 )
 from vramcalc.terms.megatron_mtp import mtp_depths
-from vramcalc.terms.saved import dims
+from vramcalc.terms.saved import autocasts_adapters, dims
 from vramcalc.units import ALLOC_ROUND_BYTES, alloc
 
 
@@ -298,7 +298,7 @@ def _loss_forward_peak_bytes(ctx: RankContext) -> int:
             # base logits (c), the scaled B output and their sum (fp32 adapters; c under
             # autocast) at once, before the loss; with dropout, PEFT's fp32 cast of the
             # input is a local beside what A keeps
-            b_dt = c if x.amp else "fp32"
+            b_dt = c if autocasts_adapters(ctx, x) else "fp32"
             cast = tr.lora_dropout > 0 and not x.amp and x.r != "fp32"
             out = max(out, alloc(nv, c) + 2 * alloc(nv, b_dt)
                       + (alloc(x.T * x.h, "fp32") if cast else 0))

@@ -106,6 +106,13 @@ def qlora_fp32_outputs(ctx: RankContext, x: Dims) -> bool:
     return ctx.training.finetune == "qlora" and x.amp
 
 
+def autocasts_adapters(ctx: RankContext, x: Dims) -> bool:
+    """Whether autocast runs the adapters' matmuls: fp32 weights under autocast (amp, the
+    residual in fp32) or 16-bit weights under it (bf16-autocast), where the frozen layer
+    computes as without autocast and only the adapters' matmuls cast their fp32 operands."""
+    return x.amp or ctx.training.autocast_16bit
+
+
 def relu_output_is_down_input(ctx: RankContext) -> bool:
     """A 2-matrix relu MLP: relu keeps its output for its own backward
     (`threshold_backward(grad, result)`), the tensor the down projection reads, so that

@@ -273,15 +273,17 @@ def _autocast_cache_layer_bytes(ctx: RankContext) -> int:
     """torch.autocast casts each fp32 weight and bias of a linear to the compute dtype once
     per forward (the cast cache) and the matmul saves the cast for backward: one layer's
     linear parameters in 16 bits (norm weights are not cast). Average over the stage's
-    layers when dense and MoE layers mix. A modifier may change it (frozen weights' casts
+    layers when dense and MoE layers mix; none for 16-bit weights (bf16-autocast). A
+    modifier may change it (frozen weights' casts
     under fine-tuning: vramcalc/terms/finetune_activations.py)."""
-    if not ctx.training.is_autocast or ctx.engine == "fsdp2":  # FSDP2 casts via its MP policy
+    tr = ctx.training
+    if not tr.runs_autocast or ctx.engine == "fsdp2":  # FSDP2 casts via its MP policy
         return 0
     n = ctx.num_layers
-    c = ctx.training.compute_dtype
+    c = tr.compute_dtype
     total = sum(t.count * alloc(t.numel, c) for t in ctx.tensors
                 if t.group in ("layer", "expert") and "norm" not in t.name)
-    cache = total // n if n else 0
+    cache = total // n if n and tr.is_autocast else 0  # 16-bit weights are not cast
     for m in modifiers(ctx):
         cache = m.autocast_cache_layer_bytes(ctx, cache)
     return cache
@@ -289,7 +291,7 @@ def _autocast_cache_layer_bytes(ctx: RankContext) -> int:
 
 def autocast_cache_head_bytes(ctx: RankContext) -> int:
     """The lm_head weight cast (last stage) under autocast."""
-    if (not ctx.training.is_autocast or not ctx.is_last_stage or ctx.engine == "fsdp2"
+    if (not ctx.training.runs_autocast or not ctx.is_last_stage or ctx.engine == "fsdp2"
             or ctx.training.liger):  # Liger's fused loss: counted in its forward peak
         return 0
     if ctx.spec.is_encoder:  # the head's linears (and the tied masked-LM decoder weight)
@@ -300,7 +302,7 @@ def autocast_cache_head_bytes(ctx: RankContext) -> int:
             out += alloc(ctx.spec.vocab_size * ctx.spec.hidden_size, c)
         return out
     x = sharded_numel(ctx.spec.vocab_size * ctx.spec.hidden_size, ctx.parallel.tp)
-    out = alloc(x, ctx.training.compute_dtype)
+    out = alloc(x, ctx.training.compute_dtype) if ctx.training.is_autocast else 0
     if ctx.training.lora_head:  # the trained A (r, h) and B (V, r) are cached too
         r, c = ctx.training.lora_rank, ctx.training.compute_dtype
         out += alloc(r * ctx.spec.hidden_size, c) + alloc(ctx.spec.vocab_size * r, c)

@@ -124,7 +124,7 @@ def check_traceable(scn: Scenario) -> Scenario:
         from vramcalc.terms.lowprec import check_lowprec
 
         check_lowprec(scn)
-    natural = tr.trainable_dtype if tr.precision == "bf16-pure" else "fp32"
+    natural = tr.trainable_dtype if tr.precision in ("bf16-pure", "bf16-autocast") else "fp32"
     if tr.optimizer in ("adamw-8bit", "sgd"):
         natural = tr.state_dtype
     if tr.state_dtype != natural:
@@ -224,7 +224,7 @@ def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITE
                             workspace_bytes=blas_workspace_parts(gpu, tr))
     report_progress("building model", 0.0)
     autocast = (lambda: torch.autocast("cpu", dtype=_torch_dtype(tr.compute_dtype))) if (
-        tr.is_autocast) else contextlib.nullcontext
+        tr.runs_autocast) else contextlib.nullcontext
     framework_ctx: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if tr.framework == "hf":
         from vramcalc.trace.hf_models import real_device_behaviour

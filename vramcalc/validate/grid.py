@@ -335,6 +335,17 @@ FINETUNE_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("llama-gqa", "hf", {"finetune": "lora", "activation_offload": True, "lora_dropout": 0.1}),
     ("llama-mha", "reference", {"finetune": "lora", "activation_offload": True,
                                 "attention": "eager", "chunked_ce": 4}),
+    # HF Trainer's autocast over a 16-bit model: only the adapters' matmuls cast
+    ("llama-gqa", "hf", {"finetune": "lora", "precision": "bf16-autocast",
+                         "lora_targets": "all-linear", "lora_dropout": 0.05}),
+    ("llama-deep", "hf", {"finetune": "qlora", "precision": "bf16-autocast",
+                          "lora_targets": "all-linear"}),
+    ("gemma-mqa", "hf", {"finetune": "dora", "precision": "fp16-autocast"}),
+    ("llama-gqa", "hf", {"finetune": "lora", "precision": "bf16-autocast", "liger": True,
+                         "lora_targets": "all-linear"}),
+    ("llama-gqa", "hf", {"finetune": "lora", "precision": "bf16-autocast",
+                         "recompute": "full", "lora_head": True}),
+    ("moe", "hf", {"finetune": "full", "precision": "bf16-autocast"}),
 )
 
 
@@ -376,6 +387,8 @@ def finetune_grid() -> list[tuple[str, Scenario]]:
             tag += "-embed"
         if tr.lora_head:
             tag += "-head"
+        if tr.liger:
+            tag += "-liger"
         if tr.modules_to_save:
             tag += "-save-" + tr.modules_to_save.replace(",", "+")
         out.append((f"{name}/{tag}", scn))
