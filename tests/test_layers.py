@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engine", ("vramcalc.analytic", "vramcalc.analytic_seq2seq", "vramcalc.phases",
                 "vramcalc.notes", "vramcalc.trace")),
     ("use", ("vramcalc.planner", "vramcalc.serve", "vramcalc.speed", "vramcalc.flops",
-             "vramcalc.size", "vramcalc.explain", "vramcalc.explain_seq2seq",
+             "vramcalc.size", "vramcalc.explain", "vramcalc.explain_seq2seq", "vramcalc.explain_loss",
              "vramcalc.check", "vramcalc.ds_json", "vramcalc.recipe_files", "vramcalc.recipe_llamafactory",
              "vramcalc.validate",
              "vramcalc.probe",

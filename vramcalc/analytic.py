@@ -219,7 +219,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
     C_kept = cache_head + (plan.num_plain if plan else 0 if full else nL) * cache_layer
     loss_bwd = Phase("backward", B, g_acc, {
         "activations": int(k * A_mb),
-        "transients/autocast_cache": int(prev * C_mb + C_kept),
+        "transients/autocast_cache": int(prev * C_mb + C_kept) + P.loss_backward_casts,
         "transients/gather_buffers": gather_head,
         "logits": P.logits_backward + prev_logits,
     }, 0)

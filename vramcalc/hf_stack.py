@@ -139,6 +139,51 @@ def _autocast_16bit(tr: Any) -> str | None:
     return None
 
 
+# TRL 1.x requires transformers >= 4.56.2 (huggingface/trl f2cd5771 pyproject.toml)
+TRL_TRANSFORMERS_FROM = (4, 56, 2)
+
+
+def _trl_chunked(tr: Any) -> str | None:
+    """TRL SFTTrainer's chunked_nll (vramcalc/terms/trl_loss.py): what it refuses itself
+    (trl/trainer/sft_trainer.py: with use_liger_kernel, with a PEFT adapter on lm_head) and
+    what is not modelled with it."""
+    if not tr.trl_chunked_ce:
+        return None
+    flag = "--trl-chunked-ce (TRL SFTTrainer's chunked_nll loss)"
+    if tr.framework != "hf":
+        return f"{flag} needs --framework hf"
+    if tr.liger or tr.lora_head:
+        return (f"{flag} with {'--liger' if tr.liger else '--lora-head'}: TRL refuses "
+                "chunked_nll with use_liger_kernel and with an adapter on lm_head (its loss_type "
+                "'nll' runs instead: leave --trl-chunked-ce out)")
+    clash = ("--chunked-ce" if tr.chunked_ce > 1 else "--modules-to-save lm_head"
+             if "lm_head" in tr.modules_to_save else "--quantize-head" if tr.quantize_head
+             else None)
+    if clash:
+        return f"{flag} with {clash} is not modelled"
+    if tr.transformers_version and parse_version(tr.transformers_version) < TRL_TRANSFORMERS_FROM:
+        return (f"{flag} with --transformers-version {tr.transformers_version}: TRL's chunked "
+                "loss needs transformers 4.56.2 or later")
+    return None
+
+
+def trl_chunked_problem(spec: Any, tr: Any, engine: str, zero: int) -> str | None:
+    """Why TRL's chunked loss cannot be modelled for this model and layout, or None: causal
+    LMs without logit scaling or soft-capping (which add chunk-sized tensors), one GPU, DDP
+    or ZeRO-1/2 (FSDP2 gathers the head once with `full_tensor`, ZeRO-3 per chunk)."""
+    if not tr.trl_chunked_ce:
+        return None
+    if spec.is_encoder or spec.is_encoder_decoder or spec.task != "causal_lm":
+        return f"--trl-chunked-ce: TRL's chunked loss is a causal LM's; {spec.name} is not one"
+    if spec.model_type in ("gemma2", "gemma3_text", "cohere", "cohere2"):
+        return (f"--trl-chunked-ce with {spec.model_type}: its logit scaling or soft-capping "
+                "adds tensors to each chunk, which is not modelled")
+    if engine == "fsdp2" or zero >= 3:
+        return ("--trl-chunked-ce with ZeRO-3 or FSDP: TRL gathers the sharded head for the "
+                "chunks, which is not modelled; use DDP or ZeRO-1/2")
+    return None
+
+
 def autocast_model_problem(spec: Any, tr: Any) -> str | None:
     """Why a 16-bit model under the Trainer's autocast cannot be modelled for this model
     (`spec`: a vramcalc.model.ModelSpec), or None. transformers' RMSNorms upcast to fp32
@@ -200,7 +245,7 @@ def hf_stack_problem(tr: Any) -> str | None:
     """Why these training settings (a vramcalc.training.TrainingConfig) use an hf-stack
     option the model cannot express (None: they can)."""
     for check in (_reentrant, _kbit_prepare, _hf_optim, _peft_modules, _sync_each_batch,
-                  _liger, _transformers_version, _autocast_16bit):
+                  _liger, _transformers_version, _autocast_16bit, _trl_chunked):
         problem = check(tr)
         if problem:
             return problem

@@ -168,6 +168,11 @@ def finetune_notes(ctx: RankContext) -> list[str]:
                    f"{liger_chunk_tokens(ctx):,} tokens and makes no full logits; it keeps "
                    "dL/dhidden" + (" and the head's dL/dW" if tr.finetune == "full" else "")
                    + f" from the forward ({fmt_gb(liger_saved_bytes(ctx))})")
+    if tr.trl_chunked_ce and ctx.is_last_stage:
+        out.append("trl: chunked_nll calls no lm_head; chunks of 256 tokens, each computed "
+                   "again in backward, with an fp32 copy of a 16-bit head weight per chunk; "
+                   "every label counted (prompt and padding labels, which TRL drops before "
+                   "the head, make a real run's loss smaller)")
     if tr.packed:
         out.append(_packed_note(tr))
     if lce.applies(tr):

@@ -68,10 +68,8 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "(pooler + classifier) or masked-lm (vocabulary logits). Default: the config's "
         "architectures (else sequence-classification).", ("sequence-classification",
                                                           "masked-lm"), group="model"),
-    Opt("gpus", str, "1xH100", "Cluster: H100, 8xH100, 2x8xA100-80GB (nodes x per node).",
-        group="cluster"),
-    Opt("seq_len", int, 4096, "Sequence length in tokens (encoder-decoders: the source, "
-        "encoder length)."),
+    Opt("gpus", str, "1xH100", "Cluster: H100, 8xH100, 2x8xA100-80GB (nodes x per node).", group="cluster"),
+    Opt("seq_len", int, 4096, "Sequence length in tokens (encoder-decoders: the source, encoder length)."),
     Opt("target_len", int, None, "Encoder-decoders (t5, bart): target (decoder) tokens per "
         "sequence, the labels the LM head scores. Default: --seq-len."),
     Opt("micro_batch_size", int, 1, "Sequences per micro-batch per data-parallel rank."),
@@ -137,8 +135,7 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("lora_rank", int, 8, "LoRA rank r (PEFT default 8)."),
     Opt("lora_targets", str, "q,v", "Adapted linears, comma-separated: q,k,v,o,gate,up,down, "
         "or all-linear (default q,v: PEFT's default for Llama)."),
-    Opt("lora_dropout", float, 0.0, "LoRA dropout probability (PEFT default 0: no mask "
-        "kept)."),
+    Opt("lora_dropout", float, 0.0, "LoRA dropout probability (PEFT default 0: no mask kept)."),
     Opt("lora_embedding", bool, False, "hf profile, --finetune lora or qlora: also adapt "
         "the token embedding (embed_tokens in PEFT's target_modules: lora.Embedding, A (r x "
         "V) and B (h x r)); its gradient then reaches the first layer."),
@@ -177,6 +174,9 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "micro-batch. Without it, every micro-batch but the last runs under no_sync(), and "
         "with --fsdp and --grad-accum > 1 each rank holds all its gradients unsharded until "
         "the last one."),
+    Opt("trl_chunked_ce", bool, False, "TRL SFTTrainer's loss_type chunked_nll, its default "
+        "from TRL 1.7 (hf profile): no lm_head call, the loss in checkpointed chunks of 256 "
+        "tokens with an fp32 copy of a 16-bit head weight per chunk; every label counted."),
     Opt("liger", bool, False, "HF Trainer's use_liger_kernel=True (hf profile; dense Llama, "
         "Mistral and Qwen2 models, data parallelism): Liger's RMSNorm, SwiGLU and RoPE "
         "kernels, and its fused linear cross entropy, which makes no full logits and keeps "
@@ -320,7 +320,7 @@ OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 STACK_PRECISION = {"torchtitan": "amp-bf16", "torchtune": "bf16-pure"}
 
 _TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
-                  "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "kbit_prepare", "sync_each_batch", "liger", "recompute_method",
+                  "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "kbit_prepare", "sync_each_batch", "liger", "trl_chunked_ce", "recompute_method",
                   "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "lora_embedding", "lora_head", "modules_to_save", "peft_config", "dropout",
                   "moe_dispatcher", "deterministic", "cross_entropy_loss_fusion", "transformer_impl", "litgpt_norm", "chunked_ce",
                   "activation_offload", "qat", "expandable_segments",

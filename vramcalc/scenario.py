@@ -12,6 +12,7 @@ from vramcalc.hf_stack import (
     autocast_model_problem,
     layernorm_model_problem,
     release_model_problem,
+    trl_chunked_problem,
 )
 from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig, resolve_layout
@@ -170,7 +171,10 @@ class Scenario(BaseModel):
                    or activation_problem(self.model, self.training)
                    or autocast_model_problem(self.model, self.training)
                    or autocast_layout_problem(self.training,
-                                              self.parallel.engine(self.training.framework)))
+                                              self.parallel.engine(self.training.framework))
+                   or trl_chunked_problem(self.model, self.training,
+                                          self.parallel.engine(self.training.framework),
+                                          self.parallel.zero))
         if problem:
             raise InputError(problem)
         mtp = self.parallel.mtp_layers

@@ -122,6 +122,8 @@ class TrainingConfig(BaseModel):
     # accelerate's sync_each_batch=True (hf): no no_sync() (hf_stack.py `trainer_no_sync`)
     sync_each_batch: bool = Field(False, exclude_if=lambda v: not v)
     liger: bool = Field(False, exclude_if=lambda v: not v)  # use_liger_kernel (terms/liger.py)
+    # TRL SFTTrainer's loss_type chunked_nll (terms/trl_loss.py)
+    trl_chunked_ce: bool = Field(False, exclude_if=lambda v: not v)
     # Megatron-LM's --recompute-method / --recompute-num-layers (megatron profile, full
     # recompute): which layers of each pipeline chunk are checkpointed, and how many per
     # checkpoint (vramcalc/terms/megatron_recompute.py). None: every layer, one per checkpoint

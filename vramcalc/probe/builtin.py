@@ -34,7 +34,8 @@ def _failed_alloc_bytes(message: str) -> int | None:
 def _one_iteration(model: Any, opt: Any, scn: Scenario, device: Device) -> None:
     import torch
 
-    from vramcalc.trace.engine import _loss, _torch_dtype
+    from vramcalc.trace.engine import _torch_dtype
+    from vramcalc.trace.losses import step_loss
 
     tr = scn.training
     b, s, V = tr.micro_batch_size, tr.seq_len, scn.model.vocab_size
@@ -46,7 +47,7 @@ def _one_iteration(model: Any, opt: Any, scn: Scenario, device: Device) -> None:
         labels = torch.randint(0, V, (b, tr.target_len or s),  # seq2seq: decoder tokens
                                device=device.torch_device)
         with autocast():
-            loss = _loss(model, tr.framework, ids, labels)
+            loss = step_loss(model, tr, ids, labels)
         (loss / tr.grad_accum).backward()
         del loss, ids, labels
     opt.step()

@@ -40,6 +40,7 @@ from vramcalc.terms import liger as lig
 from vramcalc.terms import linear_ce as lce
 from vramcalc.terms import torchtitan_tp as ttp
 from vramcalc.terms import torchtune as ttn
+from vramcalc.terms import trl_loss as trl
 from vramcalc.terms import unsloth as uns
 from vramcalc.terms.lowmem import (
     chunk_tokens,
@@ -230,6 +231,8 @@ def logits_saved_bytes(ctx: RankContext) -> int:
         return uns.loss_parts(ctx)[0]
     if lig.liger(ctx):  # Liger's fused linear cross entropy (terms/liger.py)
         return lig.saved_bytes(ctx)
+    if trl.applies(ctx):  # TRL's chunked_nll (terms/trl_loss.py)
+        return trl.saved_bytes(ctx)
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_saved_bytes(ctx)
     if ctx.training.framework == "megatron":
@@ -268,6 +271,8 @@ def _loss_forward_peak_bytes(ctx: RankContext) -> int:
         return uns.loss_parts(ctx)[1]
     if lig.liger(ctx):
         return lig.forward_peak_bytes(ctx)
+    if trl.applies(ctx):
+        return trl.forward_parts(ctx)[0]
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_forward_peak_bytes(ctx)
     if ctx.training.framework == "megatron":
@@ -368,6 +373,8 @@ def _loss_backward_peak_bytes(ctx: RankContext) -> int:
         return uns.loss_parts(ctx)[2]
     if lig.liger(ctx):  # the kept gradients, scaled in place
         return lig.backward_peak_bytes(ctx)
+    if trl.applies(ctx):
+        return trl.backward_parts(ctx)[0]
     if chunks_loss(ctx.training):  # vramcalc/terms/lowmem.py
         return chunked_backward_peak_bytes(ctx)
     if ctx.training.framework == "megatron":
@@ -389,6 +396,8 @@ def head_forward_extra_bytes(ctx: RankContext) -> int:
         return 0
     if lig.liger(ctx):  # nothing saves the final norm's output (terms/liger.py)
         return lig.head_output_bytes(ctx)
+    if trl.applies(ctx):  # the patched forward's local (terms/trl_loss.py)
+        return trl.head_output_bytes(ctx)
     if finetunes(ctx.training) and "lm_head" not in ctx.training.modules_to_save:
         # a frozen lm_head saves no input at all, unless an old bitsandbytes 4-bit head holds
         # it (finetune_activations.py); an adapter on it may keep the very tensor
@@ -419,6 +428,7 @@ def freed_logits_bytes(ctx: RankContext) -> int:
     the micro-batch."""
     tr = ctx.training
     if (not ctx.is_last_stage or ctx.spec.is_encoder or chunks_loss(tr) or tr.liger
+            or tr.trl_chunked_ce
             or tr.framework not in ("reference", "hf", "torchtitan", "deepspeed")
             or tr.compute_dtype == "fp32"
             or (copies_shifted_logits(tr) and _shifted_copy(ctx) and not loss_in_forward(tr))):

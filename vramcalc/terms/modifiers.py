@@ -13,6 +13,7 @@ hold, as explicit objects (vramcalc.terms.saved.Modifier), in the order their ho
 | `UnslothDequantBuffer` | unsloth profile, QLoRA | vramcalc/terms/unsloth.py |
 | `PackedBatch` | torchtune profile, packed sequences | vramcalc/terms/packed.py |
 | `LigerKernels` | hf profile, `--liger` | vramcalc/terms/liger.py |
+| `TrlChunkedLoss` | hf profile, `--trl-chunked-ce` | vramcalc/terms/trl_loss.py |
 
 (vramcalc.features has the predicates.) Fine-tuning adjusts a layer's saved list before low
 precision does, and activation offload sees the backward moments both have adjusted.
@@ -29,6 +30,7 @@ from vramcalc.terms.lowmem import ActivationOffload, ChunkedLoss
 from vramcalc.terms.lowprec import LowPrecision
 from vramcalc.terms.packed import PackedBatch
 from vramcalc.terms.saved import Modifier
+from vramcalc.terms.trl_loss import TrlChunkedLoss
 from vramcalc.terms.unsloth import (
     UnslothCheckpointing,
     UnslothDequantBuffer,
@@ -38,7 +40,8 @@ from vramcalc.terms.unsloth import (
 MODIFIERS: tuple[Modifier, ...] = (FinetuneActivations(), LowPrecision(), ActivationOffload(),
                                    ChunkedLoss(), DeepSpeedCheckpointing(),
                                    UnslothLoraKernels(), UnslothCheckpointing(),
-                                   UnslothDequantBuffer(), PackedBatch(), LigerKernels())
+                                   UnslothDequantBuffer(), PackedBatch(), LigerKernels(),
+                                   TrlChunkedLoss())
 
 
 def modifiers(ctx: RankContext) -> tuple[Modifier, ...]:

@@ -12,7 +12,7 @@ from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
 from vramcalc.sharding import pipeline_chunks, stage_moe_mask
 from vramcalc.terms import activations as act
-from vramcalc.terms import liger
+from vramcalc.terms import liger, trl_loss
 from vramcalc.terms import litgpt_loop as loop
 from vramcalc.terms import logits as lg
 from vramcalc.terms import moments as mo
@@ -61,6 +61,7 @@ class Profile:
     other_top: tuple[int, tuple[Moment, ...]] = (0, ())
     # Liger's fused loss: the head weight casts at its forward peak (terms/liger.py)
     loss_forward_casts: int = 0
+    loss_backward_casts: int = 0  # vramcalc.terms.trl_loss
     # LitGPT's loop (terms/litgpt_loop.py): the head's lists at the model's return (compute
     # dtype + fp32), and the previous micro-batch's fp32 list and held 4-bit inputs
     lit_returned: int = 0
@@ -122,7 +123,9 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
         resident_layer=act.resident_layer_bytes(ctx),
         recompute_plan=act.recompute_plan(ctx),
         other_top=_other_top(ctx, mask),
-        loss_forward_casts=liger.forward_cast_bytes(ctx),
+        loss_forward_casts=liger.forward_cast_bytes(ctx) + (
+            trl_loss.forward_parts(ctx)[1] if trl_loss.applies(ctx) else 0),
+        loss_backward_casts=trl_loss.backward_parts(ctx)[1] if trl_loss.applies(ctx) else 0,
         lit_returned=max(sum(lg.lit_logits_lists(ctx)), lg.nf4_head_forward_bytes(ctx))
         if lit else 0,
         previous_graph=(loop.previous_logits_bytes(ctx), loop.previous_held_bytes(ctx)),

@@ -292,8 +292,8 @@ def _autocast_cache_layer_bytes(ctx: RankContext) -> int:
 def autocast_cache_head_bytes(ctx: RankContext) -> int:
     """The lm_head weight cast (last stage) under autocast."""
     if (not ctx.training.runs_autocast or not ctx.is_last_stage or ctx.engine == "fsdp2"
-            or ctx.training.liger):  # Liger's fused loss: counted in its forward peak
-        return 0
+            or ctx.training.liger or ctx.training.trl_chunked_ce):
+        return 0  # fused or chunked losses that skip lm_head: counted in their peaks
     if ctx.spec.is_encoder:  # the head's linears (and the tied masked-LM decoder weight)
         c = ctx.training.compute_dtype
         out = sum(alloc(t.numel, c) for t in ctx.tensors

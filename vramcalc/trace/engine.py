@@ -40,6 +40,7 @@ from vramcalc.terms.optimizer_states import paged_residency, paged_state_bytes
 from vramcalc.terms.overhead import context_bytes, overhead_split
 from vramcalc.terms.torchtune import shifts_logits
 from vramcalc.terms.transients import blas_workspace_parts, cublas_workspace_bytes
+from vramcalc.trace.losses import step_loss
 
 ITERATIONS = 2  # the second iteration is the steady state (optimizer states exist)
 Progress = Callable[[str, float], None]
@@ -175,17 +176,6 @@ def build_model(scn: Scenario) -> Any:
 
         model = apply_memory_options(model, scn)
     return model
-
-
-def _loss(model: Any, framework: str, ids: Any, labels: Any) -> Any:
-    if framework == "hf":
-        # the output object (and its logits) is dropped at once, as Trainer.compute_loss does
-        return model(input_ids=ids, labels=labels).loss
-    if framework == "torchtitan":  # the loss runs outside the model (train.py)
-        from vramcalc.trace.titan_model import titan_loss
-
-        return titan_loss(model, ids, labels)
-    return model(ids, labels)
 
 
 def trace(scn: Scenario, progress: Progress | None = None, iterations: int = ITERATIONS,
@@ -383,7 +373,7 @@ def run_steps(scn: Scenario, tracker: Any, model: Any, params: list[Any], opt: A
                       == "sequence_classification" else torch.randint(0, V, (
                           b, tr.target_len or s)))  # seq2seq: the decoder's tokens
             with autocast():
-                loss = _loss(model, tr.framework, ids, labels)
+                loss = step_loss(model, tr, ids, labels, tracker)
             tracker.mark("end_forward")
             if debug:
                 debug("end_forward", tracker)

@@ -346,6 +346,15 @@ FINETUNE_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("llama-gqa", "hf", {"finetune": "lora", "precision": "bf16-autocast",
                          "recompute": "full", "lora_head": True}),
     ("moe", "hf", {"finetune": "full", "precision": "bf16-autocast"}),
+    # TRL SFTTrainer's chunked_nll (trace/trl.py restates it): one chunk, several, a tied head
+    ("llama-gqa", "hf", {"finetune": "lora", "precision": "bf16-autocast", "trl_chunked_ce": True,
+                         "lora_targets": "all-linear"}),
+    ("llama-gqa", "hf", {"finetune": "qlora", "precision": "amp-bf16", "kbit_prepare": True,
+                         "recompute": "full", "trl_chunked_ce": True}),
+    ("llama-gqa", "hf", {"finetune": "full", "precision": "bf16-autocast", "trl_chunked_ce": True}),
+    ("qwen2-bias", "hf", {"finetune": "full", "precision": "amp-bf16", "trl_chunked_ce": True}),
+    ("llama-gqa", "hf", {"finetune": "lora", "precision": "bf16-pure", "trl_chunked_ce": True,
+                         "seq_len": 200, "micro_batch_size": 1}),
 )
 
 
@@ -389,6 +398,8 @@ def finetune_grid() -> list[tuple[str, Scenario]]:
             tag += "-head"
         if tr.liger:
             tag += "-liger"
+        if tr.trl_chunked_ce:
+            tag += "-trl"
         if tr.modules_to_save:
             tag += "-save-" + tr.modules_to_save.replace(",", "+")
         out.append((f"{name}/{tag}", scn))
