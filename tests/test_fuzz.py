@@ -275,12 +275,14 @@ def hostile_files(draw: st.DrawFn) -> tuple[str, str, str]:
         head = Path(__file__).resolve().parents[1].joinpath(
             "hardware_profiles", "h100_sxm.yaml").read_text()
         return cmd, "h100_sxm.yaml", _yaml_doc(draw, PROFILE_KEYS, head)
-    if cmd == "recipe":  # a torchtune, LitGPT or LLaMA-Factory config for `check`
-        kind = draw(st.integers(0, 2))
+    if cmd == "recipe":  # a torchtune, LitGPT, LLaMA-Factory or TRL config for `check`
+        kind = draw(st.integers(0, 3))
         if kind == 1:
             return cmd, "recipe.yaml", _yaml_doc(draw, LITGPT_KEYS, LITGPT_HEAD)
         if kind == 2:
             return cmd, "recipe.yaml", _yaml_doc(draw, LF_KEYS, LF_HEAD)
+        if kind == 3:
+            return cmd, "recipe.yaml", _yaml_doc(draw, TRL_KEYS, TRL_HEAD)
         return cmd, "recipe.yaml", _yaml_doc(draw, RECIPE_KEYS, RECIPE_HEAD)
     return cmd, "train.yaml", _yaml_doc(draw, YAML_KEYS, "model: gpt2\ngpus: 1xH100")
 
@@ -292,6 +294,12 @@ LF_KEYS = ["finetuning_type", "lora_rank", "lora_target", "quantization_bit", "p
            "fp16", "per_device_train_batch_size", "gradient_accumulation_steps", "flash_attn",
            "optim", "deepspeed", "disable_gradient_checkpointing", "use_reentrant_gc",
            "double_quantization", "stage", "neat_packing", "additional_target"]
+TRL_HEAD = "model_name_or_path: meta-llama/Llama-3.2-1B\nmax_length: 64\nuse_peft: true"
+TRL_KEYS = ["dtype", "bf16", "fp16", "use_peft", "use_dora", "lora_r", "lora_dropout",
+            "lora_target_modules", "max_length", "per_device_train_batch_size",
+            "gradient_checkpointing", "gradient_checkpointing_kwargs", "attn_implementation",
+            "optim", "use_liger_kernel", "loss_type", "deepspeed", "num_processes",
+            "load_in_4bit", "torch_dtype", "packing"]
 LITGPT_HEAD = ("checkpoint_dir: checkpoints/meta-llama/Llama-3.2-1B\nprecision: bf16-true\n"
                "lora_r: 8\ntrain:\n  micro_batch_size: 1\n  max_seq_length: 64")
 LITGPT_KEYS = ["precision", "quantize", "devices", "num_nodes", "lora_r", "lora_query",

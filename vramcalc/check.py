@@ -49,6 +49,7 @@ from vramcalc.recipe_files import (
     torchtune_values,
 )
 from vramcalc.recipe_llamafactory import is_llamafactory_config, llamafactory_values
+from vramcalc.recipe_trl import is_trl_config, trl_values
 from vramcalc.report import MemoryReport
 from vramcalc.scenario import Scenario
 
@@ -86,7 +87,8 @@ class CheckResult:
 def read_config_file(path: Path) -> tuple[dict[str, Any], list[str], str | None]:
     """A YAML training config as option values, notes, and the stack whose config it is
     ("torchtune", "litgpt": vramcalc.recipe_files; "llamafactory":
-    vramcalc.recipe_llamafactory), or None for vramcalc's own keys."""
+    vramcalc.recipe_llamafactory; "trl": vramcalc.recipe_trl), or None for vramcalc's own
+    keys."""
     data = safeio.read_yaml(path, "config file")
     if isinstance(data, dict) and is_torchtune_config(data):
         values, notes = torchtune_values(data)
@@ -102,6 +104,9 @@ def read_config_file(path: Path) -> tuple[dict[str, Any], list[str], str | None]
         values, notes = llamafactory_values(
             data, zero3=isinstance(zo, dict) and zo.get("stage") == 3)
         return values, notes, "llamafactory"
+    if isinstance(data, dict) and is_trl_config(data):
+        values, notes = trl_values(data)
+        return values, notes, "trl"
     return load_config_file(path, data), [], None
 
 

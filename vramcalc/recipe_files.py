@@ -344,8 +344,8 @@ def recipe_defaults(values: dict[str, Any], recipe: str, profile_dirs: list[Path
     devices = values.pop("_devices", None)
     global_batch = values.pop("_global_batch", None)
     if values.get("seq_len") is None:
-        where = ("tokenizer.max_seq_len" if recipe == "torchtune"
-                 else "train.max_seq_length")
+        where = {"torchtune": "tokenizer.max_seq_len", "trl": "max_length"}.get(
+            recipe, "train.max_seq_length")
         raise InputError(f"the {recipe} config sets no {where}, so each batch is padded to "
                          "its longest sample: give that length with --seq-len")
     gpus = values.get("gpus")
@@ -366,7 +366,10 @@ def recipe_defaults(values: dict[str, Any], recipe: str, profile_dirs: list[Path
                 raise InputError("the LitGPT config quantizes without a precision, and "
                                  "LitGPT refuses quantize with its default mixed precision")
     sharded = values.get("fsdp") is not None or values.get("zero") is not None
-    if recipe == "llamafactory":  # DDP, or its DeepSpeed file's ZeRO
+    if recipe == "trl" and devices is not None and devices != cluster.num_gpus:
+        raise InputError(f"the TRL config runs on num_processes = {devices} GPUs, --gpus "
+                         f"gives {cluster.num_gpus}")
+    if recipe in ("llamafactory", "trl"):  # DDP, or its DeepSpeed file's ZeRO
         return values
     if cluster.num_gpus > 1 and not sharded:
         values["fsdp"] = "full"

@@ -306,13 +306,14 @@ def size_cmd(ctx: typer.Context, **kwargs: Any) -> None:
 # ---- check ---------------------------------------------------------------------------------
 @scenario_command(
     "CI guard: estimate a training config file (YAML keys = option names, or a torchtune "
-    "recipe, LitGPT finetune or LLaMA-Factory config) and/or a DeepSpeed JSON; exit 0 when "
-    "it fits, 1 when it does not, 2 on bad input.",
+    "recipe, LitGPT finetune, LLaMA-Factory or TRL SFT config) and/or a DeepSpeed JSON; exit "
+    "0 when it fits, 1 when it does not, 2 on bad input.",
     extra=[
         inspect.Parameter("config", KW, annotation=Optional[Path],
                           default=typer.Argument(None, help="Training config YAML: "
                                                  "vramcalc's keys, a torchtune recipe's, "
-                                                 "LitGPT's or LLaMA-Factory's (docs/ci.md).")),
+                                                 "LitGPT's, LLaMA-Factory's or TRL's "
+                                                 "(docs/ci.md).")),
         option("deepspeed", Optional[Path], None, "--deepspeed",
                help="DeepSpeed JSON config (ZeRO stage, offload, batch sizes, bf16/fp16, "
                "and the keys that change memory: buckets, ZeRO-3 prefetch/live parameters, "

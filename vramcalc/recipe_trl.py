@@ -1,0 +1,142 @@
+"""TRL SFT configs (`trl sft --config sft.yaml`: a `model_name_or_path` without
+LLaMA-Factory's `stage` / `finetuning_type`), read as vramcalc options under the hf profile
+(TRL's SFTTrainer is transformers' Trainer with PEFT).
+
+Read from huggingface/trl f2cd5771 (1.10.0.dev0): trl/scripts/sft.py, trl/trainer/
+model_config.py (ModelConfig), sft_config.py and base_config.py (SFTConfig over
+TrainingArguments), sft_trainer.py. One YAML holds the keys of all three dataclasses.
+
+| TRL key (default) | option |
+|---|---|
+| model_name_or_path | model |
+| dtype ("float32"), bf16 (`not fp16`), fp16 (False) | precision: float32 under bf16/fp16 autocast amp-bf16 / amp-fp16; bfloat16 (float16) under it bf16-autocast (fp16-autocast); without autocast fp32 or bf16-pure; under DeepSpeed (accelerate runs no autocast) bf16 or fp16 with DeepSpeed's fp32 master; `auto` (the checkpoint's dtype) is taken as bfloat16, which a note says |
+| use_peft (False), use_dora, lora_r (16), lora_dropout (0.05), lora_target_modules (PEFT's default for the model type), lora_modules_to_save | finetune lora or dora, lora_rank, lora_dropout, lora_targets, modules_to_save |
+| max_length (1024) | seq_len: samples are cut there and a batch is padded to its longest |
+| per_device_train_batch_size (8), gradient_accumulation_steps (1) | micro_batch_size, grad_accum |
+| gradient_checkpointing (True; SFTConfig's own default), gradient_checkpointing_kwargs | recompute full, use_reentrant (transformers 5.x: non-reentrant unless the kwargs say) |
+| attn_implementation (transformers' default, SDPA) | attention flash, or eager |
+| optim (transformers' default) | hf_optim, or a bitsandbytes optimizer |
+| use_liger_kernel, loss_type ("chunked_nll", "nll" with Liger) | liger; trl_chunked_ce unless loss_type is "nll" or Liger runs |
+| deepspeed (a JSON path, opened from the cwd) | the DeepSpeed file's keys (vramcalc.check) |
+| num_processes (`trl sft` hands it to accelerate launch) | must equal the --gpus count |
+
+`max_seq_length` and `torch_dtype` are the keys of TRL releases before 0.20 and 0.27, which
+these defaults do not describe: they are refused with a pointer to the new names. What
+changes memory but is not modelled is an error: 4- and 8-bit loading (TRL casts a
+quantized model's trainable parameters to bf16, where the hf profile keeps PEFT's fp32),
+packing and padding-free rows, activation offloading, the DFT loss, an accelerate config
+file, and FSDP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vramcalc.errors import InputError, shown
+from vramcalc.recipe_files import count, flag
+from vramcalc.recipe_llamafactory import is_llamafactory_config
+
+_TRL = "TRL config"
+_HF_OPTIM = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+_BNB_OPTIM = {"adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit",
+              "paged_adamw_8bit": "paged-adamw-8bit", "paged_adamw_32bit": "paged-adamw"}
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "auto": "bf16"}
+_RENAMED = {"max_seq_length": "max_length (TRL 0.20)", "torch_dtype": "dtype (TRL 0.27)"}
+# keys that switch on what is not modelled (model_config.py, sft_config.py, TrainingArguments)
+_REFUSED = ("load_in_4bit", "load_in_8bit", "packing", "padding_free", "activation_offloading",
+            "accelerate_config", "fsdp", "fsdp_config", "torch_compile")
+
+
+def is_trl_config(data: dict[str, Any]) -> bool:
+    return "model_name_or_path" in data and not is_llamafactory_config(data)
+
+
+def _precision(data: dict[str, Any]) -> tuple[str, list[str]]:
+    """The precision option of the dtype rules in the module table, and its note."""
+    dtype = data.get("dtype") or "float32"
+    if dtype not in _DTYPES:
+        raise InputError(f"{_TRL}: dtype {shown(dtype)} is not one of {', '.join(_DTYPES)}")
+    weights = _DTYPES[dtype]
+    notes = (["dtype auto loads the checkpoint's own dtype, taken as bfloat16 (give "
+              "--precision otherwise)"] if dtype == "auto" else [])
+    fp16 = flag(data, "fp16", who=_TRL)
+    bf16 = flag({"bf16": not fp16, **data}, "bf16", who=_TRL)  # base_config.py __post_init__
+    half = "fp16" if fp16 else "bf16" if bf16 else None
+    if data.get("deepspeed") is not None:  # DeepSpeed's engine: 16-bit weights, fp32 master
+        return half or "fp32", notes
+    if half is None:
+        return ("fp32" if weights == "fp32" else "bf16-pure" if weights == "bf16" else "fp16"
+                ), notes
+    if weights == "fp32":
+        return "amp-" + half, notes
+    if weights != half:
+        raise InputError(f"{_TRL}: dtype {dtype} under {half} autocast is not modelled (load "
+                         f"the model in {half} or in float32)")
+    return half + "-autocast", notes
+
+
+def trl_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Option values of a TRL SFT config (module table)."""
+    for key, new in _RENAMED.items():
+        if key in data:
+            raise InputError(f"{_TRL}: {key} is an older TRL's key; current releases read {new}")
+    for key in _REFUSED:
+        if data.get(key):
+            raise InputError(f"{_TRL}: {key} is not modelled")
+    model = data.get("model_name_or_path")
+    if not isinstance(model, str) or not model:
+        raise InputError(f"{_TRL}: model_name_or_path must be a name or path, got "
+                         f"{shown(model)}")
+    vals: dict[str, Any] = {"framework": "hf", "model": model}
+    vals["precision"], notes = _precision(data)
+    if flag(data, "use_peft", who=_TRL):
+        vals["finetune"] = "dora" if flag(data, "use_dora", who=_TRL) else "lora"
+        vals["lora_rank"] = count(data.get("lora_r", 16), "lora_r", _TRL)
+        vals["lora_dropout"] = data.get("lora_dropout", 0.05)
+        targets = data.get("lora_target_modules")
+        if targets is not None:
+            vals["lora_targets"] = targets
+        if data.get("lora_modules_to_save"):
+            vals["modules_to_save"] = data["lora_modules_to_save"]
+    else:
+        vals["finetune"] = "full"
+    if data.get("max_length", 1024) is not None:  # null: no truncation (--seq-len then)
+        vals["seq_len"] = count(data.get("max_length", 1024), "max_length", _TRL)
+    vals["micro_batch_size"] = count(data.get("per_device_train_batch_size", 8),
+                                     "per_device_train_batch_size", _TRL)
+    vals["grad_accum"] = count(data.get("gradient_accumulation_steps", 1),
+                               "gradient_accumulation_steps", _TRL)
+    if flag({"gradient_checkpointing": True, **data}, "gradient_checkpointing", who=_TRL):
+        vals["recompute"] = "full"
+        kwargs = data.get("gradient_checkpointing_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise InputError(f"{_TRL}: gradient_checkpointing_kwargs must be a mapping")
+        if "use_reentrant" in kwargs:
+            vals["use_reentrant"] = flag(kwargs, "use_reentrant", who=_TRL)
+    else:
+        vals["recompute"] = "none"
+    attn = data.get("attn_implementation")
+    vals["attention"] = "eager" if attn == "eager" else "flash"
+    optim = data.get("optim")
+    if optim in _HF_OPTIM:
+        vals["hf_optim"] = optim
+    elif optim in _BNB_OPTIM:
+        vals["optimizer"] = _BNB_OPTIM[optim]
+    elif optim is not None:
+        raise InputError(f"{_TRL}: optim {shown(optim)} is not modelled")
+    liger = flag(data, "use_liger_kernel", who=_TRL)
+    loss = data.get("loss_type", "nll" if liger else "chunked_nll")
+    if loss not in ("nll", "chunked_nll"):
+        raise InputError(f"{_TRL}: loss_type {shown(loss)} is not modelled (nll, chunked_nll)")
+    if liger:
+        vals["liger"] = True
+    if loss == "chunked_nll":
+        vals["trl_chunked_ce"] = True
+    if data.get("deepspeed") is not None:
+        vals["deepspeed"] = data["deepspeed"]
+    if data.get("num_processes") is not None:
+        vals["_devices"] = count(data["num_processes"], "num_processes", _TRL)
+    notes.insert(0, f"read as a TRL SFT config: {model}, {vals['finetune']}, precision "
+                    f"{vals['precision']}; samples cut at max_length {vals.get('seq_len')} (a "
+                    "batch is padded to its longest: --seq-len to give that)")
+    return vals, notes
