@@ -160,7 +160,8 @@ def torchtune_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if method is not None:
         vals["finetune"] = method
         targets = model.get("lora_attn_modules") or []
-        if not isinstance(targets, list) or any(t not in _TT_ATTN for t in targets):
+        if not isinstance(targets, list) or any(not isinstance(t, str) or t not in _TT_ATTN
+                                                for t in targets):
             raise InputError("torchtune config: model.lora_attn_modules must list q_proj, "
                              f"k_proj, v_proj or output_proj, got {shown(targets)}")
         names = [_TT_ATTN[t] for t in targets]
@@ -264,13 +265,13 @@ def litgpt_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     vals: dict[str, Any] = {"framework": "lightning", "model": _lit_model(data)}
     precision = data.get("precision")
     if precision is not None:
-        if precision not in _LIT_PRECISION:
+        if not isinstance(precision, str) or precision not in _LIT_PRECISION:
             raise InputError(f"{_LIT}: precision must be one of {', '.join(_LIT_PRECISION)}, "
                              f"got {shown(precision)}")
         vals["precision"] = _LIT_PRECISION[precision]
     quantize = data.get("quantize")
     if quantize is not None:
-        if quantize not in _LIT_QUANT:
+        if not isinstance(quantize, str) or quantize not in _LIT_QUANT:
             raise InputError(f"{_LIT}: quantize {shown(quantize)} is not modelled (bnb.nf4 or "
                              "bnb.nf4-dq)")
         if precision is not None and "mixed" in precision:
@@ -323,7 +324,7 @@ def _lit_optimizer(spec: Any) -> str:
     name = spec.get("class_path") if isinstance(spec, dict) else spec
     if name is None:
         return "adamw"  # litgpt's default "AdamW"
-    if name not in _LIT_OPTIMIZERS:
+    if not isinstance(name, str) or name not in _LIT_OPTIMIZERS:
         raise InputError(f"{_LIT}: optimizer {shown(name)} is not modelled (AdamW, Adam or "
                          "SGD)")
     return _LIT_OPTIMIZERS[name]

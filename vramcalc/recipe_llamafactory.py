@@ -117,14 +117,14 @@ def llamafactory_values(data: dict[str, Any], zero3: bool) -> tuple[dict[str, An
     vals["grad_accum"] = count(data.get("gradient_accumulation_steps", 1),
                                "gradient_accumulation_steps", _LF)
     attn = data.get("flash_attn", "auto")
-    if attn not in _ATTENTION:
+    if not isinstance(attn, str) or attn not in _ATTENTION:
         raise InputError(f"{_LF}: flash_attn {shown(attn)} is not modelled "
                          f"({', '.join(_ATTENTION)})")
     vals["attention"] = _ATTENTION[attn]
     optim = data.get("optim")
     if optim in _HF_OPTIM:
         vals["hf_optim"] = optim
-    elif optim in _BNB_OPTIM:
+    elif isinstance(optim, str) and optim in _BNB_OPTIM:
         vals["optimizer"] = _BNB_OPTIM[optim]
     elif optim is not None:
         raise InputError(f"{_LF}: optim {shown(optim)} is not modelled")

@@ -54,7 +54,7 @@ def is_trl_config(data: dict[str, Any]) -> bool:
 def _precision(data: dict[str, Any]) -> tuple[str, list[str]]:
     """The precision option of the dtype rules in the module table, and its note."""
     dtype = data.get("dtype") or "float32"
-    if dtype not in _DTYPES:
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise InputError(f"{_TRL}: dtype {shown(dtype)} is not one of {', '.join(_DTYPES)}")
     weights = _DTYPES[dtype]
     notes = (["dtype auto loads the checkpoint's own dtype, taken as bfloat16 (give "
@@ -120,7 +120,7 @@ def trl_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     optim = data.get("optim")
     if optim in _HF_OPTIM:
         vals["hf_optim"] = optim
-    elif optim in _BNB_OPTIM:
+    elif isinstance(optim, str) and optim in _BNB_OPTIM:
         vals["optimizer"] = _BNB_OPTIM[optim]
     elif optim is not None:
         raise InputError(f"{_TRL}: optim {shown(optim)} is not modelled")
