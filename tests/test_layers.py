@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "vramcalc.notes", "vramcalc.trace")),
     ("use", ("vramcalc.planner", "vramcalc.serve", "vramcalc.speed", "vramcalc.flops",
              "vramcalc.size", "vramcalc.explain", "vramcalc.explain_seq2seq", "vramcalc.explain_loss",
-             "vramcalc.check", "vramcalc.ds_json", "vramcalc.recipe_files", "vramcalc.recipe_llamafactory", "vramcalc.recipe_trl",
+             "vramcalc.check", "vramcalc.ds_json", "vramcalc.recipe_files", "vramcalc.recipe_llamafactory", "vramcalc.recipe_trl", "vramcalc.recipe_hf",
              "vramcalc.validate",
              "vramcalc.probe",
              "vramcalc.api")),

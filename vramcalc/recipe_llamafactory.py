@@ -34,12 +34,10 @@ from typing import Any
 
 from vramcalc.errors import InputError, shown
 from vramcalc.recipe_files import count, flag
+from vramcalc.recipe_hf import trainer_values
 
 _LF = "LLaMA-Factory config"
 _ATTENTION = {"auto": "flash", "fa2": "flash", "sdpa": "flash", "disabled": "eager"}
-_HF_OPTIM = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
-_BNB_OPTIM = {"adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit",
-              "paged_adamw_8bit": "paged-adamw-8bit", "paged_adamw_32bit": "paged-adamw"}
 # keys that switch on what is not modelled (finetuning_args.py, model_args.py)
 _REFUSED = ("use_galore", "use_apollo", "use_badam", "use_adam_mini", "use_muon",
             "use_unsloth", "use_unsloth_gc", "neat_packing", "upcast_layernorm",
@@ -74,13 +72,8 @@ def llamafactory_values(data: dict[str, Any], zero3: bool) -> tuple[dict[str, An
     stage = data.get("stage", "sft")
     if stage != "sft":
         raise InputError(f"{_LF}: stage {shown(stage)} is not modelled (sft only)")
-    for key in _REFUSED:
-        if data.get(key):
-            raise InputError(f"{_LF}: {key} is not modelled")
-    model = data.get("model_name_or_path")
-    if not isinstance(model, str) or not model:
-        raise InputError(f"{_LF}: model_name_or_path must be a name or path, got "
-                         f"{shown(model)}")
+    vals = trainer_values(data, _LF, _REFUSED)
+    model = vals["model"]
     ftype = data.get("finetuning_type", "lora")
     if ftype not in ("lora", "full"):
         raise InputError(f"{_LF}: finetuning_type {shown(ftype)} is not modelled (lora or "
@@ -90,7 +83,6 @@ def llamafactory_values(data: dict[str, Any], zero3: bool) -> tuple[dict[str, An
         raise InputError(f"{_LF}: quantization_bit {shown(bits)} with "
                          f"{data.get('quantization_method', 'bnb')} is not modelled (4-bit "
                          "bitsandbytes)")
-    vals: dict[str, Any] = {"framework": "hf", "model": model}
     method = "full" if ftype == "full" else "qlora" if bits else (
         "dora" if flag(data, "use_dora", who=_LF) else "lora")
     vals["finetune"] = method
@@ -121,17 +113,8 @@ def llamafactory_values(data: dict[str, Any], zero3: bool) -> tuple[dict[str, An
         raise InputError(f"{_LF}: flash_attn {shown(attn)} is not modelled "
                          f"({', '.join(_ATTENTION)})")
     vals["attention"] = _ATTENTION[attn]
-    optim = data.get("optim")
-    if optim in _HF_OPTIM:
-        vals["hf_optim"] = optim
-    elif isinstance(optim, str) and optim in _BNB_OPTIM:
-        vals["optimizer"] = _BNB_OPTIM[optim]
-    elif optim is not None:
-        raise InputError(f"{_LF}: optim {shown(optim)} is not modelled")
     if flag(data, "enable_liger_kernel", who=_LF):
         vals["liger"] = True
-    if data.get("deepspeed") is not None:
-        vals["deepspeed"] = data["deepspeed"]
     notes = [f"read as a LLaMA-Factory config: {model}, {method}, precision "
              f"{vals['precision']}; samples cut at cutoff_len {vals['seq_len']} (a batch is "
              "padded to its longest: --seq-len to give that)"]

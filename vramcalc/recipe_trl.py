@@ -34,12 +34,10 @@ from typing import Any
 
 from vramcalc.errors import InputError, shown
 from vramcalc.recipe_files import count, flag
+from vramcalc.recipe_hf import trainer_values
 from vramcalc.recipe_llamafactory import is_llamafactory_config
 
 _TRL = "TRL config"
-_HF_OPTIM = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
-_BNB_OPTIM = {"adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit",
-              "paged_adamw_8bit": "paged-adamw-8bit", "paged_adamw_32bit": "paged-adamw"}
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "auto": "bf16"}
 _RENAMED = {"max_seq_length": "max_length (TRL 0.20)", "torch_dtype": "dtype (TRL 0.27)"}
 # keys that switch on what is not modelled (model_config.py, sft_config.py, TrainingArguments)
@@ -80,14 +78,8 @@ def trl_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     for key, new in _RENAMED.items():
         if key in data:
             raise InputError(f"{_TRL}: {key} is an older TRL's key; current releases read {new}")
-    for key in _REFUSED:
-        if data.get(key):
-            raise InputError(f"{_TRL}: {key} is not modelled")
-    model = data.get("model_name_or_path")
-    if not isinstance(model, str) or not model:
-        raise InputError(f"{_TRL}: model_name_or_path must be a name or path, got "
-                         f"{shown(model)}")
-    vals: dict[str, Any] = {"framework": "hf", "model": model}
+    vals = trainer_values(data, _TRL, _REFUSED)
+    model = vals["model"]
     vals["precision"], notes = _precision(data)
     if flag(data, "use_peft", who=_TRL):
         vals["finetune"] = "dora" if flag(data, "use_dora", who=_TRL) else "lora"
@@ -117,13 +109,6 @@ def trl_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         vals["recompute"] = "none"
     attn = data.get("attn_implementation")
     vals["attention"] = "eager" if attn == "eager" else "flash"
-    optim = data.get("optim")
-    if optim in _HF_OPTIM:
-        vals["hf_optim"] = optim
-    elif isinstance(optim, str) and optim in _BNB_OPTIM:
-        vals["optimizer"] = _BNB_OPTIM[optim]
-    elif optim is not None:
-        raise InputError(f"{_TRL}: optim {shown(optim)} is not modelled")
     liger = flag(data, "use_liger_kernel", who=_TRL)
     loss = data.get("loss_type", "nll" if liger else "chunked_nll")
     if loss not in ("nll", "chunked_nll"):
@@ -132,8 +117,6 @@ def trl_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         vals["liger"] = True
     if loss == "chunked_nll":
         vals["trl_chunked_ce"] = True
-    if data.get("deepspeed") is not None:
-        vals["deepspeed"] = data["deepspeed"]
     if data.get("num_processes") is not None:
         vals["_devices"] = count(data["num_processes"], "num_processes", _TRL)
     notes.insert(0, f"read as a TRL SFT config: {model}, {vals['finetune']}, precision "
