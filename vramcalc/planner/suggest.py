@@ -249,7 +249,9 @@ def suggest_changes(base: Scenario, req: PlanRequest, profiles: Sequence[GPUProf
     # 9. HF Trainer's use_liger_kernel: no full logits, fused norms and SwiGLU
     tick(8)
     if tr.framework == "hf" and not tr.liger and tr.chunked_ce == 1:
-        sg = _lever(base, req, "liger", "use Liger kernels (use_liger_kernel=True)", liger=True)
+        # TRL's SFTTrainer then runs its nll loss through Liger's fused one
+        sg = _lever(base, req, "liger", "use Liger kernels (use_liger_kernel=True)", liger=True,
+                    trl_chunked_ce=False)
         if sg is not None:
             out.append(sg)
     # 10. activation offload: saved activations wait in pinned host memory
