@@ -274,8 +274,8 @@ def _autocast_cache_layer_bytes(ctx: RankContext) -> int:
     per forward (the cast cache) and the matmul saves the cast for backward: one layer's
     linear parameters in 16 bits (norm weights are not cast). Average over the stage's
     layers when dense and MoE layers mix; none for 16-bit weights (bf16-autocast). A
-    modifier may change it (frozen weights' casts
-    under fine-tuning: vramcalc/terms/finetune_activations.py)."""
+    modifier may change it (frozen weights' casts under fine-tuning:
+    vramcalc/terms/finetune_activations.py)."""
     tr = ctx.training
     if not tr.runs_autocast or ctx.engine == "fsdp2":  # FSDP2 casts via its MP policy
         return 0
