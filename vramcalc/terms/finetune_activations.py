@@ -48,7 +48,6 @@ from vramcalc.finetune import (
     adapted_linears,
     adapter_dtype,
     fused_groups,
-    shapes_for,
 )
 from vramcalc.qlora import compiled_dequant_kept, dequant_matmul_bytes
 from vramcalc.rank import RankContext
@@ -349,31 +348,6 @@ def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
     return gone
 
 
-def autocast_cache_layer_bytes(ctx: RankContext) -> int:
-    """Per-layer average of the 16-bit weight casts alive in forward under autocast: the
-    trained adapters' (cached) and, unless layers are recomputed, the frozen fp32 linear
-    weights' (saved by their matmuls for dL/dx; 16-bit ones, bf16-autocast, are not cast).
-    NF4 weights are not cast; frozen biases' casts are not saved. The first layer's q/k/v
-    casts are not saved (no grad there) unless a trained embedding copy (modules_to_save)
-    sends a gradient into it."""
-    n = ctx.num_layers
-    if not n:
-        return 0
-    c = ctx.training.compute_dtype
-    fs = shapes_for(ctx)
-    total = sum(t.count * alloc(t.numel, c) for t in fs.adapters.tensors
-                if t.group in ("layer", "expert") and t.rows)
-    if ctx.training.recompute != "full" and ctx.training.is_autocast:
-        frozen = [t for t in fs.frozen.tensors if t.group in ("layer", "expert") and t.rows
-                  and t.name.endswith(".weight") and "norm" not in t.name]
-        total += sum(t.count * alloc(t.numel, c) for t in frozen)
-        if ctx.is_first_stage and not embedding_trained(ctx.training):
-            total -= sum(alloc(t.numel, c) for t in frozen
-                         if t.name in ("attn.q_proj.weight", "attn.k_proj.weight",
-                                       "attn.v_proj.weight"))
-    return max(total, 0) // n
-
-
 # ---- forward transients ------------------------------------------------------------------
 # Where each saved tensor of a layer appears in its forward (for "saved so far" at a moment)
 _ORDER = (("input_norm.",), ("attn.input", "lora.q.", "lora.k.", "lora.v.", "lora.qkv.",
@@ -418,11 +392,20 @@ def forward_working_bytes(ctx: RankContext, saved: list[Saved], held: bool = Tru
     forward point adds them; may be negative, the caller takes a max); with `held=False`
     (activation offloading: the saved tensors are in host memory) the temporaries alone.
     `saved`: the first layer's saved list."""
-    tr = ctx.training
-    if tr.recompute == "full" or not ctx.num_layers:
+    if ctx.training.recompute == "full" or not ctx.num_layers:
         return 0
+    kept, rest = worst_forward_instant(ctx, saved, held)
+    if kept + rest < 0:
+        return 0
+    return kept + rest - (sum(t.nbytes for t in saved) if held else 0)
+
+
+def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = True
+                          ) -> tuple[int, int]:
+    """(the layer's tensors saved so far, what else is alive) at the worst instant of
+    `forward_working_bytes` (also the instant of a recomputed layer's re-run forward)."""
+    tr = ctx.training
     x = dims(ctx)
-    full_layer = sum(t.nbytes for t in saved)
     hf = tr.framework == "hf"
     a_dt = adapter_dtype(tr.framework, tr.weight_dtype)
     targets = set(_targets(ctx))
@@ -433,7 +416,7 @@ def forward_working_bytes(ctx: RankContext, saved: list[Saved], held: bool = Tru
     linears = (["qkv"] if "qkv" in groups else ["q", "k", "v"]) + ["o"] + (
         (["gate_up"] if "gate_up" in groups else ["gate", "up"]) + ["down"]
         if ctx.spec.mlp_kind == "gated" else ["up", "down"])
-    best = -(1 << 62)
+    best = (0, -(1 << 62))
     for t in linears:
         adapted = t in targets
         if not adapted and tr.finetune != "qlora":
@@ -473,10 +456,8 @@ def forward_working_bytes(ctx: RankContext, saved: list[Saved], held: bool = Tru
             sum_dt = "fp32" if hf and a_dt == "fp32" and not tr.autocast_16bit else c
             lora_moment = y + max(2 * alloc(T * w_out, o_dt),
                                   alloc(T * w_out, o_dt) + alloc(T * w_out, sum_dt)) + extra
-        best = max(best, kept + work + max(base_moment, lora_moment))
-    if best < 0:
-        return 0
-    return best - (full_layer if held else 0)
+        best = max(best, (kept, work + max(base_moment, lora_moment)), key=sum)
+    return best
 
 
 def _dora_forward_bytes(ctx: RankContext, x: Dims, target: str) -> int:

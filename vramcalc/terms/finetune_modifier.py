@@ -12,11 +12,12 @@ from vramcalc.rank import RankContext
 from vramcalc.terms.finetune_activations import (
     adjust_head_saved,
     adjust_layer_saved,
-    autocast_cache_layer_bytes,
     compiled_nf4,
+    embedding_trained,
     first_layer_unsaved_bytes,
     forward_working_bytes,
     held_4bit_inputs,
+    worst_forward_instant,
 )
 from vramcalc.terms.saved import Modifier, Moment, Saved, dims
 from vramcalc.units import alloc
@@ -46,6 +47,12 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
                                   ctx.training.framework)) else 0
     casts = _recomputed_casts(ctx)
     out = []
+    if ctx.training.finetune == "dora" and ctx.training.recompute == "full":
+        # the checkpointed layer's forward runs again before its backward, while dL/d its
+        # output waits: the saved tensors made so far and the worst of DoRA's weight-norm
+        # and combination temporaries (peft 0.21.2 tuners/lora/dora.py), as in forward
+        kept, rest = worst_forward_instant(ctx, saved)
+        out.append(Moment("recompute", kept, g_res + rest, "none"))
     for m in moments:
         if m.name == "mlp":
             held = m.held - down + casts.get("mlp", 0)
@@ -101,6 +108,31 @@ def dequantized_saved(ctx: RankContext) -> list[Saved]:
                   "dequantized NF4 weight (compiled)") for t, (rows, cols) in out_in.items()]
 
 
+def adapters_autocast_cache_bytes(ctx: RankContext) -> int:
+    """Per-layer average of the 16-bit weight casts alive in forward under autocast: the
+    trained adapters' (cached) and, unless layers are recomputed, the frozen fp32 linear
+    weights' (saved by their matmuls for dL/dx; 16-bit ones, bf16-autocast, are not cast).
+    NF4 weights are not cast; frozen biases' casts are not saved. The first layer's q/k/v
+    casts are not saved (no grad there) unless a trained embedding copy (modules_to_save)
+    sends a gradient into it."""
+    n = ctx.num_layers
+    if not n:
+        return 0
+    c = ctx.training.compute_dtype
+    fs = shapes_for(ctx)
+    total = sum(t.count * alloc(t.numel, c) for t in fs.adapters.tensors
+                if t.group in ("layer", "expert") and t.rows)
+    if ctx.training.recompute != "full" and ctx.training.is_autocast:
+        frozen = [t for t in fs.frozen.tensors if t.group in ("layer", "expert") and t.rows
+                  and t.name.endswith(".weight") and "norm" not in t.name]
+        total += sum(t.count * alloc(t.numel, c) for t in frozen)
+        if ctx.is_first_stage and not embedding_trained(ctx.training):
+            total -= sum(alloc(t.numel, c) for t in frozen
+                         if t.name in ("attn.q_proj.weight", "attn.k_proj.weight",
+                                       "attn.v_proj.weight"))
+    return max(total, 0) // n
+
+
 class FinetuneActivations(Modifier):
     """LoRA / QLoRA / DoRA: frozen base, trained adapters (the functions above)."""
 
@@ -136,5 +168,5 @@ class FinetuneActivations(Modifier):
         return first_layer_unsaved_bytes(ctx, saved)
 
     def autocast_cache_layer_bytes(self, ctx: RankContext, cache: int) -> int:
-        """Frozen weights' casts replace full training's (`autocast_cache_layer_bytes`)."""
-        return autocast_cache_layer_bytes(ctx)
+        """Frozen weights' casts replace full training's (`adapters_autocast_cache_bytes`)."""
+        return adapters_autocast_cache_bytes(ctx)
