@@ -130,16 +130,36 @@ def adapter_saved(ctx: RankContext, x: Dims, target: str) -> tuple[list[Saved], 
                          "PEFT's cast of x to the adapter dtype, kept by A"))
     else:
         shares = True
-    out.append(Saved(f"{name}.a_out", T * rank, x.c if ac else a_dt, "(T, r)",
-                     "A's output, kept by B"))
+    out.append(Saved(f"{name}.a_out", T * rank, x.c if ac else a_dt, "(T, r)", "kept by B"))
     if tr.finetune == "dora":
         o_w = _out_width(x, target)
         o_dt = x.c if ac else a_dt
-        out += [Saved(f"{name}.dora_base_out", T * o_w, x.c, "(T, out)",
+        # with dropout PEFT recomputes the base output from the dropped fp32 input and
+        # W.to(x.dtype) (peft 0.21.2 lora/variants.py DoraLinearVariant): in x's dtype (c
+        # under autocast, whose matmul keeps its cast of the copy; `dora_weight_copy_bytes`)
+        again = tr.framework == "hf" and p > 0
+        out += [Saved(f"{name}.dora_base_out", T * o_w, o_dt if again else x.c, "(T, out)",
                       "base output, kept by (m/‖W‖ − 1) ·"),
                 Saved(f"{name}.dora_lora_out", T * o_w, o_dt, "(T, out)",
                       "LoRA output, kept by m/‖W‖ ·")]
+        if again and tr.autocast_16bit:
+            out.append(Saved(f"{name}.dora_weight_cast", o_w * width, x.c, "(out, in)",
+                             "autocast's cast of W.to(x.dtype), kept for dL/dx"))
     return out, shares
+
+
+def dora_weight_copy_bytes(ctx: RankContext) -> int:
+    """One layer's weight copies that DoRA's recomputed base matmuls (hf, dropout) keep and
+    that are casts of the parameter: W.to(fp32) of 16-bit weights without autocast, or
+    autocast's second c cast of an fp32 weight (the base layer's matmul kept the first)."""
+    tr = ctx.training
+    if (tr.framework != "hf" or tr.finetune != "dora" or not tr.lora_dropout
+            or tr.recompute == "full" or tr.autocast_16bit
+            or (tr.weight_dtype == "fp32" and not tr.is_autocast)):
+        return 0
+    x = dims(ctx)
+    dt = tr.compute_dtype if tr.is_autocast else "fp32"
+    return sum(alloc(_in_width(x, t) * _out_width(x, t), dt) for t in _targets(ctx))
 
 
 _DROP_QKV = ("attn.input", "attn.input.cast")

@@ -13,6 +13,7 @@ from vramcalc.terms.finetune_activations import (
     adjust_head_saved,
     adjust_layer_saved,
     compiled_nf4,
+    dora_weight_copy_bytes,
     embedding_trained,
     first_layer_unsaved_bytes,
     forward_working_bytes,
@@ -118,10 +119,13 @@ def adapters_autocast_cache_bytes(ctx: RankContext) -> int:
     n = ctx.num_layers
     if not n:
         return 0
+    if not ctx.training.runs_autocast:
+        return dora_weight_copy_bytes(ctx)
     c = ctx.training.compute_dtype
     fs = shapes_for(ctx)
-    total = sum(t.count * alloc(t.numel, c) for t in fs.adapters.tensors
-                if t.group in ("layer", "expert") and t.rows)
+    total = n * dora_weight_copy_bytes(ctx) + sum(
+        t.count * alloc(t.numel, c) for t in fs.adapters.tensors
+        if t.group in ("layer", "expert") and t.rows)
     if ctx.training.recompute != "full" and ctx.training.is_autocast:
         frozen = [t for t in fs.frozen.tensors if t.group in ("layer", "expert") and t.rows
                   and t.name.endswith(".weight") and "norm" not in t.name]

@@ -277,7 +277,7 @@ def _autocast_cache_layer_bytes(ctx: RankContext) -> int:
     modifier may change it (frozen weights' casts under fine-tuning:
     vramcalc/terms/finetune_activations.py)."""
     tr = ctx.training
-    if not tr.runs_autocast or ctx.engine == "fsdp2":  # FSDP2 casts via its MP policy
+    if ctx.engine == "fsdp2":  # FSDP2 casts via its MP policy
         return 0
     n = ctx.num_layers
     c = tr.compute_dtype
