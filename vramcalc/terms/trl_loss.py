@@ -98,7 +98,7 @@ def _moments(ctx: RankContext, recompute: bool) -> list[tuple[int, int]]:
            (s_own + z["L"] + 3 * z["P"], s_cast)]  # the entropy: log_p, exp, their product
     if not recompute:
         return out
-    g_c = alloc(z["P"] // 4 * 2, x.c) if ac else 0
+    g_c = z["L"] if ac else 0  # dL/dlogits cast to c (the logits' own size)
     out += [(s_own + 3 * z["P"], s_cast),  # log_p, dL/dlog_p, dL/dlogits
             (s_own + z["P"] + g_c, s_cast)]  # dL/dlogits and its c cast
     grad_l = (g_c or z["P"]) + z["dh"]  # the matmul's dL/dlogits and dL/dh
