@@ -106,10 +106,27 @@ def test_check_of_the_config_equals_check_of_its_options(tmp_path: Path) -> None
     assert got["strategy"] == want["strategy"]
 
 
+def test_4bit_loading_is_qlora_with_trls_bf16_adapters() -> None:
+    # trl/trainer/utils.py get_quantization_config: double quantization only with
+    # use_bnb_nested_quant (False by default); sft_trainer.py casts the trained parameters
+    # of a quantized model to bf16
+    vals = _values(LORA + "load_in_4bit: true\n")
+    assert vals["finetune"] == "qlora" and vals["qlora_impl"] == "bnb"
+    assert vals["nf4_double_quant"] is False and vals["adapters_16bit"] is True
+    assert vals["precision"] == "bf16-autocast"
+    nested = _values(LORA + "load_in_4bit: true\nuse_bnb_nested_quant: true\n")
+    assert nested["nf4_double_quant"] is True
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     ("max_seq_length: 512\n", "current releases read max_length"),
     ("torch_dtype: bfloat16\n", "current releases read dtype"),
-    ("load_in_4bit: true\n", "load_in_4bit is not modelled"),
+    ("load_in_8bit: true\n", "load_in_8bit is not modelled"),
+    ("load_in_4bit: true\n", "without use_peft trains nothing"),
+    # TRL's default dtype float32 is bitsandbytes' compute dtype
+    ("load_in_4bit: true\nuse_peft: true\n", "load_in_4bit with dtype 'float32'"),
+    ("load_in_4bit: true\nuse_peft: true\ndtype: bfloat16\nbnb_4bit_quant_type: int4\n",
+     "bnb_4bit_quant_type 'int4'"),
     ("packing: true\n", "packing is not modelled"),
     ("loss_type: dft\n", "loss_type 'dft'"),
     ("dtype: bfloat16\nfp16: true\n", "under fp16 autocast"),

@@ -11,7 +11,7 @@ from vramcalc.analytic import estimate
 from vramcalc.explain_loss import logits_lines
 from vramcalc.explain_seq2seq import seq2seq_activation_lines, seq2seq_logits_lines
 from vramcalc.features import finetunes, low_precision
-from vramcalc.finetune import adapter_dtype, shapes_for
+from vramcalc.finetune import shapes_for
 from vramcalc.hardware import GPUProfile
 from vramcalc.rank import RankContext
 from vramcalc.report import MemoryReport, fit_phrase, paged_resident_bytes
@@ -219,7 +219,7 @@ def explain_weight_lines(ctx: RankContext) -> list[str]:
     fs = shapes_for(ctx)
     tr = ctx.training
     parts = finetune_weight_parts(ctx)
-    a_dt = adapter_dtype(tr.framework, tr.weight_dtype)
+    a_dt = tr.adapter_dtype
     lines = [f"{tr.finetune}: the base is frozen; {fs.frozen.numel():,} parameters stay in "
              f"{tr.weight_dtype}: {fmt_gb(parts['weights/frozen'])}."]
     if fs.quantized.tensors:

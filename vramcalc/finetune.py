@@ -14,7 +14,11 @@ below the memory terms).
 Frozen tensors have no gradients and no optimizer states. The adapters' dtype depends on the
 profile: `hf` follows PEFT's `get_peft_model(..., autocast_adapter_dtype=True)` default,
 which upcasts bf16/fp16 adapters to fp32 (peft/tuners/tuners_utils.py `cast_adapter_dtype`),
-so under a 16-bit policy they are fp32 parameters with fp32 gradients and no master copy;
+so under a 16-bit policy they are fp32 parameters with fp32 gradients and no master copy
+(`--adapters-16bit` keeps them in the model's dtype: `autocast_adapter_dtype=False`, or
+TRL's SFTTrainer, which casts a quantized model's trained parameters to bf16,
+huggingface/trl f2cd5771 `sft_trainer.py` `if _is_quantized_model: ...
+p.data.to(torch.bfloat16)`);
 `unsloth` does the same (unsloth_zoo/training_utils.py `prepare_model_for_training`, at
 ce232d6c: `float32_mixed_precision=True` by default casts every trainable parameter to
 fp32 for a bf16 or fp16 model); `reference` keeps them in the policy's weight dtype (torchtune's choice: the whole model,
@@ -92,12 +96,6 @@ class Rank(Protocol):
 
     @property
     def stage(self) -> int: ...
-
-
-def adapter_dtype(framework: str, weight_dtype: str) -> str:
-    """Adapter parameters' dtype: PEFT (hf) and Unsloth upcast 16-bit adapters to fp32; the
-    reference model keeps the policy's weight dtype (see the module docstring)."""
-    return "fp32" if framework in ("hf", "unsloth") else weight_dtype
 
 
 # ---- which linears, which tensors --------------------------------------------------------
@@ -209,7 +207,7 @@ def finetune_shapes(spec: ModelSpec, training: TrainingConfig, tp: int,
     tr = training
     return _finetune_shapes(spec, tp, chunks, ep, stage, tr.finetune, tr.lora_rank,
                             tr.lora_targets, tr.framework,
-                            adapter_dtype(tr.framework, tr.weight_dtype),
+                            tr.adapter_dtype,
                             method_quantizes_head(spec, tr), tr.modules_to_save,
                             tr.lora_embedding, tr.lora_head)
 
@@ -442,7 +440,7 @@ def gathered_layer_bytes(ctx: Rank, dtype: str) -> tuple[int, ...]:
     gathered."""
     fs = shapes_for(ctx)
     tr = ctx.training
-    a_dt = dtype if tr.is_autocast else adapter_dtype(tr.framework, tr.weight_dtype)
+    a_dt = dtype if tr.is_autocast else tr.adapter_dtype
     quant = {id(t) for t in fs.quantized.tensors}
     adapters = {id(t) for t in fs.adapters.tensors}
     out: list[int] = []

@@ -123,6 +123,30 @@ def _peft_modules(tr: Any) -> str | None:
     return f"--modules-to-save {tr.modules_to_save} {flag}" if flag else None
 
 
+def _adapters_16bit(tr: Any) -> str | None:
+    """Adapters kept in the model's 16-bit dtype (PEFT autocast_adapter_dtype=False, TRL's
+    cast of a 4-bit model's trained parameters)."""
+    if not tr.adapters_16bit:
+        return None
+    flag = "--adapters-16bit (adapters in the model's 16-bit dtype)"
+    if tr.framework != "hf" or tr.finetune not in ("lora", "qlora", "dora"):
+        return f"{flag} needs --framework hf and --finetune lora, qlora or dora"
+    if tr.weight_dtype not in ("bf16", "fp16"):
+        return (f"{flag}: under --precision {tr.precision} the model is fp32, and so are the "
+                "adapters PEFT makes for it; use a 16-bit precision (bf16-autocast, bf16-pure)")
+    if tr.finetune == "qlora" and tr.weight_dtype != "bf16":
+        # PEFT makes a 4-bit linear's adapters in fp32 (`_move_adapter_to_device_of_base_layer`
+        # moves, but casts only to a float weight's dtype); TRL casts them to bf16
+        return (f"{flag} with --finetune qlora: TRL casts a 4-bit model's adapters to bf16, "
+                f"beside {tr.weight_dtype} weights here, which is not modelled; use a bf16 "
+                "precision")
+    if tr.precision == "fp16-autocast":
+        # torch/amp/grad_scaler.py `_unscale_grads_`: "Attempting to unscale FP16 gradients."
+        return (f"{flag} with --precision fp16-autocast: the Trainer's GradScaler refuses to "
+                "unscale fp16 gradients, so this run stops at its first step")
+    return None
+
+
 def _autocast_16bit(tr: Any) -> str | None:
     """HF Trainer's `bf16=True` / `fp16=True` over a model loaded in 16 bits."""
     if not tr.autocast_16bit:
@@ -245,7 +269,8 @@ def hf_stack_problem(tr: Any) -> str | None:
     """Why these training settings (a vramcalc.training.TrainingConfig) use an hf-stack
     option the model cannot express (None: they can)."""
     for check in (_reentrant, _kbit_prepare, _hf_optim, _peft_modules, _sync_each_batch,
-                  _liger, _transformers_version, _autocast_16bit, _trl_chunked):
+                  _liger, _transformers_version, _autocast_16bit, _adapters_16bit,
+                  _trl_chunked):
         problem = check(tr)
         if problem:
             return problem

@@ -177,6 +177,10 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("trl_chunked_ce", bool, False, "TRL SFTTrainer's loss_type chunked_nll, its default "
         "from TRL 1.7 (hf profile): no lm_head call, the loss in checkpointed chunks of 256 "
         "tokens with an fp32 copy of a 16-bit head weight per chunk; every label counted."),
+    Opt("adapters_16bit", bool, False, "hf profile, LoRA, QLoRA or DoRA on a 16-bit model: "
+        "the adapters stay in the model's dtype, as get_peft_model(..., "
+        "autocast_adapter_dtype=False) leaves them and TRL's SFTTrainer casts a 4-bit model's "
+        "(bf16); without it PEFT upcasts them to fp32."),
     Opt("liger", bool, False, "HF Trainer's use_liger_kernel=True (hf profile; dense Llama, "
         "Mistral and Qwen2 models, data parallelism): Liger's RMSNorm, SwiGLU and RoPE "
         "kernels, and its fused linear cross entropy, which makes no full logits and keeps "
@@ -319,20 +323,10 @@ OPTIONS_BY_NAME = {o.name: o for o in SCENARIO_OPTIONS}
 # mixed_precision_param bfloat16), torchtune's `dtype: bf16` (no fp32 master copy)
 STACK_PRECISION = {"torchtitan": "amp-bf16", "torchtune": "bf16-pure"}
 
-_TRAINING_KEYS = ("seq_len", "target_len", "micro_batch_size", "grad_accum", "precision", "optimizer",
-                  "optimizer_dtype", "optimizer_impl", "hf_optim", "attention", "recompute", "use_reentrant", "kbit_prepare", "sync_each_batch", "liger", "trl_chunked_ce", "recompute_method",
-                  "recompute_num_layers", "recompute_every", "framework", "finetune", "lora_rank", "lora_targets", "lora_dropout", "lora_embedding", "lora_head", "modules_to_save", "peft_config", "dropout",
-                  "moe_dispatcher", "deterministic", "cross_entropy_loss_fusion", "transformer_impl", "litgpt_norm", "chunked_ce",
-                  "activation_offload", "qat", "expandable_segments",
-                  "optimizer_in_backward", "compile", "packed", "float8", "float8_all_gather", "async_tp", "qlora_impl", "bnb_version",
-                  "torchao_version", "unsloth_version", "torchtune_version", "nf4_double_quant", "quantize_head", "load",
-                  "set_to_none", "torch_version", "transformers_version", "load_only")
-_PARALLEL_KEYS = ("dp", "tp", "pp", "cp", "ep", "etp", "sequence_parallel", "zero", "fsdp",
-                  "fsdp_impl", "fsdp_edge_units", "shard_group", "offload_device",
-                  "pp_schedule", "virtual_stages", "pp_group_size",
-                  "first_stage_layers", "last_stage_layers", "stage_layers",
-                  "embedding_in_split", "loss_in_split", "mtp_layers", "defer_embedding_wgrad", "num_microbatches",
-                  "capacity_factor")
+# the options each model takes (offload is parsed before ParallelConfig sees it)
+_TRAINING_KEYS = tuple(n for n in OPTIONS_BY_NAME if n in TrainingConfig.model_fields)
+_PARALLEL_KEYS = tuple(n for n in OPTIONS_BY_NAME
+                       if n in ParallelConfig.model_fields and n != "offload")
 
 
 def check_choice(opt: Opt, value: str) -> str:

@@ -11,6 +11,7 @@ TrainingArguments), sft_trainer.py. One YAML holds the keys of all three datacla
 | model_name_or_path | model |
 | dtype ("float32"), bf16 (`not fp16`), fp16 (False) | precision: float32 under bf16/fp16 autocast amp-bf16 / amp-fp16; bfloat16 (float16) under it bf16-autocast (fp16-autocast); without autocast fp32 or bf16-pure; under DeepSpeed (accelerate runs no autocast) bf16 or fp16 with DeepSpeed's fp32 master; `auto` (the checkpoint's dtype) is taken as bfloat16, which a note says |
 | use_peft (False), use_dora, lora_r (16), lora_dropout (0.05), lora_target_modules (PEFT's default for the model type), lora_modules_to_save | finetune lora or dora, lora_rank, lora_dropout, lora_targets, modules_to_save |
+| load_in_4bit (False), use_bnb_nested_quant (False), bnb_4bit_quant_type ("nf4"; "fp4" stores the same bytes), bnb_4bit_quant_storage | finetune qlora (qlora_impl bnb), nf4_double_quant, adapters_16bit: TRL casts a 4-bit model's trained parameters to bf16 (`sft_trainer.py`, `_is_quantized_model`); bitsandbytes computes in `dtype`, which must be bfloat16 |
 | max_length (1024) | seq_len: samples are cut there and a batch is padded to its longest |
 | per_device_train_batch_size (8), gradient_accumulation_steps (1) | micro_batch_size, grad_accum |
 | gradient_checkpointing (True; SFTConfig's own default), gradient_checkpointing_kwargs | recompute full, use_reentrant (transformers 5.x: non-reentrant unless the kwargs say) |
@@ -22,9 +23,9 @@ TrainingArguments), sft_trainer.py. One YAML holds the keys of all three datacla
 
 `max_seq_length` and `torch_dtype` are the keys of TRL releases before 0.20 and 0.27, which
 these defaults do not describe: they are refused with a pointer to the new names. What
-changes memory but is not modelled is an error: 4- and 8-bit loading (TRL casts a
-quantized model's trainable parameters to bf16, where the hf profile keeps PEFT's fp32),
-packing and padding-free rows, activation offloading, the DFT loss, an accelerate config
+changes memory but is not modelled is an error: 8-bit loading, 4-bit loading with a compute
+dtype other than bfloat16 (TRL's default `dtype` float32 makes bitsandbytes compute in
+fp32), packing and padding-free rows, activation offloading, the DFT loss, an accelerate config
 file, and FSDP.
 """
 
@@ -41,7 +42,7 @@ _TRL = "TRL config"
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "auto": "bf16"}
 _RENAMED = {"max_seq_length": "max_length (TRL 0.20)", "torch_dtype": "dtype (TRL 0.27)"}
 # keys that switch on what is not modelled (model_config.py, sft_config.py, TrainingArguments)
-_REFUSED = ("load_in_4bit", "load_in_8bit", "packing", "padding_free", "activation_offloading",
+_REFUSED = ("load_in_8bit", "packing", "padding_free", "activation_offloading",
             "accelerate_config", "fsdp", "fsdp_config", "torch_compile")
 
 
@@ -73,6 +74,30 @@ def _precision(data: dict[str, Any]) -> tuple[str, list[str]]:
     return half + "-autocast", notes
 
 
+def _four_bit(data: dict[str, Any], vals: dict[str, Any]) -> list[str]:
+    """load_in_4bit: bitsandbytes 4-bit linears (trl/trainer/utils.py
+    `get_quantization_config`: compute dtype = `dtype`, double quantization =
+    use_bnb_nested_quant) under PEFT, with the adapters TRL casts to bf16."""
+    if not flag(data, "use_peft", who=_TRL):
+        raise InputError(f"{_TRL}: load_in_4bit without use_peft trains nothing (transformers' "
+                         "Trainer refuses a purely quantized model): add use_peft: true")
+    if flag(data, "use_dora", who=_TRL):
+        raise InputError(f"{_TRL}: load_in_4bit with use_dora (QDoRA) is not modelled")
+    dtype = data.get("dtype") or "float32"
+    if dtype != "bfloat16":
+        raise InputError(f"{_TRL}: load_in_4bit with dtype {shown(dtype)}: bitsandbytes then "
+                         "computes in that dtype beside the bf16 adapters TRL makes, which is "
+                         "not modelled; set dtype: bfloat16")
+    kind = data.get("bnb_4bit_quant_type", "nf4")
+    if kind not in ("nf4", "fp4"):
+        raise InputError(f"{_TRL}: bnb_4bit_quant_type {shown(kind)} is not one of nf4, fp4")
+    vals["qlora_impl"] = "bnb"
+    vals["nf4_double_quant"] = flag(data, "use_bnb_nested_quant", who=_TRL)
+    vals["adapters_16bit"] = True
+    return ([f"bnb_4bit_quant_type {kind} is stored as nf4 is: 4-bit codes and one absmax "
+             "per 64 values"] if kind == "fp4" else [])
+
+
 def trl_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """Option values of a TRL SFT config (module table)."""
     for key, new in _RENAMED.items():
@@ -81,8 +106,12 @@ def trl_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     vals = trainer_values(data, _TRL, _REFUSED)
     model = vals["model"]
     vals["precision"], notes = _precision(data)
+    four_bit = flag(data, "load_in_4bit", who=_TRL)
+    if four_bit:
+        notes += _four_bit(data, vals)
     if flag(data, "use_peft", who=_TRL):
-        vals["finetune"] = "dora" if flag(data, "use_dora", who=_TRL) else "lora"
+        vals["finetune"] = ("qlora" if four_bit else "dora" if flag(data, "use_dora", who=_TRL)
+                            else "lora")
         vals["lora_rank"] = count(data.get("lora_r", 16), "lora_r", _TRL)
         vals["lora_dropout"] = data.get("lora_dropout", 0.05)
         targets = data.get("lora_target_modules")

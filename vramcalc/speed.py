@@ -80,7 +80,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vramcalc.finetune import _finetune_shapes, adapter_dtype
+from vramcalc.finetune import _finetune_shapes
 from vramcalc.flops import (
     attention_width,
     fp8_peak_flops,
@@ -94,7 +94,7 @@ from vramcalc.hf_stack import trainer_no_sync
 from vramcalc.model import ModelSpec
 from vramcalc.model_tensors import param_tensors
 from vramcalc.scenario import Scenario
-from vramcalc.training import COMPUTE_DTYPE, WEIGHT_DTYPE, TrainingConfig
+from vramcalc.training import COMPUTE_DTYPE, WEIGHT_DTYPE, TrainingConfig, adapter_dtype
 from vramcalc.units import DTYPE_BITS
 
 # CPU optimizer step (DeepSpeed CPU-Adam): memory-bound; per parameter it reads and writes
@@ -199,13 +199,14 @@ class PeftCounts:
 
 def peft_counts(spec: ModelSpec, precision: str, finetune: str, lora_rank: int = 8,
                 lora_targets: str = "q,v", framework: str = "reference",
-                extras: tuple[str, bool, bool] = ("", False, False)) -> PeftCounts | None:
+                extras: tuple[str, bool, bool] = ("", False, False),
+                adapters_16bit: bool = False) -> PeftCounts | None:
     """PeftCounts of `finetune` on the whole model (None for full training); `extras`: the
     hf profile's modules_to_save, lora_embedding and lora_head (vramcalc/hf_stack.py)."""
     if finetune in ("full", "none", None):
         return None
     w_dtype = WEIGHT_DTYPE.get(precision, "bf16")
-    a_dt = adapter_dtype(framework, w_dtype)
+    a_dt = adapter_dtype(framework, w_dtype, adapters_16bit)
     fs = _finetune_shapes(spec, 1, ((spec.num_hidden_layers,),), 1, 0, finetune, lora_rank,
                           lora_targets, framework, a_dt, False, *extras)
     w = _bytes(w_dtype)
@@ -466,4 +467,5 @@ def scenario_speed(scn: Scenario, efficiency: float | None = None) -> SpeedRepor
 def training_peft(spec: ModelSpec, tr: TrainingConfig) -> PeftCounts | None:
     """PeftCounts of a TrainingConfig's fine-tuning method (None for full training)."""
     return peft_counts(spec, tr.precision, tr.finetune, tr.lora_rank, tr.lora_targets,
-                       tr.framework, (tr.modules_to_save, tr.lora_embedding, tr.lora_head))
+                       tr.framework, (tr.modules_to_save, tr.lora_embedding, tr.lora_head),
+                       tr.adapters_16bit)

@@ -90,6 +90,15 @@ MEGATRON_DEFAULT_DISPATCHER = "allgather"
 FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron", "torchtitan", "torchtune",
                                 "lightning", "unsloth")
 
+
+def adapter_dtype(framework: str, weight_dtype: str, keep_16bit: bool = False) -> str:
+    """Adapter parameters' dtype: PEFT (hf) upcasts 16-bit adapters to fp32 unless told not
+    to (`keep_16bit`: TrainingConfig.adapters_16bit), and so does unsloth (unsloth_zoo
+    training_utils.py `prepare_model_for_training`, `upcast = True`); the reference model
+    keeps the policy's weight dtype."""
+    upcast = framework in ("hf", "unsloth") and not keep_16bit
+    return "fp32" if upcast else weight_dtype
+
 class TrainingConfig(BaseModel):
     """One training job's per-step settings (parallel layout lives in ParallelConfig)."""
 
@@ -124,6 +133,9 @@ class TrainingConfig(BaseModel):
     liger: bool = Field(False, exclude_if=lambda v: not v)  # use_liger_kernel (terms/liger.py)
     # TRL SFTTrainer's loss_type chunked_nll (terms/trl_loss.py)
     trl_chunked_ce: bool = Field(False, exclude_if=lambda v: not v)
+    # the adapters kept in the model's 16-bit dtype (hf): PEFT's get_peft_model(...,
+    # autocast_adapter_dtype=False), or TRL's cast of a 4-bit model's trained parameters
+    adapters_16bit: bool = Field(False, exclude_if=lambda v: not v)
     # Megatron-LM's --recompute-method / --recompute-num-layers (megatron profile, full
     # recompute): which layers of each pipeline chunk are checkpointed, and how many per
     # checkpoint (vramcalc/terms/megatron_recompute.py). None: every layer, one per checkpoint
@@ -442,9 +454,12 @@ class TrainingConfig(BaseModel):
         (PEFT upcasts 16-bit adapters to fp32 for the hf profile; vramcalc/finetune.py)."""
         if self.finetune == "full":
             return self.weight_dtype
-        # unsloth: unsloth_zoo training_utils.py `prepare_model_for_training` casts
-        # lora_A/lora_B to float32 (`upcast = True`)
-        return "fp32" if self.framework in ("hf", "unsloth") else self.weight_dtype
+        return self.adapter_dtype
+
+    @property
+    def adapter_dtype(self) -> str:
+        """The adapters' dtype (vramcalc/finetune.py's module docstring)."""
+        return adapter_dtype(self.framework, self.weight_dtype, self.adapters_16bit)
 
     @property
     def grad_dtype(self) -> str:

@@ -62,7 +62,7 @@ from functools import lru_cache
 from vramcalc.allocator import CachingAllocator
 from vramcalc.ds_config import DeepSpeedConfig
 from vramcalc.features import finetunes
-from vramcalc.finetune import adapter_dtype, gathered_layer_bytes, trained_layer_numels
+from vramcalc.finetune import gathered_layer_bytes, trained_layer_numels
 from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
 from vramcalc.sharding import layer_param_numels
@@ -367,7 +367,7 @@ def reduce_bytes(ctx: RankContext, layer: int = 0, done: float = 1.0,
     if trained is None:
         n, whole_dt, rs_dt = _layer_numel(ctx), tr.compute_dtype, reduce_dtype(ctx.training)
     else:  # adapters: unsharded grads in the gather dtype, reduce-scatter in the policy's
-        a_dt = adapter_dtype(tr.framework, tr.weight_dtype)
+        a_dt = tr.adapter_dtype
         n, whole_dt = sum(trained), tr.compute_dtype if tr.is_autocast else a_dt
         rs_dt = reduce_dtype(ctx.training) if tr.is_autocast else a_dt
     whole, rs_input = alloc(n, whole_dt), alloc(n, rs_dt)

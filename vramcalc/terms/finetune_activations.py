@@ -2,7 +2,7 @@
 
 Legend as in vramcalc/terms/saved.py (b, s, h, a, g, d, f, T = b·s tokens, c compute
 dtype, r residual dtype), plus r_a = the adapter rank, p = lora_dropout, a_dt = the
-adapters' dtype (vramcalc.finetune.adapter_dtype).
+adapters' dtype (TrainingConfig.adapter_dtype).
 
 What a frozen layer keeps (autograd saves a tensor only for a gradient someone needs):
 
@@ -46,7 +46,6 @@ import dataclasses
 
 from vramcalc.finetune import (
     adapted_linears,
-    adapter_dtype,
     fused_groups,
 )
 from vramcalc.qlora import compiled_dequant_kept, dequant_matmul_bytes
@@ -105,7 +104,7 @@ def _input_dtype(ctx: RankContext, x: Dims, target: str) -> str:
 def adapter_saved(ctx: RankContext, x: Dims, target: str) -> tuple[list[Saved], bool]:
     """(tensors one adapted linear adds, whether A keeps the shared input storage itself)."""
     tr = ctx.training
-    a_dt = adapter_dtype(tr.framework, tr.weight_dtype)
+    a_dt = tr.adapter_dtype
     T, rank, p = x.T, tr.lora_rank, tr.lora_dropout
     width = _in_width(x, target)
     dt = _input_dtype(ctx, x, target)
@@ -142,7 +141,7 @@ def adapter_saved(ctx: RankContext, x: Dims, target: str) -> tuple[list[Saved], 
                       "base output, kept by (m/‖W‖ − 1) ·"),
                 Saved(f"{name}.dora_lora_out", T * o_w, o_dt, "(T, out)",
                       "LoRA output, kept by m/‖W‖ ·")]
-        if again and tr.autocast_16bit:
+        if again and tr.autocast_16bit and not tr.adapters_16bit:
             out.append(Saved(f"{name}.dora_weight_cast", o_w * width, x.c, "(out, in)",
                              "autocast's cast of W.to(x.dtype), kept for dL/dx"))
     return out, shares
@@ -151,10 +150,11 @@ def adapter_saved(ctx: RankContext, x: Dims, target: str) -> tuple[list[Saved], 
 def dora_weight_copy_bytes(ctx: RankContext) -> int:
     """One layer's weight copies that DoRA's recomputed base matmuls (hf, dropout) keep and
     that are casts of the parameter: W.to(fp32) of 16-bit weights without autocast, or
-    autocast's second c cast of an fp32 weight (the base layer's matmul kept the first)."""
+    autocast's second c cast of an fp32 weight (the base layer's matmul kept the first).
+    16-bit adapters leave x in W's dtype: W.to(x.dtype) is W itself."""
     tr = ctx.training
     if (tr.framework != "hf" or tr.finetune != "dora" or not tr.lora_dropout
-            or tr.recompute == "full" or tr.autocast_16bit
+            or tr.recompute == "full" or tr.autocast_16bit or tr.adapters_16bit
             or (tr.weight_dtype == "fp32" and not tr.is_autocast)):
         return 0
     x = dims(ctx)
@@ -427,7 +427,7 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
     tr = ctx.training
     x = dims(ctx)
     hf = tr.framework == "hf"
-    a_dt = adapter_dtype(tr.framework, tr.weight_dtype)
+    a_dt = tr.adapter_dtype
     targets = set(_targets(ctx))
     names = {t.name for t in saved}
     T, c, r = x.T, x.c, x.r
@@ -487,7 +487,7 @@ def _dora_forward_bytes(ctx: RankContext, x: Dims, target: str) -> int:
     to the input's dtype, scaling·lora_weight and W + that — and the combination instant
     (m/‖W‖ − 1)·base + m/‖W‖·lora·α/r, whose products are promoted to fp32 (T, out)."""
     tr = ctx.training
-    a_dt = adapter_dtype(tr.framework, tr.weight_dtype)
+    a_dt = tr.adapter_dtype
     w_in, w_out, r_a = _in_width(x, target), _out_width(x, target), tr.lora_rank
     x_dt = a_dt if tr.framework == "hf" else _input_dtype(ctx, x, target)
     n = w_in * w_out

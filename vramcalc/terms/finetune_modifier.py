@@ -111,7 +111,7 @@ def dequantized_saved(ctx: RankContext) -> list[Saved]:
 
 def adapters_autocast_cache_bytes(ctx: RankContext) -> int:
     """Per-layer average of the 16-bit weight casts alive in forward under autocast: the
-    trained adapters' (cached) and, unless layers are recomputed, the frozen fp32 linear
+    trained fp32 adapters' (cached; 16-bit ones are not cast) and, unless layers are recomputed, the frozen fp32 linear
     weights' (saved by their matmuls for dL/dx; 16-bit ones, bf16-autocast, are not cast).
     NF4 weights are not cast; frozen biases' casts are not saved. The first layer's q/k/v
     casts are not saved (no grad there) unless a trained embedding copy (modules_to_save)
@@ -125,7 +125,7 @@ def adapters_autocast_cache_bytes(ctx: RankContext) -> int:
     fs = shapes_for(ctx)
     total = n * dora_weight_copy_bytes(ctx) + sum(
         t.count * alloc(t.numel, c) for t in fs.adapters.tensors
-        if t.group in ("layer", "expert") and t.rows)
+        if t.group in ("layer", "expert") and t.rows and t.dtype != c)
     if ctx.training.recompute != "full" and ctx.training.is_autocast:
         frozen = [t for t in fs.frozen.tensors if t.group in ("layer", "expert") and t.rows
                   and t.name.endswith(".weight") and "norm" not in t.name]

@@ -13,7 +13,7 @@ Under LoRA/QLoRA/DoRA the base is frozen (QLoRA: NF4) and adapters are added
 from __future__ import annotations
 
 from vramcalc.features import finetunes
-from vramcalc.finetune import adapter_dtype, nf4_constant_bytes, shapes_for
+from vramcalc.finetune import nf4_constant_bytes, shapes_for
 from vramcalc.rank import RankContext
 from vramcalc.terms.torchtitan import freqs_cis_bytes
 from vramcalc.units import alloc
@@ -100,7 +100,7 @@ def finetune_weight_parts(ctx: RankContext) -> dict[str, int]:
                                          if split else 1)
             for t in fs.quantized.tensors)
     out["weights/adapters"] = fs.adapters.nbytes(
-        adapter_dtype(tr.framework, tr.weight_dtype), shard, es, layout, None, keep)
+        tr.adapter_dtype, shard, es, layout, None, keep)
     return out
 
 

@@ -257,7 +257,13 @@ def _hf(model: nn.Module, scn: Any) -> nn.Module:
                      task_type="CAUSAL_LM",
                      modules_to_save=tr.modules_to_save.split(",") if tr.modules_to_save else None)
     with _fake_module_casts(), _fake_deepcopies():
-        model = get_peft_model(model, cfg)
+        model = get_peft_model(model, cfg, autocast_adapter_dtype=not tr.adapters_16bit)
+    if tr.adapters_16bit:
+        # TRL's SFTTrainer on a quantized model (huggingface/trl f2cd5771 sft_trainer.py):
+        # every trained parameter to bf16; PEFT made a 4-bit linear's adapters in fp32
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(_TORCH[tr.weight_dtype])
     return _cuda_dropouts(model)
 
 

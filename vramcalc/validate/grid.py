@@ -355,6 +355,13 @@ FINETUNE_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("qwen2-bias", "hf", {"finetune": "full", "precision": "amp-bf16", "trl_chunked_ce": True}),
     ("llama-gqa", "hf", {"finetune": "lora", "precision": "bf16-pure", "trl_chunked_ce": True,
                          "seq_len": 200, "micro_batch_size": 1}),
+    # adapters in the model's dtype: TRL's QLoRA recipe (4-bit, bf16 adapters, dropout 0.05,
+    # checkpointing, chunked_nll) and PEFT's autocast_adapter_dtype=False
+    ("llama-gqa", "hf", {"finetune": "qlora", "precision": "bf16-autocast", "adapters_16bit": True,
+                         "lora_targets": "all-linear", "lora_dropout": 0.05, "recompute": "full",
+                         "trl_chunked_ce": True}),
+    ("qwen2-bias", "hf", {"finetune": "lora", "precision": "bf16-pure", "adapters_16bit": True,
+                          "lora_targets": "all-linear"}),
 )
 
 
@@ -370,6 +377,8 @@ FINETUNE_FSDP_CASES: tuple[tuple[str, str, int, dict[str, Any]], ...] = (
     ("llama-deep", "reference", 4, {"finetune": "lora", "precision": "amp-bf16",
                                     "lora_targets": "all-linear"}),
     ("llama-gqa", "hf", 2, {"finetune": "lora"}),
+    ("llama-deep", "hf", 2, {"finetune": "lora", "precision": "bf16-pure", "adapters_16bit": True,
+                             "lora_targets": "all-linear"}),
 )
 
 
@@ -400,6 +409,8 @@ def finetune_grid() -> list[tuple[str, Scenario]]:
             tag += "-liger"
         if tr.trl_chunked_ce:
             tag += "-trl"
+        if tr.adapters_16bit:
+            tag += "-a16"
         if tr.modules_to_save:
             tag += "-save-" + tr.modules_to_save.replace(",", "+")
         out.append((f"{name}/{tag}", scn))
