@@ -41,7 +41,7 @@ qk_nope_head_dim + qk_rope_head_dim, g = a) and the MLP down-projection input (f
 counted for MoE) — in the compute dtype (1 byte under FP8), for the min(pp, m) micro-batches 1F1B
 keeps in flight there (Narayanan et al. 2021), over its L/pp layers (an uneven split's
 first stage: the fewer of its 1F1B and interleaved counts; one fewer under
-LoRA/QLoRA/DoRA, whose first layer keeps less: vramcalc/terms/finetune_activations.py
+LoRA/QLoRA/DoRA, whose first layer keeps less: vramcalc/terms/first_layer.py
 `first_layer_unsaved_bytes`); none with activation offload. The margin 0.95 (`LOWER_BOUND_MARGIN`) applies to the activation parts
 only, the one formula here that is not the engine's.
 

@@ -37,7 +37,7 @@ Under FSDP1 (vramcalc/terms/fsdp1.py) a block's frozen weights share a flat para
 its adapters and get gradients: the layer keeps the full-training list plus the adapters'.
 
 The first layer of the first stage sees the frozen embedding's output, which needs no
-gradient: its input norm records nothing (`first_layer_unsaved_bytes`).
+gradient: nothing before its first adapter records a tensor (terms/first_layer.py).
 """
 
 from __future__ import annotations
@@ -323,64 +323,30 @@ def bnb_keeps_inputs(ctx: RankContext) -> bool:
     return ctx.training.finetune == "qlora" and ctx.training.nf4.keeps_input
 
 
-def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
-    """Bytes the first layer of the first stage does not keep because its input (the frozen
-    embedding's output) needs no gradient: its input norm's tensors, the q/k/v adapters'
-    dropout masks, eager attention's q (k) copy when k (q) has no adapter, and, when no q/k/v
-    is adapted, the attention core's (an approximation documented in docs/finetuning.md).
-    `saved`: the first layer's saved list."""
-    if not ctx.is_first_stage or not ctx.num_layers or (
-            embedding_trained(ctx.training)):  # the embedding's output needs a gradient
-        return 0
-    if mixed_units(ctx):  # FSDP1: the block's weights get gradients; only the masks go
-        return sum(t.nbytes for t in saved if t.name.endswith(".dropout_mask")
-                   and t.name.startswith(("lora.q", "lora.k", "lora.v")))
-    if ctx.training.recompute == "full":
-        # only an old release's 4-bit q/k/v inputs, not held here — except under PEFT with
-        # checkpointing, which makes the embedding output require grad (peft 0.21.2
-        # peft_model.py `_prepare_model_for_gradient_checkpointing`: enable_input_require_grads)
-        held = bnb_keeps_inputs(ctx) and ctx.training.framework == "reference"
-        return sum(t.nbytes for t in saved if t.name in _DROP_QKV) if held else 0
-    # the input norm, and dropout masks on its output (no grad flows into the dropout)
-    gone = sum(t.nbytes for t in saved if t.name.startswith("input_norm.") or t.name in (
-        "lora.q.dropout_mask", "lora.k.dropout_mask", "lora.v.dropout_mask",
-        "lora.qkv.dropout_mask"))
-    targets = _covers(_targets(ctx))
-    if bnb_keeps_inputs(ctx) and targets & set(_QKV) and not any(
-            adapter_saved(ctx, dims(ctx), t)[1] for t in _targets(ctx) if t in _QKV):
-        # the 4-bit q/k/v matmuls keep nothing here (neither input needs a gradient) and no
-        # adapter keeps their input itself
-        gone += sum(t.nbytes for t in saved if t.name in _DROP_QKV)
-    if ctx.spec.parallel_residual:  # its second norm reads the embedding output too
-        gone += sum(t.nbytes for t in saved if t.name.startswith("post_norm."))
-    if ctx.spec.parallel_residual and not targets & {"gate", "up", "down"}:
-        # a parallel block's MLP reads the (frozen) norm of the embedding output: nothing
-        # in that branch needs a gradient, so it saves nothing
-        gone += sum(t.nbytes for t in saved if t.name.startswith("mlp."))
-    if not targets & set(_QKV):
-        gone += sum(t.nbytes for t in saved if t.name.startswith("attn.")
-                    and t.name != "attn.out")
-    elif ctx.training.attention == "eager":
-        # q @ kᵀ keeps q only for dk and k only for dq: one of them needs no grad here
-        for operand, other in (("attn.q", "k"), ("attn.k", "q")):
-            if other not in targets:
-                gone += sum(t.nbytes for t in saved if t.name == operand)
-    return gone
-
-
 # ---- forward transients ------------------------------------------------------------------
 # Where each saved tensor of a layer appears in its forward (for "saved so far" at a moment)
 _ORDER = (("input_norm.",), ("attn.input", "lora.q.", "lora.k.", "lora.v.", "lora.qkv.",
                              "attn.q_norm", "attn.k_norm"),
           ("attn.",), ("lora.o.",), ("post_norm.",),
-          ("mlp.input", "lora.gate.", "lora.up.", "lora.gate_up."), ("mlp.",), ("lora.down.",))
-_STEP_OF = {"q": 1, "k": 1, "v": 1, "qkv": 1, "o": 3, "gate": 5, "up": 5, "gate_up": 5,
-            "down": 7}
+          ("mlp.input", "lora.gate.", "lora.gate_up."), ("mlp.gate", "mlp.act"), ("lora.up.",),
+          ("mlp.",), ("lora.down.",))
+_STEP_OF = {"q": 1, "k": 1, "v": 1, "qkv": 1, "o": 3, "gate": 5, "up": 7, "gate_up": 5,
+            "down": 9}
 
 
-def _step(name: str) -> int:
+def _act_before_up(ctx: RankContext) -> bool:
+    """A gated MLP written `down(act(gate(x)) * up(x))` (transformers' LlamaMLP, torchtune's
+    FeedForward, the reference model): the activation exists when up runs. LitGPT's LLaMAMLP
+    and Liger's fused SiLU-mul run both projections first."""
+    return (ctx.spec.mlp_kind == "gated" and not ctx.training.liger
+            and ctx.training.framework in ("hf", "reference", "torchtune"))
+
+
+def _step(name: str, act_before_up: bool = True) -> int:
     """Index in _ORDER of the first group whose prefix matches (later groups are more
     specific only for lora.*; attn.* and mlp.* fall through to their generic groups)."""
+    if name == "mlp.act" and not act_before_up:
+        return _ORDER.index(("mlp.",))
     for i, prefixes in enumerate(_ORDER):
         if name.startswith(prefixes):
             return i
@@ -437,13 +403,14 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
         (["gate_up"] if "gate_up" in groups else ["gate", "up"]) + ["down"]
         if ctx.spec.mlp_kind == "gated" else ["up", "down"])
     best = (0, -(1 << 62))
+    act_first = _act_before_up(ctx)
     for t in linears:
         adapted = t in targets
         if not adapted and tr.finetune != "qlora":
             continue
         step = _STEP_OF[t]
         mlp = step >= 5
-        kept = sum(s.nbytes for s in saved if _step(s.name) <= step) if held else 0
+        kept = sum(s.nbytes for s in saved if _step(s.name, act_first) <= step) if held else 0
         w_in, w_out = _in_width(x, t), _out_width(x, t)
         work = 0
         if keep_r:  # the layer's input (the caller's variable) and, in the MLP, the residual

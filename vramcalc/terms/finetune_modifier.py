@@ -15,11 +15,11 @@ from vramcalc.terms.finetune_activations import (
     compiled_nf4,
     dora_weight_copy_bytes,
     embedding_trained,
-    first_layer_unsaved_bytes,
     forward_working_bytes,
     held_4bit_inputs,
     worst_forward_instant,
 )
+from vramcalc.terms.first_layer import first_layer_unsaved_bytes
 from vramcalc.terms.saved import Modifier, Moment, Saved, dims
 from vramcalc.units import alloc
 

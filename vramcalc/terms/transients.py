@@ -303,7 +303,8 @@ def autocast_cache_head_bytes(ctx: RankContext) -> int:
         return out
     x = sharded_numel(ctx.spec.vocab_size * ctx.spec.hidden_size, ctx.parallel.tp)
     out = alloc(x, ctx.training.compute_dtype) if ctx.training.is_autocast else 0
-    if ctx.training.lora_head:  # the trained A (r, h) and B (V, r) are cached too
+    if ctx.training.lora_head and not ctx.training.adapters_16bit:
+        # the trained fp32 A (r, h) and B (V, r) are cached too (16-bit ones are not cast)
         r, c = ctx.training.lora_rank, ctx.training.compute_dtype
         out += alloc(r * ctx.spec.hidden_size, c) + alloc(ctx.spec.vocab_size * r, c)
     return out

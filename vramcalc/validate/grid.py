@@ -362,6 +362,11 @@ FINETUNE_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
                          "trl_chunked_ce": True}),
     ("qwen2-bias", "hf", {"finetune": "lora", "precision": "bf16-pure", "adapters_16bit": True,
                           "lora_targets": "all-linear"}),
+    # MLP-only adapters: the first layer records nothing before its first adapter; the
+    # forward peaks at up's adapter, after gate and act exist
+    ("llama-deep", "hf", {"finetune": "lora", "precision": "bf16-pure", "lora_targets": "up"}),
+    ("llama-gqa", "reference", {"finetune": "lora", "lora_targets": "gate,up,down",
+                                "lora_dropout": 0.1}),
 )
 
 
