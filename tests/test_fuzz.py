@@ -300,7 +300,7 @@ TRL_KEYS = ["dtype", "bf16", "fp16", "use_peft", "use_dora", "lora_r", "lora_dro
             "gradient_checkpointing", "gradient_checkpointing_kwargs", "attn_implementation",
             "optim", "use_liger_kernel", "loss_type", "deepspeed", "num_processes",
             "load_in_4bit", "use_bnb_nested_quant", "bnb_4bit_quant_type", "torch_dtype",
-            "packing"]
+            "packing", "packing_strategy", "padding_free"]
 LITGPT_HEAD = ("checkpoint_dir: checkpoints/meta-llama/Llama-3.2-1B\nprecision: bf16-true\n"
                "lora_r: 8\ntrain:\n  micro_batch_size: 1\n  max_seq_length: 64")
 LITGPT_KEYS = ["precision", "quantize", "devices", "num_nodes", "lora_r", "lora_query",

@@ -118,6 +118,19 @@ def test_4bit_loading_is_qlora_with_trls_bf16_adapters() -> None:
     assert nested["nf4_double_quant"] is True
 
 
+@pytest.mark.parametrize(("extra", "rows"), [
+    # sft_trainer.py: padding_free = padding_free or (packing and strategy in bfd, bfd_split);
+    # the collator then concatenates the batch of 2 into one row (1, sum of lengths)
+    ("packing: true\n", (1, 4096)),
+    ("packing: true\npacking_strategy: bfd_split\n", (1, 4096)),
+    ("padding_free: true\n", (1, 4096)),
+    ("packing: true\npacking_strategy: wrapped\n", (2, 2048)),  # rows of max_length
+])
+def test_packing_and_padding_free_rows(extra: str, rows: tuple[int, int]) -> None:
+    vals = _values(LORA + extra)
+    assert (vals["micro_batch_size"], vals["seq_len"]) == rows
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     ("max_seq_length: 512\n", "current releases read max_length"),
     ("torch_dtype: bfloat16\n", "current releases read dtype"),
@@ -127,7 +140,8 @@ def test_4bit_loading_is_qlora_with_trls_bf16_adapters() -> None:
     ("load_in_4bit: true\nuse_peft: true\n", "load_in_4bit with dtype 'float32'"),
     ("load_in_4bit: true\nuse_peft: true\ndtype: bfloat16\nbnb_4bit_quant_type: int4\n",
      "bnb_4bit_quant_type 'int4'"),
-    ("packing: true\n", "packing is not modelled"),
+    ("packing: true\npacking_strategy: greedy\n", "packing_strategy 'greedy'"),
+    ("packing: true\nmax_length: null\n", "packing with max_length null"),
     ("loss_type: dft\n", "loss_type 'dft'"),
     ("dtype: bfloat16\nfp16: true\n", "under fp16 autocast"),
     ("num_processes: 4\n", "num_processes = 4"),

@@ -13,6 +13,7 @@ TrainingArguments), sft_trainer.py. One YAML holds the keys of all three datacla
 | use_peft (False), use_dora, lora_r (16), lora_dropout (0.05), lora_target_modules (PEFT's default for the model type), lora_modules_to_save | finetune lora or dora, lora_rank, lora_dropout, lora_targets, modules_to_save |
 | load_in_4bit (False), use_bnb_nested_quant (False), bnb_4bit_quant_type ("nf4"; "fp4" stores the same bytes), bnb_4bit_quant_storage | finetune qlora (qlora_impl bnb), nf4_double_quant, adapters_16bit: TRL casts a 4-bit model's trained parameters to bf16 (`sft_trainer.py`, `_is_quantized_model`); bitsandbytes computes in `dtype`, which must be bfloat16 |
 | max_length (1024) | seq_len: samples are cut there and a batch is padded to its longest |
+| packing (False), packing_strategy ("bfd"), padding_free (False) | padding-free rows (`packing` with bfd or bfd_split, or `padding_free`): the collator concatenates the batch into one row of up to per_device_train_batch_size × max_length tokens (`DataCollatorForLanguageModeling.torch_call`), so micro_batch_size 1 and seq_len that product; `wrapped` packing without padding_free: rows of exactly max_length |
 | per_device_train_batch_size (8), gradient_accumulation_steps (1) | micro_batch_size, grad_accum |
 | gradient_checkpointing (True; SFTConfig's own default), gradient_checkpointing_kwargs | recompute full, use_reentrant (transformers 5.x: non-reentrant unless the kwargs say) |
 | attn_implementation (transformers' default, SDPA) | attention flash, or eager |
@@ -25,7 +26,7 @@ TrainingArguments), sft_trainer.py. One YAML holds the keys of all three datacla
 these defaults do not describe: they are refused with a pointer to the new names. What
 changes memory but is not modelled is an error: 8-bit loading, 4-bit loading with a compute
 dtype other than bfloat16 (TRL's default `dtype` float32 makes bitsandbytes compute in
-fp32), packing and padding-free rows, activation offloading, the DFT loss, an accelerate config
+fp32), activation offloading, the DFT loss, an accelerate config
 file, and FSDP.
 """
 
@@ -42,7 +43,7 @@ _TRL = "TRL config"
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "auto": "bf16"}
 _RENAMED = {"max_seq_length": "max_length (TRL 0.20)", "torch_dtype": "dtype (TRL 0.27)"}
 # keys that switch on what is not modelled (model_config.py, sft_config.py, TrainingArguments)
-_REFUSED = ("load_in_8bit", "packing", "padding_free", "activation_offloading",
+_REFUSED = ("load_in_8bit", "activation_offloading",
             "accelerate_config", "fsdp", "fsdp_config", "torch_compile")
 
 
@@ -125,6 +126,7 @@ def trl_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         vals["seq_len"] = count(data.get("max_length", 1024), "max_length", _TRL)
     vals["micro_batch_size"] = count(data.get("per_device_train_batch_size", 8),
                                      "per_device_train_batch_size", _TRL)
+    rows = _rows(data, vals)
     vals["grad_accum"] = count(data.get("gradient_accumulation_steps", 1),
                                "gradient_accumulation_steps", _TRL)
     if flag({"gradient_checkpointing": True, **data}, "gradient_checkpointing", who=_TRL):
@@ -149,6 +151,30 @@ def trl_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if data.get("num_processes") is not None:
         vals["_devices"] = count(data["num_processes"], "num_processes", _TRL)
     notes.insert(0, f"read as a TRL SFT config: {model}, {vals['finetune']}, precision "
-                    f"{vals['precision']}; samples cut at max_length {vals.get('seq_len')} (a "
-                    "batch is padded to its longest: --seq-len to give that)")
+                    f"{vals['precision']}; {rows}")
     return vals, notes
+
+
+def _rows(data: dict[str, Any], vals: dict[str, Any]) -> str:
+    """The rows TRL's collator makes (sft_trainer.py: `self.padding_free = args.padding_free
+    or (args.packing and args.packing_strategy in {"bfd", "bfd_split"})`), as micro-batch
+    and sequence length, and the note that says so."""
+    packing = flag(data, "packing", who=_TRL)
+    strategy = data.get("packing_strategy", "bfd")
+    if packing and strategy not in ("bfd", "bfd_split", "wrapped"):
+        raise InputError(f"{_TRL}: packing_strategy {shown(strategy)} is not one of bfd, "
+                         "bfd_split, wrapped")
+    free = flag(data, "padding_free", who=_TRL) or (packing and strategy != "wrapped")
+    length = vals.get("seq_len")
+    if (packing or free) and length is None:
+        raise InputError(f"{_TRL}: {'packing' if packing else 'padding_free'} with "
+                         "max_length null is not modelled: give max_length")
+    if free:
+        b = vals["micro_batch_size"]
+        vals["micro_batch_size"], vals["seq_len"] = 1, b * length
+        return (f"padding-free: the batch of {b} is one row of up to {b} x {length} tokens "
+                "(full bins; fewer tokens use less)")
+    if packing:
+        return f"wrapped packing: every row holds max_length {length} tokens"
+    return (f"samples cut at max_length {length} (a batch is padded to its longest: "
+            "--seq-len to give that)")
