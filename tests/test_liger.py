@@ -145,3 +145,18 @@ def test_the_trace_and_the_analytic_model_agree_on_liger_rows() -> None:
         _, scn = scenario_for("llama-gqa", framework="hf", liger=True, **kw)
         ana, tra = estimate(scn), trace(scn).report
         assert abs(ana.peak_allocated_bytes / tra.peak_allocated_bytes - 1) < 0.03
+
+
+def test_liger_lora_forward_counts_the_residual_once() -> None:
+    # LigerRMSNorm keeps X, the residual itself: the forward instant at each adapter holds
+    # it once (transformers' RMSNorm keeps an fp32 copy beside it instead)
+    pytest.importorskip("torch")
+    from vramcalc.trace.engine import trace
+    from vramcalc.validate import scenario_for
+
+    for targets in ("all-linear", "up"):
+        _, scn = scenario_for("llama-deep", framework="hf", liger=True, finetune="lora",
+                              precision="bf16-pure", lora_targets=targets)
+        ana, tra = estimate(scn), trace(scn).report
+        assert ana.peak_phase == tra.peak_phase == "forward"
+        assert abs(ana.peak_allocated_bytes / tra.peak_allocated_bytes - 1) < 1e-4

@@ -397,7 +397,8 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
     targets = set(_targets(ctx))
     names = {t.name for t in saved}
     T, c, r = x.T, x.c, x.r
-    keep_r = hf and r != "fp32"  # hf's norms save an fp32 copy, not the residual itself
+    # hf's norms save an fp32 copy, not the residual itself (LigerRMSNorm keeps X: in `kept`)
+    keep_r = hf and r != "fp32" and not tr.liger
     groups = fused_groups(ctx.spec, tr.framework)
     linears = (["qkv"] if "qkv" in groups else ["q", "k", "v"]) + ["o"] + (
         (["gate_up"] if "gate_up" in groups else ["gate", "up"]) + ["down"]

@@ -76,18 +76,22 @@ def _before_the_first_adapter(ctx: RankContext, saved: list[Saved], targets: set
     goes. Without an o adapter the residual needs no gradient until the MLP: the second norm
     records nothing, and in a dense gated MLP `silu(gate)` keeps gate only if gate has an
     adapter, `act · up` keeps up for dL/dact only if gate has one and act for dL/dup only if
-    up has one; the masks of adapters whose input needs no gradient go too."""
+    up has one (Liger's fused SiLU-mul keeps both or, with neither adapted, none); the masks
+    of adapters whose input needs no gradient go too."""
     o_shares = "o" in targets and adapter_saved(ctx, dims(ctx), "o")[1]
     gone = sum(t.nbytes for t in saved if (t.name == "attn.out" and not o_shares)
                or t.name == "lora.o.dropout_mask")
-    if "o" in targets or ctx.spec.mlp_kind != "gated" or any(
-            t.name.startswith("moe.") for t in saved) or ctx.training.liger:
+    if "o" in targets:
+        return gone
+    gone += sum(t.nbytes for t in saved if t.name.startswith("post_norm."))
+    if ctx.spec.mlp_kind != "gated" or any(t.name.startswith("moe.") for t in saved):
         return gone
     gate, up = "gate" in targets, "up" in targets
-    dropped = {"mlp.gate": not gate, "mlp.up": not gate, "mlp.act": not up,
+    fused = ctx.training.liger  # LigerSiLUMulFunction saves (gate, up) when it records
+    dropped = {"mlp.gate": not (gate or up) if fused else not gate,
+               "mlp.up": not (gate or up) if fused else not gate, "mlp.act": not up,
                "mlp.gate_up": not (gate or up),
                "lora.gate.dropout_mask": True, "lora.up.dropout_mask": True,
                "lora.gate_up.dropout_mask": True,
                "lora.down.dropout_mask": not (gate or up)}
-    return gone + sum(t.nbytes for t in saved if t.name.startswith("post_norm.")
-                      or dropped.get(t.name, False))
+    return gone + sum(t.nbytes for t in saved if dropped.get(t.name, False))
