@@ -24,10 +24,10 @@ def low_precision(training: TrainingConfig) -> bool:
 
 def offloads_activations(training: TrainingConfig) -> bool:
     """The layers' saved tensors wait in pinned host memory (torchtune OffloadActivations);
-    under full recompute the layers keep only their inputs, which stay on the device, except
-    in the torchtune profile: torch's non-reentrant checkpoint saves each layer's input
-    with `ctx.save_for_backward` (torch/utils/checkpoint.py `_NoopSaveInputs`), which the
-    recipe's offloading hooks around the model's forward move to the host."""
+    under full recompute (the torchtune profile only: vramcalc/stack_rules.py) torch's
+    non-reentrant checkpoint saves each layer's input with `ctx.save_for_backward`
+    (torch/utils/checkpoint.py `_NoopSaveInputs`), which the recipe's offloading hooks
+    around the model's forward move to the host, with the final norm's tensors."""
     return training.activation_offload and (training.recompute != "full"
                                             or training.framework == "torchtune")
 

@@ -172,6 +172,13 @@ def torchtune_training_problem(tr: Any) -> str | None:
         elif tr.async_tp and tr.framework != "torchtitan":
             flag = (f"--async-tp: async tensor parallelism is modelled for the torchtitan "
                     f"profile only, not {tr.framework} (use --framework torchtitan)")
+        elif tr.activation_offload and tr.recompute == "full":
+            # features.offloads_activations: outside torchtune the inputs would stay, which
+            # no stack's offloading does (TRL's and torchtune's hooks wrap the checkpoints)
+            flag = ("--activation-offload with --recompute full is modelled for --framework "
+                    "torchtune, whose recipes' hooks around the model's forward move each "
+                    "layer's checkpoint input to the host; TRL's activation_offloading and "
+                    "transformers' checkpoint offload are not modelled")
         elif tr.packed:
             flag = (f"--packed: packed sequences are modelled for the torchtune profile only "
                     f"(PackedDataset's input_pos and document mask), not {tr.framework} (use "

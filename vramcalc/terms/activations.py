@@ -181,6 +181,13 @@ def activation_host_bytes(ctx: RankContext, in_flight: float = 1.0) -> int:
 
 
 # ---- per micro-batch, outside the layers -----------------------------------------------
+def head_side_bytes(ctx: RankContext) -> int:
+    """The head's saved bytes on the device (some modifiers move part of them to the host)."""
+    head = head_saved(ctx)
+    return sum(t.nbytes for t in head) - sum(m.offloaded_head_bytes(ctx, head)
+                                             for m in modifiers(ctx))
+
+
 def head_saved(ctx: RankContext) -> list[Saved]:
     """Last stage: final norm input/statistics and the lm_head input, changed by each
     modifier's `head_saved` hook (a frozen lm_head, per-chunk inputs)."""
@@ -195,7 +202,7 @@ def head_saved(ctx: RankContext) -> list[Saved]:
 def microbatch_activation_bytes(ctx: RankContext) -> int:
     """Everything one micro-batch keeps for backward on this rank at the end of its forward:
     the stage's layers plus the embedding-side and head-side tensors."""
-    edges = sum(t.nbytes for t in embedding_saved(ctx) + head_saved(ctx))
+    edges = sum(t.nbytes for t in embedding_saved(ctx)) + head_side_bytes(ctx)
     resident = resident_layer_bytes(ctx)
     if resident is not None:
         # the rest is in host memory, the rotary tables and mask the layers saved included

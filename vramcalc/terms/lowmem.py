@@ -177,6 +177,16 @@ def offloaded_edge_bytes(ctx: RankContext) -> int:
         ("rope.", "attn.mask", "position_ids")) and not stays_on_device(t))
 
 
+def offloaded_head_bytes(ctx: RankContext, head: list[Saved]) -> int:
+    """Of the head's saved tensors (`head`), those in host memory: torchtune's recipes wrap
+    the whole model's forward but the output projection in the offloading hooks
+    (`get_act_offloading_ctx_manager`), so under checkpointing the final norm's go too."""
+    if ctx.training.framework != "torchtune" or ctx.training.recompute != "full":
+        return 0
+    return sum(t.nbytes for t in head
+               if t.name.startswith("final_norm.") and not stays_on_device(t))
+
+
 class ActivationOffload(Modifier):
     """The layers' saved tensors in pinned host memory between forward and backward."""
 
@@ -203,6 +213,9 @@ class ActivationOffload(Modifier):
 
     def offloaded_edge_bytes(self, ctx: RankContext) -> int:
         return offloaded_edge_bytes(ctx)
+
+    def offloaded_head_bytes(self, ctx: RankContext, head: list[Saved]) -> int:
+        return offloaded_head_bytes(ctx, head)
 
     def host_bytes(self, ctx: RankContext, saved: list[Saved], in_flight: float) -> int:
         return offload_host_bytes(ctx, saved, in_flight)

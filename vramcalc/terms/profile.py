@@ -98,7 +98,7 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
     return Profile(
         n_dense=n_dense, dense_layer=dense, n_moe=n_moe, moe_layer=moe, moe_mask=mask,
         embedding_side=sum(t.nbytes for t in act.embedding_saved(ctx)),
-        head_side=sum(t.nbytes for t in act.head_saved(ctx)),
+        head_side=act.head_side_bytes(ctx),
         top_moments=tuple(act.layer_backward_moments(ctx, top_moe)) if ctx.num_layers else (),
         bottom_moments=tuple(act.layer_backward_moments(ctx, bottom_moe)) if ctx.num_layers
         else (),

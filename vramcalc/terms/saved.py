@@ -258,6 +258,10 @@ class Modifier:
         """Embedding-side saved bytes that leave the device with the layers."""
         return 0
 
+    def offloaded_head_bytes(self, ctx: RankContext, head: list[Saved]) -> int:
+        """Of the head's saved tensors (`head`), the bytes in host memory."""
+        return 0
+
     def host_bytes(self, ctx: RankContext, saved: list[Saved], in_flight: float) -> int:
         """Host memory for `in_flight` micro-batches of layers saving `saved` each."""
         return 0

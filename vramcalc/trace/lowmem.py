@@ -122,10 +122,42 @@ class _OffloadStore:
         return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
 
+def _offload_model_forward(model: nn.Module, store: _OffloadStore, params: set[int]) -> None:
+    """torchtune's recipes with activation checkpointing (recipes/*_single_device.py
+    `with self.activations_handling_ctx: logits = self._model(**batch)`): the hooks wrap the
+    model's forward from outside every checkpoint, so each checkpoint's saved inputs go to
+    the host and the layers' own tensors to the checkpoint (recomputed in backward, outside
+    the hooks); `get_act_offloading_ctx_manager` turns them off inside the output projection,
+    and the loss runs after the context: here the hooks end when the head first runs."""
+    hooks = _LayerOffload(0, store, params)
+    duck: Any = model
+    head = duck.lm_head
+    ctx: list[Any] = []
+
+    def enter(*_: Any) -> None:
+        ctx.append(torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack))
+        ctx[-1].__enter__()
+
+    def leave(*_: Any) -> None:
+        if ctx:
+            ctx.pop().__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    head.register_forward_pre_hook(leave)
+    model.register_forward_hook(leave)
+
+
 def apply_activation_offload(model: nn.Module, scn: Any) -> nn.Module:
-    """Wrap each transformer layer's forward in offloading saved-tensor hooks."""
+    """Wrap each transformer layer's forward in offloading saved-tensor hooks (torchtune's
+    recipes with checkpointing: the whole model's forward, `_offload_model_forward`)."""
     # a ReferenceModel, or a transformers causal LM (or the PEFT model around one): duck-typed
     duck: Any = model
+    if scn.training.framework == "torchtune" and scn.training.recompute == "full":
+        store = _OffloadStore()
+        duck._vramcalc_offload = store
+        _offload_model_forward(model, store,
+                               {p.untyped_storage()._cdata for p in model.parameters()})
+        return model
     causal = duck.get_base_model() if hasattr(duck, "get_base_model") else duck
     layers = causal.get_decoder().layers if scn.training.framework == "hf" else causal.layers
     store = _OffloadStore()

@@ -335,6 +335,11 @@ FINETUNE_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("llama-gqa", "hf", {"finetune": "lora", "activation_offload": True, "lora_dropout": 0.1}),
     ("llama-mha", "reference", {"finetune": "lora", "activation_offload": True,
                                 "attention": "eager", "chunked_ce": 4}),
+    # torchtune's recipes: the hooks wrap the model's forward, outside every checkpoint
+    ("llama-gqa", "torchtune", {"finetune": "lora", "precision": "bf16-pure", "recompute": "full",
+                                "activation_offload": True, "lora_targets": "all-linear"}),
+    ("llama-deep", "torchtune", {"finetune": "full", "precision": "bf16-pure",
+                                 "recompute": "full", "activation_offload": True}),
     # HF Trainer's autocast over a 16-bit model: only the adapters' matmuls cast
     ("llama-gqa", "hf", {"finetune": "lora", "precision": "bf16-autocast",
                          "lora_targets": "all-linear", "lora_dropout": 0.05}),
