@@ -26,8 +26,8 @@ def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
     """Bytes the first layer of the first stage does not keep because its input (the frozen
     embedding's output) needs no gradient: its input norm's tensors, the q/k/v adapters'
     dropout masks, eager attention's q (k) copy when k (q) has no adapter, and, when no q/k/v
-    is adapted, the attention core's (an approximation documented in docs/finetuning.md)
-    and what `_before_the_first_adapter` lists.
+    is adapted, the attention core's and what `_before_the_first_adapter` lists (a 2-matrix
+    or MoE MLP is counted as in the other layers: docs/finetuning.md).
     `saved`: the first layer's saved list."""
     if not ctx.is_first_stage or not ctx.num_layers or (
             embedding_trained(ctx.training)):  # the embedding's output needs a gradient
