@@ -258,6 +258,22 @@ def test_embedding_adapter_makes_the_first_layer_keep_its_tensors() -> None:
     assert act.first_layer_gap(ctx(lora_embedding=True)) == 0
     extra = {t.name: t.nbytes for t in act.embedding_saved(ctx(lora_embedding=True))}
     assert extra["lora.embed.a_out"] == 2 * 1024 * 8 * 4  # T = b·s = 2·1024, r = 8, fp32
+    kept16 = {t.name: t for t in act.embedding_saved(ctx(lora_embedding=True,
+                                                         adapters_16bit=True))}
+    assert kept16["lora.embed.a_out"].dtype == "bf16"  # in the adapters' dtype
+
+
+def test_embedding_adapter_with_checkpointing_agrees_with_the_trace() -> None:
+    # HF Trainer enables checkpointing after get_peft_model: transformers'
+    # enable_input_require_grads then hooks the adapted embedding, whose output already
+    # requires grad, so the base embedding's output is not made a leaf the graph holds
+    pytest.importorskip("peft")
+    from vramcalc.trace.engine import trace
+
+    _, scn = scenario_for("llama-deep", framework="hf", finetune="lora", recompute="full",
+                          precision="bf16-pure", lora_embedding=True, seq_len=256)
+    analytic = estimate(scn).peak_allocated_bytes
+    assert abs(analytic / trace(scn).report.peak_allocated_bytes - 1) < 5e-4
 
 
 @pytest.mark.parametrize(("args", "words"), [

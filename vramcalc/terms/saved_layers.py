@@ -448,10 +448,10 @@ def embedding_saved(ctx: RankContext) -> list[Saved]:
     if tr.packed:  # torchtune's input_pos and document mask (vramcalc/terms/packed.py)
         out += packed_batch_saved(ctx)
     if tr.lora_embedding and ctx.is_first_stage:
-        # PEFT lora.Embedding: after_A = F.embedding(ids, Aᵀ) (T, r) in the adapters' fp32,
+        # PEFT lora.Embedding: after_A = F.embedding(ids, Aᵀ) (T, r) in the adapters' dtype,
         # kept by after_A @ Bᵀ (under autocast its 16-bit cast is what the matmul keeps)
         out.append(Saved("lora.embed.a_out", x.T * tr.lora_rank, x.c if x.amp or tr.autocast_16bit
-                         else "fp32", "(T, r)", "kept by B"))
+                         else tr.adapter_dtype, "(T, r)", "kept by B"))
     if hf and tr.recompute != "none":
         # the checkpointed calls keep the model's position ids (and eager's float mask)
         out.append(Saved("position_ids", x.s, "int64", "(s)", "checkpoint input"))

@@ -163,6 +163,11 @@ def build_model(scn: Scenario) -> Any:
         from vramcalc.trace.lora import apply_finetune
 
         model = apply_finetune(model, scn)
+        if tr.framework == "hf" and tr.recompute == "full" and not tr.kbit_prepare:
+            from vramcalc.trace.hf_models import enable_checkpointing
+
+            peft_model: Any = model
+            enable_checkpointing(peft_model.get_base_model(), tr)
     if tr.precision == "fp8" or tr.qat != "none":  # FP8 / QAT linears (trace/lowprec.py)
         from vramcalc.trace.lowprec import apply_lowprec
 

@@ -363,11 +363,19 @@ def build_hf_model(spec: ModelSpec, training: TrainingConfig, dtype: Any) -> Any
         model.loss_function = shifted_logits_loss
         if loss_in_forward(training):  # before 4.46: the forward's own upcast (hf_stack.py)
             model.get_output_embeddings().register_forward_hook(upcast_output)
-    if training.recompute == "full" and not training.kbit_prepare:  # PEFT's prepare enables it
-        enable = getattr(model, "activation_checkpointing_enable", None) or (
-            model.gradient_checkpointing_enable)  # renamed in transformers 5.x
-        enable({"use_reentrant": training.reentrant})
+    if training.recompute == "full" and training.finetune == "full":
+        enable_checkpointing(model, training)
     return model
+
+
+def enable_checkpointing(model: Any, training: Any) -> None:
+    """HF Trainer's `gradient_checkpointing_enable` (renamed in transformers 5.x), which the
+    Trainer calls on the model it trains: under PEFT after `get_peft_model` (the input
+    embeddings it then makes require grad are the adapted module, if the embedding has an
+    adapter), except with `--kbit-prepare`, whose preparation enables it before."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or (
+        model.gradient_checkpointing_enable)
+    enable({"use_reentrant": training.reentrant})
 
 
 @contextlib.contextmanager
