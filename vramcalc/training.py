@@ -92,12 +92,12 @@ FRAMEWORKS: tuple[str, ...] = ("reference", "hf", "megatron", "torchtitan", "tor
 
 
 def adapter_dtype(framework: str, weight_dtype: str, keep_16bit: bool = False) -> str:
-    """Adapter parameters' dtype: PEFT (hf) upcasts 16-bit adapters to fp32 unless told not
-    to (`keep_16bit`: TrainingConfig.adapters_16bit), and so does unsloth (unsloth_zoo
-    training_utils.py `prepare_model_for_training`, `upcast = True`); the reference model
-    keeps the policy's weight dtype."""
+    """Adapters' dtype: PEFT (hf) upcasts 16-bit adapters to fp32 unless `keep_16bit`
+    (TrainingConfig.adapters_16bit), as unsloth does (unsloth_zoo training_utils.py
+    `prepare_model_for_training`, `upcast = True`); others keep the weight dtype."""
     upcast = framework in ("hf", "unsloth") and not keep_16bit
     return "fp32" if upcast else weight_dtype
+
 
 class TrainingConfig(BaseModel):
     """One training job's per-step settings (parallel layout lives in ParallelConfig)."""

@@ -111,8 +111,9 @@ def dequantized_saved(ctx: RankContext) -> list[Saved]:
 
 def adapters_autocast_cache_bytes(ctx: RankContext) -> int:
     """Per-layer average of the 16-bit weight casts alive in forward under autocast: the
-    trained fp32 adapters' (cached; 16-bit ones are not cast) and, unless layers are recomputed, the frozen fp32 linear
-    weights' (saved by their matmuls for dL/dx; 16-bit ones, bf16-autocast, are not cast).
+    trained fp32 adapters' (cached; 16-bit ones are not cast) and, unless layers are
+    recomputed, the frozen fp32 linear weights' (saved by their matmuls for dL/dx; 16-bit
+    ones, bf16-autocast, are not cast).
     NF4 weights are not cast; frozen biases' casts are not saved. The first layer's q/k/v
     casts are not saved (no grad there) unless a trained embedding copy (modules_to_save)
     sends a gradient into it."""
