@@ -108,9 +108,10 @@ def test_what_is_not_modelled_is_one_error_line(args: list[str], message: str) -
 def test_a_recomputed_dora_layer_counts_its_forward_again() -> None:
     # with TRL's small loss the backward peaks while a checkpointed DoRA layer re-runs its
     # forward (peft 0.21.2 tuners/lora/dora.py: torch.eye(in), lora_weight, the fp32
-    # combination products) beside dL/d its output; without that instant the analytic
-    # engine was 27 % under the trace here, now within 8 % (what remains: DoRA's
-    # temporaries under autocast, methodology §20)
+    # combination products) beside dL/d its output and the gradients that reached it first;
+    # without that instant the analytic engine was 27 % under the trace here, now within
+    # 3 %, above it (DoRA's temporaries under autocast are approximated: the saved graph
+    # is counted as fp32 where autocast keeps its bf16 casts, methodology §10)
     pytest.importorskip("peft")
     from vramcalc.trace.engine import trace
 
@@ -118,4 +119,4 @@ def test_a_recomputed_dora_layer_counts_its_forward_again() -> None:
                           finetune="dora", lora_targets="all-linear", lora_dropout=0.1,
                           recompute="full", micro_batch_size=1, trl_chunked_ce=True)
     ratio = estimate(scn).peak_allocated_bytes / trace(scn).report.peak_allocated_bytes
-    assert 0.92 < ratio <= 1.0
+    assert 0.97 < ratio < 1.03

@@ -46,9 +46,7 @@ import dataclasses
 
 from vramcalc.finetune import (
     adapted_linears,
-    fused_groups,
 )
-from vramcalc.qlora import compiled_dequant_kept, dequant_matmul_bytes
 from vramcalc.rank import RankContext
 from vramcalc.terms.fsdp1 import mixed_units
 from vramcalc.terms.saved import (
@@ -148,18 +146,26 @@ def adapter_saved(ctx: RankContext, x: Dims, target: str) -> tuple[list[Saved], 
 
 
 def dora_weight_copy_bytes(ctx: RankContext) -> int:
-    """One layer's weight copies that DoRA's recomputed base matmuls (hf, dropout) keep and
-    that are casts of the parameter: W.to(fp32) of 16-bit weights without autocast, or
+    """One layer's weight copies that DoRA's recomputed base matmuls (hf, dropout) keep
+    (`dora_weight_copies`); under full recompute the re-run's (adapter_instants.py)."""
+    if ctx.training.recompute == "full":
+        return 0
+    return sum(dora_weight_copies(ctx).values())
+
+
+def dora_weight_copies(ctx: RankContext) -> dict[str, int]:
+    """Per adapted linear, the weight copy DoRA's recomputed base matmul (hf, dropout) keeps
+    when it is a cast of the parameter: W.to(fp32) of 16-bit weights without autocast, or
     autocast's second c cast of an fp32 weight (the base layer's matmul kept the first).
     16-bit adapters leave x in W's dtype: W.to(x.dtype) is W itself."""
     tr = ctx.training
     if (tr.framework != "hf" or tr.finetune != "dora" or not tr.lora_dropout
-            or tr.recompute == "full" or tr.autocast_16bit or tr.adapters_16bit
+            or tr.autocast_16bit or tr.adapters_16bit
             or (tr.weight_dtype == "fp32" and not tr.is_autocast)):
-        return 0
+        return {}
     x = dims(ctx)
     dt = tr.compute_dtype if tr.is_autocast else "fp32"
-    return sum(alloc(_in_width(x, t) * _out_width(x, t), dt) for t in _targets(ctx))
+    return {t: alloc(_in_width(x, t) * _out_width(x, t), dt) for t in _targets(ctx)}
 
 
 _DROP_QKV = ("attn.input", "attn.input.cast")
@@ -321,148 +327,3 @@ def bnb_keeps_inputs(ctx: RankContext) -> bool:
     stay (the q/k/v and gate/up inputs, o's and down's), except in the first layer, whose
     input needs no gradient (`ctx.tensors = (None, None)`)."""
     return ctx.training.finetune == "qlora" and ctx.training.nf4.keeps_input
-
-
-# ---- forward transients ------------------------------------------------------------------
-# Where each saved tensor of a layer appears in its forward (for "saved so far" at a moment)
-_ORDER = (("input_norm.",), ("attn.input", "lora.q.", "lora.k.", "lora.v.", "lora.qkv.",
-                             "attn.q_norm", "attn.k_norm"),
-          ("attn.",), ("lora.o.",), ("post_norm.",),
-          ("mlp.input", "lora.gate.", "lora.gate_up."), ("mlp.gate", "mlp.act"), ("lora.up.",),
-          ("mlp.",), ("lora.down.",))
-_STEP_OF = {"q": 1, "k": 1, "v": 1, "qkv": 1, "o": 3, "gate": 5, "up": 7, "gate_up": 5,
-            "down": 9}
-
-
-def _act_before_up(ctx: RankContext) -> bool:
-    """A gated MLP written `down(act(gate(x)) * up(x))` (transformers' LlamaMLP, torchtune's
-    FeedForward, the reference model): the activation exists when up runs. LitGPT's LLaMAMLP
-    and Liger's fused SiLU-mul run both projections first."""
-    return (ctx.spec.mlp_kind == "gated" and not ctx.training.liger
-            and ctx.training.framework in ("hf", "reference", "torchtune"))
-
-
-def _step(name: str, act_before_up: bool = True) -> int:
-    """Index in _ORDER of the first group whose prefix matches (later groups are more
-    specific only for lora.*; attn.* and mlp.* fall through to their generic groups)."""
-    if name == "mlp.act" and not act_before_up:
-        return _ORDER.index(("mlp.",))
-    for i, prefixes in enumerate(_ORDER):
-        if name.startswith(prefixes):
-            return i
-    return len(_ORDER)
-
-
-def compiled_nf4(ctx: RankContext) -> bool:
-    """A dense compiled torchao QLoRA layer, which keeps its dequantized weights
-    (vramcalc.qlora.compiled_dequant_kept; finetune_modifier.dequantized_saved)."""
-    tr = ctx.training
-    return compiled_dequant_kept(tr.compile, tr.finetune, tr.nf4) and not ctx.spec.is_moe
-
-
-def forward_working_bytes(ctx: RankContext, saved: list[Saved], held: bool = True) -> int:
-    """Worst transient inside the top layer's forward, under
-    LoRA/QLoRA/DoRA: at each adapted or quantized linear, the tensors of the layer saved so
-    far plus what is alive and not saved —
-
-    - the linear's input when nothing saves it (the normed input during q/k/v and gate/up,
-      the act·up product during down), and under the hf profile the layer's residual and the
-      model's `inputs_embeds` local (first stage);
-    - QLoRA: the dequantized weight, its two fp32 absmax buffers and the output
-      (vramcalc.qlora.dequant_matmul_bytes);
-    - the adapter's sum y + B(A(x))·α/r: the base output y (c), B's output and its scaled
-      copy (c under autocast, else a_dt; PEFT adds in fp32 and casts back), PEFT's fp32
-      input cast when dropout makes it a temporary.
-
-    Returned as bytes above every saved tensor of the micro-batch's layers (the analytic
-    forward point adds them; may be negative, the caller takes a max); with `held=False`
-    (activation offloading: the saved tensors are in host memory) the temporaries alone.
-    `saved`: the first layer's saved list."""
-    if ctx.training.recompute == "full" or not ctx.num_layers:
-        return 0
-    kept, rest = worst_forward_instant(ctx, saved, held)
-    if kept + rest < 0:
-        return 0
-    return kept + rest - (sum(t.nbytes for t in saved) if held else 0)
-
-
-def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = True
-                          ) -> tuple[int, int]:
-    """(the layer's tensors saved so far, what else is alive) at the worst instant of
-    `forward_working_bytes` (also the instant of a recomputed layer's re-run forward)."""
-    tr = ctx.training
-    x = dims(ctx)
-    hf = tr.framework == "hf"
-    a_dt = tr.adapter_dtype
-    targets = set(_targets(ctx))
-    names = {t.name for t in saved}
-    T, c, r = x.T, x.c, x.r
-    # hf's norms save an fp32 copy, not the residual itself (LigerRMSNorm keeps X: in `kept`)
-    keep_r = hf and r != "fp32" and not tr.liger
-    groups = fused_groups(ctx.spec, tr.framework)
-    linears = (["qkv"] if "qkv" in groups else ["q", "k", "v"]) + ["o"] + (
-        (["gate_up"] if "gate_up" in groups else ["gate", "up"]) + ["down"]
-        if ctx.spec.mlp_kind == "gated" else ["up", "down"])
-    best = (0, -(1 << 62))
-    act_first = _act_before_up(ctx)
-    for t in linears:
-        adapted = t in targets
-        if not adapted and tr.finetune != "qlora":
-            continue
-        step = _STEP_OF[t]
-        mlp = step >= 5
-        kept = sum(s.nbytes for s in saved if _step(s.name, act_first) <= step) if held else 0
-        w_in, w_out = _in_width(x, t), _out_width(x, t)
-        work = 0
-        if keep_r:  # the layer's input (the caller's variable) and, in the MLP, the residual
-            work += alloc(T * x.h, r) * (2 if mlp else 1)
-        if hf and ctx.is_first_stage and (ctx.num_layers > 1 or not keep_r):
-            work += alloc(T * x.h, r)  # inputs_embeds, alive through the decoder's forward
-        if (not mlp and "attn.input" not in names) or (mlp and "mlp.input" not in names):
-            work += alloc(T * x.h, r)  # the normed input, the attention's / MLP's argument
-        down_in = "mlp.down_input" if ctx.spec.mlp_kind == "gated" else "mlp.act"
-        if t == "down" and down_in not in names:
-            work += alloc(T * w_in, _input_dtype(ctx, x, "down"))
-        y = alloc(T * w_out, c)
-        if compiled_nf4(ctx):
-            base_moment = y  # the fused kernel's bf16 weight is saved: in `kept`
-        elif tr.finetune == "qlora":
-            base_moment = dequant_matmul_bytes(w_in * w_out, c, tr.nf4, y)
-        else:
-            base_moment = 0
-        lora_moment = 0
-        if adapted and tr.finetune == "dora":
-            lora_moment = _dora_forward_bytes(ctx, x, t)
-        elif adapted:
-            ac = autocasts_adapters(ctx, x)
-            o_dt = c if ac else a_dt
-            extra = 0
-            if hf and (tr.lora_dropout > 0 or ac) and _input_dtype(ctx, x, t) != a_dt:
-                # PEFT's cast, bound to the forward's local `x` while the adapters run: A
-                # keeps the dropout output or (autocast) its own 16-bit cast instead
-                extra = alloc(T * w_in, a_dt)
-            sum_dt = "fp32" if hf and a_dt == "fp32" and not tr.autocast_16bit else c
-            lora_moment = y + max(2 * alloc(T * w_out, o_dt),
-                                  alloc(T * w_out, o_dt) + alloc(T * w_out, sum_dt)) + extra
-        best = max(best, (kept, work + max(base_moment, lora_moment)), key=sum)
-    return best
-
-
-def _dora_forward_bytes(ctx: RankContext, x: Dims, target: str) -> int:
-    """PEFT DoraLinearLayer.forward's temporaries (peft 0.21.2 tuners/lora/dora.py): the
-    larger of the weight-norm instant — torch.eye(in) and lora_A(eye) (kept by the graph of
-    lora_weight = lora_B(lora_A(eye))ᵀ until the layer returns), lora_weight (out, in), W cast
-    to the input's dtype, scaling·lora_weight and W + that — and the combination instant
-    (m/‖W‖ − 1)·base + m/‖W‖·lora·α/r, whose products are promoted to fp32 (T, out)."""
-    tr = ctx.training
-    a_dt = tr.adapter_dtype
-    w_in, w_out, r_a = _in_width(x, target), _out_width(x, target), tr.lora_rank
-    x_dt = a_dt if tr.framework == "hf" else _input_dtype(ctx, x, target)
-    n = w_in * w_out
-    graph = alloc(w_in * w_in, a_dt) + alloc(w_in * r_a, a_dt) + alloc(n, a_dt)
-    cast_w = alloc(n, x_dt) if (x_dt != tr.weight_dtype or tr.finetune == "qlora") else 0
-    cast_l = alloc(n, x_dt) if x_dt != a_dt else 0
-    norm = graph + cast_w + cast_l + 2 * alloc(n, x_dt)
-    y = alloc(x.T * w_out, x.c)
-    combine = graph + y + 3 * alloc(x.T * w_out, "fp32")
-    return max(norm, combine)

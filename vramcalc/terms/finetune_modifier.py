@@ -9,15 +9,19 @@ from vramcalc.features import finetunes
 from vramcalc.finetune import adapted_linears, shapes_for
 from vramcalc.qlora import dequant_backward_bytes
 from vramcalc.rank import RankContext
+from vramcalc.terms.adapter_instants import (
+    compiled_nf4,
+    forward_working_bytes,
+    recomputed_casts,
+    rerun_pending_bytes,
+    worst_forward_instant,
+)
 from vramcalc.terms.finetune_activations import (
     adjust_head_saved,
     adjust_layer_saved,
-    compiled_nf4,
     dora_weight_copy_bytes,
     embedding_trained,
-    forward_working_bytes,
     held_4bit_inputs,
-    worst_forward_instant,
 )
 from vramcalc.terms.first_layer import first_layer_unsaved_bytes
 from vramcalc.terms.saved import Modifier, Moment, Saved, dims
@@ -48,12 +52,13 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
                                   ctx.training.framework)) else 0
     casts = _recomputed_casts(ctx)
     out = []
-    if ctx.training.finetune == "dora" and ctx.training.recompute == "full":
+    if ctx.training.recompute == "full":
         # the checkpointed layer's forward runs again before its backward, while dL/d its
-        # output waits: the saved tensors made so far and the worst of DoRA's weight-norm
-        # and combination temporaries (peft 0.21.2 tuners/lora/dora.py), as in forward
-        kept, rest = worst_forward_instant(ctx, saved)
-        out.append(Moment("recompute", kept, g_res + rest, "none"))
+        # output waits: the saved tensors made so far and the worst adapter's temporaries
+        # (DoRA's weight-norm and combination ones, peft 0.21.2 tuners/lora/dora.py), as
+        # in forward
+        kept, rest = worst_forward_instant(ctx, saved, rerun=True)
+        out.append(Moment("recompute", kept, g_res + rerun_pending_bytes(ctx) + rest, "none"))
     for m in moments:
         if m.name == "mlp":
             held = m.held - down + casts.get("mlp", 0)
@@ -75,22 +80,14 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
 
 
 def _recomputed_casts(ctx: RankContext) -> dict[str, int]:
-    """LoRA/DoRA under autocast with full recompute: the recomputed layer casts its frozen
-    fp32 weights to 16 bits again, and each matmul keeps its cast for dL/dx (autocast caches
-    only casts of weights that need a gradient): at the MLP instant every cast but
-    down_proj's (its backward ran), at the attention core's the q, k and v ones (o's ran).
-    Dense layers (no NF4 weights, which are dequantized, not cast)."""
-    tr = ctx.training
-    if (tr.recompute != "full" or not dims(ctx).amp or tr.finetune not in ("lora", "dora")
-            or ctx.spec.is_moe):
+    """The recomputed layer's weight casts (finetune_activations.recomputed_casts) at the
+    MLP instant, every cast but down_proj's (its backward ran), and at the attention
+    core's, the q, k and v ones (o's ran)."""
+    casts = recomputed_casts(ctx)
+    if not casts:
         return {}
-    c = tr.compute_dtype
-    frozen = {t.name: alloc(t.numel, c) for t in shapes_for(ctx).frozen.tensors
-              if t.group == "layer" and t.rows and t.name.endswith(".weight")
-              and "norm" not in t.name}
-    qkv = sum(v for k, v in frozen.items() if k.startswith(("attn.q_", "attn.k_", "attn.v_")))
-    down = ("mlp.down_proj.weight", "mlp.proj.weight")
-    return {"mlp": sum(v for k, v in frozen.items() if k not in down), "attention": qkv}
+    return {"mlp": sum(v for k, v in casts.items() if k != "down"),
+            "attention": sum(v for k, v in casts.items() if k in ("q", "k", "v"))}
 
 
 def dequantized_saved(ctx: RankContext) -> list[Saved]:

@@ -49,6 +49,10 @@ def plain_forward_working_bytes(ctx: RankContext) -> int:
             # and the attention's residual
             n, normed, dt = (3 if ctx.spec.mlp_kind == "gated" else 2), 2 * alloc(
                 bsh(x), x.r), x.r
+        elif ctx.spec.mlp_kind == "gated":
+            # act(gate(x)) * up(x): gate's output is freed once act exists, so act, up and
+            # act·up beside the normed input and the residual after attention (both r)
+            n, normed = 3, 2 * alloc(bsh(x), x.r)
         else:
             normed = alloc(bsh(x), x.c)
         out = max(out, normed + n * alloc(x.N * f, dt))
@@ -178,10 +182,11 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
 
 
 def final_norm_backward_work_bytes(ctx: RankContext) -> int:
-    """transformers' Python RMSNorm backward through the final norm (the first one, with
-    every layer's activations still held): d x̂, the rsqrt/pow/mean chain and d x, five
-    fp32 (b, s, h) temporaries at once (its x̂ copy and lm_head's input are freed)."""
-    if (ctx.training.framework != "hf" or ctx.spec.norm_kind != "rmsnorm"
+    """The Python RMSNorm's backward through the final norm (the first one, with every
+    layer's activations still held): d x̂, the rsqrt/pow/mean chain and d x, five fp32
+    (b, s, h) temporaries at once (its x̂ copy and lm_head's input are freed). transformers'
+    LlamaRMSNorm and torchtune's RMSNorm (`modules/rms_norm.py`) run the same ops."""
+    if (ctx.training.framework not in ("hf", "torchtune") or ctx.spec.norm_kind != "rmsnorm"
             or not ctx.is_last_stage or not ctx.spec.final_norm or ctx.training.liger):
         return 0  # LigerRMSNorm's backward writes dX into dY (terms/liger.py)
     x = dims(ctx)

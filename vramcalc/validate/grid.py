@@ -215,7 +215,8 @@ def tune_grid() -> list[tuple[str, Scenario]]:
     """The torchtune profile (vramcalc/terms/torchtune.py; the trace runs torchtune's layer,
     its chunked losses and the pre-0.3 recipe's loss, vramcalc/trace/tune.py): full training,
     LoRA with the chunked loss, QLoRA, the 0.1 recipe, the main branch's
-    LinearCrossEntropyLoss in full training and LoRA, and LoRA on two FSDP2 ranks."""
+    LinearCrossEntropyLoss in full training and LoRA, LoRA on two FSDP2 ranks, and QLoRA
+    with a small vocabulary."""
     cases: tuple[tuple[str, dict[str, Any]], ...] = (
         ("", {}), ("lora/chunked4", {"finetune": "lora", "recompute": "full", "chunked_ce": 4}),
         ("qlora", {"finetune": "qlora", "recompute": "full"}),
@@ -231,6 +232,10 @@ def tune_grid() -> list[tuple[str, Scenario]]:
                              finetune="lora", recompute="full")
     out.append((f"{name}/lora/fsdp-full2", scn.model_copy(
         update={"parallel": ParallelConfig(dp=2, fsdp="full", fsdp_impl="fsdp2")})))
+    # a small vocabulary: the peak is the final RMSNorm's backward, every layer's activations held
+    name, scn = scenario_for("llama-deep", framework="torchtune", precision="bf16-pure",
+                             finetune="qlora", seq_len=2048)
+    out.append((f"{name}/qlora", scn))
     return out
 
 
@@ -372,6 +377,24 @@ FINETUNE_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("llama-deep", "hf", {"finetune": "lora", "precision": "bf16-pure", "lora_targets": "up"}),
     ("llama-gqa", "reference", {"finetune": "lora", "lora_targets": "gate,up,down",
                                 "lora_dropout": 0.1}),
+    # full recompute with a small vocabulary: the layers hold the peak, in the checkpointed
+    # forward (locals and adapter temporaries, nothing saved) and in backward's re-run
+    # (saves again beside the waiting gradients; stops early at the down adapter)
+    ("llama-deep", "hf", {"finetune": "lora", "precision": "bf16-pure", "recompute": "full",
+                          "lora_targets": "all-linear", "seq_len": 2048}),
+    ("llama-deep", "hf", {"finetune": "lora", "precision": "amp-bf16", "recompute": "full",
+                          "lora_targets": "all-linear", "seq_len": 2048}),
+    ("llama-deep", "hf", {"finetune": "lora", "precision": "bf16-autocast", "recompute": "full",
+                          "lora_targets": "all-linear", "lora_dropout": 0.1, "seq_len": 2048}),
+    ("llama-deep", "hf", {"finetune": "qlora", "precision": "bf16-pure", "recompute": "full",
+                          "lora_targets": "all-linear", "seq_len": 2048}),
+    ("llama-gqa", "hf", {"finetune": "lora", "precision": "bf16-pure", "recompute": "full",
+                         "liger": True, "lora_targets": "all-linear"}),
+    ("llama-deep", "hf", {"finetune": "dora", "precision": "bf16-pure", "recompute": "full",
+                          "lora_targets": "all-linear", "seq_len": 2048}),
+    ("llama-deep", "torchtune", {"finetune": "dora", "precision": "bf16-pure",
+                                 "recompute": "full", "lora_targets": "all-linear",
+                                 "seq_len": 2048}),
 )
 
 
