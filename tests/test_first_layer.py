@@ -11,6 +11,7 @@ Llama-3.1-8B's tensors by hand (T = 2,048 tokens, h 4,096, f 14,336, 8 KV heads 
 from __future__ import annotations
 
 import pytest
+from peft_mlp import peft_llama_mlp
 
 from vramcalc.analytic import estimate
 from vramcalc.options import build_scenario
@@ -40,31 +41,16 @@ def _gap(targets: str) -> int:
 def test_llama_mlp_keeps_only_what_its_adapters_need(targets: list[str], kept: set[str]
                                                       ) -> None:
     torch = pytest.importorskip("torch")
-    peft = pytest.importorskip("peft")
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaMLP
-
-    class Wrapper(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.mlp = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=96))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.mlp(x)
-
-    model = peft.get_peft_model(Wrapper().to(torch.bfloat16),
-                                peft.LoraConfig(r=4, target_modules=targets),
-                                autocast_adapter_dtype=False)
+    mlp = peft_llama_mlp(targets)
     saved: list[torch.Tensor] = []
     x = torch.randn(8, 64, dtype=torch.bfloat16)  # no grad: a frozen embedding's output
-    mlp = model.base_model.model.mlp
     outs: dict[str, torch.Tensor] = {}
     mlp.gate_proj.register_forward_hook(lambda m, i, o: outs.__setitem__("gate", o))
     mlp.up_proj.register_forward_hook(lambda m, i, o: outs.__setitem__("up", o))
     mlp.act_fn.register_forward_hook(lambda m, i, o: outs.__setitem__("act", o))
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
                                                   lambda t: t):
-        model(x)
+        mlp(x)
     wide = {name for name, t in outs.items() if any(s is t for s in saved)}
     assert wide == kept
     # each adapter's A keeps its input: x for gate and up, the product for down

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from peft_mlp import peft_llama_mlp
 
 from vramcalc.rank import RankContext
 from vramcalc.terms.adapter_instants import rerun_pending_bytes
@@ -21,23 +22,9 @@ def _mlp_backward_ops(fp32_adapters: bool) -> list[tuple[str, Any]]:
     """(op, output dtype) of every aten op backward runs through a checkpointed LlamaMLP
     whose down projection has a LoRA adapter (fp32, PEFT's default, or bf16)."""
     torch = pytest.importorskip("torch")
-    peft = pytest.importorskip("peft")
     from torch.utils._python_dispatch import TorchDispatchMode
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaMLP
 
-    class Wrapper(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.mlp = LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=96))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.mlp(x)
-
-    model = peft.get_peft_model(Wrapper().to(torch.bfloat16),
-                                peft.LoraConfig(r=4, target_modules=["down_proj"]),
-                                autocast_adapter_dtype=fp32_adapters)
-    mlp = model.base_model.model.mlp
+    mlp = peft_llama_mlp(["down_proj"], fp32_adapters)
     ops: list[tuple[str, Any]] = []
 
     class Log(TorchDispatchMode):
