@@ -122,9 +122,10 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
         adapted = t in targets
         if not adapted and tr.finetune != "qlora":
             continue
+        # a frozen 4-bit down projection saves nothing through the checkpoint's hooks: the
+        # re-run stops at act·up's inputs, before it (the act·up instant below)
         if rerun and t == "down" and not adapted and not tr.reentrant and not compiled_nf4(ctx):
-            continue  # a 4-bit down projection saves nothing through the hooks: the re-run
-            # stops at act·up's inputs, before it
+            continue
         step = _STEP_OF[t]
         mlp = step >= 5
         kept = sum(s.nbytes for s in saved if _step(s.name, act_first) <= step) if (
