@@ -106,6 +106,7 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
     targets = set(_targets(ctx))
     names = {t.name for t in saved}
     T, c, r = x.T, x.c, x.r
+    ac = autocasts_adapters(ctx, x)
     # hf's norms save an fp32 copy, not the residual itself (LigerRMSNorm keeps X: in `kept`)
     keep_r = tr.framework in ("hf", "torchtune") and r != "fp32" and not tr.liger
     groups = fused_groups(ctx.spec, tr.framework)
@@ -133,6 +134,7 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
         if rerun:  # the re-run's weight casts so far, each kept by its matmul
             kept += sum(b for letter, b in casts.items() if _STEP_OF[letter] <= step)
         w_in, w_out = _in_width(x, t), _out_width(x, t)
+        in_dt = _input_dtype(ctx, x, t)
         work = 0
         if nosave:
             work = _checkpointed_locals(ctx, x, t)
@@ -161,9 +163,9 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
         lora_moment = 0
         if adapted and tr.finetune == "dora":
             pre = post = 0  # alive from the weight norm on; at the combination only
-            cast_x = hf and _input_dtype(ctx, x, t) != a_dt
+            cast_x = hf and in_dt != a_dt
             if nosave:  # what A keeps otherwise (PEFT's cast of x) and lora_B's output
-                o_dt = c if autocasts_adapters(ctx, x) else a_dt
+                o_dt = c if ac else a_dt
                 pre = alloc(T * w_in, a_dt) if cast_x else 0
                 post = alloc(T * w_out, o_dt)
                 if hf and tr.lora_dropout > 0:  # dropout's output; the base output recomputed
@@ -175,10 +177,9 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
             lora_moment = _dora_forward_bytes(ctx, x, t, rerun and t == "down"
                                               and _stops_in_down(ctx), pre, post)
         elif adapted:
-            ac = autocasts_adapters(ctx, x)
             o_dt = c if ac else a_dt
             extra = 0
-            if hf and (tr.lora_dropout > 0 or ac or nosave) and _input_dtype(ctx, x, t) != a_dt:
+            if hf and (tr.lora_dropout > 0 or ac or nosave) and in_dt != a_dt:
                 # PEFT's cast, bound to the forward's local `x` while the adapters run: A
                 # keeps the dropout output or (autocast) its own 16-bit cast instead
                 extra = alloc(T * w_in, a_dt)
@@ -188,7 +189,7 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
                                   alloc(T * w_out, o_dt) + alloc(T * w_out, sum_dt)) + extra
             # while A runs: its argument, dropout's output, unless A keeps it, and in a
             # checkpointed forward autocast's cast of it (A keeps that cast otherwise)
-            dt_a = a_dt if hf and _input_dtype(ctx, x, t) != a_dt else _input_dtype(ctx, x, t)
+            dt_a = a_dt if hf and in_dt != a_dt else in_dt
             ac_cast = ac and dt_a != c
             a_moment = y + extra
             if tr.lora_dropout > 0 and (nosave or ac_cast):
