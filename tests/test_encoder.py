@@ -173,6 +173,8 @@ def _run(args: list[str]) -> tuple[int, str]:
     (["--tp", "2", "--gpus", "2xA100"], "tp=2"),
     (["--framework", "megatron"], "megatron"),
     (["--framework", "torchtitan"], "torchtitan"),
+    (["--framework", "torchtune"], "torchtune"),
+    (["--framework", "lightning"], "lightning"),
     (["--finetune", "lora"], "lora"),
     (["--recompute", "selective"], "selective"),
     (["--zero", "3", "--gpus", "8xA100"], "zero=3"),

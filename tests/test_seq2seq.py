@@ -176,6 +176,8 @@ def bart_json(tmp_path: Any) -> Any:
     ("trace", ["--target-len", "2000"], "--target-len 2000"),
     ("trace", ["--seq-len", "2000"], "--seq-len 2000"),
     ("trace", ["--task", "masked-lm"], "is an encoder-decoder"),
+    # torchtune's tables are its decoders'; the trace runs transformers' BART
+    ("estimate", ["--framework", "torchtune"], "--framework torchtune"),
 ])
 def test_unmodelled_is_refused(bart_json: Any, cmd: str, extra: list[str], words: str) -> None:
     code, err = _run([cmd, "--model", str(bart_json), "--seq-len", "512", *extra])

@@ -72,6 +72,10 @@ def encoder_unsupported(scn: Scenario) -> str | None:
     tr, par, spec = scn.training, scn.parallel, scn.model
     if tr.framework in ("megatron", "torchtitan"):
         return f"--framework {tr.framework} (its models are decoders; use --framework hf)"
+    if tr.framework not in ("hf", "reference"):
+        # torchtune's, LitGPT's and Unsloth's tables are their decoders' (their recipes
+        # train no BERT, T5 or BART); these models run transformers' own modeling code
+        return f"--framework {tr.framework} (use --framework hf, transformers' models)"
     # RoBERTa numbers positions from padding_idx + 1 = 2 (create_position_ids_from_input_ids)
     positions = spec.max_position_embeddings - (2 if spec.model_type in ROBERTA_TYPES else 0)
     lengths = (("--seq-len", tr.seq_len), ("--target-len", tr.target_len or 0))
