@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                "vramcalc.features", "vramcalc.ds_config", "vramcalc.hf_stack",
                "vramcalc.options", "vramcalc.provenance", "vramcalc.lengths",
                "vramcalc.evidence")),
-    ("shapes", ("vramcalc.sharding", "vramcalc.finetune", "vramcalc.rank",
+    ("shapes", ("vramcalc.sharding", "vramcalc.finetune", "vramcalc.peft_moe", "vramcalc.rank",
                 "vramcalc.terms.context")),
     ("terms", ("vramcalc.terms", "vramcalc.offload")),
     ("engine", ("vramcalc.analytic", "vramcalc.analytic_seq2seq", "vramcalc.phases",

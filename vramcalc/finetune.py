@@ -62,6 +62,13 @@ from vramcalc.model import ModelSpec
 from vramcalc.model_tensors import param_tensors
 from vramcalc.parallel import ParallelConfig
 from vramcalc.peft_file import analytic_refusal
+from vramcalc.peft_moe import (
+    check_expert_lora,
+    converted_letters,
+    expert_adapters,
+    mlp_names,
+    wrapped_parameters,
+)
 from vramcalc.qlora import (  # noqa: F401  (re-exported: the NF4 layout constants)
     NF4_BLOCK,
     NF4_CODE_ELEMS,
@@ -124,6 +131,14 @@ def target_param_names(spec: ModelSpec, targets: str) -> frozenset[str]:
         if t in wanted:
             names.update(f"{p}{mat}.weight" for p in _mlp_prefixes())
     return frozenset(names & present)
+
+
+def peft_adapted_linears(spec: ModelSpec, targets: str, framework: str, method: str,
+                         transformers_version: str | None) -> tuple[str, ...]:
+    """`adapted_linears` less the MLP letters PEFT moves to a MoE model's expert
+    parameters (vramcalc/peft_moe.py `converted_letters`)."""
+    gone = converted_letters(spec, framework, method, targets, transformers_version)
+    return tuple(t for t in adapted_linears(spec, targets, framework) if t not in gone)
 
 
 # Fused projections of the hf profile (transformers' modelling code): PEFT adapts the fused
@@ -209,7 +224,11 @@ def finetune_shapes(spec: ModelSpec, training: TrainingConfig, tp: int,
                             tr.lora_targets, tr.framework,
                             tr.adapter_dtype,
                             method_quantizes_head(spec, tr), tr.modules_to_save,
-                            tr.lora_embedding, tr.lora_head)
+                            tr.lora_embedding, tr.lora_head,
+                            wrapped_parameters(spec, tr.framework, tr.finetune,
+                                               tr.lora_targets, tr.transformers_version),
+                            converted_letters(spec, tr.framework, tr.finetune,
+                                              tr.lora_targets, tr.transformers_version))
 
 
 def method_quantizes_head(spec: ModelSpec, training: TrainingConfig) -> bool:
@@ -227,7 +246,9 @@ def method_quantizes_head(spec: ModelSpec, training: TrainingConfig) -> bool:
 def _finetune_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ...], ep: int,
                      stage: int, method: str, rank: int, targets: str, framework: str,
                      a_dtype: str, head: bool = False, saved_modules: str = "",
-                     lora_embedding: bool = False, lora_head: bool = False) -> FinetuneShapes:
+                     lora_embedding: bool = False, lora_head: bool = False,
+                     wrapped: tuple[str, ...] = (), converted: frozenset[str] = frozenset()
+                     ) -> FinetuneShapes:
     base = _rank_shapes(spec, tp, chunks, ep, stage)
     # PEFT's ModulesToSaveWrapper (peft 0.21.2 utils/other.py): the original module frozen,
     # plus a trained `copy.deepcopy` of it under the same parameter name here (its gradient
@@ -236,7 +257,7 @@ def _finetune_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ..
               if saved_modules and t.name in (
                   ("lm_head.weight",) if "lm_head" in saved_modules else ()) + (
                   ("embed_tokens",) if "embed_tokens" in saved_modules else ())]
-    wanted = target_param_names(spec, targets)
+    wanted = target_param_names(spec, targets) - mlp_names(converted)
     # fused modules (hf GPT-2 / Phi-3): the member matrices' names → the fused module's stem
     fused_of: dict[str, str] = {}
     for fused, letters in fused_groups(spec, framework).items():
@@ -307,7 +328,7 @@ def _finetune_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ..
         return RankShapes(tensors=tuple(ts), num_layers=base.num_layers,
                           num_moe_layers=base.num_moe_layers)
 
-    adapters += copies
+    adapters += copies + expert_adapters(base, spec, rank, a_dtype, wrapped)
     lm = next((t for t in base.tensors if t.name == "lm_head.weight" and t.count), None)
     if lora_head and lm is not None:  # PEFT's lora.Linear: A (r, h), B (V, r)
         adapters += [RankTensor(name="lm_head.lora_A", numel=rank * (lm.numel // lm.rows),
@@ -335,6 +356,8 @@ def check_finetune(ctx: Rank) -> None:
     tr = ctx.training
     if tr.finetune == "peft":
         raise analytic_refusal()
+    check_expert_lora(ctx.spec, tr.framework, tr.finetune, tr.lora_targets, tr.lora_dropout,
+                      tr.transformers_version)
     if tr.framework == "megatron":
         raise InputError(f"--finetune {tr.finetune}: the megatron profile models full training "
                          "only; use --framework reference or hf")

@@ -45,9 +45,10 @@ from __future__ import annotations
 import dataclasses
 
 from vramcalc.finetune import (
-    adapted_linears,
+    peft_adapted_linears,
 )
 from vramcalc.rank import RankContext
+from vramcalc.terms.expert_lora import expert_saved, kept_inputs
 from vramcalc.terms.fsdp1 import mixed_units
 from vramcalc.terms.saved import (
     Dims,
@@ -79,7 +80,8 @@ def _out_width(x: Dims, target: str) -> int:
 def _targets(ctx: RankContext) -> tuple[str, ...]:
     """Adapted linears of a layer (fused modules as one: vramcalc.finetune.adapted_linears)."""
     tr = ctx.training
-    return adapted_linears(ctx.spec, tr.lora_targets, tr.framework)
+    return peft_adapted_linears(ctx.spec, tr.lora_targets, tr.framework, tr.finetune,
+                                tr.transformers_version)
 
 
 def _covers(targets: set[str] | tuple[str, ...]) -> set[str]:
@@ -224,6 +226,9 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     if moe and not (bnb_keeps_inputs(ctx) and not hf):  # frozen router, routed experts
         drop.update(("moe.expert_input", "moe.expert_input.cast", f"moe.expert.{down_input}",
                      "moe.rows", "moe.down_input"))
+    if moe:  # PEFT's adapters on the experts' fused parameters (terms/expert_lora.py)
+        drop -= kept_inputs(ctx)
+        added += expert_saved(ctx)
     # a frozen norm weight needs no x̂ (hf's and torchtune's Python RMSNorm keep it only
     # for the weight's gradient)
     py_norm = tr.framework in ("hf", "torchtune")

@@ -6,7 +6,7 @@ for the tables and their sources)."""
 from __future__ import annotations
 
 from vramcalc.features import finetunes
-from vramcalc.finetune import adapted_linears, shapes_for
+from vramcalc.finetune import shapes_for
 from vramcalc.qlora import dequant_backward_bytes
 from vramcalc.rank import RankContext
 from vramcalc.terms.adapter_instants import (
@@ -16,7 +16,9 @@ from vramcalc.terms.adapter_instants import (
     rerun_pending_bytes,
     worst_forward_instant,
 )
+from vramcalc.terms.expert_lora import checkpointed_experts_bytes, expert_moments
 from vramcalc.terms.finetune_activations import (
+    _targets,
     adjust_head_saved,
     adjust_layer_saved,
     dora_weight_copy_bytes,
@@ -48,8 +50,7 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
     # adapter's and the base's, whose sum is a new tensor while both live (3·T·f in c)
     g_res = alloc(x.T * x.h, x.r)
     two = g_res + 3 * alloc(x.N * x.f, x.c) if ctx.spec.mlp_kind != "gated" and (
-        "down" in adapted_linears(ctx.spec, ctx.training.lora_targets,
-                                  ctx.training.framework)) else 0
+        "down" in _targets(ctx)) else 0
     casts = _recomputed_casts(ctx)
     out = []
     if ctx.training.recompute == "full":
@@ -60,6 +61,8 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
         kept, rest = worst_forward_instant(ctx, saved, rerun=True)
         out.append(Moment("recompute", kept, g_res + rerun_pending_bytes(ctx) + rest, "none"))
     for m in moments:
+        if m.name == "moe":  # PEFT's adapters on the experts' parameters
+            out += expert_moments(ctx, m.held, saved)
         if m.name == "mlp":
             held = m.held - down + casts.get("mlp", 0)
             m = Moment(m.name, held, max(m.work, two), m.grads)
@@ -158,7 +161,7 @@ class FinetuneActivations(Modifier):
         """Adapters' sums and QLoRA's dequantized weights; with the layers' saved tensors
         in host memory, the temporaries alone next to the residual (T·h, r)."""
         if layers_on_device:
-            return forward_working_bytes(ctx, saved)
+            return max(forward_working_bytes(ctx, saved), checkpointed_experts_bytes(ctx))
         x = dims(ctx)
         return alloc(x.T * x.h, x.r) + forward_working_bytes(ctx, saved, held=False)
 

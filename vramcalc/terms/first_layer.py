@@ -9,6 +9,7 @@ reference model's layers keep exactly that on fake tensors.
 from __future__ import annotations
 
 from vramcalc.rank import RankContext
+from vramcalc.terms.expert_lora import wrapped
 from vramcalc.terms.finetune_activations import (
     _DROP_QKV,
     _QKV,
@@ -84,7 +85,9 @@ def _before_the_first_adapter(ctx: RankContext, saved: list[Saved], targets: set
     if "o" in targets:
         return gone
     gone += sum(t.nbytes for t in saved if t.name.startswith("post_norm."))
-    if ctx.spec.mlp_kind != "gated" or any(t.name.startswith("moe.") for t in saved):
+    if any(t.name.startswith("moe.") for t in saved):
+        return gone + _frozen_input_experts(ctx, saved)
+    if ctx.spec.mlp_kind != "gated":
         return gone
     gate, up = "gate" in targets, "up" in targets
     fused = ctx.training.liger  # LigerSiLUMulFunction saves (gate, up) when it records
@@ -95,3 +98,16 @@ def _before_the_first_adapter(ctx: RankContext, saved: list[Saved], targets: set
                "lora.gate_up.dropout_mask": True,
                "lora.down.dropout_mask": not (gate or up)}
     return gone + sum(t.nbytes for t in saved if dropped.get(t.name, False))
+
+
+def _frozen_input_experts(ctx: RankContext, saved: list[Saved]) -> int:
+    """PEFT's wrapped MoE parameters (terms/expert_lora.py) on an input that needs no
+    gradient: the router's and gate_up_proj's linears keep their input for dL/dW' but not
+    W' (no dL/dx); without a wrapped gate_up_proj nothing up to down_proj needs a gradient,
+    so down_proj keeps no W' either and the SiLU, act · up and the routing weights' product
+    keep nothing."""
+    w = wrapped(ctx)
+    names = {"moe.lora.router.weight", "moe.lora.gate_up.weight"}
+    if "gate_up" not in w:
+        names |= {"moe.lora.down.weight", "moe.gate_up", "moe.act", "moe.down_out"}
+    return sum(t.nbytes for t in saved if t.name in names)

@@ -35,6 +35,7 @@ from torch import nn
 from vramcalc.errors import InputError, one_line, shown_path
 from vramcalc.finetune import adapted_linears, fused_family, targeted_linears
 from vramcalc.peft_file import peft_config_path, peft_type_of, read_peft_config
+from vramcalc.peft_moe import moe_family, wrapped_parameters
 from vramcalc.trace.nf4 import NF4Linear
 
 LORA_ALPHA = 16  # changes values only (scaling α/r), not memory
@@ -196,7 +197,7 @@ def _fake_deepcopies() -> Iterator[None]:
                 memo[id(b)] = torch.empty_like(b)
         return copy.deepcopy(obj, memo)
 
-    shim = types.SimpleNamespace(deepcopy=deepcopy)
+    shim = types.SimpleNamespace(deepcopy=deepcopy, copy=copy.copy)
     saved: list[tuple[Any, str, Any]] = []
     for name, mod in list(sys.modules.items()):
         if name == "peft" or name.startswith("peft."):
@@ -247,7 +248,21 @@ def _hf(model: nn.Module, scn: Any) -> nn.Module:
     # module names PEFT matches (a suffix after a dot); fused families adapt the fused module
     fam = fused_family(scn.model, "hf")
     names = _PEFT_NAMES_FUSED.get(fam or "", _PEFT_NAMES)
-    targets = [names[t] for t in adapted_linears(scn.model, tr.lora_targets, "hf")]
+    targets: Any = [names[t] for t in adapted_linears(scn.model, tr.lora_targets, "hf")]
+    wrapped = wrapped_parameters(scn.model, "hf", tr.finetune, tr.lora_targets,
+                                 tr.transformers_version)
+    if wrapped and tr.lora_targets != "all-linear":
+        # the names asked for, also where no dense layer or shared expert has the module:
+        # PEFT moves them to the experts' parameters (vramcalc/peft_moe.py)
+        targets += [names[t] for t in tr.lora_targets.split(",")
+                    if t in ("gate", "up", "down") and names[t] not in targets]
+    if "router" in wrapped:
+        # PEFT resolves "all-linear" itself on a MoE model it converts (vramcalc/peft_moe.py):
+        # the attention linears, the experts' fused parameters and the router; with extra
+        # modules, the list it would resolve to (its nn.Linear names and the old expert and
+        # router names, peft 0.21.2 `_resolve_string_target_modules`)
+        old = ["w1", "w2", "w3", "gate"] if moe_family(scn.model) == "mixtral" else ["gate"]
+        targets = targets + old if tr.lora_embedding or tr.lora_head else "all-linear"
     if tr.lora_embedding:
         targets.append("embed_tokens")
     if tr.lora_head:
