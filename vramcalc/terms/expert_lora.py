@@ -81,8 +81,8 @@ def expert_moments(ctx: RankContext, moe_held: int, saved: list[Saved]) -> list[
     backward makes dL/dW'_down (E·h·fe) and dL/d act·up (S·fe) beside dL/d its output
     (the routing weights' product, S·h) and dL/d the layer's output; gate_up_proj's, once
     down's W' and inputs are freed, dL/dW'_gate_up (E·2fe·h), dL/d its input (S·h) and dL/d
-    its output (S·2fe). `moe_held`: what the layer holds at the first (the plain MoE
-    instant's held set)."""
+    its output (S·2fe), the SiLU's and act · up's saved tensors freed. `moe_held`: what the
+    layer holds at the first (the plain MoE instant's held set)."""
     w = wrapped(ctx)
     x = dims(ctx)
     c, p_dt = x.c, ctx.training.weight_dtype
@@ -98,8 +98,9 @@ def expert_moments(ctx: RankContext, moe_held: int, saved: list[Saved]) -> list[
         out.append(Moment("experts_down", moe_held - gone,
                           g + alloc(S * x.h, c) + size["down"] + alloc(S * fe, c), "shared"))
     if "gate_up" in w:
-        gone = sum(t.nbytes for t in saved if t.name.startswith("moe.lora.down.")
-                   or t.name in ("moe.down_input", "moe.down_out"))
+        # down_proj's, the routing product's and act · up's backward have run
+        gone = sum(t.nbytes for t in saved if t.name.startswith("moe.lora.down.") or t.name in (
+            "moe.down_input", "moe.down_out", "moe.gate_up", "moe.act"))
         out.append(Moment("experts_gate_up", moe_held - gone,
                           g + size["gate_up"] + alloc(S * x.h, c) + alloc(S * 2 * fe, c),
                           "shared"))
@@ -116,3 +117,19 @@ def checkpointed_experts_bytes(ctx: RankContext) -> int:
     p_dt = ctx.training.weight_dtype
     return plain_forward_working_bytes(ctx) + sum(
         alloc(e * o * i, p_dt) for k, (e, _, i, o) in _shapes(ctx).items() if k in w)
+
+
+def combine_instant_bytes(ctx: RankContext, saved: list[Saved]) -> int:
+    """The end of an hf MoE layer's experts (transformers 5 integrations/moe.py
+    `grouped_mm_experts_forward`), above every saved tensor of the layer: the routing
+    product and its copy in token order (`weighted_out[inv_perm]`, S·h each), beside the
+    function's locals that nothing saves — the tokens sorted by expert when the experts are
+    frozen, the experts' output when the routing weights need no gradient."""
+    if (ctx.training.framework != "hf" or not ctx.spec.is_moe
+            or ctx.training.recompute == "full"):
+        return 0
+    x = dims(ctx)
+    S = x.T * ctx.spec.num_experts_per_tok
+    names = {t.name for t in saved}
+    locals_ = sum(alloc(S * x.h, x.c) for n in ("moe.rows", "moe.down_out") if n not in names)
+    return 2 * alloc(S * x.h, x.c) + locals_

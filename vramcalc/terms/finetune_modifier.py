@@ -16,7 +16,11 @@ from vramcalc.terms.adapter_instants import (
     rerun_pending_bytes,
     worst_forward_instant,
 )
-from vramcalc.terms.expert_lora import checkpointed_experts_bytes, expert_moments
+from vramcalc.terms.expert_lora import (
+    checkpointed_experts_bytes,
+    combine_instant_bytes,
+    expert_moments,
+)
 from vramcalc.terms.finetune_activations import (
     _targets,
     adjust_head_saved,
@@ -161,7 +165,8 @@ class FinetuneActivations(Modifier):
         """Adapters' sums and QLoRA's dequantized weights; with the layers' saved tensors
         in host memory, the temporaries alone next to the residual (T·h, r)."""
         if layers_on_device:
-            return max(forward_working_bytes(ctx, saved), checkpointed_experts_bytes(ctx))
+            return max(forward_working_bytes(ctx, saved), checkpointed_experts_bytes(ctx),
+                       combine_instant_bytes(ctx, saved))
         x = dims(ctx)
         return alloc(x.T * x.h, x.r) + forward_working_bytes(ctx, saved, held=False)
 

@@ -105,9 +105,12 @@ def _frozen_input_experts(ctx: RankContext, saved: list[Saved]) -> int:
     gradient: the router's and gate_up_proj's linears keep their input for dL/dW' but not
     W' (no dL/dx); without a wrapped gate_up_proj nothing up to down_proj needs a gradient,
     so down_proj keeps no W' either and the SiLU, act · up and the routing weights' product
-    keep nothing."""
+    keep nothing; without a wrapped router the routing weights need no gradient."""
     w = wrapped(ctx)
     names = {"moe.lora.router.weight", "moe.lora.gate_up.weight"}
+    if "router" not in w:  # a frozen router on such an input: no routing weight needs a
+        # gradient, so the softmax, the top-k normalisation and the product keep nothing
+        names |= {"moe.router_probs", "moe.topk_weight", "moe.topk_sum", "moe.down_out"}
     if "gate_up" not in w:
         names |= {"moe.lora.down.weight", "moe.gate_up", "moe.act", "moe.down_out"}
     return sum(t.nbytes for t in saved if t.name in names)
