@@ -29,10 +29,9 @@ from vramcalc.scenario import Scenario  # noqa: E402
 from vramcalc.training import TrainingConfig  # noqa: E402
 from vramcalc.validate import SHAPES, compare  # noqa: E402
 
-# Qwen3-MoE (qk-norm, no shared expert) with every layer MoE, and with MoE on every other
-# layer (decoder_sparse_step 2: dense layers 0 and 2)
-QWEN3_MOE = SHAPES["moe-interleaved"].model_copy(
-    update={"name": "qwen3-moe", "moe_layers": None, "num_hidden_layers": 2})
+# Qwen3-MoE (qk-norm, no shared expert) with every layer MoE; "moe-interleaved" has MoE on
+# every other layer (decoder_sparse_step 2: dense layers 0 and 2)
+QWEN3_MOE = SHAPES["qwen3-moe"]
 
 
 def _peft_trainable(spec: Any, target_modules: Any) -> tuple[int, set[str]]:

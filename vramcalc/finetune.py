@@ -113,8 +113,9 @@ def _mlp_prefixes() -> tuple[str, ...]:
 def target_param_names(spec: ModelSpec, targets: str) -> frozenset[str]:
     """Parameter names (vramcalc.model.param_tensors) of the linears that get adapters.
 
-    Routed experts are never targeted (transformers 5 keeps them as fused 3-D parameters that
-    PEFT's LoRA layers do not wrap); shared experts and dense MLPs are."""
+    Routed experts are never named here (transformers 5 keeps them as fused 3-D parameters;
+    where PEFT wraps those, vramcalc/peft_moe.py adds their adapters); shared experts and
+    dense MLPs are."""
     gated = spec.mlp_kind == "gated"
     present = {p.name for p in param_tensors(spec)}
     wanted = set(TARGETS) if targets == ALL_LINEAR else set(targets.split(","))

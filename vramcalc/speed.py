@@ -272,7 +272,7 @@ class SpeedModel:
             self.dequant_s_per_param = 0.0
         else:
             self.gather_b = peft.gathered_weight_bytes
-            self.grad_b = (n_ad * peft.adapter_bytes, 0.0)  # routed experts never adapted
+            self.grad_b = (n_ad * peft.adapter_bytes, 0.0)  # expert adapters are replicated too
             self.update_b = self.grad_b
             self.train_params = float(n_ad)
             # read n/2 packed + n/64 absmax bytes, write n·c (module docstring)

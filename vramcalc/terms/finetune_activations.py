@@ -179,7 +179,8 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     weight-gradient-only entries dropped unless an adapter shares them, adapter tensors added
     (see the module docstring). In a mixture-of-experts layer the router and routed experts
     are frozen (their inputs, the gathered tokens and the experts' down-projection inputs go)
-    and the MLP targets adapt the shared experts (ffn fs, one adapter set each)."""
+    unless PEFT wraps their fused parameters (terms/expert_lora.py), and the MLP targets
+    adapt the shared experts (ffn fs, one adapter set each)."""
     x = dims(ctx)
     tr = ctx.training
     spec = ctx.spec

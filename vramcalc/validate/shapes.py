@@ -107,6 +107,10 @@ SHAPES: dict[str, ModelSpec] = {
                                  num_experts_per_tok=2, moe_intermediate_size=704,
                                  qk_norm=True, moe_layers=(1, 3)),
 }
+# Qwen3-MoE with every layer MoE (Qwen3-30B-A3B's layout): under PEFT its experts' fused
+# parameters take adapters (vramcalc/peft_moe.py), each layer's W' the size of its experts
+SHAPES["qwen3-moe"] = SHAPES["moe-interleaved"].model_copy(
+    update={"name": "qwen3-moe", "moe_layers": None, "num_hidden_layers": 2})
 SHAPES["gpt2-relu"] = SHAPES["gpt2"].model_copy(
     update={"name": "gpt2-relu", "hidden_act": "relu", "vocab_size": 1024})
 
