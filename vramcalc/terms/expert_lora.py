@@ -122,14 +122,26 @@ def checkpointed_experts_bytes(ctx: RankContext) -> int:
 def combine_instant_bytes(ctx: RankContext, saved: list[Saved]) -> int:
     """The end of an hf MoE layer's experts (transformers 5 integrations/moe.py
     `grouped_mm_experts_forward`), above every saved tensor of the layer: the routing
-    product and its copy in token order (`weighted_out[inv_perm]`, S·h each), beside the
+    product and its copy in token order (`weighted_out[inv_perm]`, S·h each) — or under
+    autocast the copy, the fp32 per-token sum and its cast back —, beside the
     function's locals that nothing saves — the tokens sorted by expert when the experts are
-    frozen, the experts' output when the routing weights need no gradient."""
-    if (ctx.training.framework != "hf" or not ctx.spec.is_moe
-            or ctx.training.recompute == "full"):
+    frozen, the experts' output when the routing weights need no gradient, the block's
+    normed input when the router is frozen, the layer's input and its residual. `saved`: a
+    MoE layer's saved list (empty without MoE layers)."""
+    if (ctx.training.framework != "hf" or not saved or ctx.training.recompute == "full"):
         return 0
     x = dims(ctx)
     S = x.T * ctx.spec.num_experts_per_tok
     names = {t.name for t in saved}
     locals_ = sum(alloc(S * x.h, x.c) for n in ("moe.rows", "moe.down_out") if n not in names)
-    return 2 * alloc(S * x.h, x.c) + locals_
+    if "moe.input" not in names:  # the block's normed input, an argument nothing saves
+        locals_ += alloc(x.T * x.h, x.c)
+    if x.r != "fp32":  # the layer's input (the caller's variable) and the residual after
+        # attention, which the RMSNorms keep only as fp32 copies
+        locals_ += 2 * alloc(x.T * x.h, x.r)
+    at_index = 2 * alloc(S * x.h, x.c)
+    # under autocast `sum` is on CUDA's fp32 list: the per-token sum is fp32 (T·h), then
+    # cast back, while the reordered product is still bound and the product freed
+    at_cast = (alloc(S * x.h, x.c) + alloc(x.T * x.h, "fp32") + alloc(x.T * x.h, x.c)
+               if ctx.training.runs_autocast else 0)
+    return max(at_index, at_cast) + locals_

@@ -31,6 +31,7 @@ from vramcalc.terms.finetune_activations import (
 )
 from vramcalc.terms.first_layer import first_layer_unsaved_bytes
 from vramcalc.terms.saved import Modifier, Moment, Saved, dims
+from vramcalc.terms.saved_layers import plain_layer_saved
 from vramcalc.units import alloc
 
 
@@ -165,8 +166,10 @@ class FinetuneActivations(Modifier):
         """Adapters' sums and QLoRA's dequantized weights; with the layers' saved tensors
         in host memory, the temporaries alone next to the residual (T·h, r)."""
         if layers_on_device:
+            moe = (adjust_layer_saved(ctx, plain_layer_saved(ctx, True))
+                   if ctx.shapes.num_moe_layers else [])  # a MoE layer's, the top one's kind
             return max(forward_working_bytes(ctx, saved), checkpointed_experts_bytes(ctx),
-                       combine_instant_bytes(ctx, saved))
+                       combine_instant_bytes(ctx, moe))
         x = dims(ctx)
         return alloc(x.T * x.h, x.r) + forward_working_bytes(ctx, saved, held=False)
 

@@ -296,12 +296,11 @@ FINETUNE_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("llama-gqa", "hf", {"finetune": "qlora", "attention": "eager", "optimizer": "paged-adamw"}),
     ("moe", "hf", {"finetune": "qlora"}),
     # PEFT's LoRA on transformers 5's fused experts (vramcalc/peft_moe.py): Qwen3-MoE's
-    # gate_up_proj, down_proj and router under "all-linear", the expert names alone, a
-    # checkpointed layer; Mixtral's experts through its old names
+    # (all-linear: and its router; checkpointed), Mixtral's (all-linear: its old names)
     ("qwen3-moe", "hf", {"finetune": "lora", "lora_targets": "all-linear", "seq_len": 256,
                          "precision": "bf16-autocast"}),
-    ("qwen3-moe", "hf", {"finetune": "lora", "lora_targets": "q,v,gate,up,down",
-                         "seq_len": 256, "recompute": "full"}),
+    ("qwen3-moe", "hf", {"finetune": "lora", "lora_targets": "q,v,gate,up,down", "seq_len": 256,
+                         "recompute": "full"}),
     ("moe", "hf", {"finetune": "lora", "lora_targets": "all-linear", "seq_len": 256,
                    "precision": "bf16-pure"}),
     # a tied embedding under LoRA is frozen: no V x h gradient at the end of backward (short
