@@ -295,8 +295,7 @@ FINETUNE_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("llama-gqa", "hf", {"finetune": "lora", "precision": "amp-bf16", "recompute": "full"}),
     ("llama-gqa", "hf", {"finetune": "qlora", "attention": "eager", "optimizer": "paged-adamw"}),
     ("moe", "hf", {"finetune": "qlora"}),
-    # PEFT's LoRA on transformers 5's fused experts (vramcalc/peft_moe.py): Qwen3-MoE's
-    # (all-linear: and its router; checkpointed), Mixtral's (all-linear: its old names)
+    # PEFT on transformers 5's fused experts (vramcalc/peft_moe.py): Qwen3-MoE, Mixtral
     ("qwen3-moe", "hf", {"finetune": "lora", "lora_targets": "all-linear", "seq_len": 256,
                          "precision": "bf16-autocast"}),
     ("qwen3-moe", "hf", {"finetune": "lora", "lora_targets": "q,v,gate,up,down", "seq_len": 256,
