@@ -172,10 +172,23 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
                     # from it and the weight copy that matmul reads (DoraLinearVariant)
                     pre += alloc(T * w_in, a_dt)
                     post += alloc(T * w_out, o_dt) + copies.get(t, 0)
-            elif hf and tr.lora_dropout > 0 and cast_x:
-                pre = alloc(T * w_in, a_dt)  # PEFT's cast of x, which A does not keep
+            elif hf:
+                # PEFT's cast of x, which A does not keep (it keeps dropout's output, or
+                # under autocast its own 16-bit cast), and under autocast dropout's output:
+                # locals while the DoRA layer runs
+                if cast_x and (tr.lora_dropout > 0 or ac):
+                    pre = alloc(T * w_in, a_dt)
+                if tr.lora_dropout > 0 and ac and a_dt != c:
+                    pre += alloc(T * w_in, a_dt)
+            # saved by this linear after its weight norm (A's and the combination's inputs,
+            # the recomputed base output and its weight's cast): not there before it
+            later = 0 if nosave or not held else sum(
+                s.nbytes for s in saved if s.name.startswith(f"lora.{t}.")
+                and not s.name.endswith(".dropout_mask"))
+            later += copies.get(t, 0) if rerun else 0
             lora_moment = _dora_forward_bytes(ctx, x, t, rerun and t == "down"
-                                              and _stops_in_down(ctx), pre, post)
+                                              and _stops_in_down(ctx), pre, post, nosave,
+                                              later)
         elif adapted:
             o_dt = c if ac else a_dt
             extra = 0
@@ -303,27 +316,48 @@ def _checkpointed_locals(ctx: RankContext, x: Dims, target: str) -> int:
 
 
 def _dora_forward_bytes(ctx: RankContext, x: Dims, target: str, stop: bool = False,
-                        pre: int = 0, post: int = 0) -> int:
-    """PEFT DoraLinearLayer.forward's temporaries (peft 0.21.2 tuners/lora/dora.py): the
-    larger of the weight-norm instant — torch.eye(in) and lora_A(eye) (kept by the graph of
-    lora_weight = lora_B(lora_A(eye))ᵀ until the layer returns), lora_weight (out, in), W cast
-    to the input's dtype, scaling·lora_weight and W + that — and the combination instant
-    (m/‖W‖ − 1)·base + m/‖W‖·lora·α/r, whose products (T, out) take the magnitude's
-    dtype (fp32 beside fp32 adapters; torchtune's DoRALinear keeps it in the model's).
+                        pre: int = 0, post: int = 0, nosave: bool = False,
+                        later: int = 0) -> int:
+    """PEFT DoraLinearLayer.forward's temporaries (peft 0.21.2 tuners/lora/dora.py), the
+    largest of three instants:
+
+    - `get_lora_weight`: torch.eye(in) in the adapters' dtype, under autocast lora_A's 16-bit
+      cast of it, and lora_A(eye) (in, r);
+    - the weight norm: what lora_weight = lora_B(lora_A(eye))ᵀ's graph keeps (lora_A's input,
+      the eye itself or under autocast its cast — the eye is a local of get_lora_weight —, and
+      lora_A(eye); nothing in a checkpointed layer's first forward, which saves nothing),
+      lora_weight cast to x's dtype, W cast to it, scaling·lora_weight and W + that;
+    - the combination (m/‖W‖ − 1)·base + m/‖W‖·lora·α/r, whose products (T, out) take the
+      magnitude's dtype (fp32 beside fp32 adapters; torchtune's DoRALinear keeps it in the
+      model's), beside the graph and lora_weight and W in x's dtype (locals until the layer
+      returns); with dropout under autocast, before it, the base output recomputed from the
+      dropped input's 16-bit cast.
+
     `stop`: a re-run that ends at m/‖W‖·lora, whose inputs are the last tensors the layer
-    saves: only the first product exists. `pre`: locals alive at both instants; `post`:
-    those made after the weight norm."""
+    saves: only the first product exists. `pre`: locals alive at every instant; `post`:
+    those made after the weight norm; `later`: saved bytes the caller counts that the layer
+    makes after the weight norm (absent at the first two instants)."""
     tr = ctx.training
     a_dt = tr.adapter_dtype
     w_in, w_out, r_a = _in_width(x, target), _out_width(x, target), tr.lora_rank
     x_dt = a_dt if tr.framework == "hf" else _input_dtype(ctx, x, target)
     n = w_in * w_out
-    graph = alloc(w_in * w_in, a_dt) + alloc(w_in * r_a, a_dt) + alloc(n, a_dt)
+    ac = autocasts_adapters(ctx, x) and a_dt != x.c
+    eye = alloc(w_in * w_in, a_dt)
+    eye_cast = alloc(w_in * w_in, x.c) if ac else 0
+    a_eye = alloc(w_in * r_a, x.c if ac else a_dt)
+    graph = 0 if nosave else (eye_cast or eye) + a_eye
+    at_eye = eye + eye_cast + a_eye + pre - later
     cast_w = alloc(n, x_dt) if (x_dt != tr.weight_dtype or tr.finetune == "qlora") else 0
-    cast_l = alloc(n, x_dt) if x_dt != a_dt else 0
-    norm = graph + cast_w + cast_l + 2 * alloc(n, x_dt) + pre
+    norm = graph + alloc(n, x_dt) + cast_w + 2 * alloc(n, x_dt) + pre - later
     y = alloc(x.T * w_out, x.c)
     # the products take the magnitude's dtype (the adapters'), promoted beside x.c
     prod = "fp32" if "fp32" in (a_dt, x.c) else x.c
-    combine = graph + y + (1 if stop else 3) * alloc(x.T * w_out, prod) + pre + post
-    return max(norm, combine)
+    # lora_weight and W in x's dtype stay bound as locals until the layer returns
+    held = graph + alloc(n, x_dt) + cast_w
+    combine = held + y + (1 if stop else 3) * alloc(x.T * w_out, prod) + pre + post
+    # with dropout the base output is recomputed from the dropped input, which autocast
+    # casts for that matmul
+    at_base = (held + y + alloc(x.T * w_in, x.c) + pre + post
+               if tr.framework == "hf" and tr.lora_dropout > 0 and ac else 0)
+    return max(at_eye, norm, combine, at_base)
