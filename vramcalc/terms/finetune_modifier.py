@@ -25,6 +25,7 @@ from vramcalc.terms.finetune_activations import (
     _targets,
     adjust_head_saved,
     adjust_layer_saved,
+    dora_weight_copies,
     dora_weight_copy_bytes,
     embedding_trained,
     held_4bit_inputs,
@@ -120,16 +121,20 @@ def adapters_autocast_cache_bytes(ctx: RankContext) -> int:
     recomputed, the frozen fp32 linear weights' (saved by their matmuls for dL/dx; 16-bit
     ones, bf16-autocast, are not cast).
     NF4 weights are not cast; frozen biases' casts are not saved. The first layer's q/k/v
-    casts are not saved (no grad there) unless a trained embedding copy (modules_to_save)
-    sends a gradient into it."""
+    casts and DoRA weight copies are not saved (no grad there) unless a trained embedding
+    copy (modules_to_save) sends a gradient into it."""
     n = ctx.num_layers
     if not n:
         return 0
+    # the first layer's q/k/v DoRA weight copies: their matmuls need no dL/dx there
+    first = sum(v for t, v in dora_weight_copies(ctx).items() if t in ("q", "k", "v", "qkv")) if (
+        ctx.is_first_stage and not embedding_trained(ctx.training)
+        and ctx.training.recompute != "full") else 0
     if not ctx.training.runs_autocast:
-        return dora_weight_copy_bytes(ctx)
+        return (n * dora_weight_copy_bytes(ctx) - first) // n
     c = ctx.training.compute_dtype
     fs = shapes_for(ctx)
-    total = n * dora_weight_copy_bytes(ctx) + sum(
+    total = n * dora_weight_copy_bytes(ctx) - first + sum(
         t.count * alloc(t.numel, c) for t in fs.adapters.tensors
         if t.group in ("layer", "expert") and t.rows and t.dtype != c)
     if ctx.training.recompute != "full" and ctx.training.is_autocast:
