@@ -110,8 +110,8 @@ def test_a_recomputed_dora_layer_counts_its_forward_again() -> None:
     # forward (peft 0.21.2 tuners/lora/dora.py: torch.eye(in), lora_weight, the fp32
     # combination products) beside dL/d its output and the gradients that reached it first;
     # without that instant the analytic engine was 27 % under the trace here, now within
-    # 3 %, above it (DoRA's temporaries under autocast are approximated: the saved graph
-    # is counted as fp32 where autocast keeps its bf16 casts, methodology §10)
+    # 3 % (−2.0 %; +2.6 % while DoRA's eye and lora_weight graph were counted in fp32
+    # where autocast keeps bf16 casts and the eye itself is gone, methodology §10)
     pytest.importorskip("peft")
     from vramcalc.trace.engine import trace
 
