@@ -6,6 +6,7 @@ their sources: docs/saved-tensors.md.
 
 from __future__ import annotations
 
+from vramcalc.features import finetunes
 from vramcalc.rank import RankContext
 from vramcalc.terms import encoder as enc
 from vramcalc.terms import modernbert as mb
@@ -294,8 +295,11 @@ def mlp_saved(ctx: RankContext, x: Dims, tokens: int, ffn: int, name: str = "mlp
         return [*out, Saved(f"{name}.act", bsf, c, "(T, f)", "relu output, proj input")]
     # relu2 (square(relu(x))): relu's output, kept by relu and by the square (under
     # autocast the square runs on an fp32 copy, which it keeps: pow is on CUDA's fp32 list)
-    out.append(Saved(f"{name}.fc_out", bsf, c, "(T, f)",
-                     "relu output" if act == "relu2" else "activation input"))
+    if hf and act == "gelu_new" and x.amp:  # pow keeps its fp32 copy of the fc output
+        out.append(Saved(f"{name}.fc_out", bsf, "fp32", "(T, f)", "pow's fp32 input"))
+    else:
+        out.append(Saved(f"{name}.fc_out", bsf, c, "(T, f)",
+                         "relu output" if act == "relu2" else "activation input"))
     if act == "relu2" and x.amp:
         out.append(Saved(f"{name}.relu2.fp32", bsf, "fp32", "(T, f)", "fp32 relu output"))
     if hf and act == "gelu_new":
@@ -309,10 +313,11 @@ def _new_gelu_saved(x: Dims, bsf: int, name: str) -> list[Saved]:
     """transformers NewGELUActivation in Python: 0.5·x·(1 + tanh(√(2/π)(x + 0.044715·x³)))."""
     c = x.c
     p_dtype = "fp32" if x.amp else c  # pow is on CUDA's autocast fp32 list
+    # the activation output is fp32 under autocast; c_proj keeps its 16-bit cast
     return [Saved(f"{name}.gelu.half_x", bsf, c, "(T, f)", "0.5·x, kept by the product"),
             Saved(f"{name}.gelu.tanh", bsf, p_dtype, "(T, f)", "tanh output"),
             Saved(f"{name}.gelu.one_plus", bsf, p_dtype, "(T, f)", "1 + tanh, kept by product"),
-            Saved(f"{name}.act", bsf, p_dtype, "(T, f)", "activation output, c_proj input")]
+            Saved(f"{name}.act", bsf, c, "(T, f)", "activation output (its cast), c_proj input")]
 
 
 def _moe_saved(ctx: RankContext, x: Dims) -> list[Saved]:
@@ -458,14 +463,15 @@ def embedding_saved(ctx: RankContext) -> list[Saved]:
         if tr.attention == "eager":
             out.append(Saved("attn.mask", x.b * x.s * x.s, x.r, "(b, 1, s, s)",
                              "additive causal mask, checkpoint input"))
-    if offloads_checkpoints(ctx) and ctx.is_first_stage:
-        # the embedding output, made a leaf that requires grad (enable_input_require_grads),
-        # is the first checkpoint's input: its pinned copy goes to the host, but the
-        # checkpoint node's AccumulateGrad edge holds the device tensor until backward ends
-        out.append(Saved("unsloth.embedding_output", x.T * x.h, x.r, "(b, s, h)",
-                         "leaf held by its AccumulateGrad"))
-    if tr.framework == "torchtitan":
-        pass  # RoPE reads the freqs_cis buffer (vramcalc/terms/torchtitan.py): nothing saved
+    # the embedding output made a leaf requiring grad (enable_input_require_grads) is held by
+    # its AccumulateGrad: Unsloth offloads it; under PEFT GPT-2 adds the positions to it
+    peft_leaf = (hf and tr.recompute == "full" and finetunes(tr) and not tr.lora_embedding
+                 and "embed_tokens" not in tr.modules_to_save and spec.position_embedding == "learned")
+    if (offloads_checkpoints(ctx) or peft_leaf) and ctx.is_first_stage:
+        out.append(Saved("unsloth.embedding_output" if not peft_leaf else "inputs_embeds",
+                         x.T * x.h, x.r, "(b, s, h)", "leaf held by its AccumulateGrad"))
+    if tr.framework == "torchtitan":  # RoPE reads the freqs_cis buffer: nothing saved
+        pass
     elif spec.position_embedding == "rope" and not layer_rope_caches(ctx):
         # cos, sin (s, d): reference in c, hf in the residual dtype; MLA rotates dr dims
         width = spec.qk_rope_head_dim or x.d
