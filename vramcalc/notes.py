@@ -10,6 +10,7 @@ from vramcalc.hardware import GPUProfile
 from vramcalc.hf_stack import trainer_no_sync
 from vramcalc.model import ModelSpec
 from vramcalc.peft_file import peft_type_of
+from vramcalc.peft_moe import wrapped_parameters
 from vramcalc.qlora import compiled_dequant_kept, nf4_tensor_bytes
 from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
@@ -148,6 +149,15 @@ def finetune_notes(ctx: RankContext) -> list[str]:
         fused = _fused_target_note(ctx.spec, tr)
         if fused:
             out.append(fused)
+        wrapped = wrapped_parameters(ctx.spec, tr.framework, tr.finetune, tr.lora_targets,
+                                     tr.transformers_version)
+        if wrapped:  # vramcalc/peft_moe.py
+            names = {"gate_up": "experts.gate_up_proj", "down": "experts.down_proj",
+                     "router": "the router"}
+            out.append(f"{ctx.spec.name}'s MoE layers: PEFT adapts "
+                       f"{', '.join(names[w] for w in wrapped)} (transformers 5's fused "
+                       "parameters); each step makes W + BA for them, one copy of the "
+                       "layer's experts kept until its backward")
         if tr.finetune == "qlora":
             out.append(_qlora_note(tr))
     if tr.activation_offload:
