@@ -134,3 +134,15 @@ def test_analytic_agrees_with_the_trace(targets: str, precision: str, recompute:
     assert abs(row["rel_error"]) < 0.005, row["rel_error"]
     for name, phase in row["phases"].items():
         assert abs(phase["rel_error"]) < 0.005, (name, phase)
+
+
+def test_per_expert_linears_of_transformers_4_are_refused() -> None:
+    """transformers 4 kept one nn.Linear per expert (the Qwen MoEs' gate_proj/up_proj/
+    down_proj), which PEFT adapts expert by expert: not modelled, one error line; the
+    attention alone is still counted."""
+    base = ["estimate", "--model", "qwen3-30b-a3b", "--framework", "hf", "--finetune", "lora",
+            "--gpus", "1xH200", "--transformers-version", "4.51.0"]
+    code, err = _run([*base, "--lora-targets", "all-linear"])
+    assert code == 2 and err.startswith("error: --transformers-version 4.51.0"), err
+    code, err = _run([*base, "--lora-targets", "q,k,v,o"])
+    assert code == 0, err

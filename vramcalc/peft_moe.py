@@ -93,6 +93,15 @@ def expert_lora_problem(spec: ModelSpec, framework: str, method: str, targets: s
                 "and up projections into one parameter, and PEFT converts a target to it "
                 "only with both (peft 0.21.2 _convert_peft_config_moe: \"Cannot convert "
                 "PEFT target(s)\"); target gate and up together")
+    if (framework == "hf" and spec.is_moe and _before_5(transformers_version)
+            and method in ("lora", "qlora", "dora") and (targets == "all-linear" or (
+                moe_family(spec) != "mixtral" and set(targets.split(",")) & set(_MLP)))):
+        # transformers 4 kept one nn.Linear per expert (Mixtral's w1/w2/w3, the Qwen MoEs'
+        # gate_proj/up_proj/down_proj), which PEFT adapts one by one
+        return (f"--transformers-version {transformers_version}: transformers 4 keeps "
+                f"{spec.name}'s experts as one nn.Linear each, which --lora-targets {targets} "
+                "adapts expert by expert; that is not modelled (transformers 5's fused "
+                "experts are): give 5.0 or later, or target the attention (q,k,v,o)")
     wrapped = wrapped_parameters(spec, framework, method, targets, transformers_version)
     if not wrapped:
         return None
