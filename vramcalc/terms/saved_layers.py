@@ -214,10 +214,12 @@ def _attention_saved(ctx: RankContext, x: Dims) -> list[Saved]:
         qkv = [v_kept, Saved("attn.q", bsad, qk, "(b, a, s, d)", "rotated q"),
                Saved("attn.k", bsgd, qk, "(b, g, s, d)", "rotated k")]
     else:
-        # hf RoPE runs in r under autocast (its tables are in the residual dtype): SDPA keeps
-        # 16-bit casts of q, k, but a checkpoint around the core keeps its fp32 inputs
-        # (Liger's RoPE rotates the c-typed projections in place: terms/liger.py)
-        qk = x.r if (hf and x.amp and rope and selective and not tr.liger) else c
+        # hf RoPE runs in r under autocast (its tables are in the residual dtype), as the
+        # reference model's q/k norms (F.rms_norm, on the fp32 list): SDPA keeps 16-bit casts
+        # of q, k, a checkpoint around the core its fp32 inputs (Liger's RoPE rotates the
+        # c-typed projections in place: terms/liger.py)
+        qk = x.r if (x.amp and rope and selective and not tr.liger and (
+            hf or (ctx.spec.qk_norm and tr.framework == "reference"))) else c
         qkv = [Saved("attn.q", bsad, qk, "(b, a, s, d)", "rotated q, SDPA input"),
                Saved("attn.k", bsgd, qk, "(b, g, s, d)", "rotated k, SDPA input"),
                Saved("attn.v", bsgd, c, "(b, g, s, d)", "v, SDPA input")]
@@ -235,10 +237,8 @@ def _attention_saved(ctx: RankContext, x: Dims) -> list[Saved]:
 
 
 def _qkv_in_residual_dtype(ctx: RankContext, x: Dims) -> bool:
-    """QLoRA under autocast: bitsandbytes' Linear4bit returns its input's dtype
-    (`out.to(inp_dtype)`), so a fused 4-bit qkv projection fed by an fp32 norm gives an fp32
-    output; autocast then hands attention a 16-bit cast of v, which is what it keeps, not
-    the fused output's storage (as the MLP's fp32 outputs: terms/finetune_activations.py)."""
+    """QLoRA under autocast: bitsandbytes' Linear4bit returns its input's dtype, so a fused
+    4-bit qkv fed by an fp32 norm gives fp32; attention keeps autocast's 16-bit cast of v."""
     return qlora_fp32_outputs(ctx, x) and x.r != x.c
 
 
