@@ -188,27 +188,37 @@ def _loss_input_kept(ctx: RankContext) -> int:
     return alloc(n * k, "fp32" if dims(ctx).amp else ctx.training.compute_dtype)
 
 
+def _loss_dtype(ctx: RankContext) -> str:
+    """log_softmax's dtype: fp32 under autocast (CUDA's fp32 list) and for ModernBERT, whose
+    loss (transformers loss_utils `ForMaskedLMLoss`) upcasts the logits; else the logits'
+    (BERT's and RoBERTa's CrossEntropyLoss on 16-bit logits runs in 16 bits)."""
+    if dims(ctx).amp or ctx.spec.model_type == "modernbert":
+        return "fp32"
+    return ctx.training.compute_dtype
+
+
 def logits_saved_bytes(ctx: RankContext) -> int:
-    """CrossEntropyLoss on the logits (modeling_bert.py): log_softmax keeps its fp32 output
-    (fp32 under autocast, CUDA's list), nll_loss the loss and its total weight (0-dim);
-    before torch 1.11 log_softmax's input as well (`_loss_input_kept`)."""
+    """CrossEntropyLoss on the logits (modeling_bert.py): log_softmax keeps its output
+    (`_loss_dtype`), nll_loss the loss and its total weight (0-dim); before torch 1.11
+    log_softmax's input as well (`_loss_input_kept`)."""
     n, k = _rows(ctx)
-    return alloc(n * k, "fp32") + 2 * ALLOC_ROUND_BYTES + _loss_input_kept(ctx)
+    return alloc(n * k, _loss_dtype(ctx)) + 2 * ALLOC_ROUND_BYTES + _loss_input_kept(ctx)
 
 
 def logits_forward_peak_bytes(ctx: RankContext) -> int:
-    """End of the loss forward: the saved set + the logits, fp32 (c-typed logits plus the
-    fp32 copy log_softmax(dtype=fp32) converts under autocast)."""
+    """End of the loss forward: the saved set + the c-typed logits (and under autocast the
+    fp32 copy log_softmax converts)."""
     n, k = _rows(ctx)
     c = ctx.training.compute_dtype
-    return (logits_saved_bytes(ctx) - _loss_input_kept(ctx) + alloc(n * k, "fp32")
-            + (alloc(n * k, c) if c != "fp32" else 0))
+    upcast = alloc(n * k, "fp32") if _loss_dtype(ctx) != c else 0
+    return logits_saved_bytes(ctx) - _loss_input_kept(ctx) + alloc(n * k, c) + upcast
 
 
 def logits_backward_peak_bytes(ctx: RankContext) -> int:
-    """Loss backward: saved log-probabilities + dL/dlogprobs + dL/dlogits (fp32) + 3 scalars."""
+    """Loss backward: saved log-probabilities + dL/dlogprobs + dL/dlogits (`_loss_dtype`)
+    + 3 scalars."""
     n, k = _rows(ctx)
-    return 3 * alloc(n * k, "fp32") + 3 * ALLOC_ROUND_BYTES + _loss_input_kept(ctx)
+    return 3 * alloc(n * k, _loss_dtype(ctx)) + 3 * ALLOC_ROUND_BYTES + _loss_input_kept(ctx)
 
 
 # ---- instants inside a layer -------------------------------------------------------------

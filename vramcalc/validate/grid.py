@@ -168,6 +168,7 @@ def encoder_grid() -> list[tuple[str, Scenario]]:
         ("bert", {"precision": "bf16", "seq_len": 512}),
         ("roberta-mlm", {"precision": "amp-bf16", "seq_len": 512}),
         ("roberta-mlm", {"precision": "fp32", "attention": "eager", "seq_len": 256}),
+        ("roberta-mlm", {"precision": "bf16-pure", "seq_len": 256}),  # a 16-bit loss
         # ModernBERT (vramcalc/terms/modernbert.py): local layers' SDPA bias and eager mask
         ("modernbert", {"precision": "fp32", "attention": "eager", "seq_len": 512,
                         "micro_batch_size": 4}),
@@ -295,9 +296,8 @@ FINETUNE_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("llama-gqa", "hf", {"finetune": "lora", "precision": "amp-bf16", "recompute": "full"}),
     ("llama-gqa", "hf", {"finetune": "qlora", "attention": "eager", "optimizer": "paged-adamw"}),
     ("moe", "hf", {"finetune": "qlora"}),
-    # PEFT on transformers 5's fused experts (vramcalc/peft_moe.py): Qwen3-MoE, Mixtral
     ("qwen3-moe", "hf", {"finetune": "lora", "lora_targets": "all-linear", "seq_len": 256,
-                         "precision": "bf16-autocast"}),
+                         "precision": "bf16-autocast"}),  # PEFT's fused experts: peft_moe.py
     ("qwen3-moe", "hf", {"finetune": "lora", "lora_targets": "q,v,gate,up,down", "seq_len": 256,
                          "recompute": "full"}),
     ("moe", "hf", {"finetune": "lora", "lora_targets": "all-linear", "seq_len": 256,
