@@ -137,8 +137,16 @@ def adapter_saved(ctx: RankContext, x: Dims, target: str) -> tuple[list[Saved], 
         # W.to(x.dtype) (peft 0.21.2 lora/variants.py DoraLinearVariant): in x's dtype (c
         # under autocast, whose matmul keeps its cast of the copy; `dora_weight_copy_bytes`)
         again = tr.framework == "hf" and p > 0
-        out += [Saved(f"{name}.dora_base_out", T * o_w, o_dt if again else x.c, "(T, out)",
-                      "base output, kept by (m/‖W‖ − 1) ·"),
+        # without it, PEFT subtracts the base layer's bias (its weight dtype) from the
+        # base output: fp32 beside a c-typed output under autocast over fp32 weights
+        spec = ctx.spec
+        bias = {"o": spec.attention_out_bias, "gate": spec.mlp_bias, "up": spec.mlp_bias,
+                "down": spec.mlp_bias, "gate_up": spec.mlp_bias}.get(target,
+                                                                       spec.attention_bias)
+        b_dt = ("fp32" if tr.framework == "hf" and bias and tr.weight_dtype == "fp32"
+                else x.c)
+        out += [Saved(f"{name}.dora_base_out", T * o_w, o_dt if again else b_dt, "(T, out)",
+                      "base output (less its bias), kept by (m/‖W‖ − 1) ·"),
                 Saved(f"{name}.dora_lora_out", T * o_w, o_dt, "(T, out)",
                       "LoRA output, kept by m/‖W‖ ·")]
         if again and tr.autocast_16bit and not tr.adapters_16bit:
