@@ -58,6 +58,8 @@ def _adapters(spec: Any, targets: str) -> int:
     ("moe-interleaved", "q,v,down", ["q_proj", "v_proj", "down_proj"]),
     ("moe", "all-linear", "all-linear"),  # Mixtral: experts and router via its old names
     ("moe", "q,v,gate,up,down", ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]),
+    # Qwen2-MoE (not converted): "all-linear" also takes the shared expert's h → 1 gate
+    ("moe-shared", "all-linear", "all-linear"),
 ])
 def test_peft_wraps_the_same_expert_parameters(shape: str, targets: str,
                                                peft_targets: Any) -> None:

@@ -63,6 +63,7 @@ from vramcalc.model_tensors import param_tensors
 from vramcalc.parallel import ParallelConfig
 from vramcalc.peft_file import analytic_refusal
 from vramcalc.peft_moe import (
+    adapts_shared_expert_gate,
     check_expert_lora,
     converted_letters,
     expert_adapters,
@@ -227,7 +228,9 @@ def finetune_shapes(spec: ModelSpec, training: TrainingConfig, tp: int,
                             method_quantizes_head(spec, tr), tr.modules_to_save,
                             tr.lora_embedding, tr.lora_head,
                             wrapped_parameters(spec, tr.framework, tr.finetune,
-                                               tr.lora_targets, tr.transformers_version),
+                                               tr.lora_targets, tr.transformers_version)
+                            + (("shared_expert_gate",) if adapts_shared_expert_gate(
+                                spec, tr.framework, tr.finetune, tr.lora_targets) else ()),
                             converted_letters(spec, tr.framework, tr.finetune,
                                               tr.lora_targets, tr.transformers_version))
 
@@ -329,7 +332,7 @@ def _finetune_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ..
         return RankShapes(tensors=tuple(ts), num_layers=base.num_layers,
                           num_moe_layers=base.num_moe_layers)
 
-    adapters += copies + expert_adapters(base, spec, rank, a_dtype, wrapped)
+    adapters += copies + expert_adapters(base, spec, rank, a_dtype, wrapped, method)
     lm = next((t for t in base.tensors if t.name == "lm_head.weight" and t.count), None)
     if lora_head and lm is not None:  # PEFT's lora.Linear: A (r, h), B (V, r)
         adapters += [RankTensor(name="lm_head.lora_A", numel=rank * (lm.numel // lm.rows),

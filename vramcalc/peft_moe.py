@@ -70,6 +70,14 @@ def wrapped_parameters(spec: ModelSpec, framework: str, method: str, targets: st
     return tuple(out)
 
 
+def adapts_shared_expert_gate(spec: ModelSpec, framework: str, method: str,
+                              targets: str) -> bool:
+    """Qwen2-MoE's `shared_expert_gate` is an `nn.Linear(h, 1)`: PEFT's "all-linear" takes
+    it (qwen2_moe is not converted, so nothing else of the MoE block changes)."""
+    return (framework == "hf" and spec.is_moe and spec.shared_expert_gate
+            and targets == "all-linear" and method in ("lora", "qlora", "dora"))
+
+
 def converted_letters(spec: ModelSpec, framework: str, method: str, targets: str,
                       transformers_version: str | None = None) -> frozenset[str]:
     """MLP target letters that PEFT moves from `target_modules` to the experts' parameters:
@@ -132,12 +140,27 @@ def mlp_names(letters: frozenset[str]) -> set[str]:
 
 
 def expert_adapters(base: RankShapes, spec: ModelSpec, rank: int, a_dtype: str,
-                    wrapped: tuple[str, ...]) -> list[RankTensor]:
+                    wrapped: tuple[str, ...], method: str = "lora") -> list[RankTensor]:
     """PEFT's ParamWrapper adapters on a MoE layer's fused parameters (vramcalc/peft_moe.py):
     lora_A (r'·E, in) and lora_B (out, r'·E) per wrapped parameter, r' = 2r for the fused
-    gate_up_proj (its rank_pattern), E = 1 for the router's 2-D weight. One per MoE layer."""
-    if not wrapped or not base.num_moe_layers:
+    gate_up_proj (its rank_pattern), E = 1 for the router's 2-D weight; and Qwen2-MoE's
+    `shared_expert_gate` (`adapts_shared_expert_gate`) as a plain LoRA linear. One per MoE
+    layer."""
+    if not base.num_moe_layers:
         return []
+    out = []
+    seg = [t for t in base.tensors if t.name == "shared_expert_gate.weight"]
+    if "shared_expert_gate" in wrapped and seg:  # A (r, h), B (1, r)
+        out += [RankTensor(name="shared_expert_gate.lora_A", numel=rank * seg[0].numel,
+                           count=seg[0].count, group="layer", rows=rank, dtype=a_dtype),
+                RankTensor(name="shared_expert_gate.lora_B", numel=rank, count=seg[0].count,
+                           group="layer", rows=1, dtype=a_dtype)]
+        if method == "dora":  # one magnitude per output row
+            out.append(RankTensor(name="shared_expert_gate.lora_magnitude", numel=1,
+                                  count=seg[0].count, group="layer", dtype=a_dtype))
+    wrapped = tuple(w for w in wrapped if w != "shared_expert_gate")
+    if not wrapped:
+        return out
     n = base.num_moe_layers
     experts = sum(t.count for t in base.tensors if t.name == "experts.gate_proj.weight") // n
     h, fe = spec.hidden_size, spec.expert_ffn
@@ -145,7 +168,6 @@ def expert_adapters(base: RankShapes, spec: ModelSpec, rank: int, a_dtype: str,
             "router": (1, rank, h, experts)}
     stems = {"gate_up": "experts.gate_up_proj", "down": "experts.down_proj",
              "router": "router"}
-    out = []
     for w in wrapped:
         e, r, in_f, out_f = dims[w]
         out += [RankTensor(name=f"{stems[w]}.lora_A", numel=r * e * in_f, count=n,

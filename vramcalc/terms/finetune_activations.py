@@ -47,6 +47,7 @@ import dataclasses
 from vramcalc.finetune import (
     peft_adapted_linears,
 )
+from vramcalc.peft_moe import adapts_shared_expert_gate
 from vramcalc.rank import RankContext
 from vramcalc.terms.expert_lora import expert_saved, kept_inputs
 from vramcalc.terms.fsdp1 import mixed_units
@@ -74,7 +75,8 @@ def _in_width(x: Dims, target: str) -> int:
 
 def _out_width(x: Dims, target: str) -> int:
     return {"q": x.a * x.d, "k": x.g * x.d, "v": x.g * x.d, "o": x.h, "gate": x.f, "up": x.f,
-            "down": x.h, "qkv": (x.a + 2 * x.g) * x.d, "gate_up": 2 * x.f}[target]
+            "down": x.h, "qkv": (x.a + 2 * x.g) * x.d, "gate_up": 2 * x.f,
+            "shared_expert_gate": 1}[target]
 
 
 def _targets(ctx: RankContext) -> tuple[str, ...]:
@@ -238,6 +240,8 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     if moe:  # PEFT's adapters on the experts' fused parameters (terms/expert_lora.py)
         drop -= kept_inputs(ctx)
         added += expert_saved(ctx)
+        if adapts_shared_expert_gate(spec, tr.framework, tr.finetune, tr.lora_targets):
+            added += adapter_saved(ctx, x, "shared_expert_gate")[0]
     # a frozen norm weight needs no x̂ (hf's and torchtune's Python RMSNorm keep it only
     # for the weight's gradient)
     py_norm = tr.framework in ("hf", "torchtune")

@@ -35,7 +35,7 @@ from torch import nn
 from vramcalc.errors import InputError, one_line, shown_path
 from vramcalc.finetune import adapted_linears, fused_family, targeted_linears
 from vramcalc.peft_file import peft_config_path, peft_type_of, read_peft_config
-from vramcalc.peft_moe import moe_family, wrapped_parameters
+from vramcalc.peft_moe import adapts_shared_expert_gate, moe_family, wrapped_parameters
 from vramcalc.trace.nf4 import NF4Linear
 
 LORA_ALPHA = 16  # changes values only (scaling α/r), not memory
@@ -256,6 +256,8 @@ def _hf(model: nn.Module, scn: Any) -> nn.Module:
         # PEFT moves them to the experts' parameters (vramcalc/peft_moe.py)
         targets += [names[t] for t in tr.lora_targets.split(",")
                     if t in ("gate", "up", "down") and names[t] not in targets]
+    if adapts_shared_expert_gate(scn.model, "hf", tr.finetune, tr.lora_targets):
+        targets.append("shared_expert_gate")  # what PEFT's "all-linear" resolves to there
     if "router" in wrapped:
         # PEFT resolves "all-linear" itself on a MoE model it converts (vramcalc/peft_moe.py):
         # the attention linears, the experts' fused parameters and the router; with extra
