@@ -228,11 +228,11 @@ def finetune_shapes(spec: ModelSpec, training: TrainingConfig, tp: int,
                             method_quantizes_head(spec, tr), tr.modules_to_save,
                             tr.lora_embedding, tr.lora_head,
                             wrapped_parameters(spec, tr.framework, tr.finetune,
-                                               tr.lora_targets, tr.transformers_version)
-                            + (("shared_expert_gate",) if adapts_shared_expert_gate(
-                                spec, tr.framework, tr.finetune, tr.lora_targets) else ()),
+                                               tr.lora_targets, tr.transformers_version),
                             converted_letters(spec, tr.framework, tr.finetune,
-                                              tr.lora_targets, tr.transformers_version))
+                                              tr.lora_targets, tr.transformers_version),
+                            adapts_shared_expert_gate(spec, tr.framework, tr.finetune,
+                                                      tr.lora_targets))
 
 
 def method_quantizes_head(spec: ModelSpec, training: TrainingConfig) -> bool:
@@ -251,8 +251,8 @@ def _finetune_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ..
                      stage: int, method: str, rank: int, targets: str, framework: str,
                      a_dtype: str, head: bool = False, saved_modules: str = "",
                      lora_embedding: bool = False, lora_head: bool = False,
-                     wrapped: tuple[str, ...] = (), converted: frozenset[str] = frozenset()
-                     ) -> FinetuneShapes:
+                     wrapped: tuple[str, ...] = (), converted: frozenset[str] = frozenset(),
+                     shared_gate: bool = False) -> FinetuneShapes:
     base = _rank_shapes(spec, tp, chunks, ep, stage)
     # PEFT's ModulesToSaveWrapper (peft 0.21.2 utils/other.py): the original module frozen,
     # plus a trained `copy.deepcopy` of it under the same parameter name here (its gradient
@@ -332,7 +332,7 @@ def _finetune_shapes(spec: ModelSpec, tp: int, chunks: tuple[tuple[int, ...], ..
         return RankShapes(tensors=tuple(ts), num_layers=base.num_layers,
                           num_moe_layers=base.num_moe_layers)
 
-    adapters += copies + expert_adapters(base, spec, rank, a_dtype, wrapped, method)
+    adapters += copies + expert_adapters(base, spec, rank, a_dtype, wrapped, method, shared_gate)
     lm = next((t for t in base.tensors if t.name == "lm_head.weight" and t.count), None)
     if lora_head and lm is not None:  # PEFT's lora.Linear: A (r, h), B (V, r)
         adapters += [RankTensor(name="lm_head.lora_A", numel=rank * (lm.numel // lm.rows),

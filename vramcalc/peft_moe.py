@@ -140,7 +140,8 @@ def mlp_names(letters: frozenset[str]) -> set[str]:
 
 
 def expert_adapters(base: RankShapes, spec: ModelSpec, rank: int, a_dtype: str,
-                    wrapped: tuple[str, ...], method: str = "lora") -> list[RankTensor]:
+                    wrapped: tuple[str, ...], method: str = "lora",
+                    shared_gate: bool = False) -> list[RankTensor]:
     """PEFT's ParamWrapper adapters on a MoE layer's fused parameters (vramcalc/peft_moe.py):
     lora_A (r'·E, in) and lora_B (out, r'·E) per wrapped parameter, r' = 2r for the fused
     gate_up_proj (its rank_pattern), E = 1 for the router's 2-D weight; and Qwen2-MoE's
@@ -150,7 +151,7 @@ def expert_adapters(base: RankShapes, spec: ModelSpec, rank: int, a_dtype: str,
         return []
     out = []
     seg = [t for t in base.tensors if t.name == "shared_expert_gate.weight"]
-    if "shared_expert_gate" in wrapped and seg:  # A (r, h), B (1, r)
+    if shared_gate and seg:  # A (r, h), B (1, r)
         out += [RankTensor(name="shared_expert_gate.lora_A", numel=rank * seg[0].numel,
                            count=seg[0].count, group="layer", rows=rank, dtype=a_dtype),
                 RankTensor(name="shared_expert_gate.lora_B", numel=rank, count=seg[0].count,
@@ -158,7 +159,6 @@ def expert_adapters(base: RankShapes, spec: ModelSpec, rank: int, a_dtype: str,
         if method == "dora":  # one magnitude per output row
             out.append(RankTensor(name="shared_expert_gate.lora_magnitude", numel=1,
                                   count=seg[0].count, group="layer", dtype=a_dtype))
-    wrapped = tuple(w for w in wrapped if w != "shared_expert_gate")
     if not wrapped:
         return out
     n = base.num_moe_layers

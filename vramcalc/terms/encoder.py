@@ -185,7 +185,7 @@ def _loss_input_kept(ctx: RankContext) -> int:
     if not ctx.training.softmax_keeps_input:
         return 0
     n, k = _rows(ctx)
-    return alloc(n * k, "fp32" if dims(ctx).amp else ctx.training.compute_dtype)
+    return alloc(n * k, _loss_dtype(ctx))
 
 
 def _loss_dtype(ctx: RankContext) -> str:
