@@ -143,6 +143,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
                                 tr.gather_buffer_bytes(ctx, "embedding"))
                                if comm.edge_units(ctx) else (gather, gather))
     fwd_work = P.forward_work + comm.layer_forward_comm_bytes(ctx)
+    j_other, work_other = P.other_forward
     persistent = tr.persistent_buffer_bytes(ctx)
     prev = k - 1  # other in-flight micro-batches (whole)
     # loss buffers of other micro-batches: only micro-batches whose last model chunk ran
@@ -187,6 +188,11 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
         loss_fwd,
         fwd_point(k * A_mb + P.forward_end_extra, 0, {}),
         fwd_point(k * A_mb - A_head, 0, {"transients/layer_forward": fwd_work}),
+        # the other kind's work happens in its topmost layer: the layers above it have
+        # saved nothing and cast nothing yet
+        fwd_point(prev * A_mb + A_emb + A_bottom(nL - j_other), 0, {
+            "transients/layer_forward": work_other + fwd_work - P.forward_work,
+            "transients/autocast_cache": int(prev * C_mb + (nL - j_other) * cache_layer)}),
         fwd_point(k * A_mb + head_extra, P.lit_returned, {  # (terms/litgpt_loop.py)
             "logits/previous_micro_batch": before[0],
             "activations/previous_graph": before[1]}, gather_head, head=True),
@@ -379,25 +385,13 @@ def _assemble(scn: Scenario, fields: dict[str, Any], strategy: dict[str, object]
         peak_allocated_bytes=st["peak_allocated_bytes"],
         peak_reserved_bytes=st["peak_reserved_bytes"],
         device_total_bytes=st["device_total_bytes"]) for st in fields["stages"]]
+    copied = ("model", "gpu", "subterms", "phases", "peak_phase", "peak_allocated_bytes",
+              "peak_reserved_bytes", "first_step_peak_bytes", "device_total_bytes",
+              "host_bytes_per_node", "nvme_bytes_per_node")
     return MemoryReport.model_construct(
-        engine="analytic",
-        model=fields["model"],
-        strategy=strategy,
-        gpu=fields["gpu"],
-        terms=terms,
-        subterms=fields["subterms"],
-        phases=fields["phases"],
-        peak_phase=fields["peak_phase"],
-        peak_allocated_bytes=fields["peak_allocated_bytes"],
-        peak_reserved_bytes=fields["peak_reserved_bytes"],
-        first_step_peak_bytes=fields["first_step_peak_bytes"],
-        device_total_bytes=fields["device_total_bytes"],
-        **fit_verdict(scn, fields["device_total_bytes"]),
-        host_bytes_per_node=fields["host_bytes_per_node"],
-        nvme_bytes_per_node=fields["nvme_bytes_per_node"],
-        stages=stages,
-        notes=list(fields["notes"]),
-    )
+        engine="analytic", strategy=strategy, terms=terms, stages=stages,
+        notes=list(fields["notes"]), **{key: fields[key] for key in copied},
+        **fit_verdict(scn, fields["device_total_bytes"]))
 
 
 class _StageRun:

@@ -127,17 +127,18 @@ def layer_backward_working_bytes(ctx: RankContext) -> int:
     return max((m.work for m in layer_backward_moments(ctx)), default=0)
 
 
-def layer_forward_working_bytes(ctx: RankContext) -> int:
-    """Worst temporaries of one layer's forward beyond what the micro-batch saves: the
-    full-training value (vramcalc.terms.moments `plain_forward_working_bytes`) or a larger
-    modifier's candidate (adapters' sums, QLoRA's dequantized weights, the FP8 / QAT down
-    projection, the live tensors of a layer whose saved ones are in host memory)."""
+def layer_forward_working_bytes(ctx: RankContext, moe: bool) -> int:
+    """Worst temporaries of the forward of one layer of a kind (`moe`: a MoE layer) beyond
+    what the micro-batch's layers up to it save: the full-training value
+    (vramcalc.terms.moments `plain_forward_working_bytes`) or a larger modifier's candidate
+    (adapters' sums, QLoRA's dequantized weights, the FP8 / QAT down projection, the live
+    tensors of a layer whose saved ones are in host memory)."""
     out = mo.plain_forward_working_bytes(ctx)
     mods = modifiers(ctx)
     if mods:
         on_device = all(m.keeps_layers_on_device for m in mods)
-        saved = layer_saved(ctx, first_layer_moe(ctx))
-        out = max([out] + [m.forward_working_bytes(ctx, saved, on_device) for m in mods])
+        saved = layer_saved(ctx, moe)
+        out = max([out] + [m.forward_working_bytes(ctx, saved, on_device, moe) for m in mods])
     return out
 
 

@@ -56,7 +56,8 @@ def compiled_nf4(ctx: RankContext) -> bool:
     return compiled_dequant_kept(tr.compile, tr.finetune, tr.nf4) and not ctx.spec.is_moe
 
 
-def forward_working_bytes(ctx: RankContext, saved: list[Saved], held: bool = True) -> int:
+def forward_working_bytes(ctx: RankContext, saved: list[Saved], held: bool = True,
+                          moe: bool = False) -> int:
     """Worst transient inside the top layer's forward, under
     LoRA/QLoRA/DoRA: at each adapted or quantized linear, the tensors of the layer saved so
     far plus what is alive and not saved —
@@ -74,20 +75,21 @@ def forward_working_bytes(ctx: RankContext, saved: list[Saved], held: bool = Tru
     forward point adds them; may be negative, the caller takes a max); with `held=False`
     (activation offloading: the saved tensors are in host memory) the temporaries alone.
     Under full recompute the layer saves nothing in forward: its locals and the
-    temporaries (`worst_forward_instant(nosave=True)`). `saved`: the first layer's saved
-    list."""
+    temporaries (`worst_forward_instant(nosave=True)`). `saved`: the saved list of a layer
+    of the kind `moe` says."""
     if not ctx.num_layers:
         return 0
     if ctx.training.recompute == "full":
-        return worst_forward_instant(ctx, saved, nosave=True)[1]
-    kept, rest = worst_forward_instant(ctx, saved, held)
+        return worst_forward_instant(ctx, saved, nosave=True, moe=moe)[1]
+    kept, rest = worst_forward_instant(ctx, saved, held, moe=moe)
     if kept + rest < 0:
         return 0
     return kept + rest - (sum(t.nbytes for t in saved) if held else 0)
 
 
 def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = True,
-                          nosave: bool = False, rerun: bool = False) -> tuple[int, int]:
+                          nosave: bool = False, rerun: bool = False,
+                          moe: bool = False) -> tuple[int, int]:
     """(the layer's tensors saved so far, what else is alive) at the worst instant of
     `forward_working_bytes`.
 
@@ -98,7 +100,9 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
     by default; torch/utils/checkpoint.py `_recomputation_hook` raises
     `_StopRecomputationError`), and autograd saves a node's inputs before it computes: with
     an adapted down projection the run ends at B's input, so neither B's output nor the
-    adapter's sum exists (`_early_stop`)."""
+    adapter's sum exists (`_early_stop`). `moe`: a MoE layer, whose MLP adapters are its
+    shared experts' (routed experts' adapters: vramcalc/terms/expert_lora.py); without
+    shared experts its MLP has none."""
     tr = ctx.training
     x = dims(ctx)
     hf = tr.framework == "hf"
@@ -113,6 +117,7 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
     linears = (["qkv"] if "qkv" in groups else ["q", "k", "v"]) + ["o"] + (
         (["gate_up"] if "gate_up" in groups else ["gate", "up"]) + ["down"]
         if ctx.spec.mlp_kind == "gated" else ["up", "down"])
+    routed_only = moe and not ctx.spec.num_shared_experts  # no adapted MLP in the layer
     best = (0, -(1 << 62))
     act_first = _act_before_up(ctx)
     casts = recomputed_casts(ctx) if rerun else {}
@@ -120,7 +125,7 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
     if rerun:  # kept by the re-run's base matmuls like the casts
         casts = {k: casts.get(k, 0) + copies.get(k, 0) for k in {*casts, *copies}}
     for t in linears:
-        adapted = t in targets
+        adapted = t in targets and not (routed_only and _STEP_OF[t] >= 5)
         if not adapted and tr.finetune != "qlora":
             continue
         # a frozen 4-bit down projection saves nothing through the checkpoint's hooks: the

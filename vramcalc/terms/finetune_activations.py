@@ -250,17 +250,33 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
     if qlora_fp32_outputs(ctx, x):
         # an old 4-bit down projection holds its own 16-bit cast of its input (Linear4bit
         # casts x to the compute dtype before MatMul4Bit), not the fp32 product
-        cast = f"mlp.{down_input}" if bnb_keeps_inputs(ctx) else ""
+        cast = down_input if bnb_keeps_inputs(ctx) else ""
         # relu2's square already runs on the fp32 output: no autocast copy of it
         out = [t for t in out if t.name != "mlp.relu2.fp32"]
         # under selective recompute the checkpointed core keeps its own inputs: the 4-bit
         # projections' fp32 q, k and v (SDPA's 16-bit casts are made again in backward)
         core = ("attn.q", "attn.k", "attn.v") if tr.recompute == "selective" else ()
-        out = [dataclasses.replace(t, dtype=x.r) if t.name in (
-            "mlp.gate", "mlp.up", "mlp.gate_up", "mlp.act", "mlp.down_input", "mlp.fc_out",
-            "mlp.gelu.half_x", *core)  # GPT-2's NewGELU: 0.5·x of the fp32 fc output
-            and t.name != cast else t for t in out]
+        out = [dataclasses.replace(t, dtype=x.r) if (t.name in core or _of_4bit_mlp(t.name)
+                                                     and not t.name.endswith(f".{cast}"))
+               else t for t in out]
     return out + added
+
+
+_4BIT_MLP_PARTS = ("gate", "up", "gate_up", "act", "down_input", "fc_out",
+                   "gelu.half_x")  # GPT-2's NewGELU: 0.5·x of the fp32 fc output
+
+
+def _of_4bit_mlp(name: str) -> bool:
+    """Whether `name` is an intermediate of a 4-bit MLP — the dense one, a routed expert
+    (the reference's NF4 experts) or a shared expert — or a 4-bit down projection's output
+    that a MoE layer keeps (the experts' concatenated outputs, a gated shared expert's)."""
+    owner, _, part = name.partition(".")
+    if owner == "moe":
+        owner, _, part = part.partition(".")
+        return part in _4BIT_MLP_PARTS if owner == "expert" else owner == "expert_output"
+    if owner == "mlp" or owner.startswith("shared_expert"):
+        return part in _4BIT_MLP_PARTS or (owner != "mlp" and part == "output")
+    return False
 
 
 def _litgpt_fused_adapter(ctx: RankContext, x: Dims, added: list[Saved]) -> list[Saved]:

@@ -32,7 +32,6 @@ from vramcalc.terms.finetune_activations import (
 )
 from vramcalc.terms.first_layer import first_layer_unsaved_bytes
 from vramcalc.terms.saved import Modifier, Moment, Saved, dims
-from vramcalc.terms.saved_layers import plain_layer_saved
 from vramcalc.units import alloc
 
 
@@ -167,16 +166,17 @@ class FinetuneActivations(Modifier):
         return adjust_moments(ctx, moments, saved)
 
     def forward_working_bytes(self, ctx: RankContext, saved: list[Saved],
-                              layers_on_device: bool) -> int:
-        """Adapters' sums and QLoRA's dequantized weights; with the layers' saved tensors
-        in host memory, the temporaries alone next to the residual (T·h, r)."""
+                              layers_on_device: bool, moe: bool) -> int:
+        """Adapters' sums and QLoRA's dequantized weights; in a MoE layer also the
+        experts' instants; with the layers' saved tensors in host memory, the temporaries
+        alone next to the residual (T·h, r)."""
         if layers_on_device:
-            moe = (adjust_layer_saved(ctx, plain_layer_saved(ctx, True))
-                   if ctx.shapes.num_moe_layers else [])  # a MoE layer's, the top one's kind
-            return max(forward_working_bytes(ctx, saved), checkpointed_experts_bytes(ctx),
-                       combine_instant_bytes(ctx, moe))
+            if not moe:
+                return forward_working_bytes(ctx, saved)
+            return max(forward_working_bytes(ctx, saved, moe=True), checkpointed_experts_bytes(ctx),
+                       combine_instant_bytes(ctx, saved))
         x = dims(ctx)
-        return alloc(x.T * x.h, x.r) + forward_working_bytes(ctx, saved, held=False)
+        return alloc(x.T * x.h, x.r) + forward_working_bytes(ctx, saved, held=False, moe=moe)
 
     def checkpoint_saved(self, ctx: RankContext, saved: list[Saved]) -> list[Saved]:
         """An old bitsandbytes release's held 4-bit inputs next to each checkpoint."""

@@ -203,7 +203,7 @@ class ActivationOffload(Modifier):
         return offload_moments(ctx, moments, saved)
 
     def forward_working_bytes(self, ctx: RankContext, saved: list[Saved],
-                              layers_on_device: bool) -> int:
+                              layers_on_device: bool, moe: bool) -> int:
         if ctx.training.recompute == "full":  # a checkpointed layer saves nothing itself
             return 0
         return offload_forward_working_bytes(ctx)

@@ -322,7 +322,7 @@ class LowPrecision(Modifier):
         return adjust_moments(ctx, moments, saved)
 
     def forward_working_bytes(self, ctx: RankContext, saved: list[Saved],
-                              layers_on_device: bool) -> int:
+                              layers_on_device: bool, moe: bool) -> int:
         return forward_working_bytes(ctx)
 
     def persistent_parts(self, ctx: RankContext, gpu: GPUProfile | None) -> dict[str, int]:

@@ -38,7 +38,7 @@ class Profile:
     top_moments: tuple[Moment, ...]
     bottom_moments: tuple[Moment, ...]
     eager_forward: tuple[int, int]
-    forward_work: int
+    forward_work: int  # the top layer's kind's (MoE or dense)
     forward_end_extra: int
     final_norm_work: int
     head_freed_at_final_norm: int  # lm_head input and the norm's x̂ copy (hf)
@@ -59,6 +59,9 @@ class Profile:
     # MoE layers interleaved with dense ones (ModelSpec.moe_layers): the topmost layer of the
     # kind the top layer is not (index from the top) and its backward moments; else (0, ())
     other_top: tuple[int, tuple[Moment, ...]] = (0, ())
+    # a rank with both kinds: the topmost layer of the kind the top layer is not (index from
+    # the top) and that kind's forward work; else (0, 0)
+    other_forward: tuple[int, int] = (0, 0)
     # Liger's fused loss: the head weight casts at its forward peak (terms/liger.py)
     loss_forward_casts: int = 0
     loss_backward_casts: int = 0  # vramcalc.terms.trl_loss
@@ -103,7 +106,7 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
         bottom_moments=tuple(act.layer_backward_moments(ctx, bottom_moe)) if ctx.num_layers
         else (),
         eager_forward=act.eager_forward_moment(ctx),
-        forward_work=act.layer_forward_working_bytes(ctx),
+        forward_work=act.layer_forward_working_bytes(ctx, top_moe),
         forward_end_extra=mo.forward_end_extra_bytes(ctx),
         final_norm_work=mo.final_norm_backward_work_bytes(ctx),
         head_freed_at_final_norm=sum(t.nbytes for t in act.head_saved(ctx) if t.name.startswith(
@@ -123,6 +126,7 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
         resident_layer=act.resident_layer_bytes(ctx),
         recompute_plan=act.recompute_plan(ctx),
         other_top=_other_top(ctx, mask),
+        other_forward=_other_forward(ctx, mask),
         loss_forward_casts=liger.forward_cast_bytes(ctx) + (
             trl_loss.forward_parts(ctx)[1] if trl_loss.applies(ctx) else 0),
         loss_backward_casts=trl_loss.backward_parts(ctx)[1] if trl_loss.applies(ctx) else 0,
@@ -130,6 +134,16 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
         if lit else 0,
         previous_graph=(loop.previous_logits_bytes(ctx), loop.previous_held_bytes(ctx)),
     )
+
+
+def _other_forward(ctx: RankContext, mask: tuple[bool, ...]) -> tuple[int, int]:
+    """(index from the top, forward work) of the topmost layer whose kind differs from the
+    top layer's (interleaved MoE, or dense layers below MoE ones); else (0, 0)."""
+    n = len(mask)
+    other = next((i for i in range(1, n) if mask[n - 1 - i] != mask[-1]), None)
+    if other is None:
+        return 0, 0
+    return other, act.layer_forward_working_bytes(ctx, mask[n - 1 - other])
 
 
 def _other_top(ctx: RankContext, mask: tuple[bool, ...]) -> tuple[int, tuple[Moment, ...]]:

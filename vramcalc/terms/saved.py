@@ -239,10 +239,11 @@ class Modifier:
         return moments
 
     def forward_working_bytes(self, ctx: RankContext, saved: list[Saved],
-                              layers_on_device: bool) -> int:
+                              layers_on_device: bool, moe: bool) -> int:
         """A candidate for the worst temporaries of one layer's forward, bytes above the
-        micro-batch's saved tensors (the largest candidate counts); `saved` is the first
-        layer's saved list, `layers_on_device` False under activation offload."""
+        micro-batch's saved tensors (the largest candidate counts); `saved` is the saved list
+        of a layer of that kind (`moe`: a MoE layer), `layers_on_device` False under
+        activation offload."""
         return 0
 
     def first_layer_gap(self, ctx: RankContext, saved: list[Saved]) -> int:

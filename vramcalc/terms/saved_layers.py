@@ -359,7 +359,7 @@ def _moe_saved(ctx: RankContext, x: Dims) -> list[Saved]:
         out += mlp_saved(ctx, x, T, fs, name=f"shared_expert{i}", readers_input=False)
         if spec.shared_expert_gate:
             out += [Saved(f"shared_expert{i}.output", T * x.h, c, "(T, h)", "kept by gate ·"),
-                    Saved(f"shared_expert{i}.gate", T, c, "(T, 1)", "sigmoid output")]
+                    Saved(f"shared_expert{i}.sigmoid", T, c, "(T, 1)", "sigmoid output")]
     return out
 
 
@@ -392,7 +392,7 @@ def _hf_moe_saved(ctx: RankContext, x: Dims) -> list[Saved]:
         fs = ceil_div(spec.shared_ffn, ctx.parallel.tp)
         out += mlp_saved(ctx, x, T, fs, name="shared_expert", readers_input=False)
         out += [Saved("shared_expert.output", T * x.h, c, "(T, h)", "kept by gate ·"),
-                Saved("shared_expert.gate", T, c, "(T, 1)", "sigmoid output")]
+                Saved("shared_expert.sigmoid", T, c, "(T, 1)", "sigmoid output")]
     return out
 
 

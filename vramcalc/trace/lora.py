@@ -85,7 +85,9 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         if self.magnitude is None:
             return y + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
-        return y + self._dora(self.dropout(x), y)
+        # PEFT's Linear.forward casts the sum back to the base output's dtype
+        # (`result.to(torch_result_dtype)`): an fp32 magnitude under autocast promotes it
+        return (y + self._dora(self.dropout(x), y)).to(y.dtype)
 
     def _dora(self, x: torch.Tensor, base_result: torch.Tensor) -> torch.Tensor:
         """PEFT DoraLinearLayer.forward (peft 0.21.2 tuners/lora/dora.py), dropout-free form."""

@@ -287,6 +287,16 @@ FINETUNE_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("gpt2", "hf", {"finetune": "qlora", "lora_targets": "all-linear",
                     "precision": "amp-bf16"}),
     ("moe-shared", "reference", {"finetune": "qlora", "lora_targets": "all-linear"}),
+    # 4-bit experts return fp32 under autocast; DoRA's sum cast back to the base's dtype
+    ("moe", "reference", {"finetune": "qlora", "lora_targets": "all-linear",
+                          "precision": "amp-bf16", "seq_len": 512}),
+    ("llama-deep", "reference", {"finetune": "dora", "precision": "amp-bf16", "seq_len": 512,
+                                 "recompute": "selective", "lora_targets": "q,k,v,o"}),
+    # the dense layers' DoRA work below the top MoE layer (terms/profile.py other_forward)
+    ("moe-interleaved", "reference", {"finetune": "dora", "precision": "amp-bf16",
+                                      "recompute": "selective", "attention": "eager",
+                                      "lora_dropout": 0.1, "lora_targets": "all-linear",
+                                      "seq_len": 512, "micro_batch_size": 1}),
     ("llama-gqa", "hf", {"finetune": "lora"}),
     ("llama-gqa", "hf", {"finetune": "qlora", "lora_targets": "all-linear",
                          "optimizer": "adamw-8bit"}),
@@ -437,22 +447,11 @@ def finetune_grid() -> list[tuple[str, Scenario]]:
             tag += f"-r{tr.lora_rank}-{tr.lora_targets.replace(',', '')}"
         if tr.lora_dropout:
             tag += f"-p{tr.lora_dropout:g}"
-        if tr.chunked_ce > 1:
-            tag += f"-ce{tr.chunked_ce}"
-        if tr.activation_offload:
-            tag += "-offload"
-        if tr.lora_embedding:
-            tag += "-embed"
-        if tr.lora_head:
-            tag += "-head"
-        if tr.liger:
-            tag += "-liger"
-        if tr.trl_chunked_ce:
-            tag += "-trl"
-        if tr.adapters_16bit:
-            tag += "-a16"
-        if tr.modules_to_save:
-            tag += "-save-" + tr.modules_to_save.replace(",", "+")
+        tag += "".join(suffix for on, suffix in (
+            (tr.chunked_ce > 1, f"-ce{tr.chunked_ce}"), (tr.activation_offload, "-offload"),
+            (tr.lora_embedding, "-embed"), (tr.lora_head, "-head"), (tr.liger, "-liger"),
+            (tr.trl_chunked_ce, "-trl"), (tr.adapters_16bit, "-a16"),
+            (tr.modules_to_save, "-save-" + tr.modules_to_save.replace(",", "+"))) if on)
         out.append((f"{name}/{tag}", scn))
     return out
 
