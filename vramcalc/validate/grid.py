@@ -286,6 +286,7 @@ FINETUNE_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
     # transformers' bitsandbytes integration quantizes GPT-2's Conv1D; NewGELU in fp32
     ("gpt2", "hf", {"finetune": "qlora", "lora_targets": "all-linear",
                     "precision": "amp-bf16"}),
+    ("gpt2", "hf", {"finetune": "qlora", "precision": "amp-bf16", "recompute": "selective"}),
     ("moe-shared", "reference", {"finetune": "qlora", "lora_targets": "all-linear"}),
     # 4-bit experts return fp32 under autocast; DoRA's sum cast back to the base's dtype
     ("moe", "reference", {"finetune": "qlora", "lora_targets": "all-linear",
