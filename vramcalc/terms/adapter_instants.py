@@ -16,7 +16,14 @@ from vramcalc.terms.finetune_activations import (
     _targets,
     dora_weight_copies,
 )
-from vramcalc.terms.saved import Dims, Saved, autocasts_adapters, dims, qlora_fp32_outputs
+from vramcalc.terms.saved import (
+    Dims,
+    Saved,
+    autocasts_adapters,
+    dims,
+    qlora_fp32_outputs,
+    returned_attn_weights,
+)
 from vramcalc.units import alloc
 
 # ---- forward transients ------------------------------------------------------------------
@@ -28,6 +35,7 @@ _ORDER = (("input_norm.",), ("attn.input", "lora.q.", "lora.k.", "lora.v.", "lor
           ("mlp.",), ("lora.down.",))
 _STEP_OF = {"q": 1, "k": 1, "v": 1, "qkv": 1, "o": 3, "gate": 5, "up": 7, "gate_up": 5,
             "down": 9}
+_LATER_SIBLINGS = {"q": ("k", "v"), "k": ("v",)}  # same step, run after
 
 
 def _act_before_up(ctx: RankContext) -> bool:
@@ -134,10 +142,14 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
             continue
         step = _STEP_OF[t]
         mlp = step >= 5
-        kept = sum(s.nbytes for s in saved if _step(s.name, act_first) <= step) if (
+        # q, k and v run in that order: at q's instant k's and v's tensors do not exist
+        after = _LATER_SIBLINGS.get(t, ())
+        kept = sum(s.nbytes for s in saved if _step(s.name, act_first) <= step
+                   and not s.name.startswith(tuple(f"lora.{a}." for a in after))) if (
             held and not nosave) else 0
         if rerun:  # the re-run's weight casts so far, each kept by its matmul
-            kept += sum(b for letter, b in casts.items() if _STEP_OF[letter] <= step)
+            kept += sum(b for letter, b in casts.items()
+                        if _STEP_OF[letter] <= step and letter not in after)
         w_in, w_out = _in_width(x, t), _out_width(x, t)
         in_dt = _input_dtype(ctx, x, t)
         work = 0
@@ -154,6 +166,8 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
         if not nosave and ((not mlp and "attn.input" not in names)
                            or (mlp and "mlp.input" not in names)):
             work += alloc(T * x.h, r)  # the normed input, the attention's / MLP's argument
+        if step >= _STEP_OF["o"] and not rerun:  # hf eager attention's returned
+            work += returned_attn_weights(ctx, x)  # probabilities (a re-run saves them)
         down_in = "mlp.down_input" if ctx.spec.mlp_kind == "gated" else "mlp.act"
         if t == "down" and down_in not in names and not nosave:
             work += alloc(T * w_in, _input_dtype(ctx, x, "down"))
@@ -176,7 +190,9 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
                 if hf and tr.lora_dropout > 0:  # dropout's output; the base output recomputed
                     # from it and the weight copy that matmul reads (DoraLinearVariant)
                     pre += alloc(T * w_in, a_dt)
-                    post += alloc(T * w_out, o_dt) + copies.get(t, 0)
+                    # and W.to(x.dtype), which without autocast the weight norm made
+                    post += alloc(T * w_out, o_dt) + (copies.get(t, 0) if tr.is_autocast
+                                                      else 0)
             elif hf:
                 # PEFT's cast of x, which A does not keep (it keeps dropout's output, or
                 # under autocast its own 16-bit cast), and under autocast dropout's output:
@@ -189,11 +205,11 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
             # the recomputed base output and its weight's cast): not there before it
             later = 0 if nosave or not held else sum(
                 s.nbytes for s in saved if s.name.startswith(f"lora.{t}.")
-                and not s.name.endswith(".dropout_mask"))
-            later += copies.get(t, 0) if rerun else 0
+                and not s.name.endswith((".dropout_mask", ".dropout_out", ".input_cast")))
+            copy = copies.get(t, 0) if rerun else 0  # in `kept`: the re-run's casts
             lora_moment = _dora_forward_bytes(ctx, x, t, rerun and t == "down"
                                               and _stops_in_down(ctx), pre, post, nosave,
-                                              later)
+                                              later + copy, 0 if tr.is_autocast else copy)
         elif adapted:
             o_dt = c if ac else a_dt
             extra = 0
@@ -322,7 +338,7 @@ def _checkpointed_locals(ctx: RankContext, x: Dims, target: str) -> int:
 
 def _dora_forward_bytes(ctx: RankContext, x: Dims, target: str, stop: bool = False,
                         pre: int = 0, post: int = 0, nosave: bool = False,
-                        later: int = 0) -> int:
+                        later: int = 0, copy: int = 0) -> int:
     """PEFT DoraLinearLayer.forward's temporaries (peft 0.21.2 tuners/lora/dora.py), the
     largest of three instants:
 
@@ -341,7 +357,8 @@ def _dora_forward_bytes(ctx: RankContext, x: Dims, target: str, stop: bool = Fal
     `stop`: a re-run that ends at m/‖W‖·lora, whose inputs are the last tensors the layer
     saves: only the first product exists. `pre`: locals alive at every instant; `post`:
     those made after the weight norm; `later`: saved bytes the caller counts that the layer
-    makes after the weight norm (absent at the first two instants)."""
+    makes after the weight norm (absent at the first two instants); `copy`: W in x's dtype
+    (without autocast the copy the base matmul keeps) when the caller counts it."""
     tr = ctx.training
     a_dt = tr.adapter_dtype
     w_in, w_out, r_a = _in_width(x, target), _out_width(x, target), tr.lora_rank
@@ -352,14 +369,14 @@ def _dora_forward_bytes(ctx: RankContext, x: Dims, target: str, stop: bool = Fal
     eye_cast = alloc(w_in * w_in, x.c) if ac else 0
     a_eye = alloc(w_in * r_a, x.c if ac else a_dt)
     graph = 0 if nosave else (eye_cast or eye) + a_eye
-    at_eye = eye + eye_cast + a_eye + pre - later
+    y = alloc(x.T * w_out, x.c)  # the base layer's output, made first
+    at_eye = y + eye + eye_cast + a_eye + pre - later
     cast_w = alloc(n, x_dt) if (x_dt != tr.weight_dtype or tr.finetune == "qlora") else 0
-    norm = graph + alloc(n, x_dt) + cast_w + 2 * alloc(n, x_dt) + pre - later
-    y = alloc(x.T * w_out, x.c)
+    norm = y + graph + alloc(n, x_dt) + cast_w + 2 * alloc(n, x_dt) + pre - later
     # the products take the magnitude's dtype (the adapters'), promoted beside x.c
     prod = "fp32" if "fp32" in (a_dt, x.c) else x.c
     # lora_weight and W in x's dtype stay bound as locals until the layer returns
-    held = graph + alloc(n, x_dt) + cast_w
+    held = graph + alloc(n, x_dt) + cast_w - copy
     combine = held + y + (1 if stop else 3) * alloc(x.T * w_out, prod) + pre + post
     # with dropout the base output is recomputed from the dropped input, which autocast
     # casts for that matmul

@@ -68,7 +68,8 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
     for m in moments:
         if m.name == "moe":  # PEFT's adapters on the experts' parameters
             out += expert_moments(ctx, m.held, saved)
-        if m.name == "mlp":
+            m = Moment(m.name, m.held + casts.get("mlp", 0), m.work, m.grads)
+        elif m.name == "mlp":
             held = m.held - down + casts.get("mlp", 0)
             m = Moment(m.name, held, max(m.work, two), m.grads)
         elif m.name == "attention":
@@ -88,10 +89,14 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
 
 
 def _recomputed_casts(ctx: RankContext) -> dict[str, int]:
-    """The recomputed layer's weight casts (finetune_activations.recomputed_casts) at the
-    MLP instant, every cast but down_proj's (its backward ran), and at the attention
-    core's, the q, k and v ones (o's ran)."""
+    """The recomputed layer's weight casts (finetune_activations.recomputed_casts) and
+    DoRA's weight copies its matmuls keep (`dora_weight_copies`) at the MLP instant, every
+    one but down_proj's (its backward ran), and at the attention core's, the q, k and v
+    ones (o's ran)."""
     casts = recomputed_casts(ctx)
+    if ctx.training.recompute == "full":
+        for t, b in dora_weight_copies(ctx).items():
+            casts[t] = casts.get(t, 0) + b
     if not casts:
         return {}
     return {"mlp": sum(v for k, v in casts.items() if k != "down"),

@@ -19,6 +19,7 @@ from vramcalc.terms.saved import (
     hf_family,
     qlora_fp32_outputs,
     relu_output_is_down_input,
+    returned_attn_weights,
 )
 from vramcalc.terms.torchtitan import checkpointed_forward_work as tt_checkpointed_forward_work
 from vramcalc.terms.torchtitan import recompute_extra as tt_recompute_extra
@@ -33,7 +34,7 @@ def plain_forward_working_bytes(ctx: RankContext) -> int:
     if ctx.spec.is_encoder:  # vramcalc/terms/encoder.py
         return (mb if mb.is_modernbert(ctx) else enc).forward_working_bytes(ctx)
     x = dims(ctx)
-    out = alloc(bsh(x), x.c) + alloc(bsh(x), x.r)
+    out = alloc(bsh(x), x.c) + alloc(bsh(x), x.r) + returned_attn_weights(ctx, x)
     if ctx.training.framework == "torchtitan":
         return max(out, tt_checkpointed_forward_work(ctx))
     if ctx.training.recompute == "full":
@@ -55,7 +56,7 @@ def plain_forward_working_bytes(ctx: RankContext) -> int:
             n, normed = 3, 2 * alloc(bsh(x), x.r)
         else:
             normed = alloc(bsh(x), x.c)
-        out = max(out, normed + n * alloc(x.N * f, dt))
+        out = max(out, normed + n * alloc(x.N * f, dt) + returned_attn_weights(ctx, x))
     return out
 
 
@@ -228,8 +229,10 @@ def eager_forward_moment(ctx: RankContext, saved: list[Saved]) -> tuple[int, int
                             "attn.repeat_index", "attn.qkv")
     if x.g < x.a or tr.framework == "hf":
         pre += ("attn.v",)  # repeated (or hf's repeat_kv) v exists before the scores
-    held = sum(t.nbytes for t in saved if t.name.startswith(("input_norm.", "attn.q_norm",
-                                                                  "attn.k_norm")) or t.name in pre)
+    # (and the q, k, v adapters' tensors under fine-tuning, made before the scores)
+    held = sum(t.nbytes for t in saved if t.name.startswith((
+        "input_norm.", "attn.q_norm", "attn.k_norm", "lora.q.", "lora.k.", "lora.v.",
+        "lora.qkv.")) or t.name in pre)
     bas = x.b * x.a * x.s * x.s
     p_dtype = next((t.dtype for t in saved if t.name == "attn.probs"), x.c)
     # softmax input (scores, c) and output; softmax(x16, dtype=fp32) converts its input

@@ -33,7 +33,7 @@ from functools import cached_property
 
 from vramcalc.hardware import GPUProfile
 from vramcalc.rank import RankContext
-from vramcalc.units import DTYPE_BITS, ceil_div, round_alloc
+from vramcalc.units import DTYPE_BITS, alloc, ceil_div, round_alloc
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,19 @@ def qlora_fp32_outputs(ctx: RankContext, x: Dims) -> bool:
     outputs: the MLP's intermediates and their gradients, a fused qkv, the attention inputs
     a checkpointed core keeps."""
     return ctx.training.finetune == "qlora" and x.amp
+
+
+def returned_attn_weights(ctx: RankContext, x: Dims) -> int:
+    """transformers' eager attention returns its probabilities (`attn_output, attn_weights`)
+    and the decoder layer binds them (`hidden_states, _ = self.self_attn(...)`) until it
+    returns: a (b, a, s, s) tensor in the query's dtype alive from o_proj through the MLP.
+    Without recompute the attention saves that tensor anyway; a checkpointed core or layer
+    does not, so it is one more local there."""
+    tr = ctx.training
+    if (tr.framework != "hf" or tr.attention != "eager" or tr.recompute == "none"
+            or ctx.spec.is_encoder):
+        return 0
+    return alloc(x.b * x.a * x.s * x.s, x.c)
 
 
 def autocasts_adapters(ctx: RankContext, x: Dims) -> bool:
