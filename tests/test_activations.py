@@ -185,3 +185,22 @@ def test_a_checkpointed_core_keeps_a_fused_4bit_qkv_in_fp32(shape: str) -> None:
     r = compare(*scenario_for(shape, framework="hf", **kw))
     assert abs(r["terms"]["activations"]["rel_error"]) < 1e-3, r["terms"]["activations"]
     assert abs(r["rel_error"]) < 0.001, r["rel_error"]
+
+
+def test_eager_mqa_keeps_full_casts_of_fp32_k_and_v() -> None:
+    # Gemma-style MQA at batch 1: repeat_kv's expand + reshape is a view, which the eager
+    # matmuls keep as it is, unless k and v are fp32 (4-bit projections under autocast):
+    # then autocast's cast for the matmul is a full (b, a, s, d) tensor (8 heads of 256)
+    kw = {"finetune": "qlora", "attention": "eager", "micro_batch_size": 1, "seq_len": 512,
+          "lora_targets": "q,v"}
+    for precision, kv in (("amp-bf16", 512 * 8 * 256 * 2), ("bf16", 512 * 1 * 256 * 2)):
+        _, scn = scenario_for("gemma-mqa", framework="hf", precision=precision, **kw)
+        scn = scn.resolved()
+        saved = act.layer_saved(RankContext(scn.model, scn.training, scn.parallel), False)
+        sizes = {t.name: t.nbytes for t in saved}
+        assert sizes["attn.k"] == sizes["attn.v"] == kv, precision
+    pytest.importorskip("torch")
+    from vramcalc.validate import compare
+
+    r = compare(*scenario_for("gemma-mqa", framework="hf", precision="amp-bf16", **kw))
+    assert abs(r["rel_error"]) < 0.001, r["rel_error"]  # was -1.3 %

@@ -245,19 +245,18 @@ def _qkv_in_residual_dtype(ctx: RankContext, x: Dims) -> bool:
 def _hf_eager_qkv(ctx: RankContext, x: Dims, fam: str) -> list[Saved]:
     """hf eager attention's q, k, v as kept by the two matmuls (repeat_kv copies for GQA)."""
     c, bsad = x.c, x.b * x.s * x.a * x.d
-    bsgd = x.b * x.s * x.g * x.d
+    bsgd, cast = x.b * x.s * x.g * x.d, _qkv_in_residual_dtype(ctx, x)
     if fam == "gpt2":
         return [Saved("attn.qkv", x.b * x.s * 3 * x.a * x.d, c, "(b, s, 3·h)",
                       "fused c_attn output; q, k, v views")]
-    # repeat_kv copies k and v unless g == 1 (then expand + reshape stays a view, and
-    # matmul folds (b, a) into one batch dimension without a copy only when b == 1)
-    k_keep = bsgd if (x.g == x.a or (x.g == 1 and x.b == 1)) else bsad
+    # repeat_kv copies k and v unless g == 1 (a view; matmul folds (b, a) without a copy only
+    # when b == 1); autocast's cast of fp32 k, v (4-bit outputs) for the matmul is full size
+    k_keep = bsgd if (x.g == x.a or x.g == 1 == x.b) and not cast else bsad
     out = [Saved("attn.q", bsad, c, "(b, a, s, d)", "rotated q"),
            Saved("attn.k", k_keep, c, "(b, a, s, d)", "rotated k (repeat_kv copy for GQA)")]
     # Phi-3's v is a view of the fused qkv output, kept as such unless repeat_kv copies it
     # or matmul cannot fold (b, a) into one batch dimension (b > 1) and copies it
-    v_view = (fam == "phi3" and x.b == 1 and (x.g == x.a or x.g == 1)
-              and not _qkv_in_residual_dtype(ctx, x))
+    v_view = fam == "phi3" and x.b == 1 and (x.g == x.a or x.g == 1) and not cast
     if v_view:
         out.append(Saved("attn.qkv", x.b * x.s * (x.a + 2 * x.g) * x.d, c, "(b, s, (a+2g)·d)",
                          "fused qkv_proj output, kept through the v view"))
