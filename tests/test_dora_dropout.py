@@ -70,7 +70,8 @@ def test_a_recomputed_layer_keeps_its_weight_copies_until_their_backward() -> No
     _, scn = scenario_for("llama-deep", framework="hf", **kw)
     scn = scn.resolved()
     casts = _recomputed_casts(RankContext(scn.model, scn.training, scn.parallel))
-    assert casts == {"mlp": (1024 + 256) * 1024 * 4, "attention": (1024 + 256) * 1024 * 4}
+    assert casts == {"mlp": (1024 + 256) * 1024 * 4, "attention": (1024 + 256) * 1024 * 4,
+                     "down": 0}
     pytest.importorskip("peft")
     from vramcalc.validate.compare import compare
 

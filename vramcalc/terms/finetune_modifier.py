@@ -71,6 +71,11 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
             m = Moment(m.name, m.held + casts.get("mlp", 0), m.work, m.grads)
         elif m.name == "mlp":
             held = m.held - down + casts.get("mlp", 0)
+            if casts.get("down") and not down:
+                # a frozen down projection's dL/dx matmul ends with its weight's cast still
+                # held, beside dL/d its input, dL/d the MLP output and its 16-bit cast
+                out.append(Moment("down_dx", held + casts["down"], g_res + alloc(
+                    x.N * x.f, x.c) + (alloc(x.T * x.h, x.c) if x.r != x.c else 0), m.grads))
             m = Moment(m.name, held, max(m.work, two), m.grads)
         elif m.name == "attention":
             m = Moment(m.name, m.held + qkv + casts.get("attention", 0), m.work, m.grads)
@@ -100,7 +105,8 @@ def _recomputed_casts(ctx: RankContext) -> dict[str, int]:
     if not casts:
         return {}
     return {"mlp": sum(v for k, v in casts.items() if k != "down"),
-            "attention": sum(v for k, v in casts.items() if k in ("q", "k", "v"))}
+            "attention": sum(v for k, v in casts.items() if k in ("q", "k", "v")),
+            "down": casts.get("down", 0)}
 
 
 def dequantized_saved(ctx: RankContext) -> list[Saved]:

@@ -240,6 +240,8 @@ def eager_forward_moment(ctx: RankContext, saved: list[Saved]) -> tuple[int, int
     work = alloc(bas, x.c) + alloc(bas, p_dtype)
     if p_dtype != x.c:
         work += alloc(bas, p_dtype)
+    if tr.framework == "hf" and x.r != x.c:  # transformers adds the fp32 causal mask (the
+        work = alloc(bas, x.r) + alloc(bas, p_dtype)  # model's dtype): the scores promote
     if tr.recompute == "full":
         held = sum(t.nbytes for t in saved if t.name in pre)  # the layer keeps nothing
     if x.g < x.a and not (tr.framework == "hf" and x.g == 1 and x.b == 1):

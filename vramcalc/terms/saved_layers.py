@@ -249,9 +249,10 @@ def _hf_eager_qkv(ctx: RankContext, x: Dims, fam: str) -> list[Saved]:
     if fam == "gpt2":
         return [Saved("attn.qkv", x.b * x.s * 3 * x.a * x.d, c, "(b, s, 3·h)",
                       "fused c_attn output; q, k, v views")]
-    # repeat_kv copies k and v unless g == 1 (a view; matmul folds (b, a) without a copy only
-    # when b == 1); autocast's cast of fp32 k, v (4-bit outputs) for the matmul is full size
-    k_keep = bsgd if (x.g == x.a or x.g == 1 == x.b) and not cast else bsad
+    # repeat_kv copies k, v unless g = a or g = 1 = b (a view); autocast's cast for the matmul of an
+    # fp32 k (rotated by fp32 cos, sin under amp) or v (4-bit, autocast) is (b, a, s, d)
+    v_keep = bsgd if (x.g == x.a or x.g == 1 == x.b) and not cast else bsad
+    k_keep = v_keep if x.r == x.c else bsad
     out = [Saved("attn.q", bsad, c, "(b, a, s, d)", "rotated q"),
            Saved("attn.k", k_keep, c, "(b, a, s, d)", "rotated k (repeat_kv copy for GQA)")]
     # Phi-3's v is a view of the fused qkv output, kept as such unless repeat_kv copies it
@@ -261,7 +262,7 @@ def _hf_eager_qkv(ctx: RankContext, x: Dims, fam: str) -> list[Saved]:
         out.append(Saved("attn.qkv", x.b * x.s * (x.a + 2 * x.g) * x.d, c, "(b, s, (a+2g)·d)",
                          "fused qkv_proj output, kept through the v view"))
     else:
-        out.append(Saved("attn.v", k_keep, c, "(b, a, s, d)", "v (repeat_kv copy for GQA)"))
+        out.append(Saved("attn.v", v_keep, c, "(b, a, s, d)", "v (repeat_kv copy for GQA)"))
     return out
 
 
