@@ -77,3 +77,28 @@ def test_the_trace_agrees() -> None:
                           finetune="lora", lora_targets="up")
     analytic = estimate(scn).peak_allocated_bytes
     assert abs(analytic / trace(scn).report.peak_allocated_bytes - 1) < 1e-4
+
+
+def test_a_checkpointed_eager_core_keeps_q_k_and_v_in_the_first_layer() -> None:
+    # q @ kᵀ keeps q only for dk: with q, v adapted (k frozen) the first layer's matmul
+    # keeps no q — but a checkpointed core keeps its inputs, q, k and v, whatever needs a
+    # gradient; the input norm's tensors and the dropout masks (their input needs none) go
+    def gap(recompute: str) -> int:
+        scn = build_scenario({"model": "llama3.1-8b", "gpus": "1xH100", "framework": "hf",
+                              "finetune": "lora", "lora_targets": "q,v", "lora_dropout": 0.1,
+                              "precision": "bf16-pure", "seq_len": T, "attention": "eager",
+                              "recompute": recompute}).resolved()
+        ctx = RankContext(scn.model, scn.training, scn.parallel)
+        return first_layer_unsaved_bytes(ctx, layer_saved(ctx))
+
+    norm, masks = T * H * 4 + T * 4, 2 * T * H
+    assert gap("selective") == norm + masks
+    assert gap("none") == norm + masks + 32 * T * 128 * 2  # q, kept for dk only, goes
+    pytest.importorskip("torch")
+    from vramcalc.validate.compare import compare
+
+    _, scn = scenario_for("llama-deep", framework="reference", finetune="lora",
+                          lora_targets="q,v", lora_dropout=0.1, attention="eager",
+                          recompute="selective", precision="bf16-pure", seq_len=1024)
+    row = compare("first-layer-eager", scn)  # the first layer's q was left out (-4 MB)
+    assert abs(row["terms"]["activations"]["rel_error"]) < 1e-4
