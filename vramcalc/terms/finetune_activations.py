@@ -256,9 +256,8 @@ def adjust_layer_saved(ctx: RankContext, saved: list[Saved]) -> list[Saved]:
         # under selective recompute the checkpointed core keeps its own inputs: the 4-bit
         # projections' fp32 q, k and v (SDPA's 16-bit casts are made again in backward)
         core = ("attn.q", "attn.k", "attn.v", "attn.qkv") if tr.recompute == "selective" else ()
-        out = [dataclasses.replace(t, dtype=x.r) if (t.name in core or _of_4bit_mlp(t.name)
-                                                     and not t.name.endswith(f".{cast}"))
-               else t for t in out]
+        out = [dataclasses.replace(t, dtype=x.r) if t.name in core or (
+            _of_4bit_mlp(t.name) and not t.name.endswith(f".{cast}")) else t for t in out]
     return out + added
 
 

@@ -182,10 +182,9 @@ class FinetuneActivations(Modifier):
         experts' instants; with the layers' saved tensors in host memory, the temporaries
         alone next to the residual (T·h, r)."""
         if layers_on_device:
-            if not moe:
-                return forward_working_bytes(ctx, saved)
-            return max(forward_working_bytes(ctx, saved, moe=True), checkpointed_experts_bytes(ctx),
-                       combine_instant_bytes(ctx, saved))
+            work = forward_working_bytes(ctx, saved, moe=moe)
+            return max(work, checkpointed_experts_bytes(ctx),
+                       combine_instant_bytes(ctx, saved)) if moe else work
         x = dims(ctx)
         return alloc(x.T * x.h, x.r) + forward_working_bytes(ctx, saved, held=False, moe=moe)
 
