@@ -102,3 +102,27 @@ def test_a_checkpointed_eager_core_keeps_q_k_and_v_in_the_first_layer() -> None:
                           recompute="selective", precision="bf16-pure", seq_len=1024)
     row = compare("first-layer-eager", scn)  # the first layer's q was left out (-4 MB)
     assert abs(row["terms"]["activations"]["rel_error"]) < 1e-4
+
+
+def test_the_first_layer_keeps_no_norm_of_an_unadapted_k() -> None:
+    # Qwen3's k_norm on k_proj's output: with q, v adapted, k needs no gradient in the first
+    # layer, so its RMSNorm records nothing (the fp32 copy and rstd go); q's norm stays
+    _, scn = scenario_for("qwen3-qknorm", framework="hf", finetune="lora", lora_targets="q,v",
+                          precision="bf16", recompute="selective", attention="eager",
+                          micro_batch_size=1, seq_len=1024)
+    scn = scn.resolved()
+    ctx = RankContext(scn.model, scn.training, scn.parallel)
+    saved = {t.name: t.nbytes for t in layer_saved(ctx)}
+    k_norm = 1024 * 8 * 128 * 4 + 1024 * 8 * 4  # fp32 copy of (s, g, d) and its rstd
+    assert saved["attn.k_norm.x_fp32"] + saved["attn.k_norm.rstd"] == k_norm
+    norm = 1024 * 1024 * 4 + 1024 * 4  # the input norm's fp32 copy and rstd
+    assert first_layer_unsaved_bytes(ctx, layer_saved(ctx)) == norm + k_norm
+    pytest.importorskip("peft")
+    from vramcalc.validate.compare import compare
+
+    for framework in ("hf", "reference"):  # were +0.6 % (the first layer's k norm counted)
+        _, scn = scenario_for("qwen3-qknorm", framework=framework, finetune="lora",
+                              lora_targets="q,v", precision="bf16", recompute="selective",
+                              attention="eager", micro_batch_size=1, seq_len=1024)
+        row = compare(framework, scn)
+        assert abs(row["terms"]["activations"]["rel_error"]) < 1e-4, framework

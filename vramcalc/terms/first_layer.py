@@ -63,12 +63,16 @@ def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
                     and t.name != "attn.out")
         if not bnb_keeps_inputs(ctx) and not ctx.spec.parallel_residual:
             gone += _before_the_first_adapter(ctx, saved, targets)
-    elif ctx.training.attention == "eager" and ctx.training.recompute != "selective":
-        # q @ kᵀ keeps q only for dk and k only for dq: one of them needs no grad here (a
-        # checkpointed core keeps its inputs, q, k and v, whether they need one or not)
-        for operand, other in (("attn.q", "k"), ("attn.k", "q")):
-            if other not in targets:
-                gone += sum(t.nbytes for t in saved if t.name == operand)
+    else:
+        # a q (k) norm whose input needs no gradient records nothing (Qwen3's qk-norm)
+        gone += sum(t.nbytes for t in saved for letter in ("q", "k") if letter not in targets
+                    and t.name.startswith(f"attn.{letter}_norm."))
+        if ctx.training.attention == "eager" and ctx.training.recompute != "selective":
+            # q @ kᵀ keeps q only for dk and k only for dq: one of them needs no grad here
+            # (a checkpointed core keeps its inputs, q, k and v, whether they need one or not)
+            for operand, other in (("attn.q", "k"), ("attn.k", "q")):
+                if other not in targets:
+                    gone += sum(t.nbytes for t in saved if t.name == operand)
     return gone
 
 
