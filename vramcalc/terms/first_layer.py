@@ -65,8 +65,8 @@ def first_layer_unsaved_bytes(ctx: RankContext, saved: list[Saved]) -> int:
             gone += _before_the_first_adapter(ctx, saved, targets)
     else:
         # a q (k) norm whose input needs no gradient records nothing (Qwen3's qk-norm)
-        gone += sum(t.nbytes for t in saved for letter in ("q", "k") if letter not in targets
-                    and t.name.startswith(f"attn.{letter}_norm."))
+        norms = tuple(f"attn.{letter}_norm." for letter in "qk" if letter not in targets)
+        gone += sum(t.nbytes for t in saved if norms and t.name.startswith(norms))
         if ctx.training.attention == "eager" and ctx.training.recompute != "selective":
             # q @ kᵀ keeps q only for dk and k only for dq: one of them needs no grad here
             # (a checkpointed core keeps its inputs, q, k and v, whether they need one or not)

@@ -237,11 +237,14 @@ def eager_forward_moment(ctx: RankContext, saved: list[Saved]) -> tuple[int, int
     p_dtype = next((t.dtype for t in saved if t.name == "attn.probs"), x.c)
     # softmax input (scores, c) and output; softmax(x16, dtype=fp32) converts its input
     # first (a CUDA half_to_float kernel skips that copy for fp16; the trace makes it)
-    work = alloc(bas, x.c) + alloc(bas, p_dtype)
-    if p_dtype != x.c:
-        work += alloc(bas, p_dtype)
-    if tr.framework == "hf" and x.r != x.c:  # transformers adds the fp32 causal mask (the
-        work = alloc(bas, x.r) + alloc(bas, p_dtype)  # model's dtype): the scores promote
+    if tr.framework == "hf" and x.r != x.c:
+        # transformers adds the causal mask in the model's dtype (fp32 under amp): the
+        # scores are promoted before the softmax, which needs no copy of them
+        work = alloc(bas, x.r) + alloc(bas, p_dtype)
+    else:
+        work = alloc(bas, x.c) + alloc(bas, p_dtype)
+        if p_dtype != x.c:
+            work += alloc(bas, p_dtype)
     if tr.recompute == "full":
         held = sum(t.nbytes for t in saved if t.name in pre)  # the layer keeps nothing
     if x.g < x.a and not (tr.framework == "hf" and x.g == 1 and x.b == 1):
