@@ -48,7 +48,8 @@ Dequantizing for a matmul (forward, and again in backward for dL/dx):
 - torchao `NF4Tensor.get_original_weight` (v0.1 … v0.5.0, eager): the high and low codes
   widened to int64 (2 × ⌈n/2⌉ × 8 B), looked up in the bf16 table (2 × ⌈n/2⌉), scaled
   (2 × ⌈n/2⌉), stacked into the bf16 weight (n): 14 bytes per element at the stack, all of
-  them Python locals until the function returns (`torch.stack`).
+  them Python locals until the function returns (`torch.stack`); `_to_copy` then casts the
+  bf16 weight to the matmul's dtype (a second copy under fp32, none under bf16).
 """
 
 from __future__ import annotations
@@ -200,10 +201,9 @@ def dequant_transient_bytes(n: int, dtype: str, layout: NF4Layout = DEFAULT_LAYO
 def dequant_matmul_bytes(n: int, dtype: str, layout: NF4Layout, out_bytes: int) -> int:
     """Peak temporaries of a forward 4-bit matmul y = x·dequant(W)ᵀ producing `out_bytes`:
     bitsandbytes keeps its decoded absmax and the weight through F.linear
-    (`_dequant_linear_fallback`); torchao's `get_original_weight` locals are gone before
-    F.linear runs on the weight it returned."""
+    (`_dequant_linear_fallback`); torchao as `_torchao_matmul_bytes`."""
     if layout.impl == "torchao":
-        return max(dequant_transient_bytes(n, dtype, layout), alloc(n, "bf16") + out_bytes)
+        return _torchao_matmul_bytes(n, dtype, layout, out_bytes)
     if layout.quant_dtype not in (None, dtype):  # the cast's source is freed before F.linear
         return max(dequant_transient_bytes(n, dtype, layout), alloc(n, dtype) + out_bytes)
     return dequant_transient_bytes(n, dtype, layout) + out_bytes
@@ -212,6 +212,16 @@ def dequant_matmul_bytes(n: int, dtype: str, layout: NF4Layout, out_bytes: int) 
 def dequant_backward_bytes(n: int, dtype: str, layout: NF4Layout, dx_bytes: int) -> int:
     """Peak temporaries of a 4-bit linear's backward dL/dx = dL/dy · dequant(W): the
     dequantization, then the weight alone next to dL/dx (bitsandbytes frees the decoded
-    absmax when `dequantize_4bit` returns; torchao its locals)."""
-    w_dtype = "bf16" if layout.impl == "torchao" else dtype
-    return max(dequant_transient_bytes(n, dtype, layout), alloc(n, w_dtype) + dx_bytes)
+    absmax when `dequantize_4bit` returns); torchao as `_torchao_matmul_bytes`."""
+    if layout.impl == "torchao":
+        return _torchao_matmul_bytes(n, dtype, layout, dx_bytes)
+    return max(dequant_transient_bytes(n, dtype, layout), alloc(n, dtype) + dx_bytes)
+
+
+def _torchao_matmul_bytes(n: int, dtype: str, layout: NF4Layout, out_bytes: int) -> int:
+    """torchao's `weight.to(dtype)` (v0.5.0 nf4tensor.py `_to_copy`, called by `LinearNF4`'s
+    forward and backward) is `get_original_weight().to(dtype)`: the locals are gone when
+    it returns its bf16 weight, a cast to an fp32 `dtype` holds both copies, and the
+    matmul reads the weight in `dtype` beside its output."""
+    cast = alloc(n, "bf16") + alloc(n, dtype) if dtype != "bf16" else 0
+    return max(dequant_transient_bytes(n, dtype, layout), cast, alloc(n, dtype) + out_bytes)

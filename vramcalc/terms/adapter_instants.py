@@ -297,8 +297,7 @@ def rerun_pending_bytes(ctx: RankContext) -> int:
     tr = ctx.training
     x = dims(ctx)
     if (tr.recompute == "full" and not tr.reentrant and tr.finetune == "qlora"
-            and tr.nf4.impl == "torchao" and not compiled_nf4(ctx)
-            and "down" not in _targets(ctx)):
+            and not compiled_nf4(ctx) and "down" not in _targets(ctx)):
         # torchao's LinearNF4 keeps its weight as a node attribute, not a saved tensor:
         # down's backward runs before the first unpack, and its dL/d act·up (T·f) waits
         return alloc(x.T * x.f, x.c)

@@ -25,13 +25,14 @@ from vramcalc.terms.finetune_activations import (
     _targets,
     adjust_head_saved,
     adjust_layer_saved,
+    bnb_keeps_inputs,
     dora_weight_copies,
     dora_weight_copy_bytes,
     embedding_trained,
     held_4bit_inputs,
 )
 from vramcalc.terms.first_layer import first_layer_unsaved_bytes
-from vramcalc.terms.saved import Modifier, Moment, Saved, dims
+from vramcalc.terms.saved import Modifier, Moment, Saved, dims, relu_output_is_down_input
 from vramcalc.units import alloc
 
 
@@ -80,16 +81,26 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
         elif m.name == "attention":
             m = Moment(m.name, m.held + qkv + casts.get("attention", 0), m.work, m.grads)
         out.append(m)
-    if ctx.training.finetune == "qlora" and ctx.spec.mlp_kind == "gated" and not (
+    if ctx.training.finetune == "qlora" and not (
             ctx.spec.is_moe and ctx.spec.num_dense_layers == 0):
         total = sum(t.nbytes for t in saved)
         dx = alloc(x.T * x.f, x.c)
+        # an adapted down projection's adapter ran its backward first: its dL/dx waits to
+        # be summed with the base's, and the input its A matrix kept is gone unless relu
+        # or an old 4-bit linear (bnb_keeps_inputs) keeps it too
         if compiled_nf4(ctx):  # down's kept dequantized weight is read by its dL/dx
             kept = sum(t.nbytes for t in saved if t.name == "lora.down.w_deq")
             out.append(Moment("dequant_down", total - down + kept, g_res + dx, "down"))
         else:
+            pending, freed = 0, 0
+            if "down" in _targets(ctx):
+                pending = dx
+                if not (relu_output_is_down_input(ctx) or bnb_keeps_inputs(ctx)):
+                    name = "mlp.down_input" if ctx.spec.mlp_kind == "gated" else "mlp.act"
+                    freed = sum(t.nbytes for t in saved if t.name == name)
             work = dequant_backward_bytes(x.h * x.f, x.c, ctx.training.nf4, dx)
-            out.append(Moment("dequant_down", total - down, g_res + work, "down"))
+            out.append(Moment("dequant_down", total - down - freed, g_res + pending + work,
+                              "down"))
     return out
 
 

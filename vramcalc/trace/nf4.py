@@ -73,8 +73,6 @@ class _NF4MatMul(torch.autograd.Function):
         if layer.layout.keeps_input and any(ctx.needs_input_grad[:2]):
             ctx.tensors = (x, packed)  # MatMul4Bit before 9e753741: kept until graph freed
         w = layer.dequantize(x.dtype)
-        if layer.layout.impl == "torchao":
-            layer.release()  # get_original_weight's locals are gone before F.linear
         y = F.linear(x, w, bias)
         del w
         layer.release()  # _dequant_linear_fallback: absmax buffers live through F.linear
@@ -164,14 +162,17 @@ class NF4Linear(nn.Linear):
         `_temps` until `release()`: bitsandbytes' decoded absmax and its `+ offset` copy
         (double quantization only; `dequantize_4bit` in backward adds the offset in place:
         one buffer); torchao's int64 high/low codes and looked-up and scaled
-        halves (`get_original_weight`, bf16)."""
+        halves (`get_original_weight`, bf16) are gone before its bf16 result is cast to
+        `dtype` (torchao v0.5.0 nf4tensor.py `_to_copy`)."""
         dev = self.weight.device
         half = self.weight.shape[0]
         if self.layout.impl == "torchao":
             self._temps = [torch.empty(half, dtype=torch.int64, device=dev) for _ in range(2)]
             self._temps += [torch.empty(half, dtype=torch.bfloat16, device=dev)
                             for _ in range(4)]
-            return self.new_weight(torch.bfloat16).to(dtype)
+            w = self.new_weight(torch.bfloat16)
+            self.release()  # the locals go when it returns, before `_to_copy`'s `.to(dtype)`
+            return w.to(dtype)
         if self.layout.double_quant:
             absmax = self.new_absmax()
             offset: torch.Tensor = self.offset  # type: ignore[assignment]
