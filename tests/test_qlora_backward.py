@@ -76,3 +76,46 @@ def test_the_down_projections_backward_agrees_with_the_trace(
     row = compare(name, scn)
     assert abs(row["rel_error"]) < 0.001, row["rel_error"]
     assert abs(row["phases"]["backward"]["rel_error"]) < 0.001, row["phases"]["backward"]
+
+
+def _attn_output_alive_at_mlp(block, attn, mlp, x, **kw: object) -> bool:  # type: ignore[no-untyped-def]
+    import weakref
+
+    seen: dict[str, object] = {}
+    attn.register_forward_hook(lambda m, i, out: seen.__setitem__("o", weakref.ref(out[0])))
+    mlp.register_forward_pre_hook(
+        lambda m, i: seen.__setitem__("alive", seen["o"]() is not None))  # type: ignore[operator]
+    block(x, **kw)
+    return bool(seen["alive"])
+
+
+def test_gpt2_block_binds_its_attention_output_through_the_mlp() -> None:
+    """transformers' GPT2Block keeps `attn_output` bound until it returns; Llama's decoder
+    layer rebinds its `hidden_states`, so the attention's output is gone when the MLP runs
+    (each checked on the real module with a weak reference). The
+    hf profile counts one (T, h) tensor for GPT-2 only (`gpt2_block_attn_output`)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from vramcalc.rank import RankContext
+    from vramcalc.terms.saved import dims, gpt2_block_attn_output
+
+    x = torch.randn(1, 8, 64)
+    cfg = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=1)
+    gpt2 = GPT2Block(cfg, layer_idx=0)
+    assert _attn_output_alive_at_mlp(gpt2, gpt2.attn, gpt2.mlp, x)
+    lcfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                                    num_hidden_layers=1)
+    llama = LlamaDecoderLayer(lcfg, layer_idx=0)
+    rope = LlamaRotaryEmbedding(lcfg)(x, torch.arange(8)[None])
+    assert not _attn_output_alive_at_mlp(llama, llama.self_attn, llama.mlp, x,
+                                         position_embeddings=rope)
+
+    for shape, expected in (("gpt2-relu", 2 * 256 * 768 * 4), ("llama-gqa", 0)):
+        _, scn = scenario_for(shape, framework="hf", precision="fp32", micro_batch_size=2,
+                              seq_len=256)
+        scn = scn.resolved()
+        ctx = RankContext(scn.model, scn.training, scn.parallel, 0)
+        assert gpt2_block_attn_output(ctx, dims(ctx)) == expected

@@ -21,6 +21,7 @@ from vramcalc.terms.saved import (
     Saved,
     autocasts_adapters,
     dims,
+    gpt2_block_attn_output,
     qlora_fp32_outputs,
     returned_attn_weights,
 )
@@ -168,6 +169,8 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
             work += alloc(T * x.h, r)  # the normed input, the attention's / MLP's argument
         if step >= _STEP_OF["o"] and not rerun:  # hf eager attention's returned
             work += returned_attn_weights(ctx, x)  # probabilities (a re-run saves them)
+        if mlp:
+            work += gpt2_block_attn_output(ctx, x)
         down_in = "mlp.down_input" if ctx.spec.mlp_kind == "gated" else "mlp.act"
         if t == "down" and down_in not in names and not nosave:
             work += alloc(T * w_in, _input_dtype(ctx, x, "down"))

@@ -16,6 +16,7 @@ from vramcalc.terms.saved import (
     bsh,
     dims,
     flash_scratch_bytes,
+    gpt2_block_attn_output,
     hf_family,
     qlora_fp32_outputs,
     relu_output_is_down_input,
@@ -34,7 +35,8 @@ def plain_forward_working_bytes(ctx: RankContext) -> int:
     if ctx.spec.is_encoder:  # vramcalc/terms/encoder.py
         return (mb if mb.is_modernbert(ctx) else enc).forward_working_bytes(ctx)
     x = dims(ctx)
-    out = alloc(bsh(x), x.c) + alloc(bsh(x), x.r) + returned_attn_weights(ctx, x)
+    held = returned_attn_weights(ctx, x) + gpt2_block_attn_output(ctx, x)
+    out = alloc(bsh(x), x.c) + alloc(bsh(x), x.r) + held
     if ctx.training.framework == "torchtitan":
         return max(out, tt_checkpointed_forward_work(ctx))
     if ctx.training.recompute == "full":
@@ -56,7 +58,7 @@ def plain_forward_working_bytes(ctx: RankContext) -> int:
             n, normed = 3, 2 * alloc(bsh(x), x.r)
         else:
             normed = alloc(bsh(x), x.c)
-        out = max(out, normed + n * alloc(x.N * f, dt) + returned_attn_weights(ctx, x))
+        out = max(out, normed + n * alloc(x.N * f, dt) + held)
     return out
 
 

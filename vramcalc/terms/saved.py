@@ -119,6 +119,16 @@ def returned_attn_weights(ctx: RankContext, x: Dims) -> int:
     return alloc(x.b * x.a * x.s * x.s, x.c)
 
 
+def gpt2_block_attn_output(ctx: RankContext, x: Dims) -> int:
+    """transformers' GPT2Block binds the attention's output (`attn_output, _ =
+    self.attn(...)`, then `hidden_states = attn_output + residual`) until it returns, and
+    nothing saves it: one (T, h) tensor in the compute dtype alive through the MLP, in
+    every forward of the layer (a re-run's too)."""
+    if ctx.training.framework != "hf" or ctx.spec.is_encoder or hf_family(ctx) != "gpt2":
+        return 0
+    return alloc(x.T * x.h, x.c)
+
+
 def autocasts_adapters(ctx: RankContext, x: Dims) -> bool:
     """Whether autocast runs the adapters' matmuls: fp32 weights under autocast (amp, the
     residual in fp32) or 16-bit weights under it (bf16-autocast), where the frozen layer
