@@ -66,8 +66,8 @@ def _layer_saved(ctx: RankContext, moe: bool) -> list[Saved]:
         for m in modifiers(ctx):  # DeepSpeed's partitioned / CPU checkpoints
             kept = m.checkpoint_saved(ctx, kept)
         return kept
-    tune = ctx.training.framework == "torchtune" and not moe  # vramcalc/terms/torchtune.py
-    out = ttn.plain_layer_saved(ctx) if tune else plain_layer_saved(ctx, moe)
+    tune = ctx.training.framework == "torchtune"  # vramcalc/terms/torchtune.py
+    out = ttn.plain_layer_saved(ctx, moe) if tune else plain_layer_saved(ctx, moe)
     for m in modifiers(ctx):
         out = m.layer_saved(ctx, out)
     return out

@@ -134,7 +134,9 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
     if rerun:  # kept by the re-run's base matmuls like the casts
         casts = {k: casts.get(k, 0) + copies.get(k, 0) for k in {*casts, *copies}}
     for t in linears:
-        adapted = t in targets and not (routed_only and _STEP_OF[t] >= 5)
+        if routed_only and _STEP_OF[t] >= 5:  # no dense MLP linear in this layer
+            continue
+        adapted = t in targets
         if not adapted and tr.finetune != "qlora":
             continue
         # a frozen 4-bit down projection saves nothing through the checkpoint's hooks: the

@@ -81,8 +81,8 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
         elif m.name == "attention":
             m = Moment(m.name, m.held + qkv + casts.get("attention", 0), m.work, m.grads)
         out.append(m)
-    if ctx.training.finetune == "qlora" and not (
-            ctx.spec.is_moe and ctx.spec.num_dense_layers == 0):
+    # a dense layer's 4-bit down projection (a MoE layer's experts: expert_moments)
+    if ctx.training.finetune == "qlora" and not any(m.name == "moe" for m in moments):
         total = sum(t.nbytes for t in saved)
         dx = alloc(x.T * x.f, x.c)
         # an adapted down projection's adapter ran its backward first: its dL/dx waits to

@@ -320,7 +320,7 @@ def _new_gelu_saved(x: Dims, bsf: int, name: str) -> list[Saved]:
             Saved(f"{name}.act", bsf, c, "(T, f)", "activation output (its cast), c_proj input")]
 
 
-def _moe_saved(ctx: RankContext, x: Dims) -> list[Saved]:
+def moe_saved(ctx: RankContext, x: Dims) -> list[Saved]:
     """A mixture-of-experts MLP (router, top-k dispatch, experts, combine, shared experts)."""
     spec = ctx.spec
     c, T = x.c, x.T
@@ -417,7 +417,7 @@ def plain_layer_saved(ctx: RankContext, moe: bool) -> list[Saved]:
         return out + _parallel_mlp_saved(ctx, x)
     out += norm_saved(ctx, x, "post_norm", x.T, x.h, "(b, s, h)")
     if moe:
-        out += _moe_saved(ctx, x)
+        out += moe_saved(ctx, x)
     else:
         out += mlp_saved(ctx, x, x.T, ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp),
                          rows=x.N)

@@ -54,12 +54,18 @@ from vramcalc.terms.torchtitan_tp import gathered_input_dtype
 from vramcalc.units import alloc, ceil_div, round_alloc
 
 
-def _attention_saved(x: Dims) -> list[Saved]:
-    """Attention without AC: the projections' input, SDPA's q, k, v, output, logsumexp."""
+def _attention_saved(ctx: RankContext, x: Dims) -> list[Saved]:
+    """Attention without AC: the projections' input, SDPA's q, k, v, output, logsumexp;
+    torchtune's q/k norms (Qwen3) after RoPE: its RMSNorm's fp32 copy, rstd and x̂ of the
+    rotated q (b, a, s, d) and k (b, g, s, d) (torchtune/modules/attention.py; the normed q
+    is SDPA's input)."""
     c, n = x.c, x.b * x.s
     nad, ngd = n * x.a * x.d, n * x.g * x.d
     out = [Saved("attn.input", n * x.h, c, "(b, s, h) normed", "input of wq, wk, wv"),
            Saved("attn.q", nad, c, "(b, s, a, d)", "rotated q (type_as copy), SDPA input")]
+    if ctx.spec.qk_norm and ctx.training.framework == "torchtune":
+        out += norm_saved(ctx, x, "attn.q_norm", n * x.a, x.d, "(b, a, s, d)")
+        out += norm_saved(ctx, x, "attn.k_norm", n * x.g, x.d, "(b, g, s, d)")
     if x.g < x.a:
         out += [Saved("attn.k", nad, c, "(b, s, a, d)", "repeat_kv copy of rotated k"),
                 Saved("attn.v", nad, c, "(b, s, a, d)", "repeat_kv copy of v")]
@@ -78,11 +84,16 @@ def plain_layer_saved(ctx: RankContext) -> list[Saved]:
         return compiled_block_saved(ctx)
     x = dims(ctx)
     f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
+    return attention_part_saved(ctx) + mlp_saved(ctx, x, x.b * x.s, f)
+
+
+def attention_part_saved(ctx: RankContext) -> list[Saved]:
+    """A block's two norms and its attention, without AC (the MLP's or experts' table
+    follows)."""
+    x = dims(ctx)
     out = norm_saved(ctx, x, "input_norm", x.T, x.h, "(b, s, h)")
-    out += _attention_saved(x)
-    out += norm_saved(ctx, x, "post_norm", x.T, x.h, "(b, s, h)")
-    out += mlp_saved(ctx, x, x.b * x.s, f)
-    return out
+    out += _attention_saved(ctx, x)
+    return out + norm_saved(ctx, x, "post_norm", x.T, x.h, "(b, s, h)")
 
 
 SAC_FLOAT8_AMAX, SAC_FLOAT8_INV_SCALES = 11, 7  # compiled per-op SAC with torchao float8

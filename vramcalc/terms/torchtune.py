@@ -64,15 +64,20 @@ from vramcalc.stack_rules import TORCHTUNE_0_2, TORCHTUNE_0_3, torchtune_before
 from vramcalc.terms.gradients import grad_dtype
 from vramcalc.terms.lowmem import head_input_split
 from vramcalc.terms.saved import Saved, dims
+from vramcalc.terms.saved_layers import moe_saved
+from vramcalc.terms.torchtitan import attention_part_saved
 from vramcalc.terms.torchtitan import plain_layer_saved as titan_layer_saved
 from vramcalc.terms.torchtitan_compile import compiled_block_saved
 from vramcalc.training import TrainingConfig
 from vramcalc.units import ALLOC_ROUND_BYTES, alloc, ceil_div
 
 
-def plain_layer_saved(ctx: RankContext) -> list[Saved]:
+def plain_layer_saved(ctx: RankContext, moe: bool = False) -> list[Saved]:
     """One torchtune layer without checkpointing: torchtitan's block table, or the compiled
-    layer's (module docstring)."""
+    layer's (module docstring); a MoE layer (`moe`): the same norms and attention, then the
+    experts' table (vramcalc/terms/saved_layers.py `moe_saved`)."""
+    if moe:
+        return attention_part_saved(ctx) + moe_saved(ctx, dims(ctx))
     return compiled_layer_saved(ctx) if ctx.training.compile else titan_layer_saved(ctx)
 
 

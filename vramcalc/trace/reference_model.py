@@ -186,8 +186,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, g * d, bias=spec.attention_bias, **kw)
         self.v_proj = nn.Linear(h, g * d, bias=spec.attention_bias, **kw)
         self.o_proj = nn.Linear(a * d, h, bias=spec.attention_out_bias, **kw)
-        self.q_norm = make_norm(spec, d, **kw) if spec.qk_norm else None
-        self.k_norm = make_norm(spec, d, **kw) if spec.qk_norm else None
+        # torchtune's q/k norms are its RMSNorm (Qwen3: torchtune/models/qwen3
+        # _component_builders.py), run after RoPE (torchtune/modules/attention.py)
+        self.q_norm = make_norm(spec, d, tune, **kw) if spec.qk_norm else None
+        self.k_norm = make_norm(spec, d, tune, **kw) if spec.qk_norm else None
         self.attention = attention
         self.selective = recompute == "selective"
 
@@ -213,11 +215,13 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, s, self.a, self.d)  # (b, s, a, d)
         k = self.k_proj(x).view(b, s, self.g, self.d)  # (b, s, g, d)
         v = self.v_proj(x).view(b, s, self.g, self.d)  # (b, s, g, d)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and not self.tune:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.tune:  # torchtune's layer (vramcalc/terms/torchtune.py): torchtitan's ops
             if isinstance(rope, torch.Tensor):  # the complex table (None: learned positions)
                 q, k = rotary(q, k, rope)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             k, v = repeat_kv(k, self.a // self.g), repeat_kv(v, self.a // self.g)
         elif rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)

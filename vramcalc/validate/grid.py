@@ -213,30 +213,30 @@ def titan_grid() -> list[tuple[str, Scenario]]:
 
 
 def tune_grid() -> list[tuple[str, Scenario]]:
-    """The torchtune profile (vramcalc/terms/torchtune.py; the trace runs torchtune's layer,
-    its chunked losses and the pre-0.3 recipe's loss, vramcalc/trace/tune.py): full training,
-    LoRA with the chunked loss, QLoRA, the 0.1 recipe, the main branch's
-    LinearCrossEntropyLoss in full training and LoRA, LoRA on two FSDP2 ranks, and QLoRA
-    with a small vocabulary."""
-    cases: tuple[tuple[str, dict[str, Any]], ...] = (
-        ("", {}), ("lora/chunked4", {"finetune": "lora", "recompute": "full", "chunked_ce": 4}),
-        ("qlora", {"finetune": "qlora", "recompute": "full"}),
-        ("lora/v0.1", {"finetune": "lora", "torchtune_version": "0.1.0"}),
-        ("chunked4/main", {"recompute": "full", "chunked_ce": 4, "torchtune_version": "0.7.0"}),
-        ("lora/chunked4/main", {"finetune": "lora", "recompute": "full", "chunked_ce": 4,
-                                "torchtune_version": "0.7.0"}))
+    """The torchtune profile (terms/torchtune.py; the trace: trace/tune.py): full training,
+    LoRA with the chunked loss, QLoRA, the 0.1 recipe, main's LinearCrossEntropyLoss, LoRA on
+    two FSDP2 ranks, QLoRA with a small vocabulary (the peak is the final norm's backward),
+    q/k norms, QLoRA on interleaved MoE layers and on a 2-matrix MLP."""
+    g, qkvo = "llama-gqa", {"lora_targets": "q,k,v,o", "seq_len": 512}
+    cases: tuple[tuple[str, str, dict[str, Any]], ...] = (
+        (g, "", {}), (g, "lora/chunked4", {"finetune": "lora", "recompute": "full", "chunked_ce": 4}),
+        (g, "qlora", {"finetune": "qlora", "recompute": "full"}),
+        (g, "lora/v0.1", {"finetune": "lora", "torchtune_version": "0.1.0"}),
+        (g, "chunked4/main", {"recompute": "full", "chunked_ce": 4, "torchtune_version": "0.7.0"}),
+        (g, "lora/chunked4/main", {"finetune": "lora", "recompute": "full", "chunked_ce": 4,
+                                   "torchtune_version": "0.7.0"}),
+        ("llama-deep", "qlora", {"finetune": "qlora", "seq_len": 2048}),
+        ("qwen3-qknorm", "lora", {"finetune": "lora", **qkvo}),
+        ("moe-interleaved", "qlora", {"finetune": "qlora", **qkvo}),
+        ("gpt2-relu", "qlora/fp32", {"finetune": "qlora", "precision": "fp32", **qkvo}))
     out: list[tuple[str, Scenario]] = []
-    for tag, kw in cases:
-        name, scn = scenario_for("llama-gqa", framework="torchtune", precision="bf16-pure", **kw)
+    for shape, tag, kw in cases:
+        name, scn = scenario_for(shape, framework="torchtune", **{"precision": "bf16-pure", **kw})
         out.append((name + (f"/{tag}" if tag else ""), scn))
-    name, scn = scenario_for("llama-gqa", framework="torchtune", precision="bf16-pure",
+    name, scn = scenario_for(g, framework="torchtune", precision="bf16-pure",
                              finetune="lora", recompute="full")
     out.append((f"{name}/lora/fsdp-full2", scn.model_copy(
         update={"parallel": ParallelConfig(dp=2, fsdp="full", fsdp_impl="fsdp2")})))
-    # a small vocabulary: the peak is the final RMSNorm's backward, every layer's activations held
-    name, scn = scenario_for("llama-deep", framework="torchtune", precision="bf16-pure",
-                             finetune="qlora", seq_len=2048)
-    out.append((f"{name}/qlora", scn))
     return out
 
 
