@@ -129,6 +129,7 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
     routed_only = moe and not ctx.spec.num_shared_experts  # no adapted MLP in the layer
     best = (0, -(1 << 62))
     act_first = _act_before_up(ctx)
+    relu_mlp = ctx.spec.mlp_kind != "gated" and ctx.spec.hidden_act in ("relu", "relu2")
     casts = recomputed_casts(ctx) if rerun else {}
     copies = dora_weight_copies(ctx)
     if rerun:  # kept by the re-run's base matmuls like the casts
@@ -180,6 +181,12 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
         y = alloc(T * w_out, y_dt)
         if compiled_nf4(ctx):
             base_moment = y  # the fused kernel's bf16 weight is saved: in `kept`
+        elif tr.finetune == "qlora" and y_dt != c:
+            # Linear4bit under autocast: x.to(compute dtype) for the 16-bit matmul, whose
+            # output it casts back to x's dtype (bitsandbytes nn/modules.py)
+            y_c = alloc(T * w_out, c)
+            base_moment = alloc(T * w_in, c) + max(
+                dequant_matmul_bytes(w_in * w_out, c, tr.nf4, y_c), y_c + y)
         elif tr.finetune == "qlora":
             base_moment = dequant_matmul_bytes(w_in * w_out, c, tr.nf4, y)
         else:
@@ -238,7 +245,17 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
             lora_moment = max(lora_moment, a_moment)
             if rerun and t == "down" and _early_stop(ctx):
                 lora_moment = a_moment
-        best = max(best, (kept, work + max(base_moment, lora_moment)), key=sum)
+        # the base layer runs before the adapter (PEFT's and torchtune's forward): at its
+        # matmul none of this linear's adapter tensors exist yet
+        own = sum(s.nbytes for s in saved if s.name.startswith(f"lora.{t}.")) if (
+            held and not nosave and adapted) else 0
+        best = max(best, (kept - own, work + base_moment), (kept, work + lora_moment), key=sum)
+        if t == "up" and relu_mlp and not nosave:
+            # relu runs on up's output: both (T, f) exist beside what the layer saved so
+            # far (relu keeps its output; relu2's square runs after it)
+            name = "mlp.act" if ctx.spec.hidden_act == "relu" else "mlp.fc_out"
+            out_ = next((s.nbytes for s in saved if s.name == name), 0)
+            best = max(best, (kept + out_, work + y + (0 if out_ else y)), key=sum)
     if rerun and "down" not in targets and ctx.spec.mlp_kind == "gated":
         # a frozen down projection's matmul saves its weight before it runs, ending the
         # re-run beside act·up (Liger's fused output c); a 4-bit one saves nothing through
@@ -298,14 +315,15 @@ def rerun_pending_bytes(ctx: RankContext) -> int:
     fp32 adapter beside 16-bit weights), dL/d the base output cast back (T·h, c); with an
     fp32 residual (autocast over fp32 weights), dL/d the 16-bit MLP output cast from the
     residual's gradient (T·h, c). Without a down adapter the first node, down's own matmul,
-    saves its weight (torchao's 4-bit one does not: its dL/dx waits instead)."""
+    saves its weight (a 4-bit one does not: its dL/dx waits instead)."""
     tr = ctx.training
     x = dims(ctx)
     if (tr.recompute == "full" and not tr.reentrant and tr.finetune == "qlora"
             and not compiled_nf4(ctx) and "down" not in _targets(ctx)):
-        # torchao's LinearNF4 keeps its weight as a node attribute, not a saved tensor:
-        # down's backward runs before the first unpack, and its dL/d act·up (T·f) waits
-        return alloc(x.T * x.f, x.c)
+        # a 4-bit linear keeps its state as node attributes, not saved tensors: down's
+        # backward runs before the first unpack, and its dL/d act·up (T·f) waits, cast
+        # back to its input's dtype under autocast (Linear4bit's x.to(compute dtype))
+        return alloc(x.T * x.f, x.r if qlora_fp32_outputs(ctx, x) else x.c)
     if not _stops_in_down(ctx):
         return 0
     th = x.T * x.h

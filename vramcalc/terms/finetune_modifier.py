@@ -32,7 +32,14 @@ from vramcalc.terms.finetune_activations import (
     held_4bit_inputs,
 )
 from vramcalc.terms.first_layer import first_layer_unsaved_bytes
-from vramcalc.terms.saved import Modifier, Moment, Saved, dims, relu_output_is_down_input
+from vramcalc.terms.saved import (
+    Modifier,
+    Moment,
+    Saved,
+    dims,
+    qlora_fp32_outputs,
+    relu_output_is_down_input,
+)
 from vramcalc.units import alloc
 
 
@@ -85,20 +92,26 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
     if ctx.training.finetune == "qlora" and not any(m.name == "moe" for m in moments):
         total = sum(t.nbytes for t in saved)
         dx = alloc(x.T * x.f, x.c)
-        # an adapted down projection's adapter ran its backward first: its dL/dx waits to
-        # be summed with the base's, and the input its A matrix kept is gone unless relu
-        # or an old 4-bit linear (bnb_keeps_inputs) keeps it too
         if compiled_nf4(ctx):  # down's kept dequantized weight is read by its dL/dx
             kept = sum(t.nbytes for t in saved if t.name == "lora.down.w_deq")
             out.append(Moment("dequant_down", total - down + kept, g_res + dx, "down"))
         else:
+            # an adapted down projection's adapter ran its backward first: its dL/dx waits
+            # to be summed with the base's, and the input its A matrix kept is gone unless
+            # relu or an old 4-bit linear (bnb_keeps_inputs) keeps it too
             pending, freed = 0, 0
+            dx_in = alloc(x.T * x.f, x.r) if qlora_fp32_outputs(ctx, x) else dx
             if "down" in _targets(ctx):
-                pending = dx
+                pending = dx_in
                 if not (relu_output_is_down_input(ctx) or bnb_keeps_inputs(ctx)):
                     name = "mlp.down_input" if ctx.spec.mlp_kind == "gated" else "mlp.act"
                     freed = sum(t.nbytes for t in saved if t.name == name)
             work = dequant_backward_bytes(x.h * x.f, x.c, ctx.training.nf4, dx)
+            if dx_in != dx:
+                # under autocast Linear4bit casts x to the compute dtype and its output back
+                # to x's: their backwards cast dL/dy to it and dL/dx back (bitsandbytes
+                # nn/modules.py Linear4bit.forward)
+                work = max(work + alloc(x.T * x.h, x.c), dx + dx_in)
             out.append(Moment("dequant_down", total - down - freed, g_res + pending + work,
                               "down"))
     return out
