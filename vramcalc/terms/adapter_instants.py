@@ -254,8 +254,8 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
             # relu runs on up's output: both (T, f) exist beside what the layer saved so
             # far (relu keeps its output; relu2's square runs after it)
             name = "mlp.act" if ctx.spec.hidden_act == "relu" else "mlp.fc_out"
-            out_ = next((s.nbytes for s in saved if s.name == name), 0)
-            best = max(best, (kept + out_, work + y + (0 if out_ else y)), key=sum)
+            relu_out = next((s.nbytes for s in saved if s.name == name), 0)
+            best = max(best, (kept + relu_out, work + y + (0 if relu_out else y)), key=sum)
     if rerun and "down" not in targets and ctx.spec.mlp_kind == "gated":
         # a frozen down projection's matmul saves its weight before it runs, ending the
         # re-run beside act·up (Liger's fused output c); a 4-bit one saves nothing through

@@ -100,14 +100,15 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
             # to be summed with the base's, and the input its A matrix kept is gone unless
             # relu or an old 4-bit linear (bnb_keeps_inputs) keeps it too
             pending, freed = 0, 0
-            dx_in = alloc(x.T * x.f, x.r) if qlora_fp32_outputs(ctx, x) else dx
+            amp_4bit = qlora_fp32_outputs(ctx, x)
+            dx_in = alloc(x.T * x.f, x.r) if amp_4bit else dx
             if "down" in _targets(ctx):
                 pending = dx_in
                 if not (relu_output_is_down_input(ctx) or bnb_keeps_inputs(ctx)):
                     name = "mlp.down_input" if ctx.spec.mlp_kind == "gated" else "mlp.act"
                     freed = sum(t.nbytes for t in saved if t.name == name)
             work = dequant_backward_bytes(x.h * x.f, x.c, ctx.training.nf4, dx)
-            if dx_in != dx:
+            if amp_4bit:
                 # under autocast Linear4bit casts x to the compute dtype and its output back
                 # to x's: their backwards cast dL/dy to it and dL/dx back (bitsandbytes
                 # nn/modules.py Linear4bit.forward)
