@@ -79,6 +79,9 @@ _BASE = {"finetune": "qlora", "attention": "flash", "micro_batch_size": 2, "seq_
                                 "recompute": "full"}),
     ("llama-deep", "hf", {"precision": "amp-bf16", "lora_targets": "all-linear",
                           "recompute": "none", "micro_batch_size": 1}),
+    # hf GPT-2: the re-run holds the block's attention output; its nn.LayerNorm keeps the
+    # residual itself, so no separate residual local (was -1.8 %)
+    ("gpt2-relu", "hf", {"precision": "bf16-pure", "lora_targets": "q,v", "recompute": "full"}),
 ])
 def test_the_down_projections_backward_agrees_with_the_trace(
         shape: str, framework: str, extra: dict[str, object]) -> None:

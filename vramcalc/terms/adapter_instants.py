@@ -121,7 +121,9 @@ def worst_forward_instant(ctx: RankContext, saved: list[Saved], held: bool = Tru
     T, c, r = x.T, x.c, x.r
     ac = autocasts_adapters(ctx, x)
     # hf's norms save an fp32 copy, not the residual itself (LigerRMSNorm keeps X: in `kept`)
-    keep_r = tr.framework in ("hf", "torchtune") and r != "fp32" and not tr.liger
+    # (nn.LayerNorm, GPT-2's, keeps its input: the residual itself)
+    keep_r = (tr.framework in ("hf", "torchtune") and r != "fp32" and not tr.liger
+              and ctx.spec.norm_kind != "layernorm")
     groups = fused_groups(ctx.spec, tr.framework)
     linears = (["qkv"] if "qkv" in groups else ["q", "k", "v"]) + ["o"] + (
         (["gate_up"] if "gate_up" in groups else ["gate", "up"]) + ["down"]
