@@ -53,40 +53,34 @@ _BASE = {"finetune": "qlora", "attention": "flash", "micro_batch_size": 2, "seq_
          "lora_dropout": 0.0}
 
 
-@pytest.mark.parametrize("shape,framework,extra", [
+@pytest.mark.parametrize("shape,framework,precision,targets,recompute,mbs", [
     # torchao's fp32 cast and the 2-matrix MLP's down projection (was -5.9 %)
-    ("gpt2-relu", "torchtune", {"precision": "fp32", "lora_targets": "q,k,v,o",
-                                "recompute": "none"}),
+    ("gpt2-relu", "torchtune", "fp32", "q,k,v,o", "none", 2),
     # the adapter's dL/dx beside the dequantization (was -1.8 %, backward -19.9 %)
-    ("gpt2-relu", "torchtune", {"precision": "bf16-pure", "lora_targets": "all-linear",
-                                "recompute": "none"}),
+    ("gpt2-relu", "torchtune", "bf16-pure", "all-linear", "none", 2),
     # relu2 frees down's input once the adapter's backward ran (was -7.4 %)
-    ("nemotron-relu2", "torchtune", {"precision": "fp32", "lora_targets": "all-linear",
-                                     "recompute": "full"}),
-    ("nemotron-relu2", "reference", {"precision": "bf16-pure", "lora_targets": "all-linear",
-                                     "recompute": "none"}),
+    ("nemotron-relu2", "torchtune", "fp32", "all-linear", "full", 2),
+    ("nemotron-relu2", "reference", "bf16-pure", "all-linear", "none", 2),
     # bitsandbytes' 2-matrix MLP (was -1.4 %)
-    ("gpt2-relu", "reference", {"precision": "bf16-pure", "lora_targets": "all-linear",
-                                "recompute": "none"}),
+    ("gpt2-relu", "reference", "bf16-pure", "all-linear", "none", 2),
     # the frozen 4-bit down projection's dL/dx through the re-run (was -1.1 %)
-    ("gpt2-relu", "reference", {"precision": "bf16-pure", "lora_targets": "q,v",
-                                "recompute": "full"}),
+    ("gpt2-relu", "reference", "bf16-pure", "q,v", "full", 2),
     # under autocast Linear4bit's casts of x and of its output, and their gradients
     # (was -1.7 %, -0.9 %, +0.3 %)
-    ("gpt2-relu", "reference", {"precision": "amp-bf16", "lora_targets": "all-linear",
-                                "recompute": "none"}),
-    ("gpt2-relu", "reference", {"precision": "amp-bf16", "lora_targets": "q,v",
-                                "recompute": "full"}),
-    ("llama-deep", "hf", {"precision": "amp-bf16", "lora_targets": "all-linear",
-                          "recompute": "none", "micro_batch_size": 1}),
+    ("gpt2-relu", "reference", "amp-bf16", "all-linear", "none", 2),
+    ("gpt2-relu", "reference", "amp-bf16", "q,v", "full", 2),
+    ("llama-deep", "hf", "amp-bf16", "all-linear", "none", 1),
     # hf GPT-2: the re-run holds the block's attention output; its nn.LayerNorm keeps the
     # residual itself, so no separate residual local (was -1.8 %)
-    ("gpt2-relu", "hf", {"precision": "bf16-pure", "lora_targets": "q,v", "recompute": "full"}),
+    ("gpt2-relu", "hf", "bf16-pure", "q,v", "full", 2),
 ])
 def test_the_down_projections_backward_agrees_with_the_trace(
-        shape: str, framework: str, extra: dict[str, object]) -> None:
+        shape: str, framework: str, precision: str, targets: str, recompute: str,
+        mbs: int) -> None:
     pytest.importorskip("torch")
-    name, scn = scenario_for(shape, framework=framework, **{**_BASE, **extra})
+    name, scn = scenario_for(shape, framework=framework, **{
+        **_BASE, "precision": precision, "lora_targets": targets, "recompute": recompute,
+        "micro_batch_size": mbs})
     row = compare(name, scn)
     assert abs(row["rel_error"]) < 0.001, row["rel_error"]
     assert abs(row["phases"]["backward"]["rel_error"]) < 0.001, row["phases"]["backward"]
