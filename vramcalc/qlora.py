@@ -201,27 +201,17 @@ def dequant_transient_bytes(n: int, dtype: str, layout: NF4Layout = DEFAULT_LAYO
 def dequant_matmul_bytes(n: int, dtype: str, layout: NF4Layout, out_bytes: int) -> int:
     """Peak temporaries of a forward 4-bit matmul y = x·dequant(W)ᵀ producing `out_bytes`:
     bitsandbytes keeps its decoded absmax and the weight through F.linear
-    (`_dequant_linear_fallback`); torchao as `_torchao_matmul_bytes`."""
-    if layout.impl == "torchao":
-        return _torchao_matmul_bytes(n, dtype, layout, out_bytes)
-    if layout.quant_dtype not in (None, dtype):  # the cast's source is freed before F.linear
+    (`_dequant_linear_fallback`); a weight dequantized to another dtype and cast (torchao's
+    `get_original_weight().to(dtype)` in `_to_copy`, v0.5.0) is alone beside the output,
+    its source and the dequantization's locals gone (the cast's two copies never exceed
+    those locals)."""
+    if layout.impl == "torchao" or layout.quant_dtype not in (None, dtype):
         return max(dequant_transient_bytes(n, dtype, layout), alloc(n, dtype) + out_bytes)
     return dequant_transient_bytes(n, dtype, layout) + out_bytes
 
 
 def dequant_backward_bytes(n: int, dtype: str, layout: NF4Layout, dx_bytes: int) -> int:
     """Peak temporaries of a 4-bit linear's backward dL/dx = dL/dy · dequant(W): the
-    dequantization, then the weight alone next to dL/dx (bitsandbytes frees the decoded
-    absmax when `dequantize_4bit` returns); torchao as `_torchao_matmul_bytes`."""
-    if layout.impl == "torchao":
-        return _torchao_matmul_bytes(n, dtype, layout, dx_bytes)
+    dequantization, then the weight in `dtype` alone next to dL/dx (bitsandbytes frees the
+    decoded absmax when `dequantize_4bit` returns, torchao its locals before the cast)."""
     return max(dequant_transient_bytes(n, dtype, layout), alloc(n, dtype) + dx_bytes)
-
-
-def _torchao_matmul_bytes(n: int, dtype: str, layout: NF4Layout, out_bytes: int) -> int:
-    """torchao's `weight.to(dtype)` (v0.5.0 nf4tensor.py `_to_copy`, called by `LinearNF4`'s
-    forward and backward) is `get_original_weight().to(dtype)`: the locals are gone when
-    it returns its bf16 weight, a cast to an fp32 `dtype` holds both copies, and the
-    matmul reads the weight in `dtype` beside its output."""
-    cast = alloc(n, "bf16") + alloc(n, dtype) if dtype != "bf16" else 0
-    return max(dequant_transient_bytes(n, dtype, layout), cast, alloc(n, dtype) + out_bytes)
