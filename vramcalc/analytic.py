@@ -250,15 +250,22 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
         """Instant `mom` of the backward of the i-th layer from the top (0-based); `hook`:
         a parameter's (gradient, step temporaries) inside backward (optim_in_bwd.py)."""
         done = P.grad_fraction[mom.grads]
-        grads = G if keep_grads else G_top + int((i + done) * g_layer)
+        made = i + done  # layers' worth of gradients made: those above, this one's share
+        casts = casts_held(nL - i - 1, done)  # layers' worth of autocast casts still held
+        if P.kind_grads is not None and plan is None:
+            # dense and MoE layers hold different gradients and casts (by their elements)
+            shares = [P.kind_grads[P.is_moe_from_top(j)][0] for j in range(nL)]
+            frac = P.kind_grads[P.is_moe_from_top(i)][1][mom.grads] * shares[i]
+            made = sum(shares[:i]) + frac
+            casts = shares[i] - frac if full else sum(shares[i:]) - frac
+        grads = G if keep_grads else G_top + int(made * g_layer)
         step = {"transients/optimizer_step": hook[1], "transients/tied_grad": ib.waiting
                 } if ib else {}
         return Phase("backward", B, hook[0] if ib else min(grads, G), {
             **step,
             "activations": int(prev * A_mb + A_below(nL - i - 1) + mom.held + A_emb)
             - (gap if i == nL - 1 else 0),
-            "transients/autocast_cache": int(prev * C_mb + casts_held(nL - i - 1, done)
-                                             * cache_layer),
+            "transients/autocast_cache": int(prev * C_mb + casts * cache_layer),
             "transients/layer_backward": mom.work + comm_bwd,
             "transients/gather_buffers": gather,
             "transients/reduce_buffers": tr.reduce_buffer_bytes(ctx, i, done,

@@ -135,9 +135,14 @@ def layer_forward_working_bytes(ctx: RankContext, moe: bool) -> int:
     tensors of a layer whose saved ones are in host memory)."""
     out = mo.plain_forward_working_bytes(ctx)
     mods = modifiers(ctx)
+    saved = layer_saved(ctx, moe) if mods or moe else []
+    if moe and ctx.training.framework != "hf" and ctx.training.recompute == "full":
+        # no dense MLP in the layer: its checkpointed forward peaks in the combine
+        out = mo.moe_combine_forward_bytes(ctx, saved)
+    elif moe:
+        out = max(out, mo.moe_combine_forward_bytes(ctx, saved))
     if mods:
         on_device = all(m.keeps_layers_on_device for m in mods)
-        saved = layer_saved(ctx, moe)
         out = max([out] + [m.forward_working_bytes(ctx, saved, on_device, moe) for m in mods])
     return out
 

@@ -350,10 +350,21 @@ def _checkpointed_locals(ctx: RankContext, x: Dims, target: str) -> int:
     MLP's argument, r); in the MLP the residual after attention (r); at up, the
     activation (gate's output under Liger, which runs both projections first); at down,
     its input (act·up, or the activation of a 2-matrix MLP). What nothing holds is freed
-    as soon as the next op has read it (gate's output once act exists)."""
+    as soon as the next op has read it (gate's output once act exists). In the reference
+    and torchtune attention (vramcalc/trace/reference_model.py `Attention.forward`) the
+    projections' outputs are locals until it returns: at k, q; at v, q and k; at o, q, k,
+    v (after RoPE; torchtune's k and v repeated to every head) and o's input."""
     out = alloc(x.T * x.h, x.r)
     if _STEP_OF[target] >= 5:
         out += alloc(x.T * x.h, x.r)
+    if ctx.training.framework in ("reference", "torchtune") and target in ("k", "v", "o"):
+        qkv_dt = x.r if qlora_fp32_outputs(ctx, x) else x.c
+        kv = x.a if ctx.training.framework == "torchtune" and target == "o" else x.g
+        out += alloc(x.T * x.a * x.d, qkv_dt)  # q
+        if target in ("v", "o"):
+            out += alloc(x.T * kv * x.d, qkv_dt)  # k
+        if target == "o":
+            out += alloc(x.T * kv * x.d, qkv_dt) + alloc(x.T * x.a * x.d, x.c)  # v, o's input
     gated = ctx.spec.mlp_kind == "gated"
     if (target == "up" and gated) or target == "down":
         out += alloc(x.T * x.f, _input_dtype(ctx, x, "down"))  # act·up or act, same dtype

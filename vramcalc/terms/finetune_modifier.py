@@ -32,6 +32,12 @@ from vramcalc.terms.finetune_activations import (
     held_4bit_inputs,
 )
 from vramcalc.terms.first_layer import first_layer_unsaved_bytes
+from vramcalc.terms.moments import (
+    caller_input_bytes,
+    checkpoint_input_extra,
+    last_expert_down_bytes,
+    moe_combine_locals,
+)
 from vramcalc.terms.saved import (
     Modifier,
     Moment,
@@ -73,6 +79,16 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
         # in forward
         kept, rest = worst_forward_instant(ctx, saved, rerun=True)
         out.append(Moment("recompute", kept, g_res + rerun_pending_bytes(ctx) + rest, "none"))
+        if ctx.training.framework != "hf" and any(m.name == "moe" for m in moments):
+            # the reference MoE's re-run ends at index_add (moments.moe_combine_locals):
+            # every saved tensor of the layer and the frozen weights' casts exist again;
+            # IndexAddBackward's unpack started it, so only dL/d the output waits
+            rerun_held = checkpoint_input_extra(ctx) + moe_rerun_cast_bytes(ctx)
+            out.append(Moment("recompute_moe", sum(t.nbytes for t in saved) + rerun_held,
+                              g_res + moe_combine_locals(ctx, saved), "none"))
+            kept, rest = last_expert_down_bytes(ctx, saved)
+            if rest:  # QLoRA: the last expert's 4-bit down projection
+                out.append(Moment("recompute_moe_down", kept + rerun_held, g_res + rest, "none"))
     for m in moments:
         if m.name == "moe":  # PEFT's adapters on the experts' parameters
             out += expert_moments(ctx, m.held, saved)
@@ -183,6 +199,28 @@ def adapters_autocast_cache_bytes(ctx: RankContext) -> int:
     return max(total, 0) // n
 
 
+def moe_rerun_cast_bytes(ctx: RankContext) -> int:
+    """A MoE layer's frozen 16-bit casts in a LoRA/DoRA re-run under autocast: each frozen
+    fp32 weight (attention, router, every expert; NF4 ones are dequantized, not cast) is
+    cast again and saved by its matmul for dL/dx (autocast caches only weights that need
+    a gradient). Per MoE layer: one of each attention and router matrix, E experts'."""
+    tr = ctx.training
+    if tr.recompute != "full" or not dims(ctx).amp or tr.finetune not in ("lora", "dora"):
+        return 0
+    n_moe = ctx.shapes.num_moe_layers
+    if not n_moe or not ctx.num_layers:
+        return 0
+    out = 0
+    for t in shapes_for(ctx).frozen.tensors:
+        if (t.group not in ("layer", "expert") or not t.rows or "norm" in t.name
+                or not t.name.endswith(".weight") or t.name.startswith("mlp.")):
+            continue
+        per_moe = t.name.startswith(("experts.", "router.", "shared_expert"))
+        out += t.count // (n_moe if per_moe else ctx.num_layers) * alloc(
+            t.numel, tr.compute_dtype)
+    return out
+
+
 class FinetuneActivations(Modifier):
     """LoRA / QLoRA / DoRA: frozen base, trained adapters (the functions above)."""
 
@@ -208,8 +246,13 @@ class FinetuneActivations(Modifier):
         alone next to the residual (T·h, r)."""
         if layers_on_device:
             work = forward_working_bytes(ctx, saved, moe=moe)
-            return max(work, checkpointed_experts_bytes(ctx),
-                       combine_instant_bytes(ctx, saved)) if moe else work
+            if not moe:
+                return work
+            kept, rest = last_expert_down_bytes(ctx, saved)
+            down = kept + rest + caller_input_bytes(ctx) - sum(t.nbytes for t in saved) if (
+                rest) else 0
+            return max(work, checkpointed_experts_bytes(ctx), combine_instant_bytes(ctx, saved),
+                       down)
         x = dims(ctx)
         return alloc(x.T * x.h, x.r) + forward_working_bytes(ctx, saved, held=False, moe=moe)
 

@@ -43,6 +43,9 @@ class Profile:
     final_norm_work: int
     head_freed_at_final_norm: int  # lm_head input and the norm's x̂ copy (hf)
     grad_fraction: dict[str, float]
+    # a rank with dense and MoE layers: per kind (dense, MoE) its gradient relative to the
+    # average layer's and its grad_fraction; None when its layers are of one kind
+    kind_grads: tuple[tuple[float, dict[str, float]], ...] | None
     logits_keep: int
     logits_forward: int
     logits_backward: int
@@ -111,8 +114,8 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
         final_norm_work=mo.final_norm_backward_work_bytes(ctx),
         head_freed_at_final_norm=sum(t.nbytes for t in act.head_saved(ctx) if t.name.startswith(
             ("lm_head.", "final_norm.xhat"))),
-        grad_fraction={part: mo.layer_grad_fraction(ctx, part)
-                       for part in ("none", "down", "shared", "mlp+o")},
+        grad_fraction={part: mo.layer_grad_fraction(ctx, part) for part in mo.GRAD_PARTS},
+        kind_grads=_kind_grads(ctx),
         logits_keep=lg.logits_saved_bytes(ctx),
         logits_forward=lg.logits_forward_peak_bytes(ctx),
         logits_backward=lg.logits_backward_peak_bytes(ctx),
@@ -134,6 +137,17 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
         if lit else 0,
         previous_graph=(loop.previous_logits_bytes(ctx), loop.previous_held_bytes(ctx)),
     )
+
+
+def _kind_grads(ctx: RankContext) -> tuple[tuple[float, dict[str, float]], ...] | None:
+    """Per layer kind (dense, MoE): its gradient relative to the average layer's and its
+    parts' fractions, when the rank has layers of both kinds; else None."""
+    shares = mo.kind_grad_shares(ctx)
+    if shares is None:
+        return None
+    return tuple((share, {part: mo.layer_grad_fraction(ctx, part, moe)
+                          for part in mo.GRAD_PARTS})
+                 for moe, share in ((False, shares[0]), (True, shares[1])))
 
 
 def _other_forward(ctx: RankContext, mask: tuple[bool, ...]) -> tuple[int, int]:
