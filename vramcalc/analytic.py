@@ -250,14 +250,10 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
         """Instant `mom` of the backward of the i-th layer from the top (0-based); `hook`:
         a parameter's (gradient, step temporaries) inside backward (optim_in_bwd.py)."""
         done = P.grad_fraction[mom.grads]
-        made = i + done  # layers' worth of gradients made: those above, this one's share
-        casts = casts_held(nL - i - 1, done)  # layers' worth of autocast casts still held
-        if P.kind_grads is not None and plan is None:
-            # dense and MoE layers hold different gradients and casts (by their elements)
-            shares = [P.kind_grads[P.is_moe_from_top(j)][0] for j in range(nL)]
-            frac = P.kind_grads[P.is_moe_from_top(i)][1][mom.grads] * shares[i]
-            made = sum(shares[:i]) + frac
-            casts = shares[i] - frac if full else sum(shares[i:]) - frac
+        # layers' worth of gradients made (above, this one's share) and of casts still held
+        made, casts = i + done, casts_held(nL - i - 1, done)
+        if plan is None and P.kind_grads is not None:  # dense and MoE layers differ
+            made, casts = P.kind_share(i, mom.grads, full)
         grads = G if keep_grads else G_top + int(made * g_layer)
         step = {"transients/optimizer_step": hook[1], "transients/tied_grad": ib.waiting
                 } if ib else {}

@@ -18,6 +18,7 @@ from vramcalc.terms.megatron_layer import megatron_layer_bytes
 from vramcalc.terms.megatron_mtp import mtp_saved
 from vramcalc.terms.megatron_recompute import LayerPlan, layer_plan
 from vramcalc.terms.modifiers import modifiers
+from vramcalc.terms.moe_instants import moe_combine_forward_bytes
 from vramcalc.terms.saved import Moment, Saved, first_layer_moe, mostly_moe
 from vramcalc.terms.saved_layers import (
     checkpoint_saved,
@@ -138,9 +139,9 @@ def layer_forward_working_bytes(ctx: RankContext, moe: bool) -> int:
     saved = layer_saved(ctx, moe) if mods or moe else []
     if moe and ctx.training.framework != "hf" and ctx.training.recompute == "full":
         # no dense MLP in the layer: its checkpointed forward peaks in the combine
-        out = mo.moe_combine_forward_bytes(ctx, saved)
+        out = moe_combine_forward_bytes(ctx, saved)
     elif moe:
-        out = max(out, mo.moe_combine_forward_bytes(ctx, saved))
+        out = max(out, moe_combine_forward_bytes(ctx, saved))
     if mods:
         on_device = all(m.keeps_layers_on_device for m in mods)
         out = max([out] + [m.forward_working_bytes(ctx, saved, on_device, moe) for m in mods])

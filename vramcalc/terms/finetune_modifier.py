@@ -32,12 +32,12 @@ from vramcalc.terms.finetune_activations import (
     held_4bit_inputs,
 )
 from vramcalc.terms.first_layer import first_layer_unsaved_bytes
-from vramcalc.terms.moments import (
+from vramcalc.terms.moe_instants import (
     caller_input_bytes,
-    checkpoint_input_extra,
     last_expert_down_bytes,
     moe_combine_locals,
 )
+from vramcalc.terms.moments import checkpoint_input_extra
 from vramcalc.terms.saved import (
     Modifier,
     Moment,

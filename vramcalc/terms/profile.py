@@ -81,6 +81,16 @@ class Profile:
         """Whether the i-th layer from the top (0-based) of this rank is a MoE layer."""
         return self.moe_mask[len(self.moe_mask) - 1 - i]
 
+    def kind_share(self, i: int, part: str, full: bool) -> tuple[float, float]:
+        """With dense and MoE layers (`kind_grads`): at instant `part` of the i-th layer from
+        the top, the gradients made (the layers above, this one's share) and the autocast
+        casts still held (this layer's rest; without full recompute also the layers
+        below), in average layers, each layer counted by its kind's elements."""
+        assert self.kind_grads is not None
+        shares = [self.kind_grads[self.is_moe_from_top(j)][0] for j in range(len(self.moe_mask))]
+        frac = self.kind_grads[self.is_moe_from_top(i)][1][part] * shares[i]
+        return sum(shares[:i]) + frac, (shares[i] if full else sum(shares[i:])) - frac
+
     @property
     def layers(self) -> int:
         if self.recompute_plan is not None:
