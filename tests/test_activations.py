@@ -28,6 +28,7 @@ from vramcalc.rank import RankContext
 from vramcalc.scenario import Scenario
 from vramcalc.terms import activations as act
 from vramcalc.training import TrainingConfig
+from vramcalc.validate.compare import compare
 from vramcalc.validate.shapes import SHAPES, scenario_for
 
 L, H, F, V = 4, 1024, 4096, 1024  # layers, hidden, ffn, vocab
@@ -211,3 +212,23 @@ def test_eager_mqa_keeps_full_casts_of_fp32_k_and_v() -> None:
                                   attention="eager", micro_batch_size=1, seq_len=512,
                                   lora_targets="q,v", precision="amp-bf16"))
         assert abs(r["rel_error"]) < 0.001, (finetune, r["rel_error"])
+
+
+@pytest.mark.parametrize("finetune,precision,recompute", [
+    ("lora", "fp32", "none"),  # forward was -0.9 %
+    ("qlora", "fp32", "full"),  # forward was -3.1 %
+    ("full", "bf16", "full"),  # forward was -0.9 %
+])
+def test_eager_forward_peaks_with_q_k_v_and_the_checkpointed_input(
+        finetune: str, precision: str, recompute: str) -> None:
+    # eager attention's forward peaks at the scores (scores and their scaled copy, then the
+    # masked scores and the probabilities), with q, k and v all made (the reference
+    # attention projects v before the scores), and in a checkpointed layer its input, the
+    # checkpoint's; a 1,024-token vocabulary puts the forward peak in the top layer
+    pytest.importorskip("torch")
+    kw = {"lora_targets": "all-linear"} if finetune != "full" else {}
+    name, scn = scenario_for("gpt2-relu", finetune=finetune, precision=precision,
+                             recompute=recompute, attention="eager", micro_batch_size=1,
+                             seq_len=1024, **kw)
+    row = compare(name, scn)
+    assert abs(row["phases"]["forward"]["rel_error"]) < 0.001, row["phases"]["forward"]

@@ -204,8 +204,9 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
 
     eager_held, eager_work = P.eager_forward
     if eager_work and nL:
-        # the top layer's softmax: its later saved tensors do not exist yet
-        top_bytes = plan.kept[-1] if plan else (
+        # the top layer's softmax: its later saved tensors do not exist yet (a checkpointed
+        # layer's are its input, the checkpoint's, which does)
+        top_bytes = plan.kept[-1] if plan else 0 if train.recompute == "full" else (
             P.moe_layer if P.is_moe_from_top(0) else P.dense_layer)
         qkv_share = 1 - P.grad_fraction["mlp+o"]  # casts made so far
         eager = Phase("forward", B, g_acc, {

@@ -290,10 +290,10 @@ def eager_forward_moment(ctx: RankContext, saved: list[Saved]) -> tuple[int, int
         return (mb if mb.is_modernbert(ctx) else enc).eager_forward_moment(ctx, saved)
     x = dims(ctx)
     tr = ctx.training
-    pre: tuple[str, ...] = ("attn.input", "attn.input.cast", "attn.q", "attn.k",
+    # q, k and v are projected before the scores (v too: the reference and torchtune
+    # attention, transformers' repeat_kv)
+    pre: tuple[str, ...] = ("attn.input", "attn.input.cast", "attn.q", "attn.k", "attn.v",
                             "attn.repeat_index", "attn.qkv")
-    if x.g < x.a or tr.framework == "hf":
-        pre += ("attn.v",)  # repeated (or hf's repeat_kv) v exists before the scores
     # (and the q, k, v adapters' tensors under fine-tuning, made before the scores)
     held = sum(t.nbytes for t in saved if t.name.startswith((
         "input_norm.", "attn.q_norm", "attn.k_norm", "lora.q.", "lora.k.", "lora.v.",
