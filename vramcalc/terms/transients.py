@@ -13,10 +13,16 @@ from vramcalc.model import ModelSpec
 from vramcalc.parallel import ParallelConfig
 from vramcalc.rank import RankContext
 from vramcalc.seq2seq_shapes import seq2seq_param_order
-from vramcalc.sharding import layer_param_numels, sharded_numel  # noqa: F401
+from vramcalc.sharding import (  # noqa: F401
+    layer_param_numels,
+    pipeline_chunks,
+    sharded_numel,
+    stage_moe_mask,
+)
 from vramcalc.terms import comm
 from vramcalc.terms.modifiers import modifiers
 from vramcalc.terms.optimizer_states import muon_matrix
+from vramcalc.terms.saved import hf_family
 from vramcalc.training import TrainingConfig
 from vramcalc.units import ALLOC_ROUND_BYTES, MiB, alloc
 
@@ -179,8 +185,8 @@ def _loop_step_peak(ctx: RankContext, shard: int, temps: int = 2) -> int:
     elif ctx.spec.is_encoder_decoder:  # T5, BART: every tensor in model order
         seq = [(n, 1) for n in seq2seq_param_order(ctx.spec)]
     else:
-        emb, layer, tail = _module_order(ctx)
-        seq = [(n, 1) for n in emb + layer * min(ctx.num_layers, 2) + tail]
+        emb, layers, tail = _module_order(ctx)
+        seq = [(n, 1) for n in emb + [n for layer in layers for n in layer] + tail]
     best = prev = 0
     for n, count in seq:
         cur = a(n)
@@ -189,9 +195,13 @@ def _loop_step_peak(ctx: RankContext, shard: int, temps: int = 2) -> int:
     return best
 
 
-def _module_order(ctx: RankContext) -> tuple[list[int], list[int], list[int]]:
-    """Numels of (embedding, one last layer, final norm + head) parameters in the order
-    model.parameters() yields them (vramcalc/trace/reference_model.py module order)."""
+def _module_order(ctx: RankContext) -> tuple[list[int], list[list[int]], list[int]]:
+    """Numels of (embedding, each layer of the rank bottom to top, final norm + head)
+    parameters in the order model.parameters() yields them (vramcalc/trace/
+    reference_model.py module order; transformers' decoder layers register self_attn, mlp,
+    then their two norms, and its MoE blocks keep each projection of all experts as one
+    (E, out, in) parameter: modeling_qwen3_moe.py `Qwen3MoeExperts`, the router after
+    them, Mixtral's and Qwen2-MoE's before)."""
     spec = ctx.spec
     by_name = {t.name: t for t in ctx.tensors}
 
@@ -208,23 +218,31 @@ def _module_order(ctx: RankContext) -> tuple[list[int], list[int], list[int]]:
 
     attn = [n for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
             for n in lin(f"attn.{proj}")]
-    norms = lin("input_layernorm"), lin("post_attention_layernorm")
-    if (ctx.training.framework == "hf" and spec.norm_kind == "rmsnorm"
-            and not ctx.shapes.num_moe_layers and spec.model_type != "phi3"):
-        # transformers' Llama-family decoder layer registers self_attn, mlp, then its two
-        # norms (modeling_llama.py LlamaDecoderLayer.__init__)
-        return (take("embed_tokens", "embed_positions"), attn + mlp("mlp") + norms[0]
-                + norms[1], lin("norm") + take("lm_head.weight"))
-    layer = norms[0] + attn + norms[1]
-    if ctx.shapes.num_moe_layers:
-        per_layer = max(ctx.shapes.num_moe_layers, 1)
-        experts = next((t.count for t in ctx.tensors if t.name.startswith("experts.")), 0)
-        shared = next((t.count for t in ctx.tensors if t.name.startswith("shared_expert.")), 0)
-        layer += lin("router") + mlp("experts") * (experts // per_layer)
-        layer += mlp("shared_expert") * (shared // per_layer) + lin("shared_expert_gate")
+    norms = lin("input_layernorm") + lin("post_attention_layernorm")
+    n_moe = ctx.shapes.num_moe_layers
+    experts = next((t.count for t in ctx.tensors if t.name.startswith("experts.")), 0)
+    E = experts // max(n_moe, 1)  # experts per MoE layer on this rank
+    shared = next((t.count for t in ctx.tensors if t.name.startswith("shared_expert.")), 0)
+    tail = lin("norm") + take("lm_head.weight")
+    emb = take("embed_tokens", "embed_positions")
+    hf = ctx.training.framework == "hf" and spec.norm_kind == "rmsnorm" and (
+        spec.model_type != "phi3")
+    if hf:
+        gate_up, down = (sum(take(f"experts.{m}.weight")) * E
+                         for m in ("gate_proj", "down_proj"))
+        fused = [2 * gate_up, down] if spec.mlp_kind == "gated" else [gate_up, down]
+        router = lin("router")
+        moe = (fused + router if hf_family(ctx) == "qwen3_moe" else router + fused) + (
+            mlp("shared_expert") * (shared // max(n_moe, 1)) + lin("shared_expert_gate"))
+        kinds = {False: attn + mlp("mlp") + norms, True: attn + moe + norms}
     else:
-        layer += mlp("mlp")
-    return take("embed_tokens", "embed_positions"), layer, lin("norm") + take("lm_head.weight")
+        kinds = {False: norms[:1] + attn + norms[1:] + mlp("mlp"),
+                 True: norms[:1] + attn + norms[1:] + lin("router") + mlp("experts") * E
+                 + mlp("shared_expert") * (shared // max(n_moe, 1))
+                 + lin("shared_expert_gate")}
+    mask = stage_moe_mask(spec, pipeline_chunks(spec, ctx.parallel), ctx.stage) if n_moe else (
+        (False,) * ctx.num_layers)
+    return emb, [kinds[m] for m in mask], tail
 
 
 def _master_copy_peak(ctx: RankContext, shard: int) -> int:
@@ -252,13 +270,9 @@ def _master_copy_peak(ctx: RankContext, shard: int) -> int:
             best = max(best, prefix + alloc(sharded_numel(n, shard), "fp32"))
             prefix += delta(n)
         return best
-    emb, layer, tail = _module_order(ctx)
+    emb, layers, tail = _module_order(ctx)
     best = prefix = 0
-    for n in emb:
-        best = max(best, prefix + alloc(sharded_numel(n, shard), "fp32"))
-        prefix += delta(n)
-    prefix += max(ctx.num_layers - 1, 0) * sum(delta(n) for n in layer)
-    for n in (layer if ctx.num_layers else []) + tail:
+    for n in emb + [n for layer in layers for n in layer] + tail:
         best = max(best, prefix + alloc(sharded_numel(n, shard), "fp32"))
         prefix += delta(n)
     return best
