@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from vramcalc.qlora import dequant_backward_bytes, dequant_matmul_bytes
 from vramcalc.rank import RankContext
-from vramcalc.terms.saved import Dims, Moment, Saved, dims, qlora_fp32_outputs
+from vramcalc.terms.saved import (
+    Dims,
+    Moment,
+    Saved,
+    dims,
+    expert_capacity,
+    qlora_fp32_outputs,
+)
 from vramcalc.units import alloc, ceil_div
 
 
@@ -42,13 +49,19 @@ def checkpointed_combine_bytes(ctx: RankContext) -> int:
     x = dims(ctx)
     spec = ctx.spec
     E, k = spec.num_local_experts, spec.num_experts_per_tok
-    C = max(1, -(-int(ctx.parallel.capacity_factor * x.T * k * 1_000_000) // (E * 1_000_000)))
+    C = expert_capacity(ctx, x.T)
     EC = E * C
     ys = x.r if qlora_fp32_outputs(ctx, x) else x.c
-    routing = (alloc(x.T * E, "fp32") + alloc(x.T * k, "fp32") + alloc(x.T * k, "int64")
-               + 2 * alloc(EC, "int64") + alloc(EC, "bool") + alloc(EC, x.r))
     return (4 * alloc(x.T * x.h, x.r) + 2 * alloc(EC * x.h, x.r) + alloc(EC * x.h, ys)
-            + routing)
+            + _routing_bytes(x, E, k, EC))
+
+
+def _routing_bytes(x: Dims, E: int, k: int, EC: int) -> int:
+    """The router's locals: its softmax (T, E, fp32), the top-k weights (fp32) and indices
+    (int64), the slot and token indices (E·C, int64), the fill mask (E·C, bool) and the
+    routing weight per slot (E·C, r)."""
+    return (alloc(x.T * E, "fp32") + alloc(x.T * k, "fp32") + alloc(x.T * k, "int64")
+            + 2 * alloc(EC, "int64") + alloc(EC, "bool") + alloc(EC, x.r))
 
 
 def last_expert_down_bytes(ctx: RankContext, saved: list[Saved], nosave: bool = False
@@ -69,7 +82,7 @@ def last_expert_down_bytes(ctx: RankContext, saved: list[Saved], nosave: bool = 
     spec = ctx.spec
     E, k = spec.num_local_experts, spec.num_experts_per_tok
     fe = ceil_div(spec.expert_ffn, ctx.parallel.expert_tp)
-    C = max(1, -(-int(ctx.parallel.capacity_factor * x.T * k * 1_000_000) // (E * 1_000_000)))
+    C = expert_capacity(ctx, x.T)
     amp_4bit = qlora_fp32_outputs(ctx, x)
     ys = x.r if amp_4bit else x.c
     if amp_4bit:
@@ -80,11 +93,8 @@ def last_expert_down_bytes(ctx: RankContext, saved: list[Saved], nosave: bool = 
         base = dequant_matmul_bytes(x.h * fe, x.c, tr.nf4, alloc(C * x.h, ys))
     out = (E - 1) * alloc(C * x.h, ys) + base
     if nosave:
-        EC = E * C
-        routing = (alloc(x.T * E, "fp32") + alloc(x.T * k, "fp32") + alloc(x.T * k, "int64")
-                   + 2 * alloc(EC, "int64") + alloc(EC, "bool") + alloc(EC, x.r))
         return 0, out + alloc(C * fe, ys) + 2 * alloc(x.T * x.h, x.r) + alloc(
-            EC * x.h, x.r) + routing
+            E * C * x.h, x.r) + _routing_bytes(x, E, k, E * C)
     names = {t.name for t in saved}
     if "moe.expert.down_input" not in names:
         out += alloc(C * fe, ys)
@@ -102,13 +112,11 @@ def moe_combine_locals(ctx: RankContext, saved: list[Saved]) -> int:
     here: index_add's saved source is its last saved tensor. `saved`: the layer's saved
     list without recompute."""
     x = dims(ctx)
-    spec = ctx.spec
-    E, k = spec.num_local_experts, spec.num_experts_per_tok
-    C = max(1, -(-int(ctx.parallel.capacity_factor * x.T * k * 1_000_000) // (E * 1_000_000)))
+    EC = ctx.spec.num_local_experts * expert_capacity(ctx, x.T)
     names = {t.name for t in saved}
     out = alloc(x.T * x.h, x.r)
     if "moe.expert_input" not in names:
-        out += alloc(E * C * x.h, x.r)
+        out += alloc(EC * x.h, x.r)
     if "moe.input" not in names:
         out += alloc(x.T * x.h, x.r)
     if tune_norm_copies(ctx):

@@ -16,6 +16,7 @@ from vramcalc.terms.saved import (
     Saved,
     bsh,
     dims,
+    expert_capacity,
     flash_scratch_bytes,
     gpt2_block_attn_output,
     hf_family,
@@ -122,8 +123,7 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
             work = g_res + 3 * alloc(S * x.h, w) + 2 * alloc(bsh(x), c)
             out.append(Moment("moe", total + extra, work, "shared"))
         else:
-            C = max(1, -(-int(ctx.parallel.capacity_factor * x.T * k * 1_000_000) // (
-                E * 1_000_000)))
+            C = expert_capacity(ctx, x.T)
             # the shared experts ran after the combine, so their backward has run first:
             # their saved tensors are freed and dL/d their input (T, h, r) waits for the
             # routed experts' to be added to it

@@ -98,6 +98,14 @@ def dims(ctx: RankContext) -> Dims:
     return cached
 
 
+def expert_capacity(ctx: RankContext, tokens: int) -> int:
+    """Rows each expert of the reference MoE runs on `tokens` tokens: its capacity slots
+    ⌈cf·T·k/E⌉, at least one (vramcalc/trace/reference_model.py `MoE.forward`)."""
+    E, k = ctx.spec.num_local_experts, ctx.spec.num_experts_per_tok
+    return max(1, -(-int(ctx.parallel.capacity_factor * tokens * k * 1_000_000)
+                    // (E * 1_000_000)))
+
+
 def qlora_fp32_outputs(ctx: RankContext, x: Dims) -> bool:
     """QLoRA under autocast: bitsandbytes' Linear4bit returns its input's dtype
     (`out.to(inp_dtype)`), so 4-bit projections fed by the fp32 residual's norms give fp32
