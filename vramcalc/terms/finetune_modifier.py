@@ -80,7 +80,7 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
         kept, rest = worst_forward_instant(ctx, saved, rerun=True)
         out.append(Moment("recompute", kept, g_res + rerun_pending_bytes(ctx) + rest, "none"))
         if ctx.training.framework != "hf" and any(m.name == "moe" for m in moments):
-            # the reference MoE's re-run ends at index_add (moments.moe_combine_locals):
+            # the reference MoE's re-run ends at index_add (moe_instants.moe_combine_locals):
             # every saved tensor of the layer and the frozen weights' casts exist again;
             # IndexAddBackward's unpack started it, so only dL/d the output waits
             rerun_held = checkpoint_input_extra(ctx) + moe_rerun_cast_bytes(ctx)
@@ -248,9 +248,10 @@ class FinetuneActivations(Modifier):
             work = forward_working_bytes(ctx, saved, moe=moe)
             if not moe:
                 return work
-            kept, rest = last_expert_down_bytes(ctx, saved)
+            kept, rest = last_expert_down_bytes(ctx, saved)  # (a checkpointed first
+            # forward's: moe_instants.moe_combine_forward_bytes)
             down = kept + rest + caller_input_bytes(ctx) - sum(t.nbytes for t in saved) if (
-                rest) else 0
+                rest and ctx.training.recompute != "full") else 0
             return max(work, checkpointed_experts_bytes(ctx), combine_instant_bytes(ctx, saved),
                        down)
         x = dims(ctx)
