@@ -268,21 +268,19 @@ class Enumerator:
         num_variants = sum(len(v) for v in self.valid_variants(g[0]).values())
         return len(self.shardings(g)) * len(self.recomputes) * num_variants * per_batch
 
-    def upper_bound(self, g: Group) -> float:
-        """Tokens/s no candidate of the group exceeds: no recomputation, no data-parallel or
-        offload time, the smallest bubble; TP, CP, EP and PP traffic per step does not
-        depend on how the batch is split into micro-batches (PP: with v = 1)."""
+    def upper_bound(self, g: Group, pkey: tuple[str, str | None]) -> float:
+        """Tokens/s no candidate of the group at precision and fine-tuning method `pkey`
+        exceeds: no recomputation, no data-parallel or offload time, the smallest bubble;
+        TP, CP, EP and PP traffic per step does not depend on how the batch is split into
+        micro-batches (PP: with v = 1)."""
         tp, pp, cp, dp, sp, ep, batches = g
         b, m, scheds = batches[0]  # smallest micro-batch: most micro-batches
         v_max = max(v for _, v in scheds)
-        best = 0.0
-        for pkey in self.valid_variants(tp):
-            comp, _, ttp, tcp, tep, tpp, _, _ = self.models[pkey].base_parts(
-                dp, tp, pp, cp, ep, sp, b, m, "none", 1)
-            bubble = comp * (pp - 1) / (v_max * m)
-            tokens = dp * b * m * self.base.training.seq_len
-            best = max(best, tokens / (comp + bubble + ttp + tcp + tep + tpp))
-        return best * (1 + 1e-9)
+        comp, _, ttp, tcp, tep, tpp, _, _ = self.models[pkey].base_parts(
+            dp, tp, pp, cp, ep, sp, b, m, "none", 1)
+        bubble = comp * (pp - 1) / (v_max * m)
+        tokens = dp * b * m * self.base.training.seq_len
+        return tokens / (comp + bubble + ttp + tcp + tep + tpp) * (1 + 1e-9)
 
     def _admitted(self, g: Group, pkey: tuple, sched: str, v: int, b: int, m: int, rec: str,
                   vlist: list) -> list[list]:
@@ -293,13 +291,20 @@ class Enumerator:
         self.refused, self.pruned = self.refused + refused, self.pruned + pruned
         return keeps
 
-    def expand(self, g: Group) -> list[Candidate]:
+    def expand(self, g: Group, only: tuple[str, str | None] | None = None,
+               recompute: str | None = None) -> list[Candidate]:
+        """The group's candidates with their speed (`only`: those at this precision and
+        fine-tuning method; `recompute`: those with this recompute mode)."""
         tp, pp, cp, dp, sp, ep, batches = g
         seq = self.base.training.seq_len
         shardings = self.shardings(g)
         out: list[Candidate] = []
         for rec in self.recomputes:
+            if recompute is not None and rec != recompute:
+                continue
             for pkey, vlist in self.valid_variants(tp).items():
+                if only is not None and pkey != only:
+                    continue
                 sm = self.models[pkey]
                 prec = pkey[0]
                 smaller: dict[tuple, list[tuple[int, float]]] = {}  # key -> [(b, tps)]

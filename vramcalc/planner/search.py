@@ -1,9 +1,9 @@
 """Best-first plan search: the fastest strategies that fit, ranked.
 
-1. **Enumerate** the layouts of the cluster (vramcalc/planner/candidates.py), lazily: layout
-   groups are expanded fastest speed bound first, while a group's bound is at least the
-   speed of the best candidate waiting, so candidates are visited in exactly the order a
-   full sort would give.
+1. **Enumerate** the layouts of the cluster (vramcalc/planner/candidates.py), lazily: each
+   layout group's candidates at one precision and fine-tuning method are listed fastest
+   speed bound first, while that bound is at least the speed of the best candidate waiting,
+   so candidates are visited in exactly the order a full sort would give.
 2. **Prune** a candidate whose memory lower bound (vramcalc/planner/bound.py: model states from
    the engine's term functions, an activation floor, what earlier estimates taught) plus the
    CUDA context exceeds the usable memory, and skip one that differs from a valid candidate
@@ -189,8 +189,10 @@ def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
         raise InputError(
             f"no valid layout of {base.cluster.num_gpus} GPUs for a global batch of {B} "
             f"sequences{_pin_text(req.pinned)}: {why}")
-    groups = sorted(((en.upper_bound(g), i) for i, g in enumerate(en.groups)),
-                    key=lambda t: (-t[0], t[1]))
+    # a group's slower precisions and methods are never listed once faster plans fill the top
+    units = sorted(((en.upper_bound(g, pkey), i, j, pkey) for i, g in enumerate(en.groups)
+                    for j, pkey in enumerate(en.valid_variants(g[0]))),
+                   key=lambda t: (-t[0], t[1], t[2]))
     heap: list[tuple[tuple, Candidate]] = []
     seen: list[Candidate] = []
     gi = 0
@@ -198,13 +200,13 @@ def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
     fitting: list[tuple[tuple, PlanEntry]] = []
     estimated: list[tuple[PlanEntry, tuple]] = []
     while True:
-        while gi < len(groups) and (not heap or groups[gi][0] >= heap[0][1].tps):
-            for c in en.expand(en.groups[groups[gi][1]]):
+        while gi < len(units) and (not heap or units[gi][0] >= heap[0][1].tps):
+            for c in en.expand(en.groups[units[gi][1]], units[gi][3]):
                 heapq.heappush(heap, ((-c.tps, c.nchg, c.tail(), c.idx), c))
                 seen.append(c)
             gi += 1
             if progress is not None and gi % 16 == 0:
-                progress("searching layouts", gi, len(groups))
+                progress("searching layouts", gi, len(units))
         if not heap:
             break
         _, c = heapq.heappop(heap)
@@ -234,7 +236,7 @@ def search(base: Scenario, req: PlanRequest, progress: ProgressFn | None = None,
     result.num_rejected += en.refused
     result.num_expanded = len(seen)
     if progress is not None:
-        progress("searching layouts", len(groups), len(groups))
+        progress("searching layouts", len(units), len(units))
     result.entries = [e for _, e in fitting[: req.top_n]]
     if not result.entries and want_closest:
         if en.pruned:  # the closest may be among the pruned: probe them all

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from vramcalc.errors import InputError
 from vramcalc.hardware import Cluster, GPUProfile
 from vramcalc.planner.bound import MemoryBound
-from vramcalc.planner.candidates import REC_ORDER, enumerate_candidates
+from vramcalc.planner.candidates import REC_ORDER, Candidate, Enumerator
 from vramcalc.planner.request import PlanRequest, ProgressFn
 from vramcalc.planner.search import PlanEntry, estimate_candidate, search, usable_and_context
 from vramcalc.scenario import Scenario
@@ -48,21 +48,28 @@ class Suggestion:
 
 def feasible(base: Scenario, req: PlanRequest, probes: int = 16) -> bool:
     """Quick check that some layout fits: estimate the most memory-frugal candidates
-    (full recompute, smallest micro-batch, smallest memory lower bound) until one fits."""
+    (full recompute, smallest micro-batch, smallest memory lower bound) until one fits.
+    A less frugal recompute mode is listed only while fewer than `probes` are in hand, and
+    not at all when no candidate of a more frugal one is under the memory bound (the bound's
+    model states are the same, its activation floor no smaller: bound.py `floor`)."""
     if base.cluster is None:
         return False
     usable, context = usable_and_context(base)
     bound = MemoryBound(base)
+    scored: list[tuple[int, float, tuple, Candidate]] = []
     try:
-        cands, _, _ = enumerate_candidates(base, req, bound, usable - context)
+        en = Enumerator(base, req, bound, usable - context)
+        for rec in sorted(en.recomputes, key=lambda r: -REC_ORDER[r]):
+            if len(scored) >= probes:
+                break
+            level = [(c.b, lower, c.tail(), c) for g in en.groups
+                     for c in en.expand(g, recompute=rec)
+                     if (lower := bound.total(c)) + context <= usable]
+            if not level:  # a less frugal mode's activation floor is no smaller
+                break
+            scored += sorted(level, key=lambda t: t[:3])
     except InputError:
         return False
-    scored = []
-    for c in cands:
-        lower = bound.total(c)
-        if lower + context <= usable:
-            scored.append((-REC_ORDER[c.rec], c.b, lower, c.tail(), c))
-    scored.sort(key=lambda t: t[:4])
     for *_, c in scored[:probes]:
         e = estimate_candidate(c, base, req)
         if e is not None and e.fits:

@@ -270,12 +270,23 @@ def _master_copy_peak(ctx: RankContext, shard: int) -> int:
             best = max(best, prefix + alloc(sharded_numel(n, shard), "fp32"))
             prefix += delta(n)
         return best
+    def walk(numels: list[int], best: int, prefix: int) -> tuple[int, int]:
+        for n in numels:
+            best = max(best, prefix + alloc(sharded_numel(n, shard), "fp32"))
+            prefix += delta(n)
+        return best, prefix
+
     emb, layers, tail = _module_order(ctx)
-    best = prefix = 0
-    for n in emb + [n for layer in layers for n in layer] + tail:
-        best = max(best, prefix + alloc(sharded_numel(n, shard), "fp32"))
-        prefix += delta(n)
-    return best
+    best, prefix = walk(emb, 0, 0)
+    # the layers of one kind share one list: its peak above the layer's start and its
+    # growth are walked once per kind, then added layer by layer
+    unique = {id(layer): layer for layer in layers}
+    kinds = {k: walk(layer, 0, 0) for k, layer in unique.items()}
+    for layer in layers:
+        peak, growth = kinds[id(layer)]
+        best = max(best, prefix + peak)
+        prefix += growth
+    return walk(tail, best, prefix)[0]
 
 
 def autocast_cache_layer_bytes(ctx: RankContext) -> int:
