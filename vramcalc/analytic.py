@@ -292,10 +292,12 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
                 "transients/optimizer_step": step[1]}, made)] if g and (held[2] or step[0]) else []
     if nL:
         # the top layer holds every other layer's activations; the bottom one every other
-        # layer's gradients; interleaved MoE: the topmost layer of the top's other kind too
+        # layer's gradients; interleaved MoE: the topmost layer of the top's other kind and
+        # the bottommost of the bottom's other kind too
         candidates += [layer_point(0, mom) for mom in P.top_moments]
         candidates += [layer_point(nL - 1, mom) for mom in P.bottom_moments]
-        candidates += [layer_point(P.other_top[0], mom) for mom in P.other_top[1]]
+        candidates += [layer_point(i, mom) for i, moms in (P.other_top, P.other_bottom)
+                       for mom in moms]
         if plan is not None:
             # the sweep is linear only between a recompute unit's ends (megatron_recompute)
             for i in plan.sweep_points():

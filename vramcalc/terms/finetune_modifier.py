@@ -103,6 +103,8 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
             m = Moment(m.name, held, max(m.work, two), m.grads)
         elif m.name == "attention":
             m = Moment(m.name, m.held + qkv + casts.get("attention", 0), m.work, m.grads)
+        elif m.name == "post_norm":  # no attention projection's backward has run
+            m = Moment(m.name, m.held + casts.get("post_norm", 0), m.work, m.grads)
         out.append(m)
     # a dense layer's 4-bit down projection (a MoE layer's experts: expert_moments)
     if ctx.training.finetune == "qlora" and not any(m.name == "moe" for m in moments):
@@ -137,8 +139,8 @@ def adjust_moments(ctx: RankContext, moments: list[Moment], saved: list[Saved]
 def _recomputed_casts(ctx: RankContext) -> dict[str, int]:
     """The recomputed layer's weight casts (finetune_activations.recomputed_casts) and
     DoRA's weight copies its matmuls keep (`dora_weight_copies`) at the MLP instant, every
-    one but down_proj's (its backward ran), and at the attention core's, the q, k and v
-    ones (o's ran)."""
+    one but down_proj's (its backward ran), at the attention core's the q, k and v ones
+    (o's ran), at the post-attention norm's the attention's four."""
     casts = recomputed_casts(ctx)
     if ctx.training.recompute == "full":
         for t, b in dora_weight_copies(ctx).items():
@@ -147,6 +149,7 @@ def _recomputed_casts(ctx: RankContext) -> dict[str, int]:
         return {}
     return {"mlp": sum(v for k, v in casts.items() if k != "down"),
             "attention": sum(v for k, v in casts.items() if k in ("q", "k", "v")),
+            "post_norm": sum(v for k, v in casts.items() if k in ("q", "k", "v", "o")),
             "down": casts.get("down", 0)}
 
 

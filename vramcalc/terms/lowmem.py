@@ -151,6 +151,8 @@ _MOMENT_INPUTS = {
     "mlp": ("mlp.act", "mlp.up", "mlp.fc_out", "mlp.gelu.half_x", "mlp.gelu.one_plus"),
     "attention": ("attn.q", "attn.k", "attn.v", "attn.out", "attn.lse", "attn.probs",
                   "attn.probs_c"),
+    "post_norm": ("post_norm.x_fp32",),
+    "input_norm": ("input_norm.x_fp32",),
 }
 
 

@@ -194,6 +194,17 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
         p_dtype = next((t.dtype for t in saved if t.name == "attn.probs"), c)
         work = g_res + bsad + 2 * alloc(x.b * x.a * x.s * x.s, p_dtype)
     out.append(Moment("attention", held, work, "mlp+o"))
+    if chain := rmsnorm_backward_work_bytes(ctx):
+        # the Python RMSNorms' backwards, beside dL/d residual: the post-attention norm's
+        # after the MLP's (every MLP gradient made; the attention's saved tensors, under
+        # selective recompute without its core, and the norm's fp32 input held), the input
+        # norm's after the attention's (every gradient of the layer made)
+        attn = extra + sum(t.nbytes for t in mlp_saved if t.name.startswith(
+            ("input_norm.", "attn.", "lora.q.", "lora.k.", "lora.v.", "lora.qkv.", "lora.o."))
+            or t.name == "post_norm.x_fp32")
+        out.append(Moment("post_norm", attn, g_res + chain, "mlp"))
+        x32 = sum(t.nbytes for t in saved if t.name == "input_norm.x_fp32")
+        out.append(Moment("input_norm", extra + x32, g_res + chain, "all"))
     if tr.reentrant and tr.recompute == "full":
         # torch's reentrant CheckpointFunction.backward binds the re-run forward's output
         # (`outputs`, the layer's output, T·h in r) until its inner backward returns; the
@@ -203,16 +214,25 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
     return out
 
 
-def final_norm_backward_work_bytes(ctx: RankContext) -> int:
-    """The Python RMSNorm's backward through the final norm (the first one, with every
-    layer's activations still held): d x̂, the rsqrt/pow/mean chain and d x, five fp32
-    (b, s, h) temporaries at once (its x̂ copy and lm_head's input are freed). transformers'
-    LlamaRMSNorm and torchtune's RMSNorm (`modules/rms_norm.py`) run the same ops."""
+def rmsnorm_backward_work_bytes(ctx: RankContext) -> int:
+    """The Python RMSNorm's backward (transformers' LlamaRMSNorm, torchtune's
+    `modules/rms_norm.py`: x32 = x.float(), x32 · rsqrt(mean(x32²) + eps), cast, · w): at
+    pow's backward d x̂ in fp32, the x32 · rsqrt term of d x32, mean's expanded gradient
+    and pow's three (b, s, h) fp32 temporaries exist at once; 0 where the norm is another
+    kernel (LigerRMSNorm's backward writes dX into dY: terms/liger.py)."""
     if (ctx.training.framework not in ("hf", "torchtune") or ctx.spec.norm_kind != "rmsnorm"
-            or not ctx.is_last_stage or not ctx.spec.final_norm or ctx.training.liger):
-        return 0  # LigerRMSNorm's backward writes dX into dY (terms/liger.py)
+            or ctx.training.liger or ctx.spec.is_encoder):
+        return 0
     x = dims(ctx)
     return 5 * alloc(bsh(x), "fp32")
+
+
+def final_norm_backward_work_bytes(ctx: RankContext) -> int:
+    """The final norm's backward (the first one, with every layer's activations still
+    held): `rmsnorm_backward_work_bytes` (its x̂ copy and lm_head's input are freed)."""
+    if not ctx.is_last_stage or not ctx.spec.final_norm:
+        return 0
+    return rmsnorm_backward_work_bytes(ctx)
 
 
 _PARTS: dict[str, tuple[str, ...]] = {
@@ -221,8 +241,10 @@ _PARTS: dict[str, tuple[str, ...]] = {
     "shared": ("shared_expert",),
     "experts_but_one": ("shared_expert",),  # + (E − 1)/E of the routed experts below
     "experts": ("shared_expert", "experts."),
+    "mlp": ("mlp.", "experts.", "router.", "shared_expert", "post_attention_layernorm."),
     "mlp+o": ("mlp.", "experts.", "router.", "shared_expert", "post_attention_layernorm.",
               "attn.o_proj."),
+    "all": ("",),
 }
 GRAD_PARTS = tuple(_PARTS)
 _MOE_ONLY = ("experts.", "router.", "shared_expert")
@@ -252,8 +274,8 @@ def _per_layer(ctx: RankContext, moe: bool | None) -> list[tuple[str, float]]:
 def layer_grad_fraction(ctx: RankContext, part: str, moe: bool | None = None) -> float:
     """Share of one layer's gradient bytes in the parameter groups `part` names: "down"
     (the MLP's output projection), "shared" (shared experts), "experts" (the routed and
-    shared experts), "experts_but_one" (all but one routed expert), "mlp+o" (the MLP or
-    MoE, the post-attention norm and the attention output projection). `moe`: of a layer of
+    shared experts), "experts_but_one" (all but one routed expert), "mlp" (the MLP or MoE
+    and the post-attention norm), "mlp+o" (and the attention output projection), "all". `moe`: of a layer of
     that kind, else of the rank's average layer."""
     prefixes = _PARTS[part]
     E = ctx.spec.num_local_experts or 1

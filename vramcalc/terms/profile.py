@@ -62,6 +62,8 @@ class Profile:
     # MoE layers interleaved with dense ones (ModelSpec.moe_layers): the topmost layer of the
     # kind the top layer is not (index from the top) and its backward moments; else (0, ())
     other_top: tuple[int, tuple[Moment, ...]] = (0, ())
+    # … and the bottommost layer of the kind the bottom layer is not
+    other_bottom: tuple[int, tuple[Moment, ...]] = (0, ())
     # a rank with both kinds: the topmost layer of the kind the top layer is not (index from
     # the top) and that kind's forward work; else (0, 0)
     other_forward: tuple[int, int] = (0, 0)
@@ -139,6 +141,7 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
         resident_layer=act.resident_layer_bytes(ctx),
         recompute_plan=act.recompute_plan(ctx),
         other_top=_other_top(ctx, mask),
+        other_bottom=_other_bottom(ctx, mask),
         other_forward=_other_forward(ctx, mask),
         loss_forward_casts=liger.forward_cast_bytes(ctx) + (
             trl_loss.forward_parts(ctx)[1] if trl_loss.applies(ctx) else 0),
@@ -178,3 +181,16 @@ def _other_top(ctx: RankContext, mask: tuple[bool, ...]) -> tuple[int, tuple[Mom
     if other is None or ctx.spec.moe_layers is None:
         return 0, ()
     return other, tuple(act.layer_backward_moments(ctx, mask[n - 1 - other]))
+
+
+def _other_bottom(ctx: RankContext, mask: tuple[bool, ...]) -> tuple[int, tuple[Moment, ...]]:
+    """(index from the top, backward moments) of the bottommost layer whose kind differs
+    from the bottom layer's, when the model interleaves them; else (0, ()). An instant's
+    bytes change by the same amount from one layer of a kind to the next of that kind
+    (gradients made above, activations held below), so each kind peaks at its topmost or
+    its bottommost layer."""
+    n = len(mask)
+    other = next((j for j in range(1, n - 1) if mask[j] != mask[0]), None)
+    if other is None or ctx.spec.moe_layers is None:
+        return 0, ()
+    return n - 1 - other, tuple(act.layer_backward_moments(ctx, mask[other]))
