@@ -378,7 +378,7 @@ def _dora_forward_bytes(ctx: RankContext, x: Dims, target: str, stop: bool = Fal
     largest of three instants:
 
     - `get_lora_weight`: torch.eye(in) in the adapters' dtype, under autocast lora_A's 16-bit
-      cast of it, and lora_A(eye) (in, r);
+      cast of it, lora_A(eye) (in, r) and lora_B's product (in, out);
     - the weight norm: what lora_weight = lora_B(lora_A(eye))ᵀ's graph keeps (lora_A's input,
       the eye itself or under autocast its cast — the eye is a local of get_lora_weight —, and
       lora_A(eye); nothing in a checkpointed layer's first forward, which saves nothing),
@@ -405,7 +405,8 @@ def _dora_forward_bytes(ctx: RankContext, x: Dims, target: str, stop: bool = Fal
     a_eye = alloc(w_in * r_a, x.c if ac else a_dt)
     graph = 0 if nosave else (eye_cast or eye) + a_eye
     y = alloc(x.T * w_out, x.c)  # the base layer's output, made first
-    at_eye = y + eye + eye_cast + a_eye + pre - later
+    # lora_B(lora_A(eye)), the (in, out) product, is made while the eye is still bound
+    at_eye = y + eye + eye_cast + a_eye + alloc(n, x.c if ac else a_dt) + pre - later
     cast_w = alloc(n, x_dt) if (x_dt != tr.weight_dtype or tr.finetune == "qlora") else 0
     norm = y + graph + alloc(n, x_dt) + cast_w + 2 * alloc(n, x_dt) + pre - later
     # the products take the magnitude's dtype (the adapters'), promoted beside x.c

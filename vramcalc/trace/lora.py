@@ -91,15 +91,20 @@ class LoRALinear(nn.Module):
 
     def _dora(self, x: torch.Tensor, base_result: torch.Tensor) -> torch.Tensor:
         """PEFT DoraLinearLayer.forward (peft 0.21.2 tuners/lora/dora.py), dropout-free form."""
-        a_w = self.lora_A.weight
-        eye = torch.eye(a_w.shape[1], device=a_w.device, dtype=a_w.dtype)  # (in, in)
-        lora_weight = self.lora_B(self.lora_A(eye)).T  # (out, in)
+        lora_weight = self._lora_weight()  # (out, in)
         weight = self._base_weight(x.dtype)
         norm = torch.linalg.norm(weight + self.scaling * lora_weight.detach().to(x.dtype), dim=1)
         norm = norm.to(weight.dtype).detach()  # (out,): treated as a constant (DoRA Sec. 4.3)
         scale = (self.magnitude / norm).view(1, -1)
         lora_result = self.lora_B(self.lora_A(x))
         return (scale - 1) * base_result + scale * lora_result * self.scaling
+
+    def _lora_weight(self) -> torch.Tensor:
+        """PEFT `DoraLinearLayer.get_lora_weight`: the adapters applied to torch.eye(in),
+        a local of this call (the graph keeps it only where lora_A saves its input)."""
+        a_w = self.lora_A.weight
+        eye = torch.eye(a_w.shape[1], device=a_w.device, dtype=a_w.dtype)  # (in, in)
+        return self.lora_B(self.lora_A(eye)).T
 
     def _base_weight(self, dtype: torch.dtype) -> torch.Tensor:
         if isinstance(self.base, NF4Linear):
