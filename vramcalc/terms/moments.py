@@ -7,6 +7,7 @@ them with the rank's modifiers.
 
 from __future__ import annotations
 
+from vramcalc.features import finetunes
 from vramcalc.rank import RankContext
 from vramcalc.terms import encoder as enc
 from vramcalc.terms import modernbert as mb
@@ -32,8 +33,9 @@ from vramcalc.units import alloc, ceil_div
 def plain_forward_working_bytes(ctx: RankContext) -> int:
     """Temporaries at the end of one layer's forward beyond what it saves: the MLP output
     (T·h in c) next to the new residual (T·h in r). Under full recompute nothing inside the
-    layer is kept, and its MLP runs with every intermediate alive at once: the normed input,
-    gate, up, act and act·up (T·h + 4·T·f), or fc and act (T·h + 2·T·f)."""
+    layer is kept, and its MLP runs with every intermediate alive at once beside the normed
+    input and the residual after attention: gate, up, act and act·up (4·T·f), or fc and act
+    (2·T·f; relu2: fc, relu and the square)."""
     if ctx.spec.is_encoder:  # vramcalc/terms/encoder.py
         return (mb if mb.is_modernbert(ctx) else enc).forward_working_bytes(ctx)
     x = dims(ctx)
@@ -45,6 +47,7 @@ def plain_forward_working_bytes(ctx: RankContext) -> int:
         f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
         n = 4 if ctx.spec.mlp_kind == "gated" else 2
         dt = x.c
+        mlp = 0
         if ctx.training.liger:  # a, b and c (terms/liger.py) beside the normed input Y (r)
             # and the attention's residual
             n, normed = 3, 2 * alloc(bsh(x), x.r)
@@ -59,8 +62,20 @@ def plain_forward_working_bytes(ctx: RankContext) -> int:
             # act·up beside the normed input and the residual after attention (both r)
             n, normed = 3, 2 * alloc(bsh(x), x.r)
         else:
-            normed = alloc(bsh(x), x.c)
-        out = max(out, normed + n * alloc(x.N * f, dt) + held)
+            # proj(act(fc(x))): the normed input and the residual after attention (both r),
+            # fc's output (the activation's argument, bound until it returns) and act's;
+            # relu2's square(relu(·)) adds the square, under autocast in fp32 (pow is on
+            # CUDA's fp32 list) beside relu's fp32 copy
+            normed = 2 * alloc(bsh(x), x.r)
+            if ctx.spec.hidden_act == "relu2":
+                n, mlp = 2, (2 * alloc(x.N * f, "fp32") if x.amp else alloc(x.N * f, dt))
+        # the caller counts the layer's autocast weight casts (transients.py
+        # `_autocast_cache_layer_bytes`): down's is made after this instant
+        later = alloc(ceil_div(ctx.spec.hidden_size * ctx.spec.intermediate_size,
+                               ctx.parallel.tp), x.c) if (
+            ctx.training.is_autocast and ctx.engine != "fsdp2"
+            and not finetunes(ctx.training)) else 0
+        out = max(out, normed + n * alloc(x.N * f, dt) + mlp + held - later)
     return out
 
 
@@ -339,6 +354,18 @@ def eager_forward_moment(ctx: RankContext, saved: list[Saved]) -> tuple[int, int
     if tr.framework == "hf" and tr.recompute == "none":
         held += alloc(x.b * x.s * x.s, x.r)  # the model's additive mask, alive in forward
     return held, work
+
+
+def embedding_locals_bytes(ctx: RankContext) -> int:
+    """transformers' models with learned positions (GPT-2's `GPT2Model.forward`) bind the
+    token and the position embeddings in locals beside their sum, the first layer's input,
+    until the model's forward returns: they exist at every layer's forward instant (first
+    stage)."""
+    if (ctx.training.framework != "hf" or ctx.spec.is_encoder or not ctx.is_first_stage
+            or ctx.spec.position_embedding != "learned"):
+        return 0
+    x = dims(ctx)
+    return alloc(bsh(x), x.r) + alloc(x.s * x.h, x.r)
 
 
 def forward_end_extra_bytes(ctx: RankContext) -> int:

@@ -120,8 +120,9 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
         top_moments=tuple(act.layer_backward_moments(ctx, top_moe)) if ctx.num_layers else (),
         bottom_moments=tuple(act.layer_backward_moments(ctx, bottom_moe)) if ctx.num_layers
         else (),
-        eager_forward=act.eager_forward_moment(ctx),
-        forward_work=act.layer_forward_working_bytes(ctx, top_moe),
+        # (a layer's forward instants beside the model forward's own locals)
+        eager_forward=_with_locals(act.eager_forward_moment(ctx), mo.embedding_locals_bytes(ctx)),
+        forward_work=act.layer_forward_working_bytes(ctx, top_moe) + mo.embedding_locals_bytes(ctx),
         forward_end_extra=mo.forward_end_extra_bytes(ctx),
         final_norm_work=mo.final_norm_backward_work_bytes(ctx),
         head_freed_at_final_norm=sum(t.nbytes for t in act.head_saved(ctx) if t.name.startswith(
@@ -170,7 +171,13 @@ def _other_forward(ctx: RankContext, mask: tuple[bool, ...]) -> tuple[int, int]:
     other = next((i for i in range(1, n) if mask[n - 1 - i] != mask[-1]), None)
     if other is None:
         return 0, 0
-    return other, act.layer_forward_working_bytes(ctx, mask[n - 1 - other])
+    return other, act.layer_forward_working_bytes(ctx, mask[n - 1 - other]) + (
+        mo.embedding_locals_bytes(ctx))
+
+
+def _with_locals(moment: tuple[int, int], local: int) -> tuple[int, int]:
+    """An eager-attention forward moment (held, work) with the model forward's locals."""
+    return (moment[0] + local, moment[1]) if moment[1] else moment
 
 
 def _other_top(ctx: RankContext, mask: tuple[bool, ...]) -> tuple[int, tuple[Moment, ...]]:
