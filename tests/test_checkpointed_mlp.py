@@ -65,3 +65,13 @@ def test_checkpointed_mlp_forward_agrees_with_the_trace(shape: str, framework: s
                              recompute="full", micro_batch_size=1, seq_len=1024)
     row = compare(name, scn)
     assert abs(row["phases"]["forward"]["rel_error"]) < 0.001, row["phases"]["forward"]
+
+
+def test_gated_instant_precedes_the_down_projections_cast() -> None:
+    # act · up under autocast in full training, b 2 × 2,048 tokens: the peak of the forward;
+    # down's (h, f) bf16 cast was counted there (+0.65 %)
+    pytest.importorskip("torch")
+    name, scn = scenario_for("llama-deep", precision="amp-bf16", recompute="full",
+                             micro_batch_size=2, seq_len=2048)
+    row = compare(name, scn)
+    assert abs(row["phases"]["forward"]["rel_error"]) < 0.001, row["phases"]["forward"]
