@@ -75,3 +75,15 @@ def test_gated_instant_precedes_the_down_projections_cast() -> None:
                              micro_batch_size=2, seq_len=2048)
     row = compare(name, scn)
     assert abs(row["phases"]["forward"]["rel_error"]) < 0.001, row["phases"]["forward"]
+
+
+@pytest.mark.parametrize("framework", ["hf", "reference"])
+def test_relu_keeps_its_output_so_fc_output_is_a_local(framework: str) -> None:
+    # without recompute relu saves its output (threshold_backward), not fc's: fc's (T, f)
+    # output is the activation's bound argument beside everything the layer saved; the hf
+    # GPT-2-shaped relu model in fp32 was -2.07 % in forward (-1.78 % with the embeddings)
+    pytest.importorskip("torch")
+    name, scn = scenario_for("gpt2-relu", framework=framework, precision="fp32",
+                             recompute="none", micro_batch_size=1, seq_len=1024)
+    row = compare(name, scn)
+    assert abs(row["phases"]["forward"]["rel_error"]) < 0.001, row["phases"]["forward"]

@@ -43,6 +43,12 @@ def plain_forward_working_bytes(ctx: RankContext) -> int:
     out = alloc(bsh(x), x.c) + alloc(bsh(x), x.r) + held
     if ctx.training.framework == "torchtitan":
         return max(out, tt_checkpointed_forward_work(ctx))
+    if (ctx.training.recompute != "full" and ctx.spec.mlp_kind != "gated"
+            and ctx.spec.hidden_act in ("relu", "relu2")):
+        # relu keeps its output, not its input: fc's output, the activation's argument, is
+        # bound until the activation returns, beside everything the layer saves
+        out = max(out, alloc(x.N * ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp),
+                             x.c) + held)
     if ctx.training.recompute == "full":
         f = ceil_div(ctx.spec.intermediate_size, ctx.parallel.tp)
         n = 4 if ctx.spec.mlp_kind == "gated" else 2
