@@ -13,6 +13,9 @@ MoE gradient made, the attention's saved tensors held), the input norm after the
 
 moe-interleaved (vramcalc/validate/shapes.py): h = 1024, four layers, MoE on layers 1 and 3
 (bottom up), so the top layer is MoE and the bottom one dense.
+
+Also the hf GPT-2 eager attention core's instant (the softmax's backward), which the same
+layer-instant list holds.
 """
 
 from __future__ import annotations
@@ -86,3 +89,19 @@ def test_norm_instants_agree_with_the_trace(shape: str, framework: str,
     row = compare(name, scn)
     assert abs(row["rel_error"]) < 0.001, row["rel_error"]
     assert abs(row["phases"]["backward"]["rel_error"]) < 0.001, row["phases"]["backward"]
+
+
+@pytest.mark.parametrize("precision,recompute", [
+    ("fp32", "none"),  # was +0.79 % at the peak: v's copy was still counted
+    ("bf16-pure", "selective"),  # was -1.28 %: the re-run's q and kᵀ copies were missing
+])
+def test_hf_gpt2_eager_softmax_backward_holds_the_q_and_k_copies(precision: str,
+                                                                 recompute: str) -> None:
+    # transformers' GPT-2 eager attention on b = 2: matmul copies q, kᵀ and v out of the
+    # fused c_attn output; at the softmax's backward probs @ v's has run (v's copy freed)
+    pytest.importorskip("torch")
+    name, scn = scenario_for("gpt2-relu", framework="hf", precision=precision,
+                             attention="eager", recompute=recompute, micro_batch_size=2,
+                             seq_len=512 if recompute == "selective" else 1024)
+    row = compare(name, scn)
+    assert abs(row["rel_error"]) < 0.001, row["rel_error"]

@@ -198,6 +198,13 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
         "attn.o_input",)
     held = extra + sum(t.nbytes for t in saved if t.name.startswith(("input_norm.", "attn."))
                        and t.name not in core_gone)
+    if tr.attention == "eager" and tr.framework == "hf" and x.b > 1 and (
+            hf_family(ctx) == "gpt2"):
+        # GPT-2's matmuls copy q, kᵀ and v out of the fused c_attn output (b > 1: batch and
+        # heads do not fold into one dimension); probs @ v's backward has freed v's copy,
+        # and under selective recompute the re-run's q and kᵀ copies sit beside the output
+        bsad_c = alloc(x.b * x.s * x.a * x.d, c)
+        held += 2 * bsad_c if tr.recompute == "selective" else -bsad_c
     if tr.recompute == "selective" and tr.attention == "eager" and x.g < x.a and not (
             tr.framework == "hf" and x.g == 1 and x.b == 1):
         held += 2 * alloc(x.b * x.s * x.g * x.d, c)  # the checkpoint's k, v before repeat
