@@ -264,18 +264,14 @@ def _master_copy_peak(ctx: RankContext, shard: int) -> int:
             prefix += t.count * d
         return best
 
-    if ctx.spec.is_encoder_decoder:  # T5, BART: every tensor in model order
-        best = prefix = 0
-        for n in seq2seq_param_order(ctx.spec):
-            best = max(best, prefix + alloc(sharded_numel(n, shard), "fp32"))
-            prefix += delta(n)
-        return best
     def walk(numels: list[int], best: int, prefix: int) -> tuple[int, int]:
         for n in numels:
             best = max(best, prefix + alloc(sharded_numel(n, shard), "fp32"))
             prefix += delta(n)
         return best, prefix
 
+    if ctx.spec.is_encoder_decoder:  # T5, BART: every tensor in model order
+        return walk(seq2seq_param_order(ctx.spec), 0, 0)[0]
     emb, layers, tail = _module_order(ctx)
     best, prefix = walk(emb, 0, 0)
     # the layers of one kind share one list: its peak above the layer's start and its
