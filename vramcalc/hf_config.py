@@ -101,6 +101,7 @@ def _decoder_fields(c: _Cfg, model_type: str, defaults: dict[str, Any]) -> dict[
         "mlp_kind": "gated",
         "norm_kind": "rmsnorm",
         "position_embedding": "rope",
+        "rope_scaling": "llama3" if c.rope_type() == "llama3" else None,
     }
 
 
@@ -380,8 +381,9 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelSpec:
     any other model_type is read as a llama-like decoder from the generic keys
     (hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, vocab_size),
     honouring attention_bias / mlp_bias / tie_word_embeddings when present. Keys a file
-    leaves out take transformers' defaults for that type. `auto_map` (remote code),
-    rope_scaling and dtype keys are ignored, and dropout keys too except an encoder's.
+    leaves out take transformers' defaults for that type. `auto_map` (remote code) and dtype
+    keys are ignored, and dropout keys too except an encoder's; of rope_scaling only its kind
+    is read (Llama 3.1's "llama3": torchtune builds its own RoPE for it).
     Bad input raises InputError.
     """
     if not isinstance(cfg, dict):

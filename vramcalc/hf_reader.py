@@ -47,6 +47,17 @@ class Cfg:
             raise InputError(f"{self.source}: {key} must be a list of integers, got {value!r}")
         return value
 
+    def rope_type(self) -> str | None:
+        """The rotary scaling's kind: `rope_scaling` (its "rope_type", older files "type"), or
+        transformers 5's `rope_parameters`; None without one (a malformed value names none)."""
+        for key in ("rope_parameters", "rope_scaling"):
+            value = self.cfg.get(key)
+            if isinstance(value, dict):
+                kind = value.get("rope_type", value.get("type"))
+                if isinstance(kind, str) and kind != "default":
+                    return kind
+        return None
+
     def require(self, keys: tuple[str, ...], model_type: str) -> None:
         missing = [k for k in keys if self.cfg.get(k) is None]
         if missing:

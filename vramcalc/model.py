@@ -61,6 +61,8 @@ class ModelSpec(BaseModel):
     mlp_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma3)
     position_embedding: Literal["rope", "learned", "relative"] = "rope"  # relative: T5
+    # config.json rope_scaling.rope_type "llama3" (Llama 3.1 on): torchtune's Llama3ScaledRoPE
+    rope_scaling: Literal["llama3"] | None = Field(None, exclude_if=lambda v: v is None)
     tie_word_embeddings: bool = False
     final_norm: bool = True
     # attention and MLP read the same block input and are added to it together

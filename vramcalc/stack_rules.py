@@ -20,6 +20,9 @@ UNSLOTH_OLDEST = (2024, 8, 0)
 # (cca50f0, #1575) (vramcalc/terms/torchtune.py)
 TORCHTUNE_OLDEST, TORCHTUNE_0_2, TORCHTUNE_0_3, TORCHTUNE_0_3_1 = (
     (0, 1, 0), (0, 2, 0), (0, 3, 0), (0, 3, 1))
+# model builders that make one RoPE module for all layers (pytorch/torchtune 23896c30, #2282);
+# Llama 3.1's did from v0.3.1 (b0895a79, #1554) (vramcalc/terms/torchtune.py `rope_modules`)
+TORCHTUNE_0_6 = (0, 6, 0)
 # torchtune's main branch after v0.6.1 (version.txt 0.7.0): LinearCrossEntropyLoss (9c06c8bd)
 TORCHTUNE_0_7 = (0, 7, 0)
 

@@ -87,7 +87,8 @@ def strategy_line(strategy: dict[str, Any]) -> str:
 
 _SUB_ROWS = {
     "weights": (("weights/frozen", "frozen base"), ("weights/nf4", "NF4 4-bit data"),
-                ("weights/nf4_constants", "NF4 absmax/codes"), ("weights/adapters", "adapters")),
+                ("weights/nf4_constants", "NF4 absmax/codes"), ("weights/adapters", "adapters"),
+                ("weights/buffers", "buffers")),
     "transients": (("transients/fp8_weight_cache", "FP8 weight cache"),
                    ("transients/fp8_meta", "FP8 scales/amax"),
                    ("transients/qat_qparams", "QAT scales/zero pts")),

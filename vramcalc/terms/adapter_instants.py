@@ -23,6 +23,7 @@ from vramcalc.terms.saved import (
     dims,
     gpt2_block_attn_output,
     qlora_fp32_outputs,
+    repeats_kv_by_copy,
     returned_attn_weights,
 )
 from vramcalc.units import alloc
@@ -353,13 +354,15 @@ def _checkpointed_locals(ctx: RankContext, x: Dims, target: str) -> int:
     as soon as the next op has read it (gate's output once act exists). In the reference
     and torchtune attention (vramcalc/trace/reference_model.py `Attention.forward`) the
     projections' outputs are locals until it returns: at k, q; at v, q and k; at o, q, k,
-    v (after RoPE; torchtune's k and v repeated to every head) and o's input."""
+    v (after RoPE; torchtune's k and v repeated to every head, copies when 1 < g < a) and o's
+    input."""
     out = alloc(x.T * x.h, x.r)
     if _STEP_OF[target] >= 5:
         out += alloc(x.T * x.h, x.r)
     if ctx.training.framework in ("reference", "torchtune") and target in ("k", "v", "o"):
         qkv_dt = x.r if qlora_fp32_outputs(ctx, x) else x.c
-        kv = x.a if ctx.training.framework == "torchtune" and target == "o" else x.g
+        kv = x.a if (ctx.training.framework == "torchtune" and target == "o"
+                     and repeats_kv_by_copy(x)) else x.g
         out += alloc(x.T * x.a * x.d, qkv_dt)  # q
         if target in ("v", "o"):
             out += alloc(x.T * kv * x.d, qkv_dt)  # k

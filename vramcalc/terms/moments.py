@@ -199,15 +199,24 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
     held = extra + sum(t.nbytes for t in saved if t.name.startswith(("input_norm.", "attn."))
                        and t.name not in core_gone)
     if tr.attention == "eager" and tr.framework == "hf" and x.b > 1 and (
-            hf_family(ctx) == "gpt2"):
+            hf_family(ctx) == "gpt2") and not qlora_fp32_outputs(ctx, x):
         # GPT-2's matmuls copy q, kᵀ and v out of the fused c_attn output (b > 1: batch and
         # heads do not fold into one dimension); probs @ v's backward has freed v's copy,
         # and under selective recompute the re-run's q and kᵀ copies sit beside the output
         bsad_c = alloc(x.b * x.s * x.a * x.d, c)
         held += 2 * bsad_c if tr.recompute == "selective" else -bsad_c
-    if tr.recompute == "selective" and tr.attention == "eager" and x.g < x.a and not (
-            tr.framework == "hf" and x.g == 1 and x.b == 1):
-        held += 2 * alloc(x.b * x.s * x.g * x.d, c)  # the checkpoint's k, v before repeat
+    if tr.recompute == "selective" and tr.attention == "eager":
+        # the checkpointed core's inputs (its own saved list) live until the region's
+        # backward ends: the re-run's q and k (kept by q @ kᵀ, whose backward is next) are
+        # those tensors (or views of GPT-2's fused output) unless a cast (autocast's, of
+        # fp32 q, k, v) or a repeat (GQA) made new ones; its v went with probs @ v's
+        # backward, the input v did not
+        rerun = {t.name: t for t in saved}
+        for t in mlp_saved:
+            again = rerun.get(t.name)
+            if t.name == "attn.v" or (t.name in ("attn.q", "attn.k", "attn.qkv") and (
+                    again is None or (again.numel, again.dtype) != (t.numel, t.dtype))):
+                held += t.nbytes
     bsad = alloc(x.b * x.s * x.a * x.d, c)
     if tr.attention == "flash":
         bsgd = alloc(x.b * x.s * x.g * x.d, c)
@@ -220,7 +229,10 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
         work = g_res + 2 * bsad + 2 * bsgd + scratch
     else:
         p_dtype = next((t.dtype for t in saved if t.name == "attn.probs"), c)
-        work = g_res + bsad + 2 * alloc(x.b * x.a * x.s * x.s, p_dtype)
+        # dL/dv, in v's dtype: under autocast fp32 from a 4-bit projection (the matmul's
+        # gradient for its 16-bit cast of v is cast back)
+        dv = alloc(x.b * x.s * x.a * x.d, x.r if qlora_fp32_outputs(ctx, x) else c)
+        work = g_res + dv + 2 * alloc(x.b * x.a * x.s * x.s, p_dtype)
     out.append(Moment("attention", held, work, "mlp+o"))
     if chain := rmsnorm_backward_work_bytes(ctx):
         # the Python RMSNorms' backwards, beside dL/d residual: the post-attention norm's
@@ -360,10 +372,40 @@ def eager_forward_moment(ctx: RankContext, saved: list[Saved]) -> tuple[int, int
         work = alloc(bas, x.c) + alloc(bas, p_dtype)
         if p_dtype != x.c:
             work += alloc(bas, p_dtype)
+    kv_dt = x.c
     if tr.recompute == "full":
         held = sum(t.nbytes for t in saved if t.name in pre)  # the layer keeps nothing
+    if (tr.framework == "hf" and tr.recompute != "full" and ctx.spec.norm_kind == "rmsnorm"
+            and x.r != "fp32"):
+        # the decoder layer's `residual`, its 16-bit input, which its RMSNorm copied to fp32
+        held += alloc(bsh(x), x.r)
+    if x.amp and tr.recompute != "full" and tr.framework in ("reference", "hf"):
+        # the normed input (r) is the attention's argument until it returns (transformers:
+        # the decoder layer's `hidden_states`); under autocast the linears keep 16-bit
+        # casts of it, not it
+        held += alloc(bsh(x), x.r)
+    if tr.recompute == "full" and tr.framework == "reference":
+        # its first forward's locals (trace/reference_model.py `Attention.forward`): the
+        # normed input (r; autocast's casts of it are freed after each linear, a frozen
+        # linear keeps none) and q, k, v in the projections' output dtype (under autocast
+        # fp32 from a 4-bit base, whose output takes x's dtype)
+        kv_dt = x.r if qlora_fp32_outputs(ctx, x) else x.c
+        normed = next((t.numel for t in saved if t.name in ("attn.input", "attn.input.cast")),
+                      bsh(x))
+        held = alloc(normed, x.r) + sum(t.count * alloc(t.numel, kv_dt) for t in saved if t.name
+                                        in ("attn.q", "attn.k", "attn.v"))
+        held += sum(t.nbytes for t in saved if t.name == "attn.repeat_index")
+    elif tr.framework == "reference" and qlora_fp32_outputs(ctx, x):
+        # fp32 q, k, v from the 4-bit projections (k, v repeated for GQA) are the
+        # attention's locals beside the 16-bit casts autocast made of q and kᵀ for the
+        # scores (kept by the matmul; freed again in a checkpointed core's first forward);
+        # v's cast comes after the softmax
+        kv_dt = x.r
+        qkv = [t for t in saved if t.name in ("attn.q", "attn.k", "attn.v")]
+        held += sum(t.count * alloc(t.numel, x.r) for t in qkv) - sum(
+            t.nbytes for t in qkv if t.name == "attn.v" or tr.recompute == "selective")
     if x.g < x.a and not (tr.framework == "hf" and x.g == 1 and x.b == 1):
-        held += 2 * alloc(x.b * x.s * x.g * x.d, x.c)  # k, v before the repeat (locals)
+        held += 2 * alloc(x.b * x.s * x.g * x.d, kv_dt)  # k, v before the repeat (locals)
     if tr.framework == "hf" and tr.recompute == "none":
         held += alloc(x.b * x.s * x.s, x.r)  # the model's additive mask, alive in forward
     return held, work
@@ -373,12 +415,19 @@ def embedding_locals_bytes(ctx: RankContext) -> int:
     """transformers' models with learned positions (GPT-2's `GPT2Model.forward`) bind the
     token and the position embeddings in locals beside their sum, the first layer's input,
     until the model's forward returns: they exist at every layer's forward instant (first
-    stage)."""
-    if (ctx.training.framework != "hf" or ctx.spec.is_encoder or not ctx.is_first_stage
-            or ctx.spec.position_embedding != "learned"):
+    stage). The rotary decoders (`LlamaModel.forward`: `hidden_states = inputs_embeds`) keep
+    the embedding output, the first layer's input, bound likewise; a 16-bit one is no saved
+    tensor (the first RMSNorm keeps an fp32 copy), an fp32 one is that norm's input, and a
+    checkpointed first layer keeps it as its input. Not added under PEFT: the grid's hf
+    LoRA and QLoRA rows agree with the trace without it (why is not established)."""
+    if ctx.training.framework != "hf" or ctx.spec.is_encoder or not ctx.is_first_stage:
         return 0
     x = dims(ctx)
-    return alloc(bsh(x), x.r) + alloc(x.s * x.h, x.r)
+    if ctx.spec.position_embedding == "learned":
+        return alloc(bsh(x), x.r) + alloc(x.s * x.h, x.r)
+    return alloc(bsh(x), x.r) if (ctx.spec.norm_kind == "rmsnorm" and x.r != "fp32"
+                                  and ctx.training.recompute != "full"
+                                  and not finetunes(ctx.training)) else 0
 
 
 def forward_end_extra_bytes(ctx: RankContext) -> int:

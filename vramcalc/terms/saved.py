@@ -193,6 +193,16 @@ def efficient_scratch_bytes(b: int, a: int, q: int, d: int, fp32: bool = False) 
         round_alloc(4 * b * q * a * d) if fp32 else 0)
 
 
+def repeats_kv_by_copy(x: Dims) -> bool:
+    """Whether expanding k and v from g to a heads and merging the head dims makes a copy
+    (torchtitan's `repeat_kv`: `expand(...).reshape(...)`; torchtune's attention:
+    `expand(...).flatten(1, 2)`): only when 1 < g < a. With one kv head (multi-query) the
+    size-1 head dim merges with the stride-0 repeat dim, so the result is a view of the
+    (b, s, 1, d) tensor (torch's `reshape`/`flatten` return a view whenever the strides allow
+    it) and SDPA keeps that; its backward still makes dk, dv for every head."""
+    return 1 < x.g < x.a
+
+
 def bsh(x: Dims) -> int:
     """Elements of a (b, s, h) tensor on this rank: T·h."""
     return x.T * x.h

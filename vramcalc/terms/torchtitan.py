@@ -14,7 +14,7 @@ norms.py `RMSNorm`), one micro-batch, N = b·s tokens, T = N ÷ t under TP (SP n
 | norm x̂.type_as(x) | (T, h) r | `* self.weight` |
 | wq/wk/wv input | (N, h) c | mm (the all-gathered input under TP) |
 | rotated q | (N, a, d) c | SDPA (`type_as` copy of the complex product) |
-| k, v | (N, a, d) c | SDPA: `repeat_kv` copies when a > g, else rotated k and wv's output (N, g, d) |
+| k, v | (N, a, d) c | SDPA: `repeat_kv` copies when 1 < g < a, else rotated k and wv's output (N, g, d) (g = 1: SDPA's inputs are stride-0 views of them) |
 | SDPA output | (N, a, d) c | SDPA and wo (flash writes (b, s, a, d): `.contiguous()` is free) |
 | logsumexp | (b, a, s) fp32 | SDPA |
 | ffn_norm (3 tensors) | as above | |
@@ -47,7 +47,7 @@ from vramcalc.model import ModelSpec
 from vramcalc.rank import RankContext
 from vramcalc.sharding import pipeline_chunks
 from vramcalc.terms.megatron_recompute import LayerPlan
-from vramcalc.terms.saved import Dims, Saved, bsh, dims
+from vramcalc.terms.saved import Dims, Saved, bsh, dims, repeats_kv_by_copy
 from vramcalc.terms.saved_layers import checkpoint_saved, mlp_saved, norm_saved
 from vramcalc.terms.torchtitan_compile import compiled_block_saved
 from vramcalc.terms.torchtitan_tp import gathered_input_dtype
@@ -66,7 +66,7 @@ def _attention_saved(ctx: RankContext, x: Dims) -> list[Saved]:
     if ctx.spec.qk_norm and ctx.training.framework == "torchtune":
         out += norm_saved(ctx, x, "attn.q_norm", n * x.a, x.d, "(b, a, s, d)")
         out += norm_saved(ctx, x, "attn.k_norm", n * x.g, x.d, "(b, g, s, d)")
-    if x.g < x.a:
+    if repeats_kv_by_copy(x):
         out += [Saved("attn.k", nad, c, "(b, s, a, d)", "repeat_kv copy of rotated k"),
                 Saved("attn.v", nad, c, "(b, s, a, d)", "repeat_kv copy of v")]
     else:

@@ -24,7 +24,7 @@ tensors (tests/test_titan_compile.py):
 | block input (T, h) r | kept (graph input) | kept | kept |
 | each norm's rstd (T) fp32 | kept | kept | kept |
 | normed input of wq/wk/wv and of w1/w3 (N, h) c | kept | recomputed from the input and rstd | recomputed |
-| rotated q; k, v (expanded when g < a); SDPA output (N, a·d) c; logsumexp | kept | kept | kept |
+| rotated q; k, v (expanded when 1 < g < a); SDPA output (N, a·d) c; logsumexp | kept | kept | kept |
 | wo output (N, h) c (the residual is recomputed from it) | kept | kept | kept |
 | w1 and w3 outputs (N, f) c | kept | kept | kept |
 | w2's input silu(w1 x)·w3 x (N, f) c | kept | recomputed | recomputed |
@@ -66,7 +66,7 @@ from __future__ import annotations
 
 from vramcalc.rank import RankContext
 from vramcalc.terms.float8_fsdp import float8_gather
-from vramcalc.terms.saved import Saved, dims
+from vramcalc.terms.saved import Saved, dims, repeats_kv_by_copy
 
 FLOAT8_SCALARS = 11  # 1/scale scalars the partitioner keeps per block
 FLOAT8_AMAX = 10  # amax scalars it keeps per block
@@ -78,7 +78,7 @@ def compiled_block_saved(ctx: RankContext) -> list[Saved]:
     x = dims(ctx)
     c, n = x.c, x.b * x.s
     f = x.f  # the rank's ffn columns (÷ t under TP)
-    kv = x.a if x.g < x.a else x.g  # repeat_kv copies when g < a
+    kv = x.a if repeats_kv_by_copy(x) else x.g  # repeat_kv copies when 1 < g < a
     f8 = ctx.training.float8
     # float8 under TP: the norms' outputs are cast on their (T, h) shard and all-gathered
     # in fp8 (vramcalc/terms/torchtitan_tp.py); the fp8 mm keeps that gathered input

@@ -54,13 +54,31 @@ except in lora_finetune_distributed from 0.2.0, which deletes it after the loss 
 (contiguous: no copies) join the kept log-probabilities. From 0.3.0 labels are shifted with
 `torch.hstack` and the logits reshaped, not sliced (the table above); the distributed
 recipes moved from FullyShardedDataParallel to FSDP2 then (vramcalc/scenario.py).
+
+RoPE's buffers (`rope_buffer_bytes`, a weights sub-term: they live from the model's build to
+the end): each RoPE module registers `theta` (d/2) and `cache`, both fp32 and built for the
+model builder's `max_seq_len` (the config's max_position_embeddings: 131,072 for Llama 3.1),
+not for the batch: (P, d/2, 2) (modules/position_embeddings.py, Llama3ScaledRoPE), (P, 2d)
+for Qwen2's and Phi-3's, which keep cos and sin of the doubled angles
+(`torch.cat([freqs.cos(), freqs.sin()], dim=-1)`). Forward slices `cache[:seq_len]`, a view,
+so the rotation's products keep nothing of their own. Builders made one layer and
+deep-copied it `num_layers` times (`TransformerDecoder` `_get_clones`), each copy with its
+own buffers, until they built every layer around one shared RoPE module: Llama 3.1's (and
+3.2's) from v0.3.1 (b0895a79, #1554), the others' from v0.6.0 (23896c30, #2282); Gemma 2's
+builder always shared it. Llama 3.1-8B under v0.3.0: 32 × 131,072 × 64 × 2 × 4 B = 2.1 GB.
 """
 
 from __future__ import annotations
 
 from vramcalc.features import finetunes
 from vramcalc.rank import RankContext
-from vramcalc.stack_rules import TORCHTUNE_0_2, TORCHTUNE_0_3, torchtune_before
+from vramcalc.stack_rules import (
+    TORCHTUNE_0_2,
+    TORCHTUNE_0_3,
+    TORCHTUNE_0_3_1,
+    TORCHTUNE_0_6,
+    torchtune_before,
+)
 from vramcalc.terms.gradients import grad_dtype
 from vramcalc.terms.lowmem import head_input_split
 from vramcalc.terms.saved import Saved, dims
@@ -260,3 +278,29 @@ def shifted_backward_peak_bytes(ctx: RankContext) -> int:
     """log_softmax's backward: the kept log-probabilities, nll_loss's gradient and its own
     output (fp32 (b, V, s-1) each), the loss, its scaled copy and their gradient."""
     return 3 * _shifted(ctx) + 3 * ALLOC_ROUND_BYTES
+
+
+def rope_modules(ctx: RankContext) -> int:
+    """RoPE modules of a torchtune model on this rank: one per layer where the release's
+    builder deep-copies the layer, else one (module docstring)."""
+    spec = ctx.spec
+    if spec.position_embedding != "rope" or spec.is_mla:
+        return 0
+    if spec.model_type == "gemma2":  # its builder always made one
+        return 1
+    shared_from = TORCHTUNE_0_3_1 if spec.rope_scaling == "llama3" else TORCHTUNE_0_6
+    return ctx.num_layers if torchtune_before(ctx.training, shared_from) else 1
+
+
+def tune_rope(ctx: RankContext) -> tuple[int, int, int]:
+    """(positions, modules, cache elements per position) of the model's RoPE buffers."""
+    spec = ctx.spec
+    d = spec.head_size
+    width = 2 * d if spec.model_type in ("qwen2", "qwen3", "qwen3_moe", "phi3") else d
+    return spec.max_position_embeddings, rope_modules(ctx), width
+
+
+def rope_buffer_bytes(ctx: RankContext) -> int:
+    """Device bytes of the torchtune model's RoPE buffers, `theta` and `cache` per module."""
+    positions, modules, width = tune_rope(ctx)
+    return modules * (alloc(ctx.spec.head_size // 2, "fp32") + alloc(positions * width, "fp32"))

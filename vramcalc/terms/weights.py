@@ -16,6 +16,7 @@ from vramcalc.features import finetunes
 from vramcalc.finetune import nf4_constant_bytes, shapes_for
 from vramcalc.rank import RankContext
 from vramcalc.terms.torchtitan import freqs_cis_bytes
+from vramcalc.terms.torchtune import rope_buffer_bytes
 from vramcalc.units import alloc
 
 GROUPS: tuple[str, ...] = ("embedding", "layer", "expert", "final", "head")
@@ -73,8 +74,12 @@ def weight_parts(ctx: RankContext) -> dict[str, int]:
         return {"weights": sum(groups.values()),
                 "weights/buffers": 2 * alloc(ctx.spec.max_position_embeddings, "int64")}
     if not finetunes(ctx.training) or not groups:
-        return {"weights": sum(groups.values())}
-    return {f"weights/{k}": v for k, v in groups.items()}
+        out = {"weights": sum(groups.values())}
+    else:
+        out = {f"weights/{k}": v for k, v in groups.items()}
+    if ctx.training.framework == "torchtune" and rope_buffer_bytes(ctx):  # RoPE's theta, cache
+        out["weights/buffers"] = rope_buffer_bytes(ctx)
+    return out
 
 
 def finetune_weight_parts(ctx: RankContext) -> dict[str, int]:

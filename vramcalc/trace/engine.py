@@ -38,7 +38,7 @@ from vramcalc.report import (
 from vramcalc.scenario import Scenario, check_capabilities
 from vramcalc.terms.optimizer_states import paged_residency, paged_state_bytes
 from vramcalc.terms.overhead import context_bytes, overhead_split
-from vramcalc.terms.torchtune import shifts_logits
+from vramcalc.terms.torchtune import shifts_logits, tune_rope
 from vramcalc.terms.transients import blas_workspace_parts, cublas_workspace_bytes
 from vramcalc.trace.losses import step_loss
 
@@ -158,7 +158,8 @@ def build_model(scn: Scenario) -> Any:
 
         model = ReferenceModel(scn.model, attention=tr.attention, recompute=tr.recompute,
                                capacity_factor=scn.parallel.capacity_factor, dtype=dtype,
-                               tune_seq_len=tr.seq_len if tr.framework == "torchtune" else 0)
+                               tune_rope=tune_rope(RankContext(scn.model, tr, scn.parallel, 0))
+                               if tr.framework == "torchtune" else None)
     if tr.finetune != "full":  # LoRA / QLoRA / DoRA (vramcalc/trace/lora.py)
         from vramcalc.trace.lora import apply_finetune
 

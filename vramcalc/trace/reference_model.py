@@ -161,6 +161,27 @@ def activation(name: str):  # noqa: ANN201
                      "relu2)")
 
 
+class TuneRope(nn.Module):
+    """A torchtune RoPE module's buffers, fp32: `theta` (d/2) and `cache` (positions, width)
+    with each position's (cos, sin) pairs of its d/2 angles first (width d: Llama's whole
+    cache; width 2d: Qwen2's and Phi-3's, whose cache holds each angle twice)."""
+
+    def __init__(self, d: int, positions: int, width: int,
+                 device: torch.device | str | None) -> None:
+        super().__init__()
+        self.rotated = d // 2  # the complex pairs a head rotates
+        pairs = torch.view_as_real(freqs_cis(d, positions, device)).flatten(1)  # (P, d)
+        theta = 1.0 / ROPE_THETA ** (torch.arange(0, d, 2, device=device)[: d // 2].float() / d)
+        cache = pairs if width == d else torch.cat([pairs, torch.zeros_like(pairs)], dim=1)
+        self.register_buffer("theta", theta, persistent=False)
+        self.register_buffer("cache", cache, persistent=False)
+
+    def table(self) -> torch.Tensor:
+        """The cache as a (P, d/2) complex64 view of its (cos, sin) pairs."""
+        cache = self.get_buffer("cache")
+        return torch.view_as_complex(cache.view(cache.shape[0], -1, 2))[:, :self.rotated]
+
+
 def rope_tables(s: int, d: int, device: torch.device, dtype: torch.dtype):  # noqa: ANN201
     """cos, sin: (s, 1, d) rotary tables in the compute dtype, built once per forward."""
     inv = 1.0 / ROPE_THETA ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
@@ -177,9 +198,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, attention: str, recompute: str, tune: bool = False,
-                 **kw: Unpack[Factory]) -> None:
+                 rope: TuneRope | None = None, **kw: Unpack[Factory]) -> None:
         super().__init__()
         self.tune = tune  # torchtune's: complex-pair RoPE in fp32, k and v repeated to a heads
+        self.pos_embeddings = rope  # torchtune's RoPE module (its own or one shared by all)
         h, a, g, d = spec.hidden_size, spec.num_attention_heads, spec.kv_heads, spec.head_size
         self.a, self.g, self.d = a, g, d
         self.q_proj = nn.Linear(h, a * d, bias=spec.attention_bias, **kw)
@@ -218,8 +240,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None and not self.tune:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.tune:  # torchtune's layer (vramcalc/terms/torchtune.py): torchtitan's ops
-            if isinstance(rope, torch.Tensor):  # the complex table (None: learned positions)
-                q, k = rotary(q, k, rope)
+            if self.pos_embeddings is not None:  # the cache's complex view (None: learned)
+                q, k = rotary(q, k, self.pos_embeddings.table())
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             k, v = repeat_kv(k, self.a // self.g), repeat_kv(v, self.a // self.g)
@@ -377,11 +399,12 @@ class MoE(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, spec: ModelSpec, moe: bool, attention: str, recompute: str,
-                 capacity_factor: float, tune: bool = False, **kw: Unpack[Factory]) -> None:
+                 capacity_factor: float, tune: bool = False, rope: TuneRope | None = None,
+                 **kw: Unpack[Factory]) -> None:
         super().__init__()
         self.input_layernorm = make_norm(spec, spec.hidden_size, tune, **kw)
         self.attn = (MLAttention(spec, attention, recompute, **kw) if spec.is_mla
-                     else Attention(spec, attention, recompute, tune, **kw))
+                     else Attention(spec, attention, recompute, tune, rope, **kw))
         self.post_attention_layernorm = (make_norm(spec, spec.hidden_size, tune, **kw)
                                          if spec.num_layer_norms >= 2 else None)
         self.mlp: nn.Module = (MoE(spec, capacity_factor, **kw) if moe
@@ -404,25 +427,33 @@ class ReferenceModel(nn.Module):
 
     def __init__(self, spec: ModelSpec, attention: str = "flash", recompute: str = "none",
                  capacity_factor: float = 1.0, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, tune_seq_len: int = 0) -> None:
+                 device: torch.device | str | None = None,
+                 tune_rope: tuple[int, int, int] | None = None) -> None:
         super().__init__()
         kw: Factory = {"dtype": dtype, "device": device}
         h, V = spec.hidden_size, spec.vocab_size
         self.spec, self.attention, self.recompute = spec, attention, recompute
-        # tune_seq_len > 0: torchtune's layer (its norms, RoPE and repeated k/v: torchtitan's
-        # ops, vramcalc/terms/torchtune.py), the rotary table built for that many positions
-        tune = tune_seq_len > 0
+        # tune_rope: torchtune's layer (its norms, RoPE and repeated k/v: torchtitan's ops,
+        # vramcalc/terms/torchtune.py) and its RoPE modules' buffers: (positions, modules,
+        # cache elements per position)
+        tune = tune_rope is not None
         self.embed_tokens = nn.Embedding(V, h, **kw)
         self.embed_positions = (nn.Embedding(spec.max_position_embeddings, h, **kw)
                                 if spec.position_embedding == "learned" else None)
+        # torchtune's RoPE modules (0: none, MLA keeps its own): one per layer, each built
+        # with its layer, or one built first and shared (terms/torchtune.py `rope_modules`)
+        positions, modules, width = tune_rope or (0, 0, 0)
+        self.tune_rope = modules > 0
+
+        def rope() -> TuneRope:
+            return TuneRope(spec.head_size, positions, width, device)
+
+        shared = rope() if modules == 1 else None
         self.layers = nn.ModuleList(
-            Block(spec, spec.is_moe_layer(i), attention, recompute,
-                  capacity_factor, tune, **kw)
+            Block(spec, spec.is_moe_layer(i), attention, recompute, capacity_factor, tune,
+                  shared or (rope() if modules > 1 else None), **kw)
             for i in range(spec.num_hidden_layers))
         self.norm = make_norm(spec, h, tune, **kw) if spec.final_norm else None
-        table = (freqs_cis(spec.head_size, tune_seq_len, device)  # (MLA keeps its own RoPE)
-                 if tune and spec.position_embedding == "rope" and not spec.is_mla else None)
-        self.register_buffer("freqs_cis", table, persistent=False)  # None: not registered
         self.lm_head = nn.Linear(h, V, bias=spec.lm_head_bias, **kw)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -434,9 +465,7 @@ class ReferenceModel(nn.Module):
         if self.embed_positions is not None:
             x = x + self.embed_positions(torch.arange(s, device=x.device))  # + (s, h)
         rope: Any = None
-        if self.freqs_cis is not None:
-            rope = self.freqs_cis
-        elif self.spec.position_embedding == "rope":
+        if self.spec.position_embedding == "rope" and not self.tune_rope:
             rope = rope_tables(s, self.spec.qk_rope_head_dim or self.spec.head_size, x.device,
                                compute_dtype(x))
         mask = None
