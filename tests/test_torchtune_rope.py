@@ -96,3 +96,17 @@ def test_mqa_layer_against_the_trace(precision: str) -> None:
                              recompute="none", micro_batch_size=2, seq_len=256)
     row = compare(name, scn)
     assert all(abs(p["rel_error"]) < 1e-4 for p in row["phases"].values()), row["phases"]
+
+
+def test_the_report_says_which_release_shares_the_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    from vramcalc.cli import main
+
+    flags = ["estimate", "--model", "llama3.1-8b", "--framework", "torchtune", "--precision",
+             "bf16-pure", "--gpus", "1xRTX4090", "--finetune", "qlora", "--seq-len", "2048"]
+    assert main([*flags, "--torchtune-version", "0.3.0"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    # 2,147,500,032 B (test_llama31_before_its_shared_rope_holds_two_gigabytes)
+    assert "own copy of the RoPE cache (131,072 positions, fp32): 2.15 GB for 32 layers" in out
+    assert "releases from 0.3.1 build one cache" in out
+    assert main(flags) == 0
+    assert "RoPE cache" not in capsys.readouterr().out

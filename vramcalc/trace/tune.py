@@ -1,4 +1,4 @@
-"""torchtune on the traced reference model (its layer is the model's `tune_seq_len` form,
+"""torchtune on the traced reference model (its layer is the model's `tune_rope` form,
 vramcalc/trace/reference_model.py): the recipe's loss and what the trace does not run.
 
 - `output_chunked_cross_entropy(head, x, labels, n)`: `chunked_output` and
