@@ -246,10 +246,9 @@ def _hf_eager_qkv(ctx: RankContext, x: Dims, fam: str) -> list[Saved]:
     """hf eager attention's q, k, v as kept by the two matmuls (repeat_kv copies for GQA)."""
     c, bsad = x.c, x.b * x.s * x.a * x.d
     bsgd, cast = x.b * x.s * x.g * x.d, _qkv_in_residual_dtype(ctx, x)
-    if fam == "gpt2" and cast:  # a 4-bit c_attn's fp32 output: the matmuls keep 16-bit casts
-        return [Saved(f"attn.{n}", bsad, c, "(b, a, s, d)", f"cast of the {n} view") for n in "qkv"]
-    if fam == "gpt2":
-        return [Saved("attn.qkv", 3 * bsad, c, "(b, s, 3·h)", "fused c_attn output; q, k, v views")]
+    if fam == "gpt2":  # views of c_attn's output; of a 4-bit one's (fp32) matmul keeps casts
+        return ([Saved(f"attn.{n}", bsad, c, "(b, a, s, d)", f"cast of the {n} view") for n in "qkv"]
+                if cast else [Saved("attn.qkv", 3 * bsad, c, "(b, s, 3·h)", "fused c_attn output")])
     # repeat_kv copies k, v unless g = a or g = 1 = b (a view); autocast's cast for the matmul of an
     # fp32 k (rotated by fp32 cos, sin under amp) or v (4-bit, autocast) is (b, a, s, d)
     v_keep = bsgd if (x.g == x.a or x.g == 1 == x.b) and not cast else bsad
@@ -471,13 +470,14 @@ def embedding_saved(ctx: RankContext) -> list[Saved]:
     if (offloads_checkpoints(ctx) or peft_leaf) and ctx.is_first_stage:
         out.append(Saved("unsloth.embedding_output" if not peft_leaf else "inputs_embeds",
                          x.T * x.h, x.r, "(b, s, h)", "leaf held by its AccumulateGrad"))
-    buffer = tr.framework in ("torchtitan", "torchtune")  # RoPE reads a buffer: nothing saved
-    if not buffer and spec.position_embedding == "rope" and not layer_rope_caches(ctx):
+    if spec.position_embedding == "rope" and tr.framework in ("torchtitan", "torchtune"):
+        pass  # RoPE reads a buffer (torchtitan's freqs_cis, torchtune's cache): nothing saved
+    elif spec.position_embedding == "rope" and not layer_rope_caches(ctx):
         # cos, sin (s, d): reference in c, hf in the residual dtype; MLA rotates dr dims
         width = spec.qk_rope_head_dim or x.d
         out.append(Saved("rope.cos_sin", x.s * width, x.r if hf else x.c, "(s, d)",
                          "rotary tables, kept by q·cos, q·sin of every layer", 2))
-    elif ctx.is_first_stage and not buffer:
+    elif ctx.is_first_stage:
         out.append(Saved("positions", x.s, "int64", "(s)", "position ids, kept by embedding"))
     if tr.attention == "eager" and not hf:
         out.append(Saved("attn.mask", x.s * x.s, "bool", "(s, s)", "causal mask, masked_fill"))
