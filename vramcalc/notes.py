@@ -28,7 +28,7 @@ from vramcalc.terms.lowprec import (
 )
 from vramcalc.terms.optimizer_states import paged_state_bytes
 from vramcalc.terms.torchtitan_tp import async_tp_workspace_bytes
-from vramcalc.terms.torchtune import rope_buffer_bytes, tune_rope
+from vramcalc.terms.torchtune import rope_buffer_bytes, rope_shared_from, tune_rope
 from vramcalc.terms.unsloth import unsloth_notes
 from vramcalc.training import COMPUTE_DTYPE, TrainingConfig
 from vramcalc.units import fmt_gb
@@ -57,9 +57,9 @@ def scenario_notes(scn: Scenario) -> list[str]:
                      f"{fmt_gb(gradients_bytes(ctx))}, until the last one reduce-scatters "
                      "them (--sync-each-batch: accelerate's sync_each_batch=True reduces "
                      "every micro-batch and keeps only the shards)")
-    if scn.training.framework == "torchtune" and tune_rope(ctx)[1] > 1:
-        positions, modules, _ = tune_rope(ctx)
-        shared = "0.3.1" if scn.model.rope_scaling == "llama3" else "0.6.0"
+    positions, modules, _ = tune_rope(ctx)
+    if scn.training.framework == "torchtune" and modules > 1:
+        shared = ".".join(map(str, rope_shared_from(scn.model)))
         notes.append(f"torchtune {scn.training.torchtune_version}: every layer keeps its own "
                      f"copy of the RoPE cache ({positions:,} positions, fp32): "
                      f"{fmt_gb(rope_buffer_bytes(ctx))} for {modules} layers; releases from "

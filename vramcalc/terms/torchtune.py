@@ -71,12 +71,14 @@ builder always shared it. Llama 3.1-8B under v0.3.0: 32 × 131,072 × 64 × 2 ×
 from __future__ import annotations
 
 from vramcalc.features import finetunes
+from vramcalc.model import ModelSpec
 from vramcalc.rank import RankContext
 from vramcalc.stack_rules import (
     TORCHTUNE_0_2,
     TORCHTUNE_0_3,
     TORCHTUNE_0_3_1,
     TORCHTUNE_0_6,
+    TORCHTUNE_OLDEST,
     torchtune_before,
 )
 from vramcalc.terms.gradients import grad_dtype
@@ -280,16 +282,21 @@ def shifted_backward_peak_bytes(ctx: RankContext) -> int:
     return 3 * _shifted(ctx) + 3 * ALLOC_ROUND_BYTES
 
 
+def rope_shared_from(spec: ModelSpec) -> tuple[int, ...]:
+    """The first release whose builder makes one RoPE module for all of `spec`'s layers
+    (module docstring; Gemma 2's builder always did)."""
+    if spec.model_type == "gemma2":
+        return TORCHTUNE_OLDEST
+    return TORCHTUNE_0_3_1 if spec.rope_scaling == "llama3" else TORCHTUNE_0_6
+
+
 def rope_modules(ctx: RankContext) -> int:
     """RoPE modules of a torchtune model on this rank: one per layer where the release's
     builder deep-copies the layer, else one (module docstring)."""
     spec = ctx.spec
     if spec.position_embedding != "rope" or spec.is_mla:
         return 0
-    if spec.model_type == "gemma2":  # its builder always made one
-        return 1
-    shared_from = TORCHTUNE_0_3_1 if spec.rope_scaling == "llama3" else TORCHTUNE_0_6
-    return ctx.num_layers if torchtune_before(ctx.training, shared_from) else 1
+    return ctx.num_layers if torchtune_before(ctx.training, rope_shared_from(spec)) else 1
 
 
 def tune_rope(ctx: RankContext) -> tuple[int, int, int]:

@@ -77,8 +77,8 @@ def weight_parts(ctx: RankContext) -> dict[str, int]:
         out = {"weights": sum(groups.values())}
     else:
         out = {f"weights/{k}": v for k, v in groups.items()}
-    if ctx.training.framework == "torchtune" and rope_buffer_bytes(ctx):  # RoPE's theta, cache
-        out["weights/buffers"] = rope_buffer_bytes(ctx)
+    if ctx.training.framework == "torchtune" and (rope := rope_buffer_bytes(ctx)):
+        out["weights/buffers"] = rope  # RoPE's theta and cache
     return out
 
 
