@@ -97,3 +97,24 @@ def test_sequence_past_a_learned_position_table_warns() -> None:
     assert any(n.startswith("warning:") and "1,024 rows" in n for n in doc["notes"])
     doc = _json("estimate", "--model", "gpt2", "--gpus", "1xH100", "--seq-len", "1024")
     assert not any(n.startswith("warning:") for n in doc["notes"]), doc["notes"]
+
+
+@pytest.mark.parametrize(("model", "tokens"), [
+    # n_positions 1024 (openai-community/gpt2 config.json); max_position_embeddings 512
+    # (google-bert/bert-large-uncased); 514 rows less RoBERTa's two (FacebookAI/roberta-base,
+    # positions numbered from padding_idx + 1); 1024 (facebook/bart-large)
+    ("gpt2", 1024), ("bert-large", 512), ("roberta-base", 512), ("bart-large", 1024)])
+def test_default_sequence_is_the_learned_position_table_where_shorter(model: str,
+                                                                     tokens: int) -> None:
+    doc = _json("estimate", "--model", model, "--gpus", "1xH100", "--framework", "hf")
+    assert doc["strategy"]["seq_len"] == tokens
+    assert any(n.startswith(f"seq {tokens:,}: ") and "learned positions" in n
+               for n in doc["notes"]), doc["notes"]
+    assert not any(n.startswith("warning:") for n in doc["notes"]), doc["notes"]
+    # a length the user gives is counted as given; RoPE models keep the 4,096 default
+    doc = _json("estimate", "--model", model, "--gpus", "1xH100", "--framework", "hf",
+                "--seq-len", "256")
+    assert doc["strategy"]["seq_len"] == 256
+    assert not any("learned positions cover" in n for n in doc["notes"]), doc["notes"]
+    assert _json("estimate", "--model", "llama3-8b", "--gpus", "1xH100")["strategy"][
+        "seq_len"] == 4096

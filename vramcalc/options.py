@@ -24,7 +24,7 @@ from vramcalc.hf_stack import HF_OPTIMS, parse_modules_to_save
 from vramcalc.lora_targets import parse_targets
 from vramcalc.parallel import ParallelConfig
 from vramcalc.peft_file import checked_peft_config
-from vramcalc.scenario import Scenario
+from vramcalc.scenario import Scenario, short_default_length
 from vramcalc.training import (
     ATTENTIONS,
     FINETUNES,
@@ -69,7 +69,9 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "architectures (else sequence-classification).", ("sequence-classification",
                                                           "masked-lm"), group="model"),
     Opt("gpus", str, "1xH100", "Cluster: H100, 8xH100, 2x8xA100-80GB (nodes x per node).", group="cluster"),
-    Opt("seq_len", int, 4096, "Sequence length in tokens (encoder-decoders: the source, encoder length)."),
+    Opt("seq_len", int, None, "Sequence length in tokens (encoder-decoders: the source, "
+        "encoder length). Default: 4096, or the tokens a learned position table covers "
+        "where fewer (GPT-2: 1024, BERT: 512)."),
     Opt("target_len", int, None, "Encoder-decoders (t5, bart): target (decoder) tokens per "
         "sequence, the labels the LM head scores. Default: --seq-len."),
     Opt("micro_batch_size", int, 1, "Sequences per micro-batch per data-parallel rank."),
@@ -458,6 +460,8 @@ def build_scenario(values: dict[str, Any], profile_dirs: list[Path] | None = Non
     spec, model_note = resolve_model(str(v["model"]))
     if v["task"] is not None:
         spec = with_task(spec, v["task"])
+    if v["seq_len"] is None and (short := short_default_length(spec)) is not None:
+        v["seq_len"], model_note = short[0], "; ".join(n for n in (model_note, short[1]) if n)
     cluster = parse_gpus(str(v["gpus"]), profile_dirs)
     gpu_name = str(v["gpus"]).replace("*", "x").replace("X", "x").split("x")[-1]
     gpu_note = alias_note(gpu_name, cluster.gpu)

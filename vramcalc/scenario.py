@@ -65,6 +65,25 @@ def mla_problem(scn: Scenario) -> str | None:
             f"(one tensor/context-parallel rank), full training, so far; not {missing}")
 
 
+def learned_positions(spec: ModelSpec) -> int | None:
+    """The tokens a learned position table covers (None for other position embeddings):
+    its rows, less RoBERTa's two, which numbers positions from padding_idx + 1 = 2
+    (transformers `create_position_ids_from_input_ids`)."""
+    if spec.position_embedding != "learned":
+        return None
+    return spec.max_position_embeddings - (2 if spec.model_type in ROBERTA_TYPES else 0)
+
+
+def short_default_length(spec: ModelSpec) -> tuple[int, str] | None:
+    """The default --seq-len where a learned position table is shorter than TrainingConfig's
+    default (the longest sequence the model runs), with its note; None elsewhere."""
+    positions = learned_positions(spec)
+    if positions is None or positions >= TrainingConfig.model_fields["seq_len"].default:
+        return None
+    return positions, (f"seq {positions:,}: {spec.name}'s learned positions cover "
+                       f"{positions:,} tokens (--seq-len picks a shorter length)")
+
+
 def encoder_unsupported(scn: Scenario) -> str | None:
     """What of this scenario the encoder tables (vramcalc/terms/encoder.py) do not model,
     or None: they follow transformers' BERT / RoBERTa on one GPU or plain data parallelism,
@@ -76,13 +95,12 @@ def encoder_unsupported(scn: Scenario) -> str | None:
         # torchtune's, LitGPT's and Unsloth's tables are their decoders' (their recipes
         # train no BERT, T5 or BART); these models run transformers' own modeling code
         return f"--framework {tr.framework} (use --framework hf, transformers' models)"
-    # RoBERTa numbers positions from padding_idx + 1 = 2 (create_position_ids_from_input_ids)
-    positions = spec.max_position_embeddings - (2 if spec.model_type in ROBERTA_TYPES else 0)
-    lengths = (("--seq-len", tr.seq_len), ("--target-len", tr.target_len or 0))
-    for flag, n in lengths if spec.position_embedding == "learned" and not tr.load_only else ():
-        if n > positions:
-            return (f"{flag} {n} (its learned positions cover {positions} tokens: "
-                    f"give {flag} {positions} or less)")
+    positions = learned_positions(spec)
+    if positions is not None and not tr.load_only:
+        for flag, n in (("--seq-len", tr.seq_len), ("--target-len", tr.target_len or 0)):
+            if n > positions:
+                return (f"{flag} {n} (its learned positions cover {positions} tokens: "
+                        f"give {flag} {positions} or less)")
     pieces = ((f"tp={par.tp}", par.tp > 1), (f"pp={par.pp}", par.pp > 1),
               (f"cp={par.cp}", par.cp > 1), (f"ep={par.ep}", par.ep > 1),
               (f"zero={par.zero}", bool(par.zero)), (f"fsdp={par.fsdp}", par.fsdp != "none"),
