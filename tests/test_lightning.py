@@ -218,3 +218,15 @@ def test_lightning_dequantizes_through_fp16() -> None:
     n = F * H
     assert dequant_transient_bytes(n, "bf16", lit) == _alloc(n * 2) + _alloc(n * 2)
     assert dequant_transient_bytes(n, "bf16", ref) == _alloc(n * 2)
+
+
+def test_lightning_precision_names_are_taken() -> None:
+    """Fabric's plugin names (Lightning 2.1 lightning/fabric/plugins/precision/precision.py
+    `_PRECISION_INPUT_STR`; half.py: bf16-true converts the model to bf16; amp.py: the
+    -mixed plugins autocast over fp32 weights) select the same policies as vramcalc's
+    names for them."""
+    for lightning, ours in (("bf16-true", "bf16-pure"), ("BF16-Mixed", "amp-bf16"),
+                            ("32-true", "fp32"), ("16-mixed", "amp-fp16")):
+        base = {"model": "llama2-7b", "gpus": "1xA100", "framework": "lightning"}
+        assert (build_scenario({**base, "precision": lightning})
+                == build_scenario({**base, "precision": ours}))

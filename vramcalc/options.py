@@ -29,6 +29,7 @@ from vramcalc.training import (
     ATTENTIONS,
     FINETUNES,
     FRAMEWORKS,
+    LIGHTNING_PRECISIONS,
     MOE_DISPATCHERS,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
@@ -69,9 +70,8 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
         "architectures (else sequence-classification).", ("sequence-classification",
                                                           "masked-lm"), group="model"),
     Opt("gpus", str, "1xH100", "Cluster: H100, 8xH100, 2x8xA100-80GB (nodes x per node).", group="cluster"),
-    Opt("seq_len", int, None, "Sequence length in tokens (encoder-decoders: the source, "
-        "encoder length). Default: 4096, or the tokens a learned position table covers "
-        "where fewer (GPT-2: 1024, BERT: 512)."),
+    Opt("seq_len", int, None, "Tokens per sequence (encoder-decoders: the source's). Default: "
+        "4096, or a learned position table's tokens where fewer (GPT-2: 1024, BERT: 512)."),
     Opt("target_len", int, None, "Encoder-decoders (t5, bart): target (decoder) tokens per "
         "sequence, the labels the LM head scores. Default: --seq-len."),
     Opt("micro_batch_size", int, 1, "Sequences per micro-batch per data-parallel rank."),
@@ -79,8 +79,9 @@ SCENARIO_OPTIONS: tuple[Opt, ...] = (
     Opt("precision", str, None, "fp32 | amp-bf16 | amp-fp16 (autocast, fp32 weights) | "
         "bf16 | fp16 (16-bit weights+grads, fp32 master) | bf16-pure | bf16-autocast | "
         "fp16-autocast (HF Trainer's bf16/fp16=True over a model loaded in 16 bits) | fp8 "
-        "(TE FP8 block linears, bf16 weights + fp32 master; FP8 GPUs). Default: the stack's "
-        "(torchtitan amp-bf16, torchtune bf16-pure), else bf16.", PRECISIONS),
+        "(TE FP8 block linears, bf16 weights + fp32 master; FP8 GPUs); Lightning's bf16-true, "
+        "bf16-mixed, 32-true, 16-mixed are bf16-pure, amp-bf16, fp32, amp-fp16. Default: the "
+        "stack's (torchtitan amp-bf16, torchtune bf16-pure), else bf16.", PRECISIONS),
     Opt("optimizer", str, "adamw", "adamw | adam | sgd | sgd-momentum | lion | adafactor | "
         "adamw-8bit | paged-adamw | paged-adamw-8bit (bitsandbytes; paged states in unified "
         "memory, shown as overhead) | muon (torch.optim.Muon + AdamW, reference).", OPTIMIZERS),
@@ -335,6 +336,7 @@ def check_choice(opt: Opt, value: str) -> str:
     """Validate one choice value (case-insensitive), with suggestions."""
     assert opt.choices is not None
     v = str(value).strip().lower()
+    v = LIGHTNING_PRECISIONS.get(v, v) if opt.name == "precision" else v
     if v not in opt.choices:
         raise InputError(
             f"{opt.flag}: unknown value {value!r}{suggest(v, opt.choices)} "

@@ -57,6 +57,7 @@ from typing import Any
 
 from vramcalc.errors import InputError, shown
 from vramcalc.hardware import parse_gpus
+from vramcalc.training import LIGHTNING_PRECISIONS
 
 _TT_MODELS = "torchtune.models."
 # torchtune builder (without lora_/qlora_ and _base/_instruct) -> vramcalc preset
@@ -234,9 +235,6 @@ def torchtune_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
 # ---- LitGPT -----------------------------------------------------------------------------
 _LIT = "LitGPT config"
-# Lightning Fabric precision plugins (the lightning profile, methodology § 17)
-_LIT_PRECISION = {"bf16-true": "bf16-pure", "bf16-mixed": "amp-bf16", "32-true": "fp32",
-                  "16-mixed": "amp-fp16"}
 _LIT_QUANT = {"bnb.nf4": False, "bnb.nf4-dq": True}  # -> nf4_double_quant
 _LIT_OPTIMIZERS = {"AdamW": "adamw", "torch.optim.AdamW": "adamw", "Adam": "adam",
                    "torch.optim.Adam": "adam", "SGD": "sgd", "torch.optim.SGD": "sgd"}
@@ -265,10 +263,10 @@ def litgpt_values(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     vals: dict[str, Any] = {"framework": "lightning", "model": _lit_model(data)}
     precision = data.get("precision")
     if precision is not None:
-        if not isinstance(precision, str) or precision not in _LIT_PRECISION:
-            raise InputError(f"{_LIT}: precision must be one of {', '.join(_LIT_PRECISION)}, "
-                             f"got {shown(precision)}")
-        vals["precision"] = _LIT_PRECISION[precision]
+        if not isinstance(precision, str) or precision not in LIGHTNING_PRECISIONS:
+            raise InputError(f"{_LIT}: precision must be one of "
+                             f"{', '.join(LIGHTNING_PRECISIONS)}, got {shown(precision)}")
+        vals["precision"] = LIGHTNING_PRECISIONS[precision]
     quantize = data.get("quantize")
     if quantize is not None:
         if not isinstance(quantize, str) or quantize not in _LIT_QUANT:

@@ -50,6 +50,9 @@ OptimizerName = Literal[
 ]
 PRECISIONS: tuple[str, ...] = ("fp32", "amp-bf16", "amp-fp16", "bf16", "fp16", "bf16-pure",
                                 "fp8", "bf16-autocast", "fp16-autocast")
+# Lightning Fabric's precision plugins as these policies (methodology § 17)
+LIGHTNING_PRECISIONS = {"bf16-true": "bf16-pure", "bf16-mixed": "amp-bf16", "32-true": "fp32",
+                        "16-mixed": "amp-fp16"}
 # the precision policies of the table above: weights' and activations' dtypes
 WEIGHT_DTYPE: dict[str, str] = {"fp32": "fp32", "amp-bf16": "fp32", "amp-fp16": "fp32",
                                 "bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16",
@@ -58,10 +61,8 @@ COMPUTE_DTYPE: dict[str, str] = {"fp32": "fp32", "amp-bf16": "bf16", "amp-fp16":
                                  "bf16": "bf16", "fp16": "fp16", "bf16-pure": "bf16",
                                  "fp8": "bf16", "bf16-autocast": "bf16", "fp16-autocast": "fp16"}
 QATS: tuple[str, ...] = ("none", "int8", "int4")  # vramcalc/terms/lowprec.py
-OPTIMIZERS: tuple[str, ...] = (
-    "adamw", "adam", "sgd", "sgd-momentum", "lion", "adafactor", "adamw-8bit",
-    "paged-adamw", "paged-adamw-8bit", "muon",
-)
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "lion", "adafactor",
+                                "adamw-8bit", "paged-adamw", "paged-adamw-8bit", "muon")
 FINETUNES: tuple[str, ...] = ("full", "lora", "qlora", "dora")  # vramcalc/finetune.py
 ADAPTER_METHODS: tuple[str, ...] = ("lora", "qlora", "dora")
 # How a torch optimizer runs its step (torch/optim/adam.py, sgd.py): `foreach` kernels over
@@ -71,9 +72,8 @@ ADAPTER_METHODS: tuple[str, ...] = ("lora", "qlora", "dora")
 OPTIMIZER_IMPLS: tuple[str, ...] = ("foreach", "fused", "loop")
 # torch ships fused and per-parameter implementations of these; vramcalc's Lion and
 # Adafactor step are foreach only, bitsandbytes' optimizers their own fused kernels
-_IMPLS_OF: dict[str, tuple[str, ...]] = {
-    "adam": OPTIMIZER_IMPLS, "adamw": OPTIMIZER_IMPLS, "sgd": OPTIMIZER_IMPLS,
-    "sgd-momentum": OPTIMIZER_IMPLS}
+_IMPLS_OF: dict[str, tuple[str, ...]] = dict.fromkeys(("adam", "adamw", "sgd", "sgd-momentum"),
+                                                      OPTIMIZER_IMPLS)
 TORCH_STEPPED: tuple[str, ...] = tuple(_IMPLS_OF)
 ATTENTIONS: tuple[str, ...] = ("flash", "eager")
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
