@@ -129,7 +129,7 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
             return plan.bottom(n) - (gap if n else 0)
         return P.bottom(n) - (gap if n else 0)
 
-    A_emb = P.embedding_side  # ids, labels, rope, mask
+    A_emb, A_end = P.embedding_side, P.embedding_side_end  # ids, labels, rope, mask; at the end
     A_edges = A_emb + P.head_side
     cache_layer = P.autocast_cache_layer
     cache_head = P.autocast_cache_head
@@ -330,14 +330,14 @@ def stage_phases(scn: Scenario, stage: int, gpu: GPUProfile | None
         for work, hooked in ((ib.summing, {}), (0, {"transients/optimizer_step": ib.embed[1]})
                              ) if ib else ((emb_work, {}),):
             candidates.append(Phase("backward", B, end_grads, {
-                "activations": int(prev * A_mb + A_emb),
+                "activations": int(prev * A_mb + A_end),
                 "transients/autocast_cache": int(prev * C_mb),
                 "transients/layer_backward": work, **hooked,
                 "transients/gather_buffers": gather_emb,
                 "logits": prev_logits + root,
             }, states_made(ib, nL) if ib and not hooked else None))
         if rs := fsdp2_moments.root_reduce_scatter_bytes(ctx):  # FSDP2's last reduce-scatter
-            candidates.append(Phase("backward", B, G, {"activations": int(prev * A_mb + A_emb),
+            candidates.append(Phase("backward", B, G, {"activations": int(prev * A_mb + A_end),
                                     "transients/reduce_buffers": rs, "logits": root}))
     backward = max(candidates, key=lambda p: p.total)
 

@@ -372,12 +372,17 @@ def eager_forward_moment(ctx: RankContext, saved: list[Saved]) -> tuple[int, int
         work = alloc(bas, x.c) + alloc(bas, p_dtype)
         if p_dtype != x.c:
             work += alloc(bas, p_dtype)
-    kv_dt = x.c
+    kv_dt, k_dt = x.c, None
     if tr.recompute == "full":
         held = sum(t.nbytes for t in saved if t.name in pre)  # the layer keeps nothing
     if (tr.framework == "hf" and tr.recompute != "full" and ctx.spec.norm_kind == "rmsnorm"
             and x.r != "fp32"):
         # the decoder layer's `residual`, its 16-bit input, which its RMSNorm copied to fp32
+        held += alloc(bsh(x), x.r)
+    if (tr.framework == "hf" and not x.amp and tr.recompute != "full"
+            and not any(t.name in ("attn.input", "attn.input.cast") for t in saved)):
+        # frozen projections keep no input (PEFT's adapters keep their own casts of it): the
+        # decoder layer's normed `hidden_states` is a local, not a saved tensor
         held += alloc(bsh(x), x.r)
     if x.amp and tr.recompute != "full" and tr.framework in ("reference", "hf"):
         # the normed input (r) is the attention's argument until it returns (transformers:
@@ -395,6 +400,31 @@ def eager_forward_moment(ctx: RankContext, saved: list[Saved]) -> tuple[int, int
         held = alloc(normed, x.r) + sum(t.count * alloc(t.numel, kv_dt) for t in saved if t.name
                                         in ("attn.q", "attn.k", "attn.v"))
         held += sum(t.nbytes for t in saved if t.name == "attn.repeat_index")
+    elif tr.recompute == "full" and tr.framework == "hf" and ctx.spec.position_embedding == "rope":
+        # transformers' first forward of a checkpointed layer (LlamaAttention.forward): the
+        # decoder layer's normed input (r), q and k after RoPE, promoted to cos/sin's dtype
+        # (r: LlamaRotaryEmbedding returns them in x's dtype), v in the projection's, and the
+        # repeats of k and v for GQA; the casts autocast and PEFT made are freed by then
+        v_dt = x.r if qlora_fp32_outputs(ctx, x) else x.c
+        kv_dt = "fp32" if "fp32" in (v_dt, x.r) else v_dt
+        held = alloc(bsh(x), x.r) + sum(t.count * alloc(t.numel, v_dt if t.name == "attn.v"
+                                                        else kv_dt)
+                                        for t in saved if t.name in ("attn.q", "attn.k", "attn.v"))
+        if x.g < x.a and not (x.g == 1 and x.b == 1):
+            held += alloc(x.b * x.s * x.g * x.d, kv_dt) + alloc(x.b * x.s * x.g * x.d, v_dt)
+        return held, work
+    elif tr.framework == "hf" and x.amp and ctx.spec.position_embedding == "rope":
+        # under autocast q and k leave RoPE in fp32 (cos and sin take the fp32 residual's
+        # dtype), k's repeats too, and v from a 4-bit projection is fp32: locals beside the
+        # 16-bit casts of q and kᵀ the scores' matmul keeps (which they replace in a
+        # checkpointed core's first forward); v's cast comes after the softmax
+        v_dt = x.r if qlora_fp32_outputs(ctx, x) else x.c
+        for t in saved:
+            dt = v_dt if t.name == "attn.v" else "fp32"
+            if t.name in ("attn.q", "attn.k", "attn.v") and dt != t.dtype:
+                held += t.count * alloc(t.numel, dt) - (
+                    t.nbytes if t.name == "attn.v" or tr.recompute == "selective" else 0)
+        k_dt = "fp32"
     elif tr.framework == "reference" and qlora_fp32_outputs(ctx, x):
         # fp32 q, k, v from the 4-bit projections (k, v repeated for GQA) are the
         # attention's locals beside the 16-bit casts autocast made of q and kᵀ for the
@@ -405,7 +435,8 @@ def eager_forward_moment(ctx: RankContext, saved: list[Saved]) -> tuple[int, int
         held += sum(t.count * alloc(t.numel, x.r) for t in qkv) - sum(
             t.nbytes for t in qkv if t.name == "attn.v" or tr.recompute == "selective")
     if x.g < x.a and not (tr.framework == "hf" and x.g == 1 and x.b == 1):
-        held += 2 * alloc(x.b * x.s * x.g * x.d, kv_dt)  # k, v before the repeat (locals)
+        # k and v before the repeat (locals)
+        held += alloc(x.b * x.s * x.g * x.d, k_dt or kv_dt) + alloc(x.b * x.s * x.g * x.d, kv_dt)
     if tr.framework == "hf" and tr.recompute == "none":
         held += alloc(x.b * x.s * x.s, x.r)  # the model's additive mask, alive in forward
     return held, work
@@ -418,16 +449,27 @@ def embedding_locals_bytes(ctx: RankContext) -> int:
     stage). The rotary decoders (`LlamaModel.forward`: `hidden_states = inputs_embeds`) keep
     the embedding output, the first layer's input, bound likewise; a 16-bit one is no saved
     tensor (the first RMSNorm keeps an fp32 copy), an fp32 one is that norm's input, and a
-    checkpointed first layer keeps it as its input. Not added under PEFT: the grid's hf
-    LoRA and QLoRA rows agree with the trace without it (why is not established)."""
+    checkpointed first layer keeps it as its input. Under PEFT the frozen embedding's output
+    needs no gradient, so the first layer keeps nothing of it: a local in any dtype."""
     if ctx.training.framework != "hf" or ctx.spec.is_encoder or not ctx.is_first_stage:
         return 0
     x = dims(ctx)
     if ctx.spec.position_embedding == "learned":
         return alloc(bsh(x), x.r) + alloc(x.s * x.h, x.r)
-    return alloc(bsh(x), x.r) if (ctx.spec.norm_kind == "rmsnorm" and x.r != "fp32"
-                                  and ctx.training.recompute != "full"
-                                  and not finetunes(ctx.training)) else 0
+    if ctx.training.recompute == "full":
+        return 0
+    if finetunes(ctx.training):  # a frozen embedding's output: the first layer keeps none of it
+        return alloc(bsh(x), x.r)
+    return alloc(bsh(x), x.r) if ctx.spec.norm_kind == "rmsnorm" and x.r != "fp32" else 0
+
+
+def work_locals_bytes(ctx: RankContext) -> int:
+    """`embedding_locals_bytes` beside a layer's forward work, where the adapters' instants
+    (vramcalc/terms/adapter_instants.py `worst_forward_instant`) do not count a rotary
+    model's `inputs_embeds` already."""
+    if finetunes(ctx.training) and ctx.spec.position_embedding != "learned":
+        return 0
+    return embedding_locals_bytes(ctx)
 
 
 def forward_end_extra_bytes(ctx: RankContext) -> int:

@@ -34,6 +34,7 @@ class Profile:
     n_moe: int
     moe_layer: int
     embedding_side: int  # ids, labels, rope tables, masks (embedding_saved)
+    embedding_side_end: int  # what of it the embedding's backward still finds
     head_side: int  # final norm and lm_head input (head_saved)
     top_moments: tuple[Moment, ...]
     bottom_moments: tuple[Moment, ...]
@@ -116,13 +117,18 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
     return Profile(
         n_dense=n_dense, dense_layer=dense, n_moe=n_moe, moe_layer=moe, moe_mask=mask,
         embedding_side=sum(t.nbytes for t in act.embedding_saved(ctx)),
+        # the layers' rotary tables and the checkpoints' mask and position ids go with the
+        # first layer's backward (hf, reference: autograd and checkpoint hold them, no module)
+        embedding_side_end=sum(t.nbytes for t in act.embedding_saved(ctx) if not (
+            training.framework in ("hf", "reference")
+            and t.name in ("rope.cos_sin", "attn.mask", "position_ids"))),
         head_side=act.head_side_bytes(ctx),
         top_moments=tuple(act.layer_backward_moments(ctx, top_moe)) if ctx.num_layers else (),
         bottom_moments=tuple(act.layer_backward_moments(ctx, bottom_moe)) if ctx.num_layers
         else (),
         # (a layer's forward instants beside the model forward's own locals)
         eager_forward=_with_locals(act.eager_forward_moment(ctx), mo.embedding_locals_bytes(ctx)),
-        forward_work=act.layer_forward_working_bytes(ctx, top_moe) + mo.embedding_locals_bytes(ctx),
+        forward_work=act.layer_forward_working_bytes(ctx, top_moe) + mo.work_locals_bytes(ctx),
         forward_end_extra=mo.forward_end_extra_bytes(ctx),
         final_norm_work=mo.final_norm_backward_work_bytes(ctx),
         head_freed_at_final_norm=sum(t.nbytes for t in act.head_saved(ctx) if t.name.startswith(
@@ -172,7 +178,7 @@ def _other_forward(ctx: RankContext, mask: tuple[bool, ...]) -> tuple[int, int]:
     if other is None:
         return 0, 0
     return other, act.layer_forward_working_bytes(ctx, mask[n - 1 - other]) + (
-        mo.embedding_locals_bytes(ctx))
+        mo.work_locals_bytes(ctx))
 
 
 def _with_locals(moment: tuple[int, int], local: int) -> tuple[int, int]:
