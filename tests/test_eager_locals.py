@@ -185,3 +185,14 @@ def test_tied_embedding_backward_finds_no_mask_or_rotary_tables(shape: str) -> N
     row = compare(name, scn)
     assert row["trace_peak_phase"] == "backward"
     assert abs(row["rel_error"]) < 3e-4, row["rel_error"]
+
+
+def test_phi3_fused_output_goes_with_v_in_backward() -> None:
+    # Phi3Attention: q, k and v are slices of qkv_proj's output; RoPE (a torch.cat with the
+    # pass-through dims) makes q and k new tensors, so only v's view holds the fused output,
+    # which probs @ v's backward frees before the softmax's (peak +0.78 % before)
+    name, scn = scenario_for("phi3-fused", framework="hf", precision="fp32", recompute="full",
+                             attention="eager", micro_batch_size=1, seq_len=1024)
+    row = compare(name, scn)
+    assert row["trace_peak_phase"] == "backward"
+    assert abs(row["rel_error"]) < 3e-4, row["rel_error"]

@@ -196,6 +196,10 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
     # eager: probs @ v's backward has run (its probs copy and v are freed)
     core_gone = ("attn.o_input", "attn.probs_c", "attn.v") if tr.attention == "eager" else (
         "attn.o_input",)
+    if tr.attention == "eager" and ctx.spec.position_embedding == "rope":
+        # a fused qkv output (Phi-3's qkv_proj) is held by v's view alone once RoPE has made
+        # q and k new tensors: it goes with v
+        core_gone += ("attn.qkv",)
     held = extra + sum(t.nbytes for t in saved if t.name.startswith(("input_norm.", "attn."))
                        and t.name not in core_gone)
     if tr.attention == "eager" and tr.framework == "hf" and x.b > 1 and (
