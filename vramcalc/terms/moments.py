@@ -194,8 +194,8 @@ def plain_backward_moments(ctx: RankContext, moe: bool, saved: list[Saved],
         out.append(Moment("mlp", total + extra - freed, work, "down"))
     # attention-core instant
     # eager: probs @ v's backward has run (its probs copy and v are freed)
-    core_gone = ("attn.o_input", "attn.probs_c", "attn.v") if tr.attention == "eager" else (
-        "attn.o_input",)
+    core_gone: tuple[str, ...] = ("attn.o_input", "attn.probs_c", "attn.v") if (
+        tr.attention == "eager") else ("attn.o_input",)
     if tr.attention == "eager" and ctx.spec.position_embedding == "rope":
         # a fused qkv output (Phi-3's qkv_proj) is held by v's view alone once RoPE has made
         # q and k new tensors: it goes with v
