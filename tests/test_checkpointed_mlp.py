@@ -40,7 +40,7 @@ def test_relu2_instant_by_hand() -> None:
 def test_hf_gpt2_keeps_its_embeddings_in_locals() -> None:
     # GPT2Model.forward binds inputs_embeds (b, s, h) and position_embeds (1, s, h) beside
     # their sum until it returns: h = 768, b 2 × 512 tokens, bf16
-    from vramcalc.terms.moments import embedding_locals_bytes
+    from vramcalc.terms.model_locals import embedding_locals_bytes
 
     def ctx(framework: str) -> RankContext:
         _, scn = scenario_for("gpt2", framework=framework, micro_batch_size=2, seq_len=512)
@@ -87,3 +87,28 @@ def test_relu_keeps_its_output_so_fc_output_is_a_local(framework: str) -> None:
                              recompute="none", micro_batch_size=1, seq_len=1024)
     row = compare(name, scn)
     assert abs(row["phases"]["forward"]["rel_error"]) < 0.001, row["phases"]["forward"]
+
+
+def test_frozen_up_projection_casts_its_weight_at_every_call() -> None:
+    # LoRA on q, v under autocast: the MLP's fp32 weights are frozen, so autocast caches no
+    # cast of them (its cache holds leaves that require grad: torch/csrc/autograd/
+    # autocast_mode.cpp `cached_cast`); at up's matmul in a checkpointed first forward its
+    # weight's bf16 cast and the normed input's sit beside act and up's output, the normed
+    # input and the attention's residual (llama-deep: h 1,024, f 2,816, b 2 × 256 tokens)
+    _, scn = scenario_for("llama-deep", framework="reference", precision="amp-bf16",
+                          recompute="full", micro_batch_size=2, seq_len=256, finetune="lora",
+                          lora_targets="q,v", lora_dropout=0.0)
+    scn = scn.resolved()
+    t, h, f = 512, 1024, 2816
+    assert plain_forward_working_bytes(RankContext(scn.model, scn.training, scn.parallel)) == (
+        2 * t * h * 4 + 2 * t * f * 2 + f * h * 2 + t * h * 2)
+
+
+@pytest.mark.parametrize("framework", ["reference", "hf"])
+def test_frozen_weight_cast_forward_agrees_with_the_trace(framework: str) -> None:
+    # forward −1.39 % (both) before
+    name, scn = scenario_for("llama-deep", framework=framework, precision="amp-bf16",
+                             recompute="full", micro_batch_size=2, seq_len=256,
+                             finetune="lora", lora_targets="q,v", lora_dropout=0.0)
+    row = compare(name, scn)
+    assert abs(row["phases"]["forward"]["rel_error"]) < 3e-4, row["phases"]["forward"]

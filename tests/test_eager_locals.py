@@ -92,7 +92,7 @@ def test_transformers_rotary_decoder_binds_its_embedding_output() -> None:
     # LlamaModel.forward keeps `inputs_embeds` bound while every layer runs: a 16-bit one is
     # no saved tensor (the first RMSNorm keeps an fp32 copy); a checkpointed first layer
     # keeps it as its input, and an fp32 one is that norm's input itself
-    from vramcalc.terms.moments import embedding_locals_bytes
+    from vramcalc.terms.model_locals import embedding_locals_bytes
 
     def ctx(precision: str, recompute: str) -> RankContext:
         _, scn = scenario_for("llama-deep", framework="hf", precision=precision,

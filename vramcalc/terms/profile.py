@@ -15,6 +15,7 @@ from vramcalc.terms import activations as act
 from vramcalc.terms import liger, trl_loss
 from vramcalc.terms import litgpt_loop as loop
 from vramcalc.terms import logits as lg
+from vramcalc.terms import model_locals as ml
 from vramcalc.terms import moments as mo
 from vramcalc.terms import transients as tr
 from vramcalc.terms.megatron_recompute import LayerPlan
@@ -127,9 +128,9 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
         bottom_moments=tuple(act.layer_backward_moments(ctx, bottom_moe)) if ctx.num_layers
         else (),
         # (a layer's forward instants beside the model forward's own locals)
-        eager_forward=_with_locals(act.eager_forward_moment(ctx), mo.embedding_locals_bytes(ctx)),
-        forward_work=act.layer_forward_working_bytes(ctx, top_moe) + mo.work_locals_bytes(ctx),
-        forward_end_extra=mo.forward_end_extra_bytes(ctx),
+        eager_forward=_with_locals(act.eager_forward_moment(ctx), ml.embedding_locals_bytes(ctx)),
+        forward_work=act.layer_forward_working_bytes(ctx, top_moe) + ml.work_locals_bytes(ctx),
+        forward_end_extra=ml.forward_end_extra_bytes(ctx),
         final_norm_work=mo.final_norm_backward_work_bytes(ctx),
         head_freed_at_final_norm=sum(t.nbytes for t in act.head_saved(ctx) if t.name.startswith(
             ("lm_head.", "final_norm.xhat"))),
@@ -178,7 +179,7 @@ def _other_forward(ctx: RankContext, mask: tuple[bool, ...]) -> tuple[int, int]:
     if other is None:
         return 0, 0
     return other, act.layer_forward_working_bytes(ctx, mask[n - 1 - other]) + (
-        mo.work_locals_bytes(ctx))
+        ml.work_locals_bytes(ctx))
 
 
 def _with_locals(moment: tuple[int, int], local: int) -> tuple[int, int]:
