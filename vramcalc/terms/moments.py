@@ -417,14 +417,11 @@ def eager_forward_moment(ctx: RankContext, saved: list[Saved]) -> tuple[int, int
         # decoder layer's normed input (r), q and k after RoPE, promoted to cos/sin's dtype
         # (r: LlamaRotaryEmbedding returns them in x's dtype), v in the projection's, and the
         # repeats of k and v for GQA; the casts autocast and PEFT made are freed by then
-        v_dt = x.r if qlora_fp32_outputs(ctx, x) else x.c
-        kv_dt = "fp32" if "fp32" in (v_dt, x.r) else v_dt
-        held = alloc(bsh(x), x.r) + sum(t.count * alloc(t.numel, v_dt if t.name == "attn.v"
-                                                        else kv_dt)
+        kv_dt = x.r if qlora_fp32_outputs(ctx, x) else x.c  # v's
+        k_dt = "fp32" if "fp32" in (kv_dt, x.r) else kv_dt
+        held = alloc(bsh(x), x.r) + sum(t.count * alloc(t.numel, kv_dt if t.name == "attn.v"
+                                                        else k_dt)
                                         for t in saved if t.name in ("attn.q", "attn.k", "attn.v"))
-        if x.g < x.a and not (x.g == 1 and x.b == 1):
-            held += alloc(x.b * x.s * x.g * x.d, kv_dt) + alloc(x.b * x.s * x.g * x.d, v_dt)
-        return held, work
     elif tr.framework == "hf" and x.amp and ctx.spec.position_embedding == "rope":
         # under autocast q and k leave RoPE in fp32 (cos and sin take the fp32 residual's
         # dtype), k's repeats too, and v from a 4-bit projection is fp32: locals beside the
@@ -447,7 +444,7 @@ def eager_forward_moment(ctx: RankContext, saved: list[Saved]) -> tuple[int, int
         held += sum(t.count * alloc(t.numel, x.r) for t in qkv) - sum(
             t.nbytes for t in qkv if t.name == "attn.v" or tr.recompute == "selective")
     if x.g < x.a and not (tr.framework == "hf" and x.g == 1 and x.b == 1):
-        # k and v before the repeat (locals)
+        # k and v before the repeat (locals; k_dt: k's where RoPE promoted it)
         held += alloc(x.b * x.s * x.g * x.d, k_dt or kv_dt) + alloc(x.b * x.s * x.g * x.d, kv_dt)
     if tr.framework == "hf" and tr.recompute == "none":
         held += alloc(x.b * x.s * x.s, x.r)  # the model's additive mask, alive in forward
