@@ -115,12 +115,13 @@ def _profile(spec: ModelSpec, training: TrainingConfig, parallel: ParallelConfig
     n_dense, dense, n_moe, moe = act.stage_layer_bytes(ctx)
     mask = stage_moe_mask(spec, pipeline_chunks(spec, parallel), stage)
     top_moe, bottom_moe = bool(mask) and mask[-1], bool(mask) and mask[0]
+    emb = act.embedding_saved(ctx)
     return Profile(
         n_dense=n_dense, dense_layer=dense, n_moe=n_moe, moe_layer=moe, moe_mask=mask,
-        embedding_side=sum(t.nbytes for t in act.embedding_saved(ctx)),
+        embedding_side=sum(t.nbytes for t in emb),
         # the layers' rotary tables and the checkpoints' mask and position ids go with the
         # first layer's backward (hf, reference: autograd and checkpoint hold them, no module)
-        embedding_side_end=sum(t.nbytes for t in act.embedding_saved(ctx) if not (
+        embedding_side_end=sum(t.nbytes for t in emb if not (
             training.framework in ("hf", "reference")
             and t.name in ("rope.cos_sin", "attn.mask", "position_ids"))),
         head_side=act.head_side_bytes(ctx),
